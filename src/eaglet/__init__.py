@@ -1,0 +1,1 @@
+"""eaglet: train EAGLE-3 drafters."""

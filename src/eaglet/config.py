@@ -1,0 +1,71 @@
+"""Load and validate a run configuration against ``config_schema.yaml``.
+
+Validation fills every default, so code downstream reads ``cfg["generate"]["concurrency"]``
+without guarding. Errors name the offending key path and what the schema allows.
+"""
+
+from __future__ import annotations
+
+import copy
+from importlib import resources
+from typing import Any
+
+import jsonschema
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration key is unknown or has a value the schema does not allow."""
+
+
+def schema() -> dict:
+    text = resources.files("eaglet").joinpath("config_schema.yaml").read_text()
+    return yaml.safe_load(text)
+
+
+def _with_defaults(validator_class):
+    validate_properties = validator_class.VALIDATORS["properties"]
+
+    def set_defaults(validator, properties, instance, sched):
+        if isinstance(instance, dict):
+            for key, sub in properties.items():
+                if "default" in sub and key not in instance:
+                    instance[key] = copy.deepcopy(sub["default"])
+        yield from validate_properties(validator, properties, instance, sched)
+
+    return jsonschema.validators.extend(validator_class, {"properties": set_defaults})
+
+
+_Validator = _with_defaults(jsonschema.Draft202012Validator)
+
+
+def _describe(error: jsonschema.ValidationError) -> str:
+    where = ".".join(str(p) for p in error.absolute_path) or "(top level)"
+    if error.validator == "additionalProperties":
+        allowed = sorted(error.schema.get("properties", {}))
+        extra = sorted(set(error.instance) - set(allowed))
+        return f"unknown key {', '.join(extra)!s} under {where}; allowed keys: {', '.join(allowed)}"
+    if error.validator == "enum":
+        return f"{where}: {error.instance!r} is not one of {error.validator_value}"
+    if error.validator == "type":
+        return f"{where}: {error.instance!r} is not of type {error.validator_value}"
+    return f"{where}: {error.message}"
+
+
+def validate(config: dict[str, Any]) -> dict[str, Any]:
+    """Return a validated copy of ``config`` with every default filled in."""
+    cfg = copy.deepcopy(dict(config))
+    errors = sorted(_Validator(schema()).iter_errors(cfg), key=lambda e: list(e.absolute_path))
+    if errors:
+        lines = "\n  ".join(_describe(e) for e in errors)
+        raise ConfigError(f"invalid configuration:\n  {lines}")
+    # a second pass: defaults filled inside objects created by defaults
+    errors = list(_Validator(schema()).iter_errors(cfg))
+    if errors:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(_describe(e) for e in errors))
+    return cfg
+
+
+def load(path: str) -> dict[str, Any]:
+    with open(path) as handle:
+        return validate(yaml.safe_load(handle) or {})

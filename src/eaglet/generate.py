@@ -1,0 +1,349 @@
+"""Synthetic data: ask the target every training prompt and keep exactly what it emitted.
+
+Each finished sample is appended and flushed to ``<out>.partial.jsonl`` as soon as it
+arrives, so an interrupted run resumes by prompt id: no finished sample is regenerated, lost
+or duplicated. The final file appears atomically once every prompt has an answer or has
+failed for good.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from eaglet.progress import Progress, now_iso
+
+log = logging.getLogger("eaglet.generate")
+
+RETRYABLE_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
+
+
+class RequestFailed(RuntimeError):
+    def __init__(self, message: str, retryable: bool):
+        super().__init__(message)
+        self.retryable = retryable
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float
+    top_p: float
+    max_tokens: int
+    seed: int
+
+    @classmethod
+    def from_config(cls, gen: dict) -> "Sampling":
+        return cls(gen["temperature"], gen["top_p"], gen["max_tokens"], gen["seed"])
+
+
+# -- partial file ----------------------------------------------------------------------------
+
+def read_partial(path: str | os.PathLike) -> dict[str, dict]:
+    """Latest record per prompt id from a partial file; a torn last line (the process was
+    killed mid-write) is dropped and cut off so that appending continues cleanly."""
+    path = Path(path)
+    if not path.exists():
+        return {}
+    records: dict[str, dict] = {}
+    good_bytes = 0
+    with open(path, "rb") as handle:
+        for raw in handle:
+            try:
+                record = json.loads(raw)
+            except json.JSONDecodeError:
+                log.warning("dropping a torn line at byte %d of %s", good_bytes, path)
+                break
+            if not raw.endswith(b"\n"):
+                break
+            good_bytes += len(raw)
+            previous = records.get(record["id"])
+            if previous is None or "error" in previous or "error" not in record:
+                records[record["id"]] = record
+    if good_bytes != path.stat().st_size:
+        with open(path, "r+b") as handle:
+            handle.truncate(good_bytes)
+    return records
+
+
+def append_record(handle, record: dict) -> None:
+    handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+    handle.flush()
+    os.fsync(handle.fileno())
+
+
+# -- one request -----------------------------------------------------------------------------
+
+def build_messages(prompt: dict, system_prompt: str | None) -> list[dict]:
+    messages = list(prompt["messages"])
+    if system_prompt and not any(m["role"] == "system" for m in messages):
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
+
+
+def parse_response(body: dict) -> dict:
+    """The fields eaglet keeps from a chat completion made with ``return_token_ids``."""
+    choice = body["choices"][0]
+    message = choice.get("message") or {}
+    prompt_ids = body.get("prompt_token_ids") or choice.get("prompt_token_ids")
+    completion_ids = choice.get("token_ids")
+    if prompt_ids is None or completion_ids is None:
+        raise RequestFailed(
+            "the server returned no token ids: it must accept `return_token_ids` "
+            "(vLLM >= 0.10.2); eaglet trains on the exact ids the model emitted", retryable=False)
+    reasoning = message.get("reasoning")
+    if reasoning is None:
+        reasoning = message.get("reasoning_content")
+    return {
+        "content": message.get("content"),
+        "reasoning": reasoning,
+        "prompt_token_ids": prompt_ids,
+        "completion_token_ids": completion_ids,
+        "finish_reason": choice.get("finish_reason"),
+        "usage": body.get("usage"),
+    }
+
+
+async def chat_once(client: httpx.AsyncClient, model: str, messages: list[dict],
+                    sampling: Sampling, timeout: float) -> dict:
+    payload = {
+        "model": model, "messages": messages,
+        "temperature": sampling.temperature, "top_p": sampling.top_p,
+        "max_tokens": sampling.max_tokens, "seed": sampling.seed,
+        "return_token_ids": True,
+    }
+    try:
+        resp = await client.post("/v1/chat/completions", json=payload, timeout=timeout)
+    except (httpx.TransportError, httpx.TimeoutException) as exc:
+        raise RequestFailed(f"{type(exc).__name__}: {exc}", retryable=True) from exc
+    if resp.status_code != 200:
+        raise RequestFailed(f"HTTP {resp.status_code}: {resp.text[:500]}",
+                            retryable=resp.status_code in RETRYABLE_STATUS)
+    return parse_response(resp.json())
+
+
+async def chat_with_retries(client, model, messages, sampling, timeout, max_retries,
+                            backoff_s: float = 1.0) -> dict:
+    attempt = 0
+    while True:
+        try:
+            return await chat_once(client, model, messages, sampling, timeout)
+        except RequestFailed as exc:
+            if not exc.retryable or attempt >= max_retries:
+                raise
+            delay = backoff_s * 2 ** attempt * (1 + random.random())
+            log.warning("request failed (%s); retry %d/%d in %.1f s",
+                        exc, attempt + 1, max_retries, delay)
+            await asyncio.sleep(delay)
+            attempt += 1
+
+
+async def resolve_model_name(client: httpx.AsyncClient) -> str:
+    resp = await client.get("/v1/models", timeout=30)
+    resp.raise_for_status()
+    models = resp.json().get("data") or []
+    if not models:
+        raise RuntimeError("the server lists no models at /v1/models; set server.model_name")
+    return models[0]["id"]
+
+
+# -- the run ---------------------------------------------------------------------------------
+
+@dataclass
+class GenerationSettings:
+    base_url: str
+    sampling: Sampling
+    concurrency: int
+    request_timeout_s: float
+    max_retries: int
+    system_prompt: str | None = None
+    model_name: str | None = None
+    api_key: str | None = None
+
+
+async def generate_async(prompts: list[dict], settings: GenerationSettings,
+                         partial_path: str | os.PathLike, progress: Progress | None = None,
+                         health_check=None) -> dict[str, dict]:
+    """Generate an answer for every prompt not yet answered in ``partial_path``.
+
+    Returns the latest record per prompt id (answers and failures). ``health_check`` is
+    called between requests and may raise to abort (e.g. the server process died).
+    """
+    done = read_partial(partial_path)
+    pending = [p for p in prompts if p["id"] not in done or "error" in done[p["id"]]]
+    finished = len(prompts) - len(pending)
+    if done:
+        log.info("resuming: %d of %d prompts already answered, %d to go",
+                 finished, len(prompts), len(pending))
+    if progress is not None:
+        progress.already_done = progress.done = finished
+    headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
+    limits = httpx.Limits(max_connections=settings.concurrency,
+                          max_keepalive_connections=settings.concurrency)
+    Path(partial_path).parent.mkdir(parents=True, exist_ok=True)
+    async with httpx.AsyncClient(base_url=settings.base_url, headers=headers,
+                                 limits=limits) as client:
+        model = settings.model_name or await resolve_model_name(client)
+        gate = asyncio.Semaphore(settings.concurrency)
+        with open(partial_path, "a") as out:
+
+            async def one(prompt: dict) -> None:
+                async with gate:
+                    if health_check is not None:
+                        health_check()
+                    messages = build_messages(prompt, settings.system_prompt)
+                    record = {"id": prompt["id"], "source": prompt.get("source"),
+                              "messages": messages, "model": model,
+                              "sampling": vars(settings.sampling)}
+                    try:
+                        record.update(await chat_with_retries(
+                            client, model, messages, settings.sampling,
+                            settings.request_timeout_s, settings.max_retries))
+                    except RequestFailed as exc:
+                        record["error"] = str(exc)
+                    record["created_at"] = now_iso()
+                    append_record(out, record)
+                    done[prompt["id"]] = record
+                    if progress is not None:
+                        ok = "error" not in record
+                        progress.advance(done=int(ok), failed=int(not ok),
+                                         tokens=len(record.get("completion_token_ids") or []))
+
+            tasks = [asyncio.create_task(one(p)) for p in pending]
+            try:
+                await asyncio.gather(*tasks)
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+    return done
+
+
+def generate(prompts: list[dict], settings: GenerationSettings, partial_path,
+             progress: Progress | None = None, health_check=None) -> dict[str, dict]:
+    return asyncio.run(generate_async(prompts, settings, partial_path, progress, health_check))
+
+
+def collect(prompts: list[dict], records: dict[str, dict], keep_truncated: bool) -> tuple[list[dict], dict]:
+    """Final records in prompt order, and the counts that go into stats.json."""
+    kept, failed, truncated, dropped = [], [], 0, 0
+    for prompt in prompts:
+        record = records.get(prompt["id"])
+        if record is None:
+            raise RuntimeError(f"prompt {prompt['id']} has no record: generation did not finish")
+        if "error" in record:
+            failed.append({"id": record["id"], "error": record["error"]})
+            continue
+        if record["finish_reason"] == "length":
+            truncated += 1
+            if not keep_truncated:
+                dropped += 1
+                continue
+        kept.append(record)
+    counts = {
+        "prompts": len(prompts), "samples": len(kept), "failed": len(failed),
+        "truncated": truncated, "truncated_dropped": dropped,
+        "prompt_tokens": sum(len(r["prompt_token_ids"]) for r in kept),
+        "completion_tokens": sum(len(r["completion_token_ids"]) for r in kept),
+        "failures": failed[:50],
+    }
+    return kept, counts
+
+
+def api_key_from_env(var: str | None) -> str | None:
+    if not var:
+        return None
+    key = os.environ.get(var)
+    if not key:
+        raise RuntimeError(f"server.api_key_env names ${var}, but it is not set in the environment")
+    return key
+
+
+def settings_from_config(cfg: dict[str, Any], base_url: str) -> GenerationSettings:
+    gen, server = cfg["generate"], cfg["server"]
+    return GenerationSettings(
+        base_url=base_url, sampling=Sampling.from_config(gen), concurrency=gen["concurrency"],
+        request_timeout_s=gen["request_timeout_s"], max_retries=gen["max_retries"],
+        system_prompt=gen["system_prompt"], model_name=server["model_name"],
+        api_key=api_key_from_env(server["api_key_env"]))
+
+
+# -- the stage -------------------------------------------------------------------------------
+
+def partial_path_for(out_path: str | os.PathLike) -> Path:
+    out_path = Path(out_path)
+    return out_path.with_name(out_path.stem + ".partial.jsonl")
+
+
+def run_stage(cfg: dict[str, Any], target_json: str, prompts_path: str, out_path: str,
+              stats_path: str, progress_path: str | None, log_path: str | None,
+              server_log_path: str) -> dict:
+    """The ``generate`` rule: serve the target (or use ``server.url``), answer every training
+    prompt, check the chat-template round trip, and write the records and their stats."""
+    from eaglet.io import read_jsonl, write_json, write_jsonl
+    from eaglet.server import VLLMServer, server_args
+    from eaglet.target import read_target
+    from eaglet.template_check import check_records, enforce
+
+    import time
+
+    target = read_target(target_json)
+    prompts = read_jsonl(prompts_path)
+    partial = partial_path_for(out_path)
+    progress = Progress("generate", total=len(prompts), path=progress_path, log_path=log_path,
+                        unit="samples")
+    started = time.monotonic()
+    server_cfg = cfg["server"]
+    if server_cfg["url"]:
+        log.info("using the running server at %s", server_cfg["url"])
+        settings = settings_from_config(cfg, server_cfg["url"].rstrip("/"))
+        records = generate(prompts, settings, partial, progress)
+    else:
+        server = VLLMServer(
+            model=target["path"], log_path=server_log_path,
+            args=server_args(cfg["target"], server_cfg, served_model_name="target"),
+            port=server_cfg["port"], startup_timeout_s=server_cfg["startup_timeout_s"],
+            shutdown_grace_s=server_cfg["shutdown_grace_s"])
+        pending = len(prompts) - sum(1 for r in read_partial(partial).values() if "error" not in r)
+        if pending == 0:
+            log.info("every prompt already has an answer in %s; no server needed", partial)
+            records = read_partial(partial)
+        else:
+            with server:
+                settings = settings_from_config(cfg, server.url)
+                records = generate(prompts, settings, partial, progress,
+                                   health_check=server.check_alive)
+    wall = time.monotonic() - started
+    progress.report("finished")
+
+    gen = cfg["generate"]
+    kept, counts = collect(prompts, records, gen["keep_truncated"])
+    if counts["failed"] / max(len(prompts), 1) > gen["max_failed_rate"]:
+        examples = "; ".join(f"{f['id']}: {f['error'][:200]}" for f in counts["failures"][:3])
+        raise RuntimeError(
+            f"{counts['failed']} of {len(prompts)} requests failed for good (more than "
+            f"generate.max_failed_rate={gen['max_failed_rate']}): {examples}. The answers so far "
+            f"are kept in {partial}; fix the cause and rerun to retry only the failed prompts.")
+
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(target["path"])
+    template = check_records(tokenizer, kept)
+    stats = {**counts, "template_check": template, "wall_s": wall,
+             "completion_tokens_per_s": progress.snapshot()["tokens_per_s"],
+             "sampling": vars(Sampling.from_config(gen)), "target": target["path"]}
+    if not gen["keep_truncated"] and counts["truncated"]:
+        log.info("dropped %d truncated samples (generate.keep_truncated: false)", counts["truncated"])
+    log.info("%d samples (%d failed, %d truncated), %d completion tokens; template check: "
+             "%d/%d mismatched", counts["samples"], counts["failed"], counts["truncated"],
+             counts["completion_tokens"], template["mismatched"], template["checked"])
+    enforce(template, gen["max_template_mismatch_rate"])
+    write_jsonl(out_path, kept)
+    write_json(stats_path, stats)
+    return stats

@@ -1,0 +1,258 @@
+"""Lifecycle of a vLLM OpenAI-compatible server that eaglet starts and owns.
+
+``VLLMServer`` is a context manager: it starts ``python -m vllm.entrypoints.openai.api_server``
+in its own process group on 127.0.0.1, sends its output to a log file, waits for
+``/health``, and on every way out of the ``with`` block (normal exit, exception, SIGINT,
+SIGTERM from Snakemake) stops the whole process group, escalating to SIGKILL after a grace
+period, and checks that the port is free again.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger("eaglet.server")
+
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+
+class ServerError(RuntimeError):
+    """The inference server could not be started or stopped cleanly."""
+
+
+class PortInUseError(ServerError):
+    pass
+
+
+class Terminated(BaseException):
+    """Raised in the main thread when the process receives SIGTERM or SIGHUP."""
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def log_tail(path: str | os.PathLike, lines: int = 40) -> str:
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError:
+        return "(no log)"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM if eaglet itself is killed with SIGKILL (Linux only)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+@dataclass
+class VLLMServer:
+    """A vLLM server process owned by this Python process.
+
+    ``args`` are the server's command-line arguments after ``--model``/``--host``/``--port``
+    (see :func:`server_args`); ``port=0`` picks a free port.
+    """
+
+    model: str
+    log_path: str | os.PathLike
+    args: list[str] = field(default_factory=list)
+    port: int = 0
+    host: str = "127.0.0.1"
+    startup_timeout_s: float = 900.0
+    shutdown_grace_s: float = 30.0
+    python: str = sys.executable
+    env: dict[str, str] | None = None
+    module: str = SERVER_MODULE
+
+    proc: subprocess.Popen | None = field(default=None, init=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def command(self) -> list[str]:
+        return [self.python, "-m", self.module, "--model", self.model,
+                "--host", self.host, "--port", str(self.port), *self.args]
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self.port == 0:
+            self.port = free_port(self.host)
+        elif not port_is_free(self.port, self.host):
+            raise PortInUseError(
+                f"port {self.port} on {self.host} is already in use (another server, or one left "
+                f"over from an earlier run: `ss -ltnp 'sport = :{self.port}'` shows its pid). "
+                f"Stop it, or set server.port to another port or to 0 to pick a free one.")
+        Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
+        log_file = open(self.log_path, "ab", buffering=0)
+        cmd = self.command()
+        log_file.write(("$ " + " ".join(cmd) + "\n").encode())
+        log.info("starting server: %s (log: %s)", " ".join(cmd), self.log_path)
+        env = dict(os.environ if self.env is None else self.env)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        try:
+            self.proc = subprocess.Popen(
+                cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True, preexec_fn=_die_with_parent, env=env)
+        finally:
+            log_file.close()
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        started = time.monotonic()
+        while True:
+            code = self.proc.poll()
+            if code is not None:
+                raise ServerError(
+                    f"the vLLM server exited with code {code} before it was ready.\n"
+                    f"--- last lines of {self.log_path} ---\n{log_tail(self.log_path)}")
+            if self.healthy():
+                log.info("server ready at %s after %.0f s", self.url, time.monotonic() - started)
+                return
+            if time.monotonic() > deadline:
+                raise ServerError(
+                    f"the vLLM server was not ready after {self.startup_timeout_s:.0f} s "
+                    f"(server.startup_timeout_s).\n--- last lines of {self.log_path} ---\n"
+                    f"{log_tail(self.log_path)}")
+            time.sleep(1.0)
+
+    def healthy(self, timeout: float = 2.0) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=timeout) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def check_alive(self) -> None:
+        """Raise ServerError with the log tail if the server process has died."""
+        if self.proc is not None and self.proc.poll() is not None:
+            raise ServerError(
+                f"the vLLM server died (exit code {self.proc.returncode}).\n"
+                f"--- last lines of {self.log_path} ---\n{log_tail(self.log_path)}")
+
+    def stop(self) -> None:
+        """Stop the whole process group: SIGTERM, then SIGKILL after the grace period."""
+        if self.proc is None:
+            return
+        pgid = self.proc.pid  # start_new_session: the group id is the leader's pid
+        if self.proc.poll() is None:
+            log.info("stopping server (pid %d)", self.proc.pid)
+        _signal_group(pgid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=self.shutdown_grace_s)
+        except subprocess.TimeoutExpired:
+            log.warning("server did not stop within %.0f s; sending SIGKILL", self.shutdown_grace_s)
+        # children of the group (engine workers) may outlive the leader: always sweep
+        _wait_group_gone(pgid, self.shutdown_grace_s)
+        _signal_group(pgid, signal.SIGKILL)
+        self.proc.wait()
+        self._wait_port_released()
+        self.proc = None
+
+    def _wait_port_released(self, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not port_is_free(self.port, self.host):
+            if time.monotonic() > deadline:
+                log.warning("port %d is still in use after the server stopped", self.port)
+                return
+            time.sleep(0.2)
+
+    def __enter__(self) -> "VLLMServer":
+        self._previous = _install_termination_handlers()
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            _restore_handlers(self._previous)
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.stop()
+        finally:
+            _restore_handlers(self._previous)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def _wait_group_gone(pgid: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while _group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated(f"received {signal.Signals(signum).name}")
+
+
+def _install_termination_handlers() -> dict:
+    previous = {}
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        try:
+            previous[sig] = signal.signal(sig, _raise_terminated)
+        except ValueError:  # not in the main thread: leave the handlers alone
+            pass
+    return previous
+
+
+def _restore_handlers(previous: dict) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+
+
+def server_args(target: dict, server: dict, served_model_name: str) -> list[str]:
+    """vLLM command-line arguments from the validated ``target`` and ``server`` config."""
+    args = ["--served-model-name", served_model_name,
+            "--dtype", target["dtype"],
+            "--max-model-len", str(target["max_model_len"]),
+            "--tensor-parallel-size", str(server["tensor_parallel_size"])]
+    if server["enforce_eager"]:
+        args.append("--enforce-eager")
+    if server["memory_utilization"] is not None:
+        args += ["--gpu-memory-utilization", str(server["memory_utilization"])]
+    if server["reasoning_parser"]:
+        args += ["--reasoning-parser", server["reasoning_parser"]]
+    return args + list(server["extra_args"])

