@@ -13,13 +13,18 @@ import json
 import logging
 import os
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from eaglet.io import read_jsonl, write_json, write_jsonl
 from eaglet.progress import Progress, now_iso
+from eaglet.server import VLLMServer, server_args
+from eaglet.target import read_target
+from eaglet.template_check import check_records, enforce
 
 log = logging.getLogger("eaglet.generate")
 
@@ -130,12 +135,14 @@ async def chat_once(client: httpx.AsyncClient, model: str, messages: list[dict],
 
 
 async def chat_with_retries(client, model, messages, sampling, timeout, max_retries,
-                            backoff_s: float = 1.0) -> dict:
+                            backoff_s: float = 1.0, health_check=None) -> dict:
     attempt = 0
     while True:
         try:
             return await chat_once(client, model, messages, sampling, timeout)
         except RequestFailed as exc:
+            if health_check is not None:
+                health_check()  # a dead server is the stage's failure, not this request's
             if not exc.retryable or attempt >= max_retries:
                 raise
             delay = backoff_s * 2 ** attempt * (1 + random.random())
@@ -183,7 +190,7 @@ async def generate_async(prompts: list[dict], settings: GenerationSettings,
         log.info("resuming: %d of %d prompts already answered, %d to go",
                  finished, len(prompts), len(pending))
     if progress is not None:
-        progress.already_done = progress.done = finished
+        progress.restart(already_done=finished)
     headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
     limits = httpx.Limits(max_connections=settings.concurrency,
                           max_keepalive_connections=settings.concurrency)
@@ -205,7 +212,8 @@ async def generate_async(prompts: list[dict], settings: GenerationSettings,
                     try:
                         record.update(await chat_with_retries(
                             client, model, messages, settings.sampling,
-                            settings.request_timeout_s, settings.max_retries))
+                            settings.request_timeout_s, settings.max_retries,
+                            health_check=health_check))
                     except RequestFailed as exc:
                         record["error"] = str(exc)
                     record["created_at"] = now_iso()
@@ -287,21 +295,17 @@ def run_stage(cfg: dict[str, Any], target_json: str, prompts_path: str, out_path
               server_log_path: str) -> dict:
     """The ``generate`` rule: serve the target (or use ``server.url``), answer every training
     prompt, check the chat-template round trip, and write the records and their stats."""
-    from eaglet.io import read_jsonl, write_json, write_jsonl
-    from eaglet.server import VLLMServer, server_args
-    from eaglet.target import read_target
-    from eaglet.template_check import check_records, enforce
-
-    import time
-
     target = read_target(target_json)
     prompts = read_jsonl(prompts_path)
     partial = partial_path_for(out_path)
-    progress = Progress("generate", total=len(prompts), path=progress_path, log_path=log_path,
-                        unit="samples")
-    started = time.monotonic()
+    progress = Progress("generate", total=len(prompts), path=progress_path, log_path=log_path)
     server_cfg = cfg["server"]
-    if server_cfg["url"]:
+    answered = {i for i, r in read_partial(partial).items() if "error" not in r}
+    if all(p["id"] in answered for p in prompts):
+        log.info("every prompt already has an answer in %s; no server needed", partial)
+        progress.restart(already_done=len(prompts))
+        records = read_partial(partial)
+    elif server_cfg["url"]:
         log.info("using the running server at %s", server_cfg["url"])
         settings = settings_from_config(cfg, server_cfg["url"].rstrip("/"))
         records = generate(prompts, settings, partial, progress)
@@ -311,17 +315,11 @@ def run_stage(cfg: dict[str, Any], target_json: str, prompts_path: str, out_path
             args=server_args(cfg["target"], server_cfg, served_model_name="target"),
             port=server_cfg["port"], startup_timeout_s=server_cfg["startup_timeout_s"],
             shutdown_grace_s=server_cfg["shutdown_grace_s"])
-        pending = len(prompts) - sum(1 for r in read_partial(partial).values() if "error" not in r)
-        if pending == 0:
-            log.info("every prompt already has an answer in %s; no server needed", partial)
-            records = read_partial(partial)
-        else:
-            with server:
-                settings = settings_from_config(cfg, server.url)
-                records = generate(prompts, settings, partial, progress,
-                                   health_check=server.check_alive)
-    wall = time.monotonic() - started
-    progress.report("finished")
+        with server:
+            settings = settings_from_config(cfg, server.url)
+            records = generate(prompts, settings, partial, progress,
+                               health_check=server.check_alive)
+    run = progress.report("finished")
 
     gen = cfg["generate"]
     kept, counts = collect(prompts, records, gen["keep_truncated"])
@@ -335,8 +333,11 @@ def run_stage(cfg: dict[str, Any], target_json: str, prompts_path: str, out_path
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(target["path"])
     template = check_records(tokenizer, kept)
-    stats = {**counts, "template_check": template, "wall_s": wall,
-             "completion_tokens_per_s": progress.snapshot()["tokens_per_s"],
+    stats = {**counts, "template_check": template,
+             "this_run": {"generated": run["done"] - run["resumed_from"], "failed": run["failed"],
+                          "resumed_from": run["resumed_from"], "wall_s": run["elapsed_s"],
+                          "requests_per_s": run["rate_per_s"],
+                          "completion_tokens_per_s": run["tokens_per_s"]},
              "sampling": vars(Sampling.from_config(gen)), "target": target["path"]}
     if not gen["keep_truncated"] and counts["truncated"]:
         log.info("dropped %d truncated samples (generate.keep_truncated: false)", counts["truncated"])

@@ -58,6 +58,12 @@ class Progress:
     def __post_init__(self) -> None:
         self.done = self.already_done
 
+    def restart(self, already_done: int) -> None:
+        """Start the clock now, counting ``already_done`` as finished by an earlier run."""
+        self.already_done = self.done = already_done
+        self.failed = self.tokens = 0
+        self.started = time.monotonic()
+
     def advance(self, done: int = 0, failed: int = 0, tokens: int = 0) -> None:
         self.done += done
         self.failed += failed

@@ -1,0 +1,191 @@
+"""Generation client and resume bookkeeping, against a small real HTTP server in the test.
+
+The server here speaks just enough of the OpenAI chat API to script failures (a 503 then a
+success, a 400 that must not be retried); the real vLLM server is exercised end to end in
+test_workflow_generate.py.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import Counter
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from eaglet.generate import (
+    GenerationSettings,
+    RequestFailed,
+    Sampling,
+    build_messages,
+    collect,
+    generate,
+    parse_response,
+    read_partial,
+)
+
+SAMPLING = Sampling(temperature=0.0, top_p=1.0, max_tokens=8, seed=0)
+
+
+class ScriptedChat(BaseHTTPRequestHandler):
+    """Answers each prompt with ids derived from its text; ``plan`` scripts failures."""
+
+    plan: dict[str, list[int]] = {}      # prompt text -> status codes to return first
+    calls: Counter = Counter()
+
+    def log_message(self, *args):  # keep pytest output clean
+        pass
+
+    def _send(self, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        self._send(200, {"data": [{"id": "scripted"}]})
+
+    def do_POST(self):
+        request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        text = request["messages"][-1]["content"]
+        ScriptedChat.calls[text] += 1
+        statuses = ScriptedChat.plan.get(text, [])
+        if statuses:
+            status = statuses.pop(0)
+            return self._send(status, {"error": f"scripted {status}"})
+        assert request["return_token_ids"] is True
+        self._send(200, {
+            "prompt_token_ids": [1, 2, len(text)],
+            "choices": [{"message": {"content": text.upper(), "reasoning": None},
+                         "token_ids": [ord(c) for c in text[:4]] + [2],
+                         "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 5},
+        })
+
+
+@pytest.fixture
+def server():
+    ScriptedChat.plan, ScriptedChat.calls = {}, Counter()
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), ScriptedChat)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+
+
+def prompts(n: int) -> list[dict]:
+    return [{"id": f"p-{i:016x}", "messages": [{"role": "user", "content": f"question {i}"}],
+             "source": "test", "row": i} for i in range(n)]
+
+
+def settings(url: str, **kw) -> GenerationSettings:
+    return GenerationSettings(base_url=url, sampling=SAMPLING, concurrency=4,
+                              request_timeout_s=10, max_retries=kw.pop("max_retries", 2), **kw)
+
+
+def test_every_prompt_answered_once_with_token_ids(server, tmp_path):
+    partial = tmp_path / "train.partial.jsonl"
+    records = generate(prompts(10), settings(server), partial)
+    assert len(records) == 10
+    lines = [json.loads(line) for line in partial.read_text().splitlines()]
+    assert sorted(r["id"] for r in lines) == sorted(p["id"] for p in prompts(10))
+    one = records["p-0000000000000003"]
+    assert one["completion_token_ids"] == [ord(c) for c in "ques"] + [2]
+    assert one["prompt_token_ids"] == [1, 2, len("question 3")]
+    assert one["content"] == "QUESTION 3" and one["model"] == "scripted"
+
+
+def test_transient_errors_are_retried(server, tmp_path, monkeypatch):
+    ScriptedChat.plan = {"question 0": [503, 429]}
+    records = generate(prompts(2), settings(server, max_retries=2), tmp_path / "p.jsonl")
+    assert "error" not in records["p-0000000000000000"]
+    assert ScriptedChat.calls["question 0"] == 3
+
+
+def test_permanent_error_is_recorded_and_does_not_stop_the_others(server, tmp_path):
+    ScriptedChat.plan = {"question 1": [400, 400, 400]}
+    records = generate(prompts(4), settings(server), tmp_path / "p.jsonl")
+    assert "HTTP 400" in records["p-0000000000000001"]["error"]
+    assert ScriptedChat.calls["question 1"] == 1  # a 400 is not retried
+    assert all("error" not in records[p["id"]] for p in prompts(4) if p["row"] != 1)
+
+
+def test_resume_skips_answered_prompts_and_retries_failed_ones(server, tmp_path):
+    partial = tmp_path / "p.jsonl"
+    ScriptedChat.plan = {"question 2": [400]}
+    first = generate(prompts(3), settings(server), partial)
+    assert "error" in first["p-0000000000000002"]
+    ScriptedChat.calls.clear()
+
+    second = generate(prompts(5), settings(server), partial)
+    assert ScriptedChat.calls == Counter({"question 2": 1, "question 3": 1, "question 4": 1})
+    for pid in ("p-0000000000000000", "p-0000000000000001"):  # not regenerated
+        assert second[pid]["created_at"] == first[pid]["created_at"]
+    assert "error" not in second["p-0000000000000002"]
+    kept, counts = collect(prompts(5), read_partial(partial), keep_truncated=True)
+    assert [r["id"] for r in kept] == [p["id"] for p in prompts(5)]
+    assert counts["failed"] == 0
+
+
+def test_read_partial_drops_a_torn_last_line_and_appending_continues(tmp_path):
+    partial = tmp_path / "p.jsonl"
+    good = {"id": "p-a", "completion_token_ids": [1]}
+    partial.write_text(json.dumps(good) + "\n" + '{"id": "p-b", "compl')
+    assert read_partial(partial) == {"p-a": good}
+    assert partial.read_text() == json.dumps(good) + "\n"
+
+
+def test_read_partial_prefers_an_answer_over_an_earlier_or_later_failure(tmp_path):
+    partial = tmp_path / "p.jsonl"
+    rows = [{"id": "p-a", "error": "x"}, {"id": "p-a", "content": "ok"},
+            {"id": "p-a", "error": "late"}, {"id": "p-b", "error": "y"}]
+    partial.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    records = read_partial(partial)
+    assert records["p-a"] == {"id": "p-a", "content": "ok"}
+    assert records["p-b"]["error"] == "y"
+
+
+def test_collect_counts_failures_and_truncation():
+    ps = prompts(3)
+    records = {
+        ps[0]["id"]: {"id": ps[0]["id"], "finish_reason": "stop",
+                      "prompt_token_ids": [1, 2], "completion_token_ids": [3, 2]},
+        ps[1]["id"]: {"id": ps[1]["id"], "finish_reason": "length",
+                      "prompt_token_ids": [1], "completion_token_ids": [4, 5, 6]},
+        ps[2]["id"]: {"id": ps[2]["id"], "error": "HTTP 400"},
+    }
+    kept, counts = collect(ps, records, keep_truncated=True)
+    assert len(kept) == 2 and counts["truncated"] == 1 and counts["failed"] == 1
+    assert counts["completion_tokens"] == 5 and counts["prompt_tokens"] == 3
+    kept, counts = collect(ps, records, keep_truncated=False)
+    assert [r["id"] for r in kept] == [ps[0]["id"]] and counts["truncated_dropped"] == 1
+    with pytest.raises(RuntimeError, match="no record"):
+        collect(prompts(4), records, keep_truncated=True)
+
+
+def test_parse_response_keeps_reasoning_under_either_name():
+    body = {"prompt_token_ids": [1], "usage": {},
+            "choices": [{"message": {"content": "a", "reasoning_content": "think"},
+                         "token_ids": [5], "finish_reason": "stop"}]}
+    assert parse_response(body)["reasoning"] == "think"
+    body["choices"][0]["message"]["reasoning"] = "vllm 0.32 name"
+    assert parse_response(body)["reasoning"] == "vllm 0.32 name"
+
+
+def test_parse_response_without_token_ids_is_a_permanent_error():
+    body = {"choices": [{"message": {"content": "a"}, "finish_reason": "stop"}]}
+    with pytest.raises(RequestFailed, match="return_token_ids") as info:
+        parse_response(body)
+    assert not info.value.retryable
+
+
+def test_system_prompt_added_only_where_missing():
+    user = {"role": "user", "content": "q"}
+    assert build_messages({"messages": [user]}, "be brief")[0] == {"role": "system",
+                                                                 "content": "be brief"}
+    own = [{"role": "system", "content": "mine"}, user]
+    assert build_messages({"messages": own}, "be brief") == own
+    assert build_messages({"messages": [user]}, None) == [user]

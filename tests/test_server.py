@@ -1,0 +1,363 @@
+"""Lifecycle of ``eaglet.server.VLLMServer`` against a real process.
+
+vLLM itself is too slow to start here (the end-to-end test does that): the server is
+``tests/helpers/health_server.py``, a small HTTP server with the same command line that can be
+told to become ready late, crash, ignore SIGTERM or leave a grandchild in its process group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from eaglet.config import validate
+from eaglet.server import (
+    PortInUseError,
+    ServerError,
+    Terminated,
+    VLLMServer,
+    free_port,
+    port_is_free,
+    server_args,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+HEALTH_SERVER = "tests.helpers.health_server"
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+def child_env() -> dict[str, str]:
+    """The environment with the repo root on PYTHONPATH, so `-m tests.helpers...` resolves."""
+    paths = [str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` runs. A zombie counts as gone: an orphaned grandchild is reaped by
+    init, and in containers whose init does not reap it stays a zombie for good."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    state = stat.rsplit(")", 1)[1].split()[0]
+    return state not in ("Z", "X")
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+def wait_for_file(path: Path, timeout: float = 10.0) -> str:
+    assert wait_until(path.exists, timeout), f"{path} was not written within {timeout} s"
+    return path.read_text()
+
+
+def http_status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+def logged_server_pid(log_path: Path) -> int:
+    """The pid the health server prints as its first line."""
+    match = re.search(r"health server pid (\d+)", log_path.read_text())
+    assert match, f"no pid line in {log_path}:\n{log_path.read_text()}"
+    return int(match.group(1))
+
+
+def assert_stopped(pid: int, port: int) -> None:
+    assert wait_until(lambda: not pid_alive(pid), 5), f"server pid {pid} still runs"
+    assert port_is_free(port), f"port {port} still in use"
+
+
+# -- fixtures --------------------------------------------------------------------------------
+
+@pytest.fixture
+def log_path(tmp_path) -> Path:
+    return tmp_path / "logs" / "server.log"
+
+
+@pytest.fixture
+def make_server(log_path):
+    """Build a VLLMServer running the health server; ``*args`` are its extra flags."""
+    def make(*args: str, **overrides) -> VLLMServer:
+        settings = dict(model="tiny-model", log_path=log_path, args=list(args),
+                        module=HEALTH_SERVER, env=child_env(),
+                        startup_timeout_s=10, shutdown_grace_s=0.5)
+        settings.update(overrides)
+        return VLLMServer(**settings)
+
+    return make
+
+
+@pytest.fixture
+def child_pid_file(tmp_path) -> Path:
+    return tmp_path / "grandchild.pid"
+
+
+# -- start, readiness, stop ------------------------------------------------------------------
+
+def test_start_serves_health_logs_output_and_stops(make_server, log_path):
+    port = free_port()
+    server = make_server(port=port)
+
+    with server as entered:
+        assert entered is server
+        proc = server.proc
+        assert server.port == port
+        assert server.url == f"http://127.0.0.1:{port}"
+        assert server.healthy()
+        assert http_status(server.url + "/health") == 200
+
+    log = log_path.read_text()
+    assert "$ " + " ".join(server.command()) in log
+    assert f"--model tiny-model --host 127.0.0.1 --port {port}" in log
+    assert f"listening on 127.0.0.1:{port}" in log  # the server's own stdout
+    assert server.proc is None
+    assert proc.returncode == -signal.SIGTERM
+    assert_stopped(proc.pid, port)
+    assert not server.healthy()
+
+
+def test_port_zero_picks_a_free_port(make_server):
+    with make_server(port=0) as server:
+        assert server.port > 0
+        assert f"--port {server.port}" in " ".join(server.command())
+        assert server.healthy()
+    assert port_is_free(server.port)
+
+
+def test_enter_returns_only_once_health_is_ok(make_server):
+    started = time.monotonic()
+    with make_server("--ready-after", "1.5") as server:
+        assert time.monotonic() - started >= 1.5
+        assert http_status(server.url + "/health") == 200
+
+
+def test_crash_before_ready_raises_with_exit_code_and_log_tail(make_server, log_path):
+    server = make_server("--ready-after", "1000", "--crash-after", "0.2")
+
+    with pytest.raises(ServerError) as info:
+        with server:
+            pytest.fail("the with-block must not run when the server crashed")
+
+    message = str(info.value)
+    assert "exited with code 3 before it was ready" in message
+    assert "boom: simulated crash" in message
+    assert str(log_path) in message
+    assert server.proc is None
+    assert not pid_alive(logged_server_pid(log_path))
+
+
+def test_start_timeout_raises_and_stops_the_group(make_server, log_path, child_pid_file):
+    server = make_server("--ready-after", "1000", "--spawn-child",
+                         "--child-pid-file", str(child_pid_file), startup_timeout_s=2)
+
+    started = time.monotonic()
+    with pytest.raises(ServerError) as info:
+        with server:
+            pytest.fail("the with-block must not run when the server never got ready")
+
+    message = str(info.value)
+    assert "not ready after 2 s" in message
+    assert "server.startup_timeout_s" in message
+    assert "listening on" in message  # the log tail
+    assert time.monotonic() - started < 10
+    assert_stopped(logged_server_pid(log_path), server.port)
+    assert wait_until(lambda: not pid_alive(int(child_pid_file.read_text())), 5)
+
+
+def test_port_in_use_fails_fast_and_starts_nothing(make_server, log_path):
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        server = make_server(port=port)
+
+        started = time.monotonic()
+        with pytest.raises(PortInUseError) as info:
+            with server:
+                pytest.fail("the with-block must not run when the port is taken")
+
+    assert time.monotonic() - started < 1
+    message = str(info.value)
+    assert f"port {port}" in message
+    assert "server.port" in message
+    assert server.proc is None
+    assert not log_path.exists()
+
+
+def test_exception_in_with_block_stops_server_and_propagates(make_server):
+    class Boom(Exception):
+        pass
+
+    server = make_server()
+    with pytest.raises(Boom):
+        with server:
+            pid = server.proc.pid
+            raise Boom("inside the with-block")
+
+    assert server.proc is None
+    assert_stopped(pid, server.port)
+
+
+def test_stop_ends_the_whole_process_group(make_server, child_pid_file):
+    server = make_server("--spawn-child", "--child-pid-file", str(child_pid_file))
+
+    with server:
+        grandchild = int(wait_for_file(child_pid_file))
+        assert pid_alive(grandchild)
+        assert os.getpgid(grandchild) == server.proc.pid
+
+    assert wait_until(lambda: not pid_alive(grandchild), 5), "grandchild outlived the server"
+
+
+def test_stop_escalates_to_sigkill(make_server):
+    server = make_server("--ignore-sigterm", shutdown_grace_s=1)
+
+    with server:
+        proc = server.proc
+        exit_started = time.monotonic()
+
+    assert time.monotonic() - exit_started < 5
+    assert proc.returncode == -signal.SIGKILL
+    assert_stopped(proc.pid, server.port)
+
+
+def test_termination_handlers_are_installed_only_inside_the_with_block(make_server):
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
+
+    with make_server():
+        for sig, handler in before.items():
+            assert signal.getsignal(sig) is not handler
+
+    assert {sig: signal.getsignal(sig) for sig in before} == before
+
+
+def test_check_alive_raises_after_the_server_died(make_server):
+    # --crash-after leaves time for the first readiness poll (one second apart)
+    with make_server("--crash-after", "2") as server:
+        server.check_alive()
+        assert wait_until(lambda: server.proc.poll() is not None, 10)
+
+        with pytest.raises(ServerError) as info:
+            server.check_alive()
+
+    message = str(info.value)
+    assert "died (exit code 3)" in message
+    assert "boom: simulated crash" in message
+
+
+# -- signals to the process that owns the server ---------------------------------------------
+
+DRIVER = textwrap.dedent("""
+    import json, os, signal, sys, time
+    from eaglet.server import VLLMServer
+
+    info_path, log_path, child_pid_file = sys.argv[1:4]
+    # Python leaves SIGINT alone when it starts with SIGINT ignored (background jobs)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    server = VLLMServer(model="tiny-model", log_path=log_path, module={module!r},
+                        args=["--spawn-child", "--child-pid-file", child_pid_file],
+                        startup_timeout_s=10, shutdown_grace_s=0.5)
+    try:
+        with server:
+            with open(info_path + ".tmp", "w") as handle:
+                json.dump({{"pid": server.proc.pid, "port": server.port}}, handle)
+            os.replace(info_path + ".tmp", info_path)
+            time.sleep(600)
+    except BaseException as exc:
+        print("stopped by", type(exc).__name__, flush=True)
+        raise
+""").format(module=HEALTH_SERVER)
+
+
+@pytest.mark.parametrize(("sig", "raised"), [
+    (signal.SIGTERM, Terminated.__name__),
+    (signal.SIGHUP, Terminated.__name__),
+    (signal.SIGINT, KeyboardInterrupt.__name__),
+], ids=lambda value: getattr(value, "name", value))
+def test_signal_to_owner_stops_the_server(tmp_path, log_path, child_pid_file, sig, raised):
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
+    info_path = tmp_path / "server.json"
+    driver = subprocess.Popen(
+        [sys.executable, str(script), str(info_path), str(log_path), str(child_pid_file)],
+        cwd=REPO_ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True)
+    try:
+        info = json.loads(wait_for_file(info_path, timeout=15))
+        grandchild = int(wait_for_file(child_pid_file))
+        assert pid_alive(info["pid"]) and pid_alive(grandchild)
+
+        driver.send_signal(sig)
+        output, _ = driver.communicate(timeout=15)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+
+    assert driver.returncode != 0
+    assert f"stopped by {raised}" in output
+    # the grandchild gets no parent-death signal: only stop() can have ended it
+    assert_stopped(info["pid"], info["port"])
+    assert wait_until(lambda: not pid_alive(grandchild), 5), "grandchild outlived the driver"
+
+
+# -- server_args -----------------------------------------------------------------------------
+
+def test_server_args_from_default_config():
+    cfg = validate({})
+
+    assert server_args(cfg["target"], cfg["server"], "tiny") == [
+        "--served-model-name", "tiny",
+        "--dtype", "float32",
+        "--max-model-len", "2048",
+        "--tensor-parallel-size", "1",
+        "--enforce-eager",
+    ]
+
+
+def test_server_args_with_every_option_set():
+    cfg = validate({
+        "target": {"dtype": "bfloat16", "max_model_len": 4096},
+        "server": {"tensor_parallel_size": 2, "memory_utilization": 0.4,
+                   "reasoning_parser": "qwen3", "extra_args": ["--max-num-seqs", "64"]},
+    })
+
+    assert server_args(cfg["target"], cfg["server"], "served") == [
+        "--served-model-name", "served",
+        "--dtype", "bfloat16",
+        "--max-model-len", "4096",
+        "--tensor-parallel-size", "2",
+        "--enforce-eager",
+        "--gpu-memory-utilization", "0.4",
+        "--reasoning-parser", "qwen3",
+        "--max-num-seqs", "64",
+    ]
+
+
+def test_server_args_without_enforce_eager():
+    cfg = validate({"server": {"enforce_eager": False}})
+
+    assert "--enforce-eager" not in server_args(cfg["target"], cfg["server"], "tiny")

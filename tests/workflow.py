@@ -1,0 +1,34 @@
+"""Run the real workflow from tests: `snakemake` on the tiny config in a results dir."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "tests" / "configs" / "tiny.yaml"
+SNAKEMAKE = Path(sys.executable).parent / "snakemake"
+
+
+def snakemake_cmd(results: Path, *targets: str, extra: tuple[str, ...] = ()) -> list[str]:
+    # targets first: --config swallows every name=value argument after it
+    return [str(SNAKEMAKE), *[str(results / t) for t in targets], "--cores", "2",
+            "--workflow-profile", str(REPO / "profiles/default"), *extra,
+            "--configfile", str(TINY), "--config", f"results_dir={results}"]
+
+
+def run(results: Path, *targets: str, extra: tuple[str, ...] = (), timeout: float = 900,
+        check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(snakemake_cmd(results, *targets, extra=extra), cwd=REPO, text=True,
+                          capture_output=True, timeout=timeout, env=os.environ.copy())
+    if check and proc.returncode != 0:
+        raise AssertionError(f"snakemake failed ({proc.returncode}):\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def start(results: Path, *targets: str, log_file) -> subprocess.Popen:
+    """Start snakemake in its own session, so a test can Ctrl-C it like a user would."""
+    return subprocess.Popen(snakemake_cmd(results, *targets), cwd=REPO, text=True,
+                            stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
