@@ -14,10 +14,13 @@ R = config["results_dir"]
 include: "rules/target.smk"
 include: "rules/prompts.smk"
 include: "rules/generate.smk"
+include: "rules/vocab.smk"
+include: "rules/extract.smk"
 
 
 rule all:
     default_target: True
     input:
-        f"{R}/synthetic/train.jsonl",
-        f"{R}/prompts/eval.jsonl",
+        f"{R}/vocab/vocab_map.safetensors",
+        f"{R}/hidden/manifest.json",
+        f"{R}/hidden/eval/shard_00000.safetensors",

@@ -1,16 +1,20 @@
 rule generate:
-    """Serve the target with vLLM and keep exactly what it answers to every training prompt.
-    Resumes from synthetic/train.partial.jsonl after an interruption."""
+    """Serve the target with vLLM and keep exactly what it answers to every prompt (the
+    eval split too: its answers are the drafter's held-out set). Resumes from
+    synthetic/generate.partial.jsonl after an interruption."""
     input:
         target=f"{R}/target/target.json",
-        prompts=f"{R}/prompts/train.jsonl",
+        train=f"{R}/prompts/train.jsonl",
+        eval=f"{R}/prompts/eval.jsonl",
     output:
-        data=f"{R}/synthetic/train.jsonl",
+        train=f"{R}/synthetic/train.jsonl",
+        eval=f"{R}/synthetic/eval.jsonl",
         stats=f"{R}/synthetic/stats.json",
     params:
         # what changes the samples; server lifecycle settings are read from config
         target=config["target"],
         generate=config["generate"],
+        partial=f"{R}/synthetic/generate.partial.jsonl",
         progress=f"{R}/progress/generate.json",
     resources:
         gpu=config["server"]["gpus"],

@@ -36,6 +36,9 @@ from eaglet.server import (
 REPO_ROOT = Path(__file__).resolve().parents[1]
 HEALTH_SERVER = "tests.helpers.health_server"
 
+# a stop() that never returns must fail its test, not hang the suite
+pytestmark = pytest.mark.timeout(60)
+
 
 # -- helpers ---------------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from transformers import AutoTokenizer
 
 from eaglet.io import read_jsonl, write_json, write_jsonl
 from eaglet.progress import Progress, now_iso
@@ -285,30 +286,26 @@ def settings_from_config(cfg: dict[str, Any], base_url: str) -> GenerationSettin
 
 # -- the stage -------------------------------------------------------------------------------
 
-def partial_path_for(out_path: str | os.PathLike) -> Path:
-    out_path = Path(out_path)
-    return out_path.with_name(out_path.stem + ".partial.jsonl")
-
-
-def run_stage(cfg: dict[str, Any], target_json: str, prompts_path: str, out_path: str,
-              stats_path: str, progress_path: str | None, log_path: str | None,
-              server_log_path: str) -> dict:
-    """The ``generate`` rule: serve the target (or use ``server.url``), answer every training
-    prompt, check the chat-template round trip, and write the records and their stats."""
+def run_stage(cfg: dict[str, Any], target_json: str, prompts: dict[str, str],
+              outputs: dict[str, str], stats_path: str, partial_path: str,
+              progress_path: str | None, log_path: str | None, server_log_path: str) -> dict:
+    """The ``generate`` rule: serve the target (or use ``server.url``), answer every prompt of
+    every split (``prompts`` and ``outputs`` map a split name to its file), check the
+    chat-template round trip, and write the records and their stats."""
     target = read_target(target_json)
-    prompts = read_jsonl(prompts_path)
-    partial = partial_path_for(out_path)
-    progress = Progress("generate", total=len(prompts), path=progress_path, log_path=log_path)
+    by_split = {split: read_jsonl(path) for split, path in prompts.items()}
+    everything = [p for split_prompts in by_split.values() for p in split_prompts]
+    progress = Progress("generate", total=len(everything), path=progress_path, log_path=log_path)
     server_cfg = cfg["server"]
-    answered = {i for i, r in read_partial(partial).items() if "error" not in r}
-    if all(p["id"] in answered for p in prompts):
-        log.info("every prompt already has an answer in %s; no server needed", partial)
-        progress.restart(already_done=len(prompts))
-        records = read_partial(partial)
+    answered = {i for i, r in read_partial(partial_path).items() if "error" not in r}
+    if all(p["id"] in answered for p in everything):
+        log.info("every prompt already has an answer in %s; no server needed", partial_path)
+        progress.restart(already_done=len(everything))
+        records = read_partial(partial_path)
     elif server_cfg["url"]:
         log.info("using the running server at %s", server_cfg["url"])
         settings = settings_from_config(cfg, server_cfg["url"].rstrip("/"))
-        records = generate(prompts, settings, partial, progress)
+        records = generate(everything, settings, partial_path, progress)
     else:
         server = VLLMServer(
             model=target["path"], log_path=server_log_path,
@@ -317,34 +314,43 @@ def run_stage(cfg: dict[str, Any], target_json: str, prompts_path: str, out_path
             shutdown_grace_s=server_cfg["shutdown_grace_s"])
         with server:
             settings = settings_from_config(cfg, server.url)
-            records = generate(prompts, settings, partial, progress,
+            records = generate(everything, settings, partial_path, progress,
                                health_check=server.check_alive)
     run = progress.report("finished")
 
     gen = cfg["generate"]
-    kept, counts = collect(prompts, records, gen["keep_truncated"])
-    if counts["failed"] / max(len(prompts), 1) > gen["max_failed_rate"]:
-        examples = "; ".join(f"{f['id']}: {f['error'][:200]}" for f in counts["failures"][:3])
+    kept = {}
+    stats: dict[str, Any] = {"splits": {}}
+    for split, split_prompts in by_split.items():
+        kept[split], stats["splits"][split] = collect(split_prompts, records,
+                                                      gen["keep_truncated"])
+    counts = stats["splits"]
+    failed = sum(c["failed"] for c in counts.values())
+    if failed / max(len(everything), 1) > gen["max_failed_rate"]:
+        failures = [f for c in counts.values() for f in c["failures"]]
+        examples = "; ".join(f"{f['id']}: {f['error'][:200]}" for f in failures[:3])
         raise RuntimeError(
-            f"{counts['failed']} of {len(prompts)} requests failed for good (more than "
+            f"{failed} of {len(everything)} requests failed for good (more than "
             f"generate.max_failed_rate={gen['max_failed_rate']}): {examples}. The answers so far "
-            f"are kept in {partial}; fix the cause and rerun to retry only the failed prompts.")
+            f"are kept in {partial_path}; fix the cause and rerun to retry only the failed prompts.")
 
-    from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(target["path"])
-    template = check_records(tokenizer, kept)
-    stats = {**counts, "template_check": template,
-             "this_run": {"generated": run["done"] - run["resumed_from"], "failed": run["failed"],
-                          "resumed_from": run["resumed_from"], "wall_s": run["elapsed_s"],
-                          "requests_per_s": run["rate_per_s"],
-                          "completion_tokens_per_s": run["tokens_per_s"]},
-             "sampling": vars(Sampling.from_config(gen)), "target": target["path"]}
-    if not gen["keep_truncated"] and counts["truncated"]:
-        log.info("dropped %d truncated samples (generate.keep_truncated: false)", counts["truncated"])
-    log.info("%d samples (%d failed, %d truncated), %d completion tokens; template check: "
-             "%d/%d mismatched", counts["samples"], counts["failed"], counts["truncated"],
-             counts["completion_tokens"], template["mismatched"], template["checked"])
+    template = check_records(tokenizer, [r for split in kept.values() for r in split])
+    stats.update({
+        "template_check": template,
+        "this_run": {"generated": run["done"] - run["resumed_from"], "failed": run["failed"],
+                     "resumed_from": run["resumed_from"], "wall_s": run["elapsed_s"],
+                     "requests_per_s": run["rate_per_s"],
+                     "completion_tokens_per_s": run["tokens_per_s"]},
+        "sampling": vars(Sampling.from_config(gen)), "target": target["path"]})
+    for split, c in counts.items():
+        log.info("%s: %d samples (%d failed, %d truncated%s), %d completion tokens", split,
+                 c["samples"], c["failed"], c["truncated"],
+                 ", dropped" if c["truncated_dropped"] else "", c["completion_tokens"])
+    log.info("template check: %d of %d mismatched, %d retokenized", template["mismatched"],
+             template["checked"], template["retokenized"])
     enforce(template, gen["max_template_mismatch_rate"])
-    write_jsonl(out_path, kept)
+    for split, path in outputs.items():
+        write_jsonl(path, kept[split])
     write_json(stats_path, stats)
     return stats

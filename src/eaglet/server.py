@@ -160,23 +160,30 @@ class VLLMServer:
                 f"--- last lines of {self.log_path} ---\n{log_tail(self.log_path)}")
 
     def stop(self) -> None:
-        """Stop the whole process group: SIGTERM, then SIGKILL after the grace period."""
+        """Stop the whole process group: SIGTERM, then SIGKILL once the grace period is over.
+        A second Ctrl-C or SIGTERM while stopping is ignored so the sweep always completes."""
         if self.proc is None:
             return
-        pgid = self.proc.pid  # start_new_session: the group id is the leader's pid
-        if self.proc.poll() is None:
-            log.info("stopping server (pid %d)", self.proc.pid)
-        _signal_group(pgid, signal.SIGTERM)
+        previous = _ignore_termination_signals()
         try:
-            self.proc.wait(timeout=self.shutdown_grace_s)
-        except subprocess.TimeoutExpired:
-            log.warning("server did not stop within %.0f s; sending SIGKILL", self.shutdown_grace_s)
-        # children of the group (engine workers) may outlive the leader: always sweep
-        _wait_group_gone(pgid, self.shutdown_grace_s)
-        _signal_group(pgid, signal.SIGKILL)
-        self.proc.wait()
-        self._wait_port_released()
-        self.proc = None
+            pgid = self.proc.pid  # start_new_session: the group id is the leader's pid
+            if self.proc.poll() is None:
+                log.info("stopping server (pid %d)", self.proc.pid)
+            deadline = time.monotonic() + self.shutdown_grace_s
+            _signal_group(pgid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=self.shutdown_grace_s)
+            except subprocess.TimeoutExpired:
+                log.warning("server did not stop within %.0f s; sending SIGKILL",
+                            self.shutdown_grace_s)
+            # children of the group (engine workers) may outlive the leader: always sweep
+            _wait_group_gone(pgid, max(deadline - time.monotonic(), 0.0))
+            _signal_group(pgid, signal.SIGKILL)
+            self.proc.wait()
+            self._wait_port_released()
+            self.proc = None
+        finally:
+            _restore_handlers(previous)
 
     def _wait_port_released(self, timeout: float = 10.0) -> None:
         deadline = time.monotonic() + timeout
@@ -211,11 +218,24 @@ def _signal_group(pgid: int, sig: int) -> None:
 
 
 def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except (ProcessLookupError, PermissionError):
-        return False
-    return True
+    """Whether any process of the group still runs (zombies, which an init that does not
+    reap may leave around, do not count)."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        # after the command name: state, ppid, pgrp, ...
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
 
 
 def _wait_group_gone(pgid: int, timeout: float) -> None:
@@ -234,6 +254,16 @@ def _install_termination_handlers() -> dict:
         try:
             previous[sig] = signal.signal(sig, _raise_terminated)
         except ValueError:  # not in the main thread: leave the handlers alone
+            pass
+    return previous
+
+
+def _ignore_termination_signals() -> dict:
+    previous = {}
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        try:
+            previous[sig] = signal.signal(sig, signal.SIG_IGN)
+        except ValueError:
             pass
     return previous
 

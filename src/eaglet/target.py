@@ -112,3 +112,11 @@ def prepare_target(spec: str, out_dir: str | os.PathLike) -> dict:
 
 def read_target(target_json: str | os.PathLike) -> dict:
     return read_json(target_json)
+
+
+def load_text_config(path: str):
+    """The target's (text) model config, from a local directory or the hub cache."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    return config.get_text_config() if hasattr(config, "get_text_config") else config

@@ -1,8 +1,8 @@
-"""End to end through synthetic/train.jsonl with the real vLLM CPU server and SmolLM2.
+"""End to end with the real vLLM CPU server and SmolLM2, on the tiny config.
 
-Generation is interrupted midway with Ctrl-C (SIGINT to snakemake's process group), which
-must stop the vLLM server and keep every finished sample; the rerun must answer each
-remaining prompt once and regenerate none of the finished ones.
+The tests share one results directory and run in file order, each taking the workflow one
+stage further, as a user would: generation (interrupted with Ctrl-C and resumed), then the
+vocabulary and the hidden states.
 """
 
 from __future__ import annotations
@@ -46,14 +46,19 @@ def server_port(server_log) -> int:
     raise AssertionError("no server command line in the server log")
 
 
-def test_generate_is_interrupted_and_resumes_without_regenerating(tmp_path):
-    results = tmp_path / "results"
-    partial = results / "synthetic" / "train.partial.jsonl"
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return tmp_path_factory.mktemp("workflow") / "results"
+
+
+def test_generate_is_interrupted_and_resumes_without_regenerating(results, tmp_path):
+    partial = results / "synthetic" / "generate.partial.jsonl"
     with open(tmp_path / "snakemake.out", "w") as out:
         proc = workflow.start(results, "synthetic/train.jsonl", log_file=out)
         try:
             wait_for(lambda: len(partial_lines(partial)) >= 1, 600, "the first sample", proc)
-            prompts = read_jsonl(results / "prompts" / "train.jsonl")
+            prompts = (read_jsonl(results / "prompts" / "train.jsonl")
+                       + read_jsonl(results / "prompts" / "eval.jsonl"))
             assert len(partial_lines(partial)) < len(prompts), "finished before the interrupt"
             os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
             proc.wait(timeout=120)
@@ -72,9 +77,13 @@ def test_generate_is_interrupted_and_resumes_without_regenerating(tmp_path):
     assert 1 <= len(before) < len(prompts)
 
     workflow.run(results, "synthetic/train.jsonl")
-    records = read_jsonl(results / "synthetic" / "train.jsonl")
+    train = read_jsonl(results / "synthetic" / "train.jsonl")
+    held_out = read_jsonl(results / "synthetic" / "eval.jsonl")
+    records = train + held_out
     ids = [r["id"] for r in records]
     assert sorted(ids) == sorted(p["id"] for p in prompts)  # each prompt exactly once
+    assert {r["id"] for r in held_out} == {
+        p["id"] for p in read_jsonl(results / "prompts" / "eval.jsonl")}
     for record in records:
         if record["id"] in before:  # finished samples were kept, not regenerated
             assert record == before[record["id"]]
@@ -83,10 +92,26 @@ def test_generate_is_interrupted_and_resumes_without_regenerating(tmp_path):
         results / "logs" / "generate.log").read_text()
 
     stats = read_json(results / "synthetic" / "stats.json")
-    assert stats["samples"] == len(prompts) and stats["failed"] == 0
+    assert sum(s["samples"] for s in stats["splits"].values()) == len(prompts)
+    assert all(s["failed"] == 0 for s in stats["splits"].values())
     assert stats["this_run"]["resumed_from"] == len(before)
     assert stats["template_check"]["mismatched"] == 0
     assert stats["template_check"]["checked"] == len(prompts)
     # greedy answers end with the end-of-turn token the template closes the turn with
     stopped = [r for r in records if r["finish_reason"] == "stop"]
     assert all(r["completion_token_ids"][-1] == 2 for r in stopped)
+
+
+def test_hidden_states_reproduce_the_servers_greedy_tokens(results):
+    workflow.run(results, "hidden/manifest.json", "hidden/eval/shard_00000.safetensors")
+    manifest = read_json(results / "hidden" / "manifest.json")
+    train = read_jsonl(results / "synthetic" / "train.jsonl")
+    assert manifest["num_samples"] == len(train)
+    assert sorted(s for shard in manifest["shards"] for s in shard["samples"]) == sorted(
+        r["id"] for r in train)
+    assert manifest["aux_layer_ids"] == [2, 15, 27]  # vLLM's default for 30 layers
+    assert manifest["greedy"]
+    # HF float32 extraction against vLLM float32 greedy tokens (bf16 storage ties aside)
+    assert manifest["teacher_agreement"] >= 0.99
+    vocab = read_json(results / "vocab" / "stats.json")
+    assert vocab["coverage"] == 1.0  # every completion token fits in the tiny draft vocab

@@ -1,0 +1,108 @@
+"""Generation throughput: eaglet's client against a bare concurrent client, and the server's
+tokens/s at several concurrency levels (the rate `eaglet status` uses for its ETA).
+
+Both clients send the same greedy requests (so the same tokens come back) to the same
+running vLLM server, alternating, and the ratio of their tokens/s is reported. Run:
+
+    .venv/bin/python benchmarks/generate.py --target results/target [--prompts 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from eaglet.config import validate
+from eaglet.generate import GenerationSettings, Sampling, generate
+from eaglet.io import write_json
+from eaglet.prompts import load_source
+from eaglet.server import VLLMServer, server_args
+
+OUT = Path(__file__).parent / "results"
+
+
+async def bare_client(url: str, prompts: list[dict], sampling: Sampling, concurrency: int) -> int:
+    """The least a client can do: concurrent POSTs, count the tokens, keep nothing."""
+    gate = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=600,
+                                 limits=httpx.Limits(max_connections=concurrency)) as client:
+        async def one(prompt):
+            async with gate:
+                resp = await client.post("/v1/chat/completions", json={
+                    "model": "target", "messages": prompt["messages"],
+                    "temperature": sampling.temperature, "top_p": sampling.top_p,
+                    "max_tokens": sampling.max_tokens, "seed": sampling.seed,
+                    "return_token_ids": True})
+                resp.raise_for_status()
+                return resp.json()["usage"]["completion_tokens"]
+        return sum(await asyncio.gather(*(one(p) for p in prompts)))
+
+
+def time_bare(url, prompts, sampling, concurrency) -> tuple[float, int]:
+    start = time.perf_counter()
+    tokens = asyncio.run(bare_client(url, prompts, sampling, concurrency))
+    return time.perf_counter() - start, tokens
+
+
+def time_eaglet(url, prompts, sampling, concurrency) -> tuple[float, int]:
+    settings = GenerationSettings(base_url=url, sampling=sampling, concurrency=concurrency,
+                                  request_timeout_s=600, max_retries=0, model_name="target")
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.perf_counter()
+        records = generate(prompts, settings, Path(tmp) / "partial.jsonl")
+        elapsed = time.perf_counter() - start
+    return elapsed, sum(len(r["completion_token_ids"]) for r in records.values())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", required=True, help="HF model directory of the target")
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--levels", default="1,4,16,32")
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+
+    cfg = validate({"server": {"memory_utilization": 0.4}})
+    prompts, _ = load_source({"type": "humaneval", "limit": args.prompts})
+    sampling = Sampling(temperature=0.0, top_p=1.0, max_tokens=args.max_tokens, seed=0)
+    log_path = OUT / "generate.server.log"
+    with VLLMServer(model=args.target, log_path=log_path,
+                    args=server_args(cfg["target"], cfg["server"], "target")) as server:
+        time_bare(server.url, prompts[:8], sampling, 8)  # warm-up
+        runs = {"bare": [], "eaglet": []}
+        for _ in range(args.repeats):
+            for name, fn in (("bare", time_bare), ("eaglet", time_eaglet)):
+                elapsed, tokens = fn(server.url, prompts, sampling, args.concurrency)
+                runs[name].append(tokens / elapsed)
+        levels = {}
+        for level in (int(x) for x in args.levels.split(",")):
+            subset = prompts[:max(level * 2, 8)]
+            elapsed, tokens = time_bare(server.url, subset, sampling, level)
+            levels[level] = {"requests": len(subset), "tokens": tokens,
+                             "tokens_per_s": tokens / elapsed}
+    best = {name: max(rates) for name, rates in runs.items()}
+    result = {"prompts": len(prompts), "max_tokens": args.max_tokens,
+              "concurrency": args.concurrency, "tokens_per_s": runs,
+              "ratio_eaglet_over_bare": best["eaglet"] / best["bare"],
+              "server_tokens_per_s_by_concurrency": levels}
+    write_json(OUT / "generate.json", result)
+    lines = ["| client | tokens/s (best of %d) |" % args.repeats, "|---|---|"]
+    lines += [f"| {name} | {rate:.1f} |" for name, rate in best.items()]
+    lines += ["", f"eaglet / bare = {result['ratio_eaglet_over_bare']:.3f}", "",
+              "| concurrency | server tokens/s |", "|---|---|"]
+    lines += [f"| {c} | {v['tokens_per_s']:.1f} |" for c, v in levels.items()]
+    (OUT / "generate.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(json.dumps(result["ratio_eaglet_over_bare"]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+# Hidden states, one job per shard: extract.num_shards for the training samples, one for the
+# held-out samples. Each job declares the GPUs it holds, so it never overlaps the server.
+TRAIN_SHARDS = [f"{i:05d}" for i in range(config["extract"]["num_shards"])]
+EXTRACT_PARAMS = dict(
+    extract={k: v for k, v in config["extract"].items() if k not in ("gpus", "device")},
+    target=config["target"],
+)
+
+
+rule extract:
+    """Hidden states of training shard {wildcards.i}."""
+    input:
+        target=f"{R}/target/target.json",
+        data=f"{R}/synthetic/train.jsonl",
+    output:
+        shard=f"{R}/hidden/shard_{{i}}.safetensors",
+        meta=f"{R}/hidden/shard_{{i}}.json",
+    wildcard_constraints:
+        i=r"\d{5}",
+    params:
+        **EXTRACT_PARAMS,
+        num_shards=len(TRAIN_SHARDS),
+        progress=lambda w: f"{R}/progress/extract_{w.i}.json",
+    resources:
+        gpu=config["extract"]["gpus"],
+    log:
+        f"{R}/logs/extract/shard_{{i}}.log",
+    script:
+        "../scripts/extract.py"
+
+
+rule extract_eval:
+    """Hidden states of the held-out samples (the drafter's validation set)."""
+    input:
+        target=f"{R}/target/target.json",
+        data=f"{R}/synthetic/eval.jsonl",
+    output:
+        shard=f"{R}/hidden/eval/shard_{{i}}.safetensors",
+        meta=f"{R}/hidden/eval/shard_{{i}}.json",
+    wildcard_constraints:
+        i=r"\d{5}",
+    params:
+        **EXTRACT_PARAMS,
+        num_shards=1,
+        progress=lambda w: f"{R}/progress/extract_eval.json",
+    resources:
+        gpu=config["extract"]["gpus"],
+    log:
+        f"{R}/logs/extract/eval_shard_{{i}}.log",
+    script:
+        "../scripts/extract.py"
+
+
+rule hidden_manifest:
+    """Verify every shard (hash, layers, dtype, target), re-extract any that fail, and list
+    them with their teacher agreement."""
+    input:
+        target=f"{R}/target/target.json",
+        data=f"{R}/synthetic/train.jsonl",
+        shards=expand(f"{R}/hidden/shard_{{i}}.safetensors", i=TRAIN_SHARDS),
+        metas=expand(f"{R}/hidden/shard_{{i}}.json", i=TRAIN_SHARDS),
+    output:
+        f"{R}/hidden/manifest.json",
+    params:
+        **EXTRACT_PARAMS,
+        num_shards=len(TRAIN_SHARDS),
+        hidden_dir=f"{R}/hidden",
+    resources:
+        gpu=config["extract"]["gpus"],
+    log:
+        f"{R}/logs/hidden_manifest.log",
+    script:
+        "../scripts/hidden_manifest.py"

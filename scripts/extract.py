@@ -1,0 +1,10 @@
+"""Snakemake entry point of rules extract and extract_eval (one shard per job)."""
+from eaglet.extract import run_shard
+from eaglet.scripting import run_stage
+
+smk = snakemake  # noqa: F821 (injected by Snakemake)
+cfg = {"extract": {**smk.config["extract"], **smk.params.extract}, "target": smk.params.target}
+run_stage("extract", smk.log[0], lambda: run_shard(
+    cfg, smk.input.target, smk.input.data, index=int(smk.wildcards.i),
+    num_shards=smk.params.num_shards, shard_path=smk.output.shard, meta_path=smk.output.meta,
+    progress_path=smk.params.progress, log_path=smk.log[0]))

@@ -1,0 +1,348 @@
+"""The EAGLE-3 drafter: one Llama decoder layer that drafts from the target's features.
+
+It computes what vLLM's ``llama_eagle3.py`` computes (``Eagle3LlamaForCausalLM`` with one
+layer, ``norm_before_residual`` off), with the same module names, so its state dict *is* the
+checkpoint vLLM loads (see ``eaglet.export``). One drafting step at a position::
+
+    e  = embed_tokens[token]                      the target's embedding, frozen, not saved
+    h  = fc(aux) at step 0                        aux = 3 target layer inputs, [3H] -> [H]
+       = the previous step's pre-norm output      at steps 1, 2, ...
+    x  = cat(input_layernorm(e), hidden_norm(h))  [2H]
+    r  = h + o_proj(attention(q/k/v_proj(x)))     the residual stream starts at h, not at e
+    r  = r + mlp(post_attention_layernorm(r))     this pre-norm r is fed back to the next step
+    logits = lm_head(norm(r))                     [Vd], draft vocabulary; id i is target id i + d2t[i]
+
+Training-time test (TTT) runs ``K`` such steps over a packed batch of rows at once. Row ``t``
+of a sample holds the target's features at position ``t``; step ``k`` reads the embedding of
+token ``t+1+k``, uses RoPE position ``t+k`` and predicts token ``t+2+k``. Its query attends to
+the step-0 keys of rows ``<= t`` of its own sample and to its own keys of steps ``1..k``: the
+drafter's KV cache at inference after ``k`` drafted tokens (``ttt_attention``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import nn
+
+from eaglet.io import read_json
+
+
+# -- configuration ---------------------------------------------------------------------------
+
+@dataclass
+class DrafterConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_parameters: dict          # {"rope_theta": ..., "rope_type": ..., scaling keys}
+    max_position_embeddings: int
+    vocab_size: int                # the target's vocabulary (input ids, d2t's range)
+    draft_vocab_size: int          # rows of lm_head
+    target_hidden_size: int
+    aux_layer_ids: list[int] = field(default_factory=list)
+
+    @property
+    def fc_input_size(self) -> int:
+        return self.target_hidden_size * len(self.aux_layer_ids)
+
+    @classmethod
+    def from_target(cls, target: dict, draft_vocab_size: int,
+                    aux_layer_ids: list[int]) -> "DrafterConfig":
+        """The drafter's shape from the target's ``config.json`` (dict): every field is read here."""
+        target = target.get("text_config", target)  # multimodal wrappers nest the LM config
+        if target.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"the target uses hidden_act {target['hidden_act']!r}; the EAGLE-3 "
+                             f"drafter vLLM loads (llama_eagle3) is a SiLU Llama layer")
+        heads = target["num_attention_heads"]
+        return cls(
+            hidden_size=target["hidden_size"],
+            intermediate_size=target["intermediate_size"],
+            num_attention_heads=heads,
+            num_key_value_heads=target.get("num_key_value_heads") or heads,
+            head_dim=target.get("head_dim") or target["hidden_size"] // heads,
+            rms_norm_eps=target.get("rms_norm_eps", 1e-6),
+            rope_parameters=rope_parameters(target),
+            max_position_embeddings=target.get("max_position_embeddings", 8192),
+            vocab_size=target["vocab_size"],
+            draft_vocab_size=draft_vocab_size,
+            target_hidden_size=target["hidden_size"],
+            aux_layer_ids=list(aux_layer_ids))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def rope_parameters(config: dict) -> dict:
+    """RoPE settings in transformers-5 form, from either ``rope_parameters`` (transformers 5)
+    or the older top-level ``rope_theta`` plus optional ``rope_scaling``."""
+    if config.get("rope_parameters"):
+        params = dict(config["rope_parameters"])
+    else:
+        params = dict(config.get("rope_scaling") or {})
+        params["rope_theta"] = config.get("rope_theta", 10000.0)
+    params["rope_type"] = params.get("rope_type", params.pop("type", "default"))
+    params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    return params
+
+
+def rope_inv_freq(config: DrafterConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim/2] and the cos/sin scale of the target's RoPE."""
+    params = config.rope_parameters
+    if params["rope_type"] == "default":
+        exponents = torch.arange(0, config.head_dim, 2, dtype=torch.float64) / config.head_dim
+        return (1.0 / params["rope_theta"] ** exponents).float(), 1.0
+    # scaled variants (llama3, yarn, linear, longrope): the formulas transformers implements
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    hf = LlamaConfig(hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
+                     head_dim=config.head_dim, rope_parameters=dict(params),
+                     max_position_embeddings=config.max_position_embeddings)
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[params["rope_type"]](hf, torch.device("cpu"))
+    return inv_freq.float(), float(scale)
+
+
+# -- the target pieces the drafter shares ----------------------------------------------------
+
+def read_target_config(target_dir: str | Path) -> dict:
+    return read_json(Path(target_dir) / "config.json")
+
+
+def _weight_files(target_dir: Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file, from the index of a sharded checkpoint or the headers."""
+    index = target_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = read_json(index)["weight_map"]
+        return {name: target_dir / file for name, file in weight_map.items()}
+    files = sorted(target_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{target_dir} has no *.safetensors weights")
+    names = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            names.update({name: file for name in handle.keys()})
+    return names
+
+
+def _read_tensor(files: dict[str, Path], candidates: list[str], what: str, target_dir) -> torch.Tensor:
+    for name in candidates:
+        if name in files:
+            with safe_open(str(files[name]), framework="pt") as handle:
+                return handle.get_tensor(name)
+    raise KeyError(f"{target_dir} holds no {what} (looked for {', '.join(candidates)})")
+
+
+def load_target_embedding(target_dir: str | Path) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The target's token embedding [V, H] and its final norm weight [H] (None if absent),
+    read alone from its safetensors: the rest of the target is never loaded."""
+    target_dir = Path(target_dir)
+    files = _weight_files(target_dir)
+    embed = _read_tensor(files, ["model.embed_tokens.weight", "embed_tokens.weight",
+                                 "model.language_model.embed_tokens.weight"],
+                         "token embedding", target_dir)
+    norm_names = ["model.norm.weight", "norm.weight", "model.language_model.norm.weight"]
+    norm = (_read_tensor(files, norm_names, "final norm", target_dir)
+            if any(n in files for n in norm_names) else None)
+    return embed, norm
+
+
+def load_target_lm_head(target_dir: str | Path, draft_to_target: torch.Tensor) -> torch.Tensor:
+    """The target's lm_head rows of the draft vocabulary [Vd, H] (the embedding when tied)."""
+    target_dir = Path(target_dir)
+    config = read_target_config(target_dir)
+    files = _weight_files(target_dir)
+    heads = ["lm_head.weight", "model.lm_head.weight", "language_model.lm_head.weight"]
+    if config.get("tie_word_embeddings", False) or not any(n in files for n in heads):
+        heads += ["model.embed_tokens.weight", "embed_tokens.weight",
+                  "model.language_model.embed_tokens.weight"]
+    return _read_tensor(files, heads, "lm_head", target_dir)[draft_to_target].contiguous()
+
+
+# -- layers ----------------------------------------------------------------------------------
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE, NeoX layout (vLLM's is_neox_style=True, HF's rotate_half): halves, not pairs."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def ttt_attention(q: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]],
+                  mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of step ``k = len(cache) - 1`` over the drafter's KV cache.
+
+    q        [Hkv, G, T, D]   queries, G = query heads per KV head (GQA)
+    cache[0] [Hkv, 1, T, D]   step-0 keys/values of every row, seen through ``mask``
+    cache[j] [Hkv, 1, T, D]   step-j keys/values (j >= 1), seen only by the same row
+    mask     [T, T] bool      query row may see key row: same sample and key row <= query row
+    """
+    (k0, v0), diagonal = cache[0], cache[1:]
+    scores = torch.matmul(q, k0.transpose(-1, -2)) * scale            # [Hkv, G, T, T]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    own = [(q * k).sum(-1, keepdim=True) * scale for k, _ in diagonal]  # k x [Hkv, G, T, 1]
+    probs = torch.softmax(torch.cat([scores, *own], dim=-1), dim=-1, dtype=torch.float32)
+    probs = probs.to(v0.dtype)
+    rows = scores.shape[-1]
+    out = torch.matmul(probs[..., :rows], v0)                         # [Hkv, G, T, D]
+    for j, (_, v) in enumerate(diagonal):
+        out = out + probs[..., rows + j:rows + j + 1] * v
+    return out
+
+
+class Attention(nn.Module):
+    """GQA self-attention whose q/k/v read the 2H-wide [embedding, hidden] input."""
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.heads, self.kv_heads, self.head_dim = (config.num_attention_heads,
+                                                    config.num_key_value_heads, d)
+        self.q_proj = nn.Linear(2 * h, self.heads * d, bias=False)
+        self.k_proj = nn.Linear(2 * h, self.kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(2 * h, self.kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.heads * d, h, bias=False)
+
+    def forward(self, x, cos, sin, mask, cache):
+        rows = x.shape[0]
+        group = self.heads // self.kv_heads
+        # query head j*G+g reads KV head j (vLLM/HF GQA order)
+        q = self.q_proj(x).view(rows, self.kv_heads, group, self.head_dim).permute(1, 2, 0, 3)
+        k = self.k_proj(x).view(rows, self.kv_heads, 1, self.head_dim).permute(1, 2, 0, 3)
+        v = self.v_proj(x).view(rows, self.kv_heads, 1, self.head_dim).permute(1, 2, 0, 3)
+        cache.append((rotate(k, cos, sin), v))
+        out = ttt_attention(rotate(q, cos, sin), cache, mask, self.head_dim ** -0.5)
+        return self.o_proj(out.permute(2, 0, 1, 3).reshape(rows, self.heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        h, i = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=False)
+        self.up_proj = nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """vLLM's ``LlamaDecoderLayer`` of llama_eagle3 at layer_idx 0 plus the final residual add."""
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, embeds, hidden, cos, sin, mask, cache):
+        """embeds, hidden [T, H] -> the pre-norm hidden state [T, H]."""
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [T, 2H]
+        residual = hidden + self.self_attn(x, cos, sin, mask, cache)
+        return residual + self.mlp(self.post_attention_layernorm(residual))
+
+
+# -- the drafter -----------------------------------------------------------------------------
+
+class Eagle3Drafter(nn.Module):
+    """Parameters and persistent buffers are named as in the vLLM checkpoint (export.py)."""
+
+    def __init__(self, config: DrafterConfig, embed_tokens: torch.Tensor, d2t: torch.Tensor,
+                 t2d: torch.Tensor):
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        self.register_buffer("embed_tokens", embed_tokens, persistent=False)   # [V, H], frozen
+        self.fc = nn.Linear(config.fc_input_size, h, bias=False)
+        self.midlayer = DecoderLayer(config)
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", d2t.to(torch.int64))        # [Vd] target id = i + d2t[i]
+        self.register_buffer("t2d", t2d.to(torch.bool))         # [V] in the draft vocabulary
+        inv_freq, self.rope_scale = rope_inv_freq(config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    CONSTANT_BUFFERS = ("embed_tokens", "d2t", "t2d", "inv_freq")
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = positions.float()[:, None] * self.inv_freq[None, :]        # [T, D/2]
+        angles = torch.cat([angles, angles], dim=-1)                       # [T, D]
+        return angles.cos() * self.rope_scale, angles.sin() * self.rope_scale
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def forward(self, aux_hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
+                segments: torch.Tensor, logit_rows: list[torch.Tensor] | None = None
+                ) -> list[torch.Tensor]:
+        """Run ``K = len(input_ids)`` TTT steps over a packed batch of T rows.
+
+        aux_hidden  [T, A*Ht]  the target's aux features of each row
+        input_ids   [K, T]     the token each row embeds at step k (token t+1+k of its sample)
+        positions   [T]        position of the row within its sample (RoPE of step k: + k)
+        segments    [T]        which packed sample the row belongs to
+        logit_rows  K x [n_k]  rows whose logits each step returns (all rows when None)
+        returns     K x [n_k, Vd] draft-vocabulary logits
+        """
+        rows = positions.shape[0]
+        causal = torch.ones(rows, rows, dtype=torch.bool, device=positions.device).tril()
+        mask = causal & (segments[:, None] == segments[None, :])                 # [T, T]
+        hidden = self.fc(aux_hidden)                                             # [T, H]
+        cache: list[tuple[torch.Tensor, torch.Tensor]] = []
+        logits = []
+        for step, ids in enumerate(input_ids):
+            cos, sin = self.rope(positions + step)
+            embeds = self.embed_tokens[ids].to(hidden.dtype)
+            hidden = self.midlayer(embeds, hidden, cos, sin, mask, cache)        # pre-norm
+            picked = hidden if logit_rows is None else hidden[logit_rows[step]]
+            logits.append(self.lm_head(self.norm(picked)))
+        return logits
+
+
+def init_output_head(model: Eagle3Drafter, target_lm_head: torch.Tensor,
+                     target_norm: torch.Tensor | None) -> None:
+    """Start lm_head from the target's lm_head rows of the draft vocabulary and ``norm`` from
+    the target's final norm, the pair those rows were trained behind."""
+    with torch.no_grad():
+        model.lm_head.weight.copy_(target_lm_head.to(model.lm_head.weight.dtype))
+        if target_norm is not None:
+            model.norm.weight.copy_(target_norm.to(model.norm.weight.dtype))
+
+
+def count_flops_per_token(config: DrafterConfig, ttt_steps: int, context: int) -> float:
+    """Training FLOPs per packed token (forward + backward = 3x forward, every row scored),
+    plus the teacher's head; ``context`` is the mean number of step-0 keys a query sees."""
+    h, d = config.hidden_size, config.head_dim
+    layer = (2 * h * (config.num_attention_heads + 2 * config.num_key_value_heads) * d
+             + config.num_attention_heads * d * h + 3 * h * config.intermediate_size
+             + h * config.draft_vocab_size)
+    forward = 2 * config.fc_input_size * h
+    for step in range(ttt_steps):
+        forward += 2 * layer + 4 * config.num_attention_heads * d * (context + step)
+    return 3 * forward + 2 * h * config.draft_vocab_size
+
+
+def num_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+

@@ -1,0 +1,142 @@
+"""Write the drafter as the checkpoint vLLM 0.32 loads with ``"method": "eagle3"``, and read it back.
+
+vLLM reads ``config.json`` into its ``EAGLEConfig`` (``LlamaForCausalLMEagle3`` is registered
+to ``llama_eagle3.Eagle3LlamaForCausalLM``) and streams ``model.safetensors`` through
+``Eagle3LlamaForCausalLM.load_weights``, which prefixes every name except ``lm_head``/``d2t``
+with ``model.``, renames ``d2t`` to ``draft_id_to_target_id``, drops ``t2d``, and maps
+``midlayer.`` to ``layers.0.`` and q/k/v and gate/up into its fused ``qkv_proj`` and
+``gate_up_proj``. No ``embed_tokens`` is written, so vLLM shares the target's embedding
+(``_maybe_share_embeddings``: ``has_own_embed_tokens`` stays False); ``lm_head`` is written, so
+the drafter keeps its own (``process_eagle_weight`` sets ``has_own_lm_head``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save
+
+from eaglet.drafter import DrafterConfig, Eagle3Drafter, load_target_embedding, rope_parameters
+from eaglet.io import atomic_open, read_json, write_json
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def vllm_tensors(config: DrafterConfig) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every tensor of the checkpoint: name -> (shape, the vLLM parameter that receives it)."""
+    h, d = config.hidden_size, config.head_dim
+    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
+    i, vd = config.intermediate_size, config.draft_vocab_size
+    return {
+        # LlamaModel.fc = ReplicatedLinear(fc_input_size = target_hidden_size * num aux, hidden)
+        "fc.weight": ((h, config.fc_input_size), "model.fc.weight"),
+        # LlamaDecoderLayer.forward (layer_idx 0): input_layernorm(embeds)
+        "midlayer.input_layernorm.weight": ((h,), "model.layers.0.input_layernorm.weight"),
+        # ... hidden_norm(hidden_states), the residual being the un-normed hidden state
+        "midlayer.hidden_norm.weight": ((h,), "model.layers.0.hidden_norm.weight"),
+        # qkv_proj = QKVParallelLinear(2 * hidden_size, ...): stacked shards "q", "k", "v"
+        "midlayer.self_attn.q_proj.weight": ((q, 2 * h), "model.layers.0.self_attn.qkv_proj[q]"),
+        "midlayer.self_attn.k_proj.weight": ((kv, 2 * h), "model.layers.0.self_attn.qkv_proj[k]"),
+        "midlayer.self_attn.v_proj.weight": ((kv, 2 * h), "model.layers.0.self_attn.qkv_proj[v]"),
+        "midlayer.self_attn.o_proj.weight": ((h, q), "model.layers.0.self_attn.o_proj.weight"),
+        "midlayer.post_attention_layernorm.weight":
+            ((h,), "model.layers.0.post_attention_layernorm.weight"),
+        # LlamaMLP: gate_up_proj stacked shards 0 (gate) and 1 (up)
+        "midlayer.mlp.gate_proj.weight": ((i, h), "model.layers.0.mlp.gate_up_proj[0]"),
+        "midlayer.mlp.up_proj.weight": ((i, h), "model.layers.0.mlp.gate_up_proj[1]"),
+        "midlayer.mlp.down_proj.weight": ((h, i), "model.layers.0.mlp.down_proj.weight"),
+        # LlamaModel.norm: its residual input is the pre-norm hidden state fed back
+        "norm.weight": ((h,), "model.norm.weight"),
+        # Eagle3LlamaForCausalLM.lm_head = ParallelLMHead(draft_vocab_size, hidden_size)
+        "lm_head.weight": ((vd, h), "lm_head.weight"),
+        # "d2t" -> draft_id_to_target_id (exists when draft_vocab_size != vocab_size);
+        # compute_logits scatters draft logit i to target id i + d2t[i]
+        "d2t": ((vd,), "draft_id_to_target_id"),
+        # skipped by load_weights ("t2d" in name: continue); kept for other readers
+        "t2d": ((config.vocab_size,), "(not loaded by vLLM)"),
+    }
+
+
+def vllm_config(config: DrafterConfig, dtype: str) -> dict:
+    """``config.json``: the target's layer shape, one layer, and the EAGLE-3 fields."""
+    rope = dict(config.rope_parameters)
+    out = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": config.rms_norm_eps,
+        # transformers 5 reads rope_parameters; transformers 4 readers (vLLM on GPU images)
+        # read rope_theta and rope_scaling
+        "rope_parameters": rope,
+        "rope_theta": rope["rope_theta"],
+        "max_position_embeddings": config.max_position_embeddings,
+        "vocab_size": config.vocab_size,
+        "draft_vocab_size": config.draft_vocab_size,
+        "target_hidden_size": config.target_hidden_size,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(config.aux_layer_ids),
+                         "use_aux_hidden_state": True},
+        "dtype": dtype,
+        "torch_dtype": dtype,
+    }
+    if rope["rope_type"] != "default":
+        out["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    return out
+
+
+def export_drafter(model: Eagle3Drafter, out_dir: str | Path, dtype: str = "float32") -> dict:
+    """Write ``out_dir/config.json`` and ``out_dir/model.safetensors`` atomically; returns the config."""
+    out_dir = Path(out_dir)
+    expected = vllm_tensors(model.config)
+    state = model.state_dict()
+    if set(state) != set(expected):
+        raise RuntimeError(f"drafter tensors {sorted(state)} differ from the vLLM checkpoint's "
+                           f"{sorted(expected)}")
+    tensors = {}
+    for name, (shape, _) in expected.items():
+        tensor = state[name].detach().cpu()
+        if tuple(tensor.shape) != shape:
+            raise RuntimeError(f"{name} has shape {tuple(tensor.shape)}, vLLM expects {shape}")
+        if tensor.is_floating_point():
+            tensor = tensor.to(DTYPES[dtype])
+        tensors[name] = tensor.contiguous()
+    data = save(tensors, metadata={"format": "pt"})
+    with atomic_open(out_dir / "model.safetensors", "wb") as handle:
+        handle.write(data)
+    config = vllm_config(model.config, dtype)
+    write_json(out_dir / "config.json", config)
+    return config
+
+
+def config_from_vllm(config: dict) -> DrafterConfig:
+    """The ``DrafterConfig`` of an exported ``config.json``."""
+    return DrafterConfig(
+        hidden_size=config["hidden_size"], intermediate_size=config["intermediate_size"],
+        num_attention_heads=config["num_attention_heads"],
+        num_key_value_heads=config["num_key_value_heads"], head_dim=config["head_dim"],
+        rms_norm_eps=config["rms_norm_eps"], rope_parameters=rope_parameters(config),
+        max_position_embeddings=config["max_position_embeddings"],
+        vocab_size=config["vocab_size"], draft_vocab_size=config["draft_vocab_size"],
+        target_hidden_size=config["target_hidden_size"],
+        aux_layer_ids=config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+
+
+def load_drafter(drafter_dir: str | Path, target_dir: str | Path,
+                 dtype: torch.dtype = torch.float32) -> Eagle3Drafter:
+    """An exported drafter with the target's embedding, ready to run (eval mode)."""
+    drafter_dir = Path(drafter_dir)
+    config = config_from_vllm(read_json(drafter_dir / "config.json"))
+    weights = load_file(str(drafter_dir / "model.safetensors"))
+    embed, _ = load_target_embedding(target_dir)
+    model = Eagle3Drafter(config, embed, weights["d2t"], weights["t2d"])
+    model.load_state_dict(weights, strict=True)
+    return model.to(dtype).eval()

@@ -1,0 +1,424 @@
+"""Hidden-state extraction: run the target over every training sequence and keep what the
+drafter learns from.
+
+One Snakemake job per shard. Only the layers the drafter reads are captured, with forward
+pre-hooks (aux id ``i`` is the *input* of decoder layer ``i``, i.e. HF ``hidden_states[i]``),
+plus the final-norm output that the target's lm_head reads. Sequences are the exact
+``prompt_token_ids + completion_token_ids`` the server saw and emitted, run in token-budget
+batches sorted by length, and packed into the shard without padding.
+
+Every shard is checked against the server: the teacher's argmax, computed from the stored
+(cast) final state, must reproduce the greedy tokens the server generated.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eaglet import shards
+from eaglet.io import atomic_open, read_json, read_jsonl, write_json
+from eaglet.progress import Progress
+
+log = logging.getLogger("eaglet.extract")
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ExtractionError(RuntimeError):
+    pass
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """vLLM's default EAGLE-3 aux layers: early, middle and late."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def resolve_aux_layer_ids(configured: list[int] | None, num_layers: int) -> list[int]:
+    ids = list(configured) if configured else default_aux_layer_ids(num_layers)
+    if len(ids) != 3:
+        raise ExtractionError(f"extract.aux_layer_ids needs 3 layer ids (EAGLE-3 fuses three), got {ids}")
+    bad = [i for i in ids if not 0 <= i < num_layers]
+    if bad:
+        raise ExtractionError(f"aux layer ids {bad} are outside 0..{num_layers - 1}: id i is the "
+                              f"input of decoder layer i of the target's {num_layers} layers")
+    return ids
+
+
+def shard_bounds(num_samples: int, num_shards: int, index: int) -> tuple[int, int]:
+    """Contiguous, balanced block of sample indices for shard ``index`` of ``num_shards``."""
+    return index * num_samples // num_shards, (index + 1) * num_samples // num_shards
+
+
+def sequence(record: dict, max_len: int) -> tuple[list[int], list[int], bool]:
+    """Token ids and loss mask (1 on completion tokens) of one sample, cut at ``max_len``."""
+    prompt, completion = record["prompt_token_ids"], record["completion_token_ids"]
+    ids = list(prompt) + list(completion)
+    mask = [0] * len(prompt) + [1] * len(completion)
+    truncated = len(ids) > max_len
+    return ids[:max_len], mask[:max_len], truncated
+
+
+def token_budget_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """Indices grouped so that (longest in batch) x (batch size) <= batch_tokens, longest
+    first; a sequence longer than the budget runs alone."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        longest = lengths[current[0]] if current else lengths[i]
+        if current and longest * (len(current) + 1) > batch_tokens:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    """The decoder layer list of a causal LM (``model.model.layers`` for Llama-like models)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise ExtractionError(f"cannot find the decoder layers of {type(model).__name__}")
+    return layers
+
+
+class AuxCapture:
+    """Forward pre-hooks that keep the input hidden states of a few decoder layers."""
+
+    def __init__(self, layers: torch.nn.ModuleList, layer_ids: list[int]):
+        self.captured: dict[int, torch.Tensor] = {}
+        self.handles = [layers[i].register_forward_pre_hook(self._hook(i), with_kwargs=True)
+                        for i in layer_ids]
+        self.layer_ids = layer_ids
+
+    def _hook(self, layer_id: int):
+        def hook(module, args, kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            self.captured[layer_id] = hidden.detach()
+        return hook
+
+    def take(self) -> list[torch.Tensor]:
+        out = [self.captured.pop(i) for i in self.layer_ids]
+        return out
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+@dataclass
+class Target:
+    model: Any
+    lm_head: torch.Tensor   # [V, H]
+    device: torch.device
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def load_target(path: str, dtype: str, device: str = "auto") -> Target:
+    from transformers import AutoModelForCausalLM
+
+    dev = pick_device(device)
+    log.info("loading the target %s in %s on %s", path, dtype, dev)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=TORCH_DTYPES[dtype])
+    model.to(dev).eval()
+    config = model.config.get_text_config()
+    lm_head = model.get_output_embeddings().weight.detach()
+    return Target(model, lm_head, dev, config.num_hidden_layers, config.hidden_size,
+                  lm_head.shape[0])
+
+
+@torch.inference_mode()
+def forward_batch(target: Target, capture: AuxCapture, seqs: list[list[int]]):
+    """Aux states [sum L, 3H] and final-norm states [sum L, H] of a right-padded batch,
+    with the padding dropped again."""
+    longest = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), longest, dtype=torch.long)
+    attention = torch.zeros(len(seqs), longest, dtype=torch.long)
+    for row, s in enumerate(seqs):
+        ids[row, :len(s)] = torch.tensor(s)
+        attention[row, :len(s)] = 1
+    ids, attention = ids.to(target.device), attention.to(target.device)
+    out = target.model.get_decoder()(input_ids=ids, attention_mask=attention, use_cache=False)
+    final = out.last_hidden_state                        # [B, T, H], after the final norm
+    aux = torch.cat(capture.take(), dim=-1)              # [B, T, 3H]
+    keep = attention.bool()
+    return aux[keep], final[keep]
+
+
+@torch.inference_mode()
+def teacher_from_stored(target: Target, final_stored: torch.Tensor, targets: torch.Tensor,
+                        chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """Argmax over the full vocabulary and log-probability of ``targets`` (the next tokens),
+    from the final states as they are stored (after the cast to the shard dtype)."""
+    argmax, logprob = [], []
+    weight = target.lm_head
+    for start in range(0, final_stored.shape[0], chunk):
+        h = final_stored[start:start + chunk].to(target.device, weight.dtype)
+        logits = (h @ weight.T).float()
+        argmax.append(logits.argmax(-1).cpu())
+        nxt = targets[start:start + chunk].to(target.device)
+        logprob.append(torch.log_softmax(logits, -1).gather(1, nxt[:, None]).squeeze(1).cpu())
+    return torch.cat(argmax), torch.cat(logprob)
+
+
+def agreement(records: list[dict], input_ids: torch.Tensor, loss_mask: torch.Tensor,
+              offsets: torch.Tensor, teacher_argmax: torch.Tensor, next_logprob: torch.Tensor,
+              worst: int = 5) -> dict:
+    """How often the teacher's argmax at t equals the generated token at t+1, over completion
+    tokens; per sample, the worst ones named."""
+    predicted_by = torch.zeros_like(loss_mask, dtype=torch.bool)
+    predicted_by[:-1] = loss_mask[1:].bool()            # position t predicts completion token t+1
+    starts = offsets[1:-1] - 1                           # the last row of a sample predicts nothing
+    predicted_by[starts[starts >= 0]] = False
+    next_ids = torch.roll(input_ids, -1)
+    hits = (teacher_argmax == next_ids) & predicted_by
+    per_sample = []
+    for s, record in enumerate(records):
+        lo, hi = int(offsets[s]), int(offsets[s + 1])
+        n = int(predicted_by[lo:hi].sum())
+        if n:
+            per_sample.append({"id": record["id"], "positions": n,
+                               "agreement": float(hits[lo:hi].sum()) / n,
+                               "mean_logprob": float(next_logprob[lo:hi][predicted_by[lo:hi]].mean())})
+    total = int(predicted_by.sum())
+    return {
+        "positions": total,
+        "agreement": float(hits.sum()) / total if total else None,
+        "mean_logprob": float(next_logprob[predicted_by].mean()) if total else None,
+        "worst": sorted(per_sample, key=lambda r: r["agreement"])[:worst],
+    }
+
+
+def estimate_bytes(records: list[dict], max_len: int, hidden_size: int, dtype: str) -> int:
+    tokens = sum(min(len(r["prompt_token_ids"]) + len(r["completion_token_ids"]), max_len)
+                 for r in records)
+    return tokens * shards.bytes_per_token(hidden_size, 3, dtype)
+
+
+def check_disk(directory: Path, needed: int) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(directory).free
+    if needed > free:
+        raise ExtractionError(
+            f"not enough disk for the hidden states: about {needed / 2**30:.2f} GiB still to "
+            f"write, {free / 2**30:.2f} GiB free on {directory}. Free space, point results_dir "
+            f"at a larger disk, or store fp8 shards (extract.dtype: fp8) to halve the bytes.")
+
+
+def is_greedy(records: list[dict]) -> bool:
+    return all((r.get("sampling") or {}).get("temperature", 0.0) == 0.0 for r in records)
+
+
+def extract_shard(target: Target, records: list[dict], cfg: dict, aux_layer_ids: list[int],
+                  identity: dict, shard_path: str | os.PathLike, meta_path: str | os.PathLike,
+                  progress: Progress | None = None) -> dict:
+    """Extract one shard and its sidecar JSON; raise below the teacher-agreement threshold."""
+    started = time.monotonic()
+    seqs, masks, truncated = [], [], 0
+    for record in records:
+        ids, mask, cut = sequence(record, cfg["max_len"])
+        seqs.append(ids)
+        masks.append(mask)
+        truncated += cut
+    lengths = [len(s) for s in seqs]
+    aux_rows: list[torch.Tensor | None] = [None] * len(seqs)
+    final_rows: list[torch.Tensor | None] = [None] * len(seqs)
+    capture = AuxCapture(decoder_layers(target.model), aux_layer_ids)
+    try:
+        for batch in token_budget_batches(lengths, cfg["batch_tokens"]):
+            aux, final = forward_batch(target, capture, [seqs[i] for i in batch])
+            start = 0
+            for i in batch:
+                aux_rows[i] = aux[start:start + lengths[i]].cpu()
+                final_rows[i] = final[start:start + lengths[i]].cpu()
+                start += lengths[i]
+            if progress is not None:
+                progress.advance(done=len(batch), tokens=sum(lengths[i] for i in batch))
+    finally:
+        capture.close()
+
+    input_ids = torch.tensor([t for s in seqs for t in s], dtype=torch.int64)
+    loss_mask = torch.tensor([m for ms in masks for m in ms], dtype=torch.uint8)
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
+    aux_all = torch.cat(aux_rows)
+    final_all = torch.cat(final_rows)
+
+    # the teacher as training will see it: from the final state after the storage cast
+    stored_final = _round_trip(final_all, cfg["dtype"])
+    teacher_argmax, next_logprob = teacher_from_stored(target, stored_final,
+                                                       torch.roll(input_ids, -1))
+    check = agreement(records, input_ids, loss_mask, offsets, teacher_argmax, next_logprob)
+
+    data = shards.encode(input_ids, loss_mask, offsets, teacher_argmax, aux_all, final_all,
+                         sample_ids=[r["id"] for r in records], aux_layer_ids=aux_layer_ids,
+                         dtype=cfg["dtype"], target=identity)
+    with atomic_open(shard_path, "wb") as handle:
+        handle.write(data)
+    elapsed = time.monotonic() - started
+    tensor_bytes = input_ids.numel() * shards.bytes_per_token(target.hidden_size, 3, cfg["dtype"])
+    meta = {
+        "file": Path(shard_path).name, "sha256": shards.sha256_bytes(data), "bytes": len(data),
+        "tensor_bytes": tensor_bytes, "samples": [r["id"] for r in records],
+        "num_samples": len(records), "tokens": int(input_ids.numel()),
+        "loss_tokens": int(loss_mask.sum()), "truncated": truncated, "dtype": cfg["dtype"],
+        "aux_layer_ids": aux_layer_ids, "hidden_size": target.hidden_size, "target": identity,
+        "greedy": is_greedy(records), "teacher": check, "elapsed_s": elapsed,
+        "tokens_per_s": input_ids.numel() / elapsed if elapsed else None,
+    }
+    write_json(meta_path, meta)
+    enforce_agreement(meta, cfg["min_teacher_agreement"])
+    return meta
+
+
+def _round_trip(x: torch.Tensor, dtype: str) -> torch.Tensor:
+    if dtype == "fp8":
+        return shards.dequantize_fp8(*shards.quantize_fp8(x, 1))
+    return x.to(shards.STORAGE_DTYPES[dtype]).float()
+
+
+def enforce_agreement(meta: dict, threshold: float) -> None:
+    check = meta["teacher"]
+    if not meta["greedy"] or check["agreement"] is None:
+        return  # sampled data: the mean log-probability is reported instead
+    if check["agreement"] >= threshold:
+        return
+    worst = "; ".join(f"{w['id']}: {w['agreement']:.2%} of {w['positions']}" for w in check["worst"])
+    raise ExtractionError(
+        f"teacher agreement {check['agreement']:.2%} in {meta['file']} is below "
+        f"extract.min_teacher_agreement={threshold:.2%}: the target run by transformers does not "
+        f"reproduce the tokens the server generated greedily. Worst samples: {worst}. Check that "
+        f"the server and extraction use the same weights, dtype (target.dtype) and tokenizer, "
+        f"and that prompt_token_ids came from the server (not re-tokenized).")
+
+
+# -- the stage -------------------------------------------------------------------------------
+
+def target_identity(target_info: dict) -> dict:
+    keys = ("spec", "path", "hub_id", "source_sha256", "config_sha256")
+    return {k: target_info[k] for k in keys if k in target_info}
+
+
+def shard_records(data_path: str, num_shards: int, index: int) -> list[dict]:
+    records = read_jsonl(data_path)
+    if num_shards > len(records) and records:
+        log.warning("%d shards for %d samples: some shards are empty (lower extract.num_shards)",
+                    num_shards, len(records))
+    lo, hi = shard_bounds(len(records), num_shards, index)
+    return records[lo:hi]
+
+
+def run_shard(cfg: dict, target_json: str, data_path: str, index: int, num_shards: int,
+              shard_path: str, meta_path: str, progress_path: str | None = None,
+              log_path: str | None = None) -> dict:
+    """The ``extract`` rule for one shard (``cfg`` holds ``extract`` and ``target``)."""
+    ext = cfg["extract"]
+    info = read_json(target_json)
+    records = shard_records(data_path, num_shards, index)
+    if not records:
+        raise ExtractionError(f"shard {index} of {num_shards} has no samples: lower "
+                              f"extract.num_shards to at most the number of samples")
+    target = load_target(info["path"], cfg["target"]["dtype"], ext["device"])
+    aux_ids = resolve_aux_layer_ids(ext["aux_layer_ids"], target.num_layers)
+    pending = [i for i in range(num_shards) if not shards.shard_path(Path(shard_path).parent, i).exists()]
+    all_records = read_jsonl(data_path)
+    needed = sum(estimate_bytes(all_records[slice(*shard_bounds(len(all_records), num_shards, i))],
+                                ext["max_len"], target.hidden_size, ext["dtype"]) for i in pending)
+    check_disk(Path(shard_path).parent, needed)
+    progress = Progress(f"extract[{index}]", total=len(records), path=progress_path,
+                        log_path=log_path)
+    meta = extract_shard(target, records, ext, aux_ids, target_identity(info), shard_path,
+                         meta_path, progress)
+    progress.report("finished")
+    log.info("shard %d: %d samples, %d tokens (%d truncated), %.1f MB, %.0f tokens/s, teacher "
+             "agreement %s", index, meta["num_samples"], meta["tokens"], meta["truncated"],
+             meta["bytes"] / 1e6, meta["tokens_per_s"] or 0,
+             f"{meta['teacher']['agreement']:.4f}" if meta["teacher"]["agreement"] is not None else "-")
+    return meta
+
+
+def shard_problem(meta_path: Path, shard_file: Path, expected: dict) -> str | None:
+    """Why a finished shard cannot be used as it is, or None when it matches."""
+    if not meta_path.exists() or not shard_file.exists():
+        return "missing"
+    meta = read_json(meta_path)
+    if shards.sha256_path(shard_file) != meta["sha256"]:
+        return "its sha256 does not match the one recorded at extraction (truncated or modified)"
+    for key in ("aux_layer_ids", "dtype", "target"):
+        if meta[key] != expected[key]:
+            return f"it was extracted with {key}={meta[key]!r}, the run now asks for {expected[key]!r}"
+    return None
+
+
+def build_manifest(cfg: dict, target_json: str, data_path: str, num_shards: int,
+                   hidden_dir: str, manifest_path: str) -> dict:
+    """Verify every shard (hash, layers, dtype, target), re-extract the ones that fail, and
+    write ``manifest.json``."""
+    from eaglet.target import load_text_config
+
+    ext = cfg["extract"]
+    info = read_json(target_json)
+    num_layers = load_text_config(info["path"]).num_hidden_layers
+    expected = {"aux_layer_ids": resolve_aux_layer_ids(ext["aux_layer_ids"], num_layers),
+                "dtype": ext["dtype"], "target": target_identity(info)}
+    target: Target | None = None
+    entries = []
+    for index in range(num_shards):
+        shard_file = shards.shard_path(hidden_dir, index)
+        meta_path = shard_file.with_suffix(".json")
+        problem = shard_problem(meta_path, shard_file, expected)
+        if problem:
+            log.warning("shard %d cannot be used: %s; extracting it again", index, problem)
+            if target is None:
+                target = load_target(info["path"], cfg["target"]["dtype"], ext["device"])
+            extract_shard(target, shard_records(data_path, num_shards, index), ext,
+                          expected["aux_layer_ids"], expected["target"], shard_file, meta_path)
+        entries.append(read_json(meta_path))
+    manifest = summarize(entries, expected, ext)
+    write_json(manifest_path, manifest)
+    log.info("manifest: %d shards, %d samples, %d tokens, %.1f MB, teacher agreement %s",
+             len(entries), manifest["num_samples"], manifest["tokens"], manifest["bytes"] / 1e6,
+             manifest["teacher_agreement"])
+    return manifest
+
+
+def summarize(entries: list[dict], expected: dict, ext: dict) -> dict:
+    positions = sum(e["teacher"]["positions"] for e in entries)
+    def weighted(key):
+        if not positions:
+            return None
+        return sum((e["teacher"][key] or 0) * e["teacher"]["positions"] for e in entries) / positions
+    tokens = sum(e["tokens"] for e in entries)
+    return {
+        "format": shards.FORMAT, "target": expected["target"],
+        "aux_layer_ids": expected["aux_layer_ids"], "dtype": expected["dtype"],
+        "hidden_size": entries[0]["hidden_size"] if entries else None,
+        "max_len": ext["max_len"], "num_shards": len(entries),
+        "num_samples": sum(e["num_samples"] for e in entries), "tokens": tokens,
+        "loss_tokens": sum(e["loss_tokens"] for e in entries),
+        "truncated": sum(e["truncated"] for e in entries),
+        "bytes": sum(e["bytes"] for e in entries),
+        "bytes_per_token": sum(e["bytes"] for e in entries) / tokens if tokens else None,
+        "greedy": all(e["greedy"] for e in entries),
+        "teacher_agreement": weighted("agreement"), "teacher_mean_logprob": weighted("mean_logprob"),
+        "shards": [{k: e[k] for k in ("file", "sha256", "bytes", "samples", "num_samples",
+                                      "tokens", "loss_tokens", "truncated", "teacher",
+                                      "tokens_per_s")} for e in entries],
+    }

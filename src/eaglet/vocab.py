@@ -1,0 +1,93 @@
+"""The draft vocabulary: the target tokens the drafter may propose.
+
+The drafter's lm_head covers only ``Vd`` tokens: the ``Vd`` most frequent completion tokens
+of the synthetic data, sorted by id. vLLM maps a draft index ``i`` back to a target id as
+``i + d2t[i]`` (an offset, not an id), and ``t2d`` marks which target ids are drafted.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import Counter
+from collections.abc import Iterable
+
+import torch
+from safetensors.torch import load_file, save
+
+from eaglet.io import atomic_open, write_json
+
+log = logging.getLogger("eaglet.vocab")
+
+
+def count_completion_tokens(records: Iterable[dict]) -> Counter:
+    counts: Counter = Counter()
+    for record in records:
+        counts.update(record["completion_token_ids"])
+    return counts
+
+
+def choose_draft_tokens(counts: Counter, vocab_size: int, draft_vocab_size: int) -> tuple[list[int], int]:
+    """The ``draft_vocab_size`` most frequent ids (ties: lower id first), sorted by id.
+
+    When fewer distinct tokens were seen, the rest is filled with the lowest unused ids
+    (deterministic); the number filled is returned beside the ids."""
+    if draft_vocab_size > vocab_size:
+        raise ValueError(f"vocab.draft_vocab_size {draft_vocab_size} exceeds the target's "
+                         f"vocabulary of {vocab_size} tokens; lower it")
+    bad = [t for t in counts if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"token ids {sorted(bad)[:5]} are outside the target's vocabulary "
+                         f"of {vocab_size}: the synthetic data comes from another tokenizer")
+    ranked = sorted(counts, key=lambda t: (-counts[t], t))[:draft_vocab_size]
+    chosen = set(ranked)
+    filled = 0
+    next_id = 0
+    while len(chosen) < draft_vocab_size:
+        if next_id not in chosen:
+            chosen.add(next_id)
+            filled += 1
+        next_id += 1
+    return sorted(chosen), filled
+
+
+def build_maps(draft_ids: list[int], vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.tensor(draft_ids, dtype=torch.int64)
+    d2t = ids - torch.arange(len(draft_ids), dtype=torch.int64)
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    return d2t, t2d
+
+
+def draft_to_target(d2t: torch.Tensor, draft_index: torch.Tensor) -> torch.Tensor:
+    return draft_index + d2t[draft_index]
+
+
+def build_vocab_map(records: list[dict], vocab_size: int, draft_vocab_size: int,
+                    out_path: str | os.PathLike, stats_path: str | os.PathLike) -> dict:
+    counts = count_completion_tokens(records)
+    total = sum(counts.values())
+    if not total:
+        raise ValueError("the synthetic data has no completion tokens to build a vocabulary from")
+    draft_ids, filled = choose_draft_tokens(counts, vocab_size, draft_vocab_size)
+    d2t, t2d = build_maps(draft_ids, vocab_size)
+    covered = sum(counts[t] for t in draft_ids)
+    stats = {"draft_vocab_size": draft_vocab_size, "target_vocab_size": vocab_size,
+             "distinct_completion_tokens": len(counts), "completion_tokens": total,
+             "coverage": covered / total, "filled": filled}
+    if filled:
+        log.info("only %d distinct completion tokens for a draft vocabulary of %d: filled %d "
+                 "slots with the lowest unused token ids", len(counts), draft_vocab_size, filled)
+    log.info("draft vocabulary of %d covers %.2f%% of %d completion tokens (%d distinct)",
+             draft_vocab_size, 100 * stats["coverage"], total, len(counts))
+    with atomic_open(out_path, "wb") as handle:
+        handle.write(save({"d2t": d2t, "t2d": t2d},
+                          metadata={"draft_vocab_size": str(draft_vocab_size),
+                                    "target_vocab_size": str(vocab_size)}))
+    write_json(stats_path, stats)
+    return stats
+
+
+def load_vocab_map(path: str | os.PathLike) -> tuple[torch.Tensor, torch.Tensor]:
+    tensors = load_file(str(path))
+    return tensors["d2t"], tensors["t2d"]

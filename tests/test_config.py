@@ -1,0 +1,189 @@
+"""Validation of run configurations against ``config_schema.yaml`` (``eaglet.config``)."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from eaglet.config import ConfigError, load, schema, validate
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SNAKEMAKE = REPO_ROOT / ".venv" / "bin" / "snakemake"
+
+
+def config_error(config: dict) -> str:
+    """The message of the ConfigError that validating ``config`` raises."""
+    with pytest.raises(ConfigError) as info:
+        validate(config)
+    return str(info.value)
+
+
+def defaulted_paths(properties: dict, prefix: str = "") -> list[str]:
+    """Dotted paths of every schema key with a default, nested objects included."""
+    paths = []
+    for key, sub in properties.items():
+        path = prefix + key
+        if "default" in sub:
+            paths.append(path)
+        paths += defaulted_paths(sub.get("properties", {}), path + ".")
+    return paths
+
+
+def lookup(cfg: dict, path: str):
+    for key in path.split("."):
+        cfg = cfg[key]
+    return cfg
+
+
+# -- valid configurations --------------------------------------------------------------------
+
+@pytest.mark.parametrize("path", ["config.yaml", "tests/configs/tiny.yaml"])
+def test_repo_configs_validate(path):
+    cfg = load(str(REPO_ROOT / path))
+
+    assert set(cfg) == {"results_dir", "target", "server", "data", "generate"}
+
+
+def test_repo_config_values_survive_validation():
+    cfg = load(str(REPO_ROOT / "config.yaml"))
+
+    assert cfg["server"]["memory_utilization"] == 0.4
+    assert cfg["generate"]["max_tokens"] == 384  # not the schema's default of 512
+
+
+def test_empty_config_gets_every_default():
+    cfg = validate({})
+
+    for path in defaulted_paths(schema()["properties"]):
+        lookup(cfg, path)  # KeyError if a default was not filled
+    assert cfg["results_dir"] == "results"
+    assert cfg["target"]["dtype"] == "float32"
+    assert cfg["server"]["port"] == 0
+    assert cfg["server"]["extra_args"] == []
+    assert cfg["generate"]["concurrency"] == 32
+    assert cfg["generate"]["max_tokens"] == 512
+    assert cfg["data"]["eval_fraction"] == 0.1
+    # the default source, with the defaults of the source schema filled in as well
+    assert [source["type"] for source in cfg["data"]["sources"]] == ["humaneval"]
+
+
+def test_given_values_are_kept_and_siblings_defaulted():
+    cfg = validate({"generate": {"concurrency": 4}, "server": {"port": 8123}})
+
+    assert cfg["generate"]["concurrency"] == 4
+    assert cfg["generate"]["temperature"] == 0.0
+    assert cfg["server"]["port"] == 8123
+    assert cfg["server"]["enforce_eager"] is True
+
+
+def test_source_defaults_are_filled():
+    cfg = validate({"data": {"sources": [{"type": "hf", "name": "org/set", "text_field": "q"}]}})
+
+    assert cfg["data"]["sources"] == [{
+        "type": "hf", "name": "org/set", "text_field": "q",
+        "split": "train", "role_field": "role", "content_field": "content",
+    }]
+
+
+def test_validate_does_not_mutate_its_input():
+    config = {"generate": {"concurrency": 4}, "data": {"sources": [{"type": "humaneval"}]}}
+    original = copy.deepcopy(config)
+
+    validate(config)
+
+    assert config == original
+
+
+# -- invalid configurations ------------------------------------------------------------------
+
+def test_unknown_top_level_key_names_it_and_the_allowed_keys():
+    message = config_error({"bogus": 1})
+
+    assert "unknown key bogus under (top level)" in message
+    assert "allowed keys: data, generate, results_dir, server, target" in message
+
+
+def test_unknown_nested_key_names_it_and_the_allowed_keys():
+    message = config_error({"generate": {"temprature": 0.5}})
+
+    assert "unknown key temprature under generate" in message
+    allowed = message.split("allowed keys:", 1)[1]
+    assert "temperature" in allowed and "concurrency" in allowed
+
+
+def test_bad_enum_names_the_allowed_values():
+    message = config_error({"target": {"dtype": "fp64"}})
+
+    assert "target.dtype" in message and "'fp64'" in message
+    for value in ("auto", "float32", "bfloat16", "float16"):
+        assert value in message
+
+
+def test_bad_type_names_the_key_path():
+    message = config_error({"generate": {"concurrency": "many"}})
+
+    assert "generate.concurrency: 'many' is not of type integer" in message
+
+
+def test_out_of_range_value_names_the_key_path():
+    message = config_error({"generate": {"concurrency": 0}})
+
+    assert "generate.concurrency" in message and "minimum" in message
+
+
+@pytest.mark.parametrize(("config", "path"), [
+    ({"server": {"port": 70000}}, "server.port"),
+    ({"server": {"memory_utilization": 0}}, "server.memory_utilization"),
+    ({"data": {"eval_fraction": 1}}, "data.eval_fraction"),
+    ({"data": {"sources": []}}, "data.sources"),
+])
+def test_range_limits_of_other_keys(config, path):
+    assert path in config_error(config)
+
+
+def test_unknown_key_in_a_data_source_is_rejected():
+    message = config_error({"data": {"sources": [{"type": "file", "pth": "x.jsonl"}]}})
+
+    assert "unknown key pth under data.sources.0" in message
+    assert "path" in message.split("allowed keys:", 1)[1]
+
+
+def test_data_source_needs_a_known_type():
+    assert "data.sources.0" in config_error({"data": {"sources": [{"path": "x.jsonl"}]}})
+    assert "'csv'" in config_error({"data": {"sources": [{"type": "csv"}]}})
+
+
+def test_every_error_is_reported_at_once():
+    message = config_error({"bogus": 1, "generate": {"concurrency": 0}})
+
+    assert "bogus" in message and "generate.concurrency" in message
+
+
+# -- the Snakefile validates -----------------------------------------------------------------
+
+def snakemake_dry_run(tmp_path, config: dict) -> subprocess.CompletedProcess:
+    configfile = tmp_path / "config.yaml"
+    configfile.write_text(yaml.safe_dump(config))
+    return subprocess.run(
+        [str(SNAKEMAKE), "-n", "--cores", "1", "--configfile", str(configfile),
+         "--config", f"results_dir={tmp_path / 'results'}"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_snakefile_rejects_an_unknown_key(tmp_path):
+    run = snakemake_dry_run(tmp_path, {"generate": {"temprature": 0.5}})
+
+    output = run.stdout + run.stderr
+    assert run.returncode != 0, output
+    assert "ConfigError" in output
+    assert "unknown key temprature under generate" in output
+
+
+def test_snakefile_accepts_a_valid_config(tmp_path):
+    run = snakemake_dry_run(tmp_path, {"generate": {"temperature": 0.5}})
+
+    assert run.returncode == 0, run.stdout + run.stderr
