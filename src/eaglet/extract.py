@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from eaglet import shards
+from eaglet import rates, shards
 from eaglet.io import atomic_open, read_json, read_jsonl, write_json
 from eaglet.progress import Progress
 
@@ -98,7 +98,7 @@ class AuxCapture:
     def __init__(self, layers: torch.nn.ModuleList, layer_ids: list[int]):
         self.captured: dict[int, torch.Tensor] = {}
         self.handles = [layers[i].register_forward_pre_hook(self._hook(i), with_kwargs=True)
-                        for i in layer_ids]
+                        for i in dict.fromkeys(layer_ids)]
         self.layer_ids = layer_ids
 
     def _hook(self, layer_id: int):
@@ -108,7 +108,8 @@ class AuxCapture:
         return hook
 
     def take(self) -> list[torch.Tensor]:
-        out = [self.captured.pop(i) for i in self.layer_ids]
+        out = [self.captured[i] for i in self.layer_ids]  # an id may repeat on small models
+        self.captured.clear()
         return out
 
     def close(self) -> None:
@@ -218,9 +219,16 @@ def check_disk(directory: Path, needed: int) -> None:
     free = shutil.disk_usage(directory).free
     if needed > free:
         raise ExtractionError(
-            f"not enough disk for the hidden states: about {needed / 2**30:.2f} GiB still to "
-            f"write, {free / 2**30:.2f} GiB free on {directory}. Free space, point results_dir "
+            f"not enough disk for the hidden states: about {_size(needed)} still to "
+            f"write, {_size(free)} free on {directory}. Free space, point results_dir "
             f"at a larger disk, or store fp8 shards (extract.dtype: fp8) to halve the bytes.")
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} bytes"
 
 
 def is_greedy(records: list[dict]) -> bool:
@@ -347,6 +355,7 @@ def run_shard(cfg: dict, target_json: str, data_path: str, index: int, num_shard
     meta = extract_shard(target, records, ext, aux_ids, target_identity(info), shard_path,
                          meta_path, progress)
     progress.report("finished")
+    rates.record("extract", info["spec"], tokens_per_s=meta["tokens_per_s"])
     log.info("shard %d: %d samples, %d tokens (%d truncated), %.1f MB, %.0f tokens/s, teacher "
              "agreement %s", index, meta["num_samples"], meta["tokens"], meta["truncated"],
              meta["bytes"] / 1e6, meta["tokens_per_s"] or 0,
@@ -358,7 +367,10 @@ def shard_problem(meta_path: Path, shard_file: Path, expected: dict) -> str | No
     """Why a finished shard cannot be used as it is, or None when it matches."""
     if not meta_path.exists() or not shard_file.exists():
         return "missing"
-    meta = read_json(meta_path)
+    try:
+        meta = read_json(meta_path)
+    except ValueError:
+        return f"its record {meta_path.name} is unreadable"
     if shards.sha256_path(shard_file) != meta["sha256"]:
         return "its sha256 does not match the one recorded at extraction (truncated or modified)"
     for key in ("aux_layer_ids", "dtype", "target"):
@@ -390,7 +402,9 @@ def build_manifest(cfg: dict, target_json: str, data_path: str, num_shards: int,
                 target = load_target(info["path"], cfg["target"]["dtype"], ext["device"])
             extract_shard(target, shard_records(data_path, num_shards, index), ext,
                           expected["aux_layer_ids"], expected["target"], shard_file, meta_path)
-        entries.append(read_json(meta_path))
+        entry = read_json(meta_path)
+        enforce_agreement(entry, ext["min_teacher_agreement"])
+        entries.append(entry)
     manifest = summarize(entries, expected, ext)
     write_json(manifest_path, manifest)
     log.info("manifest: %d shards, %d samples, %d tokens, %.1f MB, teacher agreement %s",

@@ -92,6 +92,7 @@ class VLLMServer:
     module: str = SERVER_MODULE
 
     proc: subprocess.Popen | None = field(default=None, init=False)
+    ready_after_s: float | None = field(default=None, init=False)
 
     @property
     def url(self) -> str:
@@ -136,7 +137,8 @@ class VLLMServer:
                     f"the vLLM server exited with code {code} before it was ready.\n"
                     f"--- last lines of {self.log_path} ---\n{log_tail(self.log_path)}")
             if self.healthy():
-                log.info("server ready at %s after %.0f s", self.url, time.monotonic() - started)
+                self.ready_after_s = time.monotonic() - started
+                log.info("server ready at %s after %.0f s", self.url, self.ready_after_s)
                 return
             if time.monotonic() > deadline:
                 raise ServerError(

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,7 +100,17 @@ def encode(input_ids, loss_mask, offsets, teacher_argmax, aux_hidden, final_hidd
                 "aux_layer_ids": json.dumps(list(aux_layer_ids)),
                 "sample_ids": json.dumps(list(sample_ids)),
                 "target": json.dumps(target, sort_keys=True)}
-    return save(tensors, metadata=metadata)
+    return _sorted_header(save(tensors, metadata=metadata))
+
+
+def _sorted_header(data: bytes) -> bytes:
+    """safetensors writes the metadata in no fixed order; sort it so that equal shards are
+    equal bytes (and a rebuilt shard has the sha256 of the original)."""
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + n])
+    header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    return data[:8] + text.ljust(n, b" ") + data[8 + n:]
 
 
 def read_metadata(path: str | os.PathLike) -> dict:

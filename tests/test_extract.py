@@ -1,0 +1,554 @@
+"""Hidden-state extraction on a tiny random Llama: layer-id semantics, padding, batching,
+the teacher-agreement check against greedy data, fp8 storage, and the manifest's resume and
+corruption handling."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import eaglet.extract as extract_mod
+from eaglet import shards
+from eaglet.config import validate
+from eaglet.extract import (
+    AuxCapture,
+    ExtractionError,
+    Target,
+    build_manifest,
+    check_disk,
+    decoder_layers,
+    default_aux_layer_ids,
+    extract_shard,
+    forward_batch,
+    load_target,
+    resolve_aux_layer_ids,
+    run_shard,
+    sequence,
+    shard_bounds,
+    target_identity,
+    token_budget_batches,
+)
+from eaglet.io import read_json, write_json, write_jsonl
+from eaglet.target import prepare_target
+from tests.tiny_llama import (
+    LAYERS,
+    greedy_records,
+    make_tiny_llama,
+    one_thread,
+    random_records,
+    record,
+)
+
+# ids of three distinct layers of the 6-layer model (its vLLM default is (2, 3, 3); see
+# test_default_aux_ids_of_a_six_layer_model_extract)
+AUX = [1, 3, 4]
+
+
+def ext_cfg(**overrides) -> dict:
+    base = {"device": "cpu", "dtype": "float32", "max_len": 64, "batch_tokens": 48,
+            "num_shards": 2, "aux_layer_ids": AUX}
+    base.update(overrides)
+    return validate({"extract": base})["extract"]
+
+
+# -- fixtures --------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    with one_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    model_dir = root / "model"
+    model = make_tiny_llama(model_dir, seed=0)
+    info = prepare_target(str(model_dir), root / "target")
+    return SimpleNamespace(model=model, dir=model_dir, info=info,
+                           target_json=root / "target" / "target.json")
+
+
+@pytest.fixture(scope="module")
+def target(tiny) -> Target:
+    return load_target(str(tiny.dir), "float32", "cpu")
+
+
+@pytest.fixture(scope="module")
+def greedy(tiny) -> list[dict]:
+    return greedy_records(tiny.model, n=6, seed=0)
+
+
+@torch.inference_mode()
+def reference_states(model, ids: list[int]):
+    """HF's own hidden_states (all L+1 of them) and logits of one unpadded sequence."""
+    out = model(input_ids=torch.tensor([ids]), output_hidden_states=True, use_cache=False)
+    return [h[0] for h in out.hidden_states], out.logits[0]
+
+
+# -- layer ids -------------------------------------------------------------------------------
+
+def test_aux_id_i_is_the_input_of_decoder_layer_i(target):
+    ids = [5, 17, 42, 99, 3, 250, 7, 1]
+    hidden_states, logits = reference_states(target.model, ids)
+    assert len(hidden_states) == LAYERS + 1
+    for layer_ids in ([0, 2, 5], [1, 3, 4]):
+        capture = AuxCapture(decoder_layers(target.model), layer_ids)
+        try:
+            aux, final = forward_batch(target, capture, [ids])
+        finally:
+            capture.close()
+        assert aux.shape == (len(ids), 3 * target.hidden_size)
+        for k, layer in enumerate(layer_ids):
+            got = aux[:, k * target.hidden_size:(k + 1) * target.hidden_size]
+            torch.testing.assert_close(got, hidden_states[layer], rtol=0, atol=1e-6)
+    # id 0 is the embedding output itself
+    torch.testing.assert_close(hidden_states[0], target.model.get_input_embeddings()(torch.tensor(ids)),
+                               rtol=0, atol=0)
+    # the final state is what lm_head reads (after the final norm); in transformers 5.19 that is
+    # also hidden_states[-1], which is therefore *not* the output of the last decoder layer
+    torch.testing.assert_close(final, hidden_states[-1], rtol=0, atol=1e-6)
+    torch.testing.assert_close(final @ target.lm_head.T, logits, rtol=0, atol=1e-5)
+    assert target.lm_head.shape == (300, 64) and target.vocab_size == 300
+    assert target.num_layers == LAYERS and target.hidden_size == 64
+    # the hooks are gone after close
+    assert all(not layer._forward_pre_hooks for layer in decoder_layers(target.model))
+
+
+def test_right_padding_does_not_change_any_sequence(target):
+    seqs = [[3, 9, 27], list(range(40, 57)), [200, 1, 5, 8, 13, 21, 34, 55, 89]]
+    capture = AuxCapture(decoder_layers(target.model), AUX)
+    try:
+        aux, final = forward_batch(target, capture, seqs)
+        alone = [forward_batch(target, capture, [s]) for s in seqs]
+    finally:
+        capture.close()
+    assert aux.shape == (sum(map(len, seqs)), 3 * 64) and final.shape == (29, 64)
+    start = 0
+    for s, (aux1, final1) in zip(seqs, alone):
+        torch.testing.assert_close(aux[start:start + len(s)], aux1, rtol=0, atol=1e-5)
+        torch.testing.assert_close(final[start:start + len(s)], final1, rtol=0, atol=1e-5)
+        start += len(s)
+    assert not capture.captured  # everything taken, nothing left over for the next batch
+
+
+def test_resolve_aux_layer_ids():
+    assert default_aux_layer_ids(30) == [2, 15, 27]
+    assert default_aux_layer_ids(32) == [2, 16, 29]
+    assert resolve_aux_layer_ids(None, 30) == [2, 15, 27]
+    assert resolve_aux_layer_ids([], 30) == [2, 15, 27]
+    assert resolve_aux_layer_ids([0, 1, 29], 30) == [0, 1, 29]
+    with pytest.raises(ExtractionError, match=r"\[30\] are outside 0\.\.29"):
+        resolve_aux_layer_ids([2, 15, 30], 30)
+    with pytest.raises(ExtractionError, match=r"\[-1\]"):
+        resolve_aux_layer_ids([-1, 15, 27], 30)
+    for wrong in ([2, 15], [2, 15, 27, 28]):
+        with pytest.raises(ExtractionError, match=r"extract\.aux_layer_ids needs 3"):
+            resolve_aux_layer_ids(wrong, 30)
+    with pytest.raises(ExtractionError, match="outside"):  # too few layers for the default
+        resolve_aux_layer_ids(None, 2)
+
+
+def test_default_aux_ids_of_a_six_layer_model_extract(target):
+    ids = resolve_aux_layer_ids(None, LAYERS)
+    assert ids == [2, 3, 3]
+    capture = AuxCapture(decoder_layers(target.model), ids)
+    try:
+        aux, _ = forward_batch(target, capture, [[1, 2, 3, 4]])
+    finally:
+        capture.close()
+    assert torch.equal(aux[:, 64:128], aux[:, 128:])
+
+
+# -- batching and bounds ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("budget", [1, 16, 100, 1000])
+def test_token_budget_batches(seed, budget):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 120, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g).tolist()
+    batches = token_budget_batches(lengths, budget)
+    flat = [i for b in batches for i in b]
+    assert sorted(flat) == list(range(len(lengths)))                       # every index once
+    assert flat == sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))  # longest first
+    for batch in batches:
+        padded = max(lengths[i] for i in batch) * len(batch)
+        assert padded <= budget or len(batch) == 1                        # within the budget
+        if max(lengths[i] for i in batch) > budget:
+            assert len(batch) == 1                                        # too long: alone
+
+
+def test_token_budget_batches_examples():
+    assert token_budget_batches([5, 100, 5, 5], 50) == [[1], [0, 2, 3]]
+    assert token_budget_batches([10, 10, 10, 10], 20) == [[0, 1], [2, 3]]
+    assert token_budget_batches([10, 10, 10], 29) == [[0, 1], [2]]
+    assert token_budget_batches([], 10) == []
+
+
+@pytest.mark.parametrize("num_shards", [1, 2, 3, 4, 7, 16])
+@pytest.mark.parametrize("num_samples", [0, 1, 5, 16, 17, 433])
+def test_shard_bounds_cover_everything_once(num_samples, num_shards):
+    bounds = [shard_bounds(num_samples, num_shards, i) for i in range(num_shards)]
+    assert bounds[0][0] == 0 and bounds[-1][1] == num_samples
+    for (_, hi), (lo, _) in zip(bounds, bounds[1:]):
+        assert hi == lo                                                   # contiguous
+    sizes = [hi - lo for lo, hi in bounds]
+    assert max(sizes) - min(sizes) <= 1                                   # balanced
+    assert [i for lo, hi in bounds for i in range(lo, hi)] == list(range(num_samples))
+
+
+def test_sequence_mask_and_truncation():
+    r = record("p-1", [1, 2, 3], [4, 5, 6, 7])
+    assert sequence(r, 100) == ([1, 2, 3, 4, 5, 6, 7], [0, 0, 0, 1, 1, 1, 1], False)
+    assert sequence(r, 7) == ([1, 2, 3, 4, 5, 6, 7], [0, 0, 0, 1, 1, 1, 1], False)
+    assert sequence(r, 5) == ([1, 2, 3, 4, 5], [0, 0, 0, 1, 1], True)
+    assert sequence(r, 2) == ([1, 2], [0, 0], True)
+    assert sequence(record("p-2", [], [9, 8]), 10) == ([9, 8], [1, 1], False)
+
+
+# -- extract_shard ---------------------------------------------------------------------------
+
+def extract(target, records, tmp_path, name="shard_00000", aux=AUX, identity=None, **cfg):
+    path = tmp_path / f"{name}.safetensors"
+    meta = extract_shard(target, records, ext_cfg(**cfg), aux, identity or {"spec": "tiny"},
+                         path, path.with_suffix(".json"))
+    return meta, path
+
+
+@pytest.fixture(scope="module")
+def greedy_shard(target, greedy, tmp_path_factory):
+    meta, path = extract(target, greedy, tmp_path_factory.mktemp("greedy"))
+    return SimpleNamespace(meta=meta, path=path, shard=shards.load(path))
+
+
+def test_greedy_shard_contents(greedy_shard, greedy):
+    shard, meta = greedy_shard.shard, greedy_shard.meta
+    ids = [t for r in greedy for t in r["prompt_token_ids"] + r["completion_token_ids"]]
+    mask = [m for r in greedy for m in [0] * len(r["prompt_token_ids"]) + [1] * len(r["completion_token_ids"])]
+    lengths = [len(r["prompt_token_ids"]) + len(r["completion_token_ids"]) for r in greedy]
+    # the fixture exercises padded multi-sequence batches (of unequal lengths)
+    assert any(len(b) > 1 and len({lengths[i] for i in b}) > 1
+               for b in token_budget_batches(lengths, ext_cfg()["batch_tokens"]))
+    assert shard.input_ids.tolist() == ids                    # in record order, not batch order
+    assert shard.loss_mask.tolist() == mask
+    assert shard.offsets.tolist() == [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    assert shard.sample_ids == [r["id"] for r in greedy]
+    assert shard.aux_layer_ids == AUX and shard.dtype == "float32"
+    assert shard.target == {"spec": "tiny"}
+    completion = sum(len(r["completion_token_ids"]) for r in greedy)
+    assert meta["tokens"] == len(ids) and meta["loss_tokens"] == completion
+    assert meta["num_samples"] == 6 and meta["samples"] == shard.sample_ids
+    assert meta["truncated"] == 0 and meta["greedy"] is True
+    assert meta["sha256"] == shards.sha256_path(greedy_shard.path)
+    assert meta["bytes"] == greedy_shard.path.stat().st_size
+    assert meta["tensor_bytes"] == len(ids) * shards.bytes_per_token(64, 3, "float32")
+    assert read_json(greedy_shard.path.with_suffix(".json")) == meta
+
+
+def test_greedy_shard_teacher_agrees(greedy_shard, greedy):
+    teacher = greedy_shard.meta["teacher"]
+    # every completion token is predicted by the position before it (prompts are non-empty)
+    assert teacher["positions"] == sum(len(r["completion_token_ids"]) for r in greedy)
+    assert teacher["agreement"] == 1.0
+    # the argmax token has probability >= 1/V
+    assert -math.log(300) <= teacher["mean_logprob"] < 0
+    assert all(w["agreement"] == 1.0 and w["mean_logprob"] >= -math.log(300) for w in teacher["worst"])
+    assert len(teacher["worst"]) == 5
+
+
+def test_stored_states_match_each_sequence_alone(greedy_shard, greedy, target):
+    shard = greedy_shard.shard
+    for s, r in enumerate(greedy):
+        hidden_states, logits = reference_states(target.model, r["prompt_token_ids"] + r["completion_token_ids"])
+        rows = shard.sample(s)
+        want_aux = torch.cat([hidden_states[i] for i in AUX], dim=-1)
+        torch.testing.assert_close(shard.aux_hidden[rows], want_aux, rtol=0, atol=1e-5)
+        torch.testing.assert_close(shard.final_hidden[rows], hidden_states[-1], rtol=0, atol=1e-5)
+        assert torch.equal(shard.teacher_argmax[rows], logits.argmax(-1))
+
+
+def test_teacher_argmax_is_argmax_of_the_stored_final_state(greedy_shard, target):
+    shard = greedy_shard.shard
+    assert torch.equal(shard.teacher_argmax, (shard.final_hidden @ target.lm_head.T).argmax(-1))
+
+
+def test_truncation_is_counted(target, greedy, tmp_path):
+    meta, path = extract(target, greedy[:3], tmp_path, max_len=12)
+    shard = shards.load(path)
+    full = [len(r["prompt_token_ids"]) + len(r["completion_token_ids"]) for r in greedy[:3]]
+    assert meta["truncated"] == sum(n > 12 for n in full) > 0
+    assert shard.offsets.diff().tolist() == [min(n, 12) for n in full]
+    for s, r in enumerate(greedy[:3]):
+        assert shard.input_ids[shard.sample(s)].tolist() == (r["prompt_token_ids"] + r["completion_token_ids"])[:12]
+    assert meta["teacher"]["agreement"] == 1.0
+
+
+def test_random_completions_fail_the_greedy_check(target, greedy, tmp_path):
+    wrong = random_records(n=2, seed=7)
+    records = greedy[:4] + wrong
+    with pytest.raises(ExtractionError) as info:
+        extract(target, records, tmp_path)
+    message = str(info.value)
+    assert "extract.min_teacher_agreement=99.00%" in message
+    for r in wrong:
+        assert r["id"] in message
+    # the worst samples are named first (five at most)
+    named = [r["id"] for r in greedy[:4] if r["id"] in message]
+    assert len(named) == 3
+    assert message.index("Worst samples:") < max(message.index(r["id"]) for r in wrong) \
+        < min(message.index(i) for i in named)
+    meta = read_json(tmp_path / "shard_00000.json")
+    assert meta["teacher"]["agreement"] < 0.8
+    assert {w["id"] for w in meta["teacher"]["worst"][:2]} == {r["id"] for r in wrong}
+
+
+def test_random_completions_alone_fail_too(target, tmp_path):
+    with pytest.raises(ExtractionError, match=r"teacher agreement \d+\.\d+% .* is below"):
+        extract(target, random_records(n=3, seed=11), tmp_path)
+
+
+def test_sampled_records_are_reported_not_enforced(target, tmp_path):
+    sampled = random_records(n=3, seed=5, temperature=0.8)
+    meta, _ = extract(target, sampled, tmp_path)
+    assert meta["greedy"] is False
+    teacher = meta["teacher"]
+    assert 0 <= teacher["agreement"] < 0.5
+    assert teacher["positions"] == sum(len(r["completion_token_ids"]) for r in sampled)
+    # random tokens from a near-uniform 300-way distribution: log-prob near -log(300)
+    assert -8 < teacher["mean_logprob"] < -3
+
+
+def test_threshold_is_configurable(target, greedy, tmp_path):
+    records = greedy[:4] + random_records(n=2, seed=7)
+    meta, _ = extract(target, records, tmp_path, min_teacher_agreement=0.5)
+    assert 0.5 <= meta["teacher"]["agreement"] < 0.99
+
+
+def test_fp8_shards_are_smaller_and_still_agree(target, greedy, tmp_path):
+    metas = {}
+    for dtype in ("float32", "bfloat16", "fp8"):
+        meta, path = extract(target, greedy, tmp_path, name=f"shard_{dtype}", dtype=dtype,
+                             min_teacher_agreement=0.0)
+        shard = shards.load(path)
+        # the stored teacher is the argmax of what training will read back
+        assert torch.equal(shard.teacher_argmax, (shard.final_hidden @ target.lm_head.T).argmax(-1))
+        metas[dtype] = meta
+    ratio = metas["fp8"]["bytes"] / metas["bfloat16"]["bytes"]
+    summary = (f"\n[fp8 vs bf16] bytes fp8={metas['fp8']['bytes']} bf16={metas['bfloat16']['bytes']} "
+               f"f32={metas['float32']['bytes']} ratio={ratio:.3f}; agreement "
+               + " ".join(f"{d}={m['teacher']['agreement']:.4f}/{m['teacher']['mean_logprob']:.4f}"
+                          for d, m in metas.items()))
+    print(summary)  # shown with -s or on failure
+    assert 0.5 <= ratio <= 0.6, summary
+    assert metas["float32"]["teacher"]["agreement"] == 1.0
+    assert metas["bfloat16"]["teacher"]["agreement"] >= 0.9
+    assert metas["fp8"]["teacher"]["agreement"] >= 0.9, summary
+    for meta in metas.values():
+        assert meta["teacher"]["mean_logprob"] == pytest.approx(
+            metas["float32"]["teacher"]["mean_logprob"], abs=0.05)
+
+
+# -- disk ------------------------------------------------------------------------------------
+
+def test_check_disk_names_both_numbers(tmp_path, monkeypatch):
+    free = 3 * 2**30
+    monkeypatch.setattr(extract_mod.shutil, "disk_usage",
+                        lambda path: SimpleNamespace(total=10 * 2**30, used=7 * 2**30, free=free))
+    check_disk(tmp_path / "hidden", free)  # exactly enough is enough
+    assert (tmp_path / "hidden").is_dir()
+    with pytest.raises(ExtractionError) as info:
+        check_disk(tmp_path / "hidden", int(7.5 * 2**30))
+    assert "7.50 GiB" in str(info.value) and "3.00 GiB" in str(info.value)
+    assert "extract.dtype: fp8" in str(info.value)
+
+
+# -- the stage: run_shard, build_manifest ----------------------------------------------------
+
+def stage_cfg(**overrides) -> dict:
+    return {"extract": ext_cfg(**overrides), "target": {"dtype": "float32"}}
+
+
+@pytest.fixture(scope="module")
+def extracted(tiny, greedy, tmp_path_factory):
+    """Two shards of the greedy records, extracted by the rule's entry point."""
+    root = tmp_path_factory.mktemp("stage")
+    data = root / "synthetic" / "train.jsonl"
+    write_jsonl(data, greedy)
+    hidden = root / "hidden"
+    metas = [run_shard(stage_cfg(), str(tiny.target_json), str(data), i, 2,
+                       str(shards.shard_path(hidden, i)),
+                       str(shards.shard_path(hidden, i).with_suffix(".json")),
+                       progress_path=str(root / "progress" / f"extract_{i}.json"))
+             for i in range(2)]
+    return SimpleNamespace(root=root, data=data, hidden=hidden, metas=metas,
+                           sha=[m["sha256"] for m in metas])
+
+
+@pytest.fixture
+def hidden_copy(extracted, tmp_path):
+    dst = tmp_path / "hidden"
+    shutil.copytree(extracted.hidden, dst)
+    return dst
+
+
+@pytest.fixture
+def extract_calls(monkeypatch):
+    """Names of the shards that build_manifest extracts again."""
+    calls = []
+    real = extract_mod.extract_shard
+
+    def counting(target, records, cfg, aux_layer_ids, identity, shard_path, meta_path, progress=None):
+        calls.append(Path(shard_path).name)
+        return real(target, records, cfg, aux_layer_ids, identity, shard_path, meta_path, progress)
+
+    monkeypatch.setattr(extract_mod, "extract_shard", counting)
+    return calls
+
+
+def manifest_of(tiny, extracted, hidden, cfg=None, target_json=None):
+    return build_manifest(cfg or stage_cfg(), str(target_json or tiny.target_json),
+                          str(extracted.data), 2, str(hidden), str(hidden / "manifest.json"))
+
+
+def assert_same_shard(a: Path, b: Path) -> None:
+    """Same tensors and same header content (the bytes may differ: see
+    test_rebuilt_shards_are_byte_identical)."""
+    assert shards.read_metadata(a) == shards.read_metadata(b)
+    sa, sb = shards.load(a), shards.load(b)
+    for name in ("input_ids", "loss_mask", "offsets", "teacher_argmax", "aux_hidden", "final_hidden"):
+        assert torch.equal(getattr(sa, name), getattr(sb, name)), name
+
+
+def test_rebuilt_shards_are_byte_identical(target, greedy, tmp_path):
+    hashes = {extract(target, greedy[:2], tmp_path, name=f"shard_{k}")[0]["sha256"] for k in range(4)}
+    assert len(hashes) == 1
+
+
+def test_run_shard_writes_contiguous_blocks(extracted, greedy, tiny):
+    assert [m["samples"] for m in extracted.metas] == [[r["id"] for r in greedy[:3]],
+                                                       [r["id"] for r in greedy[3:]]]
+    for i, meta in enumerate(extracted.metas):
+        shard = shards.load(shards.shard_path(extracted.hidden, i))
+        assert shard.target == target_identity(tiny.info)
+        assert shard.target["config_sha256"] == tiny.info["config_sha256"]
+        assert meta["teacher"]["agreement"] == 1.0
+        progress = read_json(extracted.root / "progress" / f"extract_{i}.json")
+        assert progress["state"] == "finished" and progress["done"] == 3
+
+
+def test_manifest_reuses_matching_shards(tiny, extracted, hidden_copy, extract_calls, monkeypatch):
+    before = [os.stat(shards.shard_path(hidden_copy, i)) for i in range(2)]
+    monkeypatch.setattr(extract_mod, "load_target",
+                        lambda *a, **k: pytest.fail("loaded the target with nothing to extract"))
+    manifest = manifest_of(tiny, extracted, hidden_copy)
+    assert extract_calls == []
+    after = [os.stat(shards.shard_path(hidden_copy, i)) for i in range(2)]
+    assert [(s.st_ino, s.st_mtime_ns) for s in before] == [(s.st_ino, s.st_mtime_ns) for s in after]
+    assert read_json(hidden_copy / "manifest.json") == manifest
+    # totals are the sums over the shards
+    metas = extracted.metas
+    assert manifest["num_shards"] == 2
+    for key in ("num_samples", "tokens", "loss_tokens", "truncated", "bytes"):
+        assert manifest[key] == sum(m[key] for m in metas), key
+    assert manifest["bytes_per_token"] == pytest.approx(manifest["bytes"] / manifest["tokens"])
+    assert [s["sha256"] for s in manifest["shards"]] == extracted.sha
+    assert manifest["aux_layer_ids"] == AUX and manifest["dtype"] == "float32"
+    assert manifest["hidden_size"] == 64 and manifest["max_len"] == 64
+    assert manifest["target"] == target_identity(tiny.info)
+    assert manifest["greedy"] is True and manifest["teacher_agreement"] == 1.0
+    positions = sum(m["teacher"]["positions"] for m in metas)
+    assert manifest["teacher_mean_logprob"] == pytest.approx(
+        sum(m["teacher"]["mean_logprob"] * m["teacher"]["positions"] for m in metas) / positions)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete", "delete_sidecar"])
+def test_manifest_rebuilds_exactly_the_damaged_shard(tiny, extracted, hidden_copy, extract_calls, damage):
+    bad = shards.shard_path(hidden_copy, 1)
+    good_stat = os.stat(shards.shard_path(hidden_copy, 0))
+    data = bad.read_bytes()
+    if damage == "truncate":
+        bad.write_bytes(data[:len(data) - 100])
+    elif damage == "flip":
+        flipped = bytearray(data)
+        flipped[len(data) // 2] ^= 0x01
+        bad.write_bytes(bytes(flipped))
+    elif damage == "delete":
+        bad.unlink()
+    else:
+        bad.with_suffix(".json").unlink()
+    manifest = manifest_of(tiny, extracted, hidden_copy)
+    assert extract_calls == [bad.name]
+    # CPU float32 extraction is deterministic: the rebuilt shard holds the same tensors and header
+    assert_same_shard(bad, shards.shard_path(extracted.hidden, 1))
+    assert [s["sha256"] for s in manifest["shards"]] == [extracted.sha[0], shards.sha256_path(bad)]
+    assert os.stat(shards.shard_path(hidden_copy, 0)).st_mtime_ns == good_stat.st_mtime_ns
+    assert manifest["tokens"] == sum(m["tokens"] for m in extracted.metas)
+
+
+@pytest.mark.parametrize("key, value", [("aux_layer_ids", [0, 1, 2]),
+                                        ("target", {"spec": "another/model", "config_sha256": "y"}),
+                                        ("dtype", "bfloat16")])
+def test_manifest_rebuilds_a_shard_from_another_run(tiny, extracted, hidden_copy, extract_calls, key, value):
+    sidecar = shards.shard_path(hidden_copy, 0).with_suffix(".json")
+    meta = read_json(sidecar)
+    meta[key] = value
+    write_json(sidecar, meta)
+    manifest = manifest_of(tiny, extracted, hidden_copy)
+    assert extract_calls == ["shard_00000.safetensors"]
+    assert read_json(sidecar)[key] != value
+    assert_same_shard(shards.shard_path(hidden_copy, 0), shards.shard_path(extracted.hidden, 0))
+    assert manifest["shards"][1]["sha256"] == extracted.sha[1]
+    assert manifest["shards"][0]["sha256"] == shards.sha256_path(shards.shard_path(hidden_copy, 0))
+
+
+def test_manifest_follows_a_changed_run(tiny, extracted, hidden_copy, extract_calls, tmp_path):
+    # other layers asked for: every shard is extracted again with them
+    manifest = manifest_of(tiny, extracted, hidden_copy, cfg=stage_cfg(aux_layer_ids=[0, 2, 5]))
+    assert extract_calls == ["shard_00000.safetensors", "shard_00001.safetensors"]
+    assert manifest["aux_layer_ids"] == [0, 2, 5]
+    for i in range(2):
+        assert shards.load(shards.shard_path(hidden_copy, i)).aux_layer_ids == [0, 2, 5]
+    # another target identity (new weights behind the same path): extracted again, not mixed in
+    extract_calls.clear()
+    other = dict(read_json(tiny.target_json), config_sha256="0" * 64)
+    write_json(tmp_path / "target.json", other)
+    manifest = manifest_of(tiny, extracted, hidden_copy, cfg=stage_cfg(aux_layer_ids=[0, 2, 5]),
+                           target_json=tmp_path / "target.json")
+    assert len(extract_calls) == 2
+    assert manifest["target"]["config_sha256"] == "0" * 64
+    assert all(shards.read_metadata(shards.shard_path(hidden_copy, i))["target"]["config_sha256"]
+               == "0" * 64 for i in range(2))
+
+
+def test_run_shard_checks_disk_before_extracting(tiny, extracted, tmp_path, monkeypatch):
+    monkeypatch.setattr(extract_mod.shutil, "disk_usage",
+                        lambda path: SimpleNamespace(total=2**20, used=2**20 - 1000, free=1000))
+    hidden = tmp_path / "hidden"
+    with pytest.raises(ExtractionError, match="not enough disk"):
+        run_shard(stage_cfg(), str(tiny.target_json), str(extracted.data), 0, 2,
+                  str(shards.shard_path(hidden, 0)), str(hidden / "shard_00000.json"))
+    assert not list(hidden.iterdir())
+
+
+def test_run_shard_rejects_an_empty_shard(tiny, extracted, tmp_path):
+    with pytest.raises(ExtractionError, match="lower extract.num_shards"):
+        # 6 samples in 8 shards: shard 0 gets samples [0, 0)
+        run_shard(stage_cfg(), str(tiny.target_json), str(extracted.data), 0, 8,
+                  str(shards.shard_path(tmp_path, 0)), str(tmp_path / "shard_00000.json"))
+
+
+def test_a_shard_that_failed_the_teacher_check_is_never_accepted(tiny, greedy, tmp_path):
+    data = tmp_path / "train.jsonl"
+    write_jsonl(data, greedy[:2] + random_records(n=2, seed=7))
+    hidden = tmp_path / "hidden"
+    cfg = stage_cfg()
+    with pytest.raises(ExtractionError):
+        build_manifest(cfg, str(tiny.target_json), str(data), 1, str(hidden), str(hidden / "manifest.json"))
+    with pytest.raises(ExtractionError):  # the second try must fail the same way
+        build_manifest(cfg, str(tiny.target_json), str(data), 1, str(hidden), str(hidden / "manifest.json"))

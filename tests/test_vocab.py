@@ -1,0 +1,189 @@
+"""The draft vocabulary: which target ids the drafter may propose, and the d2t/t2d maps
+vLLM reads (target_id = i + d2t[i])."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from eaglet.io import read_json
+from eaglet.vocab import (
+    build_maps,
+    build_vocab_map,
+    choose_draft_tokens,
+    count_completion_tokens,
+    draft_to_target,
+    load_vocab_map,
+)
+
+
+def record(i, prompt, completion):
+    return {"id": f"p-{i}", "prompt_token_ids": list(prompt),
+            "completion_token_ids": list(completion), "sampling": {"temperature": 0.0}}
+
+
+# -- choose_draft_tokens ---------------------------------------------------------------------
+
+def test_keeps_most_frequent_ids_sorted_by_id():
+    counts = Counter({50: 10, 7: 9, 99: 8, 3: 1, 12: 2, 40: 7})
+    ids, filled = choose_draft_tokens(counts, vocab_size=100, draft_vocab_size=4)
+    assert ids == [7, 40, 50, 99]
+    assert filled == 0
+
+
+def test_ties_go_to_the_lower_id():
+    counts = Counter({9: 5, 4: 5, 6: 5, 2: 5, 8: 1})
+    ids, filled = choose_draft_tokens(counts, vocab_size=10, draft_vocab_size=3)
+    assert ids == [2, 4, 6]
+    assert filled == 0
+    # a higher count still beats a lower id
+    counts[9] = 6
+    assert choose_draft_tokens(counts, 10, 3)[0] == [2, 4, 9]
+
+
+def test_output_is_sorted_whatever_the_counts():
+    rng = random.Random(0)
+    counts = Counter({rng.randrange(1000): rng.randrange(1, 50) for _ in range(400)})
+    ids, _ = choose_draft_tokens(counts, 1000, 64)
+    assert ids == sorted(ids)
+    assert len(set(ids)) == 64
+    # exactly the top 64 by (count desc, id asc)
+    assert set(ids) == set(sorted(counts, key=lambda t: (-counts[t], t))[:64])
+
+
+def test_fill_when_fewer_distinct_tokens_is_deterministic_and_counted():
+    counts = Counter({0: 3, 2: 1, 5: 9})
+    ids, filled = choose_draft_tokens(counts, vocab_size=20, draft_vocab_size=6)
+    # the 3 seen ids plus the lowest unused ones: 1, 3, 4
+    assert ids == [0, 1, 2, 3, 4, 5]
+    assert filled == 3
+    assert choose_draft_tokens(Counter(counts), 20, 6) == (ids, filled)
+
+    ids, filled = choose_draft_tokens(Counter({10: 1, 11: 1}), vocab_size=20, draft_vocab_size=5)
+    assert ids == [0, 1, 2, 10, 11]
+    assert filled == 3
+
+
+def test_draft_vocab_equal_to_vocab_takes_everything():
+    ids, filled = choose_draft_tokens(Counter({3: 2, 1: 1}), vocab_size=5, draft_vocab_size=5)
+    assert ids == [0, 1, 2, 3, 4]
+    assert filled == 3
+
+
+def test_draft_vocab_larger_than_vocab_raises_naming_the_key():
+    with pytest.raises(ValueError, match=r"vocab\.draft_vocab_size"):
+        choose_draft_tokens(Counter({1: 1}), vocab_size=10, draft_vocab_size=11)
+
+
+@pytest.mark.parametrize("bad", [10, 1000, -1])
+def test_out_of_vocab_ids_raise(bad):
+    with pytest.raises(ValueError, match=str(bad)):
+        choose_draft_tokens(Counter({1: 4, bad: 1}), vocab_size=10, draft_vocab_size=2)
+
+
+# -- maps ------------------------------------------------------------------------------------
+
+def test_build_maps_offsets_and_mask():
+    rng = random.Random(1)
+    vocab = 500
+    draft_ids = sorted(rng.sample(range(vocab), 37))
+    d2t, t2d = build_maps(draft_ids, vocab)
+    assert d2t.dtype == torch.int64 and d2t.shape == (37,)
+    assert t2d.dtype == torch.bool and t2d.shape == (vocab,)
+    for i, target_id in enumerate(draft_ids):
+        assert i + int(d2t[i]) == target_id
+    assert int(t2d.sum()) == 37
+    assert torch.nonzero(t2d).flatten().tolist() == draft_ids
+    # offsets of a sorted id list never go negative and never decrease
+    assert (d2t >= 0).all() and (d2t[1:] >= d2t[:-1]).all()
+
+
+def test_draft_to_target_maps_a_tensor_of_indices():
+    draft_ids = [3, 8, 9, 20, 41]
+    d2t, _ = build_maps(draft_ids, 50)
+    index = torch.tensor([[4, 0], [2, 2], [1, 3]])
+    out = draft_to_target(d2t, index)
+    assert out.shape == index.shape
+    assert out.tolist() == [[41, 3], [9, 9], [8, 20]]
+    assert draft_to_target(d2t, torch.arange(5)).tolist() == draft_ids
+
+
+# -- build_vocab_map -------------------------------------------------------------------------
+
+def test_only_completion_tokens_count():
+    records = [record(0, [1, 1, 1, 1], [2, 3]), record(1, [1, 4], [3])]
+    assert count_completion_tokens(records) == Counter({3: 2, 2: 1})
+
+
+def test_build_vocab_map_writes_maps_and_stats(tmp_path):
+    # prompt tokens (7, 8) are very frequent but must not count
+    records = [
+        record(0, [7] * 50 + [8] * 40, [1, 2, 2, 3, 3, 3]),
+        record(1, [7] * 30, [3, 4, 4, 5]),
+        record(2, [8, 8, 8], [6, 3, 2]),
+    ]
+    out, stats_path = tmp_path / "vocab" / "vocab_map.safetensors", tmp_path / "vocab" / "stats.json"
+    stats = build_vocab_map(records, vocab_size=16, draft_vocab_size=3, out_path=out,
+                            stats_path=stats_path)
+    # completion counts: 3:5, 2:3, 4:2, 1:1, 5:1, 6:1 -> top 3 = {2, 3, 4}; 10 of 13 tokens
+    assert stats == read_json(stats_path)
+    assert stats["coverage"] == pytest.approx(10 / 13)
+    assert stats["completion_tokens"] == 13
+    assert stats["distinct_completion_tokens"] == 6
+    assert stats["filled"] == 0
+    assert stats["draft_vocab_size"] == 3 and stats["target_vocab_size"] == 16
+
+    with safe_open(str(out), framework="pt") as handle:
+        assert set(handle.keys()) == {"d2t", "t2d"}
+        meta = handle.metadata()
+        d2t, t2d = handle.get_tensor("d2t"), handle.get_tensor("t2d")
+    assert meta["draft_vocab_size"] == "3" and meta["target_vocab_size"] == "16"
+    assert d2t.dtype == torch.int64 and d2t.shape == (3,)
+    assert t2d.dtype == torch.bool and t2d.shape == (16,)
+    assert draft_to_target(d2t, torch.arange(3)).tolist() == [2, 3, 4]
+    assert torch.nonzero(t2d).flatten().tolist() == [2, 3, 4]
+    assert not t2d[7] and not t2d[8]
+
+    loaded_d2t, loaded_t2d = load_vocab_map(out)
+    assert torch.equal(loaded_d2t, d2t) and torch.equal(loaded_t2d, t2d)
+    assert not list(out.parent.glob(".*.tmp"))  # atomic write left nothing behind
+
+
+def test_build_vocab_map_coverage_matches_a_hand_count(tmp_path):
+    rng = random.Random(3)
+    vocab, draft = 200, 25
+    records = [record(i, [rng.randrange(vocab) for _ in range(10)],
+                      [min(int(rng.expovariate(0.05)), vocab - 1) for _ in range(rng.randrange(5, 40))])
+               for i in range(30)]
+    stats = build_vocab_map(records, vocab, draft, tmp_path / "v.safetensors", tmp_path / "s.json")
+    d2t, t2d = load_vocab_map(tmp_path / "v.safetensors")
+    chosen = set(torch.nonzero(t2d).flatten().tolist())
+    assert chosen == set(draft_to_target(d2t, torch.arange(draft)).tolist())
+    tokens = [t for r in records for t in r["completion_token_ids"]]
+    hand = sum(t in chosen for t in tokens) / len(tokens)
+    assert stats["coverage"] == pytest.approx(hand)
+    assert stats["completion_tokens"] == len(tokens)
+    # no other choice of `draft` ids covers more
+    top = sum(c for _, c in Counter(tokens).most_common(draft)) / len(tokens)
+    assert stats["coverage"] == pytest.approx(top)
+    assert json.loads((tmp_path / "s.json").read_text())["coverage"] == pytest.approx(hand)
+
+
+def test_build_vocab_map_fills_and_reports(tmp_path):
+    records = [record(0, [9, 9], [5, 5, 6])]
+    stats = build_vocab_map(records, 10, 4, tmp_path / "v.safetensors", tmp_path / "s.json")
+    assert stats["filled"] == 2 and stats["coverage"] == 1.0
+    d2t, t2d = load_vocab_map(tmp_path / "v.safetensors")
+    assert draft_to_target(d2t, torch.arange(4)).tolist() == [0, 1, 5, 6]
+
+
+def test_build_vocab_map_without_completion_tokens_raises(tmp_path):
+    with pytest.raises(ValueError, match="no completion tokens"):
+        build_vocab_map([record(0, [1, 2, 3], [])], 10, 4, tmp_path / "v.safetensors",
+                        tmp_path / "s.json")
+    assert not (tmp_path / "v.safetensors").exists()
