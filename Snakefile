@@ -4,11 +4,31 @@ from eaglet.config import validate
 
 configfile: "config.yaml"
 
+
+report: "report/workflow.rst"
+
 _validated = validate(config)
 config.clear()
 config.update(_validated)
 
 R = config["results_dir"]
+
+# Software of every job, deployed with `--software-deployment-method conda` (runs from the
+# .venv ignore it): the vLLM GPU engine when any stage holds GPUs, else the CPU one. The path
+# is relative to rules/, where the rules are defined.
+ENV = (
+    "../envs/gpu.yaml"
+    if any(config[stage]["gpus"] for stage in ("server", "extract", "train"))
+    else "../envs/cpu.yaml"
+)
+
+
+onstart:
+    # what `eaglet status` reads: the validated config of this run and who runs it
+    from eaglet.io import write_json
+    import os, sys
+    write_json(f"{R}/run/config.json", config)
+    write_json(f"{R}/run/snakemake.json", {"pid": os.getpid(), "command": " ".join(sys.argv)})
 
 
 include: "rules/target.smk"
@@ -16,11 +36,15 @@ include: "rules/prompts.smk"
 include: "rules/generate.smk"
 include: "rules/vocab.smk"
 include: "rules/extract.smk"
+include: "rules/train.smk"
+include: "rules/evaluate.smk"
 
 
 rule all:
     default_target: True
     input:
-        f"{R}/vocab/vocab_map.safetensors",
-        f"{R}/hidden/manifest.json",
-        f"{R}/hidden/eval/shard_00000.safetensors",
+        f"{R}/eval/acceptance.json",
+        f"{R}/eval/per_position.png",
+        f"{R}/eval/acceptance_length.png",
+        f"{R}/eval/throughput.png",
+        f"{R}/eval/training_curves.png",

@@ -23,8 +23,12 @@ rule extract:
         progress=lambda w: f"{R}/progress/extract_{w.i}.json",
     resources:
         gpu=config["extract"]["gpus"],
+        mem_mb=config["resources"]["extract"]["mem_mb"],
+        runtime=config["resources"]["extract"]["runtime"],
     log:
         f"{R}/logs/extract/shard_{{i}}.log",
+    conda:
+        ENV
     script:
         "../scripts/extract.py"
 
@@ -45,8 +49,12 @@ rule extract_eval:
         progress=lambda w: f"{R}/progress/extract_eval.json",
     resources:
         gpu=config["extract"]["gpus"],
+        mem_mb=config["resources"]["extract"]["mem_mb"],
+        runtime=config["resources"]["extract"]["runtime"],
     log:
         f"{R}/logs/extract/eval_shard_{{i}}.log",
+    conda:
+        ENV
     script:
         "../scripts/extract.py"
 
@@ -64,10 +72,14 @@ rule hidden_manifest:
     params:
         **EXTRACT_PARAMS,
         num_shards=len(TRAIN_SHARDS),
-        hidden_dir=f"{R}/hidden",
+        hidden_dir=lambda wildcards, output: os.path.dirname(output[0]),
     resources:
         gpu=config["extract"]["gpus"],
+        mem_mb=config["resources"]["extract"]["mem_mb"],
+        runtime=config["resources"]["extract"]["runtime"],
     log:
         f"{R}/logs/hidden_manifest.log",
+    conda:
+        ENV
     script:
         "../scripts/hidden_manifest.py"

@@ -18,8 +18,12 @@ rule generate:
         progress=f"{R}/progress/generate.json",
     resources:
         gpu=config["server"]["gpus"],
+        mem_mb=config["resources"]["generate"]["mem_mb"],
+        runtime=config["resources"]["generate"]["runtime"],
     log:
         main=f"{R}/logs/generate.log",
         server=f"{R}/logs/generate.server.log",
+    conda:
+        ENV
     script:
         "../scripts/generate.py"

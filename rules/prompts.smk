@@ -8,5 +8,7 @@ rule prepare_prompts:
         data=config["data"],
     log:
         f"{R}/logs/prepare_prompts.log",
+    conda:
+        ENV
     script:
         "../scripts/prepare_prompts.py"

@@ -4,8 +4,10 @@ rule prepare_target:
         f"{R}/target/target.json",
     params:
         model=config["target"]["model"],
-        out_dir=f"{R}/target",
+        out_dir=lambda wildcards, output: os.path.dirname(output[0]),
     log:
         f"{R}/logs/prepare_target.log",
+    conda:
+        ENV
     script:
         "../scripts/prepare_target.py"

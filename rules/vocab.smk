@@ -10,5 +10,7 @@ rule vocab_map:
         draft_vocab_size=config["vocab"]["draft_vocab_size"],
     log:
         f"{R}/logs/vocab_map.log",
+    conda:
+        ENV
     script:
         "../scripts/vocab_map.py"

@@ -427,3 +427,16 @@ def test_snakemake_script(tmp_path):
     assert len(read_jsonl(out["eval"])) == stats["n_eval"]
     assert stats["n_train"] + stats["n_eval"] == 50
     assert "INFO eaglet.prompts: 50 unique prompts" in log.read_text()
+
+
+def test_humaneval_tasks_ask_each_problem_several_ways():
+    records, report = load_source({"type": "humaneval", "tasks": ["complete", "explain", "test"],
+                                   "limit": 6})
+    assert report["valid"] == 6 and len({r["id"] for r in records}) == 6
+    openings = [r["messages"][0]["content"].split()[0] for r in records[:3]]
+    assert openings == ["Complete", "Explain", "Write"]
+    # the same problem asked the same way keeps its id whatever else is asked
+    plain, _ = load_source({"type": "humaneval", "limit": 1})
+    assert records[0]["id"] == plain[0]["id"]
+    with pytest.raises(PromptSourceError, match="unknown tasks"):
+        load_source({"type": "humaneval", "tasks": ["sing"]})

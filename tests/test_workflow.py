@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from eaglet import status as eaglet_status
 from eaglet.io import read_json, read_jsonl
 from eaglet.server import port_is_free
 from tests import workflow
@@ -30,6 +31,16 @@ def wait_for(predicate, timeout: float, what: str, proc=None):
             raise AssertionError(f"snakemake exited ({proc.returncode}) while waiting for {what}")
         time.sleep(0.5)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def status(results) -> dict[str, dict]:
+    """`eaglet status` of the run, stage by stage (Snakemake's view included)."""
+    cfg = eaglet_status.load_run_config(results, str(workflow.TINY), workflow.REPO)
+    report = eaglet_status.collect(results, cfg, workflow.REPO,
+                                   ["--configfile", str(workflow.TINY), "--config",
+                                    f"results_dir={results}"])
+    assert eaglet_status.render(report)  # renders at every point of a run
+    return {s["stage"]: s for s in report["stages"]}
 
 
 def partial_lines(path) -> list[dict]:
@@ -53,6 +64,8 @@ def results(tmp_path_factory):
 
 def test_generate_is_interrupted_and_resumes_without_regenerating(results, tmp_path):
     partial = results / "synthetic" / "generate.partial.jsonl"
+    fresh = status(results)
+    assert {s["state"] for s in fresh.values()} == {"pending"}
     with open(tmp_path / "snakemake.out", "w") as out:
         proc = workflow.start(results, "synthetic/train.jsonl", log_file=out)
         try:
@@ -60,6 +73,11 @@ def test_generate_is_interrupted_and_resumes_without_regenerating(results, tmp_p
             prompts = (read_jsonl(results / "prompts" / "train.jsonl")
                        + read_jsonl(results / "prompts" / "eval.jsonl"))
             assert len(partial_lines(partial)) < len(prompts), "finished before the interrupt"
+            mid = status(results)
+            assert mid["prepare_prompts"]["state"] == "completed"
+            assert mid["generate"]["state"] == "running"
+            running = mid["generate"]["progress"][0]
+            assert running["total"] == len(prompts) and running["pid"] > 0
             os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
             proc.wait(timeout=120)
         finally:
@@ -72,6 +90,8 @@ def test_generate_is_interrupted_and_resumes_without_regenerating(results, tmp_p
     progress = read_json(results / "progress" / "generate.json")
     with pytest.raises(ProcessLookupError):
         os.kill(progress["pid"], 0)
+
+    assert status(results)["generate"]["state"] == "interrupted"
 
     before = {r["id"]: r for r in partial_lines(partial) if "error" not in r}
     assert 1 <= len(before) < len(prompts)
@@ -103,7 +123,8 @@ def test_generate_is_interrupted_and_resumes_without_regenerating(results, tmp_p
 
 
 def test_hidden_states_reproduce_the_servers_greedy_tokens(results):
-    workflow.run(results, "hidden/manifest.json", "hidden/eval/shard_00000.safetensors")
+    workflow.run(results, "hidden/manifest.json", "hidden/eval/shard_00000.safetensors",
+                 "vocab/vocab_map.safetensors")
     manifest = read_json(results / "hidden" / "manifest.json")
     train = read_jsonl(results / "synthetic" / "train.jsonl")
     assert manifest["num_samples"] == len(train)
@@ -115,3 +136,48 @@ def test_hidden_states_reproduce_the_servers_greedy_tokens(results):
     assert manifest["teacher_agreement"] >= 0.99
     vocab = read_json(results / "vocab" / "stats.json")
     assert vocab["coverage"] == 1.0  # every completion token fits in the tiny draft vocab
+
+    after = status(results)
+    assert after["extract"]["state"] == "completed"
+    assert after["extract"]["facts"]["teacher_agreement"] == manifest["teacher_agreement"]
+    assert after["train"]["state"] == "pending"
+
+
+def test_trained_drafter_is_measured_in_vllm_and_reported(results):
+    workflow.run(results, "eval/acceptance.json", "eval/training_curves.png")
+    manifest = read_json(results / "hidden" / "manifest.json")
+    drafter = read_json(results / "drafter" / "config.json")
+    assert drafter["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert drafter["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == manifest["aux_layer_ids"]
+    assert drafter["draft_vocab_size"] == 2048 and drafter["vocab_size"] == 49152
+
+    acceptance = read_json(results / "eval" / "acceptance.json")
+    runs = {r["name"]: r for r in acceptance["runs"]}
+    assert set(runs) == {"baseline", "ngram_k3", "eagle3_k3"}
+    assert runs["baseline"]["speedup"] == 1.0 and runs["baseline"]["drafts"] == 0
+    for name in ("ngram_k3", "eagle3_k3"):
+        run = runs[name]
+        assert run["drafts"] > 0 and run["draft_tokens"] == 3 * run["drafts"]
+        # AL = 1 + sum of the per-position rates, for every run
+        assert run["acceptance_length"] == pytest.approx(1 + sum(run["per_position_rate"]))
+    # the offline PyTorch replay agrees with vLLM: export, layer ids and d2t are right
+    offline = acceptance["offline"]["eagle3_k3"]
+    assert offline["ratio_offline_over_vllm"] == pytest.approx(1.0, abs=0.05)
+    assert "summary" in acceptance["verdict"]
+
+    finished = status(results)
+    assert all(s["state"] == "completed" for s in finished.values()), finished
+    assert finished["evaluate"]["facts"]["acceptance_length"] == pytest.approx(
+        runs["eagle3_k3"]["acceptance_length"])
+
+    # figures are redrawn from the results alone, without running a model again
+    (results / "eval" / "per_position.png").unlink()
+    proc = workflow.run(results, "eval/per_position.png")
+    assert (results / "eval" / "per_position.png").stat().st_size > 0
+    assert "rule evaluate" not in proc.stdout + proc.stderr
+    assert "rule train" not in proc.stdout + proc.stderr
+
+    report = results / "report.html"
+    workflow.run(results, extra=("--report", str(report)))
+    html = report.read_text(errors="replace")
+    assert "acceptance.json" in html and "training_curves.png" in html

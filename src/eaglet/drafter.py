@@ -21,7 +21,7 @@ drafter's KV cache at inference after ``k`` drafted tokens (``ttt_attention``).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -76,9 +76,6 @@ class DrafterConfig:
             target_hidden_size=target["hidden_size"],
             aux_layer_ids=list(aux_layer_ids))
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
 
 def rope_parameters(config: dict) -> dict:
     """RoPE settings in transformers-5 form, from either ``rope_parameters`` (transformers 5)
@@ -115,6 +112,10 @@ def read_target_config(target_dir: str | Path) -> dict:
     return read_json(Path(target_dir) / "config.json")
 
 
+EMBEDDING_NAMES = ["model.embed_tokens.weight", "embed_tokens.weight",
+                   "model.language_model.embed_tokens.weight"]
+
+
 def _weight_files(target_dir: Path) -> dict[str, Path]:
     """Tensor name -> safetensors file, from the index of a sharded checkpoint or the headers."""
     index = target_dir / "model.safetensors.index.json"
@@ -139,18 +140,11 @@ def _read_tensor(files: dict[str, Path], candidates: list[str], what: str, targe
     raise KeyError(f"{target_dir} holds no {what} (looked for {', '.join(candidates)})")
 
 
-def load_target_embedding(target_dir: str | Path) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The target's token embedding [V, H] and its final norm weight [H] (None if absent),
-    read alone from its safetensors: the rest of the target is never loaded."""
+def load_target_embedding(target_dir: str | Path) -> torch.Tensor:
+    """The target's token embedding [V, H], read alone from its safetensors: the rest of the
+    target is never loaded."""
     target_dir = Path(target_dir)
-    files = _weight_files(target_dir)
-    embed = _read_tensor(files, ["model.embed_tokens.weight", "embed_tokens.weight",
-                                 "model.language_model.embed_tokens.weight"],
-                         "token embedding", target_dir)
-    norm_names = ["model.norm.weight", "norm.weight", "model.language_model.norm.weight"]
-    norm = (_read_tensor(files, norm_names, "final norm", target_dir)
-            if any(n in files for n in norm_names) else None)
-    return embed, norm
+    return _read_tensor(_weight_files(target_dir), EMBEDDING_NAMES, "token embedding", target_dir)
 
 
 def load_target_lm_head(target_dir: str | Path, draft_to_target: torch.Tensor) -> torch.Tensor:
@@ -160,8 +154,7 @@ def load_target_lm_head(target_dir: str | Path, draft_to_target: torch.Tensor) -
     files = _weight_files(target_dir)
     heads = ["lm_head.weight", "model.lm_head.weight", "language_model.lm_head.weight"]
     if config.get("tie_word_embeddings", False) or not any(n in files for n in heads):
-        heads += ["model.embed_tokens.weight", "embed_tokens.weight",
-                  "model.language_model.embed_tokens.weight"]
+        heads += EMBEDDING_NAMES
     return _read_tensor(files, heads, "lm_head", target_dir)[draft_to_target].contiguous()
 
 
@@ -194,18 +187,28 @@ def ttt_attention(q: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]
     cache[0] [Hkv, 1, T, D]   step-0 keys/values of every row, seen through ``mask``
     cache[j] [Hkv, 1, T, D]   step-j keys/values (j >= 1), seen only by the same row
     mask     [T, T] bool      query row may see key row: same sample and key row <= query row
+
+    One softmax over both key sets, computed as exp(score - rowmax) / sum without ever
+    concatenating them: the [T, T] scores are written once, in place, in float32.
     """
     (k0, v0), diagonal = cache[0], cache[1:]
-    scores = torch.matmul(q, k0.transpose(-1, -2)) * scale            # [Hkv, G, T, T]
-    scores = scores.masked_fill(~mask, float("-inf"))
-    own = [(q * k).sum(-1, keepdim=True) * scale for k, _ in diagonal]  # k x [Hkv, G, T, 1]
-    probs = torch.softmax(torch.cat([scores, *own], dim=-1), dim=-1, dtype=torch.float32)
-    probs = probs.to(v0.dtype)
-    rows = scores.shape[-1]
-    out = torch.matmul(probs[..., :rows], v0)                         # [Hkv, G, T, D]
-    for j, (_, v) in enumerate(diagonal):
-        out = out + probs[..., rows + j:rows + j + 1] * v
-    return out
+    q = q * scale
+    scores = torch.matmul(q, k0.transpose(-1, -2)).float()                 # [Hkv, G, T, T]
+    scores.masked_fill_(~mask, float("-inf"))
+    top = scores.amax(-1, keepdim=True)                                    # [Hkv, G, T, 1]
+    if diagonal:
+        own = torch.stack([(q * k).sum(-1) for k, _ in diagonal], -1).float()  # [Hkv, G, T, k]
+        top = torch.maximum(top, own.amax(-1, keepdim=True))
+    top = top.detach()  # any shift gives the same softmax; no gradient through it
+    weights = scores.sub_(top).exp_()                                      # unnormalized
+    total = weights.sum(-1, keepdim=True)
+    out = torch.matmul(weights.to(v0.dtype), v0).float()                   # [Hkv, G, T, D]
+    if diagonal:
+        own = torch.exp(own - top)
+        total = total + own.sum(-1, keepdim=True)
+        for j, (_, v) in enumerate(diagonal):
+            out = out + own[..., j:j + 1] * v
+    return (out / total).to(v0.dtype)
 
 
 class Attention(nn.Module):
@@ -221,15 +224,19 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(2 * h, self.kv_heads * d, bias=False)
         self.o_proj = nn.Linear(self.heads * d, h, bias=False)
 
-    def forward(self, x, cos, sin, mask, cache):
+    def forward(self, x, cos, sin, blocks, cache):
         rows = x.shape[0]
         group = self.heads // self.kv_heads
         # query head j*G+g reads KV head j (vLLM/HF GQA order)
         q = self.q_proj(x).view(rows, self.kv_heads, group, self.head_dim).permute(1, 2, 0, 3)
         k = self.k_proj(x).view(rows, self.kv_heads, 1, self.head_dim).permute(1, 2, 0, 3)
         v = self.v_proj(x).view(rows, self.kv_heads, 1, self.head_dim).permute(1, 2, 0, 3)
+        q = rotate(q, cos, sin)
         cache.append((rotate(k, cos, sin), v))
-        out = ttt_attention(rotate(q, cos, sin), cache, mask, self.head_dim ** -0.5)
+        scale = self.head_dim ** -0.5
+        out = torch.cat([ttt_attention(q[..., a:b, :], [(ck[..., a:b, :], cv[..., a:b, :])
+                                                         for ck, cv in cache], mask, scale)
+                         for a, b, mask in blocks], dim=-2)                  # [Hkv, G, T, D]
         return self.o_proj(out.permute(2, 0, 1, 3).reshape(rows, self.heads * self.head_dim))
 
 
@@ -256,14 +263,39 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, embeds, hidden, cos, sin, mask, cache):
+    def forward(self, embeds, hidden, cos, sin, blocks, cache):
         """embeds, hidden [T, H] -> the pre-norm hidden state [T, H]."""
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [T, 2H]
-        residual = hidden + self.self_attn(x, cos, sin, mask, cache)
+        residual = hidden + self.self_attn(x, cos, sin, blocks, cache)
         return residual + self.mlp(self.post_attention_layernorm(residual))
 
 
 # -- the drafter -----------------------------------------------------------------------------
+
+BLOCK_ROWS = 512
+
+
+def attention_blocks(segments: torch.Tensor, block_rows: int = BLOCK_ROWS
+                     ) -> list[tuple[int, int, torch.Tensor]]:
+    """Consecutive whole samples grouped into blocks of at most ``block_rows`` rows (or one
+    longer sample), each with its mask [n, n] (same sample, key row <= query row). Attention
+    never crosses samples, so blocks are computed apart: short packed samples cost far less
+    than one [T, T] mask over the whole batch."""
+    _, lengths = torch.unique_consecutive(segments, return_counts=True)
+    spans, start, end = [], 0, 0
+    for length in lengths.tolist():
+        if end > start and end + length - start > block_rows:
+            spans.append((start, end))
+            start = end
+        end += length
+    spans.append((start, end))
+    blocks = []
+    for a, b in spans:
+        seg = segments[a:b]
+        causal = torch.ones(b - a, b - a, dtype=torch.bool, device=segments.device).tril()
+        blocks.append((a, b, causal & (seg[:, None] == seg[None, :])))
+    return blocks
+
 
 class Eagle3Drafter(nn.Module):
     """Parameters and persistent buffers are named as in the vLLM checkpoint (export.py)."""
@@ -305,29 +337,23 @@ class Eagle3Drafter(nn.Module):
         logit_rows  K x [n_k]  rows whose logits each step returns (all rows when None)
         returns     K x [n_k, Vd] draft-vocabulary logits
         """
-        rows = positions.shape[0]
-        causal = torch.ones(rows, rows, dtype=torch.bool, device=positions.device).tril()
-        mask = causal & (segments[:, None] == segments[None, :])                 # [T, T]
+        blocks = attention_blocks(segments)
         hidden = self.fc(aux_hidden)                                             # [T, H]
         cache: list[tuple[torch.Tensor, torch.Tensor]] = []
         logits = []
         for step, ids in enumerate(input_ids):
             cos, sin = self.rope(positions + step)
             embeds = self.embed_tokens[ids].to(hidden.dtype)
-            hidden = self.midlayer(embeds, hidden, cos, sin, mask, cache)        # pre-norm
+            hidden = self.midlayer(embeds, hidden, cos, sin, blocks, cache)      # pre-norm
             picked = hidden if logit_rows is None else hidden[logit_rows[step]]
             logits.append(self.lm_head(self.norm(picked)))
         return logits
 
 
-def init_output_head(model: Eagle3Drafter, target_lm_head: torch.Tensor,
-                     target_norm: torch.Tensor | None) -> None:
-    """Start lm_head from the target's lm_head rows of the draft vocabulary and ``norm`` from
-    the target's final norm, the pair those rows were trained behind."""
+def init_lm_head(model: Eagle3Drafter, target_lm_head: torch.Tensor) -> None:
+    """Start lm_head from the target's lm_head rows of the draft vocabulary [Vd, H]."""
     with torch.no_grad():
         model.lm_head.weight.copy_(target_lm_head.to(model.lm_head.weight.dtype))
-        if target_norm is not None:
-            model.norm.weight.copy_(target_norm.to(model.norm.weight.dtype))
 
 
 def count_flops_per_token(config: DrafterConfig, ttt_steps: int, context: int) -> float:

@@ -28,7 +28,7 @@ def vllm_tensors(config: DrafterConfig) -> dict[str, tuple[tuple[int, ...], str]
     h, d = config.hidden_size, config.head_dim
     q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
     i, vd = config.intermediate_size, config.draft_vocab_size
-    return {
+    tensors = {
         # LlamaModel.fc = ReplicatedLinear(fc_input_size = target_hidden_size * num aux, hidden)
         "fc.weight": ((h, config.fc_input_size), "model.fc.weight"),
         # LlamaDecoderLayer.forward (layer_idx 0): input_layernorm(embeds)
@@ -50,12 +50,16 @@ def vllm_tensors(config: DrafterConfig) -> dict[str, tuple[tuple[int, ...], str]
         "norm.weight": ((h,), "model.norm.weight"),
         # Eagle3LlamaForCausalLM.lm_head = ParallelLMHead(draft_vocab_size, hidden_size)
         "lm_head.weight": ((vd, h), "lm_head.weight"),
-        # "d2t" -> draft_id_to_target_id (exists when draft_vocab_size != vocab_size);
-        # compute_logits scatters draft logit i to target id i + d2t[i]
+        # "d2t" -> draft_id_to_target_id; compute_logits scatters draft logit i to target id
+        # i + d2t[i]. The parameter exists only when draft_vocab_size != vocab_size: with the full
+        # vocabulary, writing d2t would fail the load ("There is no module or parameter named")
         "d2t": ((vd,), "draft_id_to_target_id"),
         # skipped by load_weights ("t2d" in name: continue); kept for other readers
         "t2d": ((config.vocab_size,), "(not loaded by vLLM)"),
     }
+    if vd == config.vocab_size:
+        del tensors["d2t"]
+    return tensors
 
 
 def vllm_config(config: DrafterConfig, dtype: str) -> dict:
@@ -98,6 +102,9 @@ def export_drafter(model: Eagle3Drafter, out_dir: str | Path, dtype: str = "floa
     out_dir = Path(out_dir)
     expected = vllm_tensors(model.config)
     state = model.state_dict()
+    if "d2t" not in expected and state.pop("d2t").any():
+        raise RuntimeError("a draft vocabulary as large as the target's must map ids to themselves "
+                           "(d2t all 0)")
     if set(state) != set(expected):
         raise RuntimeError(f"drafter tensors {sorted(state)} differ from the vLLM checkpoint's "
                            f"{sorted(expected)}")
@@ -136,7 +143,8 @@ def load_drafter(drafter_dir: str | Path, target_dir: str | Path,
     drafter_dir = Path(drafter_dir)
     config = config_from_vllm(read_json(drafter_dir / "config.json"))
     weights = load_file(str(drafter_dir / "model.safetensors"))
-    embed, _ = load_target_embedding(target_dir)
+    weights.setdefault("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
+    embed = load_target_embedding(target_dir)
     model = Eagle3Drafter(config, embed, weights["d2t"], weights["t2d"])
     model.load_state_dict(weights, strict=True)
     return model.to(dtype).eval()

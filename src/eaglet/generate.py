@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 from transformers import AutoTokenizer
 
+from eaglet import rates
 from eaglet.io import read_jsonl, write_json, write_jsonl
 from eaglet.progress import Progress, now_iso
 from eaglet.server import VLLMServer, server_args
@@ -316,7 +317,10 @@ def run_stage(cfg: dict[str, Any], target_json: str, prompts: dict[str, str],
             settings = settings_from_config(cfg, server.url)
             records = generate(everything, settings, partial_path, progress,
                                health_check=server.check_alive)
+        rates.record("generate", target["spec"], server_start_s=server.ready_after_s)
     run = progress.report("finished")
+    if run["done"] > run["resumed_from"]:
+        rates.record("generate", target["spec"], completion_tokens_per_s=run["tokens_per_s"])
 
     gen = cfg["generate"]
     kept = {}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -83,7 +84,7 @@ class Progress:
             "resumed_from": self.already_done,
             "rate_per_s": rate, "tokens": self.tokens, "tokens_per_s": self.tokens / elapsed,
             "elapsed_s": elapsed, "eta_s": 0.0 if state == "finished" else eta,
-            "pid": os.getpid(), "log": self.log_path,
+            "pid": os.getpid(), "host": socket.gethostname(), "log": self.log_path,
             "started_at": self.started_at, "updated_at": now_iso(),
         }
 

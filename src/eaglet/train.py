@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import hashlib
+import json
 import logging
 import math
 import os
@@ -40,7 +42,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from eaglet import shards as shard_format
-from eaglet.drafter import (DrafterConfig, Eagle3Drafter, init_output_head, load_target_embedding,
+from eaglet.drafter import (DrafterConfig, Eagle3Drafter, init_lm_head, load_target_embedding,
                             load_target_lm_head, num_params, read_target_config)
 from eaglet.export import export_drafter
 from eaglet.io import atomic_open, read_json, write_json
@@ -65,7 +67,7 @@ DEFAULTS: dict = {
     "grad_accum": 1,            # micro-batches per rank per optimizer step
     "ttt_steps": 7,             # drafting steps unrolled in training (draft tokens learned)
     "ttt_decay": 0.8,           # weight of step k's loss is ttt_decay**k
-    "lm_head_init": "target",   # "target": lm_head/norm from the target's head rows; "random"
+    "lm_head_init": "target",   # "target": lm_head from the target's rows of the draft vocab; "random"
     "seed": 0,                  # model init and the per-epoch shuffle
     "shuffle": True,            # shuffle samples every epoch (false: shard order)
     "shards_in_memory": 0,      # shards mixed and held in memory at once; 0: all of them
@@ -127,7 +129,7 @@ def index_shard(path: str, vocab_size: int) -> ShardInfo:
             if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
                 raise TrainError(
                     f"{path}: {name} holds id {int(ids.max())} outside the target vocabulary of "
-                    f"{vocab_size} (vocab_map t2d length): the shard was extracted for another "
+                    f"{vocab_size}: the shard was extracted for another "
                     f"tokenizer; rerun extract for this target")
     if width != meta["hidden_size"] * len(meta["aux_layer_ids"]):
         raise TrainError(f"{path}: aux_hidden is {width} wide, not hidden size {meta['hidden_size']}"
@@ -141,26 +143,27 @@ def load_vocab_map(path: str) -> tuple[torch.Tensor, torch.Tensor]:
         return handle.get_tensor("d2t").to(torch.int64), handle.get_tensor("t2d").to(torch.bool)
 
 
-def check_inputs(infos: list[ShardInfo], target_config: dict, target_dir: str,
-                 d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-    """Refuse shards that disagree with each other, with the target or with the vocab map."""
-    text = target_config.get("text_config", target_config)
-    vocab, hidden = text["vocab_size"], text["hidden_size"]
-    fix_vocab = "rebuild vocab/vocab_map.safetensors for this target (rerun the vocab_map rule)"
+def check_vocab_map(target_config: dict, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+    vocab = target_config["vocab_size"]
+    fix = "rebuild vocab/vocab_map.safetensors for this target (rerun the vocab_map rule)"
     if t2d.numel() != vocab:
         raise TrainError(f"the vocab map's t2d covers {t2d.numel()} tokens but the target's "
-                         f"vocab_size is {vocab}: {fix_vocab}")
+                         f"vocab_size is {vocab}: {fix}")
     draft_to_target = torch.arange(d2t.numel()) + d2t
     if (int(t2d.sum()) != d2t.numel() or int(draft_to_target.min()) < 0
             or int(draft_to_target.max()) >= vocab or not bool(t2d[draft_to_target].all())):
         raise TrainError(f"the vocab map is inconsistent: d2t maps {d2t.numel()} draft ids but "
-                         f"t2d marks {int(t2d.sum())} target ids, or they disagree: {fix_vocab}")
-    first = infos[0]
-    identity = None
+                         f"t2d marks {int(t2d.sum())} target ids, or they disagree: {fix}")
+
+
+def check_shards(infos: list[ShardInfo], target_config: dict, target_dir: str) -> None:
+    """Refuse shards that disagree with each other or with the target."""
+    first, identity = infos[0], None
     for info in infos:
-        if info.hidden_size != hidden:
+        if info.hidden_size != target_config["hidden_size"]:
             raise TrainError(f"{info.path} has hidden size {info.hidden_size} but the target has "
-                             f"{hidden}: it was extracted from another model; rerun extract")
+                             f"{target_config['hidden_size']}: it was extracted from another "
+                             f"model; rerun extract")
         for what in ("aux_layer_ids", "target"):
             if getattr(info, what) != getattr(first, what):
                 raise TrainError(
@@ -214,11 +217,11 @@ class Samples:
 
 
 def pack(order: list[int], lengths: list[int], budget: int, open_bins: int = 8) -> list[list[int]]:
-    """Whole samples into batches of at most ``budget`` rows, first fit over the few newest
-    open batches (keeps the shuffled order nearly intact)."""
+    """Whole samples (``lengths`` already cut to max_len) into batches of at most ``budget``
+    rows, first fit over the few newest open batches (keeps the shuffled order nearly intact)."""
     done, bins = [], []  # bins: [rows used, [sample indices]]
     for index in order:
-        rows = min(lengths[index], budget)
+        rows = lengths[index]
         for b in bins:
             if b[0] + rows <= budget:
                 b[0] += rows
@@ -309,10 +312,10 @@ def make_batch(pieces: list[tuple], ttt_steps: int, t2d: torch.Tensor) -> Batch:
 
 # -- loss ------------------------------------------------------------------------------------
 
-def batch_sums(model, batch: Batch, teacher_head: torch.Tensor, d2t: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+def batch_sums(model, batch: Batch, teacher_head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per TTT step: summed cross-entropy against the teacher (differentiable) [K] and the
-    number of top-1 agreements with the target's argmax [K]."""
+    number of top-1 agreements with the target's argmax [K]. ``model`` may be DDP-wrapped."""
+    drafter = getattr(model, "module", model)
     logits = model(batch.aux, batch.step_ids, batch.positions, batch.segments, batch.rows)
     with torch.no_grad():
         teacher = torch.softmax((batch.final @ teacher_head.T).float(), dim=-1)   # [T, Vd]
@@ -320,8 +323,7 @@ def batch_sums(model, batch: Batch, teacher_head: torch.Tensor, d2t: torch.Tenso
     for k, (z, rows) in enumerate(zip(logits, batch.rows)):
         z, target_rows = z.float(), rows + 1 + k
         ce.append((torch.logsumexp(z, -1) - (teacher[target_rows] * z).sum(-1)).sum())
-        draft = z.argmax(-1)
-        agree.append(((draft + d2t[draft]) == batch.teacher_argmax[target_rows]).sum())
+        agree.append((drafter.to_target_ids(z.argmax(-1)) == batch.teacher_argmax[target_rows]).sum())
     return torch.stack(ce), torch.stack(agree).double()
 
 
@@ -394,8 +396,9 @@ def _fsync_dir(path: Path) -> None:
 
 def fingerprint(cfg: dict, infos: list[ShardInfo], group: int) -> dict:
     """What a checkpoint must share with the run that resumes it."""
+    samples = hashlib.sha256(json.dumps([i.sample_ids for i in infos]).encode()).hexdigest()
     return {"train": {k: v for k, v in cfg.items() if k not in RESUME_FREE},
-            "shards": [[Path(i.path).name, len(i.sample_ids)] for i in infos],
+            "shards": [Path(i.path).name for i in infos], "sample_ids_sha256": samples,
             "micro_batches_per_step": group}
 
 
@@ -410,11 +413,12 @@ class Trainer:
         if not shard_paths:
             raise TrainError("no training shards: the extract stage produced none")
         target_config = read_target_config(target_dir)
+        text_config = target_config.get("text_config", target_config)
         d2t, t2d = load_vocab_map(vocab_map)
-        vocab = t2d.numel()
-        infos = [index_shard(p, vocab) for p in shard_paths]
-        eval_infos = [index_shard(p, vocab) for p in eval_shard_paths]
-        check_inputs(infos + eval_infos, target_config, target_dir, d2t, t2d)
+        check_vocab_map(text_config, d2t, t2d)
+        infos = [index_shard(p, t2d.numel()) for p in shard_paths]
+        eval_infos = [index_shard(p, t2d.numel()) for p in eval_shard_paths]
+        check_shards(infos + eval_infos, text_config, target_dir)
         self.train_data = Samples(infos, cfg["shards_in_memory"])
         self.eval_data = Samples(eval_infos, cfg["shards_in_memory"])
         self.t2d = t2d
@@ -422,11 +426,11 @@ class Trainer:
 
         torch.manual_seed(cfg["seed"])
         config = DrafterConfig.from_target(target_config, d2t.numel(), infos[0].aux_layer_ids)
-        embed, target_norm = load_target_embedding(target_dir)
+        embed = load_target_embedding(target_dir)
         self.teacher_head = load_target_lm_head(target_dir, torch.arange(d2t.numel()) + d2t)
         self.model = Eagle3Drafter(config, embed, d2t, t2d)
         if cfg["lm_head_init"] == "target":
-            init_output_head(self.model, self.teacher_head, target_norm)
+            init_lm_head(self.model, self.teacher_head)
         self.model.to(device)
         self.teacher_head = self.teacher_head.to(device)
         decay = [p for n, p in self.model.named_parameters() if p.ndim >= 2]
@@ -455,10 +459,11 @@ class Trainer:
             DDP._set_params_and_buffers_to_ignore_for_model(self.model, list(Eagle3Drafter.CONSTANT_BUFFERS))
             self.wrapped = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None,
                                broadcast_buffers=False)
-        log.info("drafter: %.1fM trainable parameters, draft vocab %d, aux layers %s, "
-                 "%d training samples in %d shards, %d held out, %d steps",
-                 num_params(self.model) / 1e6, d2t.numel(), config.aux_layer_ids,
-                 len(self.train_data), len(infos), len(self.eval_data), self.total_steps)
+        if dist_.rank == 0:
+            log.info("drafter: %.1fM trainable parameters, draft vocab %d, aux layers %s, "
+                     "%d training samples in %d shards, %d held out, %d steps",
+                     num_params(self.model) / 1e6, d2t.numel(), config.aux_layer_ids,
+                     len(self.train_data), len(infos), len(self.eval_data), self.total_steps)
 
     # -- schedule and data position --
 
@@ -513,7 +518,14 @@ class Trainer:
             shutil.rmtree(old, ignore_errors=True)
 
     def resume(self) -> Path | None:
-        found = checkpoints(self.checkpoint_dir) if self.cfg["resume"] else []
+        found = checkpoints(self.checkpoint_dir)
+        if found and not self.cfg["resume"]:  # start over: an old step number must not win later
+            log.warning("train.resume is false: deleting %d old checkpoints in %s", len(found),
+                        self.checkpoint_dir)
+            if self.dist.rank == 0:
+                for old in found:
+                    shutil.rmtree(old)
+            return None
         if not found:
             return None
         path = found[-1]
@@ -522,7 +534,8 @@ class Trainer:
             was, now = state["fingerprint"], self.fingerprint
             what = sorted(k for k in set(was["train"]) | set(now["train"])
                           if was["train"].get(k) != now["train"].get(k))
-            what += [k for k in ("shards", "micro_batches_per_step") if was[k] != now[k]]
+            what += [k for k in ("shards", "sample_ids_sha256", "micro_batches_per_step")
+                     if was.get(k) != now[k]]
             raise TrainError(f"the checkpoint {path} belongs to a run with other settings or data "
                              f"({', '.join(what)} differ): restore them, or delete "
                              f"{self.checkpoint_dir} (or set train.resume: false) to start over")
@@ -561,12 +574,12 @@ class Trainer:
         for i, batch in enumerate(batches):
             sync = i == len(batches) - 1 or self.dist.world == 1
             with (contextlib.nullcontext() if sync else self.wrapped.no_sync()), self.autocast():
-                ce, agree = batch_sums(self.wrapped, batch, self.teacher_head, self.model.d2t)
+                ce, agree = batch_sums(self.wrapped, batch, self.teacher_head)
                 loss = (scale * ce).sum()
             finite = self.dist.all_reduce(torch.tensor(float(torch.isfinite(loss)), device=self.device),
                                           dist.ReduceOp.MIN if self.dist.world > 1 else None)
             if not bool(finite):
-                self.fail(f"non-finite loss ({float(loss):.4g} here)" if not torch.isfinite(loss)
+                self.fail(f"non-finite loss ({loss.item():.4g} here)" if not torch.isfinite(loss)
                           else "non-finite loss on another rank", batch)
             loss.backward()
             ce_total += ce.detach().double()
@@ -595,7 +608,7 @@ class Trainer:
         for indices in self.eval_plan[self.dist.rank::self.dist.world]:
             batch = self.load_batch(self.eval_data, indices)
             with self.autocast():
-                ce, agree = batch_sums(self.model, batch, self.teacher_head, self.model.d2t)
+                ce, agree = batch_sums(self.model, batch, self.teacher_head)
             sums += torch.stack([ce.double(), batch.counts().to(self.device), agree])
         ce, counts, agree = self.dist.all_reduce(sums).cpu()
         return summarize(ce, counts, agree, self.cfg["ttt_decay"])
@@ -608,11 +621,12 @@ class Trainer:
                "split": split, **{k: round(v, 6) for k, v in metrics.items()}, "lr": "",
                "tokens_per_s": "", **extra}
         self.rows.append(row)
+        if self.dist.rank != 0:
+            return
         accs = " ".join(f"{metrics[f'acc_{k}']:.3f}" for k in range(self.cfg["ttt_steps"]))
         log.info("%s step %d/%d epoch %.2f: loss %.4f acc %s sim_al %.3f", split, self.step,
                  self.total_steps, row["epoch"], metrics["loss"], accs, metrics["sim_al"])
-        if self.dist.rank == 0:
-            write_csv(self.checkpoint_dir / "training_log.csv", self.rows, self.columns)
+        write_csv(self.checkpoint_dir / "training_log.csv", self.rows, self.columns)
 
     def run(self, progress: Progress | None, stop_after_steps: int | None = None) -> bool:
         """Train to the end (True), or until ``stop_after_steps`` (False: as if killed)."""
@@ -698,3 +712,18 @@ def train(cfg: dict, shard_paths: list[str], eval_shard_paths: list[str], vocab_
     finally:
         if dist_.owns_group:
             dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Worker of a multi-GPU run: ``python -m torch.distributed.run --nproc-per-node N -m
+    eaglet.train ARGS.json``, ARGS.json holding ``train``'s keyword arguments."""
+    import sys
+
+    from eaglet.scripting import run_stage
+    args = read_json((argv or sys.argv[1:])[0])
+    rank = int(os.environ.get("RANK", "0"))
+    run_stage("train", args["log_path"] if rank == 0 else None, lambda: train(**args))
+
+
+if __name__ == "__main__":
+    main()

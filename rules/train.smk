@@ -1,0 +1,31 @@
+rule train:
+    """Train the EAGLE-3 drafter with training-time test and export it as vLLM loads it.
+    Resumes from drafter_checkpoints/ after an interruption."""
+    input:
+        target=f"{R}/target/target.json",
+        manifest=f"{R}/hidden/manifest.json",
+        shards=expand(f"{R}/hidden/shard_{{i}}.safetensors", i=TRAIN_SHARDS),
+        eval_shards=[f"{R}/hidden/eval/shard_00000.safetensors"],
+        vocab=f"{R}/vocab/vocab_map.safetensors",
+    output:
+        config=f"{R}/drafter/config.json",
+        weights=f"{R}/drafter/model.safetensors",
+        log_csv=report(
+            f"{R}/drafter/training_log.csv",
+            caption="../report/training_log.rst",
+            category="Training",
+        ),
+    params:
+        train={k: v for k, v in config["train"].items() if k != "gpus"},
+        checkpoints=f"{R}/drafter_checkpoints",
+        progress=f"{R}/progress/train.json",
+    resources:
+        gpu=config["train"]["gpus"],
+        mem_mb=config["resources"]["train"]["mem_mb"],
+        runtime=config["resources"]["train"]["runtime"],
+    log:
+        f"{R}/logs/train.log",
+    conda:
+        ENV
+    script:
+        "../scripts/train.py"

@@ -1,0 +1,9 @@
+"""Snakemake entry point of rule plots (redraws figures from results; runs no model)."""
+from eaglet.plots import draw_all
+from eaglet.scripting import run_stage
+
+smk = snakemake  # noqa: F821 (injected by Snakemake)
+run_stage("plots", smk.log[0], lambda: draw_all(
+    smk.input.acceptance, smk.input.training_log,
+    {name: smk.output[name] for name in ("per_position", "acceptance_length", "throughput",
+                                         "training")}))

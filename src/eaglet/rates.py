@@ -1,0 +1,65 @@
+"""Measured rates of finished stages, kept across runs for `eaglet status` ETAs.
+
+Each stage appends what it measured (tokens/s, server start-up seconds) to
+``$EAGLET_RATES`` or ``~/.cache/eaglet/rates.jsonl``, keyed by the target and the device
+kind, so a new run can estimate its stages before it has measured anything itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from pathlib import Path
+
+from eaglet.progress import now_iso
+
+
+def history_path() -> Path:
+    if os.environ.get("EAGLET_RATES"):
+        return Path(os.environ["EAGLET_RATES"])
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "eaglet" / "rates.jsonl"
+
+
+def device_kind() -> str:
+    """A cheap name for the kind of machine (no torch import: status must stay fast)."""
+    if Path("/proc/driver/nvidia/version").exists():
+        return f"nvidia:{platform.node()}"
+    return f"cpu:{platform.machine()}:{os.cpu_count()}"
+
+
+def record(stage: str, target: str, **values: float | None) -> None:
+    """Append one measurement; never fails the stage that measured it."""
+    entry = {"stage": stage, "target": target, "device": device_kind(), "at": now_iso(),
+             **{k: v for k, v in values.items() if v is not None}}
+    try:
+        path = history_path()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as handle:
+            handle.write(json.dumps(entry) + "\n")
+    except OSError:
+        pass
+
+
+def lookup(stage: str, key: str, target: str | None = None) -> float | None:
+    """Latest recorded ``key`` of ``stage``: same target and device first, then same device,
+    then anything."""
+    path = history_path()
+    if not path.exists():
+        return None
+    entries = []
+    for line in path.read_text().splitlines():
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if entry.get("stage") == stage and entry.get(key) is not None:
+            entries.append(entry)
+    here = device_kind()
+    for match in (lambda e: e["target"] == target and e["device"] == here,
+                  lambda e: e["device"] == here, lambda e: True):
+        found = [e for e in entries if match(e)]
+        if found:
+            return float(found[-1][key])
+    return None

@@ -1,0 +1,512 @@
+"""Where a run stands: what finished (and what it verified), what runs now, what remains,
+and how long that will take. Read-only: it reads the files the stages write.
+
+Each stage leaves behind its outputs, a stats or manifest file with its checks, a log under
+``logs/`` and, while it runs, ``progress/<stage>.json`` with its pid. A progress file whose
+pid is gone belongs to an interrupted stage. Remaining time comes from the sizes in the
+config and the rates measured by this run, by earlier runs (``eaglet.rates``) or by the
+benchmarks, in that order, and says which one it used.
+"""
+
+from __future__ import annotations
+
+import csv
+import glob
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+from eaglet import rates
+from eaglet.progress import format_duration
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+SERVER_START_GUESS_S = 60.0      # vLLM CPU with --enforce-eager: about 55 s here
+COMPLETION_FILL_GUESS = 0.75     # share of max_tokens a completion uses before it is measured
+
+
+def _read(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def process_alive(record: dict) -> bool | None:
+    """Whether the process a progress record names still runs; None when it runs on another
+    host (a cluster node), where its pid cannot be checked from here."""
+    host = record.get("host")
+    if host and host != socket.gethostname():
+        return None
+    return pid_alive(record.get("pid"))
+
+
+def pid_alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+
+
+@dataclass
+class Stage:
+    name: str
+    outputs: list[str]
+    progress: str | None = None            # glob under results/
+    log: str | None = None
+    gpu_key: tuple[str, str] | None = None  # config section and key of the GPUs it holds
+    facts: Callable[[Path], dict] | None = None
+
+
+def _facts_target(r: Path) -> dict:
+    t = _read(r / "target/target.json") or {}
+    return {"model": t.get("spec"), "layers": t.get("num_hidden_layers"),
+            "hidden_size": t.get("hidden_size"), "vocab_size": t.get("vocab_size")}
+
+
+def _facts_prompts(r: Path) -> dict:
+    s = _read(r / "prompts/stats.json") or {}
+    totals = s.get("totals", {})
+    return {"train_prompts": s.get("n_train"), "eval_prompts": s.get("n_eval"),
+            "bad_rows": totals.get("bad"), "duplicates": totals.get("duplicates")}
+
+
+def _facts_generate(r: Path) -> dict:
+    s = _read(r / "synthetic/stats.json") or {}
+    splits = s.get("splits", {})
+    tc = s.get("template_check", {})
+    return {"samples": sum(v["samples"] for v in splits.values()),
+            "failed": sum(v["failed"] for v in splits.values()),
+            "truncated": sum(v["truncated"] for v in splits.values()),
+            "completion_tokens": sum(v["completion_tokens"] for v in splits.values()),
+            "template_mismatched": tc.get("mismatched"), "template_checked": tc.get("checked"),
+            "retokenized": tc.get("retokenized")}
+
+
+def _facts_vocab(r: Path) -> dict:
+    s = _read(r / "vocab/stats.json") or {}
+    return {"draft_vocab_size": s.get("draft_vocab_size"), "coverage": s.get("coverage"),
+            "distinct_tokens": s.get("distinct_completion_tokens"), "filled": s.get("filled")}
+
+
+def _facts_extract(r: Path) -> dict:
+    m = _read(r / "hidden/manifest.json") or {}
+    return {"shards": m.get("num_shards"), "samples": m.get("num_samples"),
+            "tokens": m.get("tokens"), "truncated": m.get("truncated"),
+            "bytes": m.get("bytes"), "dtype": m.get("dtype"),
+            "aux_layer_ids": m.get("aux_layer_ids"),
+            "teacher_agreement": m.get("teacher_agreement")}
+
+
+def _training_rows(r: Path) -> list[dict]:
+    try:
+        with open(r / "drafter/training_log.csv", newline="") as handle:
+            return list(csv.DictReader(handle))
+    except OSError:
+        return []
+
+
+def _facts_train(r: Path) -> dict:
+    rows = _training_rows(r)
+    out: dict[str, Any] = {}
+    for split in ("train", "eval"):
+        last = [row for row in rows if row.get("split") == split]
+        if last:
+            out[f"{split}_acc_0"] = float(last[-1]["acc_0"])
+            out[f"{split}_simulated_al"] = float(last[-1]["sim_al"])
+    if rows:
+        out["steps"] = int(rows[-1]["step"])
+    return out
+
+
+def _facts_evaluate(r: Path) -> dict:
+    a = _read(r / "eval/acceptance.json") or {}
+    v = a.get("verdict", {})
+    return {"acceptance_length": v.get("acceptance_length"), "speedup": v.get("speedup"),
+            "ngram_acceptance_length": v.get("ngram_acceptance_length"),
+            "speeds_up_serving": v.get("speeds_up_serving"),
+            "concurrency": v.get("concurrency"), "warnings": v.get("warnings")}
+
+
+STAGES = [
+    Stage("prepare_target", ["target/target.json"], log="logs/prepare_target.log",
+          facts=_facts_target),
+    Stage("prepare_prompts", ["prompts/train.jsonl", "prompts/eval.jsonl"],
+          log="logs/prepare_prompts.log", facts=_facts_prompts),
+    Stage("generate", ["synthetic/train.jsonl", "synthetic/eval.jsonl"],
+          progress="progress/generate.json", log="logs/generate.log",
+          gpu_key=("server", "gpus"), facts=_facts_generate),
+    Stage("vocab_map", ["vocab/vocab_map.safetensors"], log="logs/vocab_map.log",
+          facts=_facts_vocab),
+    Stage("extract", ["hidden/manifest.json"], progress="progress/extract_*.json",
+          log="logs/extract", gpu_key=("extract", "gpus"), facts=_facts_extract),
+    Stage("train", ["drafter/model.safetensors"], progress="progress/train.json",
+          log="logs/train.log", gpu_key=("train", "gpus"), facts=_facts_train),
+    Stage("evaluate", ["eval/acceptance.json"], progress="progress/evaluate.json",
+          log="logs/evaluate.log", gpu_key=("server", "gpus"), facts=_facts_evaluate),
+]
+
+
+# -- estimates -------------------------------------------------------------------------------
+
+@dataclass
+class Estimate:
+    seconds: float | None
+    basis: str
+
+
+def _rate(stage: str, key: str, target: str | None, measured: float | None = None,
+          benchmark: Callable[[], float | None] | None = None) -> tuple[float | None, str]:
+    if measured:
+        return measured, "this run"
+    earlier = rates.lookup(stage, key, target)
+    if earlier:
+        return earlier, "an earlier run"
+    if benchmark is not None:
+        value = benchmark()
+        if value:
+            return value, "benchmarks/results"
+    return None, "no rate measured yet"
+
+
+def _bench_generate(concurrency: int) -> float | None:
+    data = _read(BENCHMARKS / "generate.json") or {}
+    levels = {int(k): v["tokens_per_s"] for k, v in
+              (data.get("server_tokens_per_s_by_concurrency") or {}).items()}
+    if not levels:
+        return None
+    nearest = min(levels, key=lambda c: abs(c - concurrency))
+    return levels[nearest]
+
+
+def _bench(name: str, key: str) -> Callable[[], float | None]:
+    return lambda: (_read(BENCHMARKS / f"{name}.json") or {}).get(key)
+
+
+def _prompt_counts(r: Path) -> tuple[int | None, int | None]:
+    s = _read(r / "prompts/stats.json")
+    return (s["n_train"], s["n_eval"]) if s else (None, None)
+
+
+def _token_totals(r: Path) -> dict | None:
+    s = _read(r / "synthetic/stats.json")
+    if not s:
+        return None
+    splits = s["splits"]
+    return {split: {"samples": v["samples"],
+                    "tokens": v["prompt_tokens"] + v["completion_tokens"],
+                    "completion_tokens": v["completion_tokens"]} for split, v in splits.items()}
+
+
+def estimate(stage: str, r: Path, cfg: dict, progress: dict | None) -> Estimate:
+    target = cfg["target"]["model"]
+    gen, ev = cfg["generate"], cfg["evaluate"]
+    if progress and progress.get("state") == "running" and progress.get("eta_s") is not None:
+        return Estimate(progress["eta_s"], "this run's progress")
+    if stage == "prepare_target":
+        return Estimate(40.0 if target.startswith("embedded:") else 5.0, "typical")
+    if stage in ("prepare_prompts", "vocab_map"):
+        return Estimate(10.0, "typical")
+    if stage == "generate":
+        n_train, n_eval = _prompt_counts(r)
+        if n_train is None:
+            return Estimate(None, "prompt count unknown until prepare_prompts runs")
+        remaining = n_train + n_eval - (progress or {}).get("done", 0)
+        rate, basis = _rate("generate", "completion_tokens_per_s", target,
+                            benchmark=lambda: _bench_generate(gen["concurrency"]))
+        start, _ = _rate("generate", "server_start_s", target)
+        if rate is None:
+            return Estimate(None, basis)
+        tokens = remaining * gen["max_tokens"] * COMPLETION_FILL_GUESS
+        return Estimate((start or SERVER_START_GUESS_S) + tokens / rate,
+                        f"{remaining} samples x ~{gen['max_tokens'] * COMPLETION_FILL_GUESS:.0f} "
+                        f"tokens at {rate:.0f} tok/s ({basis})")
+    totals = _token_totals(r)
+    if stage == "extract":
+        rate, basis = _rate("extract", "tokens_per_s", target)
+        if totals is None or rate is None:
+            return Estimate(None, basis if totals else "token count unknown until generate runs")
+        done = sum(1 for _ in glob.glob(str(r / "hidden/shard_*.safetensors")))
+        share = 1 - done / max(cfg["extract"]["num_shards"], 1)
+        tokens = sum(t["tokens"] for t in totals.values()) * share
+        return Estimate(tokens / rate, f"{tokens:.0f} tokens at {rate:.0f} tok/s ({basis})")
+    if stage == "train":
+        rate, basis = _rate("train", "tokens_per_s", target, benchmark=_bench("train", "tokens_per_s"))
+        if totals is None or rate is None:
+            return Estimate(None, basis if totals else "token count unknown until generate runs")
+        tokens = totals["train"]["tokens"] * cfg["train"]["epochs"]
+        return Estimate(tokens / rate, f"{cfg['train']['epochs']} epochs x "
+                        f"{totals['train']['tokens']} tokens at {rate:.0f} tok/s ({basis})")
+    if stage == "evaluate":
+        runs = 1 + int(ev["ngram"]) + len(ev["num_speculative_tokens"])
+        _, n_eval = _prompt_counts(r)
+        if ev["max_prompts"] and n_eval:
+            n_eval = min(n_eval, ev["max_prompts"])
+        rate, basis = _rate("evaluate", "baseline_tokens_per_s", target,
+                            benchmark=lambda: _bench_generate(ev["concurrency"]))
+        start, _ = _rate("generate", "server_start_s", target)
+        if n_eval is None or rate is None:
+            return Estimate(None, basis if n_eval else "prompt count unknown")
+        per_run = (start or SERVER_START_GUESS_S) + n_eval * ev["max_tokens"] * COMPLETION_FILL_GUESS / rate
+        return Estimate(runs * per_run, f"{runs} vLLM runs x {n_eval} prompts at {rate:.0f} "
+                        f"tok/s, concurrency {ev['concurrency']} ({basis})")
+    return Estimate(None, "unknown stage")
+
+
+# -- gathering -------------------------------------------------------------------------------
+
+def _last_error(log: Path) -> str | None:
+    files = sorted(log.rglob("*.log")) if log.is_dir() else [log]
+    for path in files:
+        try:
+            lines = path.read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        for line in reversed(lines[-200:]):
+            if " ERROR " in line and " failed: " in line:
+                return line.split(" failed: ", 1)[1][:300]
+    return None
+
+
+def stage_status(stage: Stage, r: Path, cfg: dict, outdated: set[str]) -> dict:
+    done = all(glob.glob(str(r / out)) for out in stage.outputs)
+    progress_files = sorted(glob.glob(str(r / stage.progress))) if stage.progress else []
+    progresses = [p for p in (_read(Path(f)) for f in progress_files) if p]
+    active = [p for p in progresses if p.get("state") == "running"]
+    running = [p for p in active if process_alive(p) is not False]
+    stale = [p for p in active if process_alive(p) is False]
+    out: dict[str, Any] = {"stage": stage.name}
+    if running:
+        out["state"] = "running"
+        out["progress"] = running
+    elif done:
+        out["state"] = "outdated" if stage.name in outdated else "completed"
+        out["facts"] = stage.facts(r) if stage.facts else {}
+    elif stale:
+        out["state"] = "interrupted"
+        out["progress"] = stale
+    else:
+        error = _last_error(r / stage.log) if stage.log else None
+        out["state"] = "failed" if error else "pending"
+        if error:
+            out["error"] = error
+    if stage.gpu_key:
+        section, key = stage.gpu_key
+        out["gpus"] = cfg[section].get(key, 0)
+    if out["state"] != "completed":
+        first = (out.get("progress") or [None])[0]
+        est = estimate(stage.name, r, cfg, first if out["state"] == "running" else None)
+        out["estimate_s"], out["estimate_basis"] = est.seconds, est.basis
+    if stage.log:
+        out["log"] = str(r / stage.log)
+    return out
+
+
+def snakemake_outdated(workflow: Path, config_args: list[str]) -> set[str] | None:
+    """Rules Snakemake would run now (a dry run without taking the lock), or None."""
+    if not (workflow / "Snakefile").exists():
+        return None
+    cmd = [str(Path(sys.executable).parent / "snakemake"), "-n", "--nolock", "--quiet",
+           "rules", *config_args]
+    try:
+        proc = subprocess.run(cmd, cwd=workflow, capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if proc.returncode != 0:
+        return None
+    rules = set()
+    for line in proc.stdout.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[1].isdigit() and parts[0] not in ("total", "job"):
+            rules.add(parts[0])
+    return rules
+
+
+def load_run_config(results: Path, config_path: str | None, workflow: Path) -> dict:
+    """The run's own record of its config, else the workflow's config.yaml with
+    ``config_path`` merged over it (as ``snakemake --configfile`` does)."""
+    import yaml
+
+    from eaglet.config import validate
+
+    recorded = _read(results / "run" / "config.json")
+    if recorded is not None and config_path is None:
+        return validate(recorded)
+    base_path = workflow / "config.yaml"
+    cfg = yaml.safe_load(base_path.read_text()) if base_path.exists() else {}
+    if config_path:
+        _merge(cfg, yaml.safe_load(Path(config_path).read_text()) or {})
+    return validate(cfg)
+
+
+def _merge(base: dict, over: dict) -> None:
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _merge(base[key], value)
+        else:
+            base[key] = value
+
+
+def collect(results: Path, cfg: dict, workflow: Path | None = None,
+            config_args: list[str] | None = None) -> dict:
+    outdated = snakemake_outdated(workflow, config_args or []) if workflow else None
+    stages = [stage_status(s, results, cfg, outdated or set()) for s in STAGES]
+    if outdated:
+        rule_to_stage = {"extract_eval": "extract", "hidden_manifest": "extract"}
+        pending = {rule_to_stage.get(rule, rule) for rule in outdated}
+        for s in stages:
+            if s["state"] == "completed" and s["stage"] in pending:
+                s["state"] = "outdated"
+    remaining = [s for s in stages if s["state"] not in ("completed",)]
+    known = [s["estimate_s"] for s in remaining if s.get("estimate_s") is not None]
+    total = sum(known) if known else None
+    snake = _read(results / "run" / "snakemake.json") or {}
+    return {
+        "results": str(results), "checked_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "snakemake": {"pid": snake.get("pid"), "running": pid_alive(snake.get("pid")),
+                      "command": snake.get("command")},
+        "stages": stages,
+        "remaining_s": total,
+        "remaining_complete": len(known) == len(remaining),
+        "finishes_at": ((datetime.now(timezone.utc) + timedelta(seconds=total)).isoformat(timespec="minutes")
+                        if total is not None else None),
+        "snakemake_view": "checked" if outdated is not None else "not checked",
+    }
+
+
+# -- rendering -------------------------------------------------------------------------------
+
+def _fmt_facts(stage: str, f: dict) -> str:
+    pct = lambda x: "?" if x is None else f"{100 * x:.2f}%"  # noqa: E731
+    if stage == "prepare_target":
+        return f"{f['model']}: {f['layers']} layers, hidden {f['hidden_size']}, vocab {f['vocab_size']}"
+    if stage == "prepare_prompts":
+        return (f"{f['train_prompts']} train / {f['eval_prompts']} eval prompts, "
+                f"{f['bad_rows']} bad rows, {f['duplicates']} duplicates")
+    if stage == "generate":
+        return (f"{f['samples']} samples ({f['failed']} failed, {f['truncated']} truncated), "
+                f"{f['completion_tokens']} completion tokens; template check "
+                f"{f['template_mismatched']}/{f['template_checked']} mismatched")
+    if stage == "vocab_map":
+        return (f"Vd {f['draft_vocab_size']} covers {pct(f['coverage'])} of completion tokens "
+                f"({f['distinct_tokens']} distinct)")
+    if stage == "extract":
+        gib = (f["bytes"] or 0) / 2**30
+        return (f"{f['shards']} shards, {f['samples']} samples, {f['tokens']} tokens, "
+                f"{gib:.2f} GiB {f['dtype']}, layers {f['aux_layer_ids']}; teacher agreement "
+                f"{pct(f['teacher_agreement'])}")
+    if stage == "train":
+        parts = [f"step {f.get('steps')}"]
+        for split in ("train", "eval"):
+            if f"{split}_acc_0" in f:
+                parts.append(f"{split} acc_0 {f[f'{split}_acc_0']:.3f}, simulated AL "
+                             f"{f[f'{split}_simulated_al']:.2f}")
+        return "; ".join(parts)
+    if stage == "evaluate":
+        if f.get("acceptance_length") is None:
+            return "no drafter run"
+        text = (f"AL {f['acceptance_length']:.2f}, {f['speedup']:.2f}x baseline tokens/s at "
+                f"concurrency {f['concurrency']}")
+        if f.get("ngram_acceptance_length"):
+            text += f" (ngram AL {f['ngram_acceptance_length']:.2f})"
+        return text + ("" if f.get("speeds_up_serving") else "; does NOT speed serving up")
+    return json.dumps(f)
+
+
+def render(report: dict) -> str:
+    lines = [f"eaglet status of {report['results']} at {report['checked_at']}"]
+    snake = report["snakemake"]
+    if snake["pid"]:
+        lines.append(f"snakemake: {'running' if snake['running'] else 'not running'} "
+                     f"(pid {snake['pid']})")
+    by_state: dict[str, list[dict]] = {}
+    for s in report["stages"]:
+        by_state.setdefault(s["state"], []).append(s)
+
+    lines.append("\nCompleted:")
+    for s in by_state.get("completed", []) + by_state.get("outdated", []):
+        mark = "~" if s["state"] == "outdated" else "+"
+        note = "  (outdated: Snakemake will rerun it)" if s["state"] == "outdated" else ""
+        lines.append(f"  {mark} {s['stage']:<16}{_fmt_facts(s['stage'], s.get('facts', {}))}{note}")
+    if not by_state.get("completed") and not by_state.get("outdated"):
+        lines.append("  (nothing yet)")
+
+    active = by_state.get("running", []) + by_state.get("interrupted", []) + by_state.get("failed", [])
+    if active:
+        lines.append("\nRunning / stopped:")
+    for s in active:
+        if s["state"] == "failed":
+            lines.append(f"  ! {s['stage']:<16}FAILED: {s['error']}\n{'':20}log: {s['log']}")
+            continue
+        for p in s["progress"]:
+            rate = f"{p['rate_per_s']:.2f} {p['unit']}/s" if p.get("rate_per_s") else "rate ?"
+            word = "running" if s["state"] == "running" else "INTERRUPTED (process gone; rerun snakemake to resume)"
+            gpu = f", holds {s['gpus']} GPU(s)" if s.get("gpus") and s["state"] == "running" else ""
+            if p.get("host") and p["host"] != socket.gethostname():
+                gpu += f", on host {p['host']}"
+            lines.append(f"  > {p['stage']:<16}{word}: {p['done']}/{p['total']} {p['unit']}, "
+                         f"{p['failed']} failed, {rate}, ETA {format_duration(p.get('eta_s'))}, "
+                         f"pid {p['pid']}{gpu}\n{'':20}log: {p.get('log') or s.get('log')}")
+
+    todo = [s for s in report["stages"] if s["state"] in ("pending", "outdated", "interrupted", "failed")]
+    lines.append("\nRemaining (estimated):")
+    for s in todo:
+        lines.append(f"  - {s['stage']:<16}{'~' + format_duration(s.get('estimate_s')):<10}"
+                     f"{s.get('estimate_basis', '')}")
+    if not todo and not by_state.get("running"):
+        lines.append("  nothing: the run is complete")
+    if report["remaining_s"] is not None:
+        partial = "" if report["remaining_complete"] else " (some stages have no estimate yet)"
+        lines.append(f"  total remaining ~{format_duration(report['remaining_s'])}, finishing "
+                     f"around {report['finishes_at']}{partial}")
+    lines.append("\nOrder: generate (vLLM server) -> vocab_map -> extract (starts only after the "
+                 "server stopped: both need the GPU) -> train -> evaluate (vLLM server again)")
+    running_logs = [p.get("log") for s in by_state.get("running", []) for p in s["progress"]]
+    lines.append(f"Follow it: eaglet status --results {report['results']} --watch 10"
+                 + (f"   or   tail -f {running_logs[0]}" if running_logs and running_logs[0] else ""))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="eaglet status", description=__doc__.splitlines()[0])
+    parser.add_argument("--results", default=None, help="results directory (default: the config's)")
+    parser.add_argument("--config", default=None, help="config file (default: the one the run "
+                        "recorded in RESULTS/run/config.json, else ./config.yaml)")
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    parser.add_argument("--watch", type=float, default=None, metavar="SECONDS")
+    parser.add_argument("--workflow", default=".", help="workflow directory, for Snakemake's view")
+    parser.add_argument("--no-snakemake", action="store_true",
+                        help="do not ask Snakemake which outputs are out of date (faster)")
+    args = parser.parse_args(argv)
+
+    results_hint = Path(args.results) if args.results else None
+    cfg = load_run_config(results_hint or Path("results"), args.config, Path(args.workflow))
+    results = results_hint or Path(cfg["results_dir"])
+    config_args = ["--config", f"results_dir={results}"]
+    if args.config:
+        config_args = ["--configfile", args.config, *config_args]
+    workflow = None if args.no_snakemake else Path(args.workflow)
+    while True:
+        report = collect(results, cfg, workflow, config_args)
+        text = json.dumps(report, indent=2) if args.json else render(report)
+        if args.watch:
+            print("\033[2J\033[H" + text, flush=True)
+            time.sleep(args.watch)
+            continue
+        print(text)
+        return 0

@@ -1,0 +1,1 @@
+"""A fake SLURM for the cluster tests (see fake_slurm.py)."""

@@ -1,0 +1,345 @@
+"""The drafter model, its TTT attention, the loss, and the exported checkpoint's layout.
+
+The reference here drafts the way vLLM's EAGLE-3 proposer does, one query at a time with
+an explicit KV list: at row t, step 0 embeds token t+1 over fc(aux[t]) at position t and
+caches its keys; step k embeds token t+1+k over the previous step's pre-norm output at
+position t+k and attends to the step-0 keys of rows <= t plus its own keys of steps 1..k.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from eaglet import drafter
+from eaglet.drafter import DrafterConfig, Eagle3Drafter
+from eaglet.export import export_drafter, load_drafter, vllm_tensors
+from eaglet.train import batch_sums, make_batch, summarize
+
+H, VOCAB, DRAFT_VOCAB, K = 32, 50, 30, 4
+
+
+def tiny_config(rope=None) -> DrafterConfig:
+    return DrafterConfig(hidden_size=H, intermediate_size=64, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6,
+                         rope_parameters=rope or {"rope_theta": 10000.0, "rope_type": "default"},
+                         max_position_embeddings=128, vocab_size=VOCAB,
+                         draft_vocab_size=DRAFT_VOCAB, target_hidden_size=H, aux_layer_ids=[1, 2, 3])
+
+
+def vocab_map():
+    gen = torch.Generator().manual_seed(7)
+    keep = torch.sort(torch.randperm(VOCAB, generator=gen)[:DRAFT_VOCAB]).values
+    t2d = torch.zeros(VOCAB, dtype=torch.bool)
+    t2d[keep] = True
+    return keep - torch.arange(DRAFT_VOCAB), t2d
+
+
+def tiny_model(seed: int = 0) -> Eagle3Drafter:
+    torch.manual_seed(seed)
+    d2t, t2d = vocab_map()
+    model = Eagle3Drafter(tiny_config(), torch.randn(VOCAB, H), d2t, t2d)
+    with torch.no_grad():  # norms away from 1 so that a misplaced norm shows
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.uniform_(0.5, 1.5)
+    return model.eval()
+
+
+def sample(length: int, seed: int) -> tuple:
+    """(id, input_ids, loss_mask, teacher_argmax, aux, final) like ``Samples.get``."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (length,), generator=gen)
+    mask = (torch.arange(length) >= length // 3).to(torch.uint8)
+    argmax = torch.cat([ids[1:], torch.randint(0, VOCAB, (1,), generator=gen)])
+    argmax[::5] = torch.randint(0, VOCAB, (len(argmax[::5]),), generator=gen)  # not always the data
+    return (f"s{seed}", ids, mask, argmax, torch.randn(length, 3 * H, generator=gen),
+            torch.randn(length, H, generator=gen))
+
+
+def run_batch(model, pieces, rows=None):
+    batch = make_batch(pieces, K, model.t2d)
+    return batch, model(batch.aux, batch.step_ids, batch.positions, batch.segments, rows)
+
+
+# -- the plain reference ---------------------------------------------------------------------
+
+def reference_logits(model: Eagle3Drafter, piece) -> dict[tuple[int, int], torch.Tensor]:
+    """{(row t, step k): logits} drafting one query at a time, as vLLM does."""
+    _, ids, _, _, aux, _ = piece
+    layer, attn, c = model.midlayer, model.midlayer.self_attn, model.config
+    hf = LlamaConfig(hidden_size=H, num_attention_heads=c.num_attention_heads, head_dim=c.head_dim,
+                     rope_parameters=c.rope_parameters)
+    rope = LlamaRotaryEmbedding(hf)
+    length = len(ids)
+
+    def project(token, hidden, position):
+        x = torch.cat([layer.input_layernorm(model.embed_tokens[token]), layer.hidden_norm(hidden)])
+        q = attn.q_proj(x).view(1, c.num_attention_heads, 1, c.head_dim)  # [batch, heads, seq, D]
+        k = attn.k_proj(x).view(1, c.num_key_value_heads, 1, c.head_dim)
+        v = attn.v_proj(x).view(c.num_key_value_heads, c.head_dim)
+        cos, sin = rope(x[None], torch.tensor([[position]]))
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q[0, :, 0], k[0, :, 0], v
+
+    def finish(hidden, q, keys, values):
+        group = c.num_attention_heads // c.num_key_value_heads
+        heads = []
+        for h in range(c.num_attention_heads):
+            kv = h // group
+            scores = torch.stack([q[h] @ k[kv] for k in keys]) / c.head_dim ** 0.5
+            weights = torch.softmax(scores, 0)
+            heads.append(sum(w * v[kv] for w, v in zip(weights, values)))
+        residual = hidden + attn.o_proj(torch.cat(heads))
+        residual = residual + layer.mlp(layer.post_attention_layernorm(residual))
+        return residual, model.lm_head(model.norm(residual))
+
+    token = lambda i: ids[min(i, length - 1)]  # noqa: E731 (past the end: the last token)
+    step0 = [project(token(t + 1), model.fc(aux[t]), t) for t in range(length)]
+    out = {}
+    for t in range(length):
+        hidden = model.fc(aux[t])
+        q, _, _ = step0[t]
+        keys = [step0[j][1] for j in range(t + 1)]
+        values = [step0[j][2] for j in range(t + 1)]
+        hidden, out[t, 0] = finish(hidden, q, keys, values)
+        for k in range(1, K):
+            q, key, value = project(token(t + 1 + k), hidden, t + k)
+            keys, values = keys + [key], values + [value]
+            hidden, out[t, k] = finish(hidden, q, keys, values)
+    return out
+
+
+# -- tests -----------------------------------------------------------------------------------
+
+def test_shapes_and_selected_rows():
+    model = tiny_model()
+    pieces = [sample(9, 1), sample(6, 2)]
+    batch, logits = run_batch(model, pieces)
+    assert batch.step_ids.shape == (K, 15) and len(logits) == K
+    assert all(z.shape == (15, DRAFT_VOCAB) for z in logits)
+    rows = [torch.tensor([0, 3, 14]), torch.tensor([], dtype=torch.long), torch.tensor([2]),
+            torch.arange(15)]
+    _, picked = run_batch(model, pieces, rows)
+    for z, full, r in zip(picked, logits, rows):
+        assert z.shape == (len(r), DRAFT_VOCAB)
+        torch.testing.assert_close(z, full[r])
+    assert batch.positions.tolist() == list(range(9)) + list(range(6))
+    assert batch.segments.tolist() == [0] * 9 + [1] * 6
+
+
+def test_batched_ttt_equals_drafting_one_query_at_a_time():
+    model = tiny_model()
+    pieces = [sample(7, 1), sample(5, 2)]
+    with torch.no_grad():
+        _, logits = run_batch(model, pieces)
+        start = 0
+        for piece in pieces:
+            for (t, k), expected in reference_logits(model, piece).items():
+                torch.testing.assert_close(logits[k][start + t], expected, rtol=1e-4, atol=1e-5)
+            start += len(piece[1])
+
+
+def test_packed_samples_never_attend_to_each_other():
+    model = tiny_model()
+    a, b, c = sample(8, 1), sample(6, 2), sample(7, 3)
+    changed = sample(6, 9)  # another sample in b's place: ids, aux, everything
+    with torch.no_grad():
+        _, before = run_batch(model, [a, b, c])
+        _, after = run_batch(model, [a, changed, c])
+    for k in range(K):
+        torch.testing.assert_close(before[k][:8], after[k][:8], rtol=0, atol=0)   # a, before b
+        torch.testing.assert_close(before[k][14:], after[k][14:], rtol=0, atol=0)  # c, after b
+        assert not torch.allclose(before[k][8:14], after[k][8:14])
+
+
+def test_attention_split_into_blocks_of_whole_samples_changes_nothing(monkeypatch):
+    model = tiny_model()
+    pieces = [sample(7, 1), sample(5, 2), sample(9, 3), sample(3, 4)]
+    batch = make_batch(pieces, K, model.t2d)
+    spans = [(a, b) for a, b, _ in drafter.attention_blocks(batch.segments, 8)]
+    assert spans == [(0, 7), (7, 12), (12, 21), (21, 24)]
+    with torch.no_grad():
+        whole = model(batch.aux, batch.step_ids, batch.positions, batch.segments)
+        split = drafter.attention_blocks
+        monkeypatch.setattr(drafter, "attention_blocks", lambda segments: split(segments, 8))
+        blocked = model(batch.aux, batch.step_ids, batch.positions, batch.segments)
+    for a, b in zip(whole, blocked):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("step", [0, 1, 2])
+def test_step_sees_earlier_steps_of_its_row_and_nothing_of_later_rows(step):
+    """Change the token row 4 embeds at ``step``: row 4 changes from that step on; at step 0
+    (a shared KV entry) later rows change too; earlier rows and other rows' later steps never."""
+    model = tiny_model()
+    piece = sample(10, 1)
+    with torch.no_grad():
+        batch = make_batch([piece], K, model.t2d)
+        base = model(batch.aux, batch.step_ids, batch.positions, batch.segments)
+        ids = batch.step_ids.clone()
+        ids[step, 4] = (ids[step, 4] + 1) % VOCAB
+        new = model(batch.aux, ids, batch.positions, batch.segments)
+    for k in range(K):
+        same = torch.isclose(base[k], new[k], rtol=0, atol=0).all(-1)
+        assert same[:4].all(), "an earlier row saw a later one"
+        assert bool(same[4]) == (k < step), f"row 4 at step {k}"
+        if step == 0:
+            assert not same[5:].any(), "step-0 keys must be shared with later rows"
+        else:
+            assert same[5:].all(), "a step >= 1 entry leaked to other rows"
+
+
+def test_aux_features_reach_later_rows_only_through_step_zero_keys():
+    model = tiny_model()
+    piece = sample(10, 1)
+    with torch.no_grad():
+        batch = make_batch([piece], K, model.t2d)
+        base = model(batch.aux, batch.step_ids, batch.positions, batch.segments)
+        aux = batch.aux.clone()
+        aux[6] += 1.0
+        new = model(aux, batch.step_ids, batch.positions, batch.segments)
+    for k in range(K):
+        same = torch.isclose(base[k], new[k], rtol=0, atol=0).all(-1)
+        assert same[:6].all() and not same[6:].any()
+
+
+def test_loss_and_metrics_match_a_plain_loop():
+    model = tiny_model()
+    pieces = [sample(9, 1), sample(4, 2), sample(12, 3)]
+    teacher_head = torch.randn(DRAFT_VOCAB, H)
+    d2t, t2d = model.d2t, model.t2d
+    batch = make_batch(pieces, K, t2d)
+    with torch.no_grad():
+        ce, agree = batch_sums(model, batch, teacher_head)
+    got = summarize(ce.double(), batch.counts(), agree, 0.8)
+
+    ce_ref, n_ref, agree_ref = torch.zeros(K), torch.zeros(K), torch.zeros(K)
+    for piece in pieces:
+        _, ids, mask, argmax, _, final = piece
+        with torch.no_grad():
+            logits = reference_logits(model, piece)
+        for t in range(len(ids)):
+            for k in range(K):
+                predicted = t + 2 + k  # the token this step drafts; the teacher is at t+1+k
+                if predicted >= len(ids) or not mask[predicted] or not t2d[argmax[predicted - 1]]:
+                    continue
+                teacher = torch.softmax(final[predicted - 1] @ teacher_head.T, -1)
+                ce_ref[k] += -(teacher * torch.log_softmax(logits[t, k], -1)).sum()
+                draft = int(logits[t, k].argmax())
+                agree_ref[k] += float(draft + int(d2t[draft]) == int(argmax[predicted - 1]))
+                n_ref[k] += 1
+    assert batch.counts().tolist() == n_ref.tolist() and n_ref.min() > 0
+    torch.testing.assert_close(ce.float(), ce_ref, rtol=1e-4, atol=1e-4)
+    assert agree.tolist() == agree_ref.tolist()
+    loss = sum(0.8 ** k * ce_ref[k] / n_ref[k] for k in range(K))
+    assert got["loss"] == pytest.approx(float(loss), rel=1e-4)
+    acc = agree_ref / n_ref
+    assert got["sim_al"] == pytest.approx(1 + sum(float(acc[:k + 1].prod()) for k in range(K)))
+
+
+def test_agreement_maps_draft_ids_to_target_ids_with_d2t():
+    model = tiny_model()
+    piece = sample(6, 1)
+    d2t = model.d2t
+    assert (d2t != 0).any()
+    with torch.no_grad():
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[3, 0] = 1.0  # draft id 3 always wins
+        model.norm.weight.fill_(1.0)
+        model.midlayer.mlp.down_proj.weight.zero_()
+        model.midlayer.self_attn.o_proj.weight.zero_()
+        model.fc.weight.zero_()
+        model.fc.weight[0, 0] = 1.0
+    _, ids, mask, argmax, aux, final = piece
+    aux = aux.clone()
+    aux[:, 0] = 5.0
+    target_id = 3 + int(d2t[3])
+    assert target_id != 3
+    hits = make_batch([(piece[0], ids, torch.ones_like(mask), torch.full_like(argmax, target_id),
+                        aux, final)], K, model.t2d)
+    misses = make_batch([(piece[0], ids, torch.ones_like(mask), torch.full_like(argmax, 3),
+                          aux, final)], K, torch.ones(VOCAB, dtype=torch.bool))
+    with torch.no_grad():
+        _, agree = batch_sums(model, hits, torch.randn(DRAFT_VOCAB, H))
+        assert agree.tolist() == hits.counts().tolist()
+        _, agree = batch_sums(model, misses, torch.randn(DRAFT_VOCAB, H))
+        assert agree.sum() == 0 and misses.counts().sum() > 0
+    assert model.to_target_ids(torch.tensor([3])).item() == target_id
+
+
+def test_export_writes_exactly_the_tensors_and_config_vllm_loads(tmp_path):
+    model = tiny_model()
+    config = export_drafter(model, tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written == config
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["model_type"] == "llama"
+    assert config["num_hidden_layers"] == 1 and config["tie_word_embeddings"] is False
+    assert (config["vocab_size"], config["draft_vocab_size"], config["target_hidden_size"]) == (
+        VOCAB, DRAFT_VOCAB, H)
+    assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 2, 3],
+                                      "use_aux_hidden_state": True}
+    assert config["rope_parameters"] == {"rope_theta": 10000.0, "rope_type": "default"}
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as handle:
+        shapes = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
+        assert handle.get_tensor("t2d").dtype == torch.bool
+        assert handle.get_tensor("d2t").dtype == torch.int64
+    assert shapes == {
+        "fc.weight": (H, 3 * H),
+        "midlayer.input_layernorm.weight": (H,), "midlayer.hidden_norm.weight": (H,),
+        "midlayer.post_attention_layernorm.weight": (H,),
+        "midlayer.self_attn.q_proj.weight": (32, 2 * H), "midlayer.self_attn.k_proj.weight": (16, 2 * H),
+        "midlayer.self_attn.v_proj.weight": (16, 2 * H), "midlayer.self_attn.o_proj.weight": (H, 32),
+        "midlayer.mlp.gate_proj.weight": (64, H), "midlayer.mlp.up_proj.weight": (64, H),
+        "midlayer.mlp.down_proj.weight": (H, 64),
+        "norm.weight": (H,), "lm_head.weight": (DRAFT_VOCAB, H), "d2t": (DRAFT_VOCAB,), "t2d": (VOCAB,)}
+    assert shapes == {name: shape for name, (shape, _) in vllm_tensors(model.config).items()}
+
+
+def test_exported_drafter_loads_back_with_the_target_embedding(tmp_path):
+    from safetensors.torch import save_file
+    model = tiny_model()
+    export_drafter(model, tmp_path / "drafter")
+    (tmp_path / "target").mkdir()
+    save_file({"model.embed_tokens.weight": model.embed_tokens}, tmp_path / "target" / "model.safetensors")
+    (tmp_path / "target" / "config.json").write_text("{}")
+    loaded = load_drafter(tmp_path / "drafter", tmp_path / "target")
+    pieces = [sample(7, 1), sample(5, 2)]
+    with torch.no_grad():
+        _, expected = run_batch(model, pieces)
+        _, got = run_batch(loaded, pieces)
+    for a, b in zip(expected, got):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_full_vocabulary_drafter_is_exported_without_d2t(tmp_path):
+    """vLLM creates draft_id_to_target_id only for a reduced vocabulary; a d2t it has no
+    parameter for fails the load."""
+    plain = tiny_model()
+    config = tiny_config()
+    config.draft_vocab_size = VOCAB
+    model = Eagle3Drafter(config, plain.embed_tokens, torch.zeros(VOCAB, dtype=torch.long),
+                          torch.ones(VOCAB, dtype=torch.bool))
+    export_drafter(model, tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as handle:
+        assert "d2t" not in handle.keys() and "lm_head.weight" in handle.keys()
+    with pytest.raises(RuntimeError, match="d2t all 0"):
+        model.d2t[1] = 1
+        export_drafter(model, tmp_path / "bad")
+
+
+def test_scaled_rope_of_the_target_is_used():
+    plain = tiny_model()
+    scaled = Eagle3Drafter(tiny_config({"rope_theta": 500000.0, "rope_type": "llama3", "factor": 8.0,
+                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                        "original_max_position_embeddings": 16}),
+                           plain.embed_tokens, plain.d2t, plain.t2d)
+    hf = LlamaConfig(hidden_size=H, num_attention_heads=4, head_dim=8, max_position_embeddings=128,
+                     rope_parameters=scaled.config.rope_parameters)
+    torch.testing.assert_close(scaled.inv_freq, LlamaRotaryEmbedding(hf).inv_freq)
+    assert not torch.allclose(scaled.inv_freq, plain.inv_freq)

@@ -1,0 +1,111 @@
+"""The `gpu` resource keeps the inference server and the extraction off the same GPU.
+
+(a) A miniature workflow (tests/workflows/gpu_exclusion) with a server job and extraction
+    jobs, all ready at once and each holding `gpu=1`: under profiles/default's cap of one GPU
+    they never overlap in time; with the cap raised to two they do.
+(b) The real workflow's GPU rules take their `gpu` resource from the config (server.gpus,
+    extract.gpus, train.gpus) and the CPU rules hold none, as a dry run shows.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.workflows.dryrun import parse_dry_run
+
+REPO = Path(__file__).resolve().parents[1]
+SNAKEMAKE = Path(sys.executable).parent / "snakemake"
+MINI = REPO / "tests" / "workflows" / "gpu_exclusion" / "Snakefile"
+DEFAULT_PROFILE = REPO / "profiles" / "default"
+TINY = REPO / "tests" / "configs" / "tiny.yaml"
+SLEEP_S = 1.5
+
+
+def _env() -> dict[str, str]:
+    env = os.environ.copy()
+    env.pop("SNAKEMAKE_PROFILE", None)  # a user's global profile must not change the run
+    return env
+
+
+def run_mini(workdir: Path, *extra: str) -> dict[str, tuple[float, float]]:
+    """Run the miniature workflow; every job's (start, end) by job name."""
+    cmd = [str(SNAKEMAKE), "--snakefile", str(MINI), "--directory", str(workdir),
+           "--cores", "2", "--workflow-profile", str(DEFAULT_PROFILE), *extra,
+           "--config", f"sleep={SLEEP_S}", "shards=3"]
+    proc = subprocess.run(cmd, cwd=REPO, text=True, capture_output=True, timeout=120,
+                          env=_env())
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    spans = {}
+    for path in sorted(workdir.glob("*/*.txt")):
+        name, start, end = path.read_text().split()
+        spans[name] = (float(start), float(end))
+    assert set(spans) == {"server", "extract_00000", "extract_00001", "extract_00002",
+                          "prepare"}, spans
+    for start, end in spans.values():
+        assert end - start >= SLEEP_S * 0.9
+    return spans
+
+
+def overlapping(spans: dict[str, tuple[float, float]], names) -> list[tuple[str, str]]:
+    return [(a, b) for a, b in itertools.combinations(sorted(names), 2)
+            if spans[a][0] < spans[b][1] and spans[b][0] < spans[a][1]]
+
+
+GPU_JOBS = ("server", "extract_00000", "extract_00001", "extract_00002")
+
+
+def test_gpu_jobs_never_overlap_under_the_default_profile_cap(tmp_path):
+    spans = run_mini(tmp_path)
+    assert overlapping(spans, GPU_JOBS) == [], spans
+    # the cap holds GPU jobs apart, not the whole workflow: the CPU job ran beside one
+    assert any(pair for pair in overlapping(spans, (*GPU_JOBS, "prepare"))
+               if "prepare" in pair), spans
+
+
+def test_gpu_jobs_overlap_when_the_cap_is_raised(tmp_path):
+    spans = run_mini(tmp_path, "--resources", "gpu=2")
+    assert overlapping(spans, GPU_JOBS), spans
+
+
+@pytest.fixture(scope="module")
+def dry_run_jobs(tmp_path_factory):
+    """Dry run of the real workflow on the tiny config with GPUs for server and extraction."""
+    tmp = tmp_path_factory.mktemp("gpu_resources")
+    overrides = tmp / "gpus.yaml"
+    # `--config server.gpus=1` is no valid Snakemake config entry (and `server={gpus: 1}`
+    # reads 1 as a string): nested overrides go in a config file.
+    overrides.write_text("server: {gpus: 1}\nextract: {gpus: 1}\n")
+    cmd = [str(SNAKEMAKE), "--dry-run", "--workflow-profile", str(DEFAULT_PROFILE),
+           "--configfile", str(TINY), str(overrides),
+           "--config", f"results_dir={tmp / 'results'}"]
+    proc = subprocess.run(cmd, cwd=REPO, text=True, capture_output=True, timeout=120,
+                          env=_env())
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    jobs = parse_dry_run(proc.stdout + "\n" + proc.stderr)
+    assert jobs, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return jobs
+
+
+def _gpu(job) -> int:
+    return int(job.resources.get("gpu", 0))
+
+
+def test_real_workflow_gpu_rules_declare_their_gpus_from_config(dry_run_jobs):
+    by_rule: dict[str, list] = {}
+    for job in dry_run_jobs:
+        by_rule.setdefault(job.rule, []).append(job)
+    for rule in ("generate", "extract", "extract_eval", "hidden_manifest", "evaluate"):
+        assert rule in by_rule, sorted(by_rule)
+        assert all(_gpu(job) == 1 for job in by_rule[rule]), (rule, by_rule[rule])
+    assert len(by_rule["extract"]) == 2  # tiny.yaml: two shards, one job each
+    # train.gpus keeps its default (0); the CPU rules hold no GPU at all
+    assert [_gpu(job) for job in by_rule["train"]] == [0]
+    for rule in ("prepare_target", "prepare_prompts", "vocab_map", "plots"):
+        assert rule in by_rule, sorted(by_rule)
+        assert all(_gpu(job) == 0 for job in by_rule[rule]), (rule, by_rule[rule])

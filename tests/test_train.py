@@ -1,0 +1,275 @@
+"""Training loop: learning, exact resume, non-finite loss, refused inputs, DDP on gloo.
+
+Everything is tiny and built here: a random 4-layer Llama target saved with save_pretrained,
+samples it answered greedily (so teacher and data agree as in the real pipeline), their
+features written as eaglet shards, and a vocab map that leaves some of its tokens out.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from safetensors.torch import load_file, save
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from eaglet import shards
+from eaglet.io import atomic_open
+from eaglet.train import TrainError, train
+
+AUX_LAYERS = [1, 2, 3]
+VOCAB, DRAFT_VOCAB = 256, 160
+FAST = {"epochs": 2, "lr": 3e-3, "max_tokens_per_batch": 96, "ttt_steps": 3, "log_every": 1,
+        "checkpoint_every": 2, "warmup_steps": 2, "seed": 0}
+
+
+# -- the tiny world --------------------------------------------------------------------------
+
+def make_target(directory: Path) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         vocab_size=VOCAB, max_position_embeddings=256, tie_word_embeddings=False,
+                         rope_parameters={"rope_theta": 10000.0, "rope_type": "default"})
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # a confident teacher, as trained models are (entropy ~1 nat)
+        model.lm_head.weight.mul_(40)
+    model.save_pretrained(directory)
+    return model
+
+
+@torch.no_grad()
+def write_shards(model, directory: Path, n_shards: int, per_shard: int, seed: int,
+                 prefix: str = "s") -> list[str]:
+    """Samples = random prompt + the target's greedy answer, with its features."""
+    gen = torch.Generator().manual_seed(seed)
+    paths = []
+    for s in range(n_shards):
+        cols = {k: [] for k in ("ids", "mask", "argmax", "aux", "final")}
+        lengths, sample_ids = [], []
+        for i in range(per_shard):
+            prompt_len = int(torch.randint(3, 9, (1,), generator=gen))
+            answer_len = int(torch.randint(6, 30, (1,), generator=gen))
+            ids = torch.randint(0, VOCAB, (prompt_len,), generator=gen)
+            for _ in range(answer_len):
+                ids = torch.cat([ids, model(ids[None]).logits[0, -1].argmax()[None]])
+            out = model(ids[None], output_hidden_states=True)
+            cols["ids"].append(ids)
+            cols["mask"].append(torch.cat([torch.zeros(prompt_len), torch.ones(answer_len)]))
+            cols["argmax"].append(out.logits[0].argmax(-1))
+            cols["aux"].append(torch.cat([out.hidden_states[a][0] for a in AUX_LAYERS], -1))
+            cols["final"].append(model.model(ids[None]).last_hidden_state[0])
+            lengths.append(ids.numel())
+            sample_ids.append(f"{prefix}{s}-{i}")
+        offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+        data = shards.encode(torch.cat(cols["ids"]), torch.cat(cols["mask"]), offsets,
+                             torch.cat(cols["argmax"]), torch.cat(cols["aux"]),
+                             torch.cat(cols["final"]), sample_ids=sample_ids,
+                             aux_layer_ids=AUX_LAYERS, dtype="float32",
+                             target={"name": "tiny", "hidden_size": 64})
+        path = shards.shard_path(directory, s)
+        with atomic_open(path, "wb") as handle:
+            handle.write(data)
+        paths.append(str(path))
+    return paths
+
+
+def write_vocab_map(paths: list[str], out: Path) -> str:
+    """The DRAFT_VOCAB most frequent tokens of the data (ties by id), so a few of the target's
+    argmaxes fall outside the draft vocabulary as on real data."""
+    counts = torch.zeros(VOCAB)
+    for p in paths:
+        counts += torch.bincount(shards.load(p).input_ids, minlength=VOCAB)
+    keep = torch.sort(torch.argsort(-counts, stable=True)[:DRAFT_VOCAB]).values
+    t2d = torch.zeros(VOCAB, dtype=torch.bool)
+    t2d[keep] = True
+    with atomic_open(out, "wb") as handle:
+        handle.write(save({"d2t": keep - torch.arange(DRAFT_VOCAB), "t2d": t2d}))
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("world")
+    model = make_target(root / "target")
+    train_paths = write_shards(model, root / "hidden", 2, 8, seed=1)
+    eval_paths = write_shards(model, root / "heldout", 1, 4, seed=2, prefix="e")
+    vocab = write_vocab_map(train_paths, root / "vocab_map.safetensors")
+    return {"root": root, "target": str(root / "target"), "train": train_paths,
+            "eval": eval_paths, "vocab": vocab}
+
+
+def run(world, tmp: Path, cfg: dict, name: str = "run", **kwargs) -> dict:
+    return train(cfg, world["train"], world["eval"], world["vocab"], world["target"],
+                 out_dir=str(tmp / name / "drafter"), checkpoint_dir=str(tmp / name / "ckpt"),
+                 progress_path=str(tmp / name / "progress.json"), log_path=None, **kwargs)
+
+
+def read_log(path: Path) -> list[dict]:
+    with open(path) as handle:
+        return list(csv.DictReader(handle))
+
+
+def weights(directory: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(directory / "model.safetensors"))
+
+
+# -- tests -----------------------------------------------------------------------------------
+
+def test_training_reduces_loss_and_writes_the_drafter(world, tmp_path):
+    result = run(world, tmp_path, {**FAST, "epochs": 6})
+    out = tmp_path / "run" / "drafter"
+    rows = read_log(out / "training_log.csv")
+    train_rows = [r for r in rows if r["split"] == "train"]
+    eval_rows = [r for r in rows if r["split"] == "eval"]
+    assert list(rows[0]) == ["step", "epoch", "split", "loss", "acc_0", "acc_1", "acc_2",
+                             "sim_al", "lr", "tokens_per_s"]
+    first, last = float(train_rows[0]["loss"]), float(train_rows[-1]["loss"])
+    assert last < 0.7 * first, (first, last)
+    assert len(eval_rows) == 6  # one per epoch, the last one at the end
+    assert float(eval_rows[-1]["loss"]) < float(eval_rows[0]["loss"])
+    assert result["steps"] == int(train_rows[-1]["step"]) == int(eval_rows[-1]["step"])
+    assert result["eval"]["sim_al"] == pytest.approx(float(eval_rows[-1]["sim_al"]))
+    config = json.loads((out / "config.json").read_text())
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == AUX_LAYERS
+    assert weights(out)["lm_head.weight"].shape == (DRAFT_VOCAB, 64)
+    progress = json.loads((tmp_path / "run" / "progress.json").read_text())
+    assert progress["state"] == "finished" and progress["done"] == progress["total"] == result["steps"]
+
+
+def test_killed_and_resumed_run_ends_with_the_same_weights(world, tmp_path):
+    run(world, tmp_path, FAST, "whole")
+    stopped = run(world, tmp_path, FAST, "killed", stop_after_steps=5)
+    assert stopped == {"stopped_at_step": 5}
+    ckpt = tmp_path / "killed" / "ckpt"
+    assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_00000002", "step_00000004"]
+    resumed = run(world, tmp_path, FAST, "killed")  # the rerun: replays step 5 from step 4
+    assert resumed["resumed_from_step"] == 4
+    whole, again = weights(tmp_path / "whole" / "drafter"), weights(tmp_path / "killed" / "drafter")
+    assert whole.keys() == again.keys()
+    for name in whole:
+        assert torch.allclose(whole[name], again[name], rtol=1e-5, atol=1e-6), name
+    log_whole = read_log(tmp_path / "whole" / "drafter" / "training_log.csv")
+    log_again = read_log(tmp_path / "killed" / "drafter" / "training_log.csv")
+    assert [(r["step"], r["split"]) for r in log_whole] == [(r["step"], r["split"]) for r in log_again]
+    for a, b in zip(log_whole, log_again):
+        assert float(a["loss"]) == pytest.approx(float(b["loss"]), rel=1e-4)
+
+
+def test_resume_refuses_a_checkpoint_of_other_settings_unless_told_to_start_over(world, tmp_path):
+    run(world, tmp_path, FAST, stop_after_steps=4)
+    with pytest.raises(TrainError, match=r"lr differ.*delete"):
+        run(world, tmp_path, {**FAST, "lr": 1e-3})
+    fresh = run(world, tmp_path, {**FAST, "lr": 1e-3, "resume": False}, stop_after_steps=2)
+    assert fresh == {"stopped_at_step": 2}
+    assert [p.name for p in (tmp_path / "run" / "ckpt").glob("step_*")] == ["step_00000002"]
+
+
+def test_non_finite_loss_names_step_and_samples_and_keeps_the_checkpoint(world, tmp_path):
+    bad = tmp_path / "bad"
+    paths = []
+    for i, path in enumerate(world["train"]):
+        shard = shards.load(path)
+        aux = shard.aux_hidden.clone()
+        if i == 1:
+            aux[shard.sample(3)] = float("nan")  # sample s1-3
+        with atomic_open(bad / Path(path).name, "wb") as handle:
+            handle.write(shards.encode(shard.input_ids, shard.loss_mask, shard.offsets,
+                                       shard.teacher_argmax, aux, shard.final_hidden,
+                                       sample_ids=shard.sample_ids, aux_layer_ids=AUX_LAYERS,
+                                       dtype="float32", target=shard.target))
+        paths.append(str(bad / Path(path).name))
+    cfg = {**FAST, "shuffle": False, "checkpoint_every": 1}
+    with pytest.raises(TrainError) as err:
+        train(cfg, paths, [], world["vocab"], world["target"], str(tmp_path / "out"),
+              str(tmp_path / "ckpt"), None, None)
+    message = str(err.value)
+    assert "non-finite loss" in message and "s1-3" in message
+    step = int(message.split("at step ")[1].split()[0])
+    assert step > 1
+    kept = sorted(p.name for p in (tmp_path / "ckpt").glob("step_*"))
+    assert kept[-1] == f"step_{step - 1:08d}" and str(tmp_path / "ckpt" / kept[-1]) in message
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def rewrite(path: str, out: Path, **changes) -> str:
+    shard = shards.load(path)
+    fields = dict(input_ids=shard.input_ids, loss_mask=shard.loss_mask, offsets=shard.offsets,
+                  teacher_argmax=shard.teacher_argmax, aux_hidden=shard.aux_hidden,
+                  final_hidden=shard.final_hidden)
+    meta = dict(sample_ids=shard.sample_ids, aux_layer_ids=shard.aux_layer_ids, dtype="float32",
+                target=shard.target)
+    for key, value in changes.items():
+        (fields if key in fields else meta)[key] = value
+    with atomic_open(out, "wb") as handle:
+        handle.write(shards.encode(*fields.values(), **meta))
+    return str(out)
+
+
+@pytest.mark.parametrize("change, message", [
+    ("aux_layer_ids", r"aux_layer_ids \[1, 2, 4\].*different extract runs"),
+    ("target", r"has target .*different extract runs"),
+    ("hidden", r"hidden size 32 but the target has 64"),
+    ("token", r"input_ids holds id 256 outside the target vocabulary of 256"),
+])
+def test_mismatched_shards_are_refused(world, tmp_path, change, message):
+    first = world["train"][0]
+    shard = shards.load(first)
+    second = tmp_path / "shard_00001.safetensors"
+    if change == "aux_layer_ids":
+        rewrite(first, second, aux_layer_ids=[1, 2, 4])
+    elif change == "target":
+        rewrite(first, second, target={"name": "other", "hidden_size": 64})
+    elif change == "hidden":
+        rewrite(first, second, aux_hidden=shard.aux_hidden[:, :96], final_hidden=shard.final_hidden[:, :32])
+    else:
+        ids = shard.input_ids.clone()
+        ids[5] = VOCAB
+        rewrite(first, second, input_ids=ids)
+    with pytest.raises(TrainError, match=message):
+        train(FAST, [first, str(second)], [], world["vocab"], world["target"],
+              str(tmp_path / "out"), str(tmp_path / "ckpt"), None, None)
+
+
+def test_vocab_map_of_another_target_is_refused(world, tmp_path):
+    other = tmp_path / "vocab.safetensors"
+    with atomic_open(other, "wb") as handle:
+        handle.write(save({"d2t": torch.zeros(4, dtype=torch.int64),
+                           "t2d": torch.arange(300) < 4}))
+    with pytest.raises(TrainError, match=r"t2d covers 300 tokens but the target's vocab_size is 256"):
+        train(FAST, world["train"], [], str(other), world["target"], str(tmp_path / "o"),
+              str(tmp_path / "c"), None, None)
+
+
+# -- data parallel ---------------------------------------------------------------------------
+
+def _ddp_worker(rank: int, port: int, world, tmp: Path, cfg: dict) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2",
+                      RANK=str(rank), LOCAL_RANK=str(rank))
+    run(world, tmp, cfg, "ddp")
+
+
+def test_ddp_on_two_processes_equals_one_process_accumulating_both(world, tmp_path):
+    cfg = {**FAST, "epochs": 1, "checkpoint_every": 100}
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_ddp_worker, args=(port, world, tmp_path, cfg), nprocs=2, join=True)
+    single = run(world, tmp_path, {**cfg, "grad_accum": 2}, "single")
+    ddp, one = weights(tmp_path / "ddp" / "drafter"), weights(tmp_path / "single" / "drafter")
+    for name in one:
+        assert torch.allclose(ddp[name], one[name], rtol=1e-4, atol=1e-6), name
+    ddp_log = read_log(tmp_path / "ddp" / "drafter" / "training_log.csv")
+    one_log = read_log(tmp_path / "single" / "drafter" / "training_log.csv")
+    assert len(ddp_log) == len(one_log) and single["steps"] == int(one_log[-1]["step"])
+    for a, b in zip(ddp_log, one_log):
+        assert float(a["loss"]) == pytest.approx(float(b["loss"]), rel=1e-4)
+        assert a["acc_0"] == b["acc_0"]
+    assert float(one_log[-2]["loss"]) < float(one_log[0]["loss"])

@@ -1,0 +1,1 @@
+"""Small test workflows and helpers that run snakemake on them."""
