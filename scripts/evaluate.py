@@ -8,6 +8,6 @@ smk = snakemake  # noqa: F821 (injected by Snakemake)
 cfg = {"evaluate": smk.params.evaluate, "target": smk.params.target,
        "server": smk.config["server"]}
 run_stage("evaluate", smk.log[0], lambda: evaluate_stage(
-    cfg, smk.input.target, str(Path(smk.input.drafter).parent), smk.input.prompts,
+    cfg, smk.input.target, str(Path(smk.input.drafter).parent.resolve()), smk.input.prompts,
     smk.output[0], smk.params.log_dir, progress_path=smk.params.progress,
     log_path=smk.log[0]))

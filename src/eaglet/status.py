@@ -192,23 +192,44 @@ def _bench_generate(concurrency: int) -> float | None:
     return levels[nearest]
 
 
-def _bench(name: str, key: str) -> Callable[[], float | None]:
-    return lambda: (_read(BENCHMARKS / f"{name}.json") or {}).get(key)
-
-
 def _prompt_counts(r: Path) -> tuple[int | None, int | None]:
     s = _read(r / "prompts/stats.json")
     return (s["n_train"], s["n_eval"]) if s else (None, None)
 
 
 def _token_totals(r: Path) -> dict | None:
+    """Tokens per split: from the final stats, or, while generation runs, projected from the
+    samples finished so far (mean length x prompts)."""
     s = _read(r / "synthetic/stats.json")
     if not s:
-        return None
+        return _projected_totals(r)
     splits = s["splits"]
     return {split: {"samples": v["samples"],
                     "tokens": v["prompt_tokens"] + v["completion_tokens"],
                     "completion_tokens": v["completion_tokens"]} for split, v in splits.items()}
+
+
+def _projected_totals(r: Path) -> dict | None:
+    n_train, n_eval = _prompt_counts(r)
+    partial = r / "synthetic" / "generate.partial.jsonl"
+    if n_train is None or not partial.exists():
+        return None
+    lengths = []
+    with open(partial) as handle:
+        for line in handle:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if "error" not in record:
+                lengths.append((len(record["prompt_token_ids"]), len(record["completion_token_ids"])))
+    if not lengths:
+        return None
+    prompt = sum(p for p, _ in lengths) / len(lengths)
+    completion = sum(c for _, c in lengths) / len(lengths)
+    return {split: {"samples": n, "tokens": int(n * (prompt + completion)),
+                    "completion_tokens": int(n * completion)}
+            for split, n in (("train", n_train), ("eval", n_eval))}
 
 
 def estimate(stage: str, r: Path, cfg: dict, progress: dict | None) -> Estimate:
@@ -244,7 +265,7 @@ def estimate(stage: str, r: Path, cfg: dict, progress: dict | None) -> Estimate:
         tokens = sum(t["tokens"] for t in totals.values()) * share
         return Estimate(tokens / rate, f"{tokens:.0f} tokens at {rate:.0f} tok/s ({basis})")
     if stage == "train":
-        rate, basis = _rate("train", "tokens_per_s", target, benchmark=_bench("train", "tokens_per_s"))
+        rate, basis = _rate("train", "tokens_per_s", target)
         if totals is None or rate is None:
             return Estimate(None, basis if totals else "token count unknown until generate runs")
         tokens = totals["train"]["tokens"] * cfg["train"]["epochs"]

@@ -46,6 +46,7 @@ from eaglet.drafter import (DrafterConfig, Eagle3Drafter, init_lm_head, load_tar
                             load_target_lm_head, num_params, read_target_config)
 from eaglet.export import export_drafter
 from eaglet.io import atomic_open, read_json, write_json
+from eaglet import rates
 from eaglet.progress import Progress
 from eaglet.target import model_identity
 
@@ -701,7 +702,8 @@ def train(cfg: dict, shard_paths: list[str], eval_shard_paths: list[str], vocab_
         if dist_.rank == 0:
             export_drafter(trainer.model, out_dir, cfg["export_dtype"])
             write_csv(Path(out_dir) / "training_log.csv", trainer.rows, trainer.columns)
-            progress.report("finished")
+            run = progress.report("finished")
+            rates.record("train", target_dir, tokens_per_s=run["tokens_per_s"])
         if dist_.world > 1:
             dist.barrier()
         last = {split: next((r for r in reversed(trainer.rows) if r["split"] == split), None)

@@ -1,0 +1,117 @@
+"""Extraction throughput and bytes, against their ceilings.
+
+* tokens/s of eaglet's shard extraction (hooks, packing, teacher check, write) against a bare
+  forward pass of the same model over the same batches (no hooks, nothing kept);
+* bytes per token of the shard file against the tensor minimum (ids, mask, teacher argmax,
+  aux and final states at the storage dtype, nothing else);
+* fp8 against bf16: bytes and teacher agreement.
+
+    .venv/bin/python benchmarks/extract.py --target results/target \\
+        --data results/synthetic/train.jsonl [--samples 48]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from eaglet import shards
+from eaglet.config import validate
+from eaglet.extract import (extract_shard, forward_batch, load_target, resolve_aux_layer_ids,
+                            sequence, token_budget_batches, AuxCapture, decoder_layers)
+from eaglet.io import read_jsonl, write_json
+
+OUT = Path(__file__).parent / "results"
+
+
+@torch.inference_mode()
+def bare_forward(target, seqs: list[list[int]], batch_tokens: int) -> float:
+    """Seconds for the decoder forward alone over the same batches."""
+    start = time.perf_counter()
+    for batch in token_budget_batches([len(s) for s in seqs], batch_tokens):
+        rows = [seqs[i] for i in batch]
+        longest = max(len(r) for r in rows)
+        ids = torch.zeros(len(rows), longest, dtype=torch.long)
+        mask = torch.zeros(len(rows), longest, dtype=torch.long)
+        for j, r in enumerate(rows):
+            ids[j, :len(r)] = torch.tensor(r)
+            mask[j, :len(r)] = 1
+        target.model.get_decoder()(input_ids=ids.to(target.device),
+                                   attention_mask=mask.to(target.device), use_cache=False)
+    return time.perf_counter() - start
+
+
+def timed_extract(target, records, cfg, aux_ids, directory: Path, dtype: str) -> dict:
+    shard = directory / f"shard_{dtype}.safetensors"
+    start = time.perf_counter()
+    meta = extract_shard(target, records, {**cfg, "dtype": dtype, "min_teacher_agreement": 0.0},
+                         aux_ids, {"benchmark": True}, shard, shard.with_suffix(".json"))
+    meta["wall_s"] = time.perf_counter() - start
+    return meta
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", required=True)
+    parser.add_argument("--data", required=True, help="synthetic/train.jsonl")
+    parser.add_argument("--samples", type=int, default=48)
+    parser.add_argument("--dtype", default="float32", help="compute dtype of the target")
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+
+    cfg = validate({})["extract"]
+    records = read_jsonl(args.data)[:args.samples]
+    seqs = [sequence(r, cfg["max_len"])[0] for r in records]
+    tokens = sum(len(s) for s in seqs)
+    target = load_target(args.target, args.dtype, "auto")
+    aux_ids = resolve_aux_layer_ids(None, target.num_layers)
+    bare_forward(target, seqs[:4], cfg["batch_tokens"])  # warm-up
+    with tempfile.TemporaryDirectory() as tmp:
+        bare, eaglet = [], []
+        for _ in range(args.repeats):  # alternate, keep the best of each
+            bare.append(bare_forward(target, seqs, cfg["batch_tokens"]))
+            eaglet.append(timed_extract(target, records, cfg, aux_ids, Path(tmp), "bfloat16"))
+        bf16 = min(eaglet, key=lambda m: m["wall_s"])
+        fp8 = timed_extract(target, records, cfg, aux_ids, Path(tmp), "fp8")
+    hooked = _hooked_forward_only(target, seqs, cfg["batch_tokens"], aux_ids)
+    minimum = tokens * shards.bytes_per_token(target.hidden_size, 3, "bfloat16")
+    result = {
+        "samples": len(records), "tokens": tokens, "compute_dtype": args.dtype,
+        "device": str(target.device),
+        "bare_forward_tokens_per_s": tokens / min(bare),
+        "forward_with_hooks_tokens_per_s": tokens / hooked,
+        "eaglet_tokens_per_s": tokens / bf16["wall_s"],
+        "ratio_eaglet_over_bare": min(bare) / bf16["wall_s"],
+        "bf16_bytes": bf16["bytes"], "bf16_bytes_per_token": bf16["bytes"] / tokens,
+        "bf16_over_tensor_minimum": bf16["bytes"] / minimum,
+        "fp8_bytes": fp8["bytes"], "fp8_over_bf16_bytes": fp8["bytes"] / bf16["bytes"],
+        "bf16_teacher_agreement": bf16["teacher"]["agreement"],
+        "fp8_teacher_agreement": fp8["teacher"]["agreement"],
+    }
+    write_json(OUT / "extract.json", result)
+    lines = ["| measure | value |", "|---|---|"]
+    lines += [f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |"
+              for k, v in result.items()]
+    (OUT / "extract.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+@torch.inference_mode()
+def _hooked_forward_only(target, seqs, batch_tokens, aux_ids) -> float:
+    """Seconds for the forward with eaglet's hooks but nothing else: what the hooks cost."""
+    capture = AuxCapture(decoder_layers(target.model), aux_ids)
+    start = time.perf_counter()
+    try:
+        for batch in token_budget_batches([len(s) for s in seqs], batch_tokens):
+            forward_batch(target, capture, [seqs[i] for i in batch])
+    finally:
+        capture.close()
+    return time.perf_counter() - start
+
+
+if __name__ == "__main__":
+    main()
