@@ -21,8 +21,9 @@ import torch
 
 from eaglet import shards
 from eaglet.config import validate
-from eaglet.extract import (extract_shard, forward_batch, load_target, resolve_aux_layer_ids,
-                            sequence, token_budget_batches, AuxCapture, decoder_layers)
+from eaglet.extract import (AuxCapture, decoder_layers, extract_shard, forward_batch,
+                            load_target, resolve_aux_layer_ids, right_padded, sequence,
+                            token_budget_batches)
 from eaglet.io import read_jsonl, write_json
 
 OUT = Path(__file__).parent / "results"
@@ -33,15 +34,8 @@ def bare_forward(target, seqs: list[list[int]], batch_tokens: int) -> float:
     """Seconds for the decoder forward alone over the same batches."""
     start = time.perf_counter()
     for batch in token_budget_batches([len(s) for s in seqs], batch_tokens):
-        rows = [seqs[i] for i in batch]
-        longest = max(len(r) for r in rows)
-        ids = torch.zeros(len(rows), longest, dtype=torch.long)
-        mask = torch.zeros(len(rows), longest, dtype=torch.long)
-        for j, r in enumerate(rows):
-            ids[j, :len(r)] = torch.tensor(r)
-            mask[j, :len(r)] = 1
-        target.model.get_decoder()(input_ids=ids.to(target.device),
-                                   attention_mask=mask.to(target.device), use_cache=False)
+        ids, mask = right_padded([seqs[i] for i in batch], target.device)
+        target.model.get_decoder()(input_ids=ids, attention_mask=mask, use_cache=False)
     return time.perf_counter() - start
 
 

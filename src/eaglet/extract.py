@@ -146,17 +146,22 @@ def load_target(path: str, dtype: str, device: str = "auto") -> Target:
                   lm_head.shape[0])
 
 
-@torch.inference_mode()
-def forward_batch(target: Target, capture: AuxCapture, seqs: list[list[int]]):
-    """Aux states [sum L, 3H] and final-norm states [sum L, H] of a right-padded batch,
-    with the padding dropped again."""
+def right_padded(seqs: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Input ids [B, T] (padded with 0 on the right) and their attention mask."""
     longest = max(len(s) for s in seqs)
     ids = torch.zeros(len(seqs), longest, dtype=torch.long)
     attention = torch.zeros(len(seqs), longest, dtype=torch.long)
     for row, s in enumerate(seqs):
         ids[row, :len(s)] = torch.tensor(s)
         attention[row, :len(s)] = 1
-    ids, attention = ids.to(target.device), attention.to(target.device)
+    return ids.to(device), attention.to(device)
+
+
+@torch.inference_mode()
+def forward_batch(target: Target, capture: AuxCapture, seqs: list[list[int]]):
+    """Aux states [sum L, 3H] and final-norm states [sum L, H] of a right-padded batch,
+    with the padding dropped again."""
+    ids, attention = right_padded(seqs, target.device)
     out = target.model.get_decoder()(input_ids=ids, attention_mask=attention, use_cache=False)
     final = out.last_hidden_state                        # [B, T, H], after the final norm
     aux = torch.cat(capture.take(), dim=-1)              # [B, T, 3H]
@@ -324,11 +329,7 @@ def target_identity(target_info: dict) -> dict:
     return {k: target_info[k] for k in keys if k in target_info}
 
 
-def shard_records(data_path: str, num_shards: int, index: int) -> list[dict]:
-    records = read_jsonl(data_path)
-    if num_shards > len(records) and records:
-        log.warning("%d shards for %d samples: some shards are empty (lower extract.num_shards)",
-                    num_shards, len(records))
+def shard_records(records: list[dict], num_shards: int, index: int) -> list[dict]:
     lo, hi = shard_bounds(len(records), num_shards, index)
     return records[lo:hi]
 
@@ -339,16 +340,19 @@ def run_shard(cfg: dict, target_json: str, data_path: str, index: int, num_shard
     """The ``extract`` rule for one shard (``cfg`` holds ``extract`` and ``target``)."""
     ext = cfg["extract"]
     info = read_json(target_json)
-    records = shard_records(data_path, num_shards, index)
+    all_records = read_jsonl(data_path)
+    records = shard_records(all_records, num_shards, index)
+    if num_shards > len(all_records) and all_records:
+        log.warning("%d shards for %d samples: some shards are empty (lower extract.num_shards)",
+                    num_shards, len(all_records))
     if not records:
         raise ExtractionError(f"shard {index} of {num_shards} has no samples: lower "
                               f"extract.num_shards to at most the number of samples")
     target = load_target(info["path"], cfg["target"]["dtype"], ext["device"])
     aux_ids = resolve_aux_layer_ids(ext["aux_layer_ids"], target.num_layers)
     pending = [i for i in range(num_shards) if not shards.shard_path(Path(shard_path).parent, i).exists()]
-    all_records = read_jsonl(data_path)
-    needed = sum(estimate_bytes(all_records[slice(*shard_bounds(len(all_records), num_shards, i))],
-                                ext["max_len"], target.hidden_size, ext["dtype"]) for i in pending)
+    needed = sum(estimate_bytes(shard_records(all_records, num_shards, i), ext["max_len"],
+                                target.hidden_size, ext["dtype"]) for i in pending)
     check_disk(Path(shard_path).parent, needed)
     progress = Progress(f"extract[{index}]", total=len(records), path=progress_path,
                         log_path=log_path)
@@ -400,7 +404,8 @@ def build_manifest(cfg: dict, target_json: str, data_path: str, num_shards: int,
             log.warning("shard %d cannot be used: %s; extracting it again", index, problem)
             if target is None:
                 target = load_target(info["path"], cfg["target"]["dtype"], ext["device"])
-            extract_shard(target, shard_records(data_path, num_shards, index), ext,
+                records = read_jsonl(data_path)
+            extract_shard(target, shard_records(records, num_shards, index), ext,
                           expected["aux_layer_ids"], expected["target"], shard_file, meta_path)
         entry = read_json(meta_path)
         enforce_agreement(entry, ext["min_teacher_agreement"])
