@@ -187,3 +187,16 @@ def test_snakefile_accepts_a_valid_config(tmp_path):
     run = snakemake_dry_run(tmp_path, {"generate": {"temperature": 0.5}})
 
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_validated_config_is_plain_whatever_the_file_format():
+    """Snakemake reads JSON config files into OrderedDicts; rule params built from them must
+    repr the same as from YAML, or Snakemake sees changed params and reruns finished stages."""
+    from collections import OrderedDict
+
+    as_yaml = {"data": {"sources": [{"type": "humaneval", "tasks": ["complete"]}]}}
+    as_json = OrderedDict(data=OrderedDict(sources=[OrderedDict(type="humaneval",
+                                                                tasks=["complete"])]))
+    plain, ordered = validate(as_yaml), validate(as_json)
+    assert repr(ordered) == repr(plain)
+    assert type(ordered["data"]["sources"][0]) is dict

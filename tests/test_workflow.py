@@ -33,12 +33,12 @@ def wait_for(predicate, timeout: float, what: str, proc=None):
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
-def status(results) -> dict[str, dict]:
-    """`eaglet status` of the run, stage by stage (Snakemake's view included)."""
-    cfg = eaglet_status.load_run_config(results, str(workflow.TINY), workflow.REPO)
+def status(results, config: str | None = str(workflow.TINY)) -> dict[str, dict]:
+    """`eaglet status` of the run, stage by stage (Snakemake's view included); with
+    ``config=None`` from the config the run recorded, as `eaglet status --results` does."""
+    cfg = eaglet_status.load_run_config(results, config, workflow.REPO)
     report = eaglet_status.collect(results, cfg, workflow.REPO,
-                                   ["--configfile", str(workflow.TINY), "--config",
-                                    f"results_dir={results}"])
+                                   eaglet_status.snakemake_config_args(results, config))
     assert eaglet_status.render(report)  # renders at every point of a run
     return {s["stage"]: s for s in report["stages"]}
 
@@ -167,6 +167,9 @@ def test_trained_drafter_is_measured_in_vllm_and_reported(results):
 
     finished = status(results)
     assert all(s["state"] == "completed" for s in finished.values()), finished
+    # judged against the config the run recorded, nothing is outdated either
+    recorded = status(results, config=None)
+    assert all(s["state"] == "completed" for s in recorded.values()), recorded
     assert finished["evaluate"]["facts"]["acceptance_length"] == pytest.approx(
         runs["eagle3_k3"]["acceptance_length"])
 

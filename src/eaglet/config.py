@@ -7,6 +7,7 @@ without guarding. Errors name the offending key path and what the schema allows.
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from importlib import resources
 from typing import Any
 
@@ -54,7 +55,9 @@ def _describe(error: jsonschema.ValidationError) -> str:
 
 def validate(config: dict[str, Any]) -> dict[str, Any]:
     """Return a validated copy of ``config`` with every default filled in."""
-    cfg = copy.deepcopy(dict(config))
+    # plain dicts and lists: Snakemake reads JSON config files into OrderedDicts, whose repr
+    # would make every params-dependent rule look changed between a YAML and a JSON config
+    cfg = _plain(config)
     errors = sorted(_Validator(schema()).iter_errors(cfg), key=lambda e: list(e.absolute_path))
     if errors:
         lines = "\n  ".join(_describe(e) for e in errors)
@@ -64,6 +67,14 @@ def validate(config: dict[str, Any]) -> dict[str, Any]:
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(_describe(e) for e in errors))
     return cfg
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    return copy.deepcopy(value)
 
 
 def load(path: str) -> dict[str, Any]:

@@ -45,6 +45,13 @@ def record(stage: str, target: str, **values: float | None) -> None:
 def lookup(stage: str, key: str, target: str | None = None) -> float | None:
     """Latest recorded ``key`` of ``stage``: same target and device first, then same device,
     then anything."""
+    entry = lookup_entry(stage, key, target)
+    return None if entry is None else float(entry[key])
+
+
+def lookup_entry(stage: str, key: str, target: str | None = None) -> dict | None:
+    """The whole entry :func:`lookup` reads ``key`` from (with the settings it was measured
+    at, where the stage recorded them)."""
     path = history_path()
     if not path.exists():
         return None
@@ -61,5 +68,5 @@ def lookup(stage: str, key: str, target: str | None = None) -> float | None:
                   lambda e: e["device"] == here, lambda e: True):
         found = [e for e in entries if match(e)]
         if found:
-            return float(found[-1][key])
+            return found[-1]
     return None

@@ -182,6 +182,19 @@ def _rate(stage: str, key: str, target: str | None, measured: float | None = Non
     return None, "no rate measured yet"
 
 
+def _train_rate(target: str, ttt_steps: int) -> tuple[float | None, str]:
+    """An earlier run's training tokens/s, scaled to this run's TTT steps: each step runs the
+    drafter layer and its lm_head once more, so the cost per token grows about linearly."""
+    entry = rates.lookup_entry("train", "tokens_per_s", target)
+    if entry is None:
+        return None, "no rate measured yet"
+    measured_at = int(entry.get("ttt_steps") or ttt_steps)
+    rate = float(entry["tokens_per_s"]) * measured_at / ttt_steps
+    if measured_at == ttt_steps:
+        return rate, "an earlier run"
+    return rate, f"an earlier run at {measured_at} TTT steps, scaled to {ttt_steps}"
+
+
 def _bench_generate(concurrency: int) -> float | None:
     data = _read(BENCHMARKS / "generate.json") or {}
     levels = {int(k): v["tokens_per_s"] for k, v in
@@ -265,7 +278,7 @@ def estimate(stage: str, r: Path, cfg: dict, progress: dict | None) -> Estimate:
         tokens = sum(t["tokens"] for t in totals.values()) * share
         return Estimate(tokens / rate, f"{tokens:.0f} tokens at {rate:.0f} tok/s ({basis})")
     if stage == "train":
-        rate, basis = _rate("train", "tokens_per_s", target)
+        rate, basis = _train_rate(target, cfg["train"]["ttt_steps"])
         if totals is None or rate is None:
             return Estimate(None, basis if totals else "token count unknown until generate runs")
         tokens = totals["train"]["tokens"] * cfg["train"]["epochs"]
@@ -354,6 +367,17 @@ def snakemake_outdated(workflow: Path, config_args: list[str]) -> set[str] | Non
         if len(parts) == 2 and parts[1].isdigit() and parts[0] not in ("total", "job"):
             rules.add(parts[0])
     return rules
+
+
+def snakemake_config_args(results: Path, config_path: str | None) -> list[str]:
+    """Snakemake arguments that give the dry run the config this run was made with: the
+    given file, else the run's own record (results/run/config.json), so that a run started
+    with ``--configfile`` is not judged against the workflow's default config."""
+    recorded = results / "run" / "config.json"
+    if config_path is None and recorded.exists():
+        config_path = str(recorded.resolve())
+    args = ["--config", f"results_dir={results}"]
+    return ["--configfile", config_path, *args] if config_path else args
 
 
 def load_run_config(results: Path, config_path: str | None, workflow: Path) -> dict:
@@ -518,9 +542,7 @@ def main(argv: list[str] | None = None) -> int:
     results_hint = Path(args.results) if args.results else None
     cfg = load_run_config(results_hint or Path("results"), args.config, Path(args.workflow))
     results = results_hint or Path(cfg["results_dir"])
-    config_args = ["--config", f"results_dir={results}"]
-    if args.config:
-        config_args = ["--configfile", args.config, *config_args]
+    config_args = snakemake_config_args(results, args.config)
     workflow = None if args.no_snakemake else Path(args.workflow)
     while True:
         report = collect(results, cfg, workflow, config_args)

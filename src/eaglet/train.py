@@ -676,12 +676,15 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
 
 def train(cfg: dict, shard_paths: list[str], eval_shard_paths: list[str], vocab_map: str,
           target_dir: str, out_dir: str, checkpoint_dir: str, progress_path: str | None,
-          log_path: str | None, *, stop_after_steps: int | None = None) -> dict:
+          log_path: str | None, *, rate_key: str | None = None,
+          stop_after_steps: int | None = None) -> dict:
     """Train a drafter and write ``out_dir/{config.json, model.safetensors, training_log.csv}``.
 
     Runs data-parallel when launched by ``torchrun`` (WORLD_SIZE > 1): each rank takes its
     share of every step's micro-batches and only rank 0 writes files. ``stop_after_steps``
     is a test hook: return after that many steps as if the process had been killed.
+    ``rate_key`` (the target's spec) records the measured tokens/s in the rates history that
+    `eaglet status` estimates later runs from; None (benchmarks, tests) records nothing.
     Returns the final metrics (last training and held-out rows, throughput).
     """
     cfg = settings(cfg)
@@ -703,7 +706,9 @@ def train(cfg: dict, shard_paths: list[str], eval_shard_paths: list[str], vocab_
             export_drafter(trainer.model, out_dir, cfg["export_dtype"])
             write_csv(Path(out_dir) / "training_log.csv", trainer.rows, trainer.columns)
             run = progress.report("finished")
-            rates.record("train", target_dir, tokens_per_s=run["tokens_per_s"])
+            if rate_key is not None:
+                rates.record("train", rate_key, tokens_per_s=run["tokens_per_s"],
+                             ttt_steps=cfg["ttt_steps"])
         if dist_.world > 1:
             dist.barrier()
         last = {split: next((r for r in reversed(trainer.rows) if r["split"] == split), None)

@@ -1,0 +1,47 @@
+"""`eaglet status` estimates and the Snakemake view it asks for (``eaglet.status``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eaglet import rates, status
+
+
+@pytest.fixture
+def history(tmp_path, monkeypatch):
+    path = tmp_path / "rates.jsonl"
+    monkeypatch.setenv("EAGLET_RATES", str(path))
+    return path
+
+
+def test_train_rate_is_scaled_to_this_runs_ttt_steps(history):
+    rates.record("train", "embedded:m", tokens_per_s=600.0, ttt_steps=3)
+    same, basis_same = status._train_rate("embedded:m", 3)
+    more, basis_more = status._train_rate("embedded:m", 6)
+    assert same == pytest.approx(600.0) and basis_same == "an earlier run"
+    assert more == pytest.approx(300.0) and "scaled to 6" in basis_more
+
+
+def test_rate_lookup_prefers_the_same_target(history):
+    rates.record("train", "embedded:a", tokens_per_s=100.0, ttt_steps=3)
+    rates.record("train", "embedded:b", tokens_per_s=900.0, ttt_steps=3)
+    assert rates.lookup("train", "tokens_per_s", "embedded:a") == pytest.approx(100.0)
+    assert rates.lookup_entry("train", "tokens_per_s", "embedded:b")["ttt_steps"] == 3
+    assert status._train_rate("nothing-recorded", 3)[0] == pytest.approx(900.0)  # same device
+
+
+def test_no_history_no_train_rate(history):
+    assert status._train_rate("embedded:m", 3) == (None, "no rate measured yet")
+
+
+def test_dry_run_uses_the_config_the_run_recorded(tmp_path):
+    results = tmp_path / "results-large"
+    assert status.snakemake_config_args(results, None) == ["--config", f"results_dir={results}"]
+    (results / "run").mkdir(parents=True)
+    (results / "run" / "config.json").write_text(json.dumps({"results_dir": str(results)}))
+    args = status.snakemake_config_args(results, None)
+    assert args[:2] == ["--configfile", str((results / "run" / "config.json").resolve())]
+    # a config given on the command line wins over the record
+    assert status.snakemake_config_args(results, "my.yaml")[:2] == ["--configfile", "my.yaml"]
