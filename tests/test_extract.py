@@ -27,6 +27,7 @@ from eaglet.extract import (
     extract_shard,
     forward_batch,
     load_target,
+    predicting_rows,
     resolve_aux_layer_ids,
     run_shard,
     sequence,
@@ -270,12 +271,25 @@ def test_stored_states_match_each_sequence_alone(greedy_shard, greedy, target):
         want_aux = torch.cat([hidden_states[i] for i in AUX], dim=-1)
         torch.testing.assert_close(shard.aux_hidden[rows], want_aux, rtol=0, atol=1e-5)
         torch.testing.assert_close(shard.final_hidden[rows], hidden_states[-1], rtol=0, atol=1e-5)
-        assert torch.equal(shard.teacher_argmax[rows], logits.argmax(-1))
+        # the teacher at every row that predicts a completion token, -1 (not computed) elsewhere
+        n_prompt = len(r["prompt_token_ids"])
+        want = torch.full_like(shard.teacher_argmax[rows], -1)
+        want[n_prompt - 1:-1] = logits.argmax(-1)[n_prompt - 1:-1]
+        assert torch.equal(shard.teacher_argmax[rows], want)
+
+
+def assert_teacher_of_stored_state(shard, target):
+    """The stored teacher is the argmax of the final state training reads back, at exactly the
+    rows whose next token is a completion token."""
+    rows = predicting_rows(shard.loss_mask, shard.offsets)
+    assert rows.sum() == shard.loss_mask.sum() and not rows[shard.offsets[1:] - 1].any()
+    argmax = (shard.final_hidden @ target.lm_head.T).argmax(-1)
+    assert torch.equal(shard.teacher_argmax[rows], argmax[rows])
+    assert (shard.teacher_argmax[~rows] == -1).all()
 
 
 def test_teacher_argmax_is_argmax_of_the_stored_final_state(greedy_shard, target):
-    shard = greedy_shard.shard
-    assert torch.equal(shard.teacher_argmax, (shard.final_hidden @ target.lm_head.T).argmax(-1))
+    assert_teacher_of_stored_state(greedy_shard.shard, target)
 
 
 def test_truncation_is_counted(target, greedy, tmp_path):
@@ -337,7 +351,7 @@ def test_fp8_shards_are_smaller_and_still_agree(target, greedy, tmp_path):
                              min_teacher_agreement=0.0)
         shard = shards.load(path)
         # the stored teacher is the argmax of what training will read back
-        assert torch.equal(shard.teacher_argmax, (shard.final_hidden @ target.lm_head.T).argmax(-1))
+        assert_teacher_of_stored_state(shard, target)
         metas[dtype] = meta
     ratio = metas["fp8"]["bytes"] / metas["bfloat16"]["bytes"]
     summary = (f"\n[fp8 vs bf16] bytes fp8={metas['fp8']['bytes']} bf16={metas['bfloat16']['bytes']} "

@@ -169,31 +169,42 @@ def forward_batch(target: Target, capture: AuxCapture, seqs: list[list[int]]):
     return aux[keep], final[keep]
 
 
-@torch.inference_mode()
-def teacher_from_stored(target: Target, final_stored: torch.Tensor, targets: torch.Tensor,
-                        chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
-    """Argmax over the full vocabulary and log-probability of ``targets`` (the next tokens),
-    from the final states as they are stored (after the cast to the shard dtype)."""
-    argmax, logprob = [], []
-    weight = target.lm_head
-    for start in range(0, final_stored.shape[0], chunk):
-        h = final_stored[start:start + chunk].to(target.device, weight.dtype)
-        logits = (h @ weight.T).float()
-        argmax.append(logits.argmax(-1).cpu())
-        nxt = targets[start:start + chunk].to(target.device)
-        logprob.append(torch.log_softmax(logits, -1).gather(1, nxt[:, None]).squeeze(1).cpu())
-    return torch.cat(argmax), torch.cat(logprob)
-
-
-def agreement(records: list[dict], input_ids: torch.Tensor, loss_mask: torch.Tensor,
-              offsets: torch.Tensor, teacher_argmax: torch.Tensor, next_logprob: torch.Tensor,
-              worst: int = 5) -> dict:
-    """How often the teacher's argmax at t equals the generated token at t+1, over completion
-    tokens; per sample, the worst ones named."""
+def predicting_rows(loss_mask: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Rows whose next token is a completion token of the same sample: the only rows whose
+    teacher training reads and the greedy check compares."""
     predicted_by = torch.zeros_like(loss_mask, dtype=torch.bool)
     predicted_by[:-1] = loss_mask[1:].bool()            # position t predicts completion token t+1
     starts = offsets[1:-1] - 1                           # the last row of a sample predicts nothing
     predicted_by[starts[starts >= 0]] = False
+    return predicted_by
+
+
+@torch.inference_mode()
+def teacher_from_stored(target: Target, final_stored: torch.Tensor, targets: torch.Tensor,
+                        rows: torch.Tensor, chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """Argmax over the full vocabulary and log-probability of ``targets`` (the next tokens),
+    from the final states as they are stored (after the cast to the shard dtype), at the
+    ``rows`` mask only: -1 and NaN elsewhere. Prompt rows are most of a sample on short answers
+    and the full-vocabulary head is the costliest part of the check, so they are skipped."""
+    argmax = torch.full((final_stored.shape[0],), -1, dtype=torch.int64)
+    logprob = torch.full((final_stored.shape[0],), float("nan"), dtype=torch.float32)
+    index = rows.nonzero().squeeze(1)
+    weight = target.lm_head
+    for start in range(0, index.numel(), chunk):
+        at = index[start:start + chunk]
+        h = final_stored[at].to(target.device, weight.dtype)
+        logits = (h @ weight.T).float()
+        argmax[at] = logits.argmax(-1).cpu()
+        nxt = targets[at].to(target.device)
+        logprob[at] = torch.log_softmax(logits, -1).gather(1, nxt[:, None]).squeeze(1).cpu()
+    return argmax, logprob
+
+
+def agreement(records: list[dict], input_ids: torch.Tensor, predicted_by: torch.Tensor,
+              offsets: torch.Tensor, teacher_argmax: torch.Tensor, next_logprob: torch.Tensor,
+              worst: int = 5) -> dict:
+    """How often the teacher's argmax at t equals the generated token at t+1, over completion
+    tokens (the ``predicted_by`` rows); per sample, the worst ones named."""
     next_ids = torch.roll(input_ids, -1)
     hits = (teacher_argmax == next_ids) & predicted_by
     per_sample = []
@@ -276,9 +287,10 @@ def extract_shard(target: Target, records: list[dict], cfg: dict, aux_layer_ids:
 
     # the teacher as training will see it: from the final state after the storage cast
     stored_final = _round_trip(final_all, cfg["dtype"])
+    rows = predicting_rows(loss_mask, offsets)
     teacher_argmax, next_logprob = teacher_from_stored(target, stored_final,
-                                                       torch.roll(input_ids, -1))
-    check = agreement(records, input_ids, loss_mask, offsets, teacher_argmax, next_logprob)
+                                                       torch.roll(input_ids, -1), rows)
+    check = agreement(records, input_ids, rows, offsets, teacher_argmax, next_logprob)
 
     data = shards.encode(input_ids, loss_mask, offsets, teacher_argmax, aux_all, final_all,
                          sample_ids=[r["id"] for r in records], aux_layer_ids=aux_layer_ids,

@@ -10,7 +10,9 @@ A shard is one safetensors file holding many samples packed end to end without p
     final_hidden  [N, H]           the final-norm output that the target's lm_head reads:
                                    logits = final_hidden @ lm_head.T is the teacher
     teacher_argmax int64 [N]       argmax over the full vocabulary of the target's logits
-                                   at each position (its prediction of the next token)
+                                   at each position whose next token is a completion token
+                                   (its prediction of that token); -1 at the others, which
+                                   no drafter loss reads (prompt rows, each sample's last)
     aux_scale     float32 [N, 3]   fp8 only: per-token, per-layer scale of aux_hidden
     final_scale   float32 [N, 1]   fp8 only: per-token scale of final_hidden
 

@@ -125,11 +125,13 @@ def index_shard(path: str, vocab_size: int) -> ShardInfo:
     with safe_open(str(path), framework="pt") as handle:
         offsets = handle.get_tensor("offsets")
         width = handle.get_slice("aux_hidden").get_shape()[1]
-        for name in ("input_ids", "teacher_argmax"):
+        # teacher_argmax is -1 on rows no loss reads (see eaglet.shards)
+        for name, lowest in (("input_ids", 0), ("teacher_argmax", -1)):
             ids = handle.get_tensor(name)
-            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+            if ids.numel() and (int(ids.min()) < lowest or int(ids.max()) >= vocab_size):
+                bad = int(ids.min()) if int(ids.min()) < lowest else int(ids.max())
                 raise TrainError(
-                    f"{path}: {name} holds id {int(ids.max())} outside the target vocabulary of "
+                    f"{path}: {name} holds id {bad} outside the target vocabulary of "
                     f"{vocab_size}: the shard was extracted for another "
                     f"tokenizer; rerun extract for this target")
     if width != meta["hidden_size"] * len(meta["aux_layer_ids"]):
