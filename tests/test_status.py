@@ -45,3 +45,28 @@ def test_dry_run_uses_the_config_the_run_recorded(tmp_path):
     assert args[:2] == ["--configfile", str((results / "run" / "config.json").resolve())]
     # a config given on the command line wins over the record
     assert status.snakemake_config_args(results, "my.yaml")[:2] == ["--configfile", "my.yaml"]
+
+
+def test_a_finished_stage_took_from_its_first_start_to_its_last_end(tmp_path):
+    """Extract's shards run as separate, overlapping jobs: the stage took the whole span."""
+    r = tmp_path / "results"
+    (r / "progress").mkdir(parents=True)
+    (r / "hidden").mkdir()
+    (r / "hidden" / "manifest.json").write_text(json.dumps({"num_shards": 2}))
+    for name, start, end in (("extract_00000", "10:00:00", "10:02:00"),
+                             ("extract_00001", "10:00:30", "10:03:10")):
+        (r / "progress" / f"{name}.json").write_text(json.dumps({
+            "stage": name, "state": "finished", "started_at": f"2026-01-01T{start}+00:00",
+            "updated_at": f"2026-01-01T{end}+00:00"}))
+    cfg = {"extract": {"gpus": 0}}
+    stage = next(s for s in status.STAGES if s.name == "extract")
+    assert status.stage_status(stage, r, cfg, set())["took_s"] == pytest.approx(190.0)
+    assert "[3m10s]" in status.render(status.collect(r, _full_config(r), None))
+    # a shard still running: the stage has not finished, so no duration
+    assert status._took([{"state": "running", "started_at": "2026-01-01T10:00:00+00:00",
+                          "updated_at": "2026-01-01T10:01:00+00:00"}]) is None
+
+
+def _full_config(r):
+    from eaglet.config import validate
+    return validate({"results_dir": str(r)})

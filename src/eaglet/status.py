@@ -315,6 +315,19 @@ def _last_error(log: Path) -> str | None:
     return None
 
 
+def _took(progresses: list[dict]) -> float | None:
+    """Wall time of a finished stage: from its first job's start to its last job's end (the
+    shards of extract run as separate jobs, in parallel where resources allow)."""
+    try:
+        starts = [datetime.fromisoformat(p["started_at"]) for p in progresses]
+        ends = [datetime.fromisoformat(p["updated_at"]) for p in progresses]
+    except (KeyError, TypeError, ValueError):
+        return None
+    if not starts or any(p.get("state") != "finished" for p in progresses):
+        return None
+    return (max(ends) - min(starts)).total_seconds()
+
+
 def stage_status(stage: Stage, r: Path, cfg: dict, outdated: set[str]) -> dict:
     done = all(glob.glob(str(r / out)) for out in stage.outputs)
     progress_files = sorted(glob.glob(str(r / stage.progress))) if stage.progress else []
@@ -329,6 +342,7 @@ def stage_status(stage: Stage, r: Path, cfg: dict, outdated: set[str]) -> dict:
     elif done:
         out["state"] = "outdated" if stage.name in outdated else "completed"
         out["facts"] = stage.facts(r) if stage.facts else {}
+        out["took_s"] = _took(progresses)
     elif stale:
         out["state"] = "interrupted"
         out["progress"] = stale
@@ -485,7 +499,8 @@ def render(report: dict) -> str:
     for s in by_state.get("completed", []) + by_state.get("outdated", []):
         mark = "~" if s["state"] == "outdated" else "+"
         note = "  (outdated: Snakemake will rerun it)" if s["state"] == "outdated" else ""
-        lines.append(f"  {mark} {s['stage']:<16}{_fmt_facts(s['stage'], s.get('facts', {}))}{note}")
+        took = f"[{format_duration(s['took_s'])}] " if s.get("took_s") is not None else ""
+        lines.append(f"  {mark} {s['stage']:<16}{took}{_fmt_facts(s['stage'], s.get('facts', {}))}{note}")
     if not by_state.get("completed") and not by_state.get("outdated"):
         lines.append("  (nothing yet)")
 
