@@ -73,8 +73,28 @@ def test_verdict_of_a_drafter_that_helps():
     assert "speeds serving up" in v["summary"]
 
 
-def test_verdict_warns_loudly_about_low_acceptance():
+def test_verdict_warns_loudly_about_a_drafter_that_slows_serving():
     v = verdict([run("baseline", "baseline", 10.0), run("eagle3_k3", "eagle3", 6.6, 1.45, 0.15, 3)])
     assert not v["speeds_up_serving"]
-    assert any("LOW ACCEPTANCE" in w and "15%" in w for w in v["warnings"])
+    assert any("SLOWER THAN NO DRAFTER" in w and "0.66x" in w and "15%" in w
+               for w in v["warnings"])
     assert "does NOT speed serving up" in v["summary"]
+
+
+def test_low_acceptance_that_still_pays_here_is_flagged_with_a_smaller_k():
+    """A long draft can pay on a CPU (cheap draft steps) at a rate that loses on a GPU."""
+    v = verdict([run("baseline", "baseline", 10.0),
+                 run("eagle3_k3", "eagle3", 15.9, 2.1, 0.37, 3),
+                 run("eagle3_k4", "eagle3", 16.3, 2.2, 0.25, 4)])
+    assert v["speeds_up_serving"] and v["best"] == "eagle3_k4"
+    [warning] = v["warnings"]
+    assert warning.startswith("LOW ACCEPTANCE: eagle3_k4 accepts 25%")
+    assert "1.63x" in warning and "eagle3_k3 accepts 37%" in warning
+
+
+def test_ngram_with_a_higher_al_but_slower_is_told_apart():
+    ngram = {**run("ngram_k3", "ngram", 14.0, 2.57, 0.52, 3), "drafts": 634}
+    best = {**run("eagle3_k3", "eagle3", 16.0, 2.1, 0.37, 3), "drafts": 1281}
+    v = verdict([run("baseline", "baseline", 10.0), ngram, best])
+    assert not v["beats_ngram"] and v["faster_than_ngram"]
+    assert "higher AL over fewer drafts: 634 against 1281; EAGLE-3 is faster" in v["summary"]

@@ -170,6 +170,9 @@ def engine_run(cfg: dict, target_path: str, run: dict, prompts: list[dict],
     return result
 
 
+LOW_ACCEPTANCE = 0.3   # share of draft tokens accepted below which a drafter is suspect
+
+
 def verdict(runs: list[dict]) -> dict:
     """Whether the drafter speeds serving up here, against ngram and the k+1 ceiling."""
     baseline = next(r for r in runs if r["method"] == "baseline")
@@ -178,12 +181,22 @@ def verdict(runs: list[dict]) -> dict:
     best = max(drafts, key=lambda r: r["speedup"]) if drafts else None
     warnings = []
     for r in drafts:
-        if r["acceptance_rate"] is not None and r["acceptance_rate"] < 0.3:
+        if r["speedup"] < 1.0:
             warnings.append(
-                f"LOW ACCEPTANCE: {r['name']} accepts {r['acceptance_rate']:.0%} of its draft "
-                f"tokens; at this rate speculation usually slows serving down. Check the "
-                f"training curves (acc_0), the vocabulary coverage, and that the aux layer ids "
-                f"match between extraction and serving.")
+                f"SLOWER THAN NO DRAFTER: {r['name']} serves {r['speedup']:.2f}x the baseline's "
+                f"tokens/s (acceptance rate {_pct(r['acceptance_rate'])}): the drafts cost more "
+                f"than they save. Check the training curves (acc_0), the vocabulary coverage, "
+                f"and that the aux layer ids match between extraction and serving.")
+        elif r["acceptance_rate"] is not None and r["acceptance_rate"] < LOW_ACCEPTANCE:
+            others = [o for o in drafts if (o["acceptance_rate"] or 0) >= LOW_ACCEPTANCE]
+            hint = (f"serve a smaller k ({others[-1]['name']} accepts "
+                    f"{_pct(others[-1]['acceptance_rate'])})" if others
+                    else "train on more data or longer")
+            warnings.append(
+                f"LOW ACCEPTANCE: {r['name']} accepts {_pct(r['acceptance_rate'])} of its draft "
+                f"tokens. It still serves {r['speedup']:.2f}x the baseline here, where a draft "
+                f"step is cheap next to the target's, but at this rate speculation usually slows "
+                f"serving down where it is not (GPU serving at higher concurrency): {hint}.")
     out: dict[str, Any] = {"concurrency": baseline["concurrency"], "warnings": warnings}
     if best is not None:
         out.update({
@@ -197,15 +210,33 @@ def verdict(runs: list[dict]) -> dict:
             out["ngram_acceptance_length"] = ngram["acceptance_length"]
             out["beats_ngram"] = (best["acceptance_length"] or 1) > ngram["acceptance_length"]
             out["ngram_speedup"] = ngram["speedup"]
+            out["faster_than_ngram"] = best["speedup"] > ngram["speedup"]
         out["summary"] = (
             f"EAGLE-3 ({best['name']}) reaches AL {best['acceptance_length']:.2f} of a possible "
             f"{best['k'] + 1} and {best['speedup']:.2f}x the baseline's tokens/s at concurrency "
             f"{baseline['concurrency']}"
-            + (f"; ngram reaches AL {ngram['acceptance_length']:.2f} and "
-               f"{ngram['speedup']:.2f}x" if ngram and ngram["acceptance_length"] else "")
+            + (_ngram_clause(best, ngram) if ngram and ngram["acceptance_length"] else "")
             + (". It speeds serving up on this machine." if best["speedup"] > 1.0
                else ". It does NOT speed serving up on this machine."))
     return out
+
+
+def _pct(rate: float | None) -> str:
+    return "?" if rate is None else f"{rate:.0%}"
+
+
+def _ngram_clause(best: dict, ngram: dict) -> str:
+    """ngram drafts only where the text repeats the prompt, so its AL (over its own drafts)
+    can be higher while it serves fewer tokens per second: say which one wins on each."""
+    text = f"; ngram reaches AL {ngram['acceptance_length']:.2f} and {ngram['speedup']:.2f}x"
+    higher_al = ngram["acceptance_length"] > (best["acceptance_length"] or 1)
+    faster = best["speedup"] > ngram["speedup"]
+    if higher_al and faster:
+        text += (f" (a higher AL over fewer drafts: {ngram.get('drafts', '?')} against "
+                 f"{best.get('drafts', '?')}; EAGLE-3 is faster)")
+    elif not higher_al and not faster:
+        text += " (EAGLE-3 drafts better but ngram is faster here)"
+    return text
 
 
 def run_stage(cfg: dict, target_json: str, drafter_dir: str, prompts_path: str,
@@ -224,22 +255,24 @@ def run_stage(cfg: dict, target_json: str, drafter_dir: str, prompts_path: str,
                      "extra": ev["ngram_config"]})
     plan += [{"name": f"eagle3_k{k}", "method": "eagle3", "k": k, "drafter": drafter_dir}
              for k in ev["num_speculative_tokens"]]
-    progress = Progress("evaluate", total=len(plan), path=progress_path, log_path=log_path,
-                        unit="runs", interval_s=0.0)
+    # the offline replays count as runs too: on CPU they take about as long as a vLLM run
+    replays = sum(run["method"] == "eagle3" for run in plan) if ev["offline"] else 0
+    progress = Progress("evaluate", total=len(plan) + replays, path=progress_path,
+                        log_path=log_path, unit="runs", interval_s=0.0)
     progress.report()
     runs = []
     for run in plan:
         runs.append(engine_run(cfg, target["path"], run, prompts,
                                f"{log_dir}/evaluate.{run['name']}.server.log"))
         progress.advance(done=1, tokens=runs[-1]["output_tokens"])
-    progress.report("finished")
     base = runs[0]
     for r in runs:
         r["speedup"] = r["output_tokens_per_s"] / base["output_tokens_per_s"]
         r["latency_ratio"] = r["mean_latency_s"] / base["mean_latency_s"]
     rates.record("evaluate", target["spec"], baseline_tokens_per_s=base["output_tokens_per_s"])
     mismatched = _greedy_divergence(runs)
-    offline = offline_check(target["path"], drafter_dir, runs) if ev["offline"] else None
+    offline = offline_check(target["path"], drafter_dir, runs, progress) if ev["offline"] else None
+    progress.report("finished")
     result = {"prompts": len(prompts), "max_tokens": ev["max_tokens"],
               "concurrency": ev["concurrency"], "target": target["path"], "drafter": drafter_dir,
               "runs": [{k: v for k, v in r.items() if k != "_answers"} for r in runs],
@@ -253,7 +286,8 @@ def run_stage(cfg: dict, target_json: str, drafter_dir: str, prompts_path: str,
     return result
 
 
-def offline_check(target_path: str, drafter_dir: str, runs: list[dict]) -> dict:
+def offline_check(target_path: str, drafter_dir: str, runs: list[dict],
+                  progress: Progress | None = None) -> dict:
     """Replay each EAGLE-3 run offline on the baseline's greedy answers and compare the
     acceptance lengths with vLLM's."""
     import torch
@@ -276,6 +310,8 @@ def offline_check(target_path: str, drafter_dir: str, runs: list[dict]) -> dict:
                  if offline["acceptance_length"] and run["acceptance_length"] else None)
         out[run["name"]] = {**offline, "vllm_acceptance_length": run["acceptance_length"],
                             "ratio_offline_over_vllm": ratio}
+        if progress is not None:
+            progress.advance(done=1)
         log.info("%s: offline AL %.3f, vLLM AL %.3f (ratio %.3f)", run["name"],
                  offline["acceptance_length"] or 0, run["acceptance_length"] or 0, ratio or 0)
         if ratio is not None and abs(ratio - 1) > 0.05:

@@ -29,6 +29,7 @@ from eaglet.progress import format_duration
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 SERVER_START_GUESS_S = 60.0      # vLLM CPU with --enforce-eager: about 55 s here
 COMPLETION_FILL_GUESS = 0.75     # share of max_tokens a completion uses before it is measured
+OFFLINE_REPLAY_SHARE = 0.7       # an offline replay's time over its vLLM run's (2 CPU cores)
 
 
 def _read(path: Path) -> Any:
@@ -286,6 +287,7 @@ def estimate(stage: str, r: Path, cfg: dict, progress: dict | None) -> Estimate:
                         f"{totals['train']['tokens']} tokens at {rate:.0f} tok/s ({basis})")
     if stage == "evaluate":
         runs = 1 + int(ev["ngram"]) + len(ev["num_speculative_tokens"])
+        replays = len(ev["num_speculative_tokens"]) if ev["offline"] else 0
         _, n_eval = _prompt_counts(r)
         if ev["max_prompts"] and n_eval:
             n_eval = min(n_eval, ev["max_prompts"])
@@ -295,8 +297,10 @@ def estimate(stage: str, r: Path, cfg: dict, progress: dict | None) -> Estimate:
         if n_eval is None or rate is None:
             return Estimate(None, basis if n_eval else "prompt count unknown")
         per_run = (start or SERVER_START_GUESS_S) + n_eval * ev["max_tokens"] * COMPLETION_FILL_GUESS / rate
-        return Estimate(runs * per_run, f"{runs} vLLM runs x {n_eval} prompts at {rate:.0f} "
-                        f"tok/s, concurrency {ev['concurrency']} ({basis})")
+        return Estimate((runs + OFFLINE_REPLAY_SHARE * replays) * per_run,
+                        f"{runs} vLLM runs x {n_eval} prompts at {rate:.0f} tok/s, concurrency "
+                        f"{ev['concurrency']} ({basis})" + (f", {replays} offline replays"
+                                                             if replays else ""))
     return Estimate(None, "unknown stage")
 
 
