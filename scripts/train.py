@@ -13,10 +13,10 @@ from eaglet.target import read_target
 from eaglet.train import train
 
 smk = snakemake  # noqa: F821 (injected by Snakemake)
+target = read_target(smk.input.target)
 args = {"cfg": dict(smk.params.train), "shard_paths": list(smk.input.shards),
         "eval_shard_paths": list(smk.input.eval_shards), "vocab_map": smk.input.vocab,
-        "target_dir": read_target(smk.input.target)["path"],
-        "rate_key": read_target(smk.input.target)["spec"],
+        "target_dir": target["path"], "rate_key": target["spec"],
         "out_dir": str(Path(smk.output.weights).parent), "checkpoint_dir": smk.params.checkpoints,
         "progress_path": smk.params.progress, "log_path": smk.log[0]}
 gpus = int(smk.resources.get("gpu", 0))

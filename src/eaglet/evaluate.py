@@ -255,7 +255,7 @@ def run_stage(cfg: dict, target_json: str, drafter_dir: str, prompts_path: str,
                      "extra": ev["ngram_config"]})
     plan += [{"name": f"eagle3_k{k}", "method": "eagle3", "k": k, "drafter": drafter_dir}
              for k in ev["num_speculative_tokens"]]
-    # the offline replays count as runs too: on CPU they take about as long as a vLLM run
+    # the offline replays count as runs too: on CPU each takes most of a vLLM run's time
     replays = sum(run["method"] == "eagle3" for run in plan) if ev["offline"] else 0
     progress = Progress("evaluate", total=len(plan) + replays, path=progress_path,
                         log_path=log_path, unit="runs", interval_s=0.0)

@@ -41,12 +41,12 @@ from safetensors import safe_open
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
+from eaglet import rates
 from eaglet import shards as shard_format
 from eaglet.drafter import (DrafterConfig, Eagle3Drafter, init_lm_head, load_target_embedding,
                             load_target_lm_head, num_params, read_target_config)
 from eaglet.export import export_drafter
 from eaglet.io import atomic_open, read_json, write_json
-from eaglet import rates
 from eaglet.progress import Progress
 from eaglet.target import model_identity
 
@@ -128,8 +128,11 @@ def index_shard(path: str, vocab_size: int) -> ShardInfo:
         # teacher_argmax is -1 on rows no loss reads (see eaglet.shards)
         for name, lowest in (("input_ids", 0), ("teacher_argmax", -1)):
             ids = handle.get_tensor(name)
-            if ids.numel() and (int(ids.min()) < lowest or int(ids.max()) >= vocab_size):
-                bad = int(ids.min()) if int(ids.min()) < lowest else int(ids.max())
+            if not ids.numel():
+                continue
+            low, high = int(ids.min()), int(ids.max())
+            if low < lowest or high >= vocab_size:
+                bad = low if low < lowest else high
                 raise TrainError(
                     f"{path}: {name} holds id {bad} outside the target vocabulary of "
                     f"{vocab_size}: the shard was extracted for another "
