@@ -70,3 +70,24 @@ def test_a_finished_stage_took_from_its_first_start_to_its_last_end(tmp_path):
 def _full_config(r):
     from eaglet.config import validate
     return validate({"results_dir": str(r)})
+
+
+def test_a_stage_starting_its_server_says_so_until_the_work_starts(tmp_path):
+    """A large model's server loads for many minutes with nothing counted: status must say
+    what the stage is doing, and the phase must end once the counted work starts."""
+    import os
+
+    from eaglet.progress import Progress
+    r = tmp_path / "results"
+    progress = Progress("generate", total=10, path=r / "progress" / "generate.json")
+    progress.enter_phase("starting the vLLM server")
+    stage = next(s for s in status.STAGES if s.name == "generate")
+    cfg = _full_config(r)
+    shown = status.stage_status(stage, r, cfg, set())
+    assert shown["state"] == "running" and shown["progress"][0]["pid"] == os.getpid()
+    assert "running (starting the vLLM server): 0/10" in status.render(status.collect(r, cfg, None))
+    progress.enter_phase(None)
+    progress.advance(done=3)
+    progress.report()
+    assert "running: 3/10" in status.render(status.collect(r, cfg, None))
+    assert progress.report("finished")["phase"] is None

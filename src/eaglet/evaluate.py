@@ -259,9 +259,9 @@ def run_stage(cfg: dict, target_json: str, drafter_dir: str, prompts_path: str,
     replays = sum(run["method"] == "eagle3" for run in plan) if ev["offline"] else 0
     progress = Progress("evaluate", total=len(plan) + replays, path=progress_path,
                         log_path=log_path, unit="runs", interval_s=0.0)
-    progress.report()
     runs = []
     for run in plan:
+        progress.enter_phase(f"{run['name']} in vLLM")
         runs.append(engine_run(cfg, target["path"], run, prompts,
                                f"{log_dir}/evaluate.{run['name']}.server.log"))
         progress.advance(done=1, tokens=runs[-1]["output_tokens"])
@@ -299,12 +299,16 @@ def offline_check(target_path: str, drafter_dir: str, runs: list[dict],
     base = runs[0]["_answers"]
     sequences = [(a["prompt_token_ids"], a["token_ids"]) for a in base
                  if a["prompt_token_ids"] and a["token_ids"]]
+    if progress is not None:
+        progress.enter_phase("loading the target for the offline replays")
     model = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
     drafter = load_drafter(drafter_dir, target_path)
     out = {}
     for run in runs:
         if run["method"] != "eagle3":
             continue
+        if progress is not None:
+            progress.enter_phase(f"{run['name']} replayed offline")
         offline = offline_acceptance(model, drafter, sequences, run["k"])
         ratio = (offline["acceptance_length"] / run["acceptance_length"]
                  if offline["acceptance_length"] and run["acceptance_length"] else None)

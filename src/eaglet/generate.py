@@ -193,6 +193,8 @@ async def generate_async(prompts: list[dict], settings: GenerationSettings,
                  finished, len(prompts), len(pending))
     if progress is not None:
         progress.restart(already_done=finished)
+        if progress.phase is not None:
+            progress.enter_phase(None)  # the server is up: the counted work starts now
     headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
     limits = httpx.Limits(max_connections=settings.concurrency,
                           max_keepalive_connections=settings.concurrency)
@@ -313,6 +315,7 @@ def run_stage(cfg: dict[str, Any], target_json: str, prompts: dict[str, str],
             args=server_args(cfg["target"], server_cfg, served_model_name="target"),
             port=server_cfg["port"], startup_timeout_s=server_cfg["startup_timeout_s"],
             shutdown_grace_s=server_cfg["shutdown_grace_s"])
+        progress.enter_phase("starting the vLLM server")
         with server:
             settings = settings_from_config(cfg, server.url)
             records = generate(everything, settings, partial_path, progress,

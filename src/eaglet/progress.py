@@ -48,6 +48,9 @@ class Progress:
     unit: str = "samples"
     already_done: int = 0
     interval_s: float = 5.0
+    # what the stage is doing now when that is not the counted work itself, e.g. "starting
+    # the vLLM server" (minutes for a large model, with nothing counted yet); None otherwise
+    phase: str | None = None
 
     done: int = field(default=0, init=False)
     failed: int = field(default=0, init=False)
@@ -84,16 +87,23 @@ class Progress:
             "resumed_from": self.already_done,
             "rate_per_s": rate, "tokens": self.tokens, "tokens_per_s": self.tokens / elapsed,
             "elapsed_s": elapsed, "eta_s": 0.0 if state == "finished" else eta,
+            "phase": None if state == "finished" else self.phase,
             "pid": os.getpid(), "host": socket.gethostname(), "log": self.log_path,
             "started_at": self.started_at, "updated_at": now_iso(),
         }
+
+    def enter_phase(self, phase: str | None) -> None:
+        """Say what the stage is doing now (None: the counted work) and report it at once."""
+        self.phase = phase
+        self.report()
 
     def report(self, state: str = "running") -> dict:
         self._last_report = time.monotonic()
         snap = self.snapshot(state)
         rate = f"{snap['rate_per_s']:.2f}" if snap["rate_per_s"] else "-"
-        log.info("%s: %d/%d %s done, %d failed, %s/s, %.0f tok/s, ETA %s",
-                 self.stage, snap["done"], self.total, self.unit, snap["failed"], rate,
+        doing = f" ({snap['phase']})" if snap["phase"] else ""
+        log.info("%s%s: %d/%d %s done, %d failed, %s/s, %.0f tok/s, ETA %s",
+                 self.stage, doing, snap["done"], self.total, self.unit, snap["failed"], rate,
                  snap["tokens_per_s"], format_duration(snap["eta_s"]))
         if self.path is not None:
             write_json(self.path, snap)

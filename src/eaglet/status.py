@@ -518,6 +518,8 @@ def render(report: dict) -> str:
         for p in s["progress"]:
             rate = f"{p['rate_per_s']:.2f} {p['unit']}/s" if p.get("rate_per_s") else "rate ?"
             word = "running" if s["state"] == "running" else "INTERRUPTED (process gone; rerun snakemake to resume)"
+            if p.get("phase"):
+                word += f" ({p['phase']})"
             gpu = f", holds {s['gpus']} GPU(s)" if s.get("gpus") and s["state"] == "running" else ""
             if p.get("host") and p["host"] != socket.gethostname():
                 gpu += f", on host {p['host']}"
