@@ -22,14 +22,14 @@ from tests import workflow
 pytestmark = pytest.mark.e2e
 
 
-def wait_for(predicate, timeout: float, what: str, proc=None):
+def wait_for(predicate, timeout: float, what: str, proc=None, poll_s: float = 0.5):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
             return
         if proc is not None and proc.poll() is not None:
             raise AssertionError(f"snakemake exited ({proc.returncode}) while waiting for {what}")
-        time.sleep(0.5)
+        time.sleep(poll_s)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
@@ -69,15 +69,24 @@ def test_generate_is_interrupted_and_resumes_without_regenerating(results, tmp_p
     with open(tmp_path / "snakemake.out", "w") as out:
         proc = workflow.start(results, "synthetic/train.jsonl", log_file=out)
         try:
-            wait_for(lambda: len(partial_lines(partial)) >= 1, 600, "the first sample", proc)
+            # status while the server loads (slow: it runs a Snakemake dry run, long enough
+            # for the whole tiny generation to finish if it were asked after the first sample)
+            progress_file = results / "progress" / "generate.json"
+            wait_for(progress_file.exists, 600, "the generate stage to start", proc)
             prompts = (read_jsonl(results / "prompts" / "train.jsonl")
                        + read_jsonl(results / "prompts" / "eval.jsonl"))
-            assert len(partial_lines(partial)) < len(prompts), "finished before the interrupt"
             mid = status(results)
             assert mid["prepare_prompts"]["state"] == "completed"
             assert mid["generate"]["state"] == "running"
             running = mid["generate"]["progress"][0]
             assert running["total"] == len(prompts) and running["pid"] > 0
+            if running["phase"] is None:  # the dry run outlasted the server's start
+                assert "server ready" in (results / "logs" / "generate.log").read_text()
+            else:
+                assert running["phase"] == "starting the vLLM server" and running["done"] == 0
+            wait_for(lambda: len(partial_lines(partial)) >= 1, 600, "the first sample", proc,
+                     poll_s=0.1)
+            assert len(partial_lines(partial)) < len(prompts), "finished before the interrupt"
             os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
             proc.wait(timeout=120)
         finally:
