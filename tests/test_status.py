@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
 from eaglet import rates, status
+from eaglet.progress import Progress
 
 
 @pytest.fixture
@@ -75,9 +77,6 @@ def _full_config(r):
 def test_a_stage_starting_its_server_says_so_until_the_work_starts(tmp_path):
     """A large model's server loads for many minutes with nothing counted: status must say
     what the stage is doing, and the phase must end once the counted work starts."""
-    import os
-
-    from eaglet.progress import Progress
     r = tmp_path / "results"
     progress = Progress("generate", total=10, path=r / "progress" / "generate.json")
     progress.enter_phase("starting the vLLM server")

@@ -239,6 +239,19 @@ def _ngram_clause(best: dict, ngram: dict) -> str:
     return text
 
 
+def run_plan(ev: dict, drafter_dir: str | None = None) -> tuple[list[dict], int]:
+    """The stage's engine runs in order (the baseline first, which the others are measured
+    against) and how many offline replays follow them (one per EAGLE-3 run)."""
+    plan = [{"name": "baseline", "method": "baseline"}]
+    if ev["ngram"]:
+        plan.append({"name": f"ngram_k{ev['ngram_k']}", "method": "ngram", "k": ev["ngram_k"],
+                     "extra": ev["ngram_config"]})
+    plan += [{"name": f"eagle3_k{k}", "method": "eagle3", "k": k, "drafter": drafter_dir}
+             for k in ev["num_speculative_tokens"]]
+    replays = sum(run["method"] == "eagle3" for run in plan) if ev["offline"] else 0
+    return plan, replays
+
+
 def run_stage(cfg: dict, target_json: str, drafter_dir: str, prompts_path: str,
               out_path: str, log_dir: str, progress_path: str | None = None,
               log_path: str | None = None) -> dict:
@@ -249,14 +262,7 @@ def run_stage(cfg: dict, target_json: str, drafter_dir: str, prompts_path: str,
     prompts = read_jsonl(prompts_path)
     if ev["max_prompts"]:
         prompts = prompts[:ev["max_prompts"]]
-    plan = [{"name": "baseline", "method": "baseline"}]
-    if ev["ngram"]:
-        plan.append({"name": f"ngram_k{ev['ngram_k']}", "method": "ngram", "k": ev["ngram_k"],
-                     "extra": ev["ngram_config"]})
-    plan += [{"name": f"eagle3_k{k}", "method": "eagle3", "k": k, "drafter": drafter_dir}
-             for k in ev["num_speculative_tokens"]]
-    # the offline replays count as runs too: on CPU each takes most of a vLLM run's time
-    replays = sum(run["method"] == "eagle3" for run in plan) if ev["offline"] else 0
+    plan, replays = run_plan(ev, drafter_dir)
     progress = Progress("evaluate", total=len(plan) + replays, path=progress_path,
                         log_path=log_path, unit="runs", interval_s=0.0)
     runs = []
@@ -287,7 +293,7 @@ def run_stage(cfg: dict, target_json: str, drafter_dir: str, prompts_path: str,
 
 
 def offline_check(target_path: str, drafter_dir: str, runs: list[dict],
-                  progress: Progress | None = None) -> dict:
+                  progress: Progress) -> dict:
     """Replay each EAGLE-3 run offline on the baseline's greedy answers and compare the
     acceptance lengths with vLLM's."""
     import torch
@@ -299,23 +305,20 @@ def offline_check(target_path: str, drafter_dir: str, runs: list[dict],
     base = runs[0]["_answers"]
     sequences = [(a["prompt_token_ids"], a["token_ids"]) for a in base
                  if a["prompt_token_ids"] and a["token_ids"]]
-    if progress is not None:
-        progress.enter_phase("loading the target for the offline replays")
+    progress.enter_phase("loading the target for the offline replays")
     model = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
     drafter = load_drafter(drafter_dir, target_path)
     out = {}
     for run in runs:
         if run["method"] != "eagle3":
             continue
-        if progress is not None:
-            progress.enter_phase(f"{run['name']} replayed offline")
+        progress.enter_phase(f"{run['name']} replayed offline")
         offline = offline_acceptance(model, drafter, sequences, run["k"])
         ratio = (offline["acceptance_length"] / run["acceptance_length"]
                  if offline["acceptance_length"] and run["acceptance_length"] else None)
         out[run["name"]] = {**offline, "vllm_acceptance_length": run["acceptance_length"],
                             "ratio_offline_over_vllm": ratio}
-        if progress is not None:
-            progress.advance(done=1)
+        progress.advance(done=1)
         log.info("%s: offline AL %.3f, vLLM AL %.3f (ratio %.3f)", run["name"],
                  offline["acceptance_length"] or 0, run["acceptance_length"] or 0, ratio or 0)
         if ratio is not None and abs(ratio - 1) > 0.05:

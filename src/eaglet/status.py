@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from eaglet import rates
+from eaglet.evaluate import run_plan
 from eaglet.progress import format_duration
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
@@ -286,8 +287,8 @@ def estimate(stage: str, r: Path, cfg: dict, progress: dict | None) -> Estimate:
         return Estimate(tokens / rate, f"{cfg['train']['epochs']} epochs x "
                         f"{totals['train']['tokens']} tokens at {rate:.0f} tok/s ({basis})")
     if stage == "evaluate":
-        runs = 1 + int(ev["ngram"]) + len(ev["num_speculative_tokens"])
-        replays = len(ev["num_speculative_tokens"]) if ev["offline"] else 0
+        plan, replays = run_plan(ev)
+        runs = len(plan)
         _, n_eval = _prompt_counts(r)
         if ev["max_prompts"] and n_eval:
             n_eval = min(n_eval, ev["max_prompts"])
