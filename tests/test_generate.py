@@ -33,6 +33,7 @@ class ScriptedChat(BaseHTTPRequestHandler):
 
     plan: dict[str, list[int]] = {}      # prompt text -> status codes to return first
     calls: Counter = Counter()
+    conversations: list[list[dict]] = []  # the messages of every request, in arrival order
 
     def log_message(self, *args):  # keep pytest output clean
         pass
@@ -52,6 +53,7 @@ class ScriptedChat(BaseHTTPRequestHandler):
         request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         text = request["messages"][-1]["content"]
         ScriptedChat.calls[text] += 1
+        ScriptedChat.conversations.append(request["messages"])
         statuses = ScriptedChat.plan.get(text, [])
         if statuses:
             status = statuses.pop(0)
@@ -68,7 +70,7 @@ class ScriptedChat(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def server():
-    ScriptedChat.plan, ScriptedChat.calls = {}, Counter()
+    ScriptedChat.plan, ScriptedChat.calls, ScriptedChat.conversations = {}, Counter(), []
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), ScriptedChat)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
@@ -189,3 +191,45 @@ def test_system_prompt_added_only_where_missing():
     own = [{"role": "system", "content": "mine"}, user]
     assert build_messages({"messages": own}, "be brief") == own
     assert build_messages({"messages": [user]}, None) == [user]
+
+
+def conversation(i: int, followups: list[str]) -> dict:
+    return {**prompts(i + 1)[i], "followups": followups}
+
+
+def test_multi_turn_answers_every_turn_in_order_after_the_targets_own_answers(server, tmp_path):
+    partial = tmp_path / "p.jsonl"
+    convo = conversation(0, ["second ask", "third ask"])
+    records = generate([convo], settings(server), partial)
+    # each turn's history holds the target's earlier answers (the server upper-cases)
+    assert ScriptedChat.conversations == [
+        [{"role": "user", "content": "question 0"}],
+        [{"role": "user", "content": "question 0"}, {"role": "assistant", "content": "QUESTION 0"},
+         {"role": "user", "content": "second ask"}],
+        [{"role": "user", "content": "question 0"}, {"role": "assistant", "content": "QUESTION 0"},
+         {"role": "user", "content": "second ask"},
+         {"role": "assistant", "content": "SECOND ASK"}, {"role": "user", "content": "third ask"}],
+    ]
+    pid = convo["id"]
+    assert sorted(records) == [pid, f"{pid}.t2", f"{pid}.t3"]
+    assert records[f"{pid}.t3"]["turn"] == 3 and records[f"{pid}.t3"]["prompt_id"] == pid
+    kept, counts = collect([convo], records, keep_truncated=True)
+    assert [r["id"] for r in kept] == [pid, f"{pid}.t2", f"{pid}.t3"]  # all trained on
+    assert counts["samples"] == 3 and counts["prompts"] == 1
+
+
+def test_multi_turn_stops_at_a_failed_turn_and_resumes_from_it(server, tmp_path):
+    partial = tmp_path / "p.jsonl"
+    convo = conversation(0, ["second ask", "third ask"])
+    ScriptedChat.plan = {"second ask": [400]}
+    first = generate([convo], settings(server), partial)
+    pid = convo["id"]
+    assert "error" in first[f"{pid}.t2"] and f"{pid}.t3" not in first
+    kept, counts = collect([convo], first, keep_truncated=True)
+    assert counts["failed"] == 1 and counts["later_turns_not_asked"] == 1 and len(kept) == 1
+    ScriptedChat.calls.clear()
+    second = generate([convo], settings(server), partial)
+    assert ScriptedChat.calls == Counter({"second ask": 1, "third ask": 1})  # turn 1 kept
+    assert second[pid]["created_at"] == first[pid]["created_at"]
+    assert [r["id"] for r in collect([convo], second, keep_truncated=True)[0]] == [
+        pid, f"{pid}.t2", f"{pid}.t3"]

@@ -440,3 +440,58 @@ def test_humaneval_tasks_ask_each_problem_several_ways():
     assert records[0]["id"] == plain[0]["id"]
     with pytest.raises(PromptSourceError, match="unknown tasks"):
         load_source({"type": "humaneval", "tasks": ["sing"]})
+
+
+def sharegpt_record(i: int, turns: list[str]) -> dict:
+    conversation = []
+    for turn in turns:
+        conversation += [{"from": "human", "value": turn}, {"from": "gpt", "value": "old answer"}]
+    return {"id": f"c{i}", "conversations": conversation}
+
+
+def test_truncated_json_list_keeps_complete_records_and_reports_the_tail(tmp_path, monkeypatch):
+    import eaglet.prompts as prompts_module
+
+    monkeypatch.setattr(prompts_module, "JSON_CHUNK_CHARS", 7)  # records span chunk borders
+    records = [sharegpt_record(i, [f"question number {i}"]) for i in range(5)]
+    text = json.dumps(records, indent=2)
+    cut = text.index('"c4"')  # the file stops inside the fifth record
+    path = tmp_path / "truncated.json"
+    path.write_text(text[:cut])
+    prompts, report = load_source(source(type="sharegpt", path=str(path)))
+    assert [p["messages"][-1]["content"] for p in prompts] == [
+        f"question number {i}" for i in range(4)]
+    assert report["valid"] == 4 and report["bad"] == 1
+    tail = report["bad_examples"][0]
+    assert tail["row"] == 4 and "ends inside element 4" in tail["reason"]
+    assert "4 complete elements before it are kept" in tail["reason"]
+
+
+def test_json_list_cut_between_records_reports_the_missing_end(tmp_path):
+    path = tmp_path / "cut.json"
+    path.write_text(json.dumps([sharegpt_record(0, ["a question"])])[:-1])  # no closing ]
+    prompts, report = load_source(source(type="sharegpt", path=str(path)))
+    assert len(prompts) == 1 and report["bad"] == 1
+    assert "ends inside the list after 1 elements" in report["bad_examples"][0]["reason"]
+
+
+def test_packaged_sharegpt_file_is_found_and_read_without_network():
+    prompts, report = load_source(source(type="sharegpt", limit=50))
+    assert report["label"] == "sharegpt" and report["rows"] == 50
+    assert 0 < len(prompts) <= 50 and all(p["source"] == "sharegpt" for p in prompts)
+    assert all(p["messages"][-1]["role"] == "user" for p in prompts)
+
+
+def test_max_turns_keeps_later_user_turns_as_followups(tmp_path):
+    path = tmp_path / "multi.json"
+    path.write_text(json.dumps([sharegpt_record(0, ["first", "second", "third"]),
+                                sharegpt_record(1, ["only"])]))
+    single, _ = load_source(source(type="sharegpt", path=str(path)))
+    assert all("followups" not in p for p in single)
+    multi, _ = load_source(source(type="sharegpt", path=str(path), max_turns=2))
+    assert multi[0]["followups"] == ["second"]
+    assert multi[0]["messages"] == [{"role": "user", "content": "first"}]
+    assert multi[0]["id"] == single[0]["id"]  # the id hashes the first turn only
+    assert "followups" not in multi[1]
+    everything, _ = load_source(source(type="sharegpt", path=str(path), max_turns=10))
+    assert everything[0]["followups"] == ["second", "third"]

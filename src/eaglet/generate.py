@@ -86,6 +86,27 @@ def append_record(handle, record: dict) -> None:
     os.fsync(handle.fileno())
 
 
+# -- conversations ---------------------------------------------------------------------------
+
+def turn_ids(prompt: dict) -> list[str]:
+    """Record id of each turn a prompt asks: its own id for the first, then ``<id>.t<n>``
+    for the user turns in ``followups`` (each answered after the target's earlier answers)."""
+    return [prompt["id"]] + [f"{prompt['id']}.t{n}"
+                             for n in range(2, 2 + len(prompt.get("followups", [])))]
+
+
+def next_turn(messages: list[dict], answer: dict, user_text: str) -> list[dict]:
+    """The history for the next turn: the target's own answer (its content; chat templates
+    drop the reasoning of earlier turns), then the next user message."""
+    return [*messages, {"role": "assistant", "content": answer.get("content") or ""},
+            {"role": "user", "content": user_text}]
+
+
+def count_answered(prompts: list[dict], records: dict[str, dict]) -> int:
+    return sum(rid in records and "error" not in records[rid]
+               for p in prompts for rid in turn_ids(p))
+
+
 # -- one request -----------------------------------------------------------------------------
 
 def build_messages(prompt: dict, system_prompt: str | None) -> list[dict]:
@@ -186,11 +207,12 @@ async def generate_async(prompts: list[dict], settings: GenerationSettings,
     called between requests and may raise to abort (e.g. the server process died).
     """
     done = read_partial(partial_path)
-    pending = [p for p in prompts if p["id"] not in done or "error" in done[p["id"]]]
-    finished = len(prompts) - len(pending)
+    answered = lambda rid: rid in done and "error" not in done[rid]  # noqa: E731
+    pending = [p for p in prompts if not all(answered(rid) for rid in turn_ids(p))]
+    finished = count_answered(prompts, done)
     if done:
-        log.info("resuming: %d of %d prompts already answered, %d to go",
-                 finished, len(prompts), len(pending))
+        log.info("resuming: %d of %d answers already there, %d prompts to go",
+                 finished, sum(len(turn_ids(p)) for p in prompts), len(pending))
     if progress is not None:
         progress.restart(already_done=finished)
         if progress.phase is not None:
@@ -206,27 +228,44 @@ async def generate_async(prompts: list[dict], settings: GenerationSettings,
         with open(partial_path, "a") as out:
 
             async def one(prompt: dict) -> None:
+                """Every turn of one prompt, in order; a failed turn ends the conversation."""
                 async with gate:
-                    if health_check is not None:
-                        health_check()
                     messages = build_messages(prompt, settings.system_prompt)
-                    record = {"id": prompt["id"], "source": prompt.get("source"),
-                              "messages": messages, "model": model,
-                              "sampling": vars(settings.sampling)}
-                    try:
-                        record.update(await chat_with_retries(
-                            client, model, messages, settings.sampling,
-                            settings.request_timeout_s, settings.max_retries,
-                            health_check=health_check))
-                    except RequestFailed as exc:
-                        record["error"] = str(exc)
-                    record["created_at"] = now_iso()
-                    append_record(out, record)
-                    done[prompt["id"]] = record
-                    if progress is not None:
-                        ok = "error" not in record
-                        progress.advance(done=int(ok), failed=int(not ok),
-                                         tokens=len(record.get("completion_token_ids") or []))
+                    ids, followups = turn_ids(prompt), prompt.get("followups", [])
+                    for turn, record_id in enumerate(ids):
+                        if turn:
+                            messages = next_turn(messages, done[ids[turn - 1]],
+                                                 followups[turn - 1])
+                        if answered(record_id):
+                            continue
+                        if health_check is not None:
+                            health_check()
+                        record = await answer(record_id, prompt, turn, messages)
+                        if "error" in record:
+                            break
+
+            async def answer(record_id: str, prompt: dict, turn: int,
+                             messages: list[dict]) -> dict:
+                record = {"id": record_id, "source": prompt.get("source"),
+                          "messages": messages, "model": model,
+                          "sampling": vars(settings.sampling)}
+                if turn:
+                    record.update(prompt_id=prompt["id"], turn=turn + 1)
+                try:
+                    record.update(await chat_with_retries(
+                        client, model, messages, settings.sampling,
+                        settings.request_timeout_s, settings.max_retries,
+                        health_check=health_check))
+                except RequestFailed as exc:
+                    record["error"] = str(exc)
+                record["created_at"] = now_iso()
+                append_record(out, record)
+                done[record_id] = record
+                if progress is not None:
+                    ok = "error" not in record
+                    progress.advance(done=int(ok), failed=int(not ok),
+                                     tokens=len(record.get("completion_token_ids") or []))
+                return record
 
             tasks = [asyncio.create_task(one(p)) for p in pending]
             try:
@@ -245,22 +284,26 @@ def generate(prompts: list[dict], settings: GenerationSettings, partial_path,
 
 def collect(prompts: list[dict], records: dict[str, dict], keep_truncated: bool) -> tuple[list[dict], dict]:
     """Final records in prompt order, and the counts that go into stats.json."""
-    kept, failed, truncated, dropped = [], [], 0, 0
+    kept, failed, truncated, dropped, unasked = [], [], 0, 0, 0
     for prompt in prompts:
-        record = records.get(prompt["id"])
-        if record is None:
-            raise RuntimeError(f"prompt {prompt['id']} has no record: generation did not finish")
-        if "error" in record:
-            failed.append({"id": record["id"], "error": record["error"]})
-            continue
-        if record["finish_reason"] == "length":
-            truncated += 1
-            if not keep_truncated:
-                dropped += 1
-                continue
-        kept.append(record)
+        ids = turn_ids(prompt)
+        for turn, record_id in enumerate(ids):
+            record = records.get(record_id)
+            if record is None:
+                raise RuntimeError(f"{record_id} has no record: generation did not finish")
+            if "error" in record:
+                failed.append({"id": record["id"], "error": record["error"]})
+                unasked += len(ids) - turn - 1  # the conversation stops at a failed turn
+                break
+            if record["finish_reason"] == "length":
+                truncated += 1
+                if not keep_truncated:
+                    dropped += 1
+                    continue
+            kept.append(record)
     counts = {
         "prompts": len(prompts), "samples": len(kept), "failed": len(failed),
+        "later_turns_not_asked": unasked,
         "truncated": truncated, "truncated_dropped": dropped,
         "prompt_tokens": sum(len(r["prompt_token_ids"]) for r in kept),
         "completion_tokens": sum(len(r["completion_token_ids"]) for r in kept),
@@ -298,13 +341,13 @@ def run_stage(cfg: dict[str, Any], target_json: str, prompts: dict[str, str],
     target = read_target(target_json)
     by_split = {split: read_jsonl(path) for split, path in prompts.items()}
     everything = [p for split_prompts in by_split.values() for p in split_prompts]
-    progress = Progress("generate", total=len(everything), path=progress_path, log_path=log_path)
+    requests = sum(len(turn_ids(p)) for p in everything)
+    progress = Progress("generate", total=requests, path=progress_path, log_path=log_path)
     server_cfg = cfg["server"]
-    answered = {i for i, r in read_partial(partial_path).items() if "error" not in r}
-    if all(p["id"] in answered for p in everything):
+    records = read_partial(partial_path)
+    if count_answered(everything, records) == requests:
         log.info("every prompt already has an answer in %s; no server needed", partial_path)
-        progress.restart(already_done=len(everything))
-        records = read_partial(partial_path)
+        progress.restart(already_done=requests)
     elif server_cfg["url"]:
         log.info("using the running server at %s", server_cfg["url"])
         settings = settings_from_config(cfg, server_cfg["url"].rstrip("/"))
@@ -333,11 +376,11 @@ def run_stage(cfg: dict[str, Any], target_json: str, prompts: dict[str, str],
                                                       gen["keep_truncated"])
     counts = stats["splits"]
     failed = sum(c["failed"] for c in counts.values())
-    if failed / max(len(everything), 1) > gen["max_failed_rate"]:
+    if failed / max(requests, 1) > gen["max_failed_rate"]:
         failures = [f for c in counts.values() for f in c["failures"]]
         examples = "; ".join(f"{f['id']}: {f['error'][:200]}" for f in failures[:3])
         raise RuntimeError(
-            f"{failed} of {len(everything)} requests failed for good (more than "
+            f"{failed} of {requests} requests failed for good (more than "
             f"generate.max_failed_rate={gen['max_failed_rate']}): {examples}. The answers so far "
             f"are kept in {partial_path}; fix the cause and rerun to retry only the failed prompts.")
 

