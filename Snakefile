@@ -46,5 +46,5 @@ rule all:
         f"{R}/eval/acceptance.json",
         f"{R}/eval/per_position.png",
         f"{R}/eval/acceptance_length.png",
-        f"{R}/eval/throughput.png",
+        f"{R}/eval/speedup.png",
         f"{R}/eval/training_curves.png",

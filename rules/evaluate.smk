@@ -1,17 +1,23 @@
 rule evaluate:
     """Serve the target with vLLM: alone, with ngram speculation, and with the drafter at
-    every k; measure acceptance from the /metrics counters and the speedup."""
+    every k, each run at every concurrency of the sweep on every prompt set; measure
+    acceptance from the /metrics counters and the speedups; derive, write and check the
+    batch-size schedule of k (serve.json)."""
     input:
         target=f"{R}/target/target.json",
         drafter=f"{R}/drafter/model.safetensors",
         drafter_config=f"{R}/drafter/config.json",
         prompts=f"{R}/prompts/eval.jsonl",
+        train_prompts=f"{R}/prompts/train.jsonl",
+        prompt_sets=[s["source"]["path"] for s in config["evaluate"]["prompt_sets"]
+                     if s["source"].get("path")],
     output:
-        report(
+        acceptance=report(
             f"{R}/eval/acceptance.json",
             caption="../report/acceptance.rst",
             category="Evaluation",
         ),
+        serve=f"{R}/eval/serve.json",
     params:
         evaluate=config["evaluate"],
         target=config["target"],
@@ -40,8 +46,8 @@ rule plots:
         acceptance_length=report(f"{R}/eval/acceptance_length.png",
                                  caption="../report/acceptance_length.rst",
                                  category="Evaluation"),
-        throughput=report(f"{R}/eval/throughput.png",
-                          caption="../report/throughput.rst", category="Evaluation"),
+        speedup=report(f"{R}/eval/speedup.png",
+                       caption="../report/speedup.rst", category="Evaluation"),
         training=report(f"{R}/eval/training_curves.png",
                         caption="../report/training_curves.rst", category="Training"),
     log:

@@ -5,5 +5,5 @@ from eaglet.scripting import run_stage
 smk = snakemake  # noqa: F821 (injected by Snakemake)
 run_stage("plots", smk.log[0], lambda: draw_all(
     smk.input.acceptance, smk.input.training_log,
-    {name: smk.output[name] for name in ("per_position", "acceptance_length", "throughput",
+    {name: smk.output[name] for name in ("per_position", "acceptance_length", "speedup",
                                          "training")}))

@@ -52,7 +52,7 @@ def test_repo_config_values_survive_validation():
     cfg = load(str(REPO_ROOT / "config.yaml"))
 
     assert cfg["server"]["memory_utilization"] == 0.4
-    assert cfg["generate"]["max_tokens"] == 384  # not the schema's default of 512
+    assert cfg["generate"]["max_tokens"] == 256  # not the schema's default of 512
 
 
 def test_empty_config_gets_every_default():

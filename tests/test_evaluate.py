@@ -1,10 +1,24 @@
-"""Acceptance arithmetic from vLLM's Prometheus counters, and the verdict."""
+"""Acceptance arithmetic from vLLM's Prometheus counters, the sweep, the k schedule and the
+verdict, on recorded numbers."""
 
 from __future__ import annotations
 
 import pytest
 
-from eaglet.evaluate import acceptance, counter_delta, parse_metrics, spec_counters, verdict
+from eaglet.evaluate import (
+    MAX_BATCH,
+    acceptance,
+    add_speedups,
+    best_k_by_concurrency,
+    counter_delta,
+    level_prompts,
+    parse_metrics,
+    schedule_ranges,
+    schedule_run,
+    serve_recommendation,
+    spec_counters,
+    verdict,
+)
 
 # the shape vLLM 0.32 serves on /metrics (trimmed), two engines to check the sums
 METRICS = """\
@@ -58,43 +72,152 @@ def test_no_drafts_gives_no_acceptance_instead_of_dividing_by_zero():
     assert result["acceptance_length"] is None and result["drafts"] == 0
 
 
-def run(name, method, tokens_per_s, al=None, rate=None, k=None):
-    return {"name": name, "method": method, "k": k, "concurrency": 1,
-            "output_tokens_per_s": tokens_per_s, "speedup": tokens_per_s / 10.0,
+SWEEP = [1, 16]
+
+
+def run(name, method, tokens_per_s, al=None, rate=None, k=None, set_al=None):
+    """A finished engine run from recorded numbers: ``tokens_per_s`` maps (set, concurrency)
+    to the measured output tokens/s; ``set_al`` the acceptance length per set (default al)."""
+    levels = [{"set": s, "concurrency": c, "output_tokens": tps * 10, "wall_s": 10.0,
+               "output_tokens_per_s": tps, "mean_latency_s": 1.0}
+              for (s, c), tps in tokens_per_s.items()]
+    sets = {s: {"acceptance_length": (set_al or {}).get(s, al), "per_position_rate": []}
+            for s, _ in tokens_per_s}
+    return {"name": name, "method": method, "k": k, "levels": levels, "sets": sets,
             "acceptance_length": al, "acceptance_rate": rate}
 
 
-def test_verdict_of_a_drafter_that_helps():
-    v = verdict([run("baseline", "baseline", 10.0), run("ngram_k3", "ngram", 11.0, 2.0, 0.33, 3),
-                 run("eagle3_k3", "eagle3", 13.0, 2.5, 0.5, 3)])
-    assert v["speeds_up_serving"] and v["beats_ngram"]
+def same(tps_1: float, tps_16: float, sets=("heldout",)) -> dict:
+    return {(s, c): t for s in sets for c, t in ((1, tps_1), (16, tps_16))}
+
+
+def judged(*runs):
+    runs = list(runs)
+    add_speedups(runs, SWEEP)
+    return runs
+
+
+def test_speedups_are_per_set_and_concurrency_and_pooled():
+    base = run("baseline", "baseline", {("heldout", 1): 10.0, ("chat", 1): 10.0,
+                                        ("heldout", 16): 80.0, ("chat", 16): 40.0})
+    drafter = run("eagle3_k3", "eagle3", {("heldout", 1): 15.0, ("chat", 1): 12.0,
+                                          ("heldout", 16): 40.0, ("chat", 16): 40.0}, 2.0, 0.4, 3)
+    judged(base, drafter)
+    speedups = {(lv["set"], lv["concurrency"]): lv["speedup"] for lv in drafter["levels"]}
+    assert speedups == {("heldout", 1): 1.5, ("chat", 1): 1.2, ("heldout", 16): 0.5,
+                        ("chat", 16): 1.0}
+    # pooled: (400 + 400) tokens in 20 s against (800 + 400) tokens in 20 s
+    assert drafter["by_concurrency"][1] == {"concurrency": 16, "output_tokens_per_s": 40.0,
+                                            "speedup": pytest.approx(40 / 60)}
+
+
+def test_verdict_of_a_drafter_that_helps_at_every_concurrency():
+    runs = judged(run("baseline", "baseline", same(10.0, 80.0)),
+                  run("ngram_k3", "ngram", same(11.0, 78.0), 2.0, 0.33, 3),
+                  run("eagle3_k3", "eagle3", same(13.0, 88.0), 2.5, 0.5, 3))
+    v = verdict(runs, SWEEP)
+    assert v["speeds_up_serving"] == {"1": True, "16": True} and v["beats_ngram"]
     assert v["ceiling"] == 4 and v["share_of_ceiling"] == pytest.approx(2.5 / 4)
+    assert v["speedup_by_concurrency"] == {"1": pytest.approx(1.3), "16": pytest.approx(1.1)}
     assert not v["warnings"]
-    assert "speeds serving up" in v["summary"]
+    assert "speeds serving up at every measured concurrency" in v["summary"]
 
 
-def test_verdict_warns_loudly_about_a_drafter_that_slows_serving():
-    v = verdict([run("baseline", "baseline", 10.0), run("eagle3_k3", "eagle3", 6.6, 1.45, 0.15, 3)])
-    assert not v["speeds_up_serving"]
-    assert any("SLOWER THAN NO DRAFTER" in w and "0.66x" in w and "15%" in w
-               for w in v["warnings"])
-    assert "does NOT speed serving up" in v["summary"]
+def test_a_drafter_that_pays_at_1_and_halves_throughput_at_16_is_called_out():
+    """The founding failure: 1.18x at concurrency 1, 0.46x at 16."""
+    runs = judged(run("baseline", "baseline", same(10.0, 100.0)),
+                  run("eagle3_k3", "eagle3", same(11.8, 46.0), 1.19, 0.063, 3))
+    v = verdict(runs, SWEEP)
+    assert v["speeds_up_serving"] == {"1": True, "16": False}
+    slower = [w for w in v["warnings"] if w.startswith("SLOWER THAN NO DRAFTER")]
+    assert len(slower) == 1 and "0.46x at concurrency 16" in slower[0]
+    assert "1.18x" not in slower[0]  # concurrency 1 pays: not named as slower
+    assert "only at concurrency 1" in v["summary"]
+    assert "at concurrency 16: eagle3_k3 0.46x, slower than no drafter" in v["summary"]
+    choice = best_k_by_concurrency(runs, SWEEP)
+    assert [(e["concurrency"], e["k"]) for e in choice] == [(1, 3), (16, 0)]
+    # batch sizes up to the geometric midpoint of 1 and 16 draft 3 tokens, the rest none
+    assert schedule_ranges(choice) == [[1, 4, 3], [5, MAX_BATCH, 0]]
+    extra = schedule_run(choice, "drafter")
+    assert extra["k"] == 3 and extra["extra"] == {
+        "num_speculative_tokens_per_batch_size": [[1, 4, 3], [5, MAX_BATCH, 0]]}
 
 
-def test_low_acceptance_that_still_pays_here_is_flagged_with_a_smaller_k():
-    """A long draft can pay on a CPU (cheap draft steps) at a rate that loses on a GPU."""
-    v = verdict([run("baseline", "baseline", 10.0),
-                 run("eagle3_k3", "eagle3", 15.9, 2.1, 0.37, 3),
-                 run("eagle3_k4", "eagle3", 16.3, 2.2, 0.25, 4)])
-    assert v["speeds_up_serving"] and v["best"] == "eagle3_k4"
-    [warning] = v["warnings"]
+def test_best_k_per_concurrency_and_a_three_level_schedule():
+    sweep = [1, 4, 16]
+    tps = lambda a, b, c: {("heldout", 1): a, ("heldout", 4): b, ("heldout", 16): c}  # noqa: E731
+    runs = [run("baseline", "baseline", tps(10.0, 30.0, 80.0)),
+            run("eagle3_k2", "eagle3", tps(14.0, 36.0, 70.0), 1.9, 0.45, 2),
+            run("eagle3_k4", "eagle3", tps(16.0, 33.0, 60.0), 2.2, 0.3, 4)]
+    add_speedups(runs, sweep)
+    choice = best_k_by_concurrency(runs, sweep)
+    assert [e["k"] for e in choice] == [4, 2, 0]
+    assert [e["best_run"] for e in choice] == ["eagle3_k4", "eagle3_k2", "eagle3_k2"]
+    assert schedule_ranges(choice) == [[1, 2, 4], [3, 8, 2], [9, MAX_BATCH, 0]]
+    same_k = [{"concurrency": c, "k": 3} for c in sweep]
+    assert schedule_ranges(same_k) == [[1, MAX_BATCH, 3]]  # equal neighbours merge
+    assert schedule_run([{**e, "best_run": "x", "best_speedup": 1.2} for e in same_k],
+                        "drafter") is None  # one fixed k: measured already
+
+
+def test_serve_recommendation_is_checked_against_the_target_alone():
+    runs = judged(run("baseline", "baseline", same(10.0, 100.0)),
+                  run("eagle3_k3", "eagle3", same(12.0, 46.0), 1.5, 0.2, 3))
+    choice = best_k_by_concurrency(runs, SWEEP)
+    checked = {**run("eagle3_schedule", "eagle3", same(12.1, 99.0), 1.5, 0.2, 3),
+               "schedule": True, "extra": {"num_speculative_tokens_per_batch_size":
+                                           schedule_ranges(choice)}, "drafter": "d"}
+    runs.append(checked)
+    add_speedups(runs, SWEEP)
+    serve = serve_recommendation(choice, runs, "d")
+    assert serve["checked_by"] == "eagle3_schedule"
+    assert serve["speculative_config"]["num_speculative_tokens_per_batch_size"] == [
+        [1, 4, 3], [5, MAX_BATCH, 0]]
+    assert serve["vllm_args"][0] == "--speculative-config"
+    assert [e["speedup"] for e in serve["by_concurrency"]] == pytest.approx([1.21, 0.99])
+    assert serve["never_slower_than_target"] is False
+    v = verdict(runs, SWEEP, serve)
+    assert any(w.startswith("SERVE CONFIG SLOWER THAN NO DRAFTER") and "0.99x at concurrency 16"
+               in w for w in v["warnings"])
+
+
+def test_no_k_that_pays_anywhere_recommends_no_speculation():
+    runs = judged(run("baseline", "baseline", same(10.0, 100.0)),
+                  run("eagle3_k3", "eagle3", same(9.0, 50.0), 1.1, 0.05, 3))
+    choice = best_k_by_concurrency(runs, SWEEP)
+    assert schedule_run(choice, "d") is None
+    serve = serve_recommendation(choice, runs, "d")
+    assert serve["speculative_config"] is None and serve["vllm_args"] == []
+    assert serve["never_slower_than_target"] and "serve without speculation" in serve["note"]
+    assert "does NOT speed serving up at any measured concurrency" in verdict(runs, SWEEP)["summary"]
+
+
+def test_held_out_split_that_flatters_the_drafter_is_flagged():
+    sets = ("heldout", "everyday")
+    runs = judged(run("baseline", "baseline", same(10.0, 100.0, sets)),
+                  run("eagle3_k3", "eagle3", {("heldout", 1): 14.4, ("everyday", 1): 11.8,
+                                              ("heldout", 16): 105.0, ("everyday", 16): 46.0},
+                      1.35, 0.12, 3, set_al={"heldout": 1.51, "everyday": 1.19}))
+    warnings = [w for w in verdict(runs, SWEEP)["warnings"] if w.startswith("IN-DOMAIN")]
+    assert len(warnings) == 1
+    assert "AL 1.51 on the held-out split but 1.19 on 'everyday'" in warnings[0]
+    assert "pays on one but not the other at concurrency 16" in warnings[0]
+    agreeing = judged(run("baseline", "baseline", same(10.0, 100.0, sets)),
+                      run("eagle3_k3", "eagle3", same(14.0, 110.0, sets), 2.0, 0.4, 3,
+                          set_al={"heldout": 2.0, "everyday": 1.9}))
+    assert not any(w.startswith("IN-DOMAIN") for w in verdict(agreeing, SWEEP)["warnings"])
+
+
+def test_low_acceptance_is_flagged_with_a_smaller_k():
+    runs = judged(run("baseline", "baseline", same(10.0, 100.0)),
+                  run("eagle3_k3", "eagle3", same(15.9, 120.0), 2.1, 0.37, 3),
+                  run("eagle3_k4", "eagle3", same(16.3, 118.0), 2.2, 0.25, 4))
+    [warning] = verdict(runs, SWEEP)["warnings"]
     assert warning.startswith("LOW ACCEPTANCE: eagle3_k4 accepts 25%")
-    assert "1.63x" in warning and "eagle3_k3 accepts 37%" in warning
+    assert "eagle3_k3 accepts 37%" in warning
 
 
-def test_ngram_with_a_higher_al_but_slower_is_told_apart():
-    ngram = {**run("ngram_k3", "ngram", 14.0, 2.57, 0.52, 3), "drafts": 634}
-    best = {**run("eagle3_k3", "eagle3", 16.0, 2.1, 0.37, 3), "drafts": 1281}
-    v = verdict([run("baseline", "baseline", 10.0), ngram, best])
-    assert not v["beats_ngram"] and v["faster_than_ngram"]
-    assert "higher AL over fewer drafts: 634 against 1281; EAGLE-3 is faster" in v["summary"]
+def test_each_level_sends_rounds_times_its_concurrency():
+    prompts = list(range(40))
+    assert level_prompts(prompts, 1, 4) == [0, 1, 2, 3]
+    assert level_prompts(prompts, 16, 4) == prompts  # at most the whole set

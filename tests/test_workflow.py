@@ -162,17 +162,46 @@ def test_trained_drafter_is_measured_in_vllm_and_reported(results):
 
     acceptance = read_json(results / "eval" / "acceptance.json")
     runs = {r["name"]: r for r in acceptance["runs"]}
-    assert set(runs) == {"baseline", "ngram_k3", "eagle3_k3"}
-    assert runs["baseline"]["speedup"] == 1.0 and runs["baseline"]["drafts"] == 0
-    for name in ("ngram_k3", "eagle3_k3"):
+    # the schedule run follows only when the sweep chose different k at different levels
+    assert set(runs) - {"eagle3_schedule"} == {"baseline", "ngram_k3", "eagle3_k3"}
+    assert runs["baseline"]["drafts"] == 0
+    # every run measured both prompt sets at both concurrencies through its one server
+    assert set(acceptance["prompt_sets"]) == {"heldout", "everyday"}
+    base_levels = {(lv["set"], lv["concurrency"]): lv for lv in runs["baseline"]["levels"]}
+    assert set(base_levels) == {(s, c) for s in ("heldout", "everyday") for c in (1, 4)}
+    assert base_levels[("everyday", 1)]["requests"] == 2   # rounds x concurrency
+    assert base_levels[("everyday", 4)]["requests"] == 4   # capped at the set's 4 prompts
+    for name in set(runs) - {"baseline"}:
         run = runs[name]
-        assert run["drafts"] > 0 and run["draft_tokens"] == 3 * run["drafts"]
-        # AL = 1 + sum of the per-position rates, for every run
+        assert run["drafts"] > 0 and run["draft_tokens"] <= run["k"] * run["drafts"]
+        # AL = 1 + sum of the per-position rates, for every run and every prompt set
         assert run["acceptance_length"] == pytest.approx(1 + sum(run["per_position_rate"]))
+        for per_set in run["sets"].values():
+            assert per_set["acceptance_length"] == pytest.approx(
+                1 + sum(per_set["per_position_rate"]))
+        assert sum(lv["drafts"] for lv in run["levels"]) == run["drafts"]
+        for lv in run["levels"]:
+            ref = base_levels[(lv["set"], lv["concurrency"])]
+            assert lv["speedup"] == pytest.approx(
+                (lv["output_tokens"] / lv["wall_s"]) / (ref["output_tokens"] / ref["wall_s"]))
     # the offline PyTorch replay agrees with vLLM: export, layer ids and d2t are right
     offline = acceptance["offline"]["eagle3_k3"]
     assert offline["ratio_offline_over_vllm"] == pytest.approx(1.0, abs=0.05)
-    assert "summary" in acceptance["verdict"]
+    verdict = acceptance["verdict"]
+    assert set(verdict["speeds_up_serving"]) == {"1", "4"} and "summary" in verdict
+    # serve.json is what the sweep chose, checked in vLLM at every concurrency
+    serve = read_json(results / "eval" / "serve.json")
+    assert serve == acceptance["serve"]
+    chosen = {e["concurrency"]: e["k"] for e in verdict["best_k_by_concurrency"]}
+    assert {e["concurrency"]: e["k"] for e in serve["by_concurrency"]} == chosen
+    if len(set(chosen.values())) > 1:
+        assert serve["checked_by"] == "eagle3_schedule"
+        schedule = serve["speculative_config"]["num_speculative_tokens_per_batch_size"]
+        assert schedule[0][:2] == [1, 2] and schedule[0][2] == chosen[1]
+    elif chosen[1]:
+        assert serve["checked_by"] == f"eagle3_k{chosen[1]}"
+    else:
+        assert serve["speculative_config"] is None
 
     finished = status(results)
     assert all(s["state"] == "completed" for s in finished.values()), finished

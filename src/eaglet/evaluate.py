@@ -1,10 +1,17 @@
-"""The verdict: does the drafter speed up serving?
+"""The verdict: does the drafter speed up serving, on the prompts users send, at the
+concurrency they serve?
 
 For each engine run (the target alone, vLLM's ``ngram`` speculation, and the trained
-EAGLE-3 drafter at every ``num_speculative_tokens`` k), start vLLM, send the held-out prompts
-greedily at a fixed concurrency, read the spec-decode Prometheus counters before and after
-(``/metrics`` deltas), and stop the server. Acceptance length is ``1 + accepted/drafts``,
-acceptance rate ``accepted/draft_tokens``, per-position rate ``per_pos[i]/drafts``.
+EAGLE-3 drafter at every ``num_speculative_tokens`` k), start vLLM once and, for every
+concurrency of the sweep and every prompt set (the held-out split and the configured sets of
+their own), send the prompts greedily and read the spec-decode Prometheus counters before and
+after (``/metrics`` deltas). Acceptance length is ``1 + accepted/drafts``, acceptance rate
+``accepted/draft_tokens``, per-position rate ``per_pos[i]/drafts``.
+
+From the sweep comes a batch-size schedule of k (vLLM's
+``num_speculative_tokens_per_batch_size``: the best k at each measured concurrency, 0 where
+speculation slows serving down), written ready to serve in ``serve.json`` and checked in one
+more vLLM run at every concurrency.
 """
 
 from __future__ import annotations
@@ -117,6 +124,46 @@ async def _run_prompts(url: str, prompts: list[dict], max_tokens: int, concurren
         return await asyncio.gather(*(one(p) for p in prompts))
 
 
+# -- prompt sets and the sweep ---------------------------------------------------------------
+
+HELD_OUT = "heldout"
+MAX_BATCH = 1 << 16   # the last schedule range runs to here; vLLM caps it at max_num_seqs
+
+
+def load_prompt_sets(ev: dict, held_out_path: str, train_path: str | None) -> tuple[dict, dict]:
+    """The prompt sets to measure on, name -> prompts (each capped at ``max_prompts``), and
+    what each is. The held-out split comes first; every configured set follows, less any
+    prompt the drafter was trained on."""
+    from eaglet.prompts import load_source
+
+    train_ids = {p["id"] for p in read_jsonl(train_path)} if train_path else set()
+    sets = {HELD_OUT: read_jsonl(held_out_path)}
+    about = {HELD_OUT: {"source": "the held-out split of data.sources"}}
+    for entry in ev["prompt_sets"]:
+        name = entry["name"]
+        if name in sets:
+            raise EvaluationError(f"evaluate.prompt_sets: the name {name!r} is used twice "
+                                  f"({HELD_OUT!r} is the held-out split's)")
+        records, report = load_source(entry["source"])
+        kept = [p for p in records if p["id"] not in train_ids]
+        sets[name] = kept
+        about[name] = {"source": report["label"], "rows": report["rows"], "bad": report["bad"],
+                       "in_training_dropped": len(records) - len(kept)}
+        if not kept:
+            raise EvaluationError(f"evaluate.prompt_sets {name!r}: every prompt is also a "
+                                  f"training prompt; measure on prompts the drafter has not seen")
+    for name in sets:
+        sets[name] = sets[name][:ev["max_prompts"]]
+        about[name]["prompts"] = len(sets[name])
+    return sets, about
+
+
+def level_prompts(prompts: list[dict], concurrency: int, rounds: int) -> list[dict]:
+    """What one concurrency level sends: ``rounds`` times as many prompts as it keeps in flight
+    (the set's first ones), so every level runs at its concurrency for most of its time."""
+    return prompts[:rounds * concurrency]
+
+
 def speculative_config(run: dict) -> dict | None:
     if run["method"] == "baseline":
         return None
@@ -126,9 +173,31 @@ def speculative_config(run: dict) -> dict | None:
     return {**spec, **run.get("extra", {})}
 
 
-def engine_run(cfg: dict, target_path: str, run: dict, prompts: list[dict],
-               log_path: str) -> dict:
-    """Serve once with ``run``'s speculation, send every prompt, return its measurements."""
+def _measure(url: str, prompts: list[dict], ev: dict, concurrency: int) -> dict:
+    before = spec_counters(read_metrics(url))
+    start = time.perf_counter()
+    answers = asyncio.run(_run_prompts(url, prompts, ev["max_tokens"], concurrency,
+                                       ev["request_timeout_s"]))
+    wall = time.perf_counter() - start
+    delta = counter_delta(before, spec_counters(read_metrics(url)))
+    tokens = sum(a["completion_tokens"] for a in answers)
+    return {"concurrency": concurrency, "requests": len(answers), "output_tokens": tokens,
+            "wall_s": wall, "output_tokens_per_s": tokens / wall,
+            "mean_latency_s": sum(a["latency_s"] for a in answers) / len(answers),
+            "_delta": delta, "_answers": answers}
+
+
+def _sum_deltas(deltas: list[dict]) -> dict:
+    width = max((len(d["per_position"]) for d in deltas), default=0)
+    return {**{key: sum(d[key] for d in deltas) for key in SPEC_COUNTERS},
+            "per_position": [sum(d["per_position"][i] for d in deltas
+                                 if i < len(d["per_position"])) for i in range(width)]}
+
+
+def engine_run(cfg: dict, target_path: str, run: dict, prompt_sets: dict[str, list[dict]],
+               log_path: str, progress: Progress | None = None) -> dict:
+    """Serve once with ``run``'s speculation; send every prompt set at every concurrency of
+    the sweep through that one server; return the measurements per level and in all."""
     ev, server_cfg = cfg["evaluate"], cfg["server"]
     args = server_args(cfg["target"], server_cfg, served_model_name="target")
     spec = speculative_config(run)
@@ -144,104 +213,139 @@ def engine_run(cfg: dict, target_path: str, run: dict, prompts: list[dict],
     except ServerError as exc:
         what = "vLLM refused the drafter" if run["method"] == "eagle3" else "vLLM did not start"
         raise EvaluationError(f"{name}: {what}.\n{exc}") from None
+    levels = []
     try:
-        before = spec_counters(read_metrics(server.url))
-        start = time.perf_counter()
-        answers = asyncio.run(_run_prompts(server.url, prompts, ev["max_tokens"],
-                                           ev["concurrency"], ev["request_timeout_s"]))
-        wall = time.perf_counter() - start
-        after = spec_counters(read_metrics(server.url))
+        for concurrency in ev["concurrency"]:
+            for set_name, prompts in prompt_sets.items():
+                if progress is not None:
+                    progress.enter_phase(f"{name} in vLLM: {set_name} at concurrency "
+                                         f"{concurrency}")
+                level = _measure(server.url, level_prompts(prompts, concurrency, ev["rounds"]),
+                                 ev, concurrency)
+                levels.append({"set": set_name, **level,
+                               **acceptance(level["_delta"], run.get("k"))})
     finally:
         server.__exit__(None, None, None)
-    tokens = sum(a["completion_tokens"] for a in answers)
-    result = {"name": name, "method": run["method"], "concurrency": ev["concurrency"],
-              "requests": len(answers), "output_tokens": tokens, "wall_s": wall,
-              "output_tokens_per_s": tokens / wall,
-              "mean_latency_s": sum(a["latency_s"] for a in answers) / len(answers),
-              **acceptance(counter_delta(before, after), run.get("k"))}
+    total = _sum_deltas([lv["_delta"] for lv in levels])
+    result = {"name": name, "method": run["method"], "k": run.get("k"),
+              "speculative_config": spec, "levels": levels,
+              "sets": {s: acceptance(_sum_deltas([lv["_delta"] for lv in levels
+                                                  if lv["set"] == s]), run.get("k"))
+                       for s in prompt_sets},
+              "output_tokens": sum(lv["output_tokens"] for lv in levels),
+              **acceptance(total, run.get("k"))}
     if spec is not None and not result["drafts"]:
         raise EvaluationError(
             f"{name}: vLLM served without drafting anything (no spec-decode drafts in "
             f"/metrics): the speculative config was not applied. Server log: {log_path}")
-    log.info("%s: %d tokens in %.1f s (%.1f tok/s)%s", name, tokens, wall,
-             result["output_tokens_per_s"],
-             f", AL {result['acceptance_length']:.3f}" if result["acceptance_length"] else "")
-    result["_answers"] = answers
+    for lv in levels:
+        log.info("%s: %s at concurrency %d: %d tokens in %.1f s (%.1f tok/s)%s", name,
+                 lv["set"], lv["concurrency"], lv["output_tokens"], lv["wall_s"],
+                 lv["output_tokens_per_s"],
+                 f", AL {lv['acceptance_length']:.3f}" if lv["acceptance_length"] else "")
     return result
 
 
-LOW_ACCEPTANCE = 0.3   # share of draft tokens accepted below which a drafter is suspect
+def add_speedups(runs: list[dict], concurrencies: list[int]) -> None:
+    """Speedup of every level over the baseline's same set and concurrency, and per
+    concurrency over all sets together (tokens over wall time, pooled)."""
+    base = {(lv["set"], lv["concurrency"]): lv for lv in runs[0]["levels"]}
+    base_pooled = _pooled(runs[0], concurrencies)
+    for run in runs:
+        for lv in run["levels"]:
+            ref = base[(lv["set"], lv["concurrency"])]
+            lv["speedup"] = lv["output_tokens_per_s"] / ref["output_tokens_per_s"]
+            lv["latency_ratio"] = lv["mean_latency_s"] / ref["mean_latency_s"]
+        run["by_concurrency"] = [
+            {"concurrency": c, "output_tokens_per_s": tps, "speedup": tps / base_pooled[c]}
+            for c, tps in _pooled(run, concurrencies).items()]
 
 
-def verdict(runs: list[dict]) -> dict:
-    """Whether the drafter speeds serving up here, against ngram and the k+1 ceiling."""
-    baseline = next(r for r in runs if r["method"] == "baseline")
-    ngram = next((r for r in runs if r["method"] == "ngram"), None)
-    drafts = [r for r in runs if r["method"] == "eagle3"]
-    best = max(drafts, key=lambda r: r["speedup"]) if drafts else None
-    warnings = []
-    for r in drafts:
-        if r["speedup"] < 1.0:
-            warnings.append(
-                f"SLOWER THAN NO DRAFTER: {r['name']} serves {r['speedup']:.2f}x the baseline's "
-                f"tokens/s (acceptance rate {_pct(r['acceptance_rate'])}): the drafts cost more "
-                f"than they save. Check the training curves (acc_0), the vocabulary coverage, "
-                f"and that the aux layer ids match between extraction and serving.")
-        elif r["acceptance_rate"] is not None and r["acceptance_rate"] < LOW_ACCEPTANCE:
-            others = [o for o in drafts if (o["acceptance_rate"] or 0) >= LOW_ACCEPTANCE]
-            hint = (f"serve a smaller k ({others[-1]['name']} accepts "
-                    f"{_pct(others[-1]['acceptance_rate'])})" if others
-                    else "train on more data or longer")
-            warnings.append(
-                f"LOW ACCEPTANCE: {r['name']} accepts {_pct(r['acceptance_rate'])} of its draft "
-                f"tokens. It still serves {r['speedup']:.2f}x the baseline here, where a draft "
-                f"step is cheap next to the target's, but at this rate speculation usually slows "
-                f"serving down where it is not (GPU serving at higher concurrency): {hint}.")
-    out: dict[str, Any] = {"concurrency": baseline["concurrency"], "warnings": warnings}
-    if best is not None:
-        out.update({
-            "best": best["name"], "speedup": best["speedup"],
-            "speeds_up_serving": best["speedup"] > 1.0,
-            "acceptance_length": best["acceptance_length"],
-            "ceiling": best["k"] + 1,
-            "share_of_ceiling": (best["acceptance_length"] or 1) / (best["k"] + 1),
-        })
-        if ngram is not None and ngram["acceptance_length"]:
-            out["ngram_acceptance_length"] = ngram["acceptance_length"]
-            out["beats_ngram"] = (best["acceptance_length"] or 1) > ngram["acceptance_length"]
-            out["ngram_speedup"] = ngram["speedup"]
-            out["faster_than_ngram"] = best["speedup"] > ngram["speedup"]
-        out["summary"] = (
-            f"EAGLE-3 ({best['name']}) reaches AL {best['acceptance_length']:.2f} of a possible "
-            f"{best['k'] + 1} and {best['speedup']:.2f}x the baseline's tokens/s at concurrency "
-            f"{baseline['concurrency']}"
-            + (_ngram_clause(best, ngram) if ngram and ngram["acceptance_length"] else "")
-            + (". It speeds serving up on this machine." if best["speedup"] > 1.0
-               else ". It does NOT speed serving up on this machine."))
+def _pooled(run: dict, concurrencies: list[int]) -> dict[int, float]:
+    out = {}
+    for c in concurrencies:
+        levels = [lv for lv in run["levels"] if lv["concurrency"] == c]
+        out[c] = sum(lv["output_tokens"] for lv in levels) / sum(lv["wall_s"] for lv in levels)
     return out
 
 
-def _pct(rate: float | None) -> str:
-    return "?" if rate is None else f"{rate:.0%}"
+def speedup_at(run: dict, concurrency: int) -> float:
+    return next(e["speedup"] for e in run["by_concurrency"] if e["concurrency"] == concurrency)
 
 
-def _ngram_clause(best: dict, ngram: dict) -> str:
-    """ngram drafts only where the text repeats the prompt, so its AL (over its own drafts)
-    can be higher while it serves fewer tokens per second: say which one wins on each."""
-    text = f"; ngram reaches AL {ngram['acceptance_length']:.2f} and {ngram['speedup']:.2f}x"
-    higher_al = ngram["acceptance_length"] > (best["acceptance_length"] or 1)
-    faster = best["speedup"] > ngram["speedup"]
-    if higher_al and faster:
-        text += (f" (a higher AL over fewer drafts: {ngram.get('drafts', '?')} against "
-                 f"{best.get('drafts', '?')}; EAGLE-3 is faster)")
-    elif not higher_al and not faster:
-        text += " (EAGLE-3 drafts better but ngram is faster here)"
-    return text
+# -- the k schedule --------------------------------------------------------------------------
+
+def best_k_by_concurrency(runs: list[dict], concurrencies: list[int]) -> list[dict]:
+    """Per concurrency, the fixed-k EAGLE-3 run that served fastest, or k 0 (no speculation)
+    where none was faster than the target alone."""
+    fixed = [r for r in runs if r["method"] == "eagle3" and not r.get("schedule")]
+    choice = []
+    for c in concurrencies:
+        best = max(fixed, key=lambda r: speedup_at(r, c))
+        pays = speedup_at(best, c) > 1.0
+        choice.append({"concurrency": c, "k": best["k"] if pays else 0,
+                       "best_run": best["name"], "best_speedup": speedup_at(best, c)})
+    return choice
+
+
+def schedule_ranges(choice: list[dict]) -> list[list[int]]:
+    """vLLM's ``num_speculative_tokens_per_batch_size`` from the per-concurrency choice: each
+    measured concurrency covers the batch sizes nearest to it on a log scale (the ranges
+    split at geometric midpoints), the first from 1, the last to any size; equal neighbours
+    merge."""
+    ordered = sorted(choice, key=lambda e: e["concurrency"])
+    ranges: list[list[int]] = []
+    for i, entry in enumerate(ordered):
+        start = ranges[-1][1] + 1 if ranges else 1
+        if i + 1 < len(ordered):
+            end = max(start, int((entry["concurrency"] * ordered[i + 1]["concurrency"]) ** 0.5))
+        else:
+            end = MAX_BATCH
+        if ranges and ranges[-1][2] == entry["k"]:
+            ranges[-1][1] = end
+        else:
+            ranges.append([start, end, entry["k"]])
+    return ranges
+
+
+def schedule_run(choice: list[dict], drafter_dir: str) -> dict | None:
+    """The engine run that serves the schedule, or None when it is one fixed k already
+    measured (or no speculation at all: the baseline)."""
+    ranges = schedule_ranges(choice)
+    if len(ranges) == 1:
+        return None
+    k = max(r[2] for r in ranges)
+    return {"name": "eagle3_schedule", "method": "eagle3", "k": k, "drafter": drafter_dir,
+            "schedule": True, "extra": {"num_speculative_tokens_per_batch_size": ranges}}
+
+
+def serve_recommendation(choice: list[dict], runs: list[dict], drafter_dir: str) -> dict:
+    """What ``serve.json`` holds: the speculative config to serve with, where it comes from,
+    and how it did at every concurrency against the target alone."""
+    ranges = schedule_ranges(choice)
+    checked = next((r for r in runs if r.get("schedule")), None)
+    if checked is None and ranges[0][2]:
+        checked = next(r for r in runs if r["method"] == "eagle3" and r["k"] == ranges[0][2]
+                       and not r.get("schedule"))
+    spec = speculative_config(checked) if checked else None
+    by_c = [{"concurrency": e["concurrency"], "k": e["k"],
+             "speedup": speedup_at(checked, e["concurrency"]) if checked else 1.0}
+            for e in choice]
+    out = {"speculative_config": spec,
+           "vllm_args": ["--speculative-config", json.dumps(spec)] if spec else [],
+           "checked_by": checked["name"] if checked else "baseline",
+           "by_concurrency": by_c,
+           "never_slower_than_target": all(e["speedup"] >= 1.0 for e in by_c)}
+    if spec is None:
+        out["note"] = ("no draft length was faster than the target alone at any measured "
+                       "concurrency: serve without speculation")
+    return out
 
 
 def run_plan(ev: dict, drafter_dir: str | None = None) -> tuple[list[dict], int]:
     """The stage's engine runs in order (the baseline first, which the others are measured
-    against) and how many offline replays follow them (one per EAGLE-3 run)."""
+    against) and how many offline replays follow them (one per fixed-k EAGLE-3 run). A run
+    serving the derived k schedule may follow these, once the sweep has chosen it."""
     plan = [{"name": "baseline", "method": "baseline"}]
     if ev["ngram"]:
         plan.append({"name": f"ngram_k{ev['ngram_k']}", "method": "ngram", "k": ev["ngram_k"],
@@ -252,38 +356,169 @@ def run_plan(ev: dict, drafter_dir: str | None = None) -> tuple[list[dict], int]
     return plan, replays
 
 
+# -- the verdict -----------------------------------------------------------------------------
+
+LOW_ACCEPTANCE = 0.3   # share of draft tokens accepted below which a drafter is suspect
+DISAGREEMENT = 0.15    # relative AL gap between the held-out split and another set
+
+
+def verdict(runs: list[dict], concurrencies: list[int], serve: dict | None = None) -> dict:
+    """Whether the drafter speeds serving up here, per concurrency and prompt set."""
+    ngram = next((r for r in runs if r["method"] == "ngram"), None)
+    drafts = [r for r in runs if r["method"] == "eagle3" and not r.get("schedule")]
+    warnings = [w for r in drafts for w in _run_warnings(r, drafts, concurrencies)]
+    warnings += _disagreements(drafts, concurrencies)
+    out: dict[str, Any] = {"concurrency": concurrencies, "warnings": warnings}
+    if not drafts:
+        return out
+    choice = best_k_by_concurrency(runs, concurrencies)
+    best = max(drafts, key=lambda r: r["acceptance_length"] or 0)
+    out.update({
+        "best_k_by_concurrency": choice,
+        "speeds_up_serving": {str(e["concurrency"]): e["k"] > 0 for e in choice},
+        "acceptance_length": best["acceptance_length"], "best": best["name"],
+        "ceiling": best["k"] + 1,
+        "share_of_ceiling": (best["acceptance_length"] or 1) / (best["k"] + 1),
+        "speedup_by_concurrency": {str(c): speedup_at(
+            next(r for r in drafts if r["name"] == e["best_run"]), c)
+            for c, e in zip(concurrencies, choice)},
+    })
+    if ngram is not None and ngram["acceptance_length"]:
+        out["ngram_acceptance_length"] = ngram["acceptance_length"]
+        out["beats_ngram"] = (best["acceptance_length"] or 1) > ngram["acceptance_length"]
+        out["ngram_speedup_by_concurrency"] = {str(c): speedup_at(ngram, c)
+                                               for c in concurrencies}
+    if serve is not None:
+        out["serve_never_slower_than_target"] = serve["never_slower_than_target"]
+        if not serve["never_slower_than_target"]:
+            slow = ", ".join(f"{e['speedup']:.2f}x at concurrency {e['concurrency']}"
+                             for e in serve["by_concurrency"] if e["speedup"] < 1.0)
+            warnings.append(f"SERVE CONFIG SLOWER THAN NO DRAFTER: {serve['checked_by']} "
+                            f"(serve.json) measured {slow}.")
+    out["summary"] = _summary(best, choice, ngram, concurrencies)
+    return out
+
+
+def _run_warnings(run: dict, drafts: list[dict], concurrencies: list[int]) -> list[str]:
+    warnings = []
+    slow = [e for e in run["by_concurrency"] if e["speedup"] < 1.0]
+    if slow:
+        where = "; ".join(
+            f"{e['speedup']:.2f}x at concurrency {e['concurrency']} ("
+            + ", ".join(f"{lv['set']} {lv['speedup']:.2f}x" for lv in run["levels"]
+                        if lv["concurrency"] == e["concurrency"]) + ")" for e in slow)
+        warnings.append(
+            f"SLOWER THAN NO DRAFTER: {run['name']} serves {where} of the target alone's "
+            f"tokens/s (acceptance rate {_pct(run['acceptance_rate'])}): the drafts cost more "
+            f"than they save there. Serve serve.json's schedule (k 0 where no k pays), and "
+            f"check the training curves (acc_0), the vocabulary coverage and the aux layer ids.")
+    if run["acceptance_rate"] is not None and run["acceptance_rate"] < LOW_ACCEPTANCE:
+        others = [o for o in drafts if (o["acceptance_rate"] or 0) >= LOW_ACCEPTANCE]
+        hint = (f"serve a smaller k ({others[-1]['name']} accepts "
+                f"{_pct(others[-1]['acceptance_rate'])})" if others
+                else "train on more and broader data, or longer")
+        warnings.append(
+            f"LOW ACCEPTANCE: {run['name']} accepts {_pct(run['acceptance_rate'])} of its draft "
+            f"tokens; at this rate speculation slows serving down as soon as the target's "
+            f"step is not far costlier than the drafter's (higher concurrency, GPUs): {hint}.")
+    return warnings
+
+
+def _disagreements(drafts: list[dict], concurrencies: list[int]) -> list[str]:
+    """Warn where the held-out split (the training distribution) flatters the drafter
+    against the other prompt sets."""
+    warnings = []
+    for run in drafts:
+        ref = run["sets"].get(HELD_OUT, {}).get("acceptance_length")
+        for name, acc in run["sets"].items():
+            other = acc.get("acceptance_length")
+            if name == HELD_OUT or not ref or not other:
+                continue
+            pays = {s: {lv["concurrency"]: lv["speedup"] >= 1.0 for lv in run["levels"]
+                        if lv["set"] == s} for s in (HELD_OUT, name)}
+            flips = [c for c in concurrencies if pays[HELD_OUT][c] != pays[name][c]]
+            if abs(ref - other) > DISAGREEMENT * ref or flips:
+                text = (f"IN-DOMAIN AND OTHER PROMPTS DISAGREE: {run['name']} reaches AL "
+                        f"{ref:.2f} on the held-out split but {other:.2f} on {name!r}")
+                if flips:
+                    text += (" and pays on one but not the other at concurrency "
+                             + ", ".join(map(str, flips)))
+                warnings.append(text + ": judge it on the prompts your users send.")
+    return warnings
+
+
+def _summary(best: dict, choice: list[dict], ngram: dict | None,
+             concurrencies: list[int]) -> str:
+    parts = []
+    for e in choice:
+        c = e["concurrency"]
+        text = (f"at concurrency {c}: {e['best_run']} {e['best_speedup']:.2f}x"
+                + (f" (ngram {speedup_at(ngram, c):.2f}x)" if ngram else ""))
+        if not e["k"]:
+            text += ", slower than no drafter: serve without speculation there"
+        parts.append(text)
+    sets = ", ".join(f"{s} {a['acceptance_length']:.2f}" for s, a in best["sets"].items()
+                     if a["acceptance_length"])
+    ngram_al = (f"; ngram AL {ngram['acceptance_length']:.2f}"
+                if ngram and ngram["acceptance_length"] else "")
+    pays = [e["concurrency"] for e in choice if e["k"]]
+    ending = ("It speeds serving up at every measured concurrency." if len(pays) == len(choice)
+              else "It does NOT speed serving up at any measured concurrency." if not pays
+              else f"It speeds serving up only at concurrency {', '.join(map(str, pays))}.")
+    return (f"EAGLE-3 ({best['name']}) reaches AL {best['acceptance_length']:.2f} of a "
+            f"possible {best['k'] + 1} ({sets}){ngram_al}. Speedup over the target alone "
+            + "; ".join(parts) + ". " + ending)
+
+
+def _pct(rate: float | None) -> str:
+    return "?" if rate is None else f"{rate:.0%}"
+
+
+# -- the stage -------------------------------------------------------------------------------
+
 def run_stage(cfg: dict, target_json: str, drafter_dir: str, prompts_path: str,
               out_path: str, log_dir: str, progress_path: str | None = None,
-              log_path: str | None = None) -> dict:
+              log_path: str | None = None, serve_path: str | None = None,
+              train_prompts_path: str | None = None) -> dict:
     from eaglet.target import read_target
 
     ev = cfg["evaluate"]
     target = read_target(target_json)
-    prompts = read_jsonl(prompts_path)
-    if ev["max_prompts"]:
-        prompts = prompts[:ev["max_prompts"]]
+    prompt_sets, about = load_prompt_sets(ev, prompts_path, train_prompts_path)
     plan, replays = run_plan(ev, drafter_dir)
     progress = Progress("evaluate", total=len(plan) + replays, path=progress_path,
                         log_path=log_path, unit="runs", interval_s=0.0)
     runs = []
-    for run in plan:
-        progress.enter_phase(f"{run['name']} in vLLM")
-        runs.append(engine_run(cfg, target["path"], run, prompts,
-                               f"{log_dir}/evaluate.{run['name']}.server.log"))
+
+    def serve(run: dict) -> None:
+        runs.append(engine_run(cfg, target["path"], run, prompt_sets,
+                               f"{log_dir}/evaluate.{run['name']}.server.log", progress))
         progress.advance(done=1, tokens=runs[-1]["output_tokens"])
-    base = runs[0]
-    for r in runs:
-        r["speedup"] = r["output_tokens_per_s"] / base["output_tokens_per_s"]
-        r["latency_ratio"] = r["mean_latency_s"] / base["mean_latency_s"]
-    rates.record("evaluate", target["spec"], baseline_tokens_per_s=base["output_tokens_per_s"])
+
+    for run in plan:
+        serve(run)
+    concurrencies = ev["concurrency"]
+    add_speedups(runs, concurrencies)
+    choice = best_k_by_concurrency(runs, concurrencies)
+    extra = schedule_run(choice, drafter_dir) if ev["schedule"] else None
+    if extra is not None:
+        progress.total += 1
+        serve(extra)
+        add_speedups(runs, concurrencies)
+    rates.record("evaluate", target["spec"],
+                 baseline_tokens_per_s=_pooled(runs[0], concurrencies)[concurrencies[0]])
     mismatched = _greedy_divergence(runs)
     offline = offline_check(target["path"], drafter_dir, runs, progress) if ev["offline"] else None
     progress.report("finished")
-    result = {"prompts": len(prompts), "max_tokens": ev["max_tokens"],
-              "concurrency": ev["concurrency"], "target": target["path"], "drafter": drafter_dir,
-              "runs": [{k: v for k, v in r.items() if k != "_answers"} for r in runs],
+    recommendation = serve_recommendation(choice, runs, drafter_dir)
+    result = {"prompt_sets": about, "max_tokens": ev["max_tokens"], "rounds": ev["rounds"],
+              "concurrency": concurrencies, "target": target["path"], "drafter": drafter_dir,
+              "runs": [_public(r) for r in runs],
               "outputs_differ_from_baseline": mismatched, "offline": offline,
-              "verdict": verdict(runs)}
+              "serve": recommendation,
+              "verdict": verdict(runs, concurrencies, recommendation)}
+    if serve_path:
+        write_json(serve_path, recommendation)
     write_json(out_path, result)
     for warning in result["verdict"]["warnings"]:
         log.warning(warning)
@@ -292,17 +527,30 @@ def run_stage(cfg: dict, target_json: str, drafter_dir: str, prompts_path: str,
     return result
 
 
+def _public(run: dict) -> dict:
+    """A run as acceptance.json keeps it: without the answers and raw counter deltas."""
+    levels = [{k: v for k, v in lv.items() if not k.startswith("_")} for lv in run["levels"]]
+    return {**run, "levels": levels}
+
+
+def _replayed_levels(run: dict) -> list[dict]:
+    """The levels the offline replay checks: the lowest concurrency (requests one at a time,
+    so vLLM's greedy answers are exactly the baseline's)."""
+    lowest = min(lv["concurrency"] for lv in run["levels"])
+    return [lv for lv in run["levels"] if lv["concurrency"] == lowest]
+
+
 def offline_check(target_path: str, drafter_dir: str, runs: list[dict],
                   progress: Progress) -> dict:
-    """Replay each EAGLE-3 run offline on the baseline's greedy answers and compare the
-    acceptance lengths with vLLM's."""
+    """Replay each fixed-k EAGLE-3 run offline on the baseline's greedy answers at the lowest
+    concurrency and compare the acceptance lengths with vLLM's on the same requests."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from eaglet.export import load_drafter
     from eaglet.offline_eval import offline_acceptance
 
-    base = runs[0]["_answers"]
+    base = [a for lv in _replayed_levels(runs[0]) for a in lv["_answers"]]
     sequences = [(a["prompt_token_ids"], a["token_ids"]) for a in base
                  if a["prompt_token_ids"] and a["token_ids"]]
     progress.enter_phase("loading the target for the offline replays")
@@ -310,17 +558,19 @@ def offline_check(target_path: str, drafter_dir: str, runs: list[dict],
     drafter = load_drafter(drafter_dir, target_path)
     out = {}
     for run in runs:
-        if run["method"] != "eagle3":
+        if run["method"] != "eagle3" or run.get("schedule"):
             continue
         progress.enter_phase(f"{run['name']} replayed offline")
         offline = offline_acceptance(model, drafter, sequences, run["k"])
-        ratio = (offline["acceptance_length"] / run["acceptance_length"]
-                 if offline["acceptance_length"] and run["acceptance_length"] else None)
-        out[run["name"]] = {**offline, "vllm_acceptance_length": run["acceptance_length"],
+        vllm = acceptance(_sum_deltas([lv["_delta"] for lv in _replayed_levels(run)]),
+                          run["k"])["acceptance_length"]
+        ratio = (offline["acceptance_length"] / vllm
+                 if offline["acceptance_length"] and vllm else None)
+        out[run["name"]] = {**offline, "vllm_acceptance_length": vllm,
                             "ratio_offline_over_vllm": ratio}
         progress.advance(done=1)
         log.info("%s: offline AL %.3f, vLLM AL %.3f (ratio %.3f)", run["name"],
-                 offline["acceptance_length"] or 0, run["acceptance_length"] or 0, ratio or 0)
+                 offline["acceptance_length"] or 0, vllm or 0, ratio or 0)
         if ratio is not None and abs(ratio - 1) > 0.05:
             log.warning("%s: offline and vLLM acceptance lengths differ by %.1f%%: check the "
                         "exported layer ids, the d2t map and the dtype", run["name"],
@@ -329,8 +579,12 @@ def offline_check(target_path: str, drafter_dir: str, runs: list[dict],
 
 
 def _greedy_divergence(runs: list[dict]) -> dict:
-    """Per run, how many answers differ from the baseline's: greedy speculative decoding
-    should reproduce them (float ties aside), so many differences point at a bug."""
-    base = {a["id"]: a["token_ids"] for a in runs[0]["_answers"]}
-    return {r["name"]: sum(1 for a in r["_answers"] if a["token_ids"] != base.get(a["id"]))
+    """Per run, how many answers differ from the baseline's at the same level: greedy
+    speculative decoding should reproduce them (float ties aside), so many differences
+    point at a bug."""
+    def answers(run):
+        return {(lv["set"], lv["concurrency"], a["id"]): a["token_ids"]
+                for lv in run["levels"] for a in lv["_answers"]}
+    base = answers(runs[0])
+    return {r["name"]: sum(1 for key, ids in answers(r).items() if ids != base.get(key))
             for r in runs[1:]}

@@ -1,5 +1,6 @@
-"""Figures from finished results (no model is run): acceptance per position and against k,
-throughput of each engine run, and the training curves."""
+"""Figures from finished results (no model is run): acceptance per position and against k
+per prompt set, the speedup of each engine run against concurrency, and the training
+curves."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.ticker  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from eaglet.io import atomic_open, read_json  # noqa: E402
 
@@ -28,48 +31,66 @@ def _label(ax, title: str, xlabel: str, ylabel: str, **legend) -> None:
     ax.legend(**legend)
 
 
+def _sets(acceptance: dict) -> list[str]:
+    return list(acceptance["prompt_sets"])
+
+
 def per_position(acceptance: dict, path) -> None:
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for run in acceptance["runs"]:
-        rates = run.get("per_position_rate") or []
-        if rates:
-            ax.plot(range(1, len(rates) + 1), rates, marker="o", label=run["name"])
-    ax.set_ylim(0, 1)
-    _label(ax, "Per-position acceptance rate", "draft position", "accepted / drafts")
+    """Per-position acceptance rates of every speculative run, one panel per prompt set."""
+    sets = _sets(acceptance)
+    fig, axes = plt.subplots(1, len(sets), figsize=(5 * len(sets), 4), squeeze=False)
+    for ax, name in zip(axes[0], sets):
+        for run in acceptance["runs"]:
+            rates = run["sets"].get(name, {}).get("per_position_rate") if "sets" in run else None
+            if rates:
+                ax.plot(range(1, len(rates) + 1), rates, marker="o", label=run["name"])
+        ax.set_ylim(0, 1)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        _label(ax, f"Per-position acceptance: {name}", "draft position", "accepted / drafts")
     _save(fig, path)
 
 
 def acceptance_length(acceptance: dict, path) -> None:
+    """EAGLE-3's acceptance length against k per prompt set, ngram's beside it."""
     fig, ax = plt.subplots(figsize=(6, 4))
-    eagle = sorted((r for r in acceptance["runs"] if r["method"] == "eagle3"),
+    eagle = sorted((r for r in acceptance["runs"]
+                    if r["method"] == "eagle3" and r["name"].startswith("eagle3_k")),
                    key=lambda r: r["k"])
     ks = [r["k"] for r in eagle]
-    ax.plot(ks, [r["acceptance_length"] for r in eagle], marker="o", label="EAGLE-3 drafter")
+    for i, name in enumerate(_sets(acceptance)):
+        color = f"C{i}"
+        ax.plot(ks, [r["sets"][name]["acceptance_length"] for r in eagle], marker="o",
+                color=color, label=f"EAGLE-3, {name}")
+        for run in acceptance["runs"]:
+            al = run["sets"][name]["acceptance_length"] if run["method"] == "ngram" else None
+            if al:
+                ax.scatter([run["k"]], [al], marker="s", color=color, zorder=3,
+                           label=f"ngram (k={run['k']}), {name}")
     if ks:
         span = range(1, max(ks) + 1)
         ax.plot(span, [k + 1 for k in span], linestyle="--", color="gray", label="ceiling k+1")
-    for run in acceptance["runs"]:
-        if run["method"] == "ngram" and run["acceptance_length"]:
-            ax.scatter([run["k"]], [run["acceptance_length"]], marker="s", color="tab:orange",
-                       label=f"ngram (k={run['k']})", zorder=3)
     ax.axhline(1.0, color="black", linewidth=0.8)
-    _label(ax, "Acceptance length in vLLM", "num_speculative_tokens k", "mean acceptance length")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    _label(ax, "Acceptance length in vLLM", "num_speculative_tokens k", "mean acceptance length",
+           fontsize=7)
     _save(fig, path)
 
 
-def throughput(acceptance: dict, path) -> None:
+def speedup(acceptance: dict, path) -> None:
+    """Output tokens/s over the target alone's against concurrency, one line per run."""
     fig, ax = plt.subplots(figsize=(6, 4))
-    runs = acceptance["runs"]
-    names = [r["name"] for r in runs]
-    rates = [r["output_tokens_per_s"] for r in runs]
-    bars = ax.bar(names, rates, color=["gray" if r["method"] == "baseline" else
-                                       "tab:orange" if r["method"] == "ngram" else "tab:blue"
-                                       for r in runs])
-    for bar, run in zip(bars, runs):
-        ax.annotate(f"{run['speedup']:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                    ha="center", va="bottom")
-    ax.set_ylabel("output tokens/s")
-    ax.set_title(f"Throughput at concurrency {acceptance['concurrency']}")
+    for run in acceptance["runs"]:
+        if run["method"] == "baseline":
+            continue
+        points = run["by_concurrency"]
+        ax.plot([p["concurrency"] for p in points], [p["speedup"] for p in points], marker="o",
+                linestyle=":" if run["method"] == "ngram" else "-", label=run["name"])
+    ax.axhline(1.0, color="black", linewidth=0.8, label="target alone")
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_locator(matplotlib.ticker.FixedLocator(acceptance["concurrency"]))
+    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    _label(ax, "Speedup against concurrency (all prompt sets)", "concurrency",
+           "tokens/s over the target alone")
     _save(fig, path)
 
 
@@ -103,5 +124,5 @@ def draw_all(acceptance_path, training_log_path, out: dict) -> None:
     acceptance = read_json(acceptance_path)
     per_position(acceptance, out["per_position"])
     acceptance_length(acceptance, out["acceptance_length"])
-    throughput(acceptance, out["throughput"])
+    speedup(acceptance, out["speedup"])
     training_curves(read_training_log(training_log_path), out["training"])

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from eaglet import rates
-from eaglet.evaluate import run_plan
+from eaglet.evaluate import level_prompts, run_plan
 from eaglet.progress import format_duration
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
@@ -137,10 +137,12 @@ def _facts_train(r: Path) -> dict:
 def _facts_evaluate(r: Path) -> dict:
     a = _read(r / "eval/acceptance.json") or {}
     v = a.get("verdict", {})
-    return {"acceptance_length": v.get("acceptance_length"), "speedup": v.get("speedup"),
+    return {"acceptance_length": v.get("acceptance_length"),
+            "speedup_by_concurrency": v.get("speedup_by_concurrency"),
             "ngram_acceptance_length": v.get("ngram_acceptance_length"),
             "speeds_up_serving": v.get("speeds_up_serving"),
-            "concurrency": v.get("concurrency"), "warnings": v.get("warnings")}
+            "serve_never_slower_than_target": v.get("serve_never_slower_than_target"),
+            "warnings": v.get("warnings")}
 
 
 STAGES = [
@@ -290,16 +292,26 @@ def estimate(stage: str, r: Path, cfg: dict, progress: dict | None) -> Estimate:
         plan, replays = run_plan(ev)
         runs = len(plan)
         _, n_eval = _prompt_counts(r)
-        if ev["max_prompts"] and n_eval:
-            n_eval = min(n_eval, ev["max_prompts"])
+        if n_eval is None:
+            return Estimate(None, "prompt count unknown")
+        # the sets of their own are read by the stage itself: assume the held-out split's size
+        sizes = [min(n_eval, ev["max_prompts"] or n_eval)] * (1 + len(ev["prompt_sets"]))
+        first = ev["concurrency"][0]
         rate, basis = _rate("evaluate", "baseline_tokens_per_s", target,
-                            benchmark=lambda: _bench_generate(ev["concurrency"]))
+                            benchmark=lambda: _bench_generate(first))
+        if rate is None:
+            return Estimate(None, basis)
         start, _ = _rate("generate", "server_start_s", target)
-        if n_eval is None or rate is None:
-            return Estimate(None, basis if n_eval else "prompt count unknown")
-        per_run = (start or SERVER_START_GUESS_S) + n_eval * ev["max_tokens"] * COMPLETION_FILL_GUESS / rate
+        per_run = start or SERVER_START_GUESS_S
+        for c in ev["concurrency"]:
+            # the rate was measured at the first concurrency; the benchmark's server rates
+            # say how it grows with more requests in flight
+            scale = (_bench_generate(c) / _bench_generate(first)
+                     if _bench_generate(c) and _bench_generate(first) else 1.0)
+            requests = sum(len(level_prompts(range(n), c, ev["rounds"])) for n in sizes)
+            per_run += requests * ev["max_tokens"] * COMPLETION_FILL_GUESS / (rate * scale)
         return Estimate((runs + OFFLINE_REPLAY_SHARE * replays) * per_run,
-                        f"{runs} vLLM runs x {n_eval} prompts at {rate:.0f} tok/s, concurrency "
+                        f"{runs} vLLM runs x {len(sizes)} prompt sets at concurrency "
                         f"{ev['concurrency']} ({basis})" + (f", {replays} offline replays"
                                                              if replays else ""))
     return Estimate(None, "unknown stage")
@@ -482,11 +494,17 @@ def _fmt_facts(stage: str, f: dict) -> str:
     if stage == "evaluate":
         if f.get("acceptance_length") is None:
             return "no drafter run"
-        text = (f"AL {f['acceptance_length']:.2f}, {f['speedup']:.2f}x baseline tokens/s at "
-                f"concurrency {f['concurrency']}")
+        speedups = f.get("speedup_by_concurrency") or {}
+        text = f"AL {f['acceptance_length']:.2f}, best k " + ", ".join(
+            f"{x:.2f}x at concurrency {c}" for c, x in speedups.items())
         if f.get("ngram_acceptance_length"):
             text += f" (ngram AL {f['ngram_acceptance_length']:.2f})"
-        return text + ("" if f.get("speeds_up_serving") else "; does NOT speed serving up")
+        slow = [c for c, pays in (f.get("speeds_up_serving") or {}).items() if not pays]
+        if slow:
+            text += f"; does NOT speed serving up at concurrency {', '.join(slow)}"
+        if f.get("serve_never_slower_than_target") is False:
+            text += "; serve.json slower than the target alone somewhere"
+        return text
     return json.dumps(f)
 
 
