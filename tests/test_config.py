@@ -85,7 +85,7 @@ def test_source_defaults_are_filled():
 
     assert cfg["data"]["sources"] == [{
         "type": "hf", "name": "org/set", "text_field": "q",
-        "split": "train", "role_field": "role", "content_field": "content",
+        "split": "train", "role_field": "role", "content_field": "content", "max_turns": 1,
     }]
 
 
