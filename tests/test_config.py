@@ -51,7 +51,7 @@ def test_repo_configs_validate(path):
 def test_repo_config_values_survive_validation():
     cfg = load(str(REPO_ROOT / "config.yaml"))
 
-    assert cfg["server"]["memory_utilization"] == 0.4
+    assert cfg["server"]["memory_utilization"] == 0.25
     assert cfg["generate"]["max_tokens"] == 256  # not the schema's default of 512
 
 

@@ -233,3 +233,36 @@ def test_multi_turn_stops_at_a_failed_turn_and_resumes_from_it(server, tmp_path)
     assert second[pid]["created_at"] == first[pid]["created_at"]
     assert [r["id"] for r in collect([convo], second, keep_truncated=True)[0]] == [
         pid, f"{pid}.t2", f"{pid}.t3"]
+
+
+def test_a_prompt_too_long_for_the_context_is_skipped_not_sent_and_not_a_failure(server, tmp_path):
+    partial = tmp_path / "p.jsonl"
+    convo = conversation(0, ["a follow-up far too long " * 50, "never asked"])
+    short = prompts(2)[1]
+    too_long = lambda messages: ("too long" if sum(len(m["content"]) for m in messages) > 200  # noqa: E731
+                                 else None)
+    records = generate([convo, short], settings(server), partial, too_long=too_long)
+    pid = convo["id"]
+    assert records[f"{pid}.t2"]["skipped"] == "too long" and f"{pid}.t3" not in records
+    assert "follow-up" not in " ".join(ScriptedChat.calls)  # never sent to the server
+    kept, counts = collect([convo, short], records, keep_truncated=True)
+    assert [r["id"] for r in kept] == [pid, short["id"]]
+    assert counts["failed"] == 0 and counts["too_long"] == 1
+    assert counts["later_turns_not_asked"] == 1
+    ScriptedChat.calls.clear()
+    generate([convo, short], settings(server), partial, too_long=too_long)
+    assert not ScriptedChat.calls  # a rerun asks nothing again: the conversation ended
+
+
+def test_too_long_check_counts_the_chat_template_tokens():
+    from tests.test_template_check import PLAIN_TEMPLATE, make_tokenizer
+
+    from eaglet.generate import too_long_check
+
+    tokenizer = make_tokenizer(PLAIN_TEMPLATE)  # one token per byte
+    messages = [{"role": "user", "content": "x" * 40}]
+    rendered = len(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                 tokenize=True, return_dict=False))
+    assert too_long_check(tokenizer, rendered + 1)(messages) is None
+    assert too_long_check(tokenizer, rendered)(messages) == (
+        f"prompt of {rendered} tokens leaves no room within target.max_model_len={rendered}")

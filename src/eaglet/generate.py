@@ -102,9 +102,32 @@ def next_turn(messages: list[dict], answer: dict, user_text: str) -> list[dict]:
             {"role": "user", "content": user_text}]
 
 
-def count_answered(prompts: list[dict], records: dict[str, dict]) -> int:
-    return sum(rid in records and "error" not in records[rid]
-               for p in prompts for rid in turn_ids(p))
+def turns_left(prompt: dict, records: dict[str, dict]) -> int:
+    """Turns of a prompt still to ask: none after a turn skipped as too long (the
+    conversation ends there), else every turn from the first without an answer."""
+    ids = turn_ids(prompt)
+    for turn, record_id in enumerate(ids):
+        record = records.get(record_id)
+        if record is not None and "skipped" in record:
+            return 0
+        if record is None or "error" in record:
+            return len(ids) - turn
+    return 0
+
+
+def too_long_check(tokenizer, max_model_len: int):
+    """``messages -> reason or None``: a prompt whose chat-template rendering leaves no room
+    for an answer within ``target.max_model_len`` is skipped, not sent (the server would
+    refuse it with HTTP 400 and count it as a failure)."""
+    from eaglet.template_check import render_ids
+
+    def check(messages: list[dict]) -> str | None:
+        n = len(render_ids(tokenizer, messages, add_generation_prompt=True))
+        if n >= max_model_len:
+            return f"prompt of {n} tokens leaves no room within target.max_model_len={max_model_len}"
+        return None
+
+    return check
 
 
 # -- one request -----------------------------------------------------------------------------
@@ -200,19 +223,22 @@ class GenerationSettings:
 
 async def generate_async(prompts: list[dict], settings: GenerationSettings,
                          partial_path: str | os.PathLike, progress: Progress | None = None,
-                         health_check=None) -> dict[str, dict]:
+                         health_check=None, too_long=None) -> dict[str, dict]:
     """Generate an answer for every prompt not yet answered in ``partial_path``.
 
-    Returns the latest record per prompt id (answers and failures). ``health_check`` is
-    called between requests and may raise to abort (e.g. the server process died).
+    Returns the latest record per prompt id (answers, failures and skips). ``health_check``
+    is called between requests and may raise to abort (e.g. the server process died);
+    ``too_long(messages)`` says why a prompt cannot be asked (it is then recorded as skipped
+    and its conversation ends), or None.
     """
     done = read_partial(partial_path)
     answered = lambda rid: rid in done and "error" not in done[rid]  # noqa: E731
-    pending = [p for p in prompts if not all(answered(rid) for rid in turn_ids(p))]
-    finished = count_answered(prompts, done)
+    pending = [p for p in prompts if turns_left(p, done)]
+    requests = sum(len(turn_ids(p)) for p in prompts)
+    finished = requests - sum(turns_left(p, done) for p in prompts)
     if done:
         log.info("resuming: %d of %d answers already there, %d prompts to go",
-                 finished, sum(len(turn_ids(p)) for p in prompts), len(pending))
+                 finished, requests, len(pending))
     if progress is not None:
         progress.restart(already_done=finished)
         if progress.phase is not None:
@@ -238,11 +264,25 @@ async def generate_async(prompts: list[dict], settings: GenerationSettings,
                                                  followups[turn - 1])
                         if answered(record_id):
                             continue
+                        reason = too_long(messages) if too_long is not None else None
+                        if reason is not None:
+                            skip(record_id, prompt, turn, messages, reason)
+                            break
                         if health_check is not None:
                             health_check()
                         record = await answer(record_id, prompt, turn, messages)
                         if "error" in record:
                             break
+
+            def skip(record_id: str, prompt: dict, turn: int, messages: list[dict],
+                     reason: str) -> None:
+                record = {"id": record_id, "source": prompt.get("source"),
+                          "messages": messages, "skipped": reason, "created_at": now_iso()}
+                append_record(out, record)
+                done[record_id] = record
+                log.info("%s not asked: %s", record_id, reason)
+                if progress is not None:
+                    progress.advance(done=1)
 
             async def answer(record_id: str, prompt: dict, turn: int,
                              messages: list[dict]) -> dict:
@@ -278,19 +318,25 @@ async def generate_async(prompts: list[dict], settings: GenerationSettings,
 
 
 def generate(prompts: list[dict], settings: GenerationSettings, partial_path,
-             progress: Progress | None = None, health_check=None) -> dict[str, dict]:
-    return asyncio.run(generate_async(prompts, settings, partial_path, progress, health_check))
+             progress: Progress | None = None, health_check=None,
+             too_long=None) -> dict[str, dict]:
+    return asyncio.run(generate_async(prompts, settings, partial_path, progress, health_check,
+                                      too_long))
 
 
 def collect(prompts: list[dict], records: dict[str, dict], keep_truncated: bool) -> tuple[list[dict], dict]:
     """Final records in prompt order, and the counts that go into stats.json."""
-    kept, failed, truncated, dropped, unasked = [], [], 0, 0, 0
+    kept, failed, truncated, dropped, unasked, too_long = [], [], 0, 0, 0, 0
     for prompt in prompts:
         ids = turn_ids(prompt)
         for turn, record_id in enumerate(ids):
             record = records.get(record_id)
             if record is None:
                 raise RuntimeError(f"{record_id} has no record: generation did not finish")
+            if "skipped" in record:
+                too_long += 1
+                unasked += len(ids) - turn - 1
+                break
             if "error" in record:
                 failed.append({"id": record["id"], "error": record["error"]})
                 unasked += len(ids) - turn - 1  # the conversation stops at a failed turn
@@ -303,7 +349,7 @@ def collect(prompts: list[dict], records: dict[str, dict], keep_truncated: bool)
             kept.append(record)
     counts = {
         "prompts": len(prompts), "samples": len(kept), "failed": len(failed),
-        "later_turns_not_asked": unasked,
+        "too_long": too_long, "later_turns_not_asked": unasked,
         "truncated": truncated, "truncated_dropped": dropped,
         "prompt_tokens": sum(len(r["prompt_token_ids"]) for r in kept),
         "completion_tokens": sum(len(r["completion_token_ids"]) for r in kept),
@@ -344,14 +390,16 @@ def run_stage(cfg: dict[str, Any], target_json: str, prompts: dict[str, str],
     requests = sum(len(turn_ids(p)) for p in everything)
     progress = Progress("generate", total=requests, path=progress_path, log_path=log_path)
     server_cfg = cfg["server"]
+    tokenizer = AutoTokenizer.from_pretrained(target["path"])
+    too_long = too_long_check(tokenizer, cfg["target"]["max_model_len"])
     records = read_partial(partial_path)
-    if count_answered(everything, records) == requests:
+    if not any(turns_left(p, records) for p in everything):
         log.info("every prompt already has an answer in %s; no server needed", partial_path)
         progress.restart(already_done=requests)
     elif server_cfg["url"]:
         log.info("using the running server at %s", server_cfg["url"])
         settings = settings_from_config(cfg, server_cfg["url"].rstrip("/"))
-        records = generate(everything, settings, partial_path, progress)
+        records = generate(everything, settings, partial_path, progress, too_long=too_long)
     else:
         server = VLLMServer(
             model=target["path"], log_path=server_log_path,
@@ -362,7 +410,7 @@ def run_stage(cfg: dict[str, Any], target_json: str, prompts: dict[str, str],
         with server:
             settings = settings_from_config(cfg, server.url)
             records = generate(everything, settings, partial_path, progress,
-                               health_check=server.check_alive)
+                               health_check=server.check_alive, too_long=too_long)
         rates.record("generate", target["spec"], server_start_s=server.ready_after_s)
     run = progress.report("finished")
     if run["done"] > run["resumed_from"]:
@@ -384,7 +432,6 @@ def run_stage(cfg: dict[str, Any], target_json: str, prompts: dict[str, str],
             f"generate.max_failed_rate={gen['max_failed_rate']}): {examples}. The answers so far "
             f"are kept in {partial_path}; fix the cause and rerun to retry only the failed prompts.")
 
-    tokenizer = AutoTokenizer.from_pretrained(target["path"])
     template = check_records(tokenizer, [r for split in kept.values() for r in split])
     stats.update({
         "template_check": template,
@@ -394,9 +441,10 @@ def run_stage(cfg: dict[str, Any], target_json: str, prompts: dict[str, str],
                      "completion_tokens_per_s": run["tokens_per_s"]},
         "sampling": vars(Sampling.from_config(gen)), "target": target["path"]})
     for split, c in counts.items():
-        log.info("%s: %d samples (%d failed, %d truncated%s), %d completion tokens", split,
-                 c["samples"], c["failed"], c["truncated"],
-                 ", dropped" if c["truncated_dropped"] else "", c["completion_tokens"])
+        log.info("%s: %d samples (%d failed, %d truncated%s, %d too long to ask), %d "
+                 "completion tokens", split, c["samples"], c["failed"], c["truncated"],
+                 ", dropped" if c["truncated_dropped"] else "", c["too_long"],
+                 c["completion_tokens"])
     log.info("template check: %d of %d mismatched, %d retokenized", template["mismatched"],
              template["checked"], template["retokenized"])
     enforce(template, gen["max_template_mismatch_rate"])
