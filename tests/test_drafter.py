@@ -343,3 +343,34 @@ def test_scaled_rope_of_the_target_is_used():
                      rope_parameters=scaled.config.rope_parameters)
     torch.testing.assert_close(scaled.inv_freq, LlamaRotaryEmbedding(hf).inv_freq)
     assert not torch.allclose(scaled.inv_freq, plain.inv_freq)
+
+
+def test_layer_init_makes_the_drafter_the_targets_last_layer_on_the_deepest_feature(tmp_path):
+    """With the embedding half of q/k/v silenced, one row attends only to itself, so a
+    drafter started from the target's last layer computes what transformers' own last layer,
+    final norm and lm_head compute on the deepest aux feature."""
+    from tests.tiny_llama import HIDDEN, LAYERS, make_tiny_llama
+    from tests.tiny_llama import VOCAB as TARGET_VOCAB
+
+    target = make_tiny_llama(tmp_path)
+    config = DrafterConfig.from_target(target.config.to_dict(), TARGET_VOCAB, [1, 2, LAYERS - 2])
+    model = Eagle3Drafter(config, target.model.embed_tokens.weight.detach(),
+                          torch.zeros(TARGET_VOCAB, dtype=torch.long),
+                          torch.ones(TARGET_VOCAB, dtype=torch.bool))
+    drafter.init_lm_head(model, target.lm_head.weight.detach())
+    drafter.init_from_target_layer(model, drafter.load_target_layer(tmp_path, LAYERS - 1))
+    with torch.no_grad():
+        for proj in (model.midlayer.self_attn.q_proj, model.midlayer.self_attn.k_proj,
+                     model.midlayer.self_attn.v_proj):
+            proj.weight[:, :HIDDEN] = 0
+    aux = torch.randn(1, 3 * HIDDEN)
+    [logits] = model(aux, torch.tensor([[5]]), torch.tensor([0]), torch.tensor([0]))
+    with torch.no_grad():
+        state = aux[:, -HIDDEN:][None]                                   # [1, 1, H]
+        position = torch.tensor([[0]])
+        rope = target.model.rotary_emb(state, position)
+        out = target.model.layers[LAYERS - 1](state, position_embeddings=rope,
+                                              position_ids=position)
+        out = out[0] if isinstance(out, tuple) else out
+        expected = target.lm_head(target.model.norm(out))[0]
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)

@@ -158,6 +158,25 @@ def load_target_lm_head(target_dir: str | Path, draft_to_target: torch.Tensor) -
     return _read_tensor(files, heads, "lm_head", target_dir)[draft_to_target].contiguous()
 
 
+LAYER_PREFIXES = ["model.layers.{i}.", "layers.{i}.", "model.language_model.layers.{i}."]
+FINAL_NORM_NAMES = ["model.norm.weight", "norm.weight", "model.language_model.norm.weight"]
+LAYER_WEIGHTS = ["input_layernorm.weight", "post_attention_layernorm.weight",
+                 "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                 "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                 "mlp.down_proj.weight"]
+
+
+def load_target_layer(target_dir: str | Path, layer: int) -> dict[str, torch.Tensor]:
+    """The weights of the target's decoder layer ``layer`` (named without their prefix) and
+    its final norm (as ``norm``), read alone from its safetensors."""
+    target_dir = Path(target_dir)
+    files = _weight_files(target_dir)
+    out = {name: _read_tensor(files, [p.format(i=layer) + name for p in LAYER_PREFIXES],
+                              f"layer {layer} {name}", target_dir) for name in LAYER_WEIGHTS}
+    out["norm"] = _read_tensor(files, FINAL_NORM_NAMES, "final norm", target_dir)
+    return out
+
+
 # -- layers ----------------------------------------------------------------------------------
 
 class RMSNorm(nn.Module):
@@ -354,6 +373,26 @@ def init_lm_head(model: Eagle3Drafter, target_lm_head: torch.Tensor) -> None:
     """Start lm_head from the target's lm_head rows of the draft vocabulary [Vd, H]."""
     with torch.no_grad():
         model.lm_head.weight.copy_(target_lm_head.to(model.lm_head.weight.dtype))
+
+
+def init_from_target_layer(model: Eagle3Drafter, weights: dict[str, torch.Tensor]) -> None:
+    """Start the drafter as the target's layer ``weights`` (``load_target_layer``) applied to
+    the deepest aux feature: ``fc`` passes that feature through, the hidden half of q/k/v,
+    o_proj, the MLP and the norms are the layer's, and the final norm is the target's. The
+    embedding half of q/k/v keeps its random init: the target layer has no such input."""
+    h = model.config.hidden_size
+    layer = model.midlayer
+    with torch.no_grad():
+        for name in ("q_proj", "k_proj", "v_proj"):
+            getattr(layer.self_attn, name).weight[:, h:].copy_(weights[f"self_attn.{name}.weight"])
+        layer.self_attn.o_proj.weight.copy_(weights["self_attn.o_proj.weight"])
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(layer.mlp, name).weight.copy_(weights[f"mlp.{name}.weight"])
+        layer.hidden_norm.weight.copy_(weights["input_layernorm.weight"])
+        layer.post_attention_layernorm.weight.copy_(weights["post_attention_layernorm.weight"])
+        model.norm.weight.copy_(weights["norm"])
+        model.fc.weight.zero_()
+        model.fc.weight[:, -h:].copy_(torch.eye(h))
 
 
 def count_flops_per_token(config: DrafterConfig, ttt_steps: int, context: int) -> float:

@@ -43,7 +43,8 @@ from safetensors.torch import save as save_safetensors
 
 from eaglet import rates
 from eaglet import shards as shard_format
-from eaglet.drafter import (DrafterConfig, Eagle3Drafter, init_lm_head, load_target_embedding,
+from eaglet.drafter import (DrafterConfig, Eagle3Drafter, init_from_target_layer, init_lm_head,
+                            load_target_layer, load_target_embedding,
                             load_target_lm_head, num_params, read_target_config)
 from eaglet.export import export_drafter
 from eaglet.io import atomic_open, read_json, write_json
@@ -69,6 +70,7 @@ DEFAULTS: dict = {
     "ttt_steps": 7,             # drafting steps unrolled in training (draft tokens learned)
     "ttt_decay": 0.8,           # weight of step k's loss is ttt_decay**k
     "lm_head_init": "target",   # "target": lm_head from the target's rows of the draft vocab; "random"
+    "layer_init": "random",     # "target": the decoder layer starts as the target's last layer
     "seed": 0,                  # model init and the per-epoch shuffle
     "shuffle": True,            # shuffle samples every epoch (false: shard order)
     "shards_in_memory": 0,      # shards mixed and held in memory at once; 0: all of them
@@ -437,6 +439,9 @@ class Trainer:
         self.model = Eagle3Drafter(config, embed, d2t, t2d)
         if cfg["lm_head_init"] == "target":
             init_lm_head(self.model, self.teacher_head)
+        if cfg["layer_init"] == "target":
+            last = text_config["num_hidden_layers"] - 1
+            init_from_target_layer(self.model, load_target_layer(target_dir, last))
         self.model.to(device)
         self.teacher_head = self.teacher_head.to(device)
         decay = [p for n, p in self.model.named_parameters() if p.ndim >= 2]

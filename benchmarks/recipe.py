@@ -1,0 +1,113 @@
+"""Held-out simulated AL per CPU-minute: which data and training recipe buys the most.
+
+Trains one drafter per variant on the shards of a finished run and tabulates, for each, the
+held-out simulated acceptance length (the drafter's top-1 agreement with the target chained
+over the TTT steps, on the run's held-out samples) against the CPU time it cost: training
+measured here, generation and extraction of its share of the data charged at the rates the
+run itself measured (``synthetic/stats.json``, ``progress/extract_*.json``).
+
+A variant is ``{"name": ..., "shards": N, "train": {...}}``: the first N training shards (each
+a contiguous block of samples: 1 of 4 is a quarter of the prompts) and train settings over
+the run's own. Run, after a workflow run has written its shards:
+
+    .venv/bin/python benchmarks/recipe.py --results results --variants benchmarks/recipe_demo.json
+
+Rows are appended to benchmarks/results/recipe.json and the table is rendered as recipe.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import platform
+import time
+from pathlib import Path
+
+from eaglet.config import validate
+from eaglet.io import read_json, write_json
+from eaglet.train import train
+
+OUT = Path(__file__).parent / "results"
+
+
+def data_cost_s(results: Path, shards: int, total_shards: int) -> dict:
+    """CPU seconds the first ``shards`` shards' data cost to generate and extract, from the
+    run's own measurements (generation wall time scales with the share of samples)."""
+    stats = read_json(results / "synthetic" / "stats.json")
+    share = shards / total_shards
+    generate_s = stats["this_run"]["wall_s"] * share
+    extract_s = 0.0
+    for i in range(shards):
+        progress = results / "progress" / f"extract_{i:05d}.json"
+        if progress.exists():
+            extract_s += read_json(progress)["elapsed_s"]
+    return {"generate_s": generate_s, "extract_s": extract_s}
+
+
+def run_variant(results: Path, variant: dict, base_train: dict, out_root: Path) -> dict:
+    shards = sorted(glob.glob(str(results / "hidden" / "shard_*.safetensors")))
+    eval_shards = sorted(glob.glob(str(results / "hidden" / "eval" / "shard_*.safetensors")))
+    used = shards[:variant.get("shards", len(shards))]
+    cfg = {**base_train, **variant.get("train", {}), "resume": False}
+    run_dir = out_root / variant["name"]
+    start = time.perf_counter()
+    metrics = train(cfg, used, eval_shards, str(results / "vocab" / "vocab_map.safetensors"),
+                    str(results / "target"), str(run_dir / "drafter"),
+                    str(run_dir / "checkpoints"), None, None)
+    train_s = time.perf_counter() - start
+    cost = data_cost_s(results, len(used), len(shards))
+    held_out = metrics["eval"]
+    total_s = train_s + cost["generate_s"] + cost["extract_s"]
+    return {"name": variant["name"], "shards": f"{len(used)}/{len(shards)}",
+            "train": variant.get("train", {}), "steps": metrics["steps"],
+            "train_min": train_s / 60, "data_min": (cost["generate_s"] + cost["extract_s"]) / 60,
+            "total_min": total_s / 60,
+            "held_out_acc_0": float(held_out["acc_0"]),
+            "held_out_sim_al": float(held_out["sim_al"]),
+            "train_sim_al": float(metrics["train"]["sim_al"]),
+            "sim_al_gain_per_cpu_hour": (float(held_out["sim_al"]) - 1) / (total_s / 3600),
+            "results": str(results), "machine": platform.node()}
+
+
+def render(rows: list[dict]) -> str:
+    lines = ["# Held-out simulated AL per CPU-minute (data and training recipe)", "",
+             "Each row is one training run on the shards of a finished workflow run; data "
+             "minutes are the generation and extraction time of the shards it used, as that "
+             "run measured them. Gain per CPU-hour = (held-out sim AL - 1) / total hours.", "",
+             "| variant | shards | train settings | steps | data min | train min | total min "
+             "| held-out acc_0 | held-out sim AL | train sim AL | gain / CPU-hour |",
+             "|" + "---|" * 11]
+    for r in rows:
+        lines.append(
+            f"| {r['name']} | {r['shards']} | `{json.dumps(r['train'])}` | {r['steps']} | "
+            f"{r['data_min']:.1f} | {r['train_min']:.1f} | {r['total_min']:.1f} | "
+            f"{r['held_out_acc_0']:.3f} | {r['held_out_sim_al']:.3f} | {r['train_sim_al']:.3f} "
+            f"| {r['sim_al_gain_per_cpu_hour']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", default="results", help="a finished run's results dir")
+    parser.add_argument("--variants", required=True, help="JSON file: a list of variants")
+    parser.add_argument("--only", nargs="*", help="run just these variant names")
+    parser.add_argument("--out", default=str(OUT / "recipe"), help="run directories")
+    args = parser.parse_args()
+    results = Path(args.results)
+    run_cfg = validate(read_json(results / "run" / "config.json"))
+    base_train = {k: v for k, v in run_cfg["train"].items() if k != "gpus"}
+    table_path = OUT / "recipe.json"
+    rows = read_json(table_path) if table_path.exists() else []
+    for variant in json.loads(Path(args.variants).read_text()):
+        if args.only and variant["name"] not in args.only:
+            continue
+        row = run_variant(results, variant, base_train, Path(args.out))
+        print(json.dumps(row))
+        rows = [r for r in rows if r["name"] != row["name"]] + [row]
+        write_json(table_path, rows)
+        (OUT / "recipe.md").write_text(render(rows))
+
+
+if __name__ == "__main__":
+    main()
