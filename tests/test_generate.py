@@ -138,6 +138,23 @@ def test_read_partial_drops_a_torn_last_line_and_appending_continues(tmp_path):
     assert partial.read_text() == json.dumps(good) + "\n"
 
 
+def test_read_partial_keeps_every_good_record_around_a_corrupt_middle_line(tmp_path, caplog):
+    partial = tmp_path / "generate.partial.jsonl"
+    rows = [{"id": f"p-{i}", "completion_token_ids": [i]} for i in range(6)]
+    lines = [json.dumps(r) + "\n" for r in rows]
+    bad = lines[2][:10] + "\x00garbage" + lines[2][10:]
+    partial.write_text("".join(lines[:2]) + bad + "".join(lines[3:]))
+    with caplog.at_level("WARNING", logger="eaglet.generate"):
+        records = read_partial(partial)
+    assert set(records) == {f"p-{i}" for i in (0, 1, 3, 4, 5)}
+    assert partial.read_text() == "".join(lines[:2] + lines[3:])  # appending continues cleanly
+    side = tmp_path / "generate.partial.jsonl.bad"
+    assert side.read_text() == bad  # set aside, not lost
+    assert "1 undecodable line" in caplog.text and str(side) in caplog.text
+    assert read_partial(partial) == records  # a second read finds nothing more to set aside
+    assert side.read_text() == bad
+
+
 def test_read_partial_prefers_an_answer_over_an_earlier_or_later_failure(tmp_path):
     partial = tmp_path / "p.jsonl"
     rows = [{"id": "p-a", "error": "x"}, {"id": "p-a", "content": "ok"},
