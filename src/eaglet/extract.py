@@ -396,9 +396,10 @@ def shard_problem(meta_path: Path, shard_file: Path, expected: dict) -> str | No
 
 
 def build_manifest(cfg: dict, target_json: str, data_path: str, num_shards: int,
-                   hidden_dir: str, manifest_path: str) -> dict:
+                   hidden_dir: str, manifest_path: str, eval_data_path: str | None = None) -> dict:
     """Verify every shard (hash, layers, dtype, target), re-extract the ones that fail, and
-    write ``manifest.json``."""
+    write ``manifest.json``. With ``eval_data_path`` the held-out shard (``eval/`` beside
+    the training shards) is verified too and listed under ``eval_shards``."""
     from eaglet.target import load_text_config
 
     ext = cfg["extract"]
@@ -406,26 +407,33 @@ def build_manifest(cfg: dict, target_json: str, data_path: str, num_shards: int,
     num_layers = load_text_config(info["path"]).num_hidden_layers
     expected = {"aux_layer_ids": resolve_aux_layer_ids(ext["aux_layer_ids"], num_layers),
                 "dtype": ext["dtype"], "target": target_identity(info)}
+    jobs = [(Path(hidden_dir), data_path, num_shards, index) for index in range(num_shards)]
+    if eval_data_path is not None:
+        jobs.append((Path(hidden_dir) / "eval", eval_data_path, 1, 0))
     target: Target | None = None
+    records: dict[str, list[dict]] = {}
     entries = []
-    for index in range(num_shards):
-        shard_file = shards.shard_path(hidden_dir, index)
+    for directory, data, count, index in jobs:
+        shard_file = shards.shard_path(directory, index)
         meta_path = shard_file.with_suffix(".json")
         problem = shard_problem(meta_path, shard_file, expected)
         if problem:
-            log.warning("shard %d cannot be used: %s; extracting it again", index, problem)
+            log.warning("shard %s cannot be used: %s; extracting it again", shard_file, problem)
             if target is None:
                 target = load_target(info["path"], cfg["target"]["dtype"], ext["device"])
-                records = read_jsonl(data_path)
-            extract_shard(target, shard_records(records, num_shards, index), ext,
+            if data not in records:
+                records[data] = read_jsonl(data)
+            extract_shard(target, shard_records(records[data], count, index), ext,
                           expected["aux_layer_ids"], expected["target"], shard_file, meta_path)
         entry = read_json(meta_path)
         enforce_agreement(entry, ext["min_teacher_agreement"])
-        entries.append(entry)
-    manifest = summarize(entries, expected, ext)
+        entries.append({**entry, "file": shard_file.relative_to(hidden_dir).as_posix()})
+    manifest = summarize(entries[:num_shards], expected, ext)
+    if eval_data_path is not None:
+        manifest["eval_shards"] = summarize(entries[num_shards:], expected, ext)["shards"]
     write_json(manifest_path, manifest)
     log.info("manifest: %d shards, %d samples, %d tokens, %.1f MB, teacher agreement %s",
-             len(entries), manifest["num_samples"], manifest["tokens"], manifest["bytes"] / 1e6,
+             manifest["num_shards"], manifest["num_samples"], manifest["tokens"], manifest["bytes"] / 1e6,
              manifest["teacher_agreement"])
     return manifest
 
