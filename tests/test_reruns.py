@@ -58,6 +58,17 @@ def later(path: Path) -> None:
     os.utime(path, (stamp, stamp))
 
 
+def test_an_edited_prompt_file_reruns_prepare_prompts_and_what_follows(tmp_path):
+    prompts = tmp_path / "my_prompts.jsonl"
+    prompts.write_text('{"text": "Say hello."}\n{"text": "Name a colour."}\n')
+    source = {"type": "file", "path": str(prompts), "text_field": "text"}
+    results, configfile = finished_tree(tmp_path, {"data": {"sources": [source]}})
+    prompts.write_text(prompts.read_text() + '{"text": "Count to three."}\n')
+    later(prompts)
+    jobs = planned(results, configfile)
+    assert {"prepare_prompts", "generate", "train", "evaluate"} <= set(jobs), jobs
+
+
 def test_a_shard_that_training_set_aside_is_extracted_again(tmp_path):
     results, configfile = finished_tree(tmp_path, {})
     for shard, rule, wildcards in [("hidden/shard_00001.safetensors", "extract", {"i": "00001"}),

@@ -318,6 +318,12 @@ def source_label(source: dict) -> str:
     return f"{kind}:{source.get('path')}"
 
 
+def local_files(data_cfg: dict) -> list[str]:
+    """The local files the sources read (``path`` of file and conversations sources): the
+    inputs of ``prepare_prompts``, so that editing one reruns it and what follows."""
+    return list(dict.fromkeys(s["path"] for s in data_cfg["sources"] if s.get("path")))
+
+
 def _required(source: dict, key: str, label: str) -> Any:
     if not source.get(key):
         raise PromptSourceError(f"{label}: a {source['type']} source needs {key!r}")
