@@ -3,9 +3,11 @@
 Each configured source (``data.sources`` in the config) is read into prompt records::
 
     {"id": "p-<16 hex>", "messages": [{"role": "system", ...}?, {"role": "user", ...}],
-     "source": "<label>", "row": <0-based row in that source>}
+     "source": "<label>", "row": <row in that source>}
 
-Rows that cannot become a prompt are skipped and reported with their row number; a
+Rows are numbered as an editor shows them: the first is 1 (in a .jsonl file, the line
+number). Rows that cannot become a prompt (a field missing, bad JSON, bytes that are not
+UTF-8) are skipped and reported with their row number; a
 source that yields no prompt at all is an error. Prompts are deduplicated across sources
 by their normalized text (the first occurrence wins), and each one goes to the train or
 eval split by a salted hash of its id, so adding a source never moves a prompt between
@@ -128,9 +130,15 @@ class SourceReport:
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
-    """Yield (0-based line number, object); blank lines are skipped, bad JSON is a _BadRow."""
-    with open(path, encoding="utf-8") as handle:
-        for row, line in enumerate(handle):
+    """Yield (line number, object); blank lines are skipped, a line that is not UTF-8 or
+    not JSON is a _BadRow."""
+    with open(path, "rb") as handle:
+        for row, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                yield row, _BadRow(_not_utf8(raw, exc.start))
+                continue
             if not line.strip():
                 continue
             try:
@@ -140,21 +148,38 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
 
 
 def _json_rows(path: Path) -> Iterator[tuple[int, Any]]:
+    # bytes that are not UTF-8 become lone surrogates: the rows holding them are bad rows
+    with open(path, "rb") as handle:
+        text = handle.read().decode("utf-8", errors="surrogateescape")
     try:
-        with open(path, encoding="utf-8") as handle:
-            data = json.load(handle)
+        data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise PromptSourceError(f"{path}: invalid JSON: {exc}") from exc
     if not isinstance(data, list):
         raise PromptSourceError(f"{path}: expected a JSON list of objects, got {_kind(data)}")
-    yield from enumerate(data)
+    for row, record in enumerate(data, start=1):
+        yield row, _BadRow("not UTF-8: a string in the row holds bytes of another encoding") if _has_surrogates(record) else record
+
+
+def _not_utf8(raw: bytes, at: int) -> str:
+    return f"not UTF-8: byte 0x{raw[at]:02x} at byte {at + 1} of the line"
+
+
+def _has_surrogates(value: Any) -> bool:
+    if isinstance(value, str):
+        return any("\ud800" <= char <= "\udfff" for char in value)
+    if isinstance(value, dict):
+        return any(_has_surrogates(k) or _has_surrogates(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_has_surrogates(item) for item in value)
+    return False
 
 
 def _parquet_rows(path: Path) -> Iterator[tuple[int, Any]]:
     import pyarrow.parquet as pq
 
     batches = pq.ParquetFile(path).iter_batches()
-    yield from enumerate(row for batch in batches for row in batch.to_pylist())
+    yield from enumerate((row for batch in batches for row in batch.to_pylist()), start=1)
 
 
 FILE_READERS: dict[str, Callable[[Path], Iterator[tuple[int, Any]]]] = {
@@ -180,7 +205,7 @@ def _file_rows(path_str: str) -> Rows:
 def _hf_rows(name: str, subset: str | None, split: str) -> Rows:
     import datasets
 
-    return enumerate(datasets.load_dataset(name, subset, split=split))
+    return enumerate(datasets.load_dataset(name, subset, split=split), start=1)
 
 
 def humaneval_data_file() -> Path:
@@ -213,7 +238,7 @@ def _humaneval_rows(tasks: list[str]) -> Rows:
     with gzip.open(humaneval_data_file(), "rt", encoding="utf-8") as handle:
         problems = [json.loads(line) for line in handle if line.strip()]
     rows = ({**problem, "task": task} for problem in problems for task in tasks)
-    return enumerate(rows)
+    return enumerate(rows, start=1)
 
 
 # --------------------------------------------------------------------------- row -> messages
