@@ -1,6 +1,6 @@
 # eaglet: train an EAGLE-3 drafter for a target LLM and measure it in vLLM.
 # Stages live in rules/*.smk, logic in src/eaglet; `snakemake -n` previews the plan.
-from eaglet.config import validate
+from eaglet.config import outside_working_dir, validate
 
 configfile: "config.yaml"
 
@@ -12,6 +12,8 @@ config.clear()
 config.update(_validated)
 
 R = config["results_dir"]
+if outside_working_dir(R):
+    logger.warning(outside_working_dir(R))
 
 # Software of every job, deployed with `--software-deployment-method conda` (runs from the
 # .venv ignore it): the vLLM GPU engine when any stage holds GPUs, else the CPU one. The path
