@@ -129,6 +129,19 @@ def test_bad_type_names_the_key_path():
     assert "generate.concurrency: 'many' is not of type integer" in message
 
 
+@pytest.mark.parametrize(("config", "path", "value"), [
+    ({"extract": {"num_shards": 2.0}}, "extract.num_shards", "2.0"),
+    ({"target": {"max_model_len": 2048.0}}, "target.max_model_len", "2048.0"),
+    ({"extract": {"aux_layer_ids": [2, 15.0, 27]}}, "extract.aux_layer_ids.1", "15.0"),
+])
+def test_whole_number_floats_are_not_counts(config, path, value):
+    """YAML reads 2.0 as a float: as a count it crashed extract.smk with a TypeError naming
+    no key, and reached the server as --max-model-len 2048.0."""
+    message = config_error(config)
+    assert f"{path}: {value} is not of type integer" in message
+    assert f"write {value[:-2]}" in message
+
+
 def test_out_of_range_value_names_the_key_path():
     message = config_error({"generate": {"concurrency": 0}})
 

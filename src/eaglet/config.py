@@ -38,7 +38,15 @@ def _with_defaults(validator_class):
     return jsonschema.validators.extend(validator_class, {"properties": set_defaults})
 
 
-_Validator = _with_defaults(jsonschema.Draft202012Validator)
+def _strict_integers(validator_class):
+    """JSON Schema counts 2.0 as an integer; eaglet does not (``range(2.0)`` fails and
+    ``--max-model-len 2048.0`` reaches the server as written)."""
+    checker = validator_class.TYPE_CHECKER.redefine(
+        "integer", lambda _, value: isinstance(value, int) and not isinstance(value, bool))
+    return jsonschema.validators.extend(validator_class, type_checker=checker)
+
+
+_Validator = _with_defaults(_strict_integers(jsonschema.Draft202012Validator))
 
 
 def _describe(error: jsonschema.ValidationError) -> str:
@@ -50,7 +58,10 @@ def _describe(error: jsonschema.ValidationError) -> str:
     if error.validator == "enum":
         return f"{where}: {error.instance!r} is not one of {error.validator_value}"
     if error.validator == "type":
-        return f"{where}: {error.instance!r} is not of type {error.validator_value}"
+        message = f"{where}: {error.instance!r} is not of type {error.validator_value}"
+        if isinstance(error.instance, float) and error.instance.is_integer():
+            message += f" (write {int(error.instance)}, without the decimal point)"
+        return message
     return f"{where}: {error.message}"
 
 
