@@ -570,6 +570,30 @@ def test_run_shard_checks_disk_before_extracting(tiny, extracted, tmp_path, monk
     assert not list(hidden.iterdir())
 
 
+def no_disk(monkeypatch) -> None:
+    monkeypatch.setattr(extract_mod.shutil, "disk_usage",
+                        lambda path: SimpleNamespace(total=2**20, used=2**20 - 1000, free=1000))
+    monkeypatch.setattr(extract_mod, "load_target",
+                        lambda *a, **k: pytest.fail("loaded the model before checking the disk"))
+
+
+def test_run_shard_checks_disk_before_loading_the_model(tiny, extracted, tmp_path, monkeypatch):
+    no_disk(monkeypatch)
+    hidden = tmp_path / "hidden"
+    with pytest.raises(ExtractionError, match="not enough disk"):
+        run_shard(stage_cfg(), str(tiny.target_json), str(extracted.data), 0, 2,
+                  str(shards.shard_path(hidden, 0)), str(hidden / "shard_00000.json"))
+
+
+def test_manifest_checks_disk_before_extracting_a_shard_again(tiny, extracted, hidden_copy, monkeypatch):
+    bad = shards.shard_path(hidden_copy, 1)
+    bad.write_bytes(bad.read_bytes()[:-100])
+    no_disk(monkeypatch)
+    with pytest.raises(ExtractionError, match=r"not enough disk.*1000 bytes free"):
+        manifest_of(tiny, extracted, hidden_copy)
+    assert not (hidden_copy / "manifest.json").exists()
+
+
 def test_run_shard_rejects_an_empty_shard(tiny, extracted, tmp_path):
     with pytest.raises(ExtractionError, match="lower extract.num_shards"):
         # 6 samples in 8 shards: shard 0 gets samples [0, 0)

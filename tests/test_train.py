@@ -237,6 +237,19 @@ def test_mismatched_shards_are_refused(world, tmp_path, change, message):
               str(tmp_path / "out"), str(tmp_path / "ckpt"), None, None)
 
 
+def test_training_checks_disk_for_its_checkpoints_before_the_first_step(world, tmp_path, monkeypatch):
+    import eaglet.train as train_mod
+
+    real = train_mod.shutil.disk_usage
+    monkeypatch.setattr(train_mod.shutil, "disk_usage",
+                        lambda path: real(path)._replace(free=4096))
+    with pytest.raises(TrainError, match=r"not enough disk for training: about .* still to write "
+                                         r"\(3 checkpoints of .* and the drafter\), 4.00 KiB free"
+                                         r".*train.keep_checkpoints"):
+        run(world, tmp_path, FAST)
+    assert not list((tmp_path / "run" / "ckpt").glob("step_*"))
+
+
 def test_vocab_map_of_another_target_is_refused(world, tmp_path):
     other = tmp_path / "vocab.safetensors"
     with atomic_open(other, "wb") as handle:

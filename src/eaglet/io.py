@@ -55,3 +55,10 @@ def write_jsonl(path: str | os.PathLike, records: Iterable[dict]) -> int:
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
     with open(path) as handle:
         return [json.loads(line) for line in handle if line.strip()]
+
+
+def human_size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} bytes"

@@ -46,7 +46,7 @@ from eaglet import shards as shard_format
 from eaglet.drafter import (DrafterConfig, Eagle3Drafter, init_lm_head, load_target_embedding,
                             load_target_lm_head, num_params, read_target_config)
 from eaglet.export import export_drafter
-from eaglet.io import atomic_open, read_json, write_json
+from eaglet.io import atomic_open, human_size, read_json, write_json
 from eaglet.progress import Progress
 from eaglet.target import model_identity
 
@@ -553,6 +553,23 @@ class Trainer:
 
     # -- checkpoints --
 
+    def check_disk(self) -> None:
+        """Before the first step: room for the checkpoints still to come (one more than
+        train.keep_checkpoints exists while the newest is written) and the drafter."""
+        state = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+        params = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        per_checkpoint = state + 2 * params  # weights, and AdamW's two moments
+        to_write = max(self.cfg["keep_checkpoints"] + 1 - len(checkpoints(self.checkpoint_dir)), 1)
+        needed = to_write * per_checkpoint + state
+        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(self.checkpoint_dir).free
+        if needed > free:
+            raise TrainError(
+                f"not enough disk for training: about {human_size(needed)} still to write "
+                f"({to_write} checkpoints of {human_size(per_checkpoint)} and the drafter), "
+                f"{human_size(free)} free on {self.checkpoint_dir}. Free space, lower "
+                f"train.keep_checkpoints, or point results_dir at a larger disk.")
+
     def save_checkpoint(self) -> None:
         if self.dist.rank != 0:
             return
@@ -758,6 +775,8 @@ def train(cfg: dict, shard_paths: list[str], eval_shard_paths: list[str], vocab_
         trainer = Trainer(cfg, list(shard_paths), list(eval_shard_paths), vocab_map, target_dir,
                           checkpoint_dir, device, dist_, manifest)
         trainer.resume()
+        if dist_.rank == 0:
+            trainer.check_disk()
         first_step = trainer.step
         progress = (Progress("train", total=trainer.total_steps, path=progress_path,
                              log_path=log_path, unit="steps", already_done=first_step)
