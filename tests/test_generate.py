@@ -130,6 +130,21 @@ def test_resume_skips_answered_prompts_and_retries_failed_ones(server, tmp_path)
     assert counts["failed"] == 0
 
 
+@pytest.mark.parametrize("model_name", [None, "target"])
+def test_a_closed_server_url_port_names_the_url_and_what_to_check(tmp_path, model_name):
+    import socket
+
+    with socket.socket() as probe:  # a port that was free a moment ago: nothing listens there
+        probe.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    partial = tmp_path / "p.jsonl"
+    with pytest.raises(RuntimeError) as err:
+        generate(prompts(3), settings(url, model_name=model_name), partial)
+    message = str(err.value)
+    assert f"no server answers at {url}" in message and "server.url" in message
+    assert not partial.exists() or partial.read_text() == ""  # no prompt marked as failed
+
+
 def test_read_partial_drops_a_torn_last_line_and_appending_continues(tmp_path):
     partial = tmp_path / "p.jsonl"
     good = {"id": "p-a", "completion_token_ids": [1]}

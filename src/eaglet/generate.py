@@ -185,8 +185,18 @@ async def chat_with_retries(client, model, messages, sampling, timeout, max_retr
             attempt += 1
 
 
-async def resolve_model_name(client: httpx.AsyncClient) -> str:
-    resp = await client.get("/v1/models", timeout=30)
+async def resolve_model_name(client: httpx.AsyncClient, model_name: str | None = None) -> str:
+    """The served model's name (``model_name`` when given), asked at ``/v1/models``; a server
+    that does not answer there stops the stage at once, with its URL named."""
+    try:
+        resp = await client.get("/v1/models", timeout=30)
+    except httpx.TransportError as exc:
+        raise RuntimeError(
+            f"no server answers at {client.base_url} ({type(exc).__name__}: {exc}). Check that "
+            f"it runs and listens on that host and port and that server.url is right, or set "
+            f"server.url: null to let eaglet start vLLM itself") from exc
+    if model_name:
+        return model_name
     resp.raise_for_status()
     models = resp.json().get("data") or []
     if not models:
@@ -232,7 +242,7 @@ async def generate_async(prompts: list[dict], settings: GenerationSettings,
     Path(partial_path).parent.mkdir(parents=True, exist_ok=True)
     async with httpx.AsyncClient(base_url=settings.base_url, headers=headers,
                                  limits=limits) as client:
-        model = settings.model_name or await resolve_model_name(client)
+        model = await resolve_model_name(client, settings.model_name)
         gate = asyncio.Semaphore(settings.concurrency)
         with open(partial_path, "a") as out:
 
