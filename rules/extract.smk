@@ -60,13 +60,16 @@ rule extract_eval:
 
 
 rule hidden_manifest:
-    """Verify every shard (hash, layers, dtype, target), re-extract any that fail, and list
-    them with their teacher agreement."""
+    """Verify every shard, the held-out one too (hash, layers, dtype, target), re-extract any
+    that fail, and list them with their sha256 and teacher agreement."""
     input:
         target=f"{R}/target/target.json",
         data=f"{R}/synthetic/train.jsonl",
         shards=expand(f"{R}/hidden/shard_{{i}}.safetensors", i=TRAIN_SHARDS),
         metas=expand(f"{R}/hidden/shard_{{i}}.json", i=TRAIN_SHARDS),
+        eval_data=f"{R}/synthetic/eval.jsonl",
+        eval_shards=[f"{R}/hidden/eval/shard_00000.safetensors"],
+        eval_metas=[f"{R}/hidden/eval/shard_00000.json"],
     output:
         f"{R}/hidden/manifest.json",
     params:

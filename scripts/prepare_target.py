@@ -3,5 +3,9 @@ from eaglet.scripting import run_stage
 from eaglet.target import prepare_target
 
 smk = snakemake  # noqa: F821 (injected by Snakemake)
-run_stage("prepare_target", smk.log[0],
-          lambda: prepare_target(smk.params.model, smk.params.out_dir))
+# the settings checked against the target come from the config, not params: changing them
+# must not redo this stage (and so everything after it); the Snakefile checks them too
+run_stage("prepare_target", smk.log[0], lambda: prepare_target(
+    smk.params.model, smk.params.out_dir,
+    draft_vocab_size=smk.config["vocab"]["draft_vocab_size"],
+    aux_layer_ids=smk.config["extract"]["aux_layer_ids"]))

@@ -18,7 +18,8 @@ args = {"cfg": dict(smk.params.train), "shard_paths": list(smk.input.shards),
         "eval_shard_paths": list(smk.input.eval_shards), "vocab_map": smk.input.vocab,
         "target_dir": target["path"], "rate_key": target["spec"],
         "out_dir": str(Path(smk.output.weights).parent), "checkpoint_dir": smk.params.checkpoints,
-        "progress_path": smk.params.progress, "log_path": smk.log[0]}
+        "progress_path": smk.params.progress, "log_path": smk.log[0],
+        "manifest": smk.input.manifest}
 gpus = int(smk.resources.get("gpu", 0))
 
 

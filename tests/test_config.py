@@ -129,6 +129,19 @@ def test_bad_type_names_the_key_path():
     assert "generate.concurrency: 'many' is not of type integer" in message
 
 
+@pytest.mark.parametrize(("config", "path", "value"), [
+    ({"extract": {"num_shards": 2.0}}, "extract.num_shards", "2.0"),
+    ({"target": {"max_model_len": 2048.0}}, "target.max_model_len", "2048.0"),
+    ({"extract": {"aux_layer_ids": [2, 15.0, 27]}}, "extract.aux_layer_ids.1", "15.0"),
+])
+def test_whole_number_floats_are_not_counts(config, path, value):
+    """YAML reads 2.0 as a float: as a count it crashed extract.smk with a TypeError naming
+    no key, and reached the server as --max-model-len 2048.0."""
+    message = config_error(config)
+    assert f"{path}: {value} is not of type integer" in message
+    assert f"write {value[:-2]}" in message
+
+
 def test_out_of_range_value_names_the_key_path():
     message = config_error({"generate": {"concurrency": 0}})
 
@@ -200,3 +213,57 @@ def test_validated_config_is_plain_whatever_the_file_format():
     plain, ordered = validate(as_yaml), validate(as_json)
     assert repr(ordered) == repr(plain)
     assert type(ordered["data"]["sources"][0]) is dict
+
+
+# -- results_dir -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value, problem", [("", "is empty"), ("  ", "is empty"),
+                                            ("/", "is the filesystem root"),
+                                            ("//", "is the filesystem root"),
+                                            ("/tmp/..", "is the filesystem root"),
+                                            (".", "is the working directory itself")])
+def test_results_dir_that_would_scatter_outputs_is_refused(value, problem):
+    message = config_error({"results_dir": value})
+    assert "results_dir" in message and problem in message
+    assert "such as results" in message  # the fix
+
+
+@pytest.mark.parametrize("value, spelled", [("results/", "results"), ("./results", "results"),
+                                            ("x/../results-2", "results-2"),
+                                            ("/tmp//run1/", "/tmp/run1")])
+def test_results_dir_is_spelled_as_snakemake_matches_targets(value, spelled):
+    assert validate({"results_dir": value})["results_dir"] == spelled
+
+
+def test_results_dir_outside_the_working_directory_is_named_with_its_targets():
+    from eaglet.config import outside_working_dir
+
+    assert outside_working_dir("results") is None and outside_working_dir("a/b") is None
+    warning = outside_working_dir("../elsewhere")
+    assert "outside the working directory" in warning
+    assert "snakemake ../elsewhere/prompts/train.jsonl" in warning
+
+
+def dry_run_with_results_dir(tmp_path, value: str, *targets: str) -> subprocess.CompletedProcess:
+    configfile = tmp_path / "config.yaml"
+    configfile.write_text(yaml.safe_dump({"results_dir": value}))
+    return subprocess.run([str(SNAKEMAKE), *targets, "-n", "--cores", "1", "--configfile",
+                           str(configfile)], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("value", ["", "/"])
+def test_snakefile_refuses_an_empty_or_root_results_dir(tmp_path, value):
+    run = dry_run_with_results_dir(tmp_path, value)
+    output = run.stdout + run.stderr
+    assert run.returncode != 0, output
+    assert "results_dir" in output and "such as results" in output
+    assert "/target/target.json" not in output  # nothing planned at the root
+
+
+def test_snakefile_targets_stay_addressable_with_a_trailing_slash(tmp_path):
+    results = tmp_path / "out"
+    run = dry_run_with_results_dir(tmp_path, f"{results}/", f"{results}/prompts/train.jsonl")
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output
+    assert "rule prepare_prompts" in output and "rule generate" not in output

@@ -505,6 +505,26 @@ def test_manifest_rebuilds_exactly_the_damaged_shard(tiny, extracted, hidden_cop
     assert manifest["tokens"] == sum(m["tokens"] for m in extracted.metas)
 
 
+def test_manifest_lists_and_rebuilds_the_eval_shard(tiny, extracted, greedy, hidden_copy, extract_calls):
+    eval_data = hidden_copy.parent / "synthetic" / "eval.jsonl"
+    write_jsonl(eval_data, greedy[:2])
+    eval_shard = shards.shard_path(hidden_copy / "eval", 0)
+    run_shard(stage_cfg(), str(tiny.target_json), str(eval_data), 0, 1, str(eval_shard),
+              str(eval_shard.with_suffix(".json")))
+    sha = shards.sha256_path(eval_shard)
+    extract_calls.clear()
+    eval_shard.write_bytes(eval_shard.read_bytes()[:-100])  # truncated after extraction
+    manifest = build_manifest(stage_cfg(), str(tiny.target_json), str(extracted.data), 2,
+                              str(hidden_copy), str(hidden_copy / "manifest.json"),
+                              eval_data_path=str(eval_data))
+    assert extract_calls == [eval_shard.name]  # only the damaged eval shard, from eval data
+    assert [(s["file"], s["sha256"], s["samples"]) for s in manifest["eval_shards"]] == [
+        ("eval/shard_00000.safetensors", sha, [r["id"] for r in greedy[:2]])]
+    assert [s["file"] for s in manifest["shards"]] == ["shard_00000.safetensors",
+                                                      "shard_00001.safetensors"]
+    assert manifest["num_shards"] == 2 and manifest["num_samples"] == len(greedy)
+
+
 @pytest.mark.parametrize("key, value", [("aux_layer_ids", [0, 1, 2]),
                                         ("target", {"spec": "another/model", "config_sha256": "y"}),
                                         ("dtype", "bfloat16")])
@@ -548,6 +568,30 @@ def test_run_shard_checks_disk_before_extracting(tiny, extracted, tmp_path, monk
         run_shard(stage_cfg(), str(tiny.target_json), str(extracted.data), 0, 2,
                   str(shards.shard_path(hidden, 0)), str(hidden / "shard_00000.json"))
     assert not list(hidden.iterdir())
+
+
+def no_disk(monkeypatch) -> None:
+    monkeypatch.setattr(extract_mod.shutil, "disk_usage",
+                        lambda path: SimpleNamespace(total=2**20, used=2**20 - 1000, free=1000))
+    monkeypatch.setattr(extract_mod, "load_target",
+                        lambda *a, **k: pytest.fail("loaded the model before checking the disk"))
+
+
+def test_run_shard_checks_disk_before_loading_the_model(tiny, extracted, tmp_path, monkeypatch):
+    no_disk(monkeypatch)
+    hidden = tmp_path / "hidden"
+    with pytest.raises(ExtractionError, match="not enough disk"):
+        run_shard(stage_cfg(), str(tiny.target_json), str(extracted.data), 0, 2,
+                  str(shards.shard_path(hidden, 0)), str(hidden / "shard_00000.json"))
+
+
+def test_manifest_checks_disk_before_extracting_a_shard_again(tiny, extracted, hidden_copy, monkeypatch):
+    bad = shards.shard_path(hidden_copy, 1)
+    bad.write_bytes(bad.read_bytes()[:-100])
+    no_disk(monkeypatch)
+    with pytest.raises(ExtractionError, match=r"not enough disk.*1000 bytes free"):
+        manifest_of(tiny, extracted, hidden_copy)
+    assert not (hidden_copy / "manifest.json").exists()
 
 
 def test_run_shard_rejects_an_empty_shard(tiny, extracted, tmp_path):

@@ -132,12 +132,44 @@ def test_resume_skips_answered_prompts_and_retries_failed_ones(server, tmp_path)
     assert counts["failed"] == 0
 
 
+@pytest.mark.parametrize("model_name", [None, "target"])
+def test_a_closed_server_url_port_names_the_url_and_what_to_check(tmp_path, model_name):
+    import socket
+
+    with socket.socket() as probe:  # a port that was free a moment ago: nothing listens there
+        probe.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    partial = tmp_path / "p.jsonl"
+    with pytest.raises(RuntimeError) as err:
+        generate(prompts(3), settings(url, model_name=model_name), partial)
+    message = str(err.value)
+    assert f"no server answers at {url}" in message and "server.url" in message
+    assert not partial.exists() or partial.read_text() == ""  # no prompt marked as failed
+
+
 def test_read_partial_drops_a_torn_last_line_and_appending_continues(tmp_path):
     partial = tmp_path / "p.jsonl"
     good = {"id": "p-a", "completion_token_ids": [1]}
     partial.write_text(json.dumps(good) + "\n" + '{"id": "p-b", "compl')
     assert read_partial(partial) == {"p-a": good}
     assert partial.read_text() == json.dumps(good) + "\n"
+
+
+def test_read_partial_keeps_every_good_record_around_a_corrupt_middle_line(tmp_path, caplog):
+    partial = tmp_path / "generate.partial.jsonl"
+    rows = [{"id": f"p-{i}", "completion_token_ids": [i]} for i in range(6)]
+    lines = [json.dumps(r) + "\n" for r in rows]
+    bad = lines[2][:10] + "\x00garbage" + lines[2][10:]
+    partial.write_text("".join(lines[:2]) + bad + "".join(lines[3:]))
+    with caplog.at_level("WARNING", logger="eaglet.generate"):
+        records = read_partial(partial)
+    assert set(records) == {f"p-{i}" for i in (0, 1, 3, 4, 5)}
+    assert partial.read_text() == "".join(lines[:2] + lines[3:])  # appending continues cleanly
+    side = tmp_path / "generate.partial.jsonl.bad"
+    assert side.read_text() == bad  # set aside, not lost
+    assert "1 undecodable line" in caplog.text and str(side) in caplog.text
+    assert read_partial(partial) == records  # a second read finds nothing more to set aside
+    assert side.read_text() == bad
 
 
 def test_read_partial_prefers_an_answer_over_an_earlier_or_later_failure(tmp_path):

@@ -66,7 +66,7 @@ def test_humaneval_yields_164_stable_chat_prompts():
     assert len(records) == report["rows"] == report["valid"] == 164
     assert report["bad"] == 0 and report["label"] == "humaneval"
     first = records[0]
-    assert first["row"] == 0 and first["source"] == "humaneval"
+    assert first["row"] == 1 and first["source"] == "humaneval"
     [message] = first["messages"]
     assert message["role"] == "user"
     assert message["content"].startswith(HUMANEVAL_INSTRUCTION + "\n\n```python\nfrom typing import List")
@@ -79,7 +79,7 @@ def test_humaneval_yields_164_stable_chat_prompts():
 
 def test_limit_reads_only_the_first_rows(tmp_path):
     records, report = load_source(source(type="humaneval", limit=5))
-    assert [r["row"] for r in records] == [0, 1, 2, 3, 4] and report["rows"] == 5
+    assert [r["row"] for r in records] == [1, 2, 3, 4, 5] and report["rows"] == 5
     file_source = {**text_file(tmp_path, "t.jsonl", ["a", "b", "c"]), "limit": 2}
     assert [r["messages"] for r in load_source(file_source)[0]] == [user("a"), user("b")]
 
@@ -114,7 +114,7 @@ def test_file_formats_map_text_and_system_fields(tmp_path, suffix):
     file_source = source(type="file", path=str(path), text_field="question", system_field="sys")
     records, report = load_source(file_source)
     assert [r["messages"] for r in records] == EXPECTED
-    assert [r["row"] for r in records] == [0, 1, 2]
+    assert [r["row"] for r in records] == [1, 2, 3]  # numbered as an editor shows them
     assert {r["source"] for r in records} == {f"file:{path}"}
     assert report == {"label": f"file:{path}", "rows": 3, "valid": 3, "bad": 0, "bad_examples": []}
 
@@ -139,16 +139,34 @@ def test_bad_rows_are_skipped_and_reported_with_row_numbers(tmp_path):
         + "\n"
     )
     records, report = load_source(source(type="file", path=str(path), text_field="text"))
-    assert [(r["row"], r["messages"]) for r in records] == [(0, user("good one")), (9, user("good two"))]
+    assert [(r["row"], r["messages"]) for r in records] == [(1, user("good one")), (10, user("good two"))]
     assert (report["rows"], report["valid"], report["bad"]) == (9, 2, 7)
     reasons = {e["row"]: e["reason"] for e in report["bad_examples"]}
-    assert sorted(reasons) == [1, 2, 4, 5, 6, 7, 8]
-    assert reasons[1] == "missing field 'text'"
-    assert reasons[2] == reasons[4] == "field 'text' is empty"
-    assert reasons[5] == "field 'text' is a int, not a string"
-    assert reasons[6].startswith("invalid JSON")
-    assert reasons[7] == "field 'text' is null, not a string"
-    assert reasons[8] == "row is a list, not an object"
+    assert sorted(reasons) == [2, 3, 5, 6, 7, 8, 9]  # line numbers, as an editor shows them
+    assert reasons[2] == "missing field 'text'"
+    assert reasons[3] == reasons[5] == "field 'text' is empty"
+    assert reasons[6] == "field 'text' is a int, not a string"
+    assert reasons[7].startswith("invalid JSON")
+    assert reasons[8] == "field 'text' is null, not a string"
+    assert reasons[9] == "row is a list, not an object"
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_a_row_that_is_not_utf8_is_a_bad_row_and_the_good_rows_are_kept(tmp_path, suffix):
+    path = tmp_path / f"latin1{suffix}"
+    texts = ["one", "caf\u00e9", *[f"question {i}" for i in range(8)]]
+    rows = [json.dumps({"text": t}, ensure_ascii=False).encode() for t in texts]
+    rows[1] = rows[1].replace("\u00e9".encode(), b"\xe9")  # saved as Latin-1 by some editor
+    path.write_bytes(b"".join(r + b"\n" for r in rows) if suffix == ".jsonl"
+                     else b"[" + b",\n".join(rows) + b"]")
+    data = data_config(source(type="file", path=str(path), text_field="text"), eval_fraction=0.5)
+    train, held_out, stats = run_prepare(tmp_path, data)
+    [counted] = stats["sources"]
+    assert counted["label"] == f"file:{path}"
+    assert (counted["rows"], counted["valid"], counted["bad"]) == (10, 9, 1)
+    [example] = counted["bad_examples"]
+    assert example["row"] == 2 and "not UTF-8" in example["reason"]
+    assert sorted(p["messages"][0]["content"] for p in train + held_out) == sorted(texts[:1] + texts[2:])
 
 
 def test_bad_examples_are_capped_but_all_bad_rows_counted(tmp_path):
@@ -164,7 +182,7 @@ def test_source_without_valid_prompt_names_source_rows_reasons_and_fields(tmp_pa
     message = str(info.value)
     assert f"file:{path}" in message
     assert "2 rows (2 bad)" in message
-    assert "row 0: missing field 'text'" in message
+    assert "row 1: missing field 'text'" in message
     assert "check text_field='text'" in message and "['id', 'prompt']" in message
 
 
@@ -230,9 +248,9 @@ def test_sharegpt_conversations(tmp_path):
     ]
     assert records[0]["source"] == f"conversations:{path}"
     assert [(e["row"], e["reason"]) for e in report["bad_examples"]] == [
-        (2, "no user message (roles: ['gpt'])"),
-        (3, "message 0 content is empty"),
-        (4, "field 'conversations' is a str, not a list"),
+        (3, "no user message (roles: ['gpt'])"),
+        (4, "message 0 content is empty"),
+        (5, "field 'conversations' is a str, not a list"),
     ]
 
 
@@ -310,7 +328,7 @@ def test_dedup_across_sources_first_occurrence_wins(tmp_path):
     assert len(prompts) == len({p["id"] for p in prompts}) == 23
     kept = {p["messages"][0]["content"]: p for p in prompts}
     assert "alpha   BETA" not in kept and "Gamma" not in kept
-    assert kept["Alpha beta"]["source"] == f"file:{tmp_path / 'a.jsonl'}" and kept["Alpha beta"]["row"] == 0
+    assert kept["Alpha beta"]["source"] == f"file:{tmp_path / 'a.jsonl'}" and kept["Alpha beta"]["row"] == 1
     assert [s["duplicates"] for s in stats["sources"]] == [1, 2]
     assert stats["totals"] == {"rows": 26, "valid": 26, "bad": 0, "duplicates": 3, "unique": 23}
 
@@ -393,7 +411,7 @@ def test_stats_and_logging(tmp_path, caplog):
         "valid": 2,
         "bad": 1,
         "duplicates": 1,
-        "bad_examples": [{"row": 1, "reason": "field 'text' is empty"}],
+        "bad_examples": [{"row": 2, "reason": "field 'text' is empty"}],
     }
     assert set(stats) >= {"sources", "totals", "n_train", "n_eval", "eval_fraction", "seed"}
     by_label = {r.getMessage().split(": ")[0]: r for r in caplog.records}
@@ -401,7 +419,7 @@ def test_stats_and_logging(tmp_path, caplog):
     warning = by_label[f"file:{mixed}"]
     assert warning.levelname == "WARNING"
     assert "3 rows, 2 valid, 1 bad, 1 duplicates" in warning.getMessage()
-    assert "row 1: field 'text' is empty" in warning.getMessage()
+    assert "row 2: field 'text' is empty" in warning.getMessage()
 
 
 def test_snakemake_script(tmp_path):
@@ -463,7 +481,7 @@ def test_truncated_json_list_keeps_complete_records_and_reports_the_tail(tmp_pat
         f"question number {i}" for i in range(4)]
     assert report["valid"] == 4 and report["bad"] == 1
     tail = report["bad_examples"][0]
-    assert tail["row"] == 4 and "ends inside element 4" in tail["reason"]
+    assert tail["row"] == 5 and "ends inside element 5" in tail["reason"]
     assert "4 complete elements before it are kept" in tail["reason"]
 
 

@@ -90,3 +90,94 @@ def test_a_stage_starting_its_server_says_so_until_the_work_starts(tmp_path):
     progress.report()
     assert "running: 3/10" in status.render(status.collect(r, cfg, None))
     assert progress.report("finished")["phase"] is None
+
+
+# -- stopped stages, missing results, resumable training, quoting -----------------------------
+
+def _stage(name):
+    return next(s for s in status.STAGES if s.name == name)
+
+
+def _dead_progress(r, name, **fields):
+    """A progress file as a stage leaves it when its process is gone."""
+    (r / "progress").mkdir(parents=True, exist_ok=True)
+    record = {"stage": name, "state": "running", "unit": "samples", "done": 3, "failed": 0,
+              "total": 10, "pid": 2**22 + 7, "host": None, "rate_per_s": None, "eta_s": None,
+              "started_at": "2026-01-01T10:00:00+00:00", "updated_at": "2026-01-01T10:01:00+00:00",
+              **fields}
+    (r / "progress" / f"{name}.json").write_text(json.dumps(record))
+
+
+def _log(path, *lines):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(f"2026-01-01 10:00:0{i} {line}\n" for i, line in enumerate(lines)))
+
+
+def test_a_generate_whose_server_died_shows_failed_with_the_reason(tmp_path):
+    r = tmp_path / "results"
+    _dead_progress(r, "generate")
+    _log(r / "logs" / "generate.log",
+         "INFO eaglet.progress: generate: 3/10 samples done, 0 failed, 0.50/s, 20 tok/s, ETA 14s",
+         "ERROR eaglet.generate: generate failed: the vLLM server died (exit code -9).",
+         "--- last lines of results/logs/generate.server.log ---", "Killed")
+    shown = status.stage_status(_stage("generate"), r, _full_config(r), set())
+    assert shown["state"] == "failed"
+    assert shown["error"] == "the vLLM server died (exit code -9)."
+    assert "FAILED: the vLLM server died" in status.render(status.collect(r, _full_config(r), None))
+
+
+def test_a_killed_stage_without_a_failure_is_interrupted(tmp_path):
+    r = tmp_path / "results"
+    _dead_progress(r, "generate")
+    _log(r / "logs" / "generate.log",
+         "ERROR eaglet.generate: generate interrupted (KeyboardInterrupt); finished work is kept, "
+         "rerun to resume")
+    assert status.stage_status(_stage("generate"), r, _full_config(r), set())["state"] == "interrupted"
+
+
+def test_a_failed_extract_is_failed_not_outdated_with_old_facts(tmp_path):
+    r = tmp_path / "results"
+    (r / "hidden").mkdir(parents=True)
+    (r / "hidden" / "manifest.json").write_text(json.dumps({"num_shards": 2, "samples": 9}))
+    os.utime(r / "hidden" / "manifest.json", (1_000_000, 1_000_000))  # from an earlier run
+    _log(r / "logs" / "extract" / "shard_00001.log",
+         "ERROR eaglet.extract: extract failed: teacher agreement 41.00% in shard_00001 is low")
+    shown = status.stage_status(_stage("extract"), r, _full_config(r), {"extract"})
+    assert shown["state"] == "failed" and "teacher agreement 41.00%" in shown["error"]
+    assert "facts" not in shown
+    # an older failure than the outputs: the stage was made again after it
+    os.utime(r / "logs" / "extract" / "shard_00001.log", (999_000, 999_000))
+    assert status.stage_status(_stage("extract"), r, _full_config(r), set())["state"] == "completed"
+
+
+def test_the_training_estimate_after_a_kill_counts_only_the_steps_left(tmp_path, history):
+    r = tmp_path / "results"
+    (r / "synthetic").mkdir(parents=True)
+    (r / "synthetic" / "stats.json").write_text(json.dumps({"splits": {
+        split: {"samples": 10, "prompt_tokens": 400, "completion_tokens": 600}
+        for split in ("train", "eval")}}))
+    cfg = _full_config(r)
+    rates.record("train", cfg["target"]["model"], tokens_per_s=100.0,
+                 ttt_steps=cfg["train"]["ttt_steps"])
+    whole = status.estimate("train", r, cfg, None).seconds
+    checkpoint = r / "drafter_checkpoints" / "step_00000030"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "state.json").write_text(json.dumps({"step": 30, "total_steps": 40}))
+    resumed = status.estimate("train", r, cfg, None)
+    assert resumed.seconds == pytest.approx(whole / 4)
+    assert "resuming from the checkpoint at step 30/40" in resumed.basis
+
+
+def test_status_of_a_results_dir_that_does_not_exist_is_an_error(tmp_path, capsys):
+    assert status.main(["--results", str(tmp_path / "does-not-exist"), "--no-snakemake",
+                        "--workflow", str(tmp_path)]) == 2
+    assert "does-not-exist is not a results directory" in capsys.readouterr().err
+
+
+def test_the_printed_hint_quotes_a_results_dir_with_spaces(tmp_path):
+    import shlex
+
+    r = tmp_path / "my results"
+    text = status.render(status.collect(r, _full_config(r), None))
+    hint = text.split("Follow it: ", 1)[1].split("   or")[0]
+    assert shlex.split(hint) == ["eaglet", "status", "--results", str(r), "--watch", "10"]

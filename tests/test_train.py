@@ -237,6 +237,19 @@ def test_mismatched_shards_are_refused(world, tmp_path, change, message):
               str(tmp_path / "out"), str(tmp_path / "ckpt"), None, None)
 
 
+def test_training_checks_disk_for_its_checkpoints_before_the_first_step(world, tmp_path, monkeypatch):
+    import eaglet.train as train_mod
+
+    real = train_mod.shutil.disk_usage
+    monkeypatch.setattr(train_mod.shutil, "disk_usage",
+                        lambda path: real(path)._replace(free=4096))
+    with pytest.raises(TrainError, match=r"not enough disk for training: about .* still to write "
+                                         r"\(3 checkpoints of .* and the drafter\), 4.00 KiB free"
+                                         r".*train.keep_checkpoints"):
+        run(world, tmp_path, FAST)
+    assert not list((tmp_path / "run" / "ckpt").glob("step_*"))
+
+
 def test_vocab_map_of_another_target_is_refused(world, tmp_path):
     other = tmp_path / "vocab.safetensors"
     with atomic_open(other, "wb") as handle:
@@ -245,6 +258,79 @@ def test_vocab_map_of_another_target_is_refused(world, tmp_path):
     with pytest.raises(TrainError, match=r"t2d covers 300 tokens but the target's vocab_size is 256"):
         train(FAST, world["train"], [], str(other), world["target"], str(tmp_path / "o"),
               str(tmp_path / "c"), None, None)
+
+
+# -- shards verified against the manifest ----------------------------------------------------
+
+def hidden_dir(world, tmp: Path) -> tuple[list[str], list[str], str]:
+    """The world's shards laid out as the workflow does (hidden/, hidden/eval/), with a
+    manifest.json recording their sha256 as hidden_manifest writes it."""
+    hidden = tmp / "hidden"
+    (hidden / "eval").mkdir(parents=True)
+    train_paths, eval_paths = [], []
+    for src, paths, sub in [(p, train_paths, "") for p in world["train"]] + \
+                           [(p, eval_paths, "eval/") for p in world["eval"]]:
+        dst = hidden / sub / Path(src).name
+        dst.write_bytes(Path(src).read_bytes())
+        paths.append(str(dst))
+    listing = {key: [{"file": Path(p).relative_to(hidden).as_posix(),
+                      "sha256": shards.sha256_path(p)} for p in paths]
+               for key, paths in (("shards", train_paths), ("eval_shards", eval_paths))}
+    (hidden / "manifest.json").write_text(json.dumps(listing))
+    return train_paths, eval_paths, str(hidden / "manifest.json")
+
+
+def train_verified(world, tmp: Path, train_paths, eval_paths, manifest, cfg=FAST) -> dict:
+    return train(cfg, train_paths, eval_paths, world["vocab"], world["target"],
+                 str(tmp / "out"), str(tmp / "ckpt"), None, None, manifest=manifest)
+
+
+@pytest.mark.parametrize("in_memory", [0, 1])
+def test_a_bit_flipped_shard_with_its_mtime_kept_is_refused_and_set_aside(world, tmp_path, in_memory):
+    train_paths, eval_paths, manifest = hidden_dir(world, tmp_path)
+    bad = Path(train_paths[1])
+    stat = bad.stat()
+    data = bytearray(bad.read_bytes())
+    data[len(data) // 2] ^= 0x01  # inside the hidden states: every header check still passes
+    bad.write_bytes(bytes(data))
+    os.utime(bad, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # invisible to make-style mtimes
+    with pytest.raises(TrainError) as err:
+        train_verified(world, tmp_path, train_paths, eval_paths, manifest,
+                       {**FAST, "shards_in_memory": in_memory})
+    message = str(err.value)
+    assert f"{bad} is damaged" in message and "sha256" in message and "rerun" in message
+    # moved aside: the workflow sees the shard missing and extracts it again
+    assert not bad.exists() and bad.with_name(bad.name + ".damaged").read_bytes() == bytes(data)
+    assert all(Path(p).exists() for p in train_paths[:1] + eval_paths)
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_a_truncated_eval_shard_is_named_and_set_aside(world, tmp_path):
+    train_paths, eval_paths, manifest = hidden_dir(world, tmp_path)
+    bad = Path(eval_paths[0])
+    bad.write_bytes(bad.read_bytes()[:100])  # cut inside the safetensors header
+    with pytest.raises(TrainError) as err:
+        train_verified(world, tmp_path, train_paths, eval_paths, manifest)
+    message = str(err.value)
+    assert f"{bad} is damaged" in message and "cannot be read" in message
+    assert not bad.exists() and bad.with_name(bad.name + ".damaged").exists()
+
+
+def test_verified_shards_train_as_before(world, tmp_path):
+    train_paths, eval_paths, manifest = hidden_dir(world, tmp_path)
+    result = train_verified(world, tmp_path, train_paths, eval_paths, manifest,
+                            {**FAST, "epochs": 1})
+    assert result["steps"] > 0 and (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_a_shard_missing_from_the_manifest_is_refused(world, tmp_path):
+    train_paths, eval_paths, manifest = hidden_dir(world, tmp_path)
+    listing = json.loads(Path(manifest).read_text())
+    del listing["eval_shards"]  # a manifest written before eval shards were listed
+    Path(manifest).write_text(json.dumps(listing))
+    with pytest.raises(TrainError, match=r"shard_00000.safetensors is not listed in .*manifest.json"
+                                         r".*forcerun hidden_manifest"):
+        train_verified(world, tmp_path, train_paths, eval_paths, manifest)
 
 
 # -- data parallel ---------------------------------------------------------------------------

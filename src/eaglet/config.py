@@ -7,6 +7,7 @@ without guarding. Errors name the offending key path and what the schema allows.
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Mapping
 from importlib import resources
 from typing import Any
@@ -37,7 +38,15 @@ def _with_defaults(validator_class):
     return jsonschema.validators.extend(validator_class, {"properties": set_defaults})
 
 
-_Validator = _with_defaults(jsonschema.Draft202012Validator)
+def _strict_integers(validator_class):
+    """JSON Schema counts 2.0 as an integer; eaglet does not (``range(2.0)`` fails and
+    ``--max-model-len 2048.0`` reaches the server as written)."""
+    checker = validator_class.TYPE_CHECKER.redefine(
+        "integer", lambda _, value: isinstance(value, int) and not isinstance(value, bool))
+    return jsonschema.validators.extend(validator_class, type_checker=checker)
+
+
+_Validator = _with_defaults(_strict_integers(jsonschema.Draft202012Validator))
 
 
 def _describe(error: jsonschema.ValidationError) -> str:
@@ -49,7 +58,10 @@ def _describe(error: jsonschema.ValidationError) -> str:
     if error.validator == "enum":
         return f"{where}: {error.instance!r} is not one of {error.validator_value}"
     if error.validator == "type":
-        return f"{where}: {error.instance!r} is not of type {error.validator_value}"
+        message = f"{where}: {error.instance!r} is not of type {error.validator_value}"
+        if isinstance(error.instance, float) and error.instance.is_integer():
+            message += f" (write {int(error.instance)}, without the decimal point)"
+        return message
     return f"{where}: {error.message}"
 
 
@@ -66,7 +78,38 @@ def validate(config: dict[str, Any]) -> dict[str, Any]:
     errors = list(_Validator(schema()).iter_errors(cfg))
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(_describe(e) for e in errors))
+    cfg["results_dir"] = results_dir(cfg["results_dir"])
     return cfg
+
+
+def results_dir(value: str) -> str:
+    """``results_dir`` in the one spelling Snakemake matches targets against (``results/``,
+    ``./results`` and ``x/../results`` are all ``results``); the filesystem root, an empty
+    value (outputs at ``/target``, ``/prompts``, ...) and the working directory itself are
+    refused."""
+    fix = "set results_dir to a directory of its own, such as results"
+    if not value.strip():
+        raise ConfigError(f"invalid configuration:\n  results_dir is empty: every output would "
+                          f"go to the filesystem root (/target, /prompts, ...); {fix}")
+    normalized = os.path.normpath(value)
+    absolute = os.path.abspath(normalized)
+    if os.path.dirname(absolute) == absolute:
+        raise ConfigError(f"invalid configuration:\n  results_dir {value!r} is the filesystem "
+                          f"root: outputs would go to /target, /prompts, ...; {fix}")
+    if absolute == os.getcwd():
+        raise ConfigError(f"invalid configuration:\n  results_dir {value!r} is the working "
+                          f"directory itself: outputs would mix with the workflow's files; {fix}")
+    return normalized
+
+
+def outside_working_dir(results: str) -> str | None:
+    """A warning when ``results`` lies outside the working directory, else None."""
+    relative = os.path.relpath(os.path.abspath(results))
+    if relative != os.pardir and not relative.startswith(os.pardir + os.sep):
+        return None
+    return (f"results_dir {results} is outside the working directory {os.getcwd()}: every "
+            f"output goes there; name targets the same way, e.g. "
+            f"snakemake {results}/prompts/train.jsonl")
 
 
 def _plain(value: Any) -> Any:

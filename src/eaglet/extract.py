@@ -360,12 +360,12 @@ def run_shard(cfg: dict, target_json: str, data_path: str, index: int, num_shard
     if not records:
         raise ExtractionError(f"shard {index} of {num_shards} has no samples: lower "
                               f"extract.num_shards to at most the number of samples")
-    target = load_target(info["path"], cfg["target"]["dtype"], ext["device"])
-    aux_ids = resolve_aux_layer_ids(ext["aux_layer_ids"], target.num_layers)
     pending = [i for i in range(num_shards) if not shards.shard_path(Path(shard_path).parent, i).exists()]
     needed = sum(estimate_bytes(shard_records(all_records, num_shards, i), ext["max_len"],
-                                target.hidden_size, ext["dtype"]) for i in pending)
-    check_disk(Path(shard_path).parent, needed)
+                                hidden_size_of(info), ext["dtype"]) for i in pending)
+    check_disk(Path(shard_path).parent, needed)  # before minutes of loading a large model
+    target = load_target(info["path"], cfg["target"]["dtype"], ext["device"])
+    aux_ids = resolve_aux_layer_ids(ext["aux_layer_ids"], target.num_layers)
     progress = Progress(f"extract[{index}]", total=len(records), path=progress_path,
                         log_path=log_path)
     meta = extract_shard(target, records, ext, aux_ids, target_identity(info), shard_path,
@@ -377,6 +377,15 @@ def run_shard(cfg: dict, target_json: str, data_path: str, index: int, num_shard
              meta["bytes"] / 1e6, meta["tokens_per_s"] or 0,
              f"{meta['teacher']['agreement']:.4f}" if meta["teacher"]["agreement"] is not None else "-")
     return meta
+
+
+def hidden_size_of(info: dict) -> int:
+    """The target's hidden size from target.json, else from its config (no weights loaded)."""
+    if info.get("hidden_size"):
+        return info["hidden_size"]
+    from eaglet.target import load_text_config
+
+    return load_text_config(info["path"]).hidden_size
 
 
 def shard_problem(meta_path: Path, shard_file: Path, expected: dict) -> str | None:
@@ -396,9 +405,10 @@ def shard_problem(meta_path: Path, shard_file: Path, expected: dict) -> str | No
 
 
 def build_manifest(cfg: dict, target_json: str, data_path: str, num_shards: int,
-                   hidden_dir: str, manifest_path: str) -> dict:
+                   hidden_dir: str, manifest_path: str, eval_data_path: str | None = None) -> dict:
     """Verify every shard (hash, layers, dtype, target), re-extract the ones that fail, and
-    write ``manifest.json``."""
+    write ``manifest.json``. With ``eval_data_path`` the held-out shard (``eval/`` beside
+    the training shards) is verified too and listed under ``eval_shards``."""
     from eaglet.target import load_text_config
 
     ext = cfg["extract"]
@@ -406,26 +416,40 @@ def build_manifest(cfg: dict, target_json: str, data_path: str, num_shards: int,
     num_layers = load_text_config(info["path"]).num_hidden_layers
     expected = {"aux_layer_ids": resolve_aux_layer_ids(ext["aux_layer_ids"], num_layers),
                 "dtype": ext["dtype"], "target": target_identity(info)}
+    jobs = [(Path(hidden_dir), data_path, num_shards, index) for index in range(num_shards)]
+    if eval_data_path is not None:
+        jobs.append((Path(hidden_dir) / "eval", eval_data_path, 1, 0))
     target: Target | None = None
+    records: dict[str, list[dict]] = {}
+    problems = [shard_problem(shards.shard_path(d, i).with_suffix(".json"), shards.shard_path(d, i),
+                              expected) for d, _, _, i in jobs]
+    redo = [(data, count, index) for (_, data, count, index), problem in zip(jobs, problems) if problem]
+    if redo:  # before loading the model: the bytes of every shard to extract again
+        for data, _, _ in redo:
+            if data not in records:
+                records[data] = read_jsonl(data)
+        check_disk(Path(hidden_dir), sum(
+            estimate_bytes(shard_records(records[data], count, index), ext["max_len"],
+                           hidden_size_of(info), ext["dtype"]) for data, count, index in redo))
     entries = []
-    for index in range(num_shards):
-        shard_file = shards.shard_path(hidden_dir, index)
+    for (directory, data, count, index), problem in zip(jobs, problems):
+        shard_file = shards.shard_path(directory, index)
         meta_path = shard_file.with_suffix(".json")
-        problem = shard_problem(meta_path, shard_file, expected)
         if problem:
-            log.warning("shard %d cannot be used: %s; extracting it again", index, problem)
+            log.warning("shard %s cannot be used: %s; extracting it again", shard_file, problem)
             if target is None:
                 target = load_target(info["path"], cfg["target"]["dtype"], ext["device"])
-                records = read_jsonl(data_path)
-            extract_shard(target, shard_records(records, num_shards, index), ext,
+            extract_shard(target, shard_records(records[data], count, index), ext,
                           expected["aux_layer_ids"], expected["target"], shard_file, meta_path)
         entry = read_json(meta_path)
         enforce_agreement(entry, ext["min_teacher_agreement"])
-        entries.append(entry)
-    manifest = summarize(entries, expected, ext)
+        entries.append({**entry, "file": shard_file.relative_to(hidden_dir).as_posix()})
+    manifest = summarize(entries[:num_shards], expected, ext)
+    if eval_data_path is not None:
+        manifest["eval_shards"] = summarize(entries[num_shards:], expected, ext)["shards"]
     write_json(manifest_path, manifest)
     log.info("manifest: %d shards, %d samples, %d tokens, %.1f MB, teacher agreement %s",
-             len(entries), manifest["num_samples"], manifest["tokens"], manifest["bytes"] / 1e6,
+             manifest["num_shards"], manifest["num_samples"], manifest["tokens"], manifest["bytes"] / 1e6,
              manifest["teacher_agreement"])
     return manifest
 

@@ -22,7 +22,7 @@ import httpx
 from transformers import AutoTokenizer
 
 from eaglet import rates
-from eaglet.io import read_jsonl, write_json, write_jsonl
+from eaglet.io import atomic_open, read_jsonl, write_json, write_jsonl
 from eaglet.progress import Progress, now_iso
 from eaglet.server import VLLMServer, server_args
 from eaglet.target import read_target
@@ -54,30 +54,61 @@ class Sampling:
 # -- partial file ----------------------------------------------------------------------------
 
 def read_partial(path: str | os.PathLike) -> dict[str, dict]:
-    """Latest record per prompt id from a partial file; a torn last line (the process was
-    killed mid-write) is dropped and cut off so that appending continues cleanly."""
+    """Latest record per prompt id from a partial file.
+
+    Every decodable line is kept. A line that does not decode (a torn last line from a kill
+    mid-write, or a damaged one anywhere) is moved to ``<path>.bad`` and counted, and the
+    file is rewritten without it so that appending continues cleanly.
+    """
     path = Path(path)
     if not path.exists():
         return {}
     records: dict[str, dict] = {}
-    good_bytes = 0
+    good: list[bytes] = []
+    bad: list[tuple[int, bytes]] = []
     with open(path, "rb") as handle:
-        for raw in handle:
-            try:
-                record = json.loads(raw)
-            except json.JSONDecodeError:
-                log.warning("dropping a torn line at byte %d of %s", good_bytes, path)
-                break
-            if not raw.endswith(b"\n"):
-                break
-            good_bytes += len(raw)
+        for number, raw in enumerate(handle, start=1):
+            record = _decode_line(raw)
+            if record is None:
+                bad.append((number, raw))
+                continue
+            good.append(raw)
             previous = records.get(record["id"])
             if previous is None or "error" in previous or "error" not in record:
                 records[record["id"]] = record
-    if good_bytes != path.stat().st_size:
-        with open(path, "r+b") as handle:
-            handle.truncate(good_bytes)
+    if bad:
+        _set_aside(path, good, bad)
     return records
+
+
+def _decode_line(raw: bytes) -> dict | None:
+    """The record on one whole line of a partial file, or None when it is not one."""
+    if not raw.endswith(b"\n"):
+        return None  # torn: the process was killed while writing it
+    try:
+        record = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return record if isinstance(record, dict) and "id" in record else None
+
+
+def _set_aside(path: Path, good: list[bytes], bad: list[tuple[int, bytes]]) -> None:
+    """Append the bad lines to ``<path>.bad`` and rewrite ``path`` with the good ones."""
+    side = path.with_name(path.name + ".bad")
+    with open(side, "ab") as handle:
+        for _, raw in bad:
+            handle.write(raw if raw.endswith(b"\n") else raw + b"\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    if len(bad) == 1 and bad[0][0] == len(good) + 1:
+        with open(path, "r+b") as handle:  # only a torn or bad last line: cut it off
+            handle.truncate(sum(len(raw) for raw in good))
+    else:
+        with atomic_open(path, "wb") as handle:
+            handle.writelines(good)
+    lines = ", ".join(str(number) for number, _ in bad[:10]) + (", ..." if len(bad) > 10 else "")
+    log.warning("%d undecodable line(s) of %s (line %s) set aside in %s; the %d good records "
+                "are kept", len(bad), path, lines, side, len(good))
 
 
 def append_record(handle, record: dict) -> None:
@@ -198,8 +229,18 @@ async def chat_with_retries(client, model, messages, sampling, timeout, max_retr
             attempt += 1
 
 
-async def resolve_model_name(client: httpx.AsyncClient) -> str:
-    resp = await client.get("/v1/models", timeout=30)
+async def resolve_model_name(client: httpx.AsyncClient, model_name: str | None = None) -> str:
+    """The served model's name (``model_name`` when given), asked at ``/v1/models``; a server
+    that does not answer there stops the stage at once, with its URL named."""
+    try:
+        resp = await client.get("/v1/models", timeout=30)
+    except httpx.TransportError as exc:
+        raise RuntimeError(
+            f"no server answers at {client.base_url} ({type(exc).__name__}: {exc}). Check that "
+            f"it runs and listens on that host and port and that server.url is right, or set "
+            f"server.url: null to let eaglet start vLLM itself") from exc
+    if model_name:
+        return model_name
     resp.raise_for_status()
     models = resp.json().get("data") or []
     if not models:
@@ -249,7 +290,7 @@ async def generate_async(prompts: list[dict], settings: GenerationSettings,
     Path(partial_path).parent.mkdir(parents=True, exist_ok=True)
     async with httpx.AsyncClient(base_url=settings.base_url, headers=headers,
                                  limits=limits) as client:
-        model = settings.model_name or await resolve_model_name(client)
+        model = await resolve_model_name(client, settings.model_name)
         gate = asyncio.Semaphore(settings.concurrency)
         with open(partial_path, "a") as out:
 

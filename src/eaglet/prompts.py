@@ -3,9 +3,11 @@
 Each configured source (``data.sources`` in the config) is read into prompt records::
 
     {"id": "p-<16 hex>", "messages": [{"role": "system", ...}?, {"role": "user", ...}],
-     "source": "<label>", "row": <0-based row in that source>}
+     "source": "<label>", "row": <row in that source>}
 
-Rows that cannot become a prompt are skipped and reported with their row number; a
+Rows are numbered as an editor shows them: the first is 1 (in a .jsonl file, the line
+number). Rows that cannot become a prompt (a field missing, bad JSON, bytes that are not
+UTF-8) are skipped and reported with their row number; a
 source that yields no prompt at all is an error. Prompts are deduplicated across sources
 by their normalized text (the first occurrence wins), and each one goes to the train or
 eval split by a salted hash of its id, so adding a source never moves a prompt between
@@ -128,9 +130,15 @@ class SourceReport:
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
-    """Yield (0-based line number, object); blank lines are skipped, bad JSON is a _BadRow."""
-    with open(path, encoding="utf-8") as handle:
-        for row, line in enumerate(handle):
+    """Yield (line number, object); blank lines are skipped, a line that is not UTF-8 or
+    not JSON is a _BadRow."""
+    with open(path, "rb") as handle:
+        for row, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                yield row, _BadRow(_not_utf8(raw, exc.start))
+                continue
             if not line.strip():
                 continue
             try:
@@ -147,10 +155,12 @@ def _json_rows(path: Path) -> Iterator[tuple[int, Any]]:
 
     The file is decoded a chunk at a time, so a large list is never held whole, and a file cut
     off mid-list (a truncated download: the ShareGPT file shipped on PyPI is one) yields every
-    complete element; the torn tail becomes one _BadRow that says where the file stops.
+    complete element; the torn tail becomes one _BadRow that says where the file stops. Rows
+    count from 1; bytes that are not UTF-8 become lone surrogates, and the elements holding
+    them are bad rows.
     """
     decoder = json.JSONDecoder()
-    with open(path, encoding="utf-8") as handle:
+    with open(path, encoding="utf-8", errors="surrogateescape") as handle:
         buffer, pos, consumed, eof = "", 0, 0, False
 
         def fill() -> bool:
@@ -188,7 +198,7 @@ def _json_rows(path: Path) -> Iterator[tuple[int, Any]]:
             if following == "]":
                 return
             if following == "":
-                yield index, _BadRow(f"the file ends inside the list after {index} elements "
+                yield index + 1, _BadRow(f"the file ends inside the list after {index} elements "
                                      f"(truncated at character {consumed + pos}); the "
                                      f"complete elements are kept")
                 return
@@ -203,23 +213,41 @@ def _json_rows(path: Path) -> Iterator[tuple[int, Any]]:
                     if fill():
                         continue
                     if exc.pos >= len(buffer) - 1 or "Unterminated" in exc.msg:
-                        yield index, _BadRow(
-                            f"the file ends inside element {index} (truncated at character "
+                        yield index + 1, _BadRow(
+                            f"the file ends inside element {index + 1} (truncated at character "
                             f"{consumed + len(buffer)}, {len(buffer) - pos} characters of it "
                             f"dropped); the {index} complete elements before it are kept")
                         return
                     raise PromptSourceError(f"{path}: invalid JSON in element {index}: "
                                             f"{exc}") from exc
-            yield index, element
+            yield index + 1, (_BadRow("not UTF-8: a string in the row holds bytes of another "
+                                      "encoding") if _has_surrogates(element) else element)
             index += 1
             pos = end
+
+
+def _not_utf8(raw: bytes, at: int) -> str:
+    return f"not UTF-8: byte 0x{raw[at]:02x} at byte {at + 1} of the line"
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _has_surrogates(value: Any) -> bool:
+    if isinstance(value, str):
+        return _SURROGATE.search(value) is not None
+    if isinstance(value, dict):
+        return any(_has_surrogates(k) or _has_surrogates(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_has_surrogates(item) for item in value)
+    return False
 
 
 def _parquet_rows(path: Path) -> Iterator[tuple[int, Any]]:
     import pyarrow.parquet as pq
 
     batches = pq.ParquetFile(path).iter_batches()
-    yield from enumerate(row for batch in batches for row in batch.to_pylist())
+    yield from enumerate((row for batch in batches for row in batch.to_pylist()), start=1)
 
 
 FILE_READERS: dict[str, Callable[[Path], Iterator[tuple[int, Any]]]] = {
@@ -245,7 +273,7 @@ def _file_rows(path_str: str) -> Rows:
 def _hf_rows(name: str, subset: str | None, split: str) -> Rows:
     import datasets
 
-    return enumerate(datasets.load_dataset(name, subset, split=split))
+    return enumerate(datasets.load_dataset(name, subset, split=split), start=1)
 
 
 SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -294,7 +322,7 @@ def _humaneval_rows(tasks: list[str]) -> Rows:
     with gzip.open(humaneval_data_file(), "rt", encoding="utf-8") as handle:
         problems = [json.loads(line) for line in handle if line.strip()]
     rows = ({**problem, "task": task} for problem in problems for task in tasks)
-    return enumerate(rows)
+    return enumerate(rows, start=1)
 
 
 # --------------------------------------------------------------------------- row -> messages
@@ -417,6 +445,12 @@ def source_label(source: dict) -> str:
         subset = f":{source['subset']}" if source.get("subset") else ""
         return f"hf:{source.get('name')}{subset}/{source['split']}"
     return f"{kind}:{source.get('path')}"
+
+
+def local_files(data_cfg: dict) -> list[str]:
+    """The local files the sources read (``path`` of file and conversations sources): the
+    inputs of ``prepare_prompts``, so that editing one reruns it and what follows."""
+    return list(dict.fromkeys(s["path"] for s in data_cfg["sources"] if s.get("path")))
 
 
 def _required(source: dict, key: str, label: str) -> Any:

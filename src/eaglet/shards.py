@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import load as load_bytes
 from safetensors.torch import save
 
 FORMAT = "eaglet.hidden.v1"
@@ -115,9 +116,16 @@ def _sorted_header(data: bytes) -> bytes:
     return data[:8] + text.ljust(n, b" ") + data[8 + n:]
 
 
-def read_metadata(path: str | os.PathLike) -> dict:
-    with safe_open(str(path), framework="pt") as handle:
-        meta = handle.metadata() or {}
+class ShardDamaged(ValueError):
+    """A shard's bytes are not the ones extraction wrote (truncated, modified, unreadable)."""
+
+    def __init__(self, path: str | os.PathLike, reason: str):
+        super().__init__(f"hidden-state shard {path} is damaged: {reason}")
+        self.path = Path(path)
+        self.reason = reason
+
+
+def _parse_metadata(meta: dict, path: str | os.PathLike) -> dict:
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path} is not an eaglet hidden-state shard (format {meta.get('format')!r})")
     return {"dtype": meta["dtype"], "hidden_size": int(meta["hidden_size"]),
@@ -125,10 +133,30 @@ def read_metadata(path: str | os.PathLike) -> dict:
             "sample_ids": json.loads(meta["sample_ids"]), "target": json.loads(meta["target"])}
 
 
-def load(path: str | os.PathLike) -> Shard:
-    meta = read_metadata(path)
+def read_metadata(path: str | os.PathLike) -> dict:
     with safe_open(str(path), framework="pt") as handle:
-        t = {name: handle.get_tensor(name) for name in handle.keys()}
+        meta = handle.metadata() or {}
+    return _parse_metadata(meta, path)
+
+
+def load(path: str | os.PathLike, sha256: str | None = None) -> Shard:
+    """The shard at ``path``. With ``sha256`` (the hash recorded at extraction) the file is
+    read once into memory, hashed over those same bytes and decoded from them; a mismatch or
+    an undecodable file raises :class:`ShardDamaged` naming it."""
+    if sha256 is None:
+        meta = read_metadata(path)
+        with safe_open(str(path), framework="pt") as handle:
+            t = {name: handle.get_tensor(name) for name in handle.keys()}
+    else:
+        with open(path, "rb") as handle:
+            data = handle.read()
+        actual = sha256_bytes(data)
+        if actual != sha256:
+            raise ShardDamaged(path, f"its sha256 {actual[:12]}… is not the {sha256[:12]}… "
+                                     f"recorded at extraction (truncated or modified on disk)")
+        t = load_bytes(data)
+        meta = _parse_metadata(_header(data).get("__metadata__") or {}, path)
+        del data
     if meta["dtype"] == "fp8":
         aux = dequantize_fp8(t["aux_hidden"], t["aux_scale"])
         final = dequantize_fp8(t["final_hidden"], t["final_scale"])
@@ -136,6 +164,23 @@ def load(path: str | os.PathLike) -> Shard:
         aux, final = t["aux_hidden"].float(), t["final_hidden"].float()
     return Shard(t["input_ids"], t["loss_mask"], t["offsets"], t["teacher_argmax"], aux, final,
                  meta["sample_ids"], meta["aux_layer_ids"], meta["dtype"], meta["target"])
+
+
+def _header(data: bytes) -> dict:
+    n = struct.unpack("<Q", data[:8])[0]
+    return json.loads(data[8:8 + n])
+
+
+def set_aside(path: str | os.PathLike) -> Path | None:
+    """Move a damaged shard to ``<name>.damaged`` beside it, so that the workflow sees it
+    missing and extracts it again; None when it is already gone."""
+    path = Path(path)
+    aside = path.with_name(path.name + ".damaged")
+    try:
+        os.replace(path, aside)
+    except FileNotFoundError:
+        return None
+    return aside
 
 
 def sha256_bytes(data: bytes) -> str:

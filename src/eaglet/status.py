@@ -14,6 +14,8 @@ import csv
 import glob
 import json
 import os
+import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -249,6 +251,15 @@ def _projected_totals(r: Path) -> dict | None:
             for split, n in (("train", n_train), ("eval", n_eval))}
 
 
+def _checkpointed_steps(r: Path) -> tuple[int | None, int | None]:
+    """Step and total steps of the newest training checkpoint, which a rerun resumes."""
+    for directory in sorted((r / "drafter_checkpoints").glob("step_*"), reverse=True):
+        state = _read(directory / "state.json")
+        if state and state.get("total_steps"):
+            return int(state["step"]), int(state["total_steps"])
+    return None, None
+
+
 def estimate(stage: str, r: Path, cfg: dict, progress: dict | None) -> Estimate:
     target = cfg["target"]["model"]
     gen, ev = cfg["generate"], cfg["evaluate"]
@@ -286,8 +297,12 @@ def estimate(stage: str, r: Path, cfg: dict, progress: dict | None) -> Estimate:
         if totals is None or rate is None:
             return Estimate(None, basis if totals else "token count unknown until generate runs")
         tokens = totals["train"]["tokens"] * cfg["train"]["epochs"]
-        return Estimate(tokens / rate, f"{cfg['train']['epochs']} epochs x "
-                        f"{totals['train']['tokens']} tokens at {rate:.0f} tok/s ({basis})")
+        text = f"{cfg['train']['epochs']} epochs x {totals['train']['tokens']} tokens"
+        step, steps = _checkpointed_steps(r)
+        if step:  # a rerun continues from the newest checkpoint
+            tokens *= max(steps - step, 0) / steps
+            text += f", resuming from the checkpoint at step {step}/{steps}"
+        return Estimate(tokens / rate, f"{text} at {rate:.0f} tok/s ({basis})")
     if stage == "evaluate":
         plan, replays = run_plan(ev)
         runs = len(plan)
@@ -319,17 +334,31 @@ def estimate(stage: str, r: Path, cfg: dict, progress: dict | None) -> Estimate:
 
 # -- gathering -------------------------------------------------------------------------------
 
-def _last_error(log: Path) -> str | None:
+_FAILED = re.compile(r" ERROR eaglet\.[\w.]+: [\w\[\]]+ failed: (?P<why>.*)")
+
+
+def _last_error(log: Path) -> tuple[str, float] | None:
+    """The reason a stage's job last failed, as its ``run_stage`` logged it, and when (the
+    log's modification time). Snakemake deletes a job's log before running it again, so a
+    failure in a log is its job's last run."""
     files = sorted(log.rglob("*.log")) if log.is_dir() else [log]
+    found = []
     for path in files:
         try:
             lines = path.read_text(errors="replace").splitlines()
+            mtime = path.stat().st_mtime
         except OSError:
             continue
         for line in reversed(lines[-200:]):
-            if " ERROR " in line and " failed: " in line:
-                return line.split(" failed: ", 1)[1][:300]
-    return None
+            match = _FAILED.search(line)
+            if match:
+                found.append((match["why"][:300], mtime))
+                break
+    return max(found, key=lambda f: f[1]) if found else None
+
+
+def _newest_output(r: Path, stage: Stage) -> float:
+    return max(os.stat(p).st_mtime for out in stage.outputs for p in glob.glob(str(r / out)))
 
 
 def _took(progresses: list[dict]) -> float | None:
@@ -352,10 +381,16 @@ def stage_status(stage: Stage, r: Path, cfg: dict, outdated: set[str]) -> dict:
     active = [p for p in progresses if p.get("state") == "running"]
     running = [p for p in active if process_alive(p) is not False]
     stale = [p for p in active if process_alive(p) is False]
+    failure = _last_error(r / stage.log) if stage.log and not running else None
+    if failure and done and failure[1] <= _newest_output(r, stage):
+        failure = None  # an older failure: the outputs were made after it
     out: dict[str, Any] = {"stage": stage.name}
     if running:
         out["state"] = "running"
         out["progress"] = running
+    elif failure:  # also when its process is gone or an older output is still there
+        out["state"] = "failed"
+        out["error"] = failure[0]
     elif done:
         out["state"] = "outdated" if stage.name in outdated else "completed"
         out["facts"] = stage.facts(r) if stage.facts else {}
@@ -364,10 +399,7 @@ def stage_status(stage: Stage, r: Path, cfg: dict, outdated: set[str]) -> dict:
         out["state"] = "interrupted"
         out["progress"] = stale
     else:
-        error = _last_error(r / stage.log) if stage.log else None
-        out["state"] = "failed" if error else "pending"
-        if error:
-            out["error"] = error
+        out["state"] = "pending"
     if stage.gpu_key:
         section, key = stage.gpu_key
         out["gpus"] = cfg[section].get(key, 0)
@@ -560,8 +592,9 @@ def render(report: dict) -> str:
     lines.append("\nOrder: generate (vLLM server) -> vocab_map -> extract (starts only after the "
                  "server stopped: both need the GPU) -> train -> evaluate (vLLM server again)")
     running_logs = [p.get("log") for s in by_state.get("running", []) for p in s["progress"]]
-    lines.append(f"Follow it: eaglet status --results {report['results']} --watch 10"
-                 + (f"   or   tail -f {running_logs[0]}" if running_logs and running_logs[0] else ""))
+    lines.append(f"Follow it: eaglet status --results {shlex.quote(report['results'])} --watch 10"
+                 + (f"   or   tail -f {shlex.quote(running_logs[0])}"
+                    if running_logs and running_logs[0] else ""))
     return "\n".join(lines)
 
 
@@ -582,6 +615,11 @@ def main(argv: list[str] | None = None) -> int:
     results_hint = Path(args.results) if args.results else None
     cfg = load_run_config(results_hint or Path("results"), args.config, Path(args.workflow))
     results = results_hint or Path(cfg["results_dir"])
+    if results_hint is not None and not results.is_dir():
+        print(f"eaglet status: {results} is not a results directory (nothing has run there). "
+              f"Give the results_dir of a run, e.g. --results {shlex.quote(cfg['results_dir'])}",
+              file=sys.stderr)
+        return 2
     config_args = snakemake_config_args(results, args.config)
     workflow = None if args.no_snakemake else Path(args.workflow)
     while True:

@@ -104,8 +104,39 @@ def model_identity(model_dir: Path) -> dict:
             "vocab_size": config.get("vocab_size")}
 
 
-def prepare_target(spec: str, out_dir: str | os.PathLike) -> dict:
-    """Resolve ``spec`` and write ``out_dir/target.json``; returns its content."""
+def check_run_fits(info: dict, draft_vocab_size: int | None = None,
+                   aux_layer_ids: list[int] | None = None) -> None:
+    """Refuse settings the target cannot honour, before generation spends hours: a draft
+    vocabulary larger than the target's, aux layer ids past its decoder layers."""
+    name, vocab, layers = info.get("spec"), info.get("vocab_size"), info.get("num_hidden_layers")
+    if draft_vocab_size is not None and vocab is not None and draft_vocab_size > vocab:
+        raise TargetError(f"vocab.draft_vocab_size {draft_vocab_size} exceeds the vocabulary of "
+                          f"the target {name} ({vocab} tokens): set it to at most {vocab}")
+    if aux_layer_ids and layers is not None:
+        bad = [i for i in aux_layer_ids if not 0 <= i < layers]
+        if bad:
+            raise TargetError(f"extract.aux_layer_ids {list(aux_layer_ids)}: {bad} outside "
+                              f"0..{layers - 1}, the {layers} decoder layers of the target {name} "
+                              f"(id i is the input of layer i); pick ids in that range or null "
+                              f"for vLLM's default")
+
+
+def check_recorded_target(target_json: str | os.PathLike, spec: str,
+                          draft_vocab_size: int | None, aux_layer_ids: list[int] | None) -> None:
+    """``check_run_fits`` against an existing ``target.json`` of the same target (a run
+    that changes only these settings reruns no ``prepare_target``)."""
+    try:
+        info = read_json(target_json)
+    except (OSError, ValueError):
+        return
+    if info.get("spec") == spec:
+        check_run_fits(info, draft_vocab_size, aux_layer_ids)
+
+
+def prepare_target(spec: str, out_dir: str | os.PathLike, *, draft_vocab_size: int | None = None,
+                   aux_layer_ids: list[int] | None = None) -> dict:
+    """Resolve ``spec``, check that the draft vocabulary and aux layer ids fit it, and write
+    ``out_dir/target.json``; returns its content."""
     out_dir = Path(out_dir)
     if spec.startswith("embedded:"):
         gguf = find_embedded_gguf(spec)
@@ -121,6 +152,7 @@ def prepare_target(spec: str, out_dir: str | os.PathLike) -> dict:
         path = Path(snapshot(spec))
         info = {"spec": spec, "path": str(path), "hub_id": spec, **model_identity(path)}
         log.info("using %s from the Hugging Face hub cache at %s", spec, path)
+    check_run_fits(info, draft_vocab_size, aux_layer_ids)
     write_json(out_dir / "target.json", info)
     log.info("target: %s", info["path"])
     return info

@@ -47,7 +47,7 @@ from eaglet.drafter import (DrafterConfig, Eagle3Drafter, init_from_target_layer
                             load_target_layer, load_target_embedding,
                             load_target_lm_head, num_params, read_target_config)
 from eaglet.export import export_drafter
-from eaglet.io import atomic_open, read_json, write_json
+from eaglet.io import atomic_open, human_size, read_json, write_json
 from eaglet.progress import Progress
 from eaglet.target import model_identity
 
@@ -119,31 +119,72 @@ class ShardInfo:
     hidden_size: int
     aux_layer_ids: list[int]
     target: dict
+    sha256: str | None = None  # recorded in the manifest at extraction; None: not verified
 
 
-def index_shard(path: str, vocab_size: int) -> ShardInfo:
-    """What training needs to know of a shard before loading it, with its token ids checked."""
-    meta = shard_format.read_metadata(path)
-    with safe_open(str(path), framework="pt") as handle:
-        offsets = handle.get_tensor("offsets")
-        width = handle.get_slice("aux_hidden").get_shape()[1]
-        # teacher_argmax is -1 on rows no loss reads (see eaglet.shards)
-        for name, lowest in (("input_ids", 0), ("teacher_argmax", -1)):
-            ids = handle.get_tensor(name)
-            if not ids.numel():
-                continue
-            low, high = int(ids.min()), int(ids.max())
-            if low < lowest or high >= vocab_size:
-                bad = low if low < lowest else high
-                raise TrainError(
-                    f"{path}: {name} holds id {bad} outside the target vocabulary of "
-                    f"{vocab_size}: the shard was extracted for another "
-                    f"tokenizer; rerun extract for this target")
+def manifest_hashes(manifest_path: str, paths: list[str]) -> dict[str, str]:
+    """The sha256 that ``manifest.json`` records for each shard of ``paths``."""
+    manifest = read_json(manifest_path)
+    root = Path(manifest_path).parent
+    listed = {os.path.realpath(root / entry["file"]): entry["sha256"]
+              for entry in manifest.get("shards", []) + manifest.get("eval_shards", [])}
+    hashes = {}
+    for path in paths:
+        sha256 = listed.get(os.path.realpath(path))
+        if sha256 is None:
+            raise TrainError(f"{path} is not listed in {manifest_path}, so it cannot be verified: "
+                             f"rebuild the manifest (snakemake --forcerun hidden_manifest)")
+        hashes[path] = sha256
+    return hashes
+
+
+def damaged(exc: shard_format.ShardDamaged) -> TrainError:
+    """Move a damaged shard aside, so that the next run extracts it again, and say so."""
+    aside = shard_format.set_aside(exc.path)
+    where = f"it was moved to {aside.name}" if aside else "it is gone"
+    return TrainError(f"{exc}. No training step used its damaged bytes; {where}, so that "
+                      f"rerunning the workflow extracts it again (finished checkpoints are kept)")
+
+
+def index_shard(path: str, vocab_size: int, sha256: str | None = None) -> ShardInfo:
+    """What training needs to know of a shard before loading it, with its token ids checked.
+    With ``sha256`` a shard that cannot be read, or whose check fails because its bytes
+    changed since extraction, is refused as damaged."""
+    def refuse(message: str) -> TrainError:
+        if sha256 is not None and shard_format.sha256_path(path) != sha256:
+            return damaged(shard_format.ShardDamaged(
+                path, "its sha256 is not the one recorded at extraction (truncated or modified "
+                      f"on disk; {message})"))
+        return TrainError(message)
+
+    try:
+        meta = shard_format.read_metadata(path)
+        with safe_open(str(path), framework="pt") as handle:
+            offsets = handle.get_tensor("offsets")
+            width = handle.get_slice("aux_hidden").get_shape()[1]
+            # teacher_argmax is -1 on rows no loss reads (see eaglet.shards)
+            ranges = {}
+            for name in ("input_ids", "teacher_argmax"):
+                ids = handle.get_tensor(name)
+                ranges[name] = (int(ids.min()), int(ids.max())) if ids.numel() else None
+    except Exception as exc:  # safetensors' own message names no file
+        if sha256 is None:
+            raise TrainError(f"{path} cannot be read ({exc}): rerun extract for it") from exc
+        raise damaged(shard_format.ShardDamaged(path, f"it cannot be read ({exc})")) from exc
+    for name, lowest in (("input_ids", 0), ("teacher_argmax", -1)):
+        if ranges[name] is None:
+            continue
+        low, high = ranges[name]
+        if low < lowest or high >= vocab_size:
+            bad = low if low < lowest else high
+            raise refuse(f"{path}: {name} holds id {bad} outside the target vocabulary of "
+                         f"{vocab_size}: the shard was extracted for another "
+                         f"tokenizer; rerun extract for this target")
     if width != meta["hidden_size"] * len(meta["aux_layer_ids"]):
-        raise TrainError(f"{path}: aux_hidden is {width} wide, not hidden size {meta['hidden_size']}"
-                         f" x {len(meta['aux_layer_ids'])} aux layers: the shard is corrupt; rerun extract")
+        raise refuse(f"{path}: aux_hidden is {width} wide, not hidden size {meta['hidden_size']}"
+                     f" x {len(meta['aux_layer_ids'])} aux layers: the shard is corrupt; rerun extract")
     return ShardInfo(str(path), (offsets[1:] - offsets[:-1]).tolist(), meta["sample_ids"],
-                     meta["hidden_size"], meta["aux_layer_ids"], meta["target"])
+                     meta["hidden_size"], meta["aux_layer_ids"], meta["target"], sha256)
 
 
 def load_vocab_map(path: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -204,11 +245,22 @@ class Samples:
     def __len__(self) -> int:
         return len(self.lengths)
 
+    def preload(self) -> None:
+        """Load (and so verify) every shard now when all of them stay in memory anyway, so
+        that a damaged one stops the run before its first step."""
+        if not self.keep:
+            for number in range(len(self.infos)):
+                self.shard(number)
+
     def shard(self, number: int) -> shard_format.Shard:
         if number in self._loaded:
             self._loaded.move_to_end(number)
         else:
-            self._loaded[number] = shard_format.load(self.infos[number].path)
+            info = self.infos[number]
+            try:  # read once, hashed as it is read, against the manifest
+                self._loaded[number] = shard_format.load(info.path, info.sha256)
+            except shard_format.ShardDamaged as exc:
+                raise damaged(exc) from exc
             if self.keep and len(self._loaded) > self.keep:
                 self._loaded.popitem(last=False)
         return self._loaded[number]
@@ -414,7 +466,8 @@ def fingerprint(cfg: dict, infos: list[ShardInfo], group: int) -> dict:
 
 class Trainer:
     def __init__(self, cfg: dict, shard_paths, eval_shard_paths, vocab_map: str, target_dir: str,
-                 checkpoint_dir: str, device: torch.device, dist_: Dist):
+                 checkpoint_dir: str, device: torch.device, dist_: Dist,
+                 manifest: str | None = None):
         self.cfg, self.dist, self.device = cfg, dist_, device
         self.checkpoint_dir = Path(checkpoint_dir)
         self.group = dist_.world * cfg["grad_accum"]
@@ -424,11 +477,14 @@ class Trainer:
         text_config = target_config.get("text_config", target_config)
         d2t, t2d = load_vocab_map(vocab_map)
         check_vocab_map(text_config, d2t, t2d)
-        infos = [index_shard(p, t2d.numel()) for p in shard_paths]
-        eval_infos = [index_shard(p, t2d.numel()) for p in eval_shard_paths]
+        hashes = manifest_hashes(manifest, shard_paths + eval_shard_paths) if manifest else {}
+        infos = [index_shard(p, t2d.numel(), hashes.get(p)) for p in shard_paths]
+        eval_infos = [index_shard(p, t2d.numel(), hashes.get(p)) for p in eval_shard_paths]
         check_shards(infos + eval_infos, text_config, target_dir)
         self.train_data = Samples(infos, cfg["shards_in_memory"])
         self.eval_data = Samples(eval_infos, cfg["shards_in_memory"])
+        self.train_data.preload()
+        self.eval_data.preload()
         self.t2d = t2d
         self.fingerprint = fingerprint(cfg, infos, self.group)
 
@@ -501,6 +557,23 @@ class Trainer:
         return make_batch(pieces, self.cfg["ttt_steps"], self.t2d).to(self.device)
 
     # -- checkpoints --
+
+    def check_disk(self) -> None:
+        """Before the first step: room for the checkpoints still to come (one more than
+        train.keep_checkpoints exists while the newest is written) and the drafter."""
+        state = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+        params = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        per_checkpoint = state + 2 * params  # weights, and AdamW's two moments
+        to_write = max(self.cfg["keep_checkpoints"] + 1 - len(checkpoints(self.checkpoint_dir)), 1)
+        needed = to_write * per_checkpoint + state
+        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(self.checkpoint_dir).free
+        if needed > free:
+            raise TrainError(
+                f"not enough disk for training: about {human_size(needed)} still to write "
+                f"({to_write} checkpoints of {human_size(per_checkpoint)} and the drafter), "
+                f"{human_size(free)} free on {self.checkpoint_dir}. Free space, lower "
+                f"train.keep_checkpoints, or point results_dir at a larger disk.")
 
     def save_checkpoint(self) -> None:
         if self.dist.rank != 0:
@@ -687,12 +760,14 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
 def train(cfg: dict, shard_paths: list[str], eval_shard_paths: list[str], vocab_map: str,
           target_dir: str, out_dir: str, checkpoint_dir: str, progress_path: str | None,
           log_path: str | None, *, rate_key: str | None = None,
-          stop_after_steps: int | None = None) -> dict:
+          stop_after_steps: int | None = None, manifest: str | None = None) -> dict:
     """Train a drafter and write ``out_dir/{config.json, model.safetensors, training_log.csv}``.
 
     Runs data-parallel when launched by ``torchrun`` (WORLD_SIZE > 1): each rank takes its
     share of every step's micro-batches and only rank 0 writes files. ``stop_after_steps``
     is a test hook: return after that many steps as if the process had been killed.
+    ``manifest`` (``hidden/manifest.json``) holds the sha256 every shard must have: each
+    shard is hashed as it is read, and a damaged one is moved aside and named in the error.
     ``rate_key`` (the target's spec) records the measured tokens/s in the rates history that
     `eaglet status` estimates later runs from; None (benchmarks, tests) records nothing.
     Returns the final metrics (last training and held-out rows, throughput).
@@ -703,8 +778,10 @@ def train(cfg: dict, shard_paths: list[str], eval_shard_paths: list[str], vocab_
     started = time.monotonic()
     try:
         trainer = Trainer(cfg, list(shard_paths), list(eval_shard_paths), vocab_map, target_dir,
-                          checkpoint_dir, device, dist_)
+                          checkpoint_dir, device, dist_, manifest)
         trainer.resume()
+        if dist_.rank == 0:
+            trainer.check_disk()
         first_step = trainer.step
         progress = (Progress("train", total=trainer.total_steps, path=progress_path,
                              log_path=log_path, unit="steps", already_done=first_step)
