@@ -513,3 +513,15 @@ def test_max_turns_keeps_later_user_turns_as_followups(tmp_path):
     assert "followups" not in multi[1]
     everything, _ = load_source(source(type="sharegpt", path=str(path), max_turns=10))
     assert everything[0]["followups"] == ["second", "third"]
+
+
+def test_prompts_longer_than_max_prompt_chars_are_bad_rows(tmp_path):
+    path = write_jsonl_lines(tmp_path / "p.jsonl", [{"text": "short question"},
+                                                    {"text": "x" * 500}, {"text": "another"}])
+    prompts, report = load_source(source(type="file", path=str(path), text_field="text",
+                                         max_prompt_chars=100))
+    assert [p["messages"][-1]["content"] for p in prompts] == ["short question", "another"]
+    assert report["bad"] == 1 and report["bad_examples"][0] == {
+        "row": 2, "reason": "prompt of 500 characters is longer than max_prompt_chars=100"}
+    everything, _ = load_source(source(type="file", path=str(path), text_field="text"))
+    assert len(everything) == 3

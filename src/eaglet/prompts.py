@@ -528,6 +528,14 @@ def _prompt_record(messages: list[Message], label: str, row: int) -> dict:
     return record
 
 
+def _check_length(prompt: dict, max_chars: int | None) -> None:
+    """Pasted documents make long prompts that cost extraction and training time (every
+    prompt token is a row) and can leave no room for an answer: skip them, as bad rows."""
+    chars = sum(len(m["content"]) for m in prompt["messages"])
+    if max_chars is not None and chars > max_chars:
+        raise _BadRow(f"prompt of {chars} characters is longer than max_prompt_chars={max_chars}")
+
+
 def load_source(source: dict) -> tuple[list[dict], dict]:
     """Read one validated source dict into prompt records (no split yet) and its report.
 
@@ -543,12 +551,13 @@ def load_source(source: dict) -> tuple[list[dict], dict]:
         if report.row_fields is None and isinstance(record, dict):
             report.row_fields = sorted(record)
         try:
-            messages = extract(record)
+            prompt = _prompt_record(extract(record), label, row)
+            _check_length(prompt, source.get("max_prompt_chars"))
         except _BadRow as exc:
             report.add_bad(row, str(exc))
             continue
         report.valid += 1
-        records.append(_prompt_record(messages, label, row))
+        records.append(prompt)
     if not records:
         raise _empty_source_error(report, hint)
     return records, report.as_dict()
