@@ -8,7 +8,8 @@ run itself measured (``synthetic/stats.json``, ``progress/extract_*.json``).
 
 A variant is ``{"name": ..., "shards": N, "train": {...}}``: the first N training shards (each
 a contiguous block of samples: 1 of 4 is a quarter of the prompts) and train settings over
-the run's own. Run, after a workflow run has written its shards:
+the run's own; ``{"name": ..., "from_run": true}`` reads the run's own training instead of
+training it again. Run, after a workflow run has written its shards:
 
     .venv/bin/python benchmarks/recipe.py --results results --variants benchmarks/recipe_demo.json
 
@@ -18,6 +19,7 @@ Rows are appended to benchmarks/results/recipe.json and the table is rendered as
 from __future__ import annotations
 
 import argparse
+import csv
 import glob
 import json
 import platform
@@ -45,17 +47,32 @@ def data_cost_s(results: Path, shards: int, total_shards: int) -> dict:
     return {"generate_s": generate_s, "extract_s": extract_s}
 
 
+def _last_rows(training_log: Path) -> dict:
+    with open(training_log, newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    return {split: next(r for r in reversed(rows) if r["split"] == split)
+            for split in ("train", "eval")}
+
+
 def run_variant(results: Path, variant: dict, base_train: dict, out_root: Path) -> dict:
+    """Train the variant (or, with ``from_run``, read the run's own training: its recipe
+    trained once already) and measure what it cost."""
     shards = sorted(glob.glob(str(results / "hidden" / "shard_*.safetensors")))
     eval_shards = sorted(glob.glob(str(results / "hidden" / "eval" / "shard_*.safetensors")))
     used = shards[:variant.get("shards", len(shards))]
-    cfg = {**base_train, **variant.get("train", {}), "resume": False}
-    run_dir = out_root / variant["name"]
-    start = time.perf_counter()
-    metrics = train(cfg, used, eval_shards, str(results / "vocab" / "vocab_map.safetensors"),
-                    str(results / "target"), str(run_dir / "drafter"),
-                    str(run_dir / "checkpoints"), None, None)
-    train_s = time.perf_counter() - start
+    if variant.get("from_run"):
+        progress = read_json(results / "progress" / "train.json")
+        metrics = {**_last_rows(results / "drafter" / "training_log.csv"),
+                   "steps": progress["done"]}
+        train_s = progress["elapsed_s"]
+    else:
+        cfg = {**base_train, **variant.get("train", {}), "resume": False}
+        run_dir = out_root / variant["name"].replace(" ", "_").replace(",", "")
+        start = time.perf_counter()
+        metrics = train(cfg, used, eval_shards, str(results / "vocab" / "vocab_map.safetensors"),
+                        str(results / "target"), str(run_dir / "drafter"),
+                        str(run_dir / "checkpoints"), None, None)
+        train_s = time.perf_counter() - start
     cost = data_cost_s(results, len(used), len(shards))
     held_out = metrics["eval"]
     total_s = train_s + cost["generate_s"] + cost["extract_s"]
