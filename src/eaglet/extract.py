@@ -251,17 +251,11 @@ def is_greedy(records: list[dict]) -> bool:
     return all((r.get("sampling") or {}).get("temperature", 0.0) == 0.0 for r in records)
 
 
-def extract_shard(target: Target, records: list[dict], cfg: dict, aux_layer_ids: list[int],
-                  identity: dict, shard_path: str | os.PathLike, meta_path: str | os.PathLike,
-                  progress: Progress | None = None) -> dict:
-    """Extract one shard and its sidecar JSON; raise below the teacher-agreement threshold."""
-    started = time.monotonic()
-    seqs, masks, truncated = [], [], 0
-    for record in records:
-        ids, mask, cut = sequence(record, cfg["max_len"])
-        seqs.append(ids)
-        masks.append(mask)
-        truncated += cut
+def hf_states(target: Target, records: list[dict], seqs: list[list[int]], cfg: dict,
+              aux_layer_ids: list[int], progress: Progress | None = None
+              ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Aux [L, 3H] and final-norm [L, H] states of every sequence, from the target loaded by
+    transformers (the ``hf`` backend), in token-budget batches."""
     lengths = [len(s) for s in seqs]
     aux_rows: list[torch.Tensor | None] = [None] * len(seqs)
     final_rows: list[torch.Tensor | None] = [None] * len(seqs)
@@ -278,6 +272,27 @@ def extract_shard(target: Target, records: list[dict], cfg: dict, aux_layer_ids:
                 progress.advance(done=len(batch), tokens=sum(lengths[i] for i in batch))
     finally:
         capture.close()
+    return aux_rows, final_rows
+
+
+def extract_shard(target: Target, records: list[dict], cfg: dict, aux_layer_ids: list[int],
+                  identity: dict, shard_path: str | os.PathLike, meta_path: str | os.PathLike,
+                  progress: Progress | None = None, states=hf_states,
+                  backend: str = "hf") -> dict:
+    """Extract one shard and its sidecar JSON; raise below the teacher-agreement threshold.
+
+    ``states(target, records, seqs, cfg, aux_layer_ids, progress)`` computes the aux and
+    final states of each sequence (:func:`hf_states`, or the vLLM backend's); ``target``
+    needs only its lm_head and device for the teacher check."""
+    started = time.monotonic()
+    seqs, masks, truncated = [], [], 0
+    for record in records:
+        ids, mask, cut = sequence(record, cfg["max_len"])
+        seqs.append(ids)
+        masks.append(mask)
+        truncated += cut
+    lengths = [len(s) for s in seqs]
+    aux_rows, final_rows = states(target, records, seqs, cfg, aux_layer_ids, progress)
 
     input_ids = torch.tensor([t for s in seqs for t in s], dtype=torch.int64)
     loss_mask = torch.tensor([m for ms in masks for m in ms], dtype=torch.uint8)
@@ -305,7 +320,7 @@ def extract_shard(target: Target, records: list[dict], cfg: dict, aux_layer_ids:
         "num_samples": len(records), "tokens": int(input_ids.numel()),
         "loss_tokens": int(loss_mask.sum()), "truncated": truncated, "dtype": cfg["dtype"],
         "aux_layer_ids": aux_layer_ids, "hidden_size": target.hidden_size, "target": identity,
-        "greedy": is_greedy(records), "teacher": check, "elapsed_s": elapsed,
+        "greedy": is_greedy(records), "teacher": check, "backend": backend, "elapsed_s": elapsed,
         "tokens_per_s": input_ids.numel() / elapsed if elapsed else None,
     }
     write_json(meta_path, meta)
@@ -328,10 +343,15 @@ def enforce_agreement(meta: dict, threshold: float) -> None:
     worst = "; ".join(f"{w['id']}: {w['agreement']:.2%} of {w['positions']}" for w in check["worst"])
     raise ExtractionError(
         f"teacher agreement {check['agreement']:.2%} in {meta['file']} is below "
-        f"extract.min_teacher_agreement={threshold:.2%}: the target run by transformers does not "
+        f"extract.min_teacher_agreement={threshold:.2%}: the target run by "
+        f"{BACKEND_NAMES.get(meta.get('backend', 'hf'), meta.get('backend'))} does not "
         f"reproduce the tokens the server generated greedily. Worst samples: {worst}. Check that "
         f"the server and extraction use the same weights, dtype (target.dtype) and tokenizer, "
         f"and that prompt_token_ids came from the server (not re-tokenized).")
+
+
+BACKEND_NAMES = {"hf": "transformers (extract.backend: hf)",
+                 "vllm": "the vLLM server's prefill (extract.backend: vllm)"}
 
 
 # -- the stage -------------------------------------------------------------------------------
@@ -408,6 +428,8 @@ def build_manifest(cfg: dict, target_json: str, data_path: str, num_shards: int,
                 "dtype": ext["dtype"], "target": target_identity(info)}
     target: Target | None = None
     entries = []
+    if ext.get("backend") == "vllm":
+        _reextract_with_vllm(cfg, info, data_path, num_shards, hidden_dir, expected)
     for index in range(num_shards):
         shard_file = shards.shard_path(hidden_dir, index)
         meta_path = shard_file.with_suffix(".json")
@@ -428,6 +450,29 @@ def build_manifest(cfg: dict, target_json: str, data_path: str, num_shards: int,
              len(entries), manifest["num_samples"], manifest["tokens"], manifest["bytes"] / 1e6,
              manifest["teacher_agreement"])
     return manifest
+
+
+def _reextract_with_vllm(cfg: dict, info: dict, data_path: str, num_shards: int,
+                         hidden_dir: str, expected: dict) -> None:
+    """Backend vllm: rewrite the shards that cannot be used with one server for all of them."""
+    from eaglet import extract_vllm
+
+    bad = {}
+    for index in range(num_shards):
+        shard_file = shards.shard_path(hidden_dir, index)
+        problem = shard_problem(shard_file.with_suffix(".json"), shard_file, expected)
+        if problem:
+            log.warning("shard %d cannot be used: %s; extracting it again", index, problem)
+            bad[index] = shard_file
+    if not bad:
+        return
+    work = Path(hidden_dir) / "vllm"
+    jobs = [job for index, job in enumerate(extract_vllm.shard_jobs(
+        read_jsonl(data_path), num_shards, [str(shards.shard_path(hidden_dir, i)) for i in range(num_shards)],
+        [str(shards.shard_path(hidden_dir, i).with_suffix(".json")) for i in range(num_shards)],
+        work, "train")) if index in bad]
+    extract_vllm.extract_shards(cfg, info, jobs, work,
+                                Path(hidden_dir).parent / "logs" / "extract" / "manifest.server.log")
 
 
 def summarize(entries: list[dict], expected: dict, ext: dict) -> dict:
