@@ -30,7 +30,7 @@ if config["extract"]["backend"] == "vllm":
             server=config["server"],
             generate=config["generate"],
             work=f"{R}/hidden/vllm",
-            progress=f"{R}/progress/extract.json",
+            progress=f"{R}/progress/extract_vllm.json",
         resources:
             gpu=EXTRACT_GPUS,
             mem_mb=config["resources"]["extract"]["mem_mb"],

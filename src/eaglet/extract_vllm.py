@@ -229,7 +229,7 @@ class Extractor:
     def __init__(self, cfg: dict, model_path: str, layer_ids: list[int], work_dir: Path,
                  server_log: str | os.PathLike, progress: Progress | None):
         self.cfg, self.layer_ids, self.progress = cfg, layer_ids, progress
-        self.requests = work_dir / "requests"
+        self.requests = (work_dir / "requests").resolve()
         self.requests.mkdir(parents=True, exist_ok=True)
         self.server = capture_server(cfg, model_path, layer_ids, self.requests, server_log)
         self.started = False
