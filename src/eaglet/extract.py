@@ -133,12 +133,14 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def load_target(path: str, dtype: str, device: str = "auto") -> Target:
+def load_target(path: str, dtype: str, device: str = "auto",
+                trust_remote_code: bool = False) -> Target:
     from transformers import AutoModelForCausalLM
 
     dev = pick_device(device)
     log.info("loading the target %s in %s on %s", path, dtype, dev)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=TORCH_DTYPES[dtype])
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=TORCH_DTYPES[dtype],
+                                                 trust_remote_code=trust_remote_code)
     model.to(dev).eval()
     config = model.config.get_text_config()
     lm_head = model.get_output_embeddings().weight.detach()
@@ -380,7 +382,8 @@ def run_shard(cfg: dict, target_json: str, data_path: str, index: int, num_shard
     if not records:
         raise ExtractionError(f"shard {index} of {num_shards} has no samples: lower "
                               f"extract.num_shards to at most the number of samples")
-    target = load_target(info["path"], cfg["target"]["dtype"], ext["device"])
+    target = load_target(info["path"], cfg["target"]["dtype"], ext["device"],
+                         cfg["target"].get("trust_remote_code", False))
     aux_ids = resolve_aux_layer_ids(ext["aux_layer_ids"], target.num_layers)
     pending = [i for i in range(num_shards) if not shards.shard_path(Path(shard_path).parent, i).exists()]
     needed = sum(estimate_bytes(shard_records(all_records, num_shards, i), ext["max_len"],
@@ -437,7 +440,8 @@ def build_manifest(cfg: dict, target_json: str, data_path: str, num_shards: int,
         if problem:
             log.warning("shard %d cannot be used: %s; extracting it again", index, problem)
             if target is None:
-                target = load_target(info["path"], cfg["target"]["dtype"], ext["device"])
+                target = load_target(info["path"], cfg["target"]["dtype"], ext["device"],
+                                     cfg["target"].get("trust_remote_code", False))
                 records = read_jsonl(data_path)
             extract_shard(target, shard_records(records, num_shards, index), ext,
                           expected["aux_layer_ids"], expected["target"], shard_file, meta_path)
