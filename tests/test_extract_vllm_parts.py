@@ -83,3 +83,66 @@ def test_server_gets_the_generation_settings_plus_capture(tmp_path):
     assert transfer["kv_connector_module_path"] == "eaglet.hidden_connector"
     assert transfer["kv_connector_extra_config"]["shared_storage_path"] == str(tmp_path / "req")
     assert capture_args([1], "x")[-1] == "--no-enable-prefix-caching"
+
+
+# -- resume at the shard level: packed shards of an earlier run, no server needed -------------
+
+def packed_run(tiny, tmp_path):
+    """A vLLM-backend run interrupted after packing both shards (packed here with the hf
+    backend, which gives the same shard)."""
+    from eaglet.extract import extract_shard, load_target, target_identity
+    from eaglet.extract_vllm import shard_jobs
+    from eaglet.target import prepare_target
+    from tests.tiny_llama import greedy_records
+
+    model, directory = tiny
+    info = prepare_target(str(directory), tmp_path / "target")
+    with one_thread():
+        records = greedy_records(model, n=4)
+    cfg = validate({"extract": {"backend": "vllm", "dtype": "float32", "max_len": 64,
+                                "aux_layer_ids": [1, 3, 4], "device": "cpu"}})
+    work = tmp_path / "work"
+    hidden = tmp_path / "hidden"
+    jobs = shard_jobs(records, 2, [str(hidden / f"shard_{i:05d}.safetensors") for i in range(2)],
+                      [str(hidden / f"shard_{i:05d}.json") for i in range(2)], work, "train")
+    target = load_target(info["path"], "float32", "cpu")
+    with one_thread():
+        for job in jobs:
+            job.staged_path.parent.mkdir(parents=True, exist_ok=True)
+            extract_shard(target, job.records, cfg["extract"], [1, 3, 4], target_identity(info),
+                          job.staged_path, job.staged_meta_path, backend="vllm")
+    return cfg, info, jobs, work
+
+
+def test_packed_shards_are_kept_and_moved_without_a_server(tiny, tmp_path, monkeypatch):
+    from eaglet import shards
+    from eaglet.extract_vllm import Extractor, extract_shards
+
+    cfg, info, jobs, work = packed_run(tiny, tmp_path)
+    hashes = [shards.sha256_path(job.staged_path) for job in jobs]
+    monkeypatch.setattr(Extractor, "ensure_server",
+                        lambda self, stack: pytest.fail("a server was started"))
+    with one_thread():
+        metas = extract_shards(cfg, info, jobs, work, tmp_path / "server.log")
+    assert [m["backend"] for m in metas] == ["vllm", "vllm"]
+    for job, digest in zip(jobs, hashes):
+        assert shards.sha256_path(job.shard_path) == digest and job.meta_path.exists()
+        assert not job.staged_path.exists()
+
+
+def test_a_packed_shard_of_other_samples_is_not_reused(tiny, tmp_path, monkeypatch):
+    from eaglet.extract_vllm import Extractor, extract_shards
+
+    cfg, info, jobs, work = packed_run(tiny, tmp_path)
+    jobs[1].records[0] = {**jobs[1].records[0],
+                          "completion_token_ids": jobs[1].records[0]["completion_token_ids"][:-1]}
+    started = []
+
+    def no_server(self, stack):
+        started.append(1)
+        raise RuntimeError("would start the server")
+    monkeypatch.setattr(Extractor, "ensure_server", no_server)
+    with one_thread(), pytest.raises(RuntimeError, match="would start the server"):
+        extract_shards(cfg, info, jobs, work, tmp_path / "server.log")
+    assert started == [1]
+    assert not jobs[0].shard_path.exists()  # nothing is moved before every shard is done

@@ -304,7 +304,7 @@ def extract_shards(cfg: dict, info: dict, jobs: list[ShardJob], work_dir: Path,
     layer_ids = capture_layer_ids(aux_ids, target.num_layers)
     identity = target_identity(info)
     expected = {"aux_layer_ids": aux_ids, "dtype": ext["dtype"], "target": identity}
-    todo = [job for job in jobs if shard_problem(job.staged_meta_path, job.staged_path, expected)]
+    todo = [job for job in jobs if staged_problem(job, expected, ext["max_len"])]
     needed = sum(estimate_bytes(job.records, ext["max_len"], target.hidden_size, ext["dtype"])
                  for job in todo)
     check_disk(work_dir, needed)
@@ -341,6 +341,19 @@ def extract_shards(cfg: dict, info: dict, jobs: list[ShardJob], work_dir: Path,
         os.replace(job.staged_path, job.shard_path)
         os.replace(job.staged_meta_path, job.meta_path)
     return metas
+
+
+def staged_problem(job: ShardJob, expected: dict, max_len: int) -> str | None:
+    """Why a shard packed by an earlier run cannot be used for ``job``, or None."""
+    problem = shard_problem(job.staged_meta_path, job.staged_path, expected)
+    if problem:
+        return problem
+    meta = read_json(job.staged_meta_path)
+    tokens = sum(min(len(r["prompt_token_ids"]) + len(r["completion_token_ids"]), max_len)
+                 for r in job.records)
+    if meta["samples"] != [r["id"] for r in job.records] or meta["tokens"] != tokens:
+        return "it holds other samples or sequences (the synthetic data or max_len changed)"
+    return None
 
 
 def _fmt(value: float | None) -> str:
