@@ -137,11 +137,19 @@ def load_target(path: str, dtype: str, device: str = "auto",
                 trust_remote_code: bool = False) -> Target:
     from transformers import AutoModelForCausalLM
 
-    dev = pick_device(device)
-    log.info("loading the target %s in %s on %s", path, dtype, dev)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=TORCH_DTYPES[dtype],
-                                                 trust_remote_code=trust_remote_code)
-    model.to(dev).eval()
+    if device == "sharded":  # split across every visible GPU (accelerate's device_map)
+        log.info("loading the target %s in %s across the visible devices", path, dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=TORCH_DTYPES[dtype],
+                                                     trust_remote_code=trust_remote_code,
+                                                     device_map="auto")
+        dev = model.get_input_embeddings().weight.device  # where the input ids go
+        model.eval()
+    else:
+        dev = pick_device(device)
+        log.info("loading the target %s in %s on %s", path, dtype, dev)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=TORCH_DTYPES[dtype],
+                                                     trust_remote_code=trust_remote_code)
+        model.to(dev).eval()
     config = model.config.get_text_config()
     lm_head = model.get_output_embeddings().weight.detach()
     return Target(model, lm_head, dev, config.num_hidden_layers, config.hidden_size,
@@ -194,10 +202,10 @@ def teacher_from_stored(target: Target, final_stored: torch.Tensor, targets: tor
     weight = target.lm_head
     for start in range(0, index.numel(), chunk):
         at = index[start:start + chunk]
-        h = final_stored[at].to(target.device, weight.dtype)
+        h = final_stored[at].to(weight.device, weight.dtype)  # the lm_head's device when sharded
         logits = (h @ weight.T).float()
         argmax[at] = logits.argmax(-1).cpu()
-        nxt = targets[at].to(target.device)
+        nxt = targets[at].to(weight.device)
         logprob[at] = torch.log_softmax(logits, -1).gather(1, nxt[:, None]).squeeze(1).cpu()
     return argmax, logprob
 
