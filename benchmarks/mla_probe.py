@@ -61,7 +61,9 @@ def attempt(model: Path, log: Path, extra: list[str]) -> dict:
                                              headers={"Content-Type": "application/json"})
             with urllib.request.urlopen(request, timeout=300) as response:
                 answer = json.loads(response.read())
-        return {"served": True, "kv_transfer_params": answer.get("kv_transfer_params")}
+        params = answer.get("kv_transfer_params") or {}
+        saved = params.get("hidden_states_path")
+        return {"served": True, "hidden_states_file": Path(saved).name if saved else None}
     except (ServerError, urllib.error.HTTPError) as exc:
         lines = [line for line in log_tail(log, 400).splitlines()
                  if "Error" in line or "error" in line]
