@@ -4,10 +4,13 @@
   forward pass of the same model over the same batches (no hooks, nothing kept);
 * bytes per token of the shard file against the tensor minimum (ids, mask, teacher argmax,
   aux and final states at the storage dtype, nothing else);
-* fp8 against bf16: bytes and teacher agreement.
+* fp8 against bf16: bytes and teacher agreement;
+* with ``--vllm``: the same shard written by the vLLM backend (one capture server, prefill
+  requests, teacher check from the served states) on the same samples, its tokens/s against
+  the transformers backend's, the server's start-up time apart.
 
     .venv/bin/python benchmarks/extract.py --target results/target \\
-        --data results/synthetic/train.jsonl [--samples 48]
+        --data results/synthetic/train.jsonl [--samples 48] [--vllm]
 """
 
 from __future__ import annotations
@@ -24,7 +27,10 @@ from eaglet.config import validate
 from eaglet.extract import (AuxCapture, decoder_layers, extract_shard, forward_batch,
                             load_target, resolve_aux_layer_ids, right_padded, sequence,
                             token_budget_batches)
+from eaglet.extract_vllm import (capture_layer_ids, capture_server, extract_shards, load_head,
+                                 shard_jobs)
 from eaglet.io import read_jsonl, write_json
+from eaglet.target import model_identity
 
 OUT = Path(__file__).parent / "results"
 
@@ -55,6 +61,9 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=48)
     parser.add_argument("--dtype", default="float32", help="compute dtype of the target")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--vllm", action="store_true",
+                        help="also time the vLLM backend on the same samples")
+    parser.add_argument("--concurrency", type=int, default=16, help="vLLM backend requests in flight")
     args = parser.parse_args()
 
     cfg = validate({})["extract"]
@@ -86,6 +95,9 @@ def main() -> None:
         "bf16_teacher_agreement": bf16["teacher"]["agreement"],
         "fp8_teacher_agreement": fp8["teacher"]["agreement"],
     }
+    if args.vllm:
+        del target
+        result.update(vllm_backend(args, records, tokens, bf16["wall_s"]))
     write_json(OUT / "extract.json", result)
     lines = ["| measure | value |", "|---|---|"]
     lines += [f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |"
@@ -105,6 +117,37 @@ def _hooked_forward_only(target, seqs, batch_tokens, aux_ids) -> float:
     finally:
         capture.close()
     return time.perf_counter() - start
+
+
+def vllm_backend(args, records: list[dict], tokens: int, hf_wall_s: float) -> dict:
+    """The same bf16 shard from the vLLM backend, best of ``--repeats`` (the request files of
+    a run are removed before the next, so each one sends every request)."""
+    cfg = validate({"target": {"dtype": args.dtype, "max_model_len": 2048},
+                    "server": {"memory_utilization": 0.4, "enforce_eager": True},
+                    "extract": {"backend": "vllm", "dtype": "bfloat16", "min_teacher_agreement": 0.0,
+                                "concurrency": args.concurrency}})
+    info = {"spec": "benchmark", "path": args.target, **model_identity(Path(args.target))}
+    walls, metas = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp) / "work"
+        head, _ = load_head(args.target, args.dtype, "cpu")
+        aux_ids = resolve_aux_layer_ids(None, head.num_layers)
+        server = capture_server(cfg, args.target, capture_layer_ids(aux_ids, head.num_layers),
+                                work / "requests", OUT / "extract_vllm.server.log")
+        with server:
+            for repeat in range(args.repeats):
+                jobs = shard_jobs(records, 1, [f"{tmp}/out{repeat}.safetensors"],
+                                  [f"{tmp}/out{repeat}.json"], work, f"r{repeat}")
+                start = time.perf_counter()
+                metas += extract_shards(cfg, info, jobs, work, OUT / "extract_vllm.server.log",
+                                        server=server)
+                walls.append(time.perf_counter() - start)
+    best = min(walls)
+    return {"vllm_backend_tokens_per_s": tokens / best,
+            "vllm_over_hf_backend": hf_wall_s / best,
+            "vllm_server_start_s": server.ready_after_s,
+            "vllm_teacher_agreement": metas[walls.index(best)]["teacher"]["agreement"],
+            "vllm_concurrency": args.concurrency}
 
 
 if __name__ == "__main__":

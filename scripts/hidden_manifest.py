@@ -3,7 +3,8 @@ from eaglet.extract import build_manifest
 from eaglet.scripting import run_stage
 
 smk = snakemake  # noqa: F821 (injected by Snakemake)
-cfg = {"extract": {**smk.config["extract"], **smk.params.extract}, "target": smk.params.target}
+cfg = {"extract": {**smk.config["extract"], **smk.params.extract}, "target": smk.params.target,
+       "server": smk.params.server, "generate": smk.params.generate}
 run_stage("hidden_manifest", smk.log[0], lambda: build_manifest(
     cfg, smk.input.target, smk.input.data, num_shards=smk.params.num_shards,
     hidden_dir=smk.params.hidden_dir, manifest_path=smk.output[0],

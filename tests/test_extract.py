@@ -610,3 +610,13 @@ def test_a_shard_that_failed_the_teacher_check_is_never_accepted(tiny, greedy, t
         build_manifest(cfg, str(tiny.target_json), str(data), 1, str(hidden), str(hidden / "manifest.json"))
     with pytest.raises(ExtractionError):  # the second try must fail the same way
         build_manifest(cfg, str(tiny.target_json), str(data), 1, str(hidden), str(hidden / "manifest.json"))
+
+
+def test_a_sharded_target_writes_the_same_shard(tiny, greedy, greedy_shard, tmp_path):
+    """extract.device: sharded (device_map=auto: every GPU of a node; the CPU here) loads the
+    target where accelerate puts it, feeds the ids to the embedding's device, runs the
+    teacher on the lm_head's, and must give the very same shard."""
+    sharded = load_target(str(tiny.dir), "float32", "sharded")
+    assert sharded.device == sharded.model.get_input_embeddings().weight.device
+    meta, _ = extract(sharded, greedy, tmp_path)  # as the greedy_shard fixture, same name
+    assert meta["sha256"] == greedy_shard.meta["sha256"]

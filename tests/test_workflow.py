@@ -2,7 +2,8 @@
 
 The tests share one results directory and run in file order, each taking the workflow one
 stage further, as a user would: generation (interrupted with Ctrl-C and resumed), then the
-vocabulary and the hidden states.
+vocabulary and the hidden states, training and evaluation; last, the same samples once more
+with the hidden states from vLLM itself (extract.backend: vllm).
 """
 
 from __future__ import annotations
@@ -222,3 +223,32 @@ def test_trained_drafter_is_measured_in_vllm_and_reported(results):
     workflow.run(results, extra=("--report", str(report)))
     html = report.read_text(errors="replace")
     assert "acceptance.json" in html and "training_curves.png" in html
+
+
+def test_vllm_backend_reaches_the_same_teacher_and_acceptance(results, tmp_path):
+    """The hidden states of the same samples from the capture server instead of transformers:
+    the same shards are rewritten by one job, then training and evaluation run on them."""
+    hf_manifest = read_json(results / "hidden" / "manifest.json")
+    hf_train = status(results)["train"]["facts"]
+    overlay = tmp_path / "vllm.yaml"
+    overlay.write_text("extract:\n  backend: vllm\n")
+    proc = workflow.run(results, "eval/acceptance.json", configs=(overlay,), timeout=1800)
+    assert "rule extract_vllm" in proc.stdout + proc.stderr
+    assert "rule generate" not in proc.stdout + proc.stderr  # the samples are the same
+    manifest = read_json(results / "hidden" / "manifest.json")
+    assert manifest["num_samples"] == hf_manifest["num_samples"]
+    assert manifest["tokens"] == hf_manifest["tokens"]
+    assert manifest["teacher_agreement"] >= 0.99
+    assert manifest["teacher_agreement"] == pytest.approx(hf_manifest["teacher_agreement"], abs=0.01)
+    for shard in manifest["shards"]:
+        assert read_json(results / "hidden" / shard["file"].replace(
+            ".safetensors", ".json"))["backend"] == "vllm"
+    assert not list((results / "hidden" / "vllm" / "requests").glob("*.safetensors"))
+    facts = eaglet_status.collect(results, eaglet_status.load_run_config(
+        results, str(workflow.TINY), workflow.REPO), None)
+    train = {s["stage"]: s for s in facts["stages"]}["train"]["facts"]
+    # bf16 shards of states equal to float tolerance: training sees the same data
+    assert train["eval_simulated_al"] == pytest.approx(hf_train["eval_simulated_al"], abs=0.1)
+    print(f"teacher agreement hf {hf_manifest['teacher_agreement']:.4f} vllm "
+          f"{manifest['teacher_agreement']:.4f}; eval simulated AL hf "
+          f"{hf_train['eval_simulated_al']:.3f} vllm {train['eval_simulated_al']:.3f}")

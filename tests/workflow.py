@@ -12,16 +12,19 @@ TINY = REPO / "tests" / "configs" / "tiny.yaml"
 SNAKEMAKE = Path(sys.executable).parent / "snakemake"
 
 
-def snakemake_cmd(results: Path, *targets: str, extra: tuple[str, ...] = ()) -> list[str]:
+def snakemake_cmd(results: Path, *targets: str, extra: tuple[str, ...] = (),
+                  configs: tuple[Path, ...] = ()) -> list[str]:
+    """``configs`` are merged over the tiny config, in order."""
     # targets first: --config swallows every name=value argument after it
     return [str(SNAKEMAKE), *[str(results / t) for t in targets], "--cores", "2",
             "--workflow-profile", str(REPO / "profiles/default"), *extra,
-            "--configfile", str(TINY), "--config", f"results_dir={results}"]
+            "--configfile", str(TINY), *map(str, configs), "--config", f"results_dir={results}"]
 
 
 def run(results: Path, *targets: str, extra: tuple[str, ...] = (), timeout: float = 900,
-        check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(snakemake_cmd(results, *targets, extra=extra), cwd=REPO, text=True,
+        check: bool = True, configs: tuple[Path, ...] = ()) -> subprocess.CompletedProcess:
+    proc = subprocess.run(snakemake_cmd(results, *targets, extra=extra, configs=configs),
+                          cwd=REPO, text=True,
                           capture_output=True, timeout=timeout, env=os.environ.copy())
     if check and proc.returncode != 0:
         raise AssertionError(f"snakemake failed ({proc.returncode}):\n{proc.stderr[-5000:]}")

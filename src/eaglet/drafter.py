@@ -112,8 +112,10 @@ def read_target_config(target_dir: str | Path) -> dict:
     return read_json(Path(target_dir) / "config.json")
 
 
+# plain causal LMs, then the text model inside multimodal wrappers (both layouts)
 EMBEDDING_NAMES = ["model.embed_tokens.weight", "embed_tokens.weight",
-                   "model.language_model.embed_tokens.weight"]
+                   "model.language_model.embed_tokens.weight",
+                   "language_model.model.embed_tokens.weight"]
 
 
 def _weight_files(target_dir: Path) -> dict[str, Path]:

@@ -133,13 +133,23 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def load_target(path: str, dtype: str, device: str = "auto") -> Target:
+def load_target(path: str, dtype: str, device: str = "auto",
+                trust_remote_code: bool = False) -> Target:
     from transformers import AutoModelForCausalLM
 
-    dev = pick_device(device)
-    log.info("loading the target %s in %s on %s", path, dtype, dev)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=TORCH_DTYPES[dtype])
-    model.to(dev).eval()
+    if device == "sharded":  # split across every visible GPU (accelerate's device_map)
+        log.info("loading the target %s in %s across the visible devices", path, dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=TORCH_DTYPES[dtype],
+                                                     trust_remote_code=trust_remote_code,
+                                                     device_map="auto")
+        dev = model.get_input_embeddings().weight.device  # where the input ids go
+        model.eval()
+    else:
+        dev = pick_device(device)
+        log.info("loading the target %s in %s on %s", path, dtype, dev)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=TORCH_DTYPES[dtype],
+                                                     trust_remote_code=trust_remote_code)
+        model.to(dev).eval()
     config = model.config.get_text_config()
     lm_head = model.get_output_embeddings().weight.detach()
     return Target(model, lm_head, dev, config.num_hidden_layers, config.hidden_size,
@@ -192,10 +202,10 @@ def teacher_from_stored(target: Target, final_stored: torch.Tensor, targets: tor
     weight = target.lm_head
     for start in range(0, index.numel(), chunk):
         at = index[start:start + chunk]
-        h = final_stored[at].to(target.device, weight.dtype)
+        h = final_stored[at].to(weight.device, weight.dtype)  # the lm_head's device when sharded
         logits = (h @ weight.T).float()
         argmax[at] = logits.argmax(-1).cpu()
-        nxt = targets[at].to(target.device)
+        nxt = targets[at].to(weight.device)
         logprob[at] = torch.log_softmax(logits, -1).gather(1, nxt[:, None]).squeeze(1).cpu()
     return argmax, logprob
 
@@ -251,17 +261,11 @@ def is_greedy(records: list[dict]) -> bool:
     return all((r.get("sampling") or {}).get("temperature", 0.0) == 0.0 for r in records)
 
 
-def extract_shard(target: Target, records: list[dict], cfg: dict, aux_layer_ids: list[int],
-                  identity: dict, shard_path: str | os.PathLike, meta_path: str | os.PathLike,
-                  progress: Progress | None = None) -> dict:
-    """Extract one shard and its sidecar JSON; raise below the teacher-agreement threshold."""
-    started = time.monotonic()
-    seqs, masks, truncated = [], [], 0
-    for record in records:
-        ids, mask, cut = sequence(record, cfg["max_len"])
-        seqs.append(ids)
-        masks.append(mask)
-        truncated += cut
+def hf_states(target: Target, records: list[dict], seqs: list[list[int]], cfg: dict,
+              aux_layer_ids: list[int], progress: Progress | None = None
+              ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Aux [L, 3H] and final-norm [L, H] states of every sequence, from the target loaded by
+    transformers (the ``hf`` backend), in token-budget batches."""
     lengths = [len(s) for s in seqs]
     aux_rows: list[torch.Tensor | None] = [None] * len(seqs)
     final_rows: list[torch.Tensor | None] = [None] * len(seqs)
@@ -278,6 +282,27 @@ def extract_shard(target: Target, records: list[dict], cfg: dict, aux_layer_ids:
                 progress.advance(done=len(batch), tokens=sum(lengths[i] for i in batch))
     finally:
         capture.close()
+    return aux_rows, final_rows
+
+
+def extract_shard(target: Target, records: list[dict], cfg: dict, aux_layer_ids: list[int],
+                  identity: dict, shard_path: str | os.PathLike, meta_path: str | os.PathLike,
+                  progress: Progress | None = None, states=hf_states,
+                  backend: str = "hf") -> dict:
+    """Extract one shard and its sidecar JSON; raise below the teacher-agreement threshold.
+
+    ``states(target, records, seqs, cfg, aux_layer_ids, progress)`` computes the aux and
+    final states of each sequence (:func:`hf_states`, or the vLLM backend's); ``target``
+    needs only its lm_head and device for the teacher check."""
+    started = time.monotonic()
+    seqs, masks, truncated = [], [], 0
+    for record in records:
+        ids, mask, cut = sequence(record, cfg["max_len"])
+        seqs.append(ids)
+        masks.append(mask)
+        truncated += cut
+    lengths = [len(s) for s in seqs]
+    aux_rows, final_rows = states(target, records, seqs, cfg, aux_layer_ids, progress)
 
     input_ids = torch.tensor([t for s in seqs for t in s], dtype=torch.int64)
     loss_mask = torch.tensor([m for ms in masks for m in ms], dtype=torch.uint8)
@@ -305,7 +330,7 @@ def extract_shard(target: Target, records: list[dict], cfg: dict, aux_layer_ids:
         "num_samples": len(records), "tokens": int(input_ids.numel()),
         "loss_tokens": int(loss_mask.sum()), "truncated": truncated, "dtype": cfg["dtype"],
         "aux_layer_ids": aux_layer_ids, "hidden_size": target.hidden_size, "target": identity,
-        "greedy": is_greedy(records), "teacher": check, "elapsed_s": elapsed,
+        "greedy": is_greedy(records), "teacher": check, "backend": backend, "elapsed_s": elapsed,
         "tokens_per_s": input_ids.numel() / elapsed if elapsed else None,
     }
     write_json(meta_path, meta)
@@ -328,10 +353,15 @@ def enforce_agreement(meta: dict, threshold: float) -> None:
     worst = "; ".join(f"{w['id']}: {w['agreement']:.2%} of {w['positions']}" for w in check["worst"])
     raise ExtractionError(
         f"teacher agreement {check['agreement']:.2%} in {meta['file']} is below "
-        f"extract.min_teacher_agreement={threshold:.2%}: the target run by transformers does not "
+        f"extract.min_teacher_agreement={threshold:.2%}: the target run by "
+        f"{BACKEND_NAMES.get(meta.get('backend', 'hf'), meta.get('backend'))} does not "
         f"reproduce the tokens the server generated greedily. Worst samples: {worst}. Check that "
         f"the server and extraction use the same weights, dtype (target.dtype) and tokenizer, "
         f"and that prompt_token_ids came from the server (not re-tokenized).")
+
+
+BACKEND_NAMES = {"hf": "transformers (extract.backend: hf)",
+                 "vllm": "the vLLM server's prefill (extract.backend: vllm)"}
 
 
 # -- the stage -------------------------------------------------------------------------------
@@ -364,7 +394,8 @@ def run_shard(cfg: dict, target_json: str, data_path: str, index: int, num_shard
     needed = sum(estimate_bytes(shard_records(all_records, num_shards, i), ext["max_len"],
                                 hidden_size_of(info), ext["dtype"]) for i in pending)
     check_disk(Path(shard_path).parent, needed)  # before minutes of loading a large model
-    target = load_target(info["path"], cfg["target"]["dtype"], ext["device"])
+    target = load_target(info["path"], cfg["target"]["dtype"], ext["device"],
+                         cfg["target"].get("trust_remote_code", False))
     aux_ids = resolve_aux_layer_ids(ext["aux_layer_ids"], target.num_layers)
     progress = Progress(f"extract[{index}]", total=len(records), path=progress_path,
                         log_path=log_path)
@@ -432,13 +463,19 @@ def build_manifest(cfg: dict, target_json: str, data_path: str, num_shards: int,
             estimate_bytes(shard_records(records[data], count, index), ext["max_len"],
                            hidden_size_of(info), ext["dtype"]) for data, count, index in redo))
     entries = []
+    if redo and ext.get("backend") == "vllm":
+        _reextract_with_vllm(cfg, info, [job for job, problem in zip(jobs, problems) if problem],
+                             records, hidden_dir)
+        problems = [shard_problem(shards.shard_path(d, i).with_suffix(".json"),
+                                  shards.shard_path(d, i), expected) for d, _, _, i in jobs]
     for (directory, data, count, index), problem in zip(jobs, problems):
         shard_file = shards.shard_path(directory, index)
         meta_path = shard_file.with_suffix(".json")
         if problem:
             log.warning("shard %s cannot be used: %s; extracting it again", shard_file, problem)
             if target is None:
-                target = load_target(info["path"], cfg["target"]["dtype"], ext["device"])
+                target = load_target(info["path"], cfg["target"]["dtype"], ext["device"],
+                                     cfg["target"].get("trust_remote_code", False))
             extract_shard(target, shard_records(records[data], count, index), ext,
                           expected["aux_layer_ids"], expected["target"], shard_file, meta_path)
         entry = read_json(meta_path)
@@ -452,6 +489,24 @@ def build_manifest(cfg: dict, target_json: str, data_path: str, num_shards: int,
              manifest["num_shards"], manifest["num_samples"], manifest["tokens"], manifest["bytes"] / 1e6,
              manifest["teacher_agreement"])
     return manifest
+
+
+def _reextract_with_vllm(cfg: dict, info: dict, bad: list[tuple], records: dict[str, list[dict]],
+                         hidden_dir: str) -> None:
+    """Backend vllm: rewrite the shards that cannot be used (``bad``: (directory, data file,
+    shards of its split, index)) with one server for all of them."""
+    from eaglet import extract_vllm
+
+    work = Path(hidden_dir) / "vllm"
+    jobs = []
+    for directory, data, count, index in bad:
+        paths = [shards.shard_path(directory, i) for i in range(count)]
+        split = "eval" if Path(directory).name == "eval" else "train"
+        jobs.append(extract_vllm.shard_jobs(
+            records[data], count, [str(p) for p in paths],
+            [str(p.with_suffix(".json")) for p in paths], work, split)[index])
+    extract_vllm.extract_shards(cfg, info, jobs, work,
+                                Path(hidden_dir).parent / "logs" / "extract" / "manifest.server.log")
 
 
 def summarize(entries: list[dict], expected: dict, ext: dict) -> dict:

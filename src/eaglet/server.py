@@ -283,6 +283,8 @@ def server_args(target: dict, server: dict, served_model_name: str) -> list[str]
             "--tensor-parallel-size", str(server["tensor_parallel_size"])]
     if server["enforce_eager"]:
         args.append("--enforce-eager")
+    if target.get("trust_remote_code"):
+        args.append("--trust-remote-code")
     if server["memory_utilization"] is not None:
         args += ["--gpu-memory-utilization", str(server["memory_utilization"])]
     if server["reasoning_parser"]:

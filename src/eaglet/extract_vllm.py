@@ -1,0 +1,403 @@
+"""The ``vllm`` extraction backend: the serving engine computes the hidden states.
+
+One vLLM server, started with the generation's target settings plus the capture options
+(``extract_hidden_states`` speculation and :mod:`eaglet.hidden_connector`), serves every
+shard of the run. Each training sequence is one prefill request (``/v1/completions`` with the
+token ids as the prompt and ``max_tokens`` 1); the connector saves the states of every
+prompt token to ``<work>/requests/<sample>.safetensors``: the aux layers and layer L (the
+last decoder layer's output before the final norm). The final state stored for the teacher is
+the target's final RMSNorm applied to layer L, with the norm's weight read from the
+checkpoint, so the shards and the teacher-agreement check are those of the ``hf`` backend,
+computed by the serving numerics.
+
+Resume: a request whose file exists (and holds the same token ids) is not sent again; a shard
+is packed into ``<work>/shards/`` and its request files are removed; the packed shards are
+moved to their final names when all are done, so a failed run keeps everything it finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from eaglet import rates
+from eaglet.drafter import EMBEDDING_NAMES, _read_tensor, _weight_files, read_target_config
+from eaglet.extract import (TORCH_DTYPES, ExtractionError, Target, check_disk, enforce_agreement,
+                            estimate_bytes, extract_shard, pick_device, resolve_aux_layer_ids,
+                            shard_problem, target_identity)
+from eaglet.io import read_json
+from eaglet.progress import Progress
+from eaglet.server import VLLMServer, server_args
+
+log = logging.getLogger("eaglet.extract_vllm")
+
+CONNECTOR = "EagletHiddenStatesConnector"
+CONNECTOR_MODULE = "eaglet.hidden_connector"
+FINAL_NORM_NAMES = ["model.norm.weight", "norm.weight", "model.language_model.norm.weight",
+                    "language_model.model.norm.weight"]
+LM_HEAD_NAMES = ["lm_head.weight", "model.lm_head.weight", "language_model.lm_head.weight"]
+
+
+# -- the server ------------------------------------------------------------------------------
+
+def capture_layer_ids(aux_layer_ids: list[int], num_layers: int) -> list[int]:
+    """Layers the server saves: the distinct aux ids, then ``num_layers`` (layer L's output
+    before the final norm, which gives the teacher's final state)."""
+    return [*dict.fromkeys(aux_layer_ids), num_layers]
+
+
+def capture_args(layer_ids: list[int], storage_dir: str | os.PathLike) -> list[str]:
+    """vLLM arguments that make every request save its hidden states under ``storage_dir``."""
+    speculative = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                   "draft_model_config": {"hf_config": {
+                       "eagle_aux_hidden_state_layer_ids": list(layer_ids)}}}
+    transfer = {"kv_connector": CONNECTOR, "kv_connector_module_path": CONNECTOR_MODULE,
+                "kv_role": "kv_producer",
+                "kv_connector_extra_config": {"shared_storage_path": str(storage_dir),
+                                              "allow_custom_save_path": True}}
+    return ["--speculative-config", json.dumps(speculative),
+            "--kv-transfer-config", json.dumps(transfer), "--no-enable-prefix-caching"]
+
+
+def capture_server(cfg: dict, model_path: str, layer_ids: list[int], storage_dir: Path,
+                   log_path: str | os.PathLike) -> VLLMServer:
+    """The target served as generation serves it, plus the capture options; its context length
+    fits the longest extracted sequence and the one token a request must generate."""
+    target = dict(cfg["target"])
+    target["max_model_len"] = max(target["max_model_len"], cfg["extract"]["max_len"] + 1)
+    server_cfg = cfg["server"]
+    args = server_args(target, server_cfg, served_model_name="target")
+    return VLLMServer(model=model_path, log_path=log_path,
+                      args=args + capture_args(layer_ids, storage_dir),
+                      port=server_cfg["port"], startup_timeout_s=server_cfg["startup_timeout_s"],
+                      shutdown_grace_s=server_cfg["shutdown_grace_s"])
+
+
+# -- the teacher from the checkpoint ---------------------------------------------------------
+
+@dataclass
+class FinalNorm:
+    weight: torch.Tensor
+    eps: float
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The Llama RMSNorm as transformers computes it: in float32, then the weight."""
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def load_head(target_dir: str | os.PathLike, dtype: str, device: str = "auto"
+              ) -> tuple[Target, FinalNorm]:
+    """The target's lm_head and final norm, read alone from its checkpoint (the rest of the
+    target is never loaded): what the teacher check needs beside the served states."""
+    target_dir = Path(target_dir)
+    config = read_target_config(target_dir)
+    text = config.get("text_config") or config
+    files = _weight_files(target_dir)
+    heads = list(LM_HEAD_NAMES)
+    if config.get("tie_word_embeddings", text.get("tie_word_embeddings", False)) or \
+            not any(n in files for n in heads):
+        heads += EMBEDDING_NAMES
+    torch_dtype = TORCH_DTYPES.get(dtype)
+    lm_head = _read_tensor(files, heads, "lm_head", target_dir)
+    norm = _read_tensor(files, FINAL_NORM_NAMES, "final norm", target_dir)
+    if torch_dtype is not None:
+        lm_head, norm = lm_head.to(torch_dtype), norm.to(torch_dtype)
+    dev = pick_device(device)
+    target = Target(model=None, lm_head=lm_head.to(dev), device=dev,
+                    num_layers=text["num_hidden_layers"], hidden_size=text["hidden_size"],
+                    vocab_size=lm_head.shape[0])
+    return target, FinalNorm(norm, float(text.get("rms_norm_eps", 1e-6)))
+
+
+# -- one request -----------------------------------------------------------------------------
+
+def request_path(directory: Path, sample_id: str) -> Path:
+    """Where the states of one sample are saved (sample ids may hold any character)."""
+    return directory / f"{hashlib.sha256(sample_id.encode()).hexdigest()[:24]}.safetensors"
+
+
+def read_request(path: Path, ids: list[int]) -> torch.Tensor | None:
+    """The saved states [len(ids), layers, H] of ``ids``, or None when the file is missing,
+    unreadable (cut short by a crash) or from another sequence; waits for a write in flight."""
+    lock = Path(str(path) + ".lock")
+    try:
+        with contextlib.ExitStack() as stack:
+            if lock.exists():
+                handle = stack.enter_context(open(lock))
+                fcntl.flock(handle, fcntl.LOCK_SH)  # the writer holds LOCK_EX until it is done
+            if not path.exists():
+                return None
+            data = load_file(str(path))
+    except (OSError, ValueError, RuntimeError, SafetensorError) as exc:  # a torn file
+        log.warning("discarding the unreadable request file %s (%s)", path.name, exc)
+        remove_request(path)
+        return None
+    token_ids = data.get("token_ids")
+    states = data.get("hidden_states")
+    if token_ids is None or states is None or token_ids.tolist() != list(ids):
+        log.warning("discarding %s: it holds the states of another sequence", path.name)
+        remove_request(path)
+        return None
+    return states
+
+
+def remove_request(path: Path) -> None:
+    for p in (path, Path(str(path) + ".lock")):
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
+
+
+async def prefill(client: httpx.AsyncClient, ids: list[int], path: Path, timeout: float,
+                  max_retries: int) -> None:
+    """One prefill request whose states the connector saves to ``path``."""
+    payload = {"model": "target", "prompt": list(ids), "max_tokens": 1, "temperature": 0.0,
+               "kv_transfer_params": {"hidden_states_path": str(path)}}
+    for attempt in range(max_retries + 1):
+        try:
+            resp = await client.post("/v1/completions", json=payload, timeout=timeout)
+        except (httpx.TransportError, httpx.TimeoutException) as exc:
+            if attempt >= max_retries:
+                raise ExtractionError(f"prefill request failed: {type(exc).__name__}: {exc}") from exc
+            await asyncio.sleep(2 ** attempt)
+            continue
+        if resp.status_code != 200:
+            if resp.status_code >= 500 and attempt < max_retries:
+                await asyncio.sleep(2 ** attempt)
+                continue
+            raise ExtractionError(f"prefill request failed: HTTP {resp.status_code}: "
+                                  f"{resp.text[:500]}")
+        saved = (resp.json().get("kv_transfer_params") or {}).get("hidden_states_path")
+        if saved is None:
+            raise ExtractionError(
+                "the server answered without kv_transfer_params.hidden_states_path: it runs "
+                "without eaglet's capture options (extract.backend: vllm starts its own server; "
+                "server.url is not used for extraction)")
+        if Path(saved) != path:  # a connector that ignores the requested path
+            await asyncio.to_thread(_move_when_written, Path(saved), path)
+        return
+
+
+def _move_when_written(source: Path, dest: Path) -> None:
+    lock = Path(str(source) + ".lock")
+    if lock.exists():
+        with open(lock) as handle:
+            fcntl.flock(handle, fcntl.LOCK_SH)
+    os.replace(source, dest)
+    with contextlib.suppress(FileNotFoundError):
+        lock.unlink()
+
+
+def split_states(states: torch.Tensor, layer_ids: list[int], aux_layer_ids: list[int],
+                 norm: FinalNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    """Aux [N, 3H] (in aux id order, repeats allowed) and final-norm [N, H] states from the
+    saved [N, layers, H] (layers in ``layer_ids`` order, the last being L)."""
+    aux = torch.cat([states[:, layer_ids.index(i)] for i in aux_layer_ids], dim=-1)
+    return aux, norm(states[:, -1])
+
+
+# -- shards ----------------------------------------------------------------------------------
+
+@dataclass
+class ShardJob:
+    """One shard to write: its samples, its final paths and its staging paths."""
+    label: str
+    records: list[dict]
+    shard_path: Path
+    meta_path: Path
+    staged_path: Path
+    staged_meta_path: Path
+
+
+class Extractor:
+    """Serves the target with capture on first use and computes the states of sequences."""
+
+    def __init__(self, cfg: dict, model_path: str, layer_ids: list[int], work_dir: Path,
+                 server_log: str | os.PathLike, progress: Progress | None):
+        self.cfg, self.layer_ids, self.progress = cfg, layer_ids, progress
+        self.requests = (work_dir / "requests").resolve()
+        self.requests.mkdir(parents=True, exist_ok=True)
+        self.server = capture_server(cfg, model_path, layer_ids, self.requests, server_log)
+        self.started = False
+        self.norm: FinalNorm | None = None
+
+    def ensure_server(self, stack: contextlib.ExitStack) -> None:
+        if self.started:
+            return
+        if self.progress is not None:
+            self.progress.enter_phase("starting the vLLM server")
+        stack.enter_context(self.server)
+        self.started = True
+        if self.progress is not None:
+            self.progress.enter_phase(None)
+
+    def states(self, target, records, seqs, cfg, aux_layer_ids, progress):
+        """``extract_shard``'s ``states``: one prefill request per sequence not saved yet."""
+        paths = [request_path(self.requests, r["id"]) for r in records]
+        rows: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(seqs)
+        missing = []
+        for i, (path, ids) in enumerate(zip(paths, seqs)):
+            saved = read_request(path, ids)
+            if saved is None:
+                missing.append(i)
+            else:
+                rows[i] = split_states(saved, self.layer_ids, aux_layer_ids, self.norm)
+                if progress is not None:
+                    progress.advance(done=1, tokens=len(ids))
+        if missing:
+            asyncio.run(self._send(missing, seqs, paths, rows, aux_layer_ids, progress))
+        return [r[0] for r in rows], [r[1] for r in rows]
+
+    async def _send(self, missing, seqs, paths, rows, aux_layer_ids, progress) -> None:
+        ext, gen = self.cfg["extract"], self.cfg["generate"]
+        gate = asyncio.Semaphore(ext["concurrency"])
+        limits = httpx.Limits(max_connections=ext["concurrency"])
+        async with httpx.AsyncClient(base_url=self.server.url, limits=limits) as client:
+
+            async def one(i: int) -> None:
+                async with gate:
+                    self.server.check_alive()
+                    await prefill(client, seqs[i], paths[i], gen["request_timeout_s"],
+                                  gen["max_retries"])
+                saved = await asyncio.to_thread(read_request, paths[i], seqs[i])
+                if saved is None:
+                    raise ExtractionError(
+                        f"the server saved no states of {len(seqs[i])} tokens to {paths[i]}: "
+                        f"see the server log {self.server.log_path}")
+                rows[i] = split_states(saved, self.layer_ids, aux_layer_ids, self.norm)
+                if progress is not None:
+                    progress.advance(done=1, tokens=len(seqs[i]))
+
+            tasks = [asyncio.create_task(one(i)) for i in missing]
+            try:
+                await asyncio.gather(*tasks)
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def extract_shards(cfg: dict, info: dict, jobs: list[ShardJob], work_dir: Path,
+                   server_log: str | os.PathLike, progress: Progress | None = None,
+                   server: VLLMServer | None = None) -> list[dict]:
+    """Write every shard of ``jobs`` with one server (started only if some shard needs it,
+    unless a running ``server`` with the capture options of :func:`capture_server` for
+    ``<work_dir>/requests`` is given) and move them to their final names; returns the
+    shards' records."""
+    ext = cfg["extract"]
+    target, norm = load_head(info["path"], cfg["target"]["dtype"], ext["device"])
+    aux_ids = resolve_aux_layer_ids(ext["aux_layer_ids"], target.num_layers)
+    layer_ids = capture_layer_ids(aux_ids, target.num_layers)
+    identity = target_identity(info)
+    expected = {"aux_layer_ids": aux_ids, "dtype": ext["dtype"], "target": identity}
+    todo = [job for job in jobs if staged_problem(job, expected, ext["max_len"])]
+    needed = sum(estimate_bytes(job.records, ext["max_len"], target.hidden_size, ext["dtype"])
+                 for job in todo)
+    check_disk(work_dir, needed)
+    if progress is not None:
+        progress.restart(already_done=sum(len(j.records) for j in jobs if j not in todo))
+    extractor = Extractor(cfg, info["path"], layer_ids, work_dir, server_log, progress)
+    extractor.norm = norm
+    if server is not None:
+        extractor.server, extractor.started = server, True
+    metas = []
+    with contextlib.ExitStack() as stack:
+        for job in jobs:
+            if job not in todo:
+                log.info("%s: packed by an earlier run, kept", job.label)
+                meta = read_json(job.staged_meta_path)
+                enforce_agreement(meta, ext["min_teacher_agreement"])
+                metas.append(meta)
+                continue
+            extractor.ensure_server(stack)
+            job.staged_path.parent.mkdir(parents=True, exist_ok=True)
+            meta = extract_shard(target, job.records, ext, aux_ids, identity, job.staged_path,
+                                 job.staged_meta_path, progress, states=extractor.states,
+                                 backend="vllm")
+            for record in job.records:  # packed: the per-request files are not needed again
+                remove_request(request_path(extractor.requests, record["id"]))
+            log.info("%s: %d samples, %d tokens, %.0f tokens/s, teacher agreement %s",
+                     job.label, meta["num_samples"], meta["tokens"], meta["tokens_per_s"] or 0,
+                     _fmt(meta["teacher"]["agreement"]))
+            metas.append(meta)
+    if extractor.started and server is None:
+        rates.record("extract", info["spec"], server_start_s=extractor.server.ready_after_s)
+    for job in jobs:  # all shards are good: give them their final names
+        job.shard_path.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(job.staged_path, job.shard_path)
+        os.replace(job.staged_meta_path, job.meta_path)
+    return metas
+
+
+def staged_problem(job: ShardJob, expected: dict, max_len: int) -> str | None:
+    """Why a shard packed by an earlier run cannot be used for ``job``, or None."""
+    problem = shard_problem(job.staged_meta_path, job.staged_path, expected)
+    if problem:
+        return problem
+    meta = read_json(job.staged_meta_path)
+    tokens = sum(min(len(r["prompt_token_ids"]) + len(r["completion_token_ids"]), max_len)
+                 for r in job.records)
+    if meta["samples"] != [r["id"] for r in job.records] or meta["tokens"] != tokens:
+        return "it holds other samples or sequences (the synthetic data or max_len changed)"
+    return None
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
+def shard_jobs(records: list[dict], num_shards: int, shard_paths: list[str],
+               meta_paths: list[str], work_dir: Path, split: str) -> list[ShardJob]:
+    """Jobs of one split's shards (contiguous blocks of its records, as the hf backend)."""
+    from eaglet.extract import shard_records
+    jobs = []
+    for index, (shard, meta) in enumerate(zip(shard_paths, meta_paths)):
+        staged = work_dir / "shards" / split / Path(shard).name
+        jobs.append(ShardJob(f"{split} shard {index}", shard_records(records, num_shards, index),
+                             Path(shard), Path(meta), staged, staged.with_suffix(".json")))
+    empty = [j.label for j in jobs if not j.records]
+    if empty:
+        raise ExtractionError(f"{', '.join(empty)} of {num_shards} would hold no samples: lower "
+                              f"extract.num_shards to at most the number of samples")
+    return jobs
+
+
+def run_stage(cfg: dict, target_json: str, splits: dict[str, dict], work_dir: str,
+              server_log: str, progress_path: str | None = None,
+              log_path: str | None = None) -> list[dict]:
+    """The ``extract_vllm`` rule: every shard of every split (``splits`` maps a split name to
+    its ``data`` file and its ``shards`` and ``metas`` paths) with one server."""
+    from eaglet.io import read_jsonl
+
+    info = read_json(target_json)
+    work = Path(work_dir)
+    jobs = []
+    for split, files in splits.items():
+        records = read_jsonl(files["data"])
+        jobs += shard_jobs(records, len(files["shards"]), files["shards"], files["metas"], work,
+                           split)
+    total = sum(len(j.records) for j in jobs)
+    progress = Progress("extract", total=total, path=progress_path, log_path=log_path)
+    started = time.monotonic()
+    metas = extract_shards(cfg, info, jobs, work, server_log, progress)
+    run = progress.report("finished")
+    if run["done"] > run["resumed_from"]:
+        rates.record("extract", info["spec"], tokens_per_s=run["tokens_per_s"])
+    log.info("%d shards, %d samples, %d tokens in %.0f s", len(metas),
+             sum(m["num_samples"] for m in metas), sum(m["tokens"] for m in metas),
+             time.monotonic() - started)
+    return metas

@@ -1,0 +1,148 @@
+"""Parts of the vLLM extraction backend that need no server: the layers it asks the server
+for, the teacher's final state from layer L with the checkpoint's norm, the request files it
+resumes from, and the capture options it starts the server with."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from eaglet.config import validate
+from eaglet.extract_vllm import (capture_args, capture_layer_ids, capture_server, load_head,
+                                 read_request, request_path, split_states)
+from tests.tiny_llama import HIDDEN, LAYERS, make_tiny_llama, one_thread
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny")
+    with one_thread():
+        model = make_tiny_llama(directory, seed=3)
+    return model, directory
+
+
+def test_capture_layers_are_the_distinct_aux_ids_then_L():
+    assert capture_layer_ids([2, 3, 3], 6) == [2, 3, 6]
+    assert capture_layer_ids([1, 3, 4], 6) == [1, 3, 4, 6]
+
+
+@torch.inference_mode()
+def test_final_state_from_layer_L_is_what_the_lm_head_reads(tiny):
+    """Layer L (the last layer's output before the final norm) through the checkpoint's norm
+    equals transformers' last_hidden_state; aux ids map to HF hidden_states[i]."""
+    model, directory = tiny
+    head, norm = load_head(directory, "float32", "cpu")
+    assert torch.equal(head.lm_head, model.lm_head.weight)
+    ids = torch.tensor([[5, 17, 42, 8, 99, 3]])
+    with one_thread():
+        out = model.model(input_ids=ids, output_hidden_states=True)
+    hidden = out.hidden_states  # [0] embeddings, [i] input of layer i, [L] after the final norm
+    aux_ids = [1, 3, 3]
+    layer_ids = capture_layer_ids(aux_ids, LAYERS)
+    # what vLLM saves for id L is the pre-norm output of the last layer: undo HF's final norm
+    # by capturing it with a hook instead
+    captured = {}
+    handle = model.model.layers[-1].register_forward_hook(
+        lambda m, a, o: captured.__setitem__("pre", (o[0] if isinstance(o, tuple) else o)))
+    with one_thread():
+        model.model(input_ids=ids)
+    handle.remove()
+    saved = torch.stack([hidden[1][0], hidden[3][0], captured["pre"][0]], dim=1)  # [N, 3, H]
+    aux, final = split_states(saved, layer_ids, aux_ids, norm)
+    assert aux.shape == (6, 3 * HIDDEN)
+    assert torch.equal(aux[:, 2 * HIDDEN:], hidden[3][0])
+    torch.testing.assert_close(final, out.last_hidden_state[0], rtol=1e-6, atol=1e-6)
+
+
+def test_read_request_checks_the_tokens_and_drops_torn_files(tmp_path):
+    path = request_path(tmp_path, "sample/with odd:chars")
+    assert path.parent == tmp_path and path.suffix == ".safetensors"
+    assert read_request(path, [1, 2]) is None  # not saved yet
+    save_file({"hidden_states": torch.ones(2, 4, 3), "token_ids": torch.tensor([1, 2])}, str(path))
+    assert read_request(path, [1, 2]).shape == (2, 4, 3)
+    assert read_request(path, [1, 3]) is None and not path.exists()  # another sequence
+    path.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{\"a")  # cut short by a crash
+    assert read_request(path, [1, 2]) is None and not path.exists()
+
+
+def test_server_gets_the_generation_settings_plus_capture(tmp_path):
+    cfg = validate({"server": {"tensor_parallel_size": 2, "extra_args": ["--quantization", "awq"]},
+                    "target": {"max_model_len": 1024}, "extract": {"max_len": 4096}})
+    server = capture_server(cfg, "/models/t", [2, 15, 27, 30], tmp_path / "req", tmp_path / "log")
+    args = server.args
+    assert args[args.index("--tensor-parallel-size") + 1] == "2"
+    assert "--quantization" in args and "--no-enable-prefix-caching" in args
+    assert args[args.index("--max-model-len") + 1] == "4097"  # the longest sequence + 1 token
+    spec = json.loads(args[args.index("--speculative-config") + 1])
+    assert spec["method"] == "extract_hidden_states"
+    assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27, 30]
+    transfer = json.loads(args[args.index("--kv-transfer-config") + 1])
+    assert transfer["kv_connector_module_path"] == "eaglet.hidden_connector"
+    assert transfer["kv_connector_extra_config"]["shared_storage_path"] == str(tmp_path / "req")
+    assert capture_args([1], "x")[-1] == "--no-enable-prefix-caching"
+
+
+# -- resume at the shard level: packed shards of an earlier run, no server needed -------------
+
+def packed_run(tiny, tmp_path):
+    """A vLLM-backend run interrupted after packing both shards (packed here with the hf
+    backend, which gives the same shard)."""
+    from eaglet.extract import extract_shard, load_target, target_identity
+    from eaglet.extract_vllm import shard_jobs
+    from eaglet.target import prepare_target
+    from tests.tiny_llama import greedy_records
+
+    model, directory = tiny
+    info = prepare_target(str(directory), tmp_path / "target")
+    with one_thread():
+        records = greedy_records(model, n=4)
+    cfg = validate({"extract": {"backend": "vllm", "dtype": "float32", "max_len": 64,
+                                "aux_layer_ids": [1, 3, 4], "device": "cpu"}})
+    work = tmp_path / "work"
+    hidden = tmp_path / "hidden"
+    jobs = shard_jobs(records, 2, [str(hidden / f"shard_{i:05d}.safetensors") for i in range(2)],
+                      [str(hidden / f"shard_{i:05d}.json") for i in range(2)], work, "train")
+    target = load_target(info["path"], "float32", "cpu")
+    with one_thread():
+        for job in jobs:
+            job.staged_path.parent.mkdir(parents=True, exist_ok=True)
+            extract_shard(target, job.records, cfg["extract"], [1, 3, 4], target_identity(info),
+                          job.staged_path, job.staged_meta_path, backend="vllm")
+    return cfg, info, jobs, work
+
+
+def test_packed_shards_are_kept_and_moved_without_a_server(tiny, tmp_path, monkeypatch):
+    from eaglet import shards
+    from eaglet.extract_vllm import Extractor, extract_shards
+
+    cfg, info, jobs, work = packed_run(tiny, tmp_path)
+    hashes = [shards.sha256_path(job.staged_path) for job in jobs]
+    monkeypatch.setattr(Extractor, "ensure_server",
+                        lambda self, stack: pytest.fail("a server was started"))
+    with one_thread():
+        metas = extract_shards(cfg, info, jobs, work, tmp_path / "server.log")
+    assert [m["backend"] for m in metas] == ["vllm", "vllm"]
+    for job, digest in zip(jobs, hashes):
+        assert shards.sha256_path(job.shard_path) == digest and job.meta_path.exists()
+        assert not job.staged_path.exists()
+
+
+def test_a_packed_shard_of_other_samples_is_not_reused(tiny, tmp_path, monkeypatch):
+    from eaglet.extract_vllm import Extractor, extract_shards
+
+    cfg, info, jobs, work = packed_run(tiny, tmp_path)
+    jobs[1].records[0] = {**jobs[1].records[0],
+                          "completion_token_ids": jobs[1].records[0]["completion_token_ids"][:-1]}
+    started = []
+
+    def no_server(self, stack):
+        started.append(1)
+        raise RuntimeError("would start the server")
+    monkeypatch.setattr(Extractor, "ensure_server", no_server)
+    with one_thread(), pytest.raises(RuntimeError, match="would start the server"):
+        extract_shards(cfg, info, jobs, work, tmp_path / "server.log")
+    assert started == [1]
+    assert not jobs[0].shard_path.exists()  # nothing is moved before every shard is done
