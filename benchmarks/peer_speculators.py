@@ -241,16 +241,20 @@ def try_cli(argv: list[str], timeout_s: int) -> dict:
     command = [sys.executable, "-m", "speculators", "train", *argv]
     start = time.perf_counter()
     try:
-        proc = subprocess.run(command, env=peer_env(), capture_output=True, text=True,
-                              timeout=timeout_s)
+        # plain Python tracebacks, not typer's boxed ones, so the raising frame can be read
+        proc = subprocess.run(command, env={**peer_env(), "_TYPER_STANDARD_TRACEBACK": "1"},
+                              capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return {"exit": "timeout", "seconds": timeout_s, "error": "still running (trained)"}
     lines = [l for l in (proc.stdout + proc.stderr).splitlines() if l.strip()]
     error = next((l for l in reversed(lines) if "Error" in l or "error" in l), lines[-1:] or [""])
-    trace = [l for l in lines if l.strip().startswith('File "') and "speculators" in l]
+    # the last frame inside speculators, its path from the package on
+    trace = [l.strip() for l in lines if l.strip().startswith('File "') and "/speculators/" in l]
+    where = None
+    if trace:
+        where = "speculators/" + trace[-1].split("/speculators/", 1)[1].replace('"', "")
     return {"exit": proc.returncode, "seconds": round(time.perf_counter() - start, 1),
-            "error": error if isinstance(error, str) else error[0],
-            "raised_at": trace[-1].strip() if trace else None}
+            "error": error if isinstance(error, str) else error[0], "raised_at": where}
 
 
 def train_speculators(argv: list[str], budget_s: float | None, eval_fn, log) -> dict:
@@ -518,8 +522,35 @@ def render(r: dict) -> str:
         lines.append(f"- {t['config']}: exit {t['exit']} after {t['seconds']} s: "
                      f"`{t['error']}`" + (f" at `{t['raised_at']}`" if t.get("raised_at") else ""))
     lines += ["", "Settings:", "", f"- eaglet: `{json.dumps(e['settings'])}`",
-              f"- speculators: `{json.dumps(s['settings'])}`", ""]
+              f"- speculators: `{json.dumps(s['settings'])}`", "", "## Verdict", ""]
+    for name, a, b in ((f"held-out sim AL gain per training minute", e["gain_per_min"],
+                        s["gain_per_min"]),
+                       ("training tokens/s (wall)", e["tokens_per_s"], s["tokens_per_s"])):
+        if a and b:
+            lines.append(f"- {name}: eaglet {'ahead' if a >= b else 'behind'}, "
+                         f"{a / b:.2f}x speculators'.")
+    lines += ["", LEARN]
     return "\n".join(lines) + "\n"
+
+
+LEARN = """## What speculators does that eaglet should learn from
+
+- Its EAGLE-3 recipe differs from eaglet's in four places, all read by vLLM 0.32 from its
+  config: an RMSNorm over the concatenated aux states before `fc` (`norm_before_fc`), the
+  post-norm state fed back across TTT steps (`norm_output`), the norm before the residual
+  (`norm_before_residual`), and a KL-divergence loss with every TTT step weighted equally
+  (eaglet: soft cross-entropy, decay 0.8). Its default optimizer is Muon on the 2-D weights.
+  Each is a switch eaglet could offer and measure with `benchmarks/recipe.py`.
+- Its data preparation takes pre-tokenized `input_ids`/`loss_mask` rows as they are and counts
+  token frequencies on the way, and its loader can ask a running vLLM for missing hidden
+  states (`on_missing: generate`) instead of needing every shard on disk first.
+- On GPUs it avoids materializing [T, T] attention scores (flex attention with block masks)
+  and the [T, Vd] softmax (a fused Triton loss). eaglet's blocked manual TTT attention and
+  plain softmax are what run on CPU; the GPU path should look at both.
+- Where eaglet is ahead: speculators' `Trainer` cannot run without an accelerator (it moves
+  the model and each batch to device index 0), and its defaults (flex attention backward,
+  Triton loss, bf16 autocast, 12 spawned loader workers) each need changing on a CPU.
+"""
 
 
 def main() -> None:
@@ -533,7 +564,14 @@ def main() -> None:
     parser.add_argument("--max-prompts", type=int, help="override evaluate.max_prompts")
     parser.add_argument("--max-tokens", type=int, help="override evaluate.max_tokens")
     parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 16])
+    parser.add_argument("--set-limit", type=int,
+                        help="prompts read from each configured prompt set (its source limit)")
+    parser.add_argument("--render", action="store_true",
+                        help="only redraw peer_speculators.md from peer_speculators.json")
     args = parser.parse_args()
+    if args.render:
+        (OUT / "peer_speculators.md").write_text(render(read_json(OUT / "peer_speculators.json")))
+        return
     results, work = Path(args.results), Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     log = lambda msg: print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)  # noqa: E731
@@ -610,6 +648,10 @@ def main() -> None:
             overrides["max_prompts"] = args.max_prompts
         if args.max_tokens:
             overrides["max_tokens"] = args.max_tokens
+        if args.set_limit:
+            overrides["prompt_sets"] = [
+                {**entry, "source": {**entry["source"], "limit": args.set_limit}}
+                for entry in cfg["evaluate"]["prompt_sets"]]
         runs = serve_both(results, work, cfg, {"eaglet": eaglet["drafter"],
                                                "speculators": str(spec_dir)}, K, overrides, log)
         by_name = {run["name"]: run for run in runs}
