@@ -566,6 +566,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 16])
     parser.add_argument("--set-limit", type=int,
                         help="prompts read from each configured prompt set (its source limit)")
+    parser.add_argument("--cli-only", action="store_true",
+                        help="only retry `speculators train` and update peer_speculators.json")
     parser.add_argument("--render", action="store_true",
                         help="only redraw peer_speculators.md from peer_speculators.json")
     args = parser.parse_args()
@@ -597,6 +599,12 @@ def main() -> None:
         outcome = try_cli(argv, args.cli_timeout)
         log(f"speculators train [{label}]: {outcome}")
         tries.append({"config": label, **outcome})
+    if args.cli_only:
+        summary = read_json(OUT / "peer_speculators.json")
+        summary["cli_tries"] = tries
+        write_json(OUT / "peer_speculators.json", summary)
+        (OUT / "peer_speculators.md").write_text(render(summary))
+        return
 
     eaglet = train_eaglet(results, work, cfg, log)
 
