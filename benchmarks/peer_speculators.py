@@ -467,7 +467,7 @@ def level_summary(run: dict, concurrency: int) -> dict:
     """AL over every prompt set at a concurrency, and the pooled speedup there."""
     levels = [lv for lv in run["levels"] if lv["concurrency"] == concurrency]
     drafts = sum(lv["drafts"] or 0 for lv in levels)
-    accepted = sum(lv["accepted"] or 0 for lv in levels)
+    accepted = sum(lv["accepted_tokens"] or 0 for lv in levels)
     speed = next(e["speedup"] for e in run["by_concurrency"] if e["concurrency"] == concurrency)
     tps = next(e["output_tokens_per_s"] for e in run["by_concurrency"]
                if e["concurrency"] == concurrency)
@@ -498,8 +498,15 @@ def render(r: dict) -> str:
                   s["vllm"][str(c)]["al"]),
                  (f"vLLM speedup at concurrency {c}", e["vllm"][str(c)]["speedup"],
                   s["vllm"][str(c)]["speedup"])]
+    vs = r.get("vllm_settings", {})
     lines = ["# eaglet vs speculators (vLLM's trainer) on the same data", "",
-             r["about"], "", "| measure | eaglet | speculators | eaglet / speculators |",
+             r["about"] + " The budget is checked after each speculators step, and both "
+             "trainers' minutes include their per-epoch held-out pass.", "",
+             f"vLLM: one server at a time (0.15 of memory), k = TTT steps, greedy; AL pooled "
+             f"over the held-out split and the configured prompt sets; speedup = output "
+             f"tokens/s over the target alone at the same concurrency "
+             f"(`{json.dumps(vs)}`).", "",
+             "| measure | eaglet | speculators | eaglet / speculators |",
              "|---|---|---|---|"]
     for name, a, b in rows:
         fa = f"{a:.3f}" if isinstance(a, float) else str(a)
@@ -553,6 +560,32 @@ LEARN = """## What speculators does that eaglet should learn from
 """
 
 
+def serve_and_record(args, results: Path, work: Path, cfg: dict, summary: dict,
+                     eaglet_dir: str, spec_dir: str, k: int, log) -> None:
+    overrides = {"concurrency": args.concurrency}
+    if args.max_prompts:
+        overrides["max_prompts"] = args.max_prompts
+    if args.max_tokens:
+        overrides["max_tokens"] = args.max_tokens
+    if args.set_limit:
+        overrides["prompt_sets"] = [
+            {**entry, "source": {**entry["source"], "limit": args.set_limit}}
+            for entry in cfg["evaluate"]["prompt_sets"]]
+    runs = serve_both(results, work, cfg, {"eaglet": eaglet_dir, "speculators": spec_dir}, k,
+                      overrides, log)
+    summary["vllm_runs"] = [{key: v for key, v in run.items() if key != "levels"} | {
+        "levels": [{key: v for key, v in lv.items() if not key.startswith("_")}
+                   for lv in run["levels"]]} for run in runs]
+    write_json(OUT / "peer_speculators.json", summary)
+    by_name = {run["name"]: run for run in runs}
+    for who in ("eaglet", "speculators"):
+        summary[who]["vllm"] = {str(c): level_summary(by_name[who], c)
+                                for c in args.concurrency}
+    summary["vllm_settings"] = overrides
+    write_json(OUT / "peer_speculators.json", summary)
+    (OUT / "peer_speculators.md").write_text(render(summary))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", default="results", help="a finished run's results dir")
@@ -568,6 +601,8 @@ def main() -> None:
                         help="prompts read from each configured prompt set (its source limit)")
     parser.add_argument("--cli-only", action="store_true",
                         help="only retry `speculators train` and update peer_speculators.json")
+    parser.add_argument("--vllm-only", action="store_true",
+                        help="only serve the drafters already trained in --work")
     parser.add_argument("--render", action="store_true",
                         help="only redraw peer_speculators.md from peer_speculators.json")
     args = parser.parse_args()
@@ -587,6 +622,12 @@ def main() -> None:
         sorted(glob.glob(str(results / "hidden" / "shard_*.safetensors")))[0])["aux_layer_ids"]
     target_vocab = read_json(results / "target" / "config.json")["vocab_size"]
 
+    if args.vllm_only:
+        summary = read_json(OUT / "peer_speculators.json")
+        serve_and_record(args, results, work, cfg, summary, str(work / "eaglet" / "drafter"),
+                         str(work / "speculators" / "drafter"), cfg["train"]["ttt_steps"], log)
+        print(render(summary))
+        return
     info = prepare(results, work, cfg, log)
     log(f"converted: {info}")
     vocab = compare_vocab(work / "data", str(results / "vocab" / "vocab_map.safetensors"),
@@ -651,26 +692,8 @@ def main() -> None:
     write_json(OUT / "peer_speculators.json", summary)
     (OUT / "peer_speculators.md").write_text(render(summary))
     if not args.skip_vllm:
-        overrides = {"concurrency": args.concurrency}
-        if args.max_prompts:
-            overrides["max_prompts"] = args.max_prompts
-        if args.max_tokens:
-            overrides["max_tokens"] = args.max_tokens
-        if args.set_limit:
-            overrides["prompt_sets"] = [
-                {**entry, "source": {**entry["source"], "limit": args.set_limit}}
-                for entry in cfg["evaluate"]["prompt_sets"]]
-        runs = serve_both(results, work, cfg, {"eaglet": eaglet["drafter"],
-                                               "speculators": str(spec_dir)}, K, overrides, log)
-        by_name = {run["name"]: run for run in runs}
-        for who in ("eaglet", "speculators"):
-            summary[who]["vllm"] = {str(c): level_summary(by_name[who], c)
-                                    for c in args.concurrency}
-        summary["vllm_runs"] = [{k: v for k, v in run.items() if k != "levels"} | {
-            "levels": [{k: v for k, v in lv.items() if not k.startswith("_")}
-                       for lv in run["levels"]]} for run in runs]
-        write_json(OUT / "peer_speculators.json", summary)
-        (OUT / "peer_speculators.md").write_text(render(summary))
+        serve_and_record(args, results, work, cfg, summary, eaglet["drafter"], str(spec_dir),
+                         K, log)
     print(render(summary))
 
 
