@@ -506,6 +506,9 @@ def render(r: dict) -> str:
              f"over the held-out split and the configured prompt sets; speedup = output "
              f"tokens/s over the target alone at the same concurrency "
              f"(`{json.dumps(vs)}`).", "",
+             "On a shared 2-core machine every tokens/s figure carries the other users' load "
+             "(the three servers ran minutes apart): compare the two drafters' columns with "
+             "each other before comparing a speedup with 1.0.", "",
              "| measure | eaglet | speculators | eaglet / speculators |",
              "|---|---|---|---|"]
     for name, a, b in rows:
@@ -555,8 +558,15 @@ LEARN = """## What speculators does that eaglet should learn from
   and the [T, Vd] softmax (a fused Triton loss). eaglet's blocked manual TTT attention and
   plain softmax are what run on CPU; the GPU path should look at both.
 - Where eaglet is ahead: speculators' `Trainer` cannot run without an accelerator (it moves
-  the model and each batch to device index 0), and its defaults (flex attention backward,
-  Triton loss, bf16 autocast, 12 spawned loader workers) each need changing on a CPU.
+  the model and each batch to device index 0: `Trainer.setup_model` and `train_epoch`), and
+  its defaults (flex attention, which has no CPU backward; the Triton fused loss; bf16
+  autocast; 12 spawned loader workers) each need changing on a CPU. No configuration gets
+  past the first: the table's speculators column is its model, data loader, loss, optimizer
+  and scheduler stepped by this benchmark's loop.
+- Not yet explained: both start lm_head from the target's rows of the draft vocabulary, but
+  speculators keeps it frozen, and its Muon optimizer ran at the lr both were given (1e-3;
+  its muon_lr defaults to lr), small for Muon. Whether a Muon-sized lr or a trained lm_head
+  closes the held-out gap was not measured here.
 """
 
 
@@ -571,7 +581,8 @@ def serve_and_record(args, results: Path, work: Path, cfg: dict, summary: dict,
         overrides["prompt_sets"] = [
             {**entry, "source": {**entry["source"], "limit": args.set_limit}}
             for entry in cfg["evaluate"]["prompt_sets"]]
-    runs = serve_both(results, work, cfg, {"eaglet": eaglet_dir, "speculators": spec_dir}, k,
+    runs = serve_both(results, work, cfg, {"eaglet": os.path.relpath(eaglet_dir),
+                                           "speculators": os.path.relpath(spec_dir)}, k,
                       overrides, log)
     summary["vllm_runs"] = [{key: v for key, v in run.items() if key != "levels"} | {
         "levels": [{key: v for key, v in lv.items() if not key.startswith("_")}
