@@ -9,6 +9,7 @@ position t+k and attends to the step-0 keys of rows <= t plus its own keys of st
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply
 
 from eaglet import drafter
 from eaglet.drafter import DrafterConfig, Eagle3Drafter
-from eaglet.export import export_drafter, load_drafter, vllm_tensors
+from eaglet.export import export_drafter, load_drafter
 from eaglet.train import batch_sums, make_batch, summarize
 
 H, VOCAB, DRAFT_VOCAB, K = 32, 50, 30, 4
@@ -298,7 +299,6 @@ def test_export_writes_exactly_the_tensors_and_config_vllm_loads(tmp_path):
         "midlayer.mlp.gate_proj.weight": (64, H), "midlayer.mlp.up_proj.weight": (64, H),
         "midlayer.mlp.down_proj.weight": (H, 64),
         "norm.weight": (H,), "lm_head.weight": (DRAFT_VOCAB, H), "d2t": (DRAFT_VOCAB,), "t2d": (VOCAB,)}
-    assert shapes == {name: shape for name, (shape, _) in vllm_tensors(model.config).items()}
 
 
 def test_exported_drafter_loads_back_with_the_target_embedding(tmp_path):
@@ -333,15 +333,38 @@ def test_full_vocabulary_drafter_is_exported_without_d2t(tmp_path):
         export_drafter(model, tmp_path / "bad")
 
 
+def llama3_inv_freq(theta, dim, factor, low_freq_factor, high_freq_factor, original_max):
+    """Llama 3.1's RoPE scaling from its definition (Meta's reference `apply_scaling`), one
+    frequency at a time: long wavelengths divided by ``factor``, short ones kept, and the band
+    between interpolated smoothly."""
+    low_freq_wavelen = original_max / low_freq_factor
+    high_freq_wavelen = original_max / high_freq_factor
+    out = []
+    for i in range(0, dim, 2):
+        freq = 1.0 / theta ** (i / dim)
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_freq_wavelen:
+            out.append(freq)
+        elif wavelen > low_freq_wavelen:
+            out.append(freq / factor)
+        else:
+            smooth = (original_max / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            out.append((1 - smooth) * freq / factor + smooth * freq)
+    return torch.tensor(out)
+
+
 def test_scaled_rope_of_the_target_is_used():
     plain = tiny_model()
     scaled = Eagle3Drafter(tiny_config({"rope_theta": 500000.0, "rope_type": "llama3", "factor": 8.0,
                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                         "original_max_position_embeddings": 16}),
                            plain.embed_tokens, plain.d2t, plain.t2d)
-    hf = LlamaConfig(hidden_size=H, num_attention_heads=4, head_dim=8, max_position_embeddings=128,
-                     rope_parameters=scaled.config.rope_parameters)
-    torch.testing.assert_close(scaled.inv_freq, LlamaRotaryEmbedding(hf).inv_freq)
+    # head_dim 8: four frequencies, wavelengths 6.3, 167, 4443 and 118K against the band
+    # [16/4, 16/1]: the first is interpolated, the others divided by 8
+    expected = llama3_inv_freq(500000.0, 8, 8.0, 1.0, 4.0, 16)
+    torch.testing.assert_close(scaled.inv_freq, expected, rtol=1e-6, atol=0)
+    unscaled = torch.tensor([500000.0 ** (-i / 8) for i in (2, 4, 6)])
+    torch.testing.assert_close(scaled.inv_freq[1:], unscaled / 8.0)
     assert not torch.allclose(scaled.inv_freq, plain.inv_freq)
 
 
