@@ -10,18 +10,16 @@ from __future__ import annotations
 import csv
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import load_file, save
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eaglet import shards
 from eaglet.io import atomic_open
-from eaglet.train import TrainError, train
+from eaglet.train import TrainError, launch_torchrun, train
 
 AUX_LAYERS = [1, 2, 3]
 VOCAB, DRAFT_VOCAB = 256, 160
@@ -335,19 +333,17 @@ def test_a_shard_missing_from_the_manifest_is_refused(world, tmp_path):
 
 # -- data parallel ---------------------------------------------------------------------------
 
-def _ddp_worker(rank: int, port: int, world, tmp: Path, cfg: dict) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2",
-                      RANK=str(rank), LOCAL_RANK=str(rank))
-    run(world, tmp, cfg, "ddp")
-
-
 def test_ddp_on_two_processes_equals_one_process_accumulating_both(world, tmp_path):
+    """The launch path of rule train with two GPUs, on CPU: torchrun starts two gloo
+    processes of eaglet.train's worker, which must train exactly as one process that
+    accumulates both micro-batches."""
     cfg = {**FAST, "epochs": 1, "checkpoint_every": 100}
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    mp.spawn(_ddp_worker, args=(port, world, tmp_path, cfg), nprocs=2, join=True)
+    launch_torchrun({"cfg": cfg, "shard_paths": world["train"], "eval_shard_paths": world["eval"],
+                     "vocab_map": world["vocab"], "target_dir": world["target"],
+                     "out_dir": str(tmp_path / "ddp" / "drafter"),
+                     "checkpoint_dir": str(tmp_path / "ddp" / "ckpt"),
+                     "progress_path": str(tmp_path / "ddp" / "progress.json"),
+                     "log_path": None}, nproc=2)
     single = run(world, tmp_path, {**cfg, "grad_accum": 2}, "single")
     ddp, one = weights(tmp_path / "ddp" / "drafter"), weights(tmp_path / "single" / "drafter")
     for name in one:

@@ -30,6 +30,8 @@ import math
 import os
 import random
 import shutil
+import subprocess
+import sys
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -808,11 +810,19 @@ def train(cfg: dict, shard_paths: list[str], eval_shard_paths: list[str], vocab_
             dist.destroy_process_group()
 
 
+def launch_torchrun(args: dict, nproc: int) -> None:
+    """Run ``train(**args)`` data-parallel in ``nproc`` processes on this node under torchrun
+    (one per GPU; gloo on CPU): the arguments go to ``checkpoint_dir/torchrun_args.json``
+    and each process runs :func:`main` on them."""
+    args_path = Path(args["checkpoint_dir"]) / "torchrun_args.json"
+    write_json(args_path, args)
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    f"--nproc-per-node={nproc}", "-m", "eaglet.train", str(args_path)], check=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Worker of a multi-GPU run: ``python -m torch.distributed.run --nproc-per-node N -m
     eaglet.train ARGS.json``, ARGS.json holding ``train``'s keyword arguments."""
-    import sys
-
     from eaglet.scripting import run_stage
     args = read_json((argv or sys.argv[1:])[0])
     rank = int(os.environ.get("RANK", "0"))
