@@ -19,7 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from eaglet import shards
 from eaglet.io import atomic_open
-from eaglet.train import TrainError, launch_torchrun, train
+from eaglet.train import TrainError, launch_torchrun, settings, train
 
 AUX_LAYERS = [1, 2, 3]
 VOCAB, DRAFT_VOCAB = 256, 160
@@ -355,3 +355,19 @@ def test_ddp_on_two_processes_equals_one_process_accumulating_both(world, tmp_pa
         assert float(a["loss"]) == pytest.approx(float(b["loss"]), rel=1e-4)
         assert a["acc_0"] == b["acc_0"]
     assert float(one_log[-2]["loss"]) < float(one_log[0]["loss"])
+
+
+def test_settings_take_their_defaults_from_the_config_schema_and_keep_the_cross_key_check():
+    from eaglet.config import validate
+    schema_defaults = validate({})["train"]
+    got = settings({"lr": 1e-3, "max_tokens_per_batch": 512})
+    assert got["lr"] == 1e-3 and got["max_len"] == 512  # null max_len: one batch
+    assert {k: v for k, v in got.items() if k not in ("lr", "max_tokens_per_batch", "max_len")} \
+        == {k: v for k, v in schema_defaults.items()
+            if k not in ("lr", "max_tokens_per_batch", "max_len", "gpus")}
+    with pytest.raises(TrainError, match=r"train.lm_head_init: 'copied' is not one of"):
+        settings({"lm_head_init": "copied"})
+    with pytest.raises(TrainError, match=r"unknown key epoch under train"):
+        settings({"epoch": 3})
+    with pytest.raises(TrainError, match=r"max_len 600 exceeds train.max_tokens_per_batch 512"):
+        settings({"max_len": 600, "max_tokens_per_batch": 512})

@@ -45,6 +45,7 @@ from safetensors.torch import save as save_safetensors
 
 from eaglet import rates
 from eaglet import shards as shard_format
+from eaglet.config import ConfigError, validate
 from eaglet.drafter import (DrafterConfig, Eagle3Drafter, init_from_target_layer, init_lm_head,
                             load_target_layer, load_target_embedding,
                             load_target_lm_head, num_params, read_target_config)
@@ -55,36 +56,6 @@ from eaglet.target import model_identity
 
 log = logging.getLogger("eaglet.train")
 
-# The `train` configuration: every key, its default, and what it does.
-DEFAULTS: dict = {
-    "epochs": 10,               # passes over the training shards
-    "max_steps": None,          # stop after this many optimizer steps (the schedule spans them)
-    "lr": 3e-4,                 # peak learning rate of AdamW
-    "min_lr_ratio": 0.1,        # cosine decay ends at lr * min_lr_ratio
-    "warmup_steps": None,       # linear warmup steps; null: warmup_ratio of all steps
-    "warmup_ratio": 0.02,       # share of all steps spent warming up when warmup_steps is null
-    "weight_decay": 0.0,        # AdamW decoupled weight decay (norm weights excluded)
-    "betas": [0.9, 0.95],       # AdamW betas
-    "grad_clip": 0.5,           # clip the global gradient norm to this (0: no clipping)
-    "max_tokens_per_batch": 2048,  # rows of one packed micro-batch (per rank)
-    "max_len": None,            # samples are cut to this many tokens; null: max_tokens_per_batch
-    "grad_accum": 1,            # micro-batches per rank per optimizer step
-    "ttt_steps": 7,             # drafting steps unrolled in training (draft tokens learned)
-    "ttt_decay": 0.8,           # weight of step k's loss is ttt_decay**k
-    "lm_head_init": "target",   # "target": lm_head from the target's rows of the draft vocab; "random"
-    "layer_init": "random",     # "target": the decoder layer starts as the target's last layer
-    "seed": 0,                  # model init and the per-epoch shuffle
-    "shuffle": True,            # shuffle samples every epoch (false: shard order)
-    "shards_in_memory": 0,      # shards mixed and held in memory at once; 0: all of them
-    "log_every": 10,            # steps between training rows of training_log.csv
-    "eval_every": None,         # steps between held-out evaluations; null: at each epoch end
-    "checkpoint_every": 200,    # steps between checkpoints (and always at the end)
-    "keep_checkpoints": 2,      # newest checkpoints kept in checkpoint_dir
-    "resume": True,             # continue from the newest checkpoint in checkpoint_dir
-    "device": "auto",           # auto (cuda when available) | cpu | cuda
-    "precision": "auto",        # auto (bf16 autocast on CUDA, fp32 on CPU) | float32 | bfloat16
-    "export_dtype": "float32",  # dtype of the exported weights: float32 | bfloat16 | float16
-}
 # keys that may change between a run and its resumption without changing the result
 RESUME_FREE = {"log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "resume",
                "device", "precision", "export_dtype"}
@@ -95,19 +66,18 @@ class TrainError(RuntimeError):
 
 
 def settings(cfg: dict) -> dict:
-    unknown = sorted(set(cfg) - set(DEFAULTS))
-    if unknown:
-        raise TrainError(f"unknown train settings {unknown}; known: {sorted(DEFAULTS)}")
-    out = {**DEFAULTS, **cfg}
+    """The train section with the schema's defaults filled in and checked against it
+    (config_schema.yaml documents every key), plus the check the schema cannot express."""
+    try:
+        out = validate({"train": dict(cfg)})["train"]
+    except ConfigError as error:
+        raise TrainError(str(error)) from None
+    out.pop("gpus")  # the job's GPUs (torchrun's processes), not a training setting
     if out["max_len"] is None:
         out["max_len"] = out["max_tokens_per_batch"]
     if out["max_len"] > out["max_tokens_per_batch"]:
         raise TrainError(f"train.max_len {out['max_len']} exceeds train.max_tokens_per_batch "
                          f"{out['max_tokens_per_batch']}: a sample must fit one batch")
-    if out["lm_head_init"] not in ("target", "random"):
-        raise TrainError(f"train.lm_head_init must be 'target' or 'random', not {out['lm_head_init']!r}")
-    if out["ttt_steps"] < 1 or out["grad_accum"] < 1:
-        raise TrainError("train.ttt_steps and train.grad_accum must be at least 1")
     return out
 
 
