@@ -20,6 +20,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply
 from eaglet import drafter
 from eaglet.drafter import DrafterConfig, Eagle3Drafter
 from eaglet.export import export_drafter, load_drafter
+from eaglet.target import load_target_layer
 from eaglet.train import batch_sums, make_batch, summarize
 
 H, VOCAB, DRAFT_VOCAB, K = 32, 50, 30, 4
@@ -381,7 +382,7 @@ def test_layer_init_makes_the_drafter_the_targets_last_layer_on_the_deepest_feat
                           torch.zeros(TARGET_VOCAB, dtype=torch.long),
                           torch.ones(TARGET_VOCAB, dtype=torch.bool))
     drafter.init_lm_head(model, target.lm_head.weight.detach())
-    drafter.init_from_target_layer(model, drafter.load_target_layer(tmp_path, LAYERS - 1))
+    drafter.init_from_target_layer(model, load_target_layer(tmp_path, LAYERS - 1))
     with torch.no_grad():
         for proj in (model.midlayer.self_attn.q_proj, model.midlayer.self_attn.k_proj,
                      model.midlayer.self_attn.v_proj):

@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save
 
-from eaglet.drafter import DrafterConfig, Eagle3Drafter, load_target_embedding, rope_parameters
+from eaglet.drafter import DrafterConfig, Eagle3Drafter, rope_parameters
 from eaglet.io import atomic_open, read_json, write_json
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from eaglet.shards import STORAGE_DTYPES
+from eaglet.target import load_target_embedding
 
 
 def vllm_tensors(config: DrafterConfig) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -114,7 +114,7 @@ def export_drafter(model: Eagle3Drafter, out_dir: str | Path, dtype: str = "floa
         if tuple(tensor.shape) != shape:
             raise RuntimeError(f"{name} has shape {tuple(tensor.shape)}, vLLM expects {shape}")
         if tensor.is_floating_point():
-            tensor = tensor.to(DTYPES[dtype])
+            tensor = tensor.to(STORAGE_DTYPES[dtype])
         tensors[name] = tensor.contiguous()
     data = save(tensors, metadata={"format": "pt"})
     with atomic_open(out_dir / "model.safetensors", "wb") as handle:

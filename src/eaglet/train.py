@@ -47,12 +47,13 @@ from eaglet import rates
 from eaglet import shards as shard_format
 from eaglet.config import ConfigError, validate
 from eaglet.drafter import (DrafterConfig, Eagle3Drafter, init_from_target_layer, init_lm_head,
-                            load_target_layer, load_target_embedding,
-                            load_target_lm_head, num_params, read_target_config)
+                            num_params)
 from eaglet.export import export_drafter
 from eaglet.io import atomic_open, human_size, read_json, write_json
 from eaglet.progress import Progress
-from eaglet.target import model_identity
+from eaglet.target import (load_target_embedding, load_target_layer, load_target_lm_head,
+                           model_identity, read_target_config)
+from eaglet.vocab import load_vocab_map
 
 log = logging.getLogger("eaglet.train")
 
@@ -157,11 +158,6 @@ def index_shard(path: str, vocab_size: int, sha256: str | None = None) -> ShardI
                      f" x {len(meta['aux_layer_ids'])} aux layers: the shard is corrupt; rerun extract")
     return ShardInfo(str(path), (offsets[1:] - offsets[:-1]).tolist(), meta["sample_ids"],
                      meta["hidden_size"], meta["aux_layer_ids"], meta["target"], sha256)
-
-
-def load_vocab_map(path: str) -> tuple[torch.Tensor, torch.Tensor]:
-    with safe_open(str(path), framework="pt") as handle:
-        return handle.get_tensor("d2t").to(torch.int64), handle.get_tensor("t2d").to(torch.bool)
 
 
 def check_vocab_map(target_config: dict, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
