@@ -288,3 +288,14 @@ def server_args(target: dict, server: dict, served_model_name: str) -> list[str]
     if server["reasoning_parser"]:
         args += ["--reasoning-parser", server["reasoning_parser"]]
     return args + list(server["extra_args"])
+
+
+def target_server(cfg: dict, model: str, log_path: str | os.PathLike,
+                  extra_args: list[str] = ()) -> VLLMServer:
+    """The target's vLLM server as the validated config's ``target`` and ``server`` sections
+    describe it, served as ``target``, plus ``extra_args``; use it with ``with``."""
+    server = cfg["server"]
+    return VLLMServer(model=model, log_path=log_path,
+                      args=server_args(cfg["target"], server, "target") + list(extra_args),
+                      port=server["port"], startup_timeout_s=server["startup_timeout_s"],
+                      shutdown_grace_s=server["shutdown_grace_s"])
