@@ -379,3 +379,15 @@ def test_target_server_is_built_from_the_config_with_the_extra_args_last(tmp_pat
         "--tensor-parallel-size", "1", "--enforce-eager", "--max-num-seqs", "8",
         "--speculative-config", "{}"]
     assert server.proc is None  # built, not started: the caller's `with` starts it
+
+
+def test_pid_alive_counts_running_processes_not_zombies_or_reaped_ones():
+    from eaglet.server import pid_alive, process_stat
+    assert pid_alive(os.getpid()) and process_stat(os.getpid())[1] == os.getpgrp()
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    while process_stat(child.pid) is not None and process_stat(child.pid)[0] != "Z":
+        time.sleep(0.05)  # exited but not waited for: a zombie
+    assert not pid_alive(child.pid)
+    child.wait()
+    assert not pid_alive(child.pid) and process_stat(child.pid) is None
+    assert not pid_alive(None)
