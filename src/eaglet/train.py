@@ -53,13 +53,14 @@ from eaglet.io import atomic_open, human_size, read_json, write_json
 from eaglet.progress import Progress
 from eaglet.target import (load_target_embedding, load_target_layer, load_target_lm_head,
                            model_identity, read_target_config)
+from eaglet.tracking import Trackers
 from eaglet.vocab import load_vocab_map
 
 log = logging.getLogger("eaglet.train")
 
 # keys that may change between a run and its resumption without changing the result
 RESUME_FREE = {"log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "resume",
-               "device", "precision", "export_dtype"}
+               "device", "precision", "export_dtype", "report_to"}
 
 
 class TrainError(RuntimeError):
@@ -438,6 +439,7 @@ class Trainer:
                  manifest: str | None = None):
         self.cfg, self.dist, self.device = cfg, dist_, device
         self.checkpoint_dir = Path(checkpoint_dir)
+        self.trackers = Trackers([], self.checkpoint_dir / "tracking", cfg)  # train() opens them
         self.group = dist_.world * cfg["grad_accum"]
         if not shard_paths:
             raise TrainError("no training shards: the extract stage produced none")
@@ -675,6 +677,7 @@ class Trainer:
         self.rows.append(row)
         if self.dist.rank != 0:
             return
+        self.trackers.log(row)
         accs = " ".join(f"{metrics[f'acc_{k}']:.3f}" for k in range(self.cfg["ttt_steps"]))
         log.info("%s step %d/%d epoch %.2f: loss %.4f acc %s sim_al %.3f", split, self.step,
                  self.total_steps, row["epoch"], metrics["loss"], accs, metrics["sim_al"])
@@ -744,12 +747,14 @@ def train(cfg: dict, shard_paths: list[str], eval_shard_paths: list[str], vocab_
     device = resolve_device(cfg["device"])
     dist_ = init_distributed(device)
     started = time.monotonic()
+    trainer = None
     try:
         trainer = Trainer(cfg, list(shard_paths), list(eval_shard_paths), vocab_map, target_dir,
                           checkpoint_dir, device, dist_, manifest)
         trainer.resume()
         if dist_.rank == 0:
             trainer.check_disk()
+            trainer.trackers = Trackers(cfg["report_to"], Path(checkpoint_dir) / "tracking", cfg)
         first_step = trainer.step
         progress = (Progress("train", total=trainer.total_steps, path=progress_path,
                              log_path=log_path, unit="steps", already_done=first_step)
@@ -772,6 +777,8 @@ def train(cfg: dict, shard_paths: list[str], eval_shard_paths: list[str], vocab_
         return {"steps": trainer.step, "resumed_from_step": first_step,
                 "train": last["train"], "eval": last["eval"], "elapsed_s": elapsed}
     finally:
+        if trainer is not None:
+            trainer.trackers.close()
         if dist_.owns_group:
             dist.destroy_process_group()
 
