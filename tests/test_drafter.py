@@ -19,7 +19,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply
 
 from eaglet import drafter
 from eaglet.drafter import DrafterConfig, Eagle3Drafter
-from eaglet.export import export_drafter, load_drafter
+from eaglet.export import export_drafter, export_speculators, load_drafter
 from eaglet.target import load_target_layer
 from eaglet.train import batch_sums, make_batch, summarize
 
@@ -398,3 +398,32 @@ def test_layer_init_makes_the_drafter_the_targets_last_layer_on_the_deepest_feat
         out = out[0] if isinstance(out, tuple) else out
         expected = target.lm_head(target.model.norm(out))[0]
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_speculators_export_is_read_by_vllms_speculators_loader(tmp_path):
+    """vLLM's own speculators reader (what `vllm serve DIR` runs) turns the exported config
+    into the same drafter and speculative config; the plain export is left as it is."""
+    base = pytest.importorskip("vllm.transformers_utils.configs.speculators.base")
+    model = tiny_model()
+    plain = export_drafter(model, tmp_path / "drafter")
+    before = (tmp_path / "drafter" / "config.json").read_text()
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text(json.dumps(
+        {"architectures": ["LlamaForCausalLM"]}))
+    config = export_speculators(tmp_path / "drafter", tmp_path / "spec", str(tmp_path / "target"), 3)
+    assert json.loads((tmp_path / "spec" / "config.json").read_text()) == config
+    assert (tmp_path / "drafter" / "config.json").read_text() == before
+    assert ((tmp_path / "spec" / "model.safetensors").read_bytes()
+            == (tmp_path / "drafter" / "model.safetensors").read_bytes())
+    reader = base.SpeculatorsConfig
+    assert reader.extract_vllm_speculative_config(json.loads(json.dumps(config))) == {
+        "method": "eagle3", "num_speculative_tokens": 3}
+    layer = reader.extract_transformers_pre_trained_config(json.loads(json.dumps(config)))
+    assert layer["architectures"] == ["Eagle3LlamaForCausalLM"]
+    assert layer["norm_before_residual"] is False  # vLLM's default there would be True
+    assert layer["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    assert (layer["draft_vocab_size"], layer["target_hidden_size"]) == (DRAFT_VOCAB, H)
+    shape_keys = ("hidden_size", "intermediate_size", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "vocab_size", "rope_parameters")
+    assert {k: layer[k] for k in shape_keys} == {k: plain[k] for k in shape_keys}
+    assert config["speculators_config"]["verifier"]["name_or_path"] == str(tmp_path / "target")
