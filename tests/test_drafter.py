@@ -427,3 +427,49 @@ def test_speculators_export_is_read_by_vllms_speculators_loader(tmp_path):
                   "num_key_value_heads", "head_dim", "vocab_size", "rope_parameters")
     assert {k: layer[k] for k in shape_keys} == {k: plain[k] for k in shape_keys}
     assert config["speculators_config"]["verifier"]["name_or_path"] == str(tmp_path / "target")
+
+
+# SGLang's EAGLE-3 loader (sgl-project/sglang python/sglang/srt/models/llama_eagle3.py, read at
+# commit 03d5a77): the parameters of LlamaForCausalLMEagle3 (its module tree) and the renaming
+# its load_weights applies. A name that matches no parameter is dropped without a word, so the
+# exported names must land on exactly these parameters.
+SGLANG_PARAMS = {
+    "model.embed_tokens.weight",  # shared from the target when the draft has none
+    "model.fc.weight", "model.norm.weight", "lm_head.weight",
+    *(f"model.midlayer.{name}.weight" for name in (
+        "input_layernorm", "hidden_norm", "post_attention_layernorm", "self_attn.qkv_proj",
+        "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")),
+}
+SGLANG_STACKED = [(".qkv_proj", ".q_proj"), (".qkv_proj", ".k_proj"), (".qkv_proj", ".v_proj"),
+                  (".gate_up_proj", ".gate_proj"), (".gate_up_proj", ".up_proj")]
+
+
+def sglang_param_of(name: str) -> str | None:
+    """Where SGLang's load_weights puts checkpoint tensor ``name`` (None: d2t/t2d, read apart)."""
+    if "d2t" in name or "t2d" in name:
+        return None
+    for param, shard in SGLANG_STACKED:
+        if shard in name:
+            name = name.replace(shard, param)
+            break
+    return name if name in SGLANG_PARAMS else f"model.{name}"
+
+
+def test_the_export_is_the_set_of_tensors_and_config_keys_sglang_loads(tmp_path):
+    config = export_drafter(tiny_model(), tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as handle:
+        names = set(handle.keys())
+    assert {"d2t", "t2d"} <= names  # d2t becomes SGLang's hot_token_id
+    loaded = {sglang_param_of(n) for n in names} - {None}
+    assert loaded <= SGLANG_PARAMS, sorted(loaded - SGLANG_PARAMS)  # nothing silently dropped
+    assert SGLANG_PARAMS - loaded == {"model.embed_tokens.weight"}
+    # the config keys its LlamaForCausalLMEagle3 and LlamaModel read
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]  # SGLang's EntryClass
+    assert config["tie_word_embeddings"] is False  # True would make lm_head the embedding
+    assert (config["draft_vocab_size"], config["target_hidden_size"], config["num_hidden_layers"]
+            ) == (DRAFT_VOCAB, H, 1)  # [Vd, H] lm_head, fc from 3 x target H, no extra layers
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "rms_norm_eps", "hidden_act", "vocab_size", "rope_theta",
+                "max_position_embeddings"):
+        assert key in config, key
+    assert "bias" not in config  # SGLang builds fc without a bias unless told
