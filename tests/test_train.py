@@ -1,4 +1,5 @@
-"""Training loop: learning, exact resume, non-finite loss, refused inputs, DDP on gloo.
+"""Training loop: learning, exact resume, non-finite loss, refused inputs, settings from the
+schema, and DDP under torchrun on gloo.
 
 Everything is tiny and built here: a random 4-layer Llama target saved with save_pretrained,
 samples it answered greedily (so teacher and data agree as in the real pipeline), their
