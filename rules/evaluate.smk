@@ -50,6 +50,8 @@ rule plots:
                        caption="../report/speedup.rst", category="Evaluation"),
         training=report(f"{R}/eval/training_curves.png",
                         caption="../report/training_curves.rst", category="Training"),
+        summary=report(f"{R}/eval/summary.csv",
+                       caption="../report/summary.rst", category="Evaluation"),
     log:
         f"{R}/logs/plots.log",
     conda:

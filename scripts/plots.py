@@ -6,4 +6,4 @@ smk = snakemake  # noqa: F821 (injected by Snakemake)
 run_stage("plots", smk.log[0], lambda: draw_all(
     smk.input.acceptance, smk.input.training_log,
     {name: smk.output[name] for name in ("per_position", "acceptance_length", "speedup",
-                                         "training")}))
+                                         "training", "summary")}))

@@ -3,14 +3,11 @@
 With resources.gpu > 1 the run starts under torchrun, one data-parallel process per GPU
 (eaglet.train.main is the worker); otherwise it trains in this process.
 """
-import subprocess
-import sys
 from pathlib import Path
 
-from eaglet.io import write_json
 from eaglet.scripting import run_stage
 from eaglet.target import read_target
-from eaglet.train import train
+from eaglet.train import launch_torchrun, train
 
 smk = snakemake  # noqa: F821 (injected by Snakemake)
 target = read_target(smk.input.target)
@@ -23,11 +20,5 @@ args = {"cfg": dict(smk.params.train), "shard_paths": list(smk.input.shards),
 gpus = int(smk.resources.get("gpu", 0))
 
 
-def torchrun() -> None:
-    args_path = Path(args["checkpoint_dir"]) / "torchrun_args.json"
-    write_json(args_path, args)
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                    f"--nproc-per-node={gpus}", "-m", "eaglet.train", str(args_path)], check=True)
-
-
-run_stage("train", smk.log[0], torchrun if gpus > 1 else lambda: train(**args))
+run_stage("train", smk.log[0],
+          (lambda: launch_torchrun(args, gpus)) if gpus > 1 else lambda: train(**args))

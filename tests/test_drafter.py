@@ -9,6 +9,7 @@ position t+k and attends to the step-0 keys of rows <= t plus its own keys of st
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -18,7 +19,8 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply
 
 from eaglet import drafter
 from eaglet.drafter import DrafterConfig, Eagle3Drafter
-from eaglet.export import export_drafter, load_drafter, vllm_tensors
+from eaglet.export import export_drafter, export_speculators, load_drafter
+from eaglet.target import load_target_layer
 from eaglet.train import batch_sums, make_batch, summarize
 
 H, VOCAB, DRAFT_VOCAB, K = 32, 50, 30, 4
@@ -298,7 +300,6 @@ def test_export_writes_exactly_the_tensors_and_config_vllm_loads(tmp_path):
         "midlayer.mlp.gate_proj.weight": (64, H), "midlayer.mlp.up_proj.weight": (64, H),
         "midlayer.mlp.down_proj.weight": (H, 64),
         "norm.weight": (H,), "lm_head.weight": (DRAFT_VOCAB, H), "d2t": (DRAFT_VOCAB,), "t2d": (VOCAB,)}
-    assert shapes == {name: shape for name, (shape, _) in vllm_tensors(model.config).items()}
 
 
 def test_exported_drafter_loads_back_with_the_target_embedding(tmp_path):
@@ -333,15 +334,38 @@ def test_full_vocabulary_drafter_is_exported_without_d2t(tmp_path):
         export_drafter(model, tmp_path / "bad")
 
 
+def llama3_inv_freq(theta, dim, factor, low_freq_factor, high_freq_factor, original_max):
+    """Llama 3.1's RoPE scaling from its definition (Meta's reference `apply_scaling`), one
+    frequency at a time: long wavelengths divided by ``factor``, short ones kept, and the band
+    between interpolated smoothly."""
+    low_freq_wavelen = original_max / low_freq_factor
+    high_freq_wavelen = original_max / high_freq_factor
+    out = []
+    for i in range(0, dim, 2):
+        freq = 1.0 / theta ** (i / dim)
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_freq_wavelen:
+            out.append(freq)
+        elif wavelen > low_freq_wavelen:
+            out.append(freq / factor)
+        else:
+            smooth = (original_max / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            out.append((1 - smooth) * freq / factor + smooth * freq)
+    return torch.tensor(out)
+
+
 def test_scaled_rope_of_the_target_is_used():
     plain = tiny_model()
     scaled = Eagle3Drafter(tiny_config({"rope_theta": 500000.0, "rope_type": "llama3", "factor": 8.0,
                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                         "original_max_position_embeddings": 16}),
                            plain.embed_tokens, plain.d2t, plain.t2d)
-    hf = LlamaConfig(hidden_size=H, num_attention_heads=4, head_dim=8, max_position_embeddings=128,
-                     rope_parameters=scaled.config.rope_parameters)
-    torch.testing.assert_close(scaled.inv_freq, LlamaRotaryEmbedding(hf).inv_freq)
+    # head_dim 8: four frequencies, wavelengths 6.3, 167, 4443 and 118K against the band
+    # [16/4, 16/1]: the first is interpolated, the others divided by 8
+    expected = llama3_inv_freq(500000.0, 8, 8.0, 1.0, 4.0, 16)
+    torch.testing.assert_close(scaled.inv_freq, expected, rtol=1e-6, atol=0)
+    unscaled = torch.tensor([500000.0 ** (-i / 8) for i in (2, 4, 6)])
+    torch.testing.assert_close(scaled.inv_freq[1:], unscaled / 8.0)
     assert not torch.allclose(scaled.inv_freq, plain.inv_freq)
 
 
@@ -358,7 +382,7 @@ def test_layer_init_makes_the_drafter_the_targets_last_layer_on_the_deepest_feat
                           torch.zeros(TARGET_VOCAB, dtype=torch.long),
                           torch.ones(TARGET_VOCAB, dtype=torch.bool))
     drafter.init_lm_head(model, target.lm_head.weight.detach())
-    drafter.init_from_target_layer(model, drafter.load_target_layer(tmp_path, LAYERS - 1))
+    drafter.init_from_target_layer(model, load_target_layer(tmp_path, LAYERS - 1))
     with torch.no_grad():
         for proj in (model.midlayer.self_attn.q_proj, model.midlayer.self_attn.k_proj,
                      model.midlayer.self_attn.v_proj):
@@ -374,3 +398,78 @@ def test_layer_init_makes_the_drafter_the_targets_last_layer_on_the_deepest_feat
         out = out[0] if isinstance(out, tuple) else out
         expected = target.lm_head(target.model.norm(out))[0]
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_speculators_export_is_read_by_vllms_speculators_loader(tmp_path):
+    """vLLM's own speculators reader (what `vllm serve DIR` runs) turns the exported config
+    into the same drafter and speculative config; the plain export is left as it is."""
+    base = pytest.importorskip("vllm.transformers_utils.configs.speculators.base")
+    model = tiny_model()
+    plain = export_drafter(model, tmp_path / "drafter")
+    before = (tmp_path / "drafter" / "config.json").read_text()
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text(json.dumps(
+        {"architectures": ["LlamaForCausalLM"]}))
+    config = export_speculators(tmp_path / "drafter", tmp_path / "spec", str(tmp_path / "target"), 3)
+    assert json.loads((tmp_path / "spec" / "config.json").read_text()) == config
+    assert (tmp_path / "drafter" / "config.json").read_text() == before
+    assert ((tmp_path / "spec" / "model.safetensors").read_bytes()
+            == (tmp_path / "drafter" / "model.safetensors").read_bytes())
+    reader = base.SpeculatorsConfig
+    assert reader.extract_vllm_speculative_config(json.loads(json.dumps(config))) == {
+        "method": "eagle3", "num_speculative_tokens": 3}
+    layer = reader.extract_transformers_pre_trained_config(json.loads(json.dumps(config)))
+    assert layer["architectures"] == ["Eagle3LlamaForCausalLM"]
+    assert layer["norm_before_residual"] is False  # vLLM's default there would be True
+    assert layer["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    assert (layer["draft_vocab_size"], layer["target_hidden_size"]) == (DRAFT_VOCAB, H)
+    shape_keys = ("hidden_size", "intermediate_size", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "vocab_size", "rope_parameters")
+    assert {k: layer[k] for k in shape_keys} == {k: plain[k] for k in shape_keys}
+    assert config["speculators_config"]["verifier"]["name_or_path"] == str(tmp_path / "target")
+
+
+# SGLang's EAGLE-3 loader (sgl-project/sglang python/sglang/srt/models/llama_eagle3.py, read at
+# commit 03d5a77): the parameters of LlamaForCausalLMEagle3 (its module tree) and the renaming
+# its load_weights applies. A name that matches no parameter is dropped without a word, so the
+# exported names must land on exactly these parameters.
+SGLANG_PARAMS = {
+    "model.embed_tokens.weight",  # shared from the target when the draft has none
+    "model.fc.weight", "model.norm.weight", "lm_head.weight",
+    *(f"model.midlayer.{name}.weight" for name in (
+        "input_layernorm", "hidden_norm", "post_attention_layernorm", "self_attn.qkv_proj",
+        "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")),
+}
+SGLANG_STACKED = [(".qkv_proj", ".q_proj"), (".qkv_proj", ".k_proj"), (".qkv_proj", ".v_proj"),
+                  (".gate_up_proj", ".gate_proj"), (".gate_up_proj", ".up_proj")]
+
+
+def sglang_param_of(name: str) -> str | None:
+    """Where SGLang's load_weights puts checkpoint tensor ``name`` (None: d2t/t2d, read apart)."""
+    if "d2t" in name or "t2d" in name:
+        return None
+    for param, shard in SGLANG_STACKED:
+        if shard in name:
+            name = name.replace(shard, param)
+            break
+    return name if name in SGLANG_PARAMS else f"model.{name}"
+
+
+def test_the_export_is_the_set_of_tensors_and_config_keys_sglang_loads(tmp_path):
+    config = export_drafter(tiny_model(), tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as handle:
+        names = set(handle.keys())
+    assert {"d2t", "t2d"} <= names  # d2t becomes SGLang's hot_token_id
+    loaded = {sglang_param_of(n) for n in names} - {None}
+    assert loaded <= SGLANG_PARAMS, sorted(loaded - SGLANG_PARAMS)  # nothing silently dropped
+    assert SGLANG_PARAMS - loaded == {"model.embed_tokens.weight"}
+    # the config keys its LlamaForCausalLMEagle3 and LlamaModel read
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]  # SGLang's EntryClass
+    assert config["tie_word_embeddings"] is False  # True would make lm_head the embedding
+    assert (config["draft_vocab_size"], config["target_hidden_size"], config["num_hidden_layers"]
+            ) == (DRAFT_VOCAB, H, 1)  # [Vd, H] lm_head, fc from 3 x target H, no extra layers
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "rms_norm_eps", "hidden_act", "vocab_size", "rope_theta",
+                "max_position_embeddings"):
+        assert key in config, key
+    assert "bias" not in config  # SGLang builds fc without a bias unless told

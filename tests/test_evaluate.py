@@ -17,6 +17,7 @@ from eaglet.evaluate import (
     schedule_run,
     serve_recommendation,
     spec_counters,
+    speculative_config,
     verdict,
 )
 
@@ -83,7 +84,9 @@ def run(name, method, tokens_per_s, al=None, rate=None, k=None, set_al=None):
               for (s, c), tps in tokens_per_s.items()]
     sets = {s: {"acceptance_length": (set_al or {}).get(s, al), "per_position_rate": []}
             for s, _ in tokens_per_s}
+    spec = {"method": method, "num_speculative_tokens": k} if method != "baseline" else None
     return {"name": name, "method": method, "k": k, "levels": levels, "sets": sets,
+            "speculative_config": spec, "schedule": False,
             "acceptance_length": al, "acceptance_rate": rate}
 
 
@@ -121,6 +124,12 @@ def test_verdict_of_a_drafter_that_helps_at_every_concurrency():
     assert v["speedup_by_concurrency"] == {"1": pytest.approx(1.3), "16": pytest.approx(1.1)}
     assert not v["warnings"]
     assert "speeds serving up at every measured concurrency" in v["summary"]
+    # one k pays everywhere: serve.json is that run's own config, checked by that run
+    choice = best_k_by_concurrency(runs, SWEEP)
+    assert schedule_run(choice, "d") is None
+    serve = serve_recommendation(choice, runs, "d")
+    assert serve["checked_by"] == "eagle3_k3" and serve["never_slower_than_target"]
+    assert serve["speculative_config"] == runs[2]["speculative_config"]
 
 
 def test_a_drafter_that_pays_at_1_and_halves_throughput_at_16_is_called_out():
@@ -164,9 +173,9 @@ def test_serve_recommendation_is_checked_against_the_target_alone():
     runs = judged(run("baseline", "baseline", same(10.0, 100.0)),
                   run("eagle3_k3", "eagle3", same(12.0, 46.0), 1.5, 0.2, 3))
     choice = best_k_by_concurrency(runs, SWEEP)
+    extra = schedule_run(choice, "d")
     checked = {**run("eagle3_schedule", "eagle3", same(12.1, 99.0), 1.5, 0.2, 3),
-               "schedule": True, "extra": {"num_speculative_tokens_per_batch_size":
-                                           schedule_ranges(choice)}, "drafter": "d"}
+               "schedule": True, "speculative_config": speculative_config(extra)}
     runs.append(checked)
     add_speedups(runs, SWEEP)
     serve = serve_recommendation(choice, runs, "d")

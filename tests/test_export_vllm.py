@@ -18,12 +18,12 @@ from safetensors.torch import save
 from transformers import AutoTokenizer
 
 from eaglet.config import validate
-from eaglet.drafter import (DrafterConfig, Eagle3Drafter, init_lm_head, load_target_embedding,
-                            load_target_lm_head, read_target_config)
+from eaglet.drafter import DrafterConfig, Eagle3Drafter, init_lm_head
 from eaglet.export import export_drafter, load_drafter
 from eaglet.io import atomic_open
 from eaglet.server import VLLMServer, server_args
-from eaglet.target import prepare_target
+from eaglet.target import (load_target_embedding, load_target_lm_head, prepare_target,
+                           read_target_config)
 
 pytestmark = pytest.mark.e2e
 

@@ -31,6 +31,7 @@ from eaglet.server import (
     free_port,
     port_is_free,
     server_args,
+    target_server,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -364,3 +365,29 @@ def test_server_args_without_enforce_eager():
     cfg = validate({"server": {"enforce_eager": False}})
 
     assert "--enforce-eager" not in server_args(cfg["target"], cfg["server"], "tiny")
+
+
+def test_target_server_is_built_from_the_config_with_the_extra_args_last(tmp_path):
+    cfg = validate({"server": {"port": 8123, "startup_timeout_s": 77, "shutdown_grace_s": 5,
+                               "extra_args": ["--max-num-seqs", "8"]}})
+    server = target_server(cfg, "model-dir", tmp_path / "server.log",
+                           ["--speculative-config", "{}"])
+    assert (server.model, server.port, server.startup_timeout_s, server.shutdown_grace_s) == (
+        "model-dir", 8123, 77, 5)
+    assert server.args == [
+        "--served-model-name", "target", "--dtype", "float32", "--max-model-len", "2048",
+        "--tensor-parallel-size", "1", "--enforce-eager", "--max-num-seqs", "8",
+        "--speculative-config", "{}"]
+    assert server.proc is None  # built, not started: the caller's `with` starts it
+
+
+def test_pid_alive_counts_running_processes_not_zombies_or_reaped_ones():
+    from eaglet.server import pid_alive, process_stat
+    assert pid_alive(os.getpid()) and process_stat(os.getpid())[1] == os.getpgrp()
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    while process_stat(child.pid) is not None and process_stat(child.pid)[0] != "Z":
+        time.sleep(0.05)  # exited but not waited for: a zombie
+    assert not pid_alive(child.pid)
+    child.wait()
+    assert not pid_alive(child.pid) and process_stat(child.pid) is None
+    assert not pid_alive(None)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -181,3 +184,109 @@ def test_the_printed_hint_quotes_a_results_dir_with_spaces(tmp_path):
     text = status.render(status.collect(r, _full_config(r), None))
     hint = text.split("Follow it: ", 1)[1].split("   or")[0]
     assert shlex.split(hint) == ["eaglet", "status", "--results", str(r), "--watch", "10"]
+
+
+# -- estimates in seconds, from known sizes and rates ------------------------------------------
+
+def _prompts(r, n_train, n_eval):
+    (r / "prompts").mkdir(parents=True, exist_ok=True)
+    (r / "prompts" / "stats.json").write_text(json.dumps({"n_train": n_train, "n_eval": n_eval}))
+
+
+def test_the_generate_estimate_is_server_start_plus_the_samples_left_at_the_recorded_rate(
+        tmp_path, history):
+    r = tmp_path / "results"
+    _prompts(r, 30, 10)
+    cfg = _full_config(r)
+    target = cfg["target"]["model"]
+    rates.record("generate", target, completion_tokens_per_s=50.0, server_start_s=20.0)
+    guess = cfg["generate"]["max_tokens"] * status.COMPLETION_FILL_GUESS  # tokens per sample
+    got = status.estimate("generate", r, cfg, None)
+    assert got.seconds == pytest.approx(20.0 + 40 * guess / 50.0)
+    assert "40 samples" in got.basis and "an earlier run" in got.basis
+    # 10 samples done by an interrupted run: only the other 30 remain
+    later = status.estimate("generate", r, cfg, {"state": "interrupted", "done": 10})
+    assert later.seconds == pytest.approx(20.0 + 30 * guess / 50.0)
+
+
+def test_the_extract_estimate_counts_the_tokens_of_the_shards_not_yet_written(tmp_path, history):
+    r = tmp_path / "results"
+    (r / "synthetic").mkdir(parents=True)
+    (r / "synthetic" / "stats.json").write_text(json.dumps({"splits": {
+        "train": {"samples": 10, "prompt_tokens": 700, "completion_tokens": 900},
+        "eval": {"samples": 2, "prompt_tokens": 150, "completion_tokens": 250}}}))
+    cfg = _full_config(r)
+    cfg["extract"]["num_shards"] = 4
+    rates.record("extract", cfg["target"]["model"], tokens_per_s=100.0)
+    assert status.estimate("extract", r, cfg, None).seconds == pytest.approx(2000 / 100.0)
+    (r / "hidden").mkdir()
+    (r / "hidden" / "shard_00000.safetensors").write_bytes(b"")
+    assert status.estimate("extract", r, cfg, None).seconds == pytest.approx(1500 / 100.0)
+
+
+def test_a_running_stage_is_estimated_by_its_own_eta_and_the_total_sums_the_stages(
+        tmp_path, history):
+    r = tmp_path / "results"
+    _prompts(r, 30, 10)
+    cfg = _full_config(r)
+    assert status.estimate("generate", r, cfg, {"state": "running", "eta_s": 123.0}) == \
+        status.Estimate(123.0, "this run's progress")
+    report = status.collect(r, cfg, None)
+    known = [s["estimate_s"] for s in report["stages"] if s.get("estimate_s") is not None]
+    assert known and report["remaining_s"] == pytest.approx(sum(known))
+    assert report["remaining_complete"] == (len(known) == len(report["stages"]))
+
+
+# -- the command line --------------------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _env():
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(REPO / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])}
+
+
+def _finished_prompts(tmp_path):
+    r = tmp_path / "results"
+    _prompts(r, 30, 10)
+    (r / "prompts" / "train.jsonl").write_text("")
+    (r / "prompts" / "eval.jsonl").write_text("")
+    return r
+
+
+@pytest.mark.parametrize("command", [[sys.executable, "-m", "eaglet.cli"],
+                                     [str(Path(sys.executable).parent / "eaglet")]],
+                         ids=["python -m eaglet.cli", "the eaglet console script"])
+def test_the_eaglet_command_prints_the_status_as_json(tmp_path, history, command):
+    r = _finished_prompts(tmp_path)
+    proc = subprocess.run([*command, "status", "--results", str(r), "--no-snakemake", "--json"],
+                          cwd=REPO, env=_env(), text=True, capture_output=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["results"] == str(r)
+    states = {s["stage"]: s["state"] for s in report["stages"]}
+    assert states["prepare_prompts"] == "completed" and states["generate"] == "pending"
+    unknown = subprocess.run([*command, "stats"], cwd=REPO, env=_env(), text=True,
+                             capture_output=True, timeout=120)
+    assert unknown.returncode == 2 and "unknown command 'stats'" in unknown.stderr
+
+
+def test_watch_redraws_the_status_until_stopped(tmp_path, history):
+    r = _finished_prompts(tmp_path)
+    proc = subprocess.Popen([sys.executable, "-m", "eaglet.cli", "status", "--results", str(r),
+                             "--no-snakemake", "--watch", "0.1"],
+                            cwd=REPO, env=_env(), text=True, stdout=subprocess.PIPE)
+    screens = []
+    try:
+        for line in proc.stdout:  # blocks until the next line; ends if the process exits
+            if "eaglet status of" in line:
+                screens.append(line)
+                if len(screens) == 3:
+                    break
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    assert len(screens) == 3, "the status was not redrawn"
+    # each screen clears the terminal first and shows the same results dir
+    assert all(s.startswith("\033[2J\033[H") and str(r) in s for s in screens)

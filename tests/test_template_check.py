@@ -214,10 +214,13 @@ def test_enforce_raises_above_threshold(tokenizer):
     assert "generate.max_template_mismatch_rate" in message
 
 
-def test_enforce_passes_at_or_below_threshold(tokenizer):
+def test_enforce_passes_at_or_below_threshold_and_raises_just_above_it(tokenizer):
     report = check_records(tokenizer, mixed_records(tokenizer))
-    enforce(report, max_rate=3 / 8)
-    enforce(report, max_rate=0.5)
+    assert report["mismatch_rate"] == pytest.approx(3 / 8)
+    assert enforce(report, max_rate=3 / 8) is None  # the threshold itself passes
+    assert enforce(report, max_rate=0.5) is None
+    with pytest.raises(TemplateMismatchError):
+        enforce(report, max_rate=3 / 8 - 1e-9)
 
 
 def test_non_canonical_split_of_the_same_text_is_retokenized_not_mismatched():

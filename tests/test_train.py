@@ -1,4 +1,5 @@
-"""Training loop: learning, exact resume, non-finite loss, refused inputs, DDP on gloo.
+"""Training loop: learning, exact resume, non-finite loss, refused inputs, settings from the
+schema, and DDP under torchrun on gloo.
 
 Everything is tiny and built here: a random 4-layer Llama target saved with save_pretrained,
 samples it answered greedily (so teacher and data agree as in the real pipeline), their
@@ -10,18 +11,16 @@ from __future__ import annotations
 import csv
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import load_file, save
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eaglet import shards
 from eaglet.io import atomic_open
-from eaglet.train import TrainError, train
+from eaglet.train import TrainError, launch_torchrun, settings, train
 
 AUX_LAYERS = [1, 2, 3]
 VOCAB, DRAFT_VOCAB = 256, 160
@@ -335,19 +334,17 @@ def test_a_shard_missing_from_the_manifest_is_refused(world, tmp_path):
 
 # -- data parallel ---------------------------------------------------------------------------
 
-def _ddp_worker(rank: int, port: int, world, tmp: Path, cfg: dict) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2",
-                      RANK=str(rank), LOCAL_RANK=str(rank))
-    run(world, tmp, cfg, "ddp")
-
-
 def test_ddp_on_two_processes_equals_one_process_accumulating_both(world, tmp_path):
+    """The launch path of rule train with two GPUs, on CPU: torchrun starts two gloo
+    processes of eaglet.train's worker, which must train exactly as one process that
+    accumulates both micro-batches."""
     cfg = {**FAST, "epochs": 1, "checkpoint_every": 100}
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    mp.spawn(_ddp_worker, args=(port, world, tmp_path, cfg), nprocs=2, join=True)
+    launch_torchrun({"cfg": cfg, "shard_paths": world["train"], "eval_shard_paths": world["eval"],
+                     "vocab_map": world["vocab"], "target_dir": world["target"],
+                     "out_dir": str(tmp_path / "ddp" / "drafter"),
+                     "checkpoint_dir": str(tmp_path / "ddp" / "ckpt"),
+                     "progress_path": str(tmp_path / "ddp" / "progress.json"),
+                     "log_path": None}, nproc=2)
     single = run(world, tmp_path, {**cfg, "grad_accum": 2}, "single")
     ddp, one = weights(tmp_path / "ddp" / "drafter"), weights(tmp_path / "single" / "drafter")
     for name in one:
@@ -359,3 +356,19 @@ def test_ddp_on_two_processes_equals_one_process_accumulating_both(world, tmp_pa
         assert float(a["loss"]) == pytest.approx(float(b["loss"]), rel=1e-4)
         assert a["acc_0"] == b["acc_0"]
     assert float(one_log[-2]["loss"]) < float(one_log[0]["loss"])
+
+
+def test_settings_take_their_defaults_from_the_config_schema_and_keep_the_cross_key_check():
+    from eaglet.config import validate
+    schema_defaults = validate({})["train"]
+    got = settings({"lr": 1e-3, "max_tokens_per_batch": 512})
+    assert got["lr"] == 1e-3 and got["max_len"] == 512  # null max_len: one batch
+    assert {k: v for k, v in got.items() if k not in ("lr", "max_tokens_per_batch", "max_len")} \
+        == {k: v for k, v in schema_defaults.items()
+            if k not in ("lr", "max_tokens_per_batch", "max_len", "gpus")}
+    with pytest.raises(TrainError, match=r"train.lm_head_init: 'copied' is not one of"):
+        settings({"lm_head_init": "copied"})
+    with pytest.raises(TrainError, match=r"unknown key epoch under train"):
+        settings({"epoch": 3})
+    with pytest.raises(TrainError, match=r"max_len 600 exceeds train.max_tokens_per_batch 512"):
+        settings({"max_len": 600, "max_tokens_per_batch": 512})

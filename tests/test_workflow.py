@@ -40,7 +40,11 @@ def status(results, config: str | None = str(workflow.TINY)) -> dict[str, dict]:
     cfg = eaglet_status.load_run_config(results, config, workflow.REPO)
     report = eaglet_status.collect(results, cfg, workflow.REPO,
                                    eaglet_status.snakemake_config_args(results, config))
-    assert eaglet_status.render(report)  # renders at every point of a run
+    text = eaglet_status.render(report)  # renders at every point of a run, naming each stage
+    assert text.startswith(f"eaglet status of {results}"), text[:200]
+    for s in report["stages"]:
+        if s["state"] in ("completed", "pending", "failed"):
+            assert f" {s['stage']} " in text, (s["stage"], text)
     return {s["stage"]: s for s in report["stages"]}
 
 

@@ -22,14 +22,11 @@ drafter's KV cache at inference after ``k`` drafted tokens (``ttt_attention``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from torch import nn
 
-from eaglet.io import read_json
 
 
 # -- configuration ---------------------------------------------------------------------------
@@ -104,79 +101,6 @@ def rope_inv_freq(config: DrafterConfig) -> tuple[torch.Tensor, float]:
                      max_position_embeddings=config.max_position_embeddings)
     inv_freq, scale = ROPE_INIT_FUNCTIONS[params["rope_type"]](hf, torch.device("cpu"))
     return inv_freq.float(), float(scale)
-
-
-# -- the target pieces the drafter shares ----------------------------------------------------
-
-def read_target_config(target_dir: str | Path) -> dict:
-    return read_json(Path(target_dir) / "config.json")
-
-
-# plain causal LMs, then the text model inside multimodal wrappers (both layouts)
-EMBEDDING_NAMES = ["model.embed_tokens.weight", "embed_tokens.weight",
-                   "model.language_model.embed_tokens.weight",
-                   "language_model.model.embed_tokens.weight"]
-
-
-def _weight_files(target_dir: Path) -> dict[str, Path]:
-    """Tensor name -> safetensors file, from the index of a sharded checkpoint or the headers."""
-    index = target_dir / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = read_json(index)["weight_map"]
-        return {name: target_dir / file for name, file in weight_map.items()}
-    files = sorted(target_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{target_dir} has no *.safetensors weights")
-    names = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as handle:
-            names.update({name: file for name in handle.keys()})
-    return names
-
-
-def _read_tensor(files: dict[str, Path], candidates: list[str], what: str, target_dir) -> torch.Tensor:
-    for name in candidates:
-        if name in files:
-            with safe_open(str(files[name]), framework="pt") as handle:
-                return handle.get_tensor(name)
-    raise KeyError(f"{target_dir} holds no {what} (looked for {', '.join(candidates)})")
-
-
-def load_target_embedding(target_dir: str | Path) -> torch.Tensor:
-    """The target's token embedding [V, H], read alone from its safetensors: the rest of the
-    target is never loaded."""
-    target_dir = Path(target_dir)
-    return _read_tensor(_weight_files(target_dir), EMBEDDING_NAMES, "token embedding", target_dir)
-
-
-def load_target_lm_head(target_dir: str | Path, draft_to_target: torch.Tensor) -> torch.Tensor:
-    """The target's lm_head rows of the draft vocabulary [Vd, H] (the embedding when tied)."""
-    target_dir = Path(target_dir)
-    config = read_target_config(target_dir)
-    files = _weight_files(target_dir)
-    heads = ["lm_head.weight", "model.lm_head.weight", "language_model.lm_head.weight"]
-    if config.get("tie_word_embeddings", False) or not any(n in files for n in heads):
-        heads += EMBEDDING_NAMES
-    return _read_tensor(files, heads, "lm_head", target_dir)[draft_to_target].contiguous()
-
-
-LAYER_PREFIXES = ["model.layers.{i}.", "layers.{i}.", "model.language_model.layers.{i}."]
-FINAL_NORM_NAMES = ["model.norm.weight", "norm.weight", "model.language_model.norm.weight"]
-LAYER_WEIGHTS = ["input_layernorm.weight", "post_attention_layernorm.weight",
-                 "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                 "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
-                 "mlp.down_proj.weight"]
-
-
-def load_target_layer(target_dir: str | Path, layer: int) -> dict[str, torch.Tensor]:
-    """The weights of the target's decoder layer ``layer`` (named without their prefix) and
-    its final norm (as ``norm``), read alone from its safetensors."""
-    target_dir = Path(target_dir)
-    files = _weight_files(target_dir)
-    out = {name: _read_tensor(files, [p.format(i=layer) + name for p in LAYER_PREFIXES],
-                              f"layer {layer} {name}", target_dir) for name in LAYER_WEIGHTS}
-    out["norm"] = _read_tensor(files, FINAL_NORM_NAMES, "final norm", target_dir)
-    return out
 
 
 # -- layers ----------------------------------------------------------------------------------

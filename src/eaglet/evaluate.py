@@ -17,6 +17,7 @@ more vLLM run at every concurrency.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -30,7 +31,7 @@ import httpx
 from eaglet import rates
 from eaglet.io import read_jsonl, write_json
 from eaglet.progress import Progress
-from eaglet.server import ServerError, VLLMServer, server_args
+from eaglet.server import ServerError, target_server
 
 log = logging.getLogger("eaglet.evaluate")
 
@@ -198,23 +199,19 @@ def engine_run(cfg: dict, target_path: str, run: dict, prompt_sets: dict[str, li
                log_path: str, progress: Progress | None = None) -> dict:
     """Serve once with ``run``'s speculation; send every prompt set at every concurrency of
     the sweep through that one server; return the measurements per level and in all."""
-    ev, server_cfg = cfg["evaluate"], cfg["server"]
-    args = server_args(cfg["target"], server_cfg, served_model_name="target")
+    ev = cfg["evaluate"]
     spec = speculative_config(run)
-    if spec is not None:
-        args += ["--speculative-config", json.dumps(spec)]
-    server = VLLMServer(model=target_path, log_path=log_path, args=args,
-                        port=server_cfg["port"], startup_timeout_s=server_cfg["startup_timeout_s"],
-                        shutdown_grace_s=server_cfg["shutdown_grace_s"])
     name = run["name"]
     log.info("%s: starting vLLM (%s)", name, json.dumps(spec) if spec else "no speculation")
-    try:
-        server.__enter__()
-    except ServerError as exc:
-        what = "vLLM refused the drafter" if run["method"] == "eagle3" else "vLLM did not start"
-        raise EvaluationError(f"{name}: {what}.\n{exc}") from None
     levels = []
-    try:
+    with contextlib.ExitStack() as stack:
+        try:
+            server = stack.enter_context(target_server(
+                cfg, target_path, log_path,
+                ["--speculative-config", json.dumps(spec)] if spec is not None else []))
+        except ServerError as exc:
+            what = "vLLM refused the drafter" if run["method"] == "eagle3" else "vLLM did not start"
+            raise EvaluationError(f"{name}: {what}.\n{exc}") from None
         for concurrency in ev["concurrency"]:
             for set_name, prompts in prompt_sets.items():
                 if progress is not None:
@@ -224,11 +221,9 @@ def engine_run(cfg: dict, target_path: str, run: dict, prompt_sets: dict[str, li
                                  ev, concurrency)
                 levels.append({"set": set_name, **level,
                                **acceptance(level["_delta"], run.get("k"))})
-    finally:
-        server.__exit__(None, None, None)
     total = _sum_deltas([lv["_delta"] for lv in levels])
     result = {"name": name, "method": run["method"], "k": run.get("k"),
-              "speculative_config": spec, "levels": levels,
+              "schedule": bool(run.get("schedule")), "speculative_config": spec, "levels": levels,
               "sets": {s: acceptance(_sum_deltas([lv["_delta"] for lv in levels
                                                   if lv["set"] == s]), run.get("k"))
                        for s in prompt_sets},
@@ -327,7 +322,7 @@ def serve_recommendation(choice: list[dict], runs: list[dict], drafter_dir: str)
     if checked is None and ranges[0][2]:
         checked = next(r for r in runs if r["method"] == "eagle3" and r["k"] == ranges[0][2]
                        and not r.get("schedule"))
-    spec = speculative_config(checked) if checked else None
+    spec = checked["speculative_config"] if checked else None
     by_c = [{"concurrency": e["concurrency"], "k": e["k"],
              "speedup": speedup_at(checked, e["concurrency"]) if checked else 1.0}
             for e in choice]

@@ -12,15 +12,17 @@ the drafter keeps its own (``process_eagle_weight`` sets ``has_own_lm_head``).
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save
 
-from eaglet.drafter import DrafterConfig, Eagle3Drafter, load_target_embedding, rope_parameters
+from eaglet.drafter import DrafterConfig, Eagle3Drafter, rope_parameters
 from eaglet.io import atomic_open, read_json, write_json
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from eaglet.shards import STORAGE_DTYPES
+from eaglet.target import load_target_embedding
 
 
 def vllm_tensors(config: DrafterConfig) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -114,12 +116,68 @@ def export_drafter(model: Eagle3Drafter, out_dir: str | Path, dtype: str = "floa
         if tuple(tensor.shape) != shape:
             raise RuntimeError(f"{name} has shape {tuple(tensor.shape)}, vLLM expects {shape}")
         if tensor.is_floating_point():
-            tensor = tensor.to(DTYPES[dtype])
+            tensor = tensor.to(STORAGE_DTYPES[dtype])
         tensors[name] = tensor.contiguous()
     data = save(tensors, metadata={"format": "pt"})
     with atomic_open(out_dir / "model.safetensors", "wb") as handle:
         handle.write(data)
     config = vllm_config(model.config, dtype)
+    write_json(out_dir / "config.json", config)
+    return config
+
+
+SPECULATORS_VERSION = "0.9.0"  # the speculators release whose config format this follows
+EAGLE_KEYS = ("architectures", "draft_vocab_size", "target_hidden_size", "eagle_config")
+
+
+def speculators_config(config: dict, verifier: str, verifier_architectures: list[str],
+                       num_speculative_tokens: int) -> dict:
+    """The speculators-format ``config.json`` of an exported drafter (its vLLM ``config``),
+    with which ``vllm serve DIR`` serves ``verifier`` with this drafter on its own.
+
+    The layer shape goes to ``transformer_layer_config``; the EAGLE-3 fields sit at the top,
+    as speculators' ``Eagle3SpeculatorConfig`` writes them. ``norm_before_residual`` is
+    stated: vLLM assumes true for a speculators config that omits it, while this drafter adds
+    the un-normed hidden state to the attention output (vLLM's default for plain EAGLE-3
+    checkpoints). The weights keep their names: vLLM maps ``midlayer.`` to ``layers.0.``."""
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": SPECULATORS_VERSION,
+        "transformer_layer_config": {k: v for k, v in config.items() if k not in EAGLE_KEYS},
+        "draft_vocab_size": config["draft_vocab_size"],
+        "target_hidden_size": config["target_hidden_size"],
+        "eagle_aux_hidden_state_layer_ids":
+            config["eagle_config"]["eagle_aux_hidden_state_layer_ids"],
+        "norm_before_residual": False, "norm_before_fc": False, "fc_norm": False,
+        "norm_output": False,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy",
+                                  "speculative_tokens": num_speculative_tokens}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier, "architectures": verifier_architectures},
+        },
+    }
+
+
+def export_speculators(drafter_dir: str | Path, out_dir: str | Path, verifier: str,
+                       num_speculative_tokens: int) -> dict:
+    """A speculators-format copy of an exported drafter in ``out_dir`` (``config.json``, and
+    ``model.safetensors`` linked or copied), so ``vllm serve out_dir`` needs no
+    ``--speculative-config``; ``drafter_dir`` itself is left as it is."""
+    drafter_dir, out_dir = Path(drafter_dir), Path(out_dir)
+    local = Path(verifier) / "config.json"  # else a Hugging Face id: a Llama target assumed
+    architectures = (read_json(local).get("architectures") if local.exists() else None)
+    config = speculators_config(read_json(drafter_dir / "config.json"), str(verifier),
+                                architectures or ["LlamaForCausalLM"], num_speculative_tokens)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    weights = out_dir / "model.safetensors"
+    weights.unlink(missing_ok=True)
+    try:
+        os.link(drafter_dir / "model.safetensors", weights)
+    except OSError:  # another filesystem
+        shutil.copyfile(drafter_dir / "model.safetensors", weights)
     write_json(out_dir / "config.json", config)
     return config
 

@@ -34,13 +34,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from eaglet import rates
-from eaglet.drafter import EMBEDDING_NAMES, _read_tensor, _weight_files, read_target_config
 from eaglet.extract import (TORCH_DTYPES, ExtractionError, Target, check_disk, enforce_agreement,
                             estimate_bytes, extract_shard, pick_device, resolve_aux_layer_ids,
                             shard_problem, target_identity)
 from eaglet.io import read_json
 from eaglet.progress import Progress
 from eaglet.server import VLLMServer, server_args
+from eaglet.target import EMBEDDING_NAMES, _read_tensor, _weight_files, read_target_config
 
 log = logging.getLogger("eaglet.extract_vllm")
 

@@ -24,7 +24,7 @@ from transformers import AutoTokenizer
 from eaglet import rates
 from eaglet.io import atomic_open, read_jsonl, write_json, write_jsonl
 from eaglet.progress import Progress, now_iso
-from eaglet.server import VLLMServer, server_args
+from eaglet.server import target_server
 from eaglet.target import read_target
 from eaglet.template_check import check_records, enforce
 
@@ -442,13 +442,8 @@ def run_stage(cfg: dict[str, Any], target_json: str, prompts: dict[str, str],
         settings = settings_from_config(cfg, server_cfg["url"].rstrip("/"))
         records = generate(everything, settings, partial_path, progress, too_long=too_long)
     else:
-        server = VLLMServer(
-            model=target["path"], log_path=server_log_path,
-            args=server_args(cfg["target"], server_cfg, served_model_name="target"),
-            port=server_cfg["port"], startup_timeout_s=server_cfg["startup_timeout_s"],
-            shutdown_grace_s=server_cfg["shutdown_grace_s"])
         progress.enter_phase("starting the vLLM server")
-        with server:
+        with target_server(cfg, target["path"], server_log_path) as server:
             settings = settings_from_config(cfg, server.url)
             records = generate(everything, settings, partial_path, progress,
                                health_check=server.check_alive, too_long=too_long)

@@ -1,6 +1,6 @@
 """Figures from finished results (no model is run): acceptance per position and against k
 per prompt set, the speedup of each engine run against concurrency, and the training
-curves."""
+curves; and the table of the numbers behind them."""
 
 from __future__ import annotations
 
@@ -120,8 +120,31 @@ def training_curves(rows: list[dict], path) -> None:
     _save(fig, path)
 
 
+TABLE_COLUMNS = {"name": "run", "method": "method", "k": "k", "set": "prompt set",
+                 "concurrency": "concurrency", "acceptance_length": "acceptance length",
+                 "acceptance_rate": "acceptance rate", "output_tokens_per_s": "output tokens/s",
+                 "speedup": "speedup", "mean_latency_s": "mean latency s"}
+
+
+def results_table(acceptance: dict):
+    """One row per engine run, prompt set and concurrency: the numbers the figures show (a
+    pandas DataFrame, 3 decimals)."""
+    import pandas as pd
+
+    rows = [{**{key: run.get(key) for key in ("name", "method", "k")}, **lv}
+            for run in acceptance["runs"] for lv in run["levels"]]
+    table = pd.DataFrame(rows, columns=list(TABLE_COLUMNS)).astype({"k": "Int64"})
+    return table.rename(columns=TABLE_COLUMNS).round(3)
+
+
+def write_results_table(acceptance: dict, path) -> None:
+    with atomic_open(path, "w") as handle:
+        results_table(acceptance).to_csv(handle, index=False)
+
+
 def draw_all(acceptance_path, training_log_path, out: dict) -> None:
     acceptance = read_json(acceptance_path)
+    write_results_table(acceptance, out["summary"])
     per_position(acceptance, out["per_position"])
     acceptance_length(acceptance, out["acceptance_length"])
     speedup(acceptance, out["speedup"])

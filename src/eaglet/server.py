@@ -219,6 +219,30 @@ def _signal_group(pgid: int, sig: int) -> None:
         pass
 
 
+def process_stat(pid: int) -> tuple[str, int] | None:
+    """State letter (R, S, Z, ...) and process group of ``pid`` from ``/proc/<pid>/stat``;
+    None when the process is gone or the system has no /proc."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return fields[0], int(fields[2])  # after the command name: state, ppid, pgrp, ...
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def pid_alive(pid: int | None) -> bool:
+    """Whether process ``pid`` runs on this host (a zombie does not count)."""
+    if not pid:
+        return False
+    stat = process_stat(pid)
+    if stat is not None:
+        return stat[0] != "Z"
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
 def _group_alive(pgid: int) -> bool:
     """Whether any process of the group still runs (zombies, which an init that does not
     reap may leave around, do not count)."""
@@ -229,13 +253,9 @@ def _group_alive(pgid: int) -> bool:
         except (ProcessLookupError, PermissionError):
             return False
         return True
-    for stat in proc.glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        # after the command name: state, ppid, pgrp, ...
-        if int(fields[2]) == pgid and fields[0] != "Z":
+    for entry in proc.glob("[0-9]*"):
+        stat = process_stat(int(entry.name))
+        if stat is not None and stat[1] == pgid and stat[0] != "Z":
             return True
     return False
 
@@ -290,3 +310,14 @@ def server_args(target: dict, server: dict, served_model_name: str) -> list[str]
     if server["reasoning_parser"]:
         args += ["--reasoning-parser", server["reasoning_parser"]]
     return args + list(server["extra_args"])
+
+
+def target_server(cfg: dict, model: str, log_path: str | os.PathLike,
+                  extra_args: list[str] = ()) -> VLLMServer:
+    """The target's vLLM server as the validated config's ``target`` and ``server`` sections
+    describe it, served as ``target``, plus ``extra_args``; use it with ``with``."""
+    server = cfg["server"]
+    return VLLMServer(model=model, log_path=log_path,
+                      args=server_args(cfg["target"], server, "target") + list(extra_args),
+                      port=server["port"], startup_timeout_s=server["startup_timeout_s"],
+                      shutdown_grace_s=server["shutdown_grace_s"])

@@ -28,6 +28,7 @@ from typing import Any, Callable
 from eaglet import rates
 from eaglet.evaluate import level_prompts, run_plan
 from eaglet.progress import format_duration
+from eaglet.server import pid_alive
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 SERVER_START_GUESS_S = 60.0      # vLLM CPU with --enforce-eager: about 55 s here
@@ -49,20 +50,6 @@ def process_alive(record: dict) -> bool | None:
     if host and host != socket.gethostname():
         return None
     return pid_alive(record.get("pid"))
-
-
-def pid_alive(pid: int | None) -> bool:
-    if not pid:
-        return False
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return stat.rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        try:
-            os.kill(pid, 0)
-        except (ProcessLookupError, PermissionError):
-            return False
-        return True
 
 
 @dataclass

@@ -14,8 +14,14 @@ import json
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from safetensors import safe_open
 
 from eaglet.io import read_json, write_json
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("eaglet.target")
 
@@ -43,14 +49,6 @@ def find_embedded_gguf(spec: str) -> Path:
     if not ggufs:
         raise TargetError(f"{dist} is installed but ships no GGUF file")
     return Path(ggufs[0].locate()).resolve()
-
-
-def sha256_file(path: str | os.PathLike, chunk: int = 1 << 24) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def dequantize_gguf(gguf: Path, out_dir: Path, dtype: str = "float32") -> None:
@@ -139,10 +137,11 @@ def prepare_target(spec: str, out_dir: str | os.PathLike, *, draft_vocab_size: i
     ``out_dir/target.json``; returns its content."""
     out_dir = Path(out_dir)
     if spec.startswith("embedded:"):
+        from eaglet.shards import sha256_path
         gguf = find_embedded_gguf(spec)
         dequantize_gguf(gguf, out_dir, dtype="float32")
         info = {"spec": spec, "path": str(out_dir.resolve()), "source": str(gguf),
-                "source_sha256": sha256_file(gguf), **model_identity(out_dir)}
+                "source_sha256": sha256_path(gguf), **model_identity(out_dir)}
     elif Path(spec).is_dir():
         path = Path(spec).resolve()
         if not (path / "config.json").exists():
@@ -168,3 +167,76 @@ def load_text_config(path: str):
 
     config = AutoConfig.from_pretrained(path)
     return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+# -- reading the target's checkpoint: the pieces the drafter shares or starts from ----------
+
+def read_target_config(target_dir: str | Path) -> dict:
+    return read_json(Path(target_dir) / "config.json")
+
+
+# plain causal LMs, then the text model inside multimodal wrappers (both layouts)
+EMBEDDING_NAMES = ["model.embed_tokens.weight", "embed_tokens.weight",
+                   "model.language_model.embed_tokens.weight",
+                   "language_model.model.embed_tokens.weight"]
+
+
+def _weight_files(target_dir: Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file, from the index of a sharded checkpoint or the headers."""
+    index = target_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = read_json(index)["weight_map"]
+        return {name: target_dir / file for name, file in weight_map.items()}
+    files = sorted(target_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{target_dir} has no *.safetensors weights")
+    names = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            names.update({name: file for name in handle.keys()})
+    return names
+
+
+def _read_tensor(files: dict[str, Path], candidates: list[str], what: str, target_dir) -> torch.Tensor:
+    for name in candidates:
+        if name in files:
+            with safe_open(str(files[name]), framework="pt") as handle:
+                return handle.get_tensor(name)
+    raise KeyError(f"{target_dir} holds no {what} (looked for {', '.join(candidates)})")
+
+
+def load_target_embedding(target_dir: str | Path) -> torch.Tensor:
+    """The target's token embedding [V, H], read alone from its safetensors: the rest of the
+    target is never loaded."""
+    target_dir = Path(target_dir)
+    return _read_tensor(_weight_files(target_dir), EMBEDDING_NAMES, "token embedding", target_dir)
+
+
+def load_target_lm_head(target_dir: str | Path, draft_to_target: torch.Tensor) -> torch.Tensor:
+    """The target's lm_head rows of the draft vocabulary [Vd, H] (the embedding when tied)."""
+    target_dir = Path(target_dir)
+    config = read_target_config(target_dir)
+    files = _weight_files(target_dir)
+    heads = ["lm_head.weight", "model.lm_head.weight", "language_model.lm_head.weight"]
+    if config.get("tie_word_embeddings", False) or not any(n in files for n in heads):
+        heads += EMBEDDING_NAMES
+    return _read_tensor(files, heads, "lm_head", target_dir)[draft_to_target].contiguous()
+
+
+LAYER_PREFIXES = ["model.layers.{i}.", "layers.{i}.", "model.language_model.layers.{i}."]
+FINAL_NORM_NAMES = ["model.norm.weight", "norm.weight", "model.language_model.norm.weight"]
+LAYER_WEIGHTS = ["input_layernorm.weight", "post_attention_layernorm.weight",
+                 "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                 "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                 "mlp.down_proj.weight"]
+
+
+def load_target_layer(target_dir: str | Path, layer: int) -> dict[str, torch.Tensor]:
+    """The weights of the target's decoder layer ``layer`` (named without their prefix) and
+    its final norm (as ``norm``), read alone from its safetensors."""
+    target_dir = Path(target_dir)
+    files = _weight_files(target_dir)
+    out = {name: _read_tensor(files, [p.format(i=layer) + name for p in LAYER_PREFIXES],
+                              f"layer {layer} {name}", target_dir) for name in LAYER_WEIGHTS}
+    out["norm"] = _read_tensor(files, FINAL_NORM_NAMES, "final norm", target_dir)
+    return out

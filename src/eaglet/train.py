@@ -30,6 +30,8 @@ import math
 import os
 import random
 import shutil
+import subprocess
+import sys
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -43,49 +45,22 @@ from safetensors.torch import save as save_safetensors
 
 from eaglet import rates
 from eaglet import shards as shard_format
+from eaglet.config import ConfigError, validate
 from eaglet.drafter import (DrafterConfig, Eagle3Drafter, init_from_target_layer, init_lm_head,
-                            load_target_layer, load_target_embedding,
-                            load_target_lm_head, num_params, read_target_config)
+                            num_params)
 from eaglet.export import export_drafter
 from eaglet.io import atomic_open, human_size, read_json, write_json
 from eaglet.progress import Progress
-from eaglet.target import model_identity
+from eaglet.target import (load_target_embedding, load_target_layer, load_target_lm_head,
+                           model_identity, read_target_config)
+from eaglet.tracking import Trackers
+from eaglet.vocab import load_vocab_map
 
 log = logging.getLogger("eaglet.train")
 
-# The `train` configuration: every key, its default, and what it does.
-DEFAULTS: dict = {
-    "epochs": 10,               # passes over the training shards
-    "max_steps": None,          # stop after this many optimizer steps (the schedule spans them)
-    "lr": 3e-4,                 # peak learning rate of AdamW
-    "min_lr_ratio": 0.1,        # cosine decay ends at lr * min_lr_ratio
-    "warmup_steps": None,       # linear warmup steps; null: warmup_ratio of all steps
-    "warmup_ratio": 0.02,       # share of all steps spent warming up when warmup_steps is null
-    "weight_decay": 0.0,        # AdamW decoupled weight decay (norm weights excluded)
-    "betas": [0.9, 0.95],       # AdamW betas
-    "grad_clip": 0.5,           # clip the global gradient norm to this (0: no clipping)
-    "max_tokens_per_batch": 2048,  # rows of one packed micro-batch (per rank)
-    "max_len": None,            # samples are cut to this many tokens; null: max_tokens_per_batch
-    "grad_accum": 1,            # micro-batches per rank per optimizer step
-    "ttt_steps": 7,             # drafting steps unrolled in training (draft tokens learned)
-    "ttt_decay": 0.8,           # weight of step k's loss is ttt_decay**k
-    "lm_head_init": "target",   # "target": lm_head from the target's rows of the draft vocab; "random"
-    "layer_init": "random",     # "target": the decoder layer starts as the target's last layer
-    "seed": 0,                  # model init and the per-epoch shuffle
-    "shuffle": True,            # shuffle samples every epoch (false: shard order)
-    "shards_in_memory": 0,      # shards mixed and held in memory at once; 0: all of them
-    "log_every": 10,            # steps between training rows of training_log.csv
-    "eval_every": None,         # steps between held-out evaluations; null: at each epoch end
-    "checkpoint_every": 200,    # steps between checkpoints (and always at the end)
-    "keep_checkpoints": 2,      # newest checkpoints kept in checkpoint_dir
-    "resume": True,             # continue from the newest checkpoint in checkpoint_dir
-    "device": "auto",           # auto (cuda when available) | cpu | cuda
-    "precision": "auto",        # auto (bf16 autocast on CUDA, fp32 on CPU) | float32 | bfloat16
-    "export_dtype": "float32",  # dtype of the exported weights: float32 | bfloat16 | float16
-}
 # keys that may change between a run and its resumption without changing the result
 RESUME_FREE = {"log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "resume",
-               "device", "precision", "export_dtype"}
+               "device", "precision", "export_dtype", "report_to"}
 
 
 class TrainError(RuntimeError):
@@ -93,19 +68,18 @@ class TrainError(RuntimeError):
 
 
 def settings(cfg: dict) -> dict:
-    unknown = sorted(set(cfg) - set(DEFAULTS))
-    if unknown:
-        raise TrainError(f"unknown train settings {unknown}; known: {sorted(DEFAULTS)}")
-    out = {**DEFAULTS, **cfg}
+    """The train section with the schema's defaults filled in and checked against it
+    (config_schema.yaml documents every key), plus the check the schema cannot express."""
+    try:
+        out = validate({"train": dict(cfg)})["train"]
+    except ConfigError as error:
+        raise TrainError(str(error)) from None
+    out.pop("gpus")  # the job's GPUs (torchrun's processes), not a training setting
     if out["max_len"] is None:
         out["max_len"] = out["max_tokens_per_batch"]
     if out["max_len"] > out["max_tokens_per_batch"]:
         raise TrainError(f"train.max_len {out['max_len']} exceeds train.max_tokens_per_batch "
                          f"{out['max_tokens_per_batch']}: a sample must fit one batch")
-    if out["lm_head_init"] not in ("target", "random"):
-        raise TrainError(f"train.lm_head_init must be 'target' or 'random', not {out['lm_head_init']!r}")
-    if out["ttt_steps"] < 1 or out["grad_accum"] < 1:
-        raise TrainError("train.ttt_steps and train.grad_accum must be at least 1")
     return out
 
 
@@ -185,11 +159,6 @@ def index_shard(path: str, vocab_size: int, sha256: str | None = None) -> ShardI
                      f" x {len(meta['aux_layer_ids'])} aux layers: the shard is corrupt; rerun extract")
     return ShardInfo(str(path), (offsets[1:] - offsets[:-1]).tolist(), meta["sample_ids"],
                      meta["hidden_size"], meta["aux_layer_ids"], meta["target"], sha256)
-
-
-def load_vocab_map(path: str) -> tuple[torch.Tensor, torch.Tensor]:
-    with safe_open(str(path), framework="pt") as handle:
-        return handle.get_tensor("d2t").to(torch.int64), handle.get_tensor("t2d").to(torch.bool)
 
 
 def check_vocab_map(target_config: dict, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
@@ -470,6 +439,7 @@ class Trainer:
                  manifest: str | None = None):
         self.cfg, self.dist, self.device = cfg, dist_, device
         self.checkpoint_dir = Path(checkpoint_dir)
+        self.trackers = Trackers([], self.checkpoint_dir / "tracking", cfg)  # train() opens them
         self.group = dist_.world * cfg["grad_accum"]
         if not shard_paths:
             raise TrainError("no training shards: the extract stage produced none")
@@ -707,6 +677,7 @@ class Trainer:
         self.rows.append(row)
         if self.dist.rank != 0:
             return
+        self.trackers.log(row)
         accs = " ".join(f"{metrics[f'acc_{k}']:.3f}" for k in range(self.cfg["ttt_steps"]))
         log.info("%s step %d/%d epoch %.2f: loss %.4f acc %s sim_al %.3f", split, self.step,
                  self.total_steps, row["epoch"], metrics["loss"], accs, metrics["sim_al"])
@@ -776,12 +747,14 @@ def train(cfg: dict, shard_paths: list[str], eval_shard_paths: list[str], vocab_
     device = resolve_device(cfg["device"])
     dist_ = init_distributed(device)
     started = time.monotonic()
+    trainer = None
     try:
         trainer = Trainer(cfg, list(shard_paths), list(eval_shard_paths), vocab_map, target_dir,
                           checkpoint_dir, device, dist_, manifest)
         trainer.resume()
         if dist_.rank == 0:
             trainer.check_disk()
+            trainer.trackers = Trackers(cfg["report_to"], Path(checkpoint_dir) / "tracking", cfg)
         first_step = trainer.step
         progress = (Progress("train", total=trainer.total_steps, path=progress_path,
                              log_path=log_path, unit="steps", already_done=first_step)
@@ -804,15 +777,25 @@ def train(cfg: dict, shard_paths: list[str], eval_shard_paths: list[str], vocab_
         return {"steps": trainer.step, "resumed_from_step": first_step,
                 "train": last["train"], "eval": last["eval"], "elapsed_s": elapsed}
     finally:
+        if trainer is not None:
+            trainer.trackers.close()
         if dist_.owns_group:
             dist.destroy_process_group()
+
+
+def launch_torchrun(args: dict, nproc: int) -> None:
+    """Run ``train(**args)`` data-parallel in ``nproc`` processes on this node under torchrun
+    (one per GPU; gloo on CPU): the arguments go to ``checkpoint_dir/torchrun_args.json``
+    and each process runs :func:`main` on them."""
+    args_path = Path(args["checkpoint_dir"]) / "torchrun_args.json"
+    write_json(args_path, args)
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    f"--nproc-per-node={nproc}", "-m", "eaglet.train", str(args_path)], check=True)
 
 
 def main(argv: list[str] | None = None) -> None:
     """Worker of a multi-GPU run: ``python -m torch.distributed.run --nproc-per-node N -m
     eaglet.train ARGS.json``, ARGS.json holding ``train``'s keyword arguments."""
-    import sys
-
     from eaglet.scripting import run_stage
     args = read_json((argv or sys.argv[1:])[0])
     rank = int(os.environ.get("RANK", "0"))

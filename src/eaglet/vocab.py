@@ -89,5 +89,7 @@ def build_vocab_map(records: list[dict], vocab_size: int, draft_vocab_size: int,
 
 
 def load_vocab_map(path: str | os.PathLike) -> tuple[torch.Tensor, torch.Tensor]:
+    """``d2t`` (int64 offsets: target id = draft id + d2t) and ``t2d`` (bool mask of the
+    target vocabulary) of a vocab map."""
     tensors = load_file(str(path))
-    return tensors["d2t"], tensors["t2d"]
+    return tensors["d2t"].to(torch.int64), tensors["t2d"].to(torch.bool)
