@@ -37,6 +37,7 @@ from eaglet import rates
 from eaglet.extract import (TORCH_DTYPES, ExtractionError, Target, check_disk, enforce_agreement,
                             estimate_bytes, extract_shard, pick_device, resolve_aux_layer_ids,
                             shard_problem, target_identity)
+from eaglet.generate import gather_or_cancel
 from eaglet.io import read_json
 from eaglet.progress import Progress
 from eaglet.server import VLLMServer, server_args
@@ -282,13 +283,7 @@ class Extractor:
                 if progress is not None:
                     progress.advance(done=1, tokens=len(seqs[i]))
 
-            tasks = [asyncio.create_task(one(i)) for i in missing]
-            try:
-                await asyncio.gather(*tasks)
-            finally:
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
+            await gather_or_cancel(one(i) for i in missing)
 
 
 def extract_shards(cfg: dict, info: dict, jobs: list[ShardJob], work_dir: Path,

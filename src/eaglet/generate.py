@@ -348,14 +348,20 @@ async def generate_async(prompts: list[dict], settings: GenerationSettings,
                                      tokens=len(record.get("completion_token_ids") or []))
                 return record
 
-            tasks = [asyncio.create_task(one(p)) for p in pending]
-            try:
-                await asyncio.gather(*tasks)
-            finally:
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
+            await gather_or_cancel(one(p) for p in pending)
     return done
+
+
+async def gather_or_cancel(coroutines) -> None:
+    """Run the coroutines concurrently; when one fails (or this is cancelled), cancel the
+    rest and wait for them, so that no request outlives the stage that sent it."""
+    tasks = [asyncio.create_task(c) for c in coroutines]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def generate(prompts: list[dict], settings: GenerationSettings, partial_path,
