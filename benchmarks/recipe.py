@@ -22,7 +22,6 @@ import argparse
 import csv
 import glob
 import json
-import platform
 import time
 from pathlib import Path
 
@@ -83,15 +82,16 @@ def run_variant(results: Path, variant: dict, base_train: dict, out_root: Path) 
             "held_out_acc_0": float(held_out["acc_0"]),
             "held_out_sim_al": float(held_out["sim_al"]),
             "train_sim_al": float(metrics["train"]["sim_al"]),
-            "sim_al_gain_per_cpu_hour": (float(held_out["sim_al"]) - 1) / (total_s / 3600),
-            "results": str(results), "machine": platform.node()}
+            "sim_al_gain_per_cpu_hour": (float(held_out["sim_al"]) - 1) / (total_s / 3600)}
 
 
 def render(rows: list[dict]) -> str:
     lines = ["# Held-out simulated AL per CPU-minute (data and training recipe)", "",
              "Each row is one training run on the shards of a finished workflow run; data "
              "minutes are the generation and extraction time of the shards it used, as that "
-             "run measured them. Gain per CPU-hour = (held-out sim AL - 1) / total hours.", "",
+             "run measured them. Gain per CPU-hour = (held-out sim AL - 1) / total hours. "
+             "Minutes carry the machine's load while each ran: compare rows measured together.",
+             "",
              "| variant | shards | train settings | steps | data min | train min | total min "
              "| held-out acc_0 | held-out sim AL | train sim AL | gain / CPU-hour |",
              "|" + "---|" * 11]
