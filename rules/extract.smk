@@ -1,16 +1,19 @@
 # Hidden states. Backend hf: one job per shard, extract.num_shards for the training samples,
 # one for the held-out samples. Backend vllm: one job (one server) writes the same files.
+# generate.capture_hidden_states: generation saved the states already; the vllm rule packs
+# them (and starts a server only for samples whose states are missing).
 # Each job declares the GPUs it holds, so it never overlaps another GPU stage.
 TRAIN_SHARDS = [f"{i:05d}" for i in range(config["extract"]["num_shards"])]
 EXTRACT_PARAMS = dict(
     extract={k: v for k, v in config["extract"].items() if k not in ("gpus", "device", "concurrency")},
     target=config["target"],
 )
+FROM_VLLM = config["extract"]["backend"] == "vllm" or CAPTURE
 # backend vllm: the server holds the GPUs (server.gpus), for every shard at once
-EXTRACT_GPUS = config["server"]["gpus"] if config["extract"]["backend"] == "vllm" else config["extract"]["gpus"]
+EXTRACT_GPUS = config["server"]["gpus"] if FROM_VLLM else config["extract"]["gpus"]
 
 
-if config["extract"]["backend"] == "vllm":
+if FROM_VLLM:
 
     rule extract_vllm:
         """Hidden states of every shard (train and held-out) from one vLLM server: each
@@ -28,7 +31,7 @@ if config["extract"]["backend"] == "vllm":
         params:
             **EXTRACT_PARAMS,
             server=config["server"],
-            generate=config["generate"],
+            generate=GENERATE_PARAMS["generate"],
             work=f"{R}/hidden/vllm",
             progress=f"{R}/progress/extract_vllm.json",
         resources:
@@ -116,7 +119,7 @@ rule hidden_manifest:
         num_shards=len(TRAIN_SHARDS),
         hidden_dir=lambda wildcards, output: os.path.dirname(output[0]),
         server=config["server"],
-        generate=config["generate"],
+        generate=GENERATE_PARAMS["generate"],
     resources:
         gpu=EXTRACT_GPUS,
         mem_mb=config["resources"]["extract"]["mem_mb"],

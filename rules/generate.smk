@@ -1,3 +1,15 @@
+# generate.capture_hidden_states: the server saves every answer's hidden states where the
+# vllm extraction rule packs them from. Off, it is left out of the params, so that runs made
+# before the setting existed are not regenerated.
+CAPTURE = config["generate"]["capture_hidden_states"]
+GENERATE_PARAMS = dict(
+    generate={k: v for k, v in config["generate"].items()
+              if k != "capture_hidden_states" or CAPTURE},
+    **({"capture": {"dir": f"{R}/hidden/vllm/requests",
+                    "aux_layer_ids": config["extract"]["aux_layer_ids"]}} if CAPTURE else {}),
+)
+
+
 rule generate:
     """Serve the target with vLLM and keep exactly what it answers to every prompt (the
     eval split too: its answers are the drafter's held-out set). Resumes from
@@ -13,7 +25,7 @@ rule generate:
     params:
         # what changes the samples; server lifecycle settings are read from config
         target=config["target"],
-        generate=config["generate"],
+        **GENERATE_PARAMS,
         partial=f"{R}/synthetic/generate.partial.jsonl",
         progress=f"{R}/progress/generate.json",
     resources:

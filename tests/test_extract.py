@@ -52,7 +52,7 @@ AUX = [1, 3, 4]
 
 
 def ext_cfg(**overrides) -> dict:
-    base = {"device": "cpu", "dtype": "float32", "max_len": 64, "batch_tokens": 48,
+    base = {"backend": "hf", "device": "cpu", "dtype": "float32", "max_len": 64, "batch_tokens": 48,
             "num_shards": 2, "aux_layer_ids": AUX}
     base.update(overrides)
     return validate({"extract": base})["extract"]

@@ -68,6 +68,19 @@ def test_read_request_checks_the_tokens_and_drops_torn_files(tmp_path):
     assert read_request(path, [1, 2]) is None and not path.exists()
 
 
+def test_read_request_takes_states_saved_while_generating_and_cut_sequences(tmp_path):
+    """Generation with capture saves every token but the last generated one: the missing row
+    comes back as zeros. A sequence cut to extract.max_len takes the file's first rows."""
+    path = request_path(tmp_path, "s")
+    states = torch.arange(3 * 2 * 4, dtype=torch.float32).reshape(3, 2, 4)
+    save_file({"hidden_states": states, "token_ids": torch.tensor([5, 6, 7])}, str(path))
+    padded = read_request(path, [5, 6, 7, 8])
+    assert padded.shape == (4, 2, 4)
+    assert torch.equal(padded[:3], states) and not padded[3].any()
+    assert torch.equal(read_request(path, [5, 6]), states[:2])
+    assert read_request(path, [5, 6, 7, 8, 9]) is None  # two rows short: another sequence
+
+
 def test_server_gets_the_generation_settings_plus_capture(tmp_path):
     cfg = validate({"server": {"tensor_parallel_size": 2, "extra_args": ["--quantization", "awq"]},
                     "target": {"max_model_len": 1024}, "extract": {"max_len": 4096}})
@@ -121,7 +134,7 @@ def test_packed_shards_are_kept_and_moved_without_a_server(tiny, tmp_path, monke
     cfg, info, jobs, work = packed_run(tiny, tmp_path)
     hashes = [shards.sha256_path(job.staged_path) for job in jobs]
     monkeypatch.setattr(Extractor, "ensure_server",
-                        lambda self, stack: pytest.fail("a server was started"))
+                        lambda self: pytest.fail("a server was started"))
     with one_thread():
         metas = extract_shards(cfg, info, jobs, work, tmp_path / "server.log")
     assert [m["backend"] for m in metas] == ["vllm", "vllm"]
@@ -138,7 +151,7 @@ def test_a_packed_shard_of_other_samples_is_not_reused(tiny, tmp_path, monkeypat
                           "completion_token_ids": jobs[1].records[0]["completion_token_ids"][:-1]}
     started = []
 
-    def no_server(self, stack):
+    def no_server(self):
         started.append(1)
         raise RuntimeError("would start the server")
     monkeypatch.setattr(Extractor, "ensure_server", no_server)

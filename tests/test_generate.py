@@ -10,9 +10,12 @@ from __future__ import annotations
 import json
 import threading
 from collections import Counter
+from pathlib import Path
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+
+from eaglet.io import request_path
 
 from eaglet.generate import (
     GenerationSettings,
@@ -34,6 +37,7 @@ class ScriptedChat(BaseHTTPRequestHandler):
     plan: dict[str, list[int]] = {}      # prompt text -> status codes to return first
     calls: Counter = Counter()
     conversations: list[list[dict]] = []  # the messages of every request, in arrival order
+    transfer: dict[str, dict | None] = {}  # prompt text -> the request's kv_transfer_params
 
     def log_message(self, *args):  # keep pytest output clean
         pass
@@ -54,6 +58,11 @@ class ScriptedChat(BaseHTTPRequestHandler):
         text = request["messages"][-1]["content"]
         ScriptedChat.calls[text] += 1
         ScriptedChat.conversations.append(request["messages"])
+        ScriptedChat.transfer[text] = request.get("kv_transfer_params")
+        if request.get("kv_transfer_params"):  # the connector saves after answering
+            save_to = Path(request["kv_transfer_params"]["hidden_states_path"])
+            threading.Timer(0.3, lambda: (save_to.parent.mkdir(parents=True, exist_ok=True),
+                                          save_to.write_bytes(b"states"))).start()
         statuses = ScriptedChat.plan.get(text, [])
         if statuses:
             status = statuses.pop(0)
@@ -71,6 +80,7 @@ class ScriptedChat(BaseHTTPRequestHandler):
 @pytest.fixture
 def server():
     ScriptedChat.plan, ScriptedChat.calls, ScriptedChat.conversations = {}, Counter(), []
+    ScriptedChat.transfer = {}
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), ScriptedChat)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
@@ -298,3 +308,23 @@ def test_too_long_check_counts_the_chat_template_tokens():
     assert too_long_check(tokenizer, rendered + 1)(messages) is None
     assert too_long_check(tokenizer, rendered)(messages) == (
         f"prompt of {rendered} tokens leaves no room within target.max_model_len={rendered}")
+
+
+def test_capture_asks_for_each_answers_states_at_the_path_extraction_reads(server, tmp_path):
+    """generate.capture_hidden_states: every request (each turn of a conversation too) asks
+    the server for the states of its prompt and output at the file the vllm extraction
+    backend looks for that sample; without it no request carries kv_transfer_params."""
+    capture = tmp_path / "requests"
+    chat = conversation(0, ["and then?"])
+    records = generate([chat], settings(server, capture_dir=str(capture)), tmp_path / "p.jsonl")
+    first_id, second_id = chat["id"], chat["id"] + ".t2"
+    assert set(records) == {first_id, second_id}
+    first, second = (ScriptedChat.transfer[t] for t in ("question 0", "and then?"))
+    assert first == {"include_output_tokens": True,
+                     "hidden_states_path": str(request_path(capture, first_id))}
+    assert second["hidden_states_path"] == str(request_path(capture, second_id))
+    # a record is written once its states are: both files are there when generation returns
+    assert request_path(capture, first_id).exists() and request_path(capture, second_id).exists()
+    ScriptedChat.transfer = {}
+    generate(prompts(2), settings(server), tmp_path / "q.jsonl")
+    assert ScriptedChat.transfer == {"question 0": None, "question 1": None}

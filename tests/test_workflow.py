@@ -2,8 +2,8 @@
 
 The tests share one results directory and run in file order, each taking the workflow one
 stage further, as a user would: generation (interrupted with Ctrl-C and resumed), then the
-vocabulary and the hidden states, training and evaluation; last, the same samples once more
-with the hidden states from vLLM itself (extract.backend: vllm).
+vocabulary and the hidden states, training and evaluation; last, generation once more with the
+hidden states captured by vLLM as it generates (generate.capture_hidden_states).
 """
 
 from __future__ import annotations
@@ -229,21 +229,26 @@ def test_trained_drafter_is_measured_in_vllm_and_reported(results):
     assert "acceptance.json" in html and "training_curves.png" in html
 
 
-def test_vllm_backend_reaches_the_same_teacher_and_acceptance(results, tmp_path):
-    """The hidden states of the same samples from the capture server instead of transformers:
-    the same shards are rewritten by one job, then training and evaluation run on them."""
+def test_states_captured_while_generating_train_a_drafter_like_the_extracted_ones(results, tmp_path):
+    """generate.capture_hidden_states: generation runs again on a server with the capture
+    options, and the extraction stage only packs what it saved (no server, no prefill); the
+    shards hold the same samples, pass the teacher check and train a drafter as good as the
+    transformers backend's."""
     hf_manifest = read_json(results / "hidden" / "manifest.json")
     hf_train = status(results)["train"]["facts"]
-    overlay = tmp_path / "vllm.yaml"
-    overlay.write_text("extract:\n  backend: vllm\n")
-    proc = workflow.run(results, "eval/acceptance.json", configs=(overlay,), timeout=1800)
-    assert "rule extract_vllm" in proc.stdout + proc.stderr
-    assert "rule generate" not in proc.stdout + proc.stderr  # the samples are the same
+    overlay = tmp_path / "fused.yaml"
+    overlay.write_text("generate:\n  capture_hidden_states: true\nextract:\n  backend: vllm\n")
+    proc = workflow.run(results, "drafter/model.safetensors", configs=(overlay,), timeout=1800)
+    assert "rule generate" in proc.stdout + proc.stderr  # the samples are made again, captured
+    extract_log = (results / "logs" / "extract" / "vllm.log").read_text()
+    assert "3 shards" in extract_log
+    assert "no saved states" not in extract_log  # every sample's states came from generation
+    assert not (results / "logs" / "extract" / "vllm.server.log").exists()
     manifest = read_json(results / "hidden" / "manifest.json")
     assert manifest["num_samples"] == hf_manifest["num_samples"]
-    assert manifest["tokens"] == hf_manifest["tokens"]
+    # greedy answers from a server with capture: the same within a token or two per sample
+    assert manifest["tokens"] == pytest.approx(hf_manifest["tokens"], rel=0.05)
     assert manifest["teacher_agreement"] >= 0.99
-    assert manifest["teacher_agreement"] == pytest.approx(hf_manifest["teacher_agreement"], abs=0.01)
     for shard in manifest["shards"]:
         assert read_json(results / "hidden" / shard["file"].replace(
             ".safetensors", ".json"))["backend"] == "vllm"
@@ -251,8 +256,7 @@ def test_vllm_backend_reaches_the_same_teacher_and_acceptance(results, tmp_path)
     facts = eaglet_status.collect(results, eaglet_status.load_run_config(
         results, str(workflow.TINY), workflow.REPO), None)
     train = {s["stage"]: s for s in facts["stages"]}["train"]["facts"]
-    # bf16 shards of states equal to float tolerance: training sees the same data
-    assert train["eval_simulated_al"] == pytest.approx(hf_train["eval_simulated_al"], abs=0.1)
-    print(f"teacher agreement hf {hf_manifest['teacher_agreement']:.4f} vllm "
+    assert train["eval_simulated_al"] == pytest.approx(hf_train["eval_simulated_al"], abs=0.15)
+    print(f"teacher agreement hf {hf_manifest['teacher_agreement']:.4f} captured "
           f"{manifest['teacher_agreement']:.4f}; eval simulated AL hf "
-          f"{hf_train['eval_simulated_al']:.3f} vllm {train['eval_simulated_al']:.3f}")
+          f"{hf_train['eval_simulated_al']:.3f} captured {train['eval_simulated_al']:.3f}")

@@ -79,6 +79,12 @@ def validate(config: dict[str, Any]) -> dict[str, Any]:
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(_describe(e) for e in errors))
     cfg["results_dir"] = results_dir(cfg["results_dir"])
+    if cfg["generate"]["capture_hidden_states"] and cfg["server"]["url"]:
+        raise ConfigError(
+            "invalid configuration:\n  generate.capture_hidden_states needs the server eaglet "
+            "starts with its capture options, but server.url names a running one: set "
+            "server.url: null, or capture_hidden_states: false (extraction then runs as its "
+            "own stage)")
     return cfg
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -38,7 +37,7 @@ from eaglet.extract import (TORCH_DTYPES, ExtractionError, Target, check_disk, e
                             estimate_bytes, extract_shard, pick_device, resolve_aux_layer_ids,
                             shard_problem, target_identity)
 from eaglet.generate import gather_or_cancel
-from eaglet.io import read_json
+from eaglet.io import read_json, request_path
 from eaglet.progress import Progress
 from eaglet.server import VLLMServer, server_args
 from eaglet.target import EMBEDDING_NAMES, _read_tensor, _weight_files, read_target_config
@@ -127,14 +126,16 @@ def load_head(target_dir: str | os.PathLike, dtype: str, device: str = "auto"
 
 # -- one request -----------------------------------------------------------------------------
 
-def request_path(directory: Path, sample_id: str) -> Path:
-    """Where the states of one sample are saved (sample ids may hold any character)."""
-    return directory / f"{hashlib.sha256(sample_id.encode()).hexdigest()[:24]}.safetensors"
-
-
 def read_request(path: Path, ids: list[int]) -> torch.Tensor | None:
     """The saved states [len(ids), layers, H] of ``ids``, or None when the file is missing,
-    unreadable (cut short by a crash) or from another sequence; waits for a write in flight."""
+    unreadable (cut short by a crash) or from another sequence; waits for a write in flight.
+
+    A file may hold more tokens than ``ids`` (the sequence was cut to ``extract.max_len``:
+    its first rows are the states of the cut sequence) or one fewer: generation with
+    ``capture_hidden_states`` saves every token but the last generated one, which no forward
+    pass has read. That last row is returned as zeros: no training loss reads it (row t
+    predicts token t+2 and later; the last row predicts nothing and no other row attends to
+    it) and the teacher check skips it (it predicts no token)."""
     lock = Path(str(path) + ".lock")
     try:
         with contextlib.ExitStack() as stack:
@@ -150,11 +151,14 @@ def read_request(path: Path, ids: list[int]) -> torch.Tensor | None:
         return None
     token_ids = data.get("token_ids")
     states = data.get("hidden_states")
-    if token_ids is None or states is None or token_ids.tolist() != list(ids):
-        log.warning("discarding %s: it holds the states of another sequence", path.name)
-        remove_request(path)
-        return None
-    return states
+    saved, ids = ([] if token_ids is None else token_ids.tolist()), list(ids)
+    if states is not None and saved[:len(ids)] == ids:
+        return states[:len(ids)]
+    if states is not None and len(saved) == len(ids) - 1 and saved == ids[:-1]:
+        return torch.cat([states, states.new_zeros((1, *states.shape[1:]))])
+    log.warning("discarding %s: it holds the states of another sequence", path.name)
+    remove_request(path)
+    return None
 
 
 def remove_request(path: Path) -> None:
@@ -235,13 +239,17 @@ class Extractor:
         self.server = capture_server(cfg, model_path, layer_ids, self.requests, server_log)
         self.started = False
         self.norm: FinalNorm | None = None
+        # what stops the server once it was started (set by the caller)
+        self.stack: contextlib.ExitStack | None = None
 
-    def ensure_server(self, stack: contextlib.ExitStack) -> None:
+    def ensure_server(self) -> None:
+        """Start the server on first need: states saved by generation need none."""
         if self.started:
             return
         if self.progress is not None:
             self.progress.enter_phase("starting the vLLM server")
-        stack.enter_context(self.server)
+        assert self.stack is not None, "Extractor.stack is not set"
+        self.stack.enter_context(self.server)
         self.started = True
         if self.progress is not None:
             self.progress.enter_phase(None)
@@ -260,6 +268,9 @@ class Extractor:
                 if progress is not None:
                     progress.advance(done=1, tokens=len(ids))
         if missing:
+            log.info("%d of %d sequences have no saved states: sending them as prefill "
+                     "requests", len(missing), len(seqs))
+            self.ensure_server()
             asyncio.run(self._send(missing, seqs, paths, rows, aux_layer_ids, progress))
         return [r[0] for r in rows], [r[1] for r in rows]
 
@@ -311,6 +322,7 @@ def extract_shards(cfg: dict, info: dict, jobs: list[ShardJob], work_dir: Path,
         extractor.server, extractor.started = server, True
     metas = []
     with contextlib.ExitStack() as stack:
+        extractor.stack = stack
         for job in jobs:
             if job not in todo:
                 log.info("%s: packed by an earlier run, kept", job.label)
@@ -318,7 +330,6 @@ def extract_shards(cfg: dict, info: dict, jobs: list[ShardJob], work_dir: Path,
                 enforce_agreement(meta, ext["min_teacher_agreement"])
                 metas.append(meta)
                 continue
-            extractor.ensure_server(stack)
             job.staged_path.parent.mkdir(parents=True, exist_ok=True)
             meta = extract_shard(target, job.records, ext, aux_ids, identity, job.staged_path,
                                  job.staged_meta_path, progress, states=extractor.states,

@@ -9,6 +9,7 @@ failed for good.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import logging
 import os
@@ -22,7 +23,7 @@ import httpx
 from transformers import AutoTokenizer
 
 from eaglet import rates
-from eaglet.io import atomic_open, read_jsonl, write_json, write_jsonl
+from eaglet.io import atomic_open, read_jsonl, request_path, write_json, write_jsonl
 from eaglet.progress import Progress, now_iso
 from eaglet.server import target_server
 from eaglet.target import read_target
@@ -194,12 +195,12 @@ def parse_response(body: dict) -> dict:
 
 
 async def chat_once(client: httpx.AsyncClient, model: str, messages: list[dict],
-                    sampling: Sampling, timeout: float) -> dict:
+                    sampling: Sampling, timeout: float, extra: dict | None = None) -> dict:
     payload = {
         "model": model, "messages": messages,
         "temperature": sampling.temperature, "top_p": sampling.top_p,
         "max_tokens": sampling.max_tokens, "seed": sampling.seed,
-        "return_token_ids": True,
+        "return_token_ids": True, **(extra or {}),
     }
     try:
         resp = await client.post("/v1/chat/completions", json=payload, timeout=timeout)
@@ -212,11 +213,12 @@ async def chat_once(client: httpx.AsyncClient, model: str, messages: list[dict],
 
 
 async def chat_with_retries(client, model, messages, sampling, timeout, max_retries,
-                            backoff_s: float = 1.0, health_check=None) -> dict:
+                            backoff_s: float = 1.0, health_check=None,
+                            extra: dict | None = None) -> dict:
     attempt = 0
     while True:
         try:
-            return await chat_once(client, model, messages, sampling, timeout)
+            return await chat_once(client, model, messages, sampling, timeout, extra)
         except RequestFailed as exc:
             if health_check is not None:
                 health_check()  # a dead server is the stage's failure, not this request's
@@ -260,6 +262,17 @@ class GenerationSettings:
     system_prompt: str | None = None
     model_name: str | None = None
     api_key: str | None = None
+    # the server saves each answer's hidden states here (generate.capture_hidden_states)
+    capture_dir: str | None = None
+
+    def request_extra(self, record_id: str) -> dict | None:
+        """What a request adds to ask the capture server for the states of its prompt and of
+        every generated token (all but the last, which no forward pass has read yet)."""
+        if self.capture_dir is None:
+            return None
+        return {"kv_transfer_params": {
+            "include_output_tokens": True,
+            "hidden_states_path": str(request_path(self.capture_dir, record_id))}}
 
 
 async def generate_async(prompts: list[dict], settings: GenerationSettings,
@@ -336,9 +349,15 @@ async def generate_async(prompts: list[dict], settings: GenerationSettings,
                     record.update(await chat_with_retries(
                         client, model, messages, settings.sampling,
                         settings.request_timeout_s, settings.max_retries,
-                        health_check=health_check))
+                        health_check=health_check, extra=settings.request_extra(record_id)))
                 except RequestFailed as exc:
                     record["error"] = str(exc)
+                if settings.capture_dir is not None and "error" not in record:
+                    # the connector writes after answering: a record stands for saved states
+                    path = request_path(settings.capture_dir, record_id)
+                    if not await asyncio.to_thread(wait_for_saved, path):
+                        log.warning("%s: the server saved no hidden states to %s within %d s; "
+                                    "extraction will compute them", record_id, path, SAVE_WAIT_S)
                 record["created_at"] = now_iso()
                 append_record(out, record)
                 done[record_id] = record
@@ -350,6 +369,31 @@ async def generate_async(prompts: list[dict], settings: GenerationSettings,
 
             await gather_or_cancel(one(p) for p in pending)
     return done
+
+
+SAVE_WAIT_S = 60
+
+
+def wait_for_saved(path: Path, timeout_s: float = SAVE_WAIT_S) -> bool:
+    """Wait until the capture connector has written ``path`` whole: the file exists and its
+    writer released the ``.lock`` beside it (vLLM's asynchronous GPU writer holds it)."""
+    lock = Path(f"{path}.lock")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if path.exists():
+            if not lock.exists():
+                return True
+            try:
+                with open(lock) as handle:
+                    fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    return True
+            except BlockingIOError:
+                pass
+            except FileNotFoundError:
+                return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
 
 
 async def gather_or_cancel(coroutines) -> None:
@@ -425,12 +469,31 @@ def settings_from_config(cfg: dict[str, Any], base_url: str) -> GenerationSettin
 
 # -- the stage -------------------------------------------------------------------------------
 
+def capture_options(cfg: dict[str, Any], model_path: str, capture_dir: str) -> list[str]:
+    """Server arguments that save every request's hidden states (the aux layers of
+    ``extract.aux_layer_ids`` and the last layer's output) under ``capture_dir``."""
+    from eaglet.extract import resolve_aux_layer_ids  # torch-heavy, needed only here
+    from eaglet.extract_vllm import capture_args, capture_layer_ids
+    from eaglet.target import read_target_config
+
+    config = read_target_config(model_path)
+    num_layers = (config.get("text_config") or config)["num_hidden_layers"]
+    aux = resolve_aux_layer_ids(cfg["extract"]["aux_layer_ids"], num_layers)
+    Path(capture_dir).mkdir(parents=True, exist_ok=True)
+    return capture_args(capture_layer_ids(aux, num_layers), Path(capture_dir).resolve())
+
+
 def run_stage(cfg: dict[str, Any], target_json: str, prompts: dict[str, str],
               outputs: dict[str, str], stats_path: str, partial_path: str,
-              progress_path: str | None, log_path: str | None, server_log_path: str) -> dict:
+              progress_path: str | None, log_path: str | None, server_log_path: str,
+              capture_dir: str | None = None) -> dict:
     """The ``generate`` rule: serve the target (or use ``server.url``), answer every prompt of
     every split (``prompts`` and ``outputs`` map a split name to its file), check the
-    chat-template round trip, and write the records and their stats."""
+    chat-template round trip, and write the records and their stats.
+
+    With ``capture_dir`` (``generate.capture_hidden_states``) the server runs with the
+    capture options of the vllm extraction backend and saves the hidden states of every
+    answer there, named by :func:`eaglet.io.request_path`, for the extraction stage to pack."""
     target = read_target(target_json)
     by_split = {split: read_jsonl(path) for split, path in prompts.items()}
     everything = [p for split_prompts in by_split.values() for p in split_prompts]
@@ -444,13 +507,19 @@ def run_stage(cfg: dict[str, Any], target_json: str, prompts: dict[str, str],
         log.info("every prompt already has an answer in %s; no server needed", partial_path)
         progress.restart(already_done=requests)
     elif server_cfg["url"]:
+        if capture_dir:
+            raise RuntimeError("generate.capture_hidden_states needs the server eaglet starts "
+                               "with its capture options; set server.url: null")
         log.info("using the running server at %s", server_cfg["url"])
         settings = settings_from_config(cfg, server_cfg["url"].rstrip("/"))
         records = generate(everything, settings, partial_path, progress, too_long=too_long)
     else:
         progress.enter_phase("starting the vLLM server")
-        with target_server(cfg, target["path"], server_log_path) as server:
+        capture = capture_options(cfg, target["path"], capture_dir) if capture_dir else []
+        with target_server(cfg, target["path"], server_log_path, capture) as server:
             settings = settings_from_config(cfg, server.url)
+            if capture_dir:
+                settings.capture_dir = str(Path(capture_dir).resolve())
             records = generate(everything, settings, partial_path, progress,
                                health_check=server.check_alive, too_long=too_long)
         rates.record("generate", target["spec"], server_start_s=server.ready_after_s)

@@ -6,6 +6,7 @@ temporary file in the same directory, fsynced, then renamed over the destination
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -70,3 +71,9 @@ def human_size(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{n} bytes"
+
+
+def request_path(directory: str | os.PathLike, sample_id: str) -> Path:
+    """Where vLLM's capture connector saves the hidden states of one sample (sample ids may
+    hold any character): generation with capture and the vllm extraction backend agree on it."""
+    return Path(directory) / f"{hashlib.sha256(sample_id.encode()).hexdigest()[:24]}.safetensors"
