@@ -1,6 +1,6 @@
 # eaglet: train an EAGLE-3 drafter for a target LLM and measure it in vLLM.
 # Stages live in rules/*.smk, logic in src/eaglet; `snakemake -n` previews the plan.
-from eaglet.config import outside_working_dir, validate
+from eaglet.config import outside_working_dir, stage_params, validate
 from eaglet.target import check_recorded_target
 
 configfile: "config.yaml"

@@ -5,6 +5,11 @@ Both clients send the same greedy requests (so the same tokens come back) to the
 running vLLM server, alternating, and the ratio of their tokens/s is reported. Run:
 
     .venv/bin/python benchmarks/generate.py --target results/target [--prompts 64]
+
+With ``--capture``: what ``generate.capture_hidden_states`` costs generation. Two servers run
+side by side, one plain and one with the capture options, and eaglet's client sends the same
+greedy ShareGPT requests to each in turn (with capture, every answer waits for its states on
+disk, as the stage does); the ratio of their tokens/s goes to capture.json/.md.
 """
 
 from __future__ import annotations
@@ -50,14 +55,64 @@ def time_bare(url, prompts, sampling, concurrency) -> tuple[float, int]:
     return time.perf_counter() - start, tokens
 
 
-def time_eaglet(url, prompts, sampling, concurrency) -> tuple[float, int]:
+def time_eaglet(url, prompts, sampling, concurrency, capture_dir=None) -> tuple[float, int]:
     settings = GenerationSettings(base_url=url, sampling=sampling, concurrency=concurrency,
-                                  request_timeout_s=600, max_retries=0, model_name="target")
+                                  request_timeout_s=600, max_retries=0, model_name="target",
+                                  capture_dir=capture_dir)
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
         records = generate(prompts, settings, Path(tmp) / "partial.jsonl")
         elapsed = time.perf_counter() - start
     return elapsed, sum(len(r["completion_token_ids"]) for r in records.values())
+
+
+def capture_cost(args) -> None:
+    """Plain and capturing servers side by side, the same requests to each in turn."""
+    import shutil
+
+    from eaglet.generate import capture_options
+    cfg = validate({"target": {"dtype": "float32"},
+                    "server": {"memory_utilization": 0.2, "enforce_eager": True}})
+    prompts, _ = load_source({"type": "sharegpt", "limit": args.prompts * 2,
+                              "max_prompt_chars": 1000})
+    prompts = prompts[:args.prompts]
+    sampling = Sampling(temperature=0.0, top_p=1.0, max_tokens=args.max_tokens, seed=0)
+    work = Path(tempfile.mkdtemp(prefix="capture-"))
+    plain_args = server_args(cfg["target"], cfg["server"], "target")
+    runs = {"plain": [], "capture": []}
+    try:
+        with VLLMServer(model=args.target, log_path=OUT / "capture.plain.server.log",
+                        args=plain_args) as plain, \
+             VLLMServer(model=args.target, log_path=OUT / "capture.server.log",
+                        args=plain_args + capture_options(
+                            {"extract": {"aux_layer_ids": None}}, args.target,
+                            str(work / "states"))) as capturing:
+            for url in (plain.url, capturing.url):
+                time_bare(url, prompts[:8], sampling, 8)  # warm-up
+            for _ in range(args.repeats):
+                for name, url in (("plain", plain.url), ("capture", capturing.url)):
+                    states = str(work / "states") if name == "capture" else None
+                    elapsed, tokens = time_eaglet(url, prompts, sampling, args.concurrency,
+                                                  capture_dir=states)
+                    runs[name].append({"tokens": tokens, "s": elapsed,
+                                       "tokens_per_s": tokens / elapsed})
+            saved = sum(f.stat().st_size for f in (work / "states").glob("*.safetensors"))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    best = {name: max(r["tokens_per_s"] for r in rs) for name, rs in runs.items()}
+    result = {"prompts": len(prompts), "max_tokens": args.max_tokens,
+              "concurrency": args.concurrency, "runs": runs,
+              "ratio_capture_over_plain": best["capture"] / best["plain"],
+              "states_bytes_last_run": saved}
+    write_json(OUT / "capture.json", result)
+    lines = [f"{len(prompts)} ShareGPT prompts, greedy, {args.max_tokens} tokens, concurrency "
+             f"{args.concurrency}; best of {args.repeats} runs per server, alternating", "",
+             "| server | tokens/s |", "|---|---|"]
+    lines += [f"| {name} | {rate:.1f} |" for name, rate in best.items()]
+    lines += ["", f"capture / plain = {result['ratio_capture_over_plain']:.3f}; states saved "
+                  f"per run: {saved / 2**20:.0f} MiB (float32)"]
+    (OUT / "capture.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 def main() -> None:
@@ -68,7 +123,11 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--levels", default="1,4,16,32")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--capture", action="store_true",
+                        help="measure generate.capture_hidden_states against plain generation")
     args = parser.parse_args()
+    if args.capture:
+        return capture_cost(args)
 
     cfg = validate({"server": {"memory_utilization": 0.4}})
     prompts, _ = load_source({"type": "humaneval", "limit": args.prompts})

@@ -1,10 +1,8 @@
 # generate.capture_hidden_states: the server saves every answer's hidden states where the
-# vllm extraction rule packs them from. Off, it is left out of the params, so that runs made
-# before the setting existed are not regenerated.
+# vllm extraction rule packs them from.
 CAPTURE = config["generate"]["capture_hidden_states"]
 GENERATE_PARAMS = dict(
-    generate={k: v for k, v in config["generate"].items()
-              if k != "capture_hidden_states" or CAPTURE},
+    generate=stage_params(config, "generate"),
     **({"capture": {"dir": f"{R}/hidden/vllm/requests",
                     "aux_layer_ids": config["extract"]["aux_layer_ids"]}} if CAPTURE else {}),
 )

@@ -16,7 +16,7 @@ rule train:
             category="Training",
         ),
     params:
-        train={k: v for k, v in config["train"].items() if k != "gpus"},
+        train=stage_params(config, "train", drop=("gpus",)),
         checkpoints=f"{R}/drafter_checkpoints",
         progress=f"{R}/progress/train.json",
     resources:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eaglet.config import ConfigError, load, schema, validate
+from eaglet.config import ConfigError, load, schema, stage_params, validate
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SNAKEMAKE = REPO_ROOT / ".venv" / "bin" / "snakemake"
@@ -267,3 +267,16 @@ def test_snakefile_targets_stay_addressable_with_a_trailing_slash(tmp_path):
     output = run.stdout + run.stderr
     assert run.returncode == 0, output
     assert "rule prepare_prompts" in output and "rule generate" not in output
+
+
+def test_settings_added_later_leave_the_params_of_earlier_runs_unchanged():
+    """A run made before capture_hidden_states / loss_on_prompt existed recorded params
+    without them: at the value that reproduces it they are left out (no rerun of hours of
+    generation or training), and set to anything else they count."""
+    cfg = validate({"train": {"gpus": 2}})
+    before = {k: v for k, v in cfg["train"].items() if k not in ("gpus", "loss_on_prompt")}
+    assert stage_params(cfg, "train", drop=("gpus",)) == before
+    assert "capture_hidden_states" not in stage_params(cfg, "generate")
+    cfg = validate({"train": {"loss_on_prompt": True}, "generate": {"capture_hidden_states": True}})
+    assert stage_params(cfg, "train")["loss_on_prompt"] is True
+    assert stage_params(cfg, "generate")["capture_hidden_states"] is True

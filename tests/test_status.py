@@ -217,6 +217,11 @@ def test_the_extract_estimate_counts_the_tokens_of_the_shards_not_yet_written(tm
         "eval": {"samples": 2, "prompt_tokens": 150, "completion_tokens": 250}}}))
     cfg = _full_config(r)
     cfg["extract"]["num_shards"] = 4
+    cfg["generate"]["capture_hidden_states"] = True  # the states are packed, not computed
+    got = status.estimate("extract", r, cfg, None)
+    assert got.seconds == pytest.approx(2000 / status.PACK_TOKENS_PER_S)
+    assert "packing 2000 captured tokens" in got.basis
+    cfg["generate"]["capture_hidden_states"] = False
     rates.record("extract", cfg["target"]["model"], tokens_per_s=100.0)
     assert status.estimate("extract", r, cfg, None).seconds == pytest.approx(2000 / 100.0)
     (r / "hidden").mkdir()

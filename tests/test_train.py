@@ -20,7 +20,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from eaglet import shards
 from eaglet.io import atomic_open
-from eaglet.train import TrainError, launch_torchrun, settings, train
+from eaglet.train import TrainError, launch_torchrun, make_batch, settings, train
 
 AUX_LAYERS = [1, 2, 3]
 VOCAB, DRAFT_VOCAB = 256, 160
@@ -372,3 +372,14 @@ def test_settings_take_their_defaults_from_the_config_schema_and_keep_the_cross_
         settings({"epoch": 3})
     with pytest.raises(TrainError, match=r"max_len 600 exceeds train.max_tokens_per_batch 512"):
         settings({"max_len": 600, "max_tokens_per_batch": 512})
+
+
+def test_loss_on_prompt_counts_the_prompt_positions_too():
+    """Row t predicts token t+2 at step 0: the answer (loss_mask 1) starts at token 3, so
+    rows 1..3 count; with train.loss_on_prompt row 0 (predicting prompt token 2) counts too."""
+    ids = torch.tensor([5, 6, 7, 8, 9, 10])
+    piece = ("s", ids, torch.tensor([0, 0, 0, 1, 1, 1], dtype=torch.uint8), ids.clone(),
+             torch.zeros(6, 6), torch.zeros(6, 2))
+    t2d = torch.ones(16, dtype=torch.bool)
+    assert make_batch([piece], 1, t2d).rows[0].tolist() == [1, 2, 3]
+    assert make_batch([piece], 1, t2d, prompt_loss=True).rows[0].tolist() == [0, 1, 2, 3]

@@ -88,6 +88,20 @@ def validate(config: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
+# Settings added after runs were made, with the value that reproduces those runs: a stage's
+# params leave them out at that value, so that a run made before them is not redone.
+ADDED_LATER = {"generate": {"capture_hidden_states": False},
+               "train": {"loss_on_prompt": False}}
+
+
+def stage_params(cfg: dict[str, Any], section: str, drop: tuple[str, ...] = ()) -> dict[str, Any]:
+    """``cfg[section]`` as a rule's params: without ``drop`` and without the settings of
+    :data:`ADDED_LATER` at their earlier behaviour."""
+    later = ADDED_LATER.get(section, {})
+    return {k: v for k, v in cfg[section].items()
+            if k not in drop and not (k in later and v == later[k])}
+
+
 def results_dir(value: str) -> str:
     """``results_dir`` in the one spelling Snakemake matches targets against (``results/``,
     ``./results`` and ``x/../results`` are all ``results``); the filesystem root, an empty

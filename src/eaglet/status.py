@@ -247,6 +247,10 @@ def _checkpointed_steps(r: Path) -> tuple[int | None, int | None]:
     return None, None
 
 
+# packing states that generation captured (read, teacher check, shard write), 2 CPU cores
+PACK_TOKENS_PER_S = 2000
+
+
 def estimate(stage: str, r: Path, cfg: dict, progress: dict | None) -> Estimate:
     target = cfg["target"]["model"]
     gen, ev = cfg["generate"], cfg["evaluate"]
@@ -271,6 +275,13 @@ def estimate(stage: str, r: Path, cfg: dict, progress: dict | None) -> Estimate:
                         f"{remaining} samples x ~{gen['max_tokens'] * COMPLETION_FILL_GUESS:.0f} "
                         f"tokens at {rate:.0f} tok/s ({basis})")
     totals = _token_totals(r)
+    if stage == "extract" and gen.get("capture_hidden_states"):
+        # generation saved the states: the stage reads, checks and packs them
+        if totals is None:
+            return Estimate(None, "token count unknown until generate runs")
+        tokens = sum(t["tokens"] for t in totals.values())
+        return Estimate(tokens / PACK_TOKENS_PER_S,
+                        f"packing {tokens} captured tokens at ~{PACK_TOKENS_PER_S} tok/s (typical)")
     if stage == "extract":
         rate, basis = _rate("extract", "tokens_per_s", target)
         if totals is None or rate is None:

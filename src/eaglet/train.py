@@ -318,9 +318,13 @@ class Batch:
                      [move(r) for r in self.rows], self.sample_ids)
 
 
-def make_batch(pieces: list[tuple], ttt_steps: int, t2d: torch.Tensor) -> Batch:
-    """Pack samples (as ``Samples.get`` returns them) into one TTT batch."""
+def make_batch(pieces: list[tuple], ttt_steps: int, t2d: torch.Tensor,
+               prompt_loss: bool = False) -> Batch:
+    """Pack samples (as ``Samples.get`` returns them) into one TTT batch. ``prompt_loss``:
+    prompt tokens count too (the target's distribution exists there as well)."""
     ids, loss_mask, argmax = (torch.cat([p[i] for p in pieces]) for i in (1, 2, 3))
+    if prompt_loss:
+        loss_mask = torch.ones_like(loss_mask)
     lengths = torch.tensor([p[1].numel() for p in pieces])
     starts = torch.cumsum(lengths, 0) - lengths
     segments = torch.repeat_interleave(torch.arange(len(pieces)), lengths)
@@ -524,7 +528,9 @@ class Trainer:
 
     def load_batch(self, data: Samples, indices: list[int]) -> Batch:
         pieces = [data.get(i, self.cfg["max_len"]) for i in indices]
-        return make_batch(pieces, self.cfg["ttt_steps"], self.t2d).to(self.device)
+        # held-out metrics stay on the answers, what speculation drafts
+        prompt_loss = self.cfg["loss_on_prompt"] and data is self.train_data
+        return make_batch(pieces, self.cfg["ttt_steps"], self.t2d, prompt_loss).to(self.device)
 
     # -- checkpoints --
 
