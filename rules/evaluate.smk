@@ -21,6 +21,9 @@ rule evaluate:
     params:
         evaluate=config["evaluate"],
         target=config["target"],
+        # prompts render through the chat template as generation rendered them
+        **({"chat_template_kwargs": config["generate"]["chat_template_kwargs"]}
+           if config["generate"]["chat_template_kwargs"] else {}),
         log_dir=f"{R}/logs",
         progress=f"{R}/progress/evaluate.json",
     resources:

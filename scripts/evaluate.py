@@ -6,7 +6,8 @@ from eaglet.scripting import run_stage
 
 smk = snakemake  # noqa: F821 (injected by Snakemake)
 cfg = {"evaluate": smk.params.evaluate, "target": smk.params.target,
-       "server": smk.config["server"]}
+       "server": smk.config["server"],
+       "generate": {"chat_template_kwargs": smk.params.get("chat_template_kwargs")}}
 run_stage("evaluate", smk.log[0], lambda: evaluate_stage(
     cfg, smk.input.target, str(Path(smk.input.drafter).parent.resolve()), smk.input.prompts,
     smk.output.acceptance, smk.params.log_dir, progress_path=smk.params.progress,

@@ -38,6 +38,7 @@ class ScriptedChat(BaseHTTPRequestHandler):
     calls: Counter = Counter()
     conversations: list[list[dict]] = []  # the messages of every request, in arrival order
     transfer: dict[str, dict | None] = {}  # prompt text -> the request's kv_transfer_params
+    template_kwargs: dict[str, dict | None] = {}  # prompt text -> its chat_template_kwargs
 
     def log_message(self, *args):  # keep pytest output clean
         pass
@@ -59,6 +60,7 @@ class ScriptedChat(BaseHTTPRequestHandler):
         ScriptedChat.calls[text] += 1
         ScriptedChat.conversations.append(request["messages"])
         ScriptedChat.transfer[text] = request.get("kv_transfer_params")
+        ScriptedChat.template_kwargs[text] = request.get("chat_template_kwargs")
         if request.get("kv_transfer_params"):  # the connector saves after answering
             save_to = Path(request["kv_transfer_params"]["hidden_states_path"])
             threading.Timer(0.3, lambda: (save_to.parent.mkdir(parents=True, exist_ok=True),
@@ -80,7 +82,7 @@ class ScriptedChat(BaseHTTPRequestHandler):
 @pytest.fixture
 def server():
     ScriptedChat.plan, ScriptedChat.calls, ScriptedChat.conversations = {}, Counter(), []
-    ScriptedChat.transfer = {}
+    ScriptedChat.transfer, ScriptedChat.template_kwargs = {}, {}
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), ScriptedChat)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
@@ -328,3 +330,12 @@ def test_capture_asks_for_each_answers_states_at_the_path_extraction_reads(serve
     ScriptedChat.transfer = {}
     generate(prompts(2), settings(server), tmp_path / "q.jsonl")
     assert ScriptedChat.transfer == {"question 0": None, "question 1": None}
+
+
+def test_template_variables_go_with_every_request_and_stay_in_every_record(server, tmp_path):
+    switch = {"enable_thinking": False}
+    records = generate(prompts(2), settings(server, chat_template_kwargs=switch),
+                       tmp_path / "p.jsonl")
+    assert ScriptedChat.template_kwargs == {"question 0": switch, "question 1": switch}
+    assert all(r["chat_template_kwargs"] == switch for r in records.values())
+    assert "kv_transfer_params" not in ScriptedChat.transfer  # no capture asked for

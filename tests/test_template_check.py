@@ -244,3 +244,24 @@ def test_non_canonical_split_of_the_same_text_is_retokenized_not_mismatched():
     lost = server_record(merged)
     lost["reasoning"] = None
     assert not check_record(merged, lost).ok
+
+
+# A template variable that changes the rendering (as Qwen3's enable_thinking does).
+SWITCH_TEMPLATE = ("{% if enable_thinking is defined and not enable_thinking %}"
+                   "<|im_start|>system\n/no_think<|im_end|>\n{% endif %}" + PLAIN_TEMPLATE)
+
+
+def test_the_check_renders_with_the_template_variables_the_server_used():
+    """generate.chat_template_kwargs: the server rendered the prompt with enable_thinking
+    false; the record keeps the variables and the check renders with them (without them the
+    same record is a prompt mismatch)."""
+    switch = make_tokenizer(SWITCH_TEMPLATE)
+    prompt = ids(switch, "<|im_start|>system\n/no_think<|im_end|>\n<|im_start|>system\nYou are "
+                         "terse.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
+                         "<|im_start|>assistant\n")
+    record = {**server_record(switch, reasoning=None), "prompt_token_ids": prompt,
+              "chat_template_kwargs": {"enable_thinking": False}}
+    assert check_record(switch, record).ok
+    del record["chat_template_kwargs"]
+    result = check_record(switch, record)
+    assert not result.ok and result.part == "prompt"

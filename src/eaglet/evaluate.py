@@ -104,7 +104,8 @@ def read_metrics(url: str) -> str:
 
 
 async def _run_prompts(url: str, prompts: list[dict], max_tokens: int, concurrency: int,
-                       timeout: float) -> list[dict]:
+                       timeout: float, template_kwargs: dict | None = None) -> list[dict]:
+    extra = {"chat_template_kwargs": template_kwargs} if template_kwargs else {}
     gate = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=timeout,
                                  limits=httpx.Limits(max_connections=concurrency)) as client:
@@ -113,7 +114,7 @@ async def _run_prompts(url: str, prompts: list[dict], max_tokens: int, concurren
                 start = time.perf_counter()
                 resp = await client.post("/v1/chat/completions", json={
                     "model": "target", "messages": prompt["messages"], "temperature": 0.0,
-                    "max_tokens": max_tokens, "seed": 0, "return_token_ids": True})
+                    "max_tokens": max_tokens, "seed": 0, "return_token_ids": True, **extra})
                 if resp.status_code != 200:
                     raise EvaluationError(f"request for {prompt['id']} failed: HTTP "
                                           f"{resp.status_code}: {resp.text[:300]}")
@@ -174,11 +175,12 @@ def speculative_config(run: dict) -> dict | None:
     return {**spec, **run.get("extra", {})}
 
 
-def _measure(url: str, prompts: list[dict], ev: dict, concurrency: int) -> dict:
+def _measure(url: str, prompts: list[dict], ev: dict, concurrency: int,
+             template_kwargs: dict | None = None) -> dict:
     before = spec_counters(read_metrics(url))
     start = time.perf_counter()
     answers = asyncio.run(_run_prompts(url, prompts, ev["max_tokens"], concurrency,
-                                       ev["request_timeout_s"]))
+                                       ev["request_timeout_s"], template_kwargs))
     wall = time.perf_counter() - start
     delta = counter_delta(before, spec_counters(read_metrics(url)))
     tokens = sum(a["completion_tokens"] for a in answers)
@@ -217,8 +219,10 @@ def engine_run(cfg: dict, target_path: str, run: dict, prompt_sets: dict[str, li
                 if progress is not None:
                     progress.enter_phase(f"{name} in vLLM: {set_name} at concurrency "
                                          f"{concurrency}")
+                # the chat template renders prompts as it did for the training data
                 level = _measure(server.url, level_prompts(prompts, concurrency, ev["rounds"]),
-                                 ev, concurrency)
+                                 ev, concurrency,
+                                 cfg.get("generate", {}).get("chat_template_kwargs"))
                 levels.append({"set": set_name, **level,
                                **acceptance(level["_delta"], run.get("k"))})
     total = _sum_deltas([lv["_delta"] for lv in levels])

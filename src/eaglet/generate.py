@@ -147,14 +147,15 @@ def turns_left(prompt: dict, records: dict[str, dict]) -> int:
     return 0
 
 
-def too_long_check(tokenizer, max_model_len: int):
+def too_long_check(tokenizer, max_model_len: int, template_kwargs: dict | None = None):
     """``messages -> reason or None``: a prompt whose chat-template rendering leaves no room
     for an answer within ``target.max_model_len`` is skipped, not sent (the server would
     refuse it with HTTP 400 and count it as a failure)."""
     from eaglet.template_check import render_ids
 
     def check(messages: list[dict]) -> str | None:
-        n = len(render_ids(tokenizer, messages, add_generation_prompt=True))
+        n = len(render_ids(tokenizer, messages, add_generation_prompt=True,
+                           template_kwargs=template_kwargs))
         if n >= max_model_len:
             return f"prompt of {n} tokens leaves no room within target.max_model_len={max_model_len}"
         return None
@@ -264,15 +265,21 @@ class GenerationSettings:
     api_key: str | None = None
     # the server saves each answer's hidden states here (generate.capture_hidden_states)
     capture_dir: str | None = None
+    # variables of the chat template (generate.chat_template_kwargs), kept in every record
+    chat_template_kwargs: dict | None = None
 
-    def request_extra(self, record_id: str) -> dict | None:
-        """What a request adds to ask the capture server for the states of its prompt and of
-        every generated token (all but the last, which no forward pass has read yet)."""
-        if self.capture_dir is None:
-            return None
-        return {"kv_transfer_params": {
-            "include_output_tokens": True,
-            "hidden_states_path": str(request_path(self.capture_dir, record_id))}}
+    def request_extra(self, record_id: str) -> dict:
+        """What a request adds to the chat completion: the template variables, and with
+        capture, where the server saves the states of its prompt and of every generated token
+        (all but the last, which no forward pass has read yet)."""
+        extra: dict = {}
+        if self.chat_template_kwargs:
+            extra["chat_template_kwargs"] = dict(self.chat_template_kwargs)
+        if self.capture_dir is not None:
+            extra["kv_transfer_params"] = {
+                "include_output_tokens": True,
+                "hidden_states_path": str(request_path(self.capture_dir, record_id))}
+        return extra
 
 
 async def generate_async(prompts: list[dict], settings: GenerationSettings,
@@ -343,6 +350,8 @@ async def generate_async(prompts: list[dict], settings: GenerationSettings,
                 record = {"id": record_id, "source": prompt.get("source"),
                           "messages": messages, "model": model,
                           "sampling": vars(settings.sampling)}
+                if settings.chat_template_kwargs:  # the template check renders with them
+                    record["chat_template_kwargs"] = dict(settings.chat_template_kwargs)
                 if turn:
                     record.update(prompt_id=prompt["id"], turn=turn + 1)
                 try:
@@ -464,6 +473,7 @@ def settings_from_config(cfg: dict[str, Any], base_url: str) -> GenerationSettin
         base_url=base_url, sampling=Sampling.from_config(gen), concurrency=gen["concurrency"],
         request_timeout_s=gen["request_timeout_s"], max_retries=gen["max_retries"],
         system_prompt=gen["system_prompt"], model_name=server["model_name"],
+        chat_template_kwargs=gen["chat_template_kwargs"],
         api_key=api_key_from_env(server["api_key_env"]))
 
 
@@ -501,7 +511,8 @@ def run_stage(cfg: dict[str, Any], target_json: str, prompts: dict[str, str],
     progress = Progress("generate", total=requests, path=progress_path, log_path=log_path)
     server_cfg = cfg["server"]
     tokenizer = AutoTokenizer.from_pretrained(target["path"])
-    too_long = too_long_check(tokenizer, cfg["target"]["max_model_len"])
+    too_long = too_long_check(tokenizer, cfg["target"]["max_model_len"],
+                              cfg["generate"]["chat_template_kwargs"])
     records = read_partial(partial_path)
     if not any(turns_left(p, records) for p in everything):
         log.info("every prompt already has an answer in %s; no server needed", partial_path)

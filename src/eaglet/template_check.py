@@ -65,8 +65,10 @@ def render_ids(
     tokenizer: PreTrainedTokenizerBase,
     messages: Sequence[Mapping[str, Any]],
     add_generation_prompt: bool,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[int]:
-    """Token ids of ``messages`` rendered through the tokenizer's chat template.
+    """Token ids of ``messages`` rendered through the tokenizer's chat template, with the
+    template variables the server rendered them with (``generate.chat_template_kwargs``).
 
     transformers 5.x returns a BatchEncoding from ``tokenize=True`` by default; 4.x returns
     a list. ``return_dict=False`` is passed, and a mapping is still unwrapped to be safe.
@@ -76,6 +78,7 @@ def render_ids(
         tokenize=True,
         add_generation_prompt=add_generation_prompt,
         return_dict=False,
+        **dict(template_kwargs or {}),
     )
     if isinstance(result, Mapping):
         result = result["input_ids"]
@@ -87,7 +90,8 @@ def render_conversation_ids(
 ) -> list[int]:
     """Token ids of the record's messages followed by its assistant answer."""
     messages = [*record["messages"], assistant_message(record)]
-    return render_ids(tokenizer, messages, add_generation_prompt=False)
+    return render_ids(tokenizer, messages, add_generation_prompt=False,
+                      template_kwargs=record.get("chat_template_kwargs"))
 
 
 def first_difference(expected: Sequence[int], rendered: Sequence[int]) -> int | None:
@@ -133,7 +137,8 @@ def check_record(tokenizer: PreTrainedTokenizerBase, record: Mapping[str, Any]) 
     shorter than the emitted ids fails.
     """
     prompt = list(record["prompt_token_ids"])
-    rendered_prompt = render_ids(tokenizer, record["messages"], add_generation_prompt=True)
+    rendered_prompt = render_ids(tokenizer, record["messages"], add_generation_prompt=True,
+                                 template_kwargs=record.get("chat_template_kwargs"))
     if rendered_prompt != prompt:
         index = first_difference(prompt, rendered_prompt)
         if index is None:  # the template appends tokens after what the server fed the model
