@@ -159,3 +159,35 @@ def test_a_packed_shard_of_other_samples_is_not_reused(tiny, tmp_path, monkeypat
         extract_shards(cfg, info, jobs, work, tmp_path / "server.log")
     assert started == [1]
     assert not jobs[0].shard_path.exists()  # nothing is moved before every shard is done
+
+
+def test_prefill_retries_a_busy_server_and_names_a_server_without_capture(tmp_path):
+    """A 503 is retried; an answer without hidden_states_path means the server runs without
+    the capture options, which the error says."""
+    import asyncio
+
+    import httpx
+
+    from eaglet.extract import ExtractionError
+    from eaglet.extract_vllm import prefill
+
+    answers = [httpx.Response(503, text="busy"),
+               httpx.Response(200, json={"kv_transfer_params": {
+                   "hidden_states_path": str(tmp_path / "a.safetensors")}}),
+               httpx.Response(200, json={"choices": []})]
+    sent = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.append(json.loads(request.content))
+        return answers.pop(0)
+
+    async def run(path):
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler),
+                                     base_url="http://server") as client:
+            await prefill(client, [1, 2, 3], path, timeout=5, max_retries=2)
+
+    asyncio.run(run(tmp_path / "a.safetensors"))
+    assert len(sent) == 2 and sent[1]["prompt"] == [1, 2, 3] and sent[1]["max_tokens"] == 1
+    assert sent[1]["kv_transfer_params"] == {"hidden_states_path": str(tmp_path / "a.safetensors")}
+    with pytest.raises(ExtractionError, match="without eaglet's capture options"):
+        asyncio.run(run(tmp_path / "b.safetensors"))

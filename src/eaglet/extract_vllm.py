@@ -36,7 +36,7 @@ from eaglet import rates
 from eaglet.extract import (TORCH_DTYPES, ExtractionError, Target, check_disk, enforce_agreement,
                             estimate_bytes, extract_shard, pick_device, resolve_aux_layer_ids,
                             shard_problem, target_identity)
-from eaglet.generate import gather_or_cancel
+from eaglet.generate import RequestFailed, gather_or_cancel, post_json, with_retries
 from eaglet.io import read_json, request_path
 from eaglet.progress import Progress
 from eaglet.server import VLLMServer, server_args
@@ -172,29 +172,19 @@ async def prefill(client: httpx.AsyncClient, ids: list[int], path: Path, timeout
     """One prefill request whose states the connector saves to ``path``."""
     payload = {"model": "target", "prompt": list(ids), "max_tokens": 1, "temperature": 0.0,
                "kv_transfer_params": {"hidden_states_path": str(path)}}
-    for attempt in range(max_retries + 1):
-        try:
-            resp = await client.post("/v1/completions", json=payload, timeout=timeout)
-        except (httpx.TransportError, httpx.TimeoutException) as exc:
-            if attempt >= max_retries:
-                raise ExtractionError(f"prefill request failed: {type(exc).__name__}: {exc}") from exc
-            await asyncio.sleep(2 ** attempt)
-            continue
-        if resp.status_code != 200:
-            if resp.status_code >= 500 and attempt < max_retries:
-                await asyncio.sleep(2 ** attempt)
-                continue
-            raise ExtractionError(f"prefill request failed: HTTP {resp.status_code}: "
-                                  f"{resp.text[:500]}")
-        saved = (resp.json().get("kv_transfer_params") or {}).get("hidden_states_path")
-        if saved is None:
-            raise ExtractionError(
-                "the server answered without kv_transfer_params.hidden_states_path: it runs "
-                "without eaglet's capture options (extract.backend: vllm starts its own server; "
-                "server.url is not used for extraction)")
-        if Path(saved) != path:  # a connector that ignores the requested path
-            await asyncio.to_thread(_move_when_written, Path(saved), path)
-        return
+    try:
+        body = await with_retries(
+            lambda: post_json(client, "/v1/completions", payload, timeout), max_retries)
+    except RequestFailed as exc:
+        raise ExtractionError(f"prefill request failed: {exc}") from exc
+    saved = (body.get("kv_transfer_params") or {}).get("hidden_states_path")
+    if saved is None:
+        raise ExtractionError(
+            "the server answered without kv_transfer_params.hidden_states_path: it runs "
+            "without eaglet's capture options (extract.backend: vllm starts its own server; "
+            "server.url is not used for extraction)")
+    if Path(saved) != path:  # a connector that ignores the requested path
+        await asyncio.to_thread(_move_when_written, Path(saved), path)
 
 
 def _move_when_written(source: Path, dest: Path) -> None:

@@ -203,23 +203,37 @@ async def chat_once(client: httpx.AsyncClient, model: str, messages: list[dict],
         "max_tokens": sampling.max_tokens, "seed": sampling.seed,
         "return_token_ids": True, **(extra or {}),
     }
+    return parse_response(await post_json(client, "/v1/chat/completions", payload, timeout))
+
+
+async def post_json(client: httpx.AsyncClient, path: str, payload: dict, timeout: float) -> dict:
+    """One POST; connection errors, timeouts and the retryable statuses raise a retryable
+    :class:`RequestFailed`, other non-200 answers a permanent one."""
     try:
-        resp = await client.post("/v1/chat/completions", json=payload, timeout=timeout)
+        resp = await client.post(path, json=payload, timeout=timeout)
     except (httpx.TransportError, httpx.TimeoutException) as exc:
         raise RequestFailed(f"{type(exc).__name__}: {exc}", retryable=True) from exc
     if resp.status_code != 200:
         raise RequestFailed(f"HTTP {resp.status_code}: {resp.text[:500]}",
                             retryable=resp.status_code in RETRYABLE_STATUS)
-    return parse_response(resp.json())
+    return resp.json()
 
 
 async def chat_with_retries(client, model, messages, sampling, timeout, max_retries,
                             backoff_s: float = 1.0, health_check=None,
                             extra: dict | None = None) -> dict:
+    return await with_retries(
+        lambda: chat_once(client, model, messages, sampling, timeout, extra),
+        max_retries, backoff_s, health_check)
+
+
+async def with_retries(call, max_retries: int, backoff_s: float = 1.0, health_check=None):
+    """``await call()``, again after a retryable :class:`RequestFailed` (exponential backoff
+    with jitter, at most ``max_retries`` times); ``health_check`` runs after each failure."""
     attempt = 0
     while True:
         try:
-            return await chat_once(client, model, messages, sampling, timeout, extra)
+            return await call()
         except RequestFailed as exc:
             if health_check is not None:
                 health_check()  # a dead server is the stage's failure, not this request's

@@ -316,11 +316,12 @@ def estimate(stage: str, r: Path, cfg: dict, progress: dict | None) -> Estimate:
             return Estimate(None, basis)
         start, _ = _rate("generate", "server_start_s", target)
         per_run = start or SERVER_START_GUESS_S
+        base = _bench_generate(first)
         for c in ev["concurrency"]:
             # the rate was measured at the first concurrency; the benchmark's server rates
             # say how it grows with more requests in flight
-            scale = (_bench_generate(c) / _bench_generate(first)
-                     if _bench_generate(c) and _bench_generate(first) else 1.0)
+            at_c = _bench_generate(c)
+            scale = at_c / base if at_c and base else 1.0
             requests = sum(len(level_prompts(range(n), c, ev["rounds"])) for n in sizes)
             per_run += requests * ev["max_tokens"] * COMPLETION_FILL_GUESS / (rate * scale)
         return Estimate((runs + OFFLINE_REPLAY_SHARE * replays) * per_run,
