@@ -49,7 +49,9 @@ CPU_PARTITION, GPU_PARTITION = "eaglet_cpu", "eaglet_gpu"
 
 
 def _overrides(path: Path) -> Path:
-    lines = [f"{key}: {{gpus: {n}}}" for key, n in GPUS.items()]
+    # the hf backend: one extraction job per shard, each submitted with its own GPU
+    lines = [f"{key}: {{gpus: {n}}}" for key, n in GPUS.items() if key != "extract"]
+    lines.append(f"extract: {{gpus: {GPUS['extract']}, backend: hf}}")
     lines.append("resources:")
     lines += [f"  {rule}: {{mem_mb: {mem}, runtime: {minutes}}}"
               for rule, (mem, minutes) in RESOURCES.items()]

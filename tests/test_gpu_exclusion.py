@@ -80,7 +80,7 @@ def dry_run_jobs(tmp_path_factory):
     overrides = tmp / "gpus.yaml"
     # `--config server.gpus=1` is no valid Snakemake config entry (and `server={gpus: 1}`
     # reads 1 as a string): nested overrides go in a config file.
-    overrides.write_text("server: {gpus: 1}\nextract: {gpus: 1}\n")
+    overrides.write_text("server: {gpus: 1}\nextract: {gpus: 1, backend: hf}\n")
     cmd = [str(SNAKEMAKE), "--dry-run", "--workflow-profile", str(DEFAULT_PROFILE),
            "--configfile", str(TINY), str(overrides),
            "--config", f"results_dir={tmp / 'results'}"]

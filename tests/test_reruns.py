@@ -70,7 +70,8 @@ def test_an_edited_prompt_file_reruns_prepare_prompts_and_what_follows(tmp_path)
 
 
 def test_a_shard_that_training_set_aside_is_extracted_again(tmp_path):
-    results, configfile = finished_tree(tmp_path, {})
+    """The hf backend: one job per shard, and only the damaged one runs again."""
+    results, configfile = finished_tree(tmp_path, {"extract": {"backend": "hf"}})
     for shard, rule, wildcards in [("hidden/shard_00001.safetensors", "extract", {"i": "00001"}),
                                    ("hidden/eval/shard_00000.safetensors", "extract_eval",
                                     {"i": "00000"})]:
@@ -86,3 +87,17 @@ def test_a_shard_that_training_set_aside_is_extracted_again(tmp_path):
         for output in [path, *after_train]:
             output.touch()
         assert snakemake(results, configfile, "--touch").returncode == 0
+
+
+def test_a_shard_set_aside_brings_back_the_one_vllm_extraction_job(tmp_path):
+    """The vllm backend writes every shard from one job (one server): a damaged shard plans
+    that job again, and what follows it."""
+    results, configfile = finished_tree(tmp_path, {"extract": {"backend": "vllm"}})
+    path = results / "hidden" / "shard_00001.safetensors"
+    path.rename(path.with_name(path.name + ".damaged"))
+    for output in [*(results / "drafter").iterdir(), *(results / "eval").iterdir()]:
+        output.unlink()
+    jobs = planned(results, configfile)
+    assert jobs.get("extract_vllm") == [{}], jobs
+    assert "extract" not in jobs and "generate" not in jobs, jobs
+    assert {"hidden_manifest", "train", "evaluate"} <= set(jobs), jobs

@@ -2,7 +2,7 @@
 
 The tests share one results directory and run in file order, each taking the workflow one
 stage further, as a user would: generation (interrupted with Ctrl-C and resumed), then the
-vocabulary and the hidden states, training and evaluation; last, generation once more with the
+vocabulary and the hidden states (vLLM prefill, the default backend), training and evaluation; last, generation once more with the
 hidden states captured by vLLM as it generates (generate.capture_hidden_states).
 """
 
@@ -146,8 +146,11 @@ def test_hidden_states_reproduce_the_servers_greedy_tokens(results):
         r["id"] for r in train)
     assert manifest["aux_layer_ids"] == [2, 15, 27]  # vLLM's default for 30 layers
     assert manifest["greedy"]
-    # HF float32 extraction against vLLM float32 greedy tokens (bf16 storage ties aside)
+    # vLLM's prefill states against its own greedy tokens (bf16 storage ties aside)
     assert manifest["teacher_agreement"] >= 0.99
+    for shard in manifest["shards"]:  # the default backend: one server wrote every shard
+        assert read_json(results / "hidden" / shard["file"].replace(
+            ".safetensors", ".json"))["backend"] == "vllm"
     vocab = read_json(results / "vocab" / "stats.json")
     assert vocab["coverage"] == 1.0  # every completion token fits in the tiny draft vocab
 
@@ -233,9 +236,9 @@ def test_states_captured_while_generating_train_a_drafter_like_the_extracted_one
     """generate.capture_hidden_states: generation runs again on a server with the capture
     options, and the extraction stage only packs what it saved (no server, no prefill); the
     shards hold the same samples, pass the teacher check and train a drafter as good as the
-    transformers backend's."""
-    hf_manifest = read_json(results / "hidden" / "manifest.json")
-    hf_train = status(results)["train"]["facts"]
+    one from the states of the prefill extraction after generation."""
+    before_manifest = read_json(results / "hidden" / "manifest.json")
+    before_train = status(results)["train"]["facts"]
     overlay = tmp_path / "fused.yaml"
     overlay.write_text("generate:\n  capture_hidden_states: true\nextract:\n  backend: vllm\n")
     proc = workflow.run(results, "drafter/model.safetensors", configs=(overlay,), timeout=1800)
@@ -245,9 +248,9 @@ def test_states_captured_while_generating_train_a_drafter_like_the_extracted_one
     assert "no saved states" not in extract_log  # every sample's states came from generation
     assert not (results / "logs" / "extract" / "vllm.server.log").exists()
     manifest = read_json(results / "hidden" / "manifest.json")
-    assert manifest["num_samples"] == hf_manifest["num_samples"]
+    assert manifest["num_samples"] == before_manifest["num_samples"]
     # greedy answers from a server with capture: the same within a token or two per sample
-    assert manifest["tokens"] == pytest.approx(hf_manifest["tokens"], rel=0.05)
+    assert manifest["tokens"] == pytest.approx(before_manifest["tokens"], rel=0.05)
     assert manifest["teacher_agreement"] >= 0.99
     for shard in manifest["shards"]:
         assert read_json(results / "hidden" / shard["file"].replace(
@@ -256,7 +259,7 @@ def test_states_captured_while_generating_train_a_drafter_like_the_extracted_one
     facts = eaglet_status.collect(results, eaglet_status.load_run_config(
         results, str(workflow.TINY), workflow.REPO), None)
     train = {s["stage"]: s for s in facts["stages"]}["train"]["facts"]
-    assert train["eval_simulated_al"] == pytest.approx(hf_train["eval_simulated_al"], abs=0.15)
-    print(f"teacher agreement hf {hf_manifest['teacher_agreement']:.4f} captured "
-          f"{manifest['teacher_agreement']:.4f}; eval simulated AL hf "
-          f"{hf_train['eval_simulated_al']:.3f} captured {train['eval_simulated_al']:.3f}")
+    assert train["eval_simulated_al"] == pytest.approx(before_train["eval_simulated_al"], abs=0.15)
+    print(f"teacher agreement prefill {before_manifest['teacher_agreement']:.4f} captured "
+          f"{manifest['teacher_agreement']:.4f}; eval simulated AL prefill "
+          f"{before_train['eval_simulated_al']:.3f} captured {train['eval_simulated_al']:.3f}")
