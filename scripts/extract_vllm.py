@@ -11,4 +11,5 @@ splits = {"train": {"data": smk.input.train, "shards": list(smk.output.shards),
                    "metas": [smk.output.eval_meta]}}
 run_stage("extract", smk.log.main, lambda: run_extract(
     cfg, smk.input.target, splits, work_dir=smk.params.work, server_log=smk.log.server,
-    progress_path=smk.params.progress, log_path=smk.log.main))
+    progress_path=smk.params.progress, log_path=smk.log.main),
+    gpus=smk.resources.get("gpu", 0))

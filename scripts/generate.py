@@ -13,4 +13,5 @@ run_stage("generate", smk.log.main, lambda: generate_stage(
     outputs={"train": smk.output.train, "eval": smk.output.eval},
     stats_path=smk.output.stats, partial_path=smk.params.partial,
     progress_path=smk.params.progress, log_path=smk.log.main, server_log_path=smk.log.server,
-    capture_dir=capture["dir"] if capture else None))
+    capture_dir=capture["dir"] if capture else None),
+    gpus=smk.resources.get("gpu", 0))

@@ -21,4 +21,5 @@ gpus = int(smk.resources.get("gpu", 0))
 
 
 run_stage("train", smk.log[0],
-          (lambda: launch_torchrun(args, gpus)) if gpus > 1 else lambda: train(**args))
+          (lambda: launch_torchrun(args, gpus)) if gpus > 1 else lambda: train(**args),
+          gpus=gpus)

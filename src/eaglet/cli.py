@@ -9,15 +9,21 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: eaglet status [--results DIR] [--json] [--watch SECONDS]\n"
+              "       eaglet plan [--config FILE] [--preset NAME] [--tokens N] [--json]\n"
               "       eaglet speculators DRAFTER_DIR OUT_DIR --target DIR [-k K]\n\n"
               "  status       where a run stands: finished stages and their checks, what runs\n"
               "               now, what remains and how long it will take\n"
+              "  plan         memory per stage (extraction, training, disk) estimated from the\n"
+              "               target's shape and the config, before a run starts\n"
               "  speculators  a speculators-format copy of a drafter: `vllm serve OUT_DIR`\n"
               "               serves the target with it, no --speculative-config needed")
         return 0
     if argv[0] == "status":
         from eaglet.status import main as status_main
         return status_main(argv[1:])
+    if argv[0] == "plan":
+        from eaglet.plan import main as plan_main
+        return plan_main(argv[1:])
     if argv[0] == "speculators":
         return speculators_main(argv[1:])
     print(f"eaglet: unknown command {argv[0]!r}; try `eaglet status`", file=sys.stderr)

@@ -1,7 +1,8 @@
 """Glue between Snakemake ``script:`` entry points and the library.
 
-``run_stage`` sends the stage's logging to its Snakemake log file (and stderr), and turns an
-exception into one clear error block instead of a traceback buried in Snakemake's output.
+``run_stage`` sends the stage's logging to its Snakemake log file (and stderr), gives a GPU
+job its own devices (``eaglet.gpus``), and turns an exception into one clear error block
+instead of a traceback buried in Snakemake's output.
 """
 
 from __future__ import annotations
@@ -23,10 +24,14 @@ def setup_logging(log_path: str | None, level: int = logging.INFO) -> None:
     logging.basicConfig(level=level, format=FORMAT, handlers=handlers, force=True)
 
 
-def run_stage(name: str, log_path: str | None, body: Callable[[], object]) -> None:
+def run_stage(name: str, log_path: str | None, body: Callable[[], object], gpus: int = 0) -> None:
+    """Run ``body``; ``gpus`` (the job's Snakemake ``gpu`` resource) are claimed first, before
+    anything initializes CUDA (``eaglet.gpus.hold_gpus``)."""
     setup_logging(log_path)
     log = logging.getLogger(f"eaglet.{name}")
     try:
+        from eaglet.gpus import hold_gpus
+        hold_gpus(gpus)
         body()
     except (KeyboardInterrupt, Terminated) as exc:
         log.error("%s interrupted (%s); finished work is kept, rerun to resume", name,
