@@ -67,14 +67,11 @@ def write_shards(model, directory: Path, n_shards: int, per_shard: int, seed: in
             lengths.append(ids.numel())
             sample_ids.append(f"{prefix}{s}-{i}")
         offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
-        data = shards.encode(torch.cat(cols["ids"]), torch.cat(cols["mask"]), offsets,
-                             torch.cat(cols["argmax"]), torch.cat(cols["aux"]),
-                             torch.cat(cols["final"]), sample_ids=sample_ids,
-                             aux_layer_ids=AUX_LAYERS, dtype="float32",
-                             target={"name": "tiny", "hidden_size": 64})
         path = shards.shard_path(directory, s)
-        with atomic_open(path, "wb") as handle:
-            handle.write(data)
+        shards.write(path, torch.cat(cols["ids"]), torch.cat(cols["mask"]), offsets,
+                     torch.cat(cols["argmax"]), torch.cat(cols["aux"]), torch.cat(cols["final"]),
+                     sample_ids=sample_ids, aux_layer_ids=AUX_LAYERS, dtype="float32",
+                     target={"name": "tiny", "hidden_size": 64})
         paths.append(str(path))
     return paths
 
@@ -178,11 +175,9 @@ def test_non_finite_loss_names_step_and_samples_and_keeps_the_checkpoint(world, 
         aux = shard.aux_hidden.clone()
         if i == 1:
             aux[shard.sample(3)] = float("nan")  # sample s1-3
-        with atomic_open(bad / Path(path).name, "wb") as handle:
-            handle.write(shards.encode(shard.input_ids, shard.loss_mask, shard.offsets,
-                                       shard.teacher_argmax, aux, shard.final_hidden,
-                                       sample_ids=shard.sample_ids, aux_layer_ids=AUX_LAYERS,
-                                       dtype="float32", target=shard.target))
+        shards.write(bad / Path(path).name, shard.input_ids, shard.loss_mask, shard.offsets,
+                     shard.teacher_argmax, aux, shard.final_hidden, sample_ids=shard.sample_ids,
+                     aux_layer_ids=AUX_LAYERS, dtype="float32", target=shard.target)
         paths.append(str(bad / Path(path).name))
     cfg = {**FAST, "shuffle": False, "checkpoint_every": 1}
     with pytest.raises(TrainError) as err:
@@ -206,8 +201,7 @@ def rewrite(path: str, out: Path, **changes) -> str:
                 target=shard.target)
     for key, value in changes.items():
         (fields if key in fields else meta)[key] = value
-    with atomic_open(out, "wb") as handle:
-        handle.write(shards.encode(*fields.values(), **meta))
+    shards.write(out, *fields.values(), **meta)
     return str(out)
 
 
