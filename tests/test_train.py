@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import types
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from eaglet import shards
 from eaglet.io import atomic_open
-from eaglet.train import TrainError, launch_torchrun, make_batch, settings, train
+from eaglet.train import (Dist, Trainer, TrainError, launch_torchrun, make_batch, settings,
+                          train)
 
 AUX_LAYERS = [1, 2, 3]
 VOCAB, DRAFT_VOCAB = 256, 160
@@ -190,6 +192,23 @@ def test_non_finite_loss_names_step_and_samples_and_keeps_the_checkpoint(world, 
     kept = sorted(p.name for p in (tmp_path / "ckpt").glob("step_*"))
     assert kept[-1] == f"step_{step - 1:08d}" and str(tmp_path / "ckpt" / kept[-1]) in message
     assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_loss_check_once_per_step_names_only_the_non_finite_micro_batches(tmp_path):
+    """The losses of a step's micro-batches are checked together after them (one host sync
+    per optimizer step); the error still names only the micro-batches that went wrong."""
+    trainer = types.SimpleNamespace(dist=Dist(), device=torch.device("cpu"), step=6, epoch=0,
+                                    next_in_epoch=6, checkpoint_dir=tmp_path)
+    trainer.fail = lambda what, *batches: Trainer.fail(trainer, what, *batches)
+    batches = [types.SimpleNamespace(sample_ids=[f"s-{i}a", f"s-{i}b"]) for i in range(4)]
+    Trainer.check_losses(trainer, [torch.tensor(v) for v in (1.0, 2.0, 0.5, 3.0)], batches)
+    losses = [torch.tensor(v) for v in (1.0, float("nan"), 0.5, float("inf"))]
+    with pytest.raises(TrainError) as err:
+        Trainer.check_losses(trainer, losses, batches)
+    message = str(err.value)
+    assert "non-finite loss (nan, inf here) at step 7" in message
+    assert "samples in these 2 micro-batches: s-1a, s-1b, s-3a, s-3b." in message
+    assert "s-0a" not in message and "s-2a" not in message
 
 
 def rewrite(path: str, out: Path, **changes) -> str:
