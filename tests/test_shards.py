@@ -272,6 +272,26 @@ def test_shard_path_naming(tmp_path):
 
 # -- the streaming writer --------------------------------------------------------------------
 
+def reference_fp8(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 with per-token, per-group scales, computed in float32 throughout (the definition
+    the writer's blockwise, dtype-preserving arithmetic must reproduce bit for bit)."""
+    n, width = x.shape
+    grouped = x.float().reshape(n, groups, width // groups)
+    scale = grouped.abs().amax(dim=-1).clamp(min=1e-12) / shards.FP8_MAX
+    return (grouped / scale.unsqueeze(-1)).to(torch.float8_e4m3fn).reshape(n, width), scale
+
+
+@pytest.mark.parametrize("source", [torch.float32, torch.bfloat16, torch.float16])
+def test_fp8_quantization_is_the_float32_definition(source):
+    x = wide_range(64, 3 * 48, seed=4).clamp(-6e4, 6e4).to(source)
+    x[5, 7] = float("nan")
+    x[6, 0] = float("inf")
+    for groups in (1, 3):
+        q, scale = shards.quantize_fp8(x, groups)
+        want_q, want_scale = reference_fp8(x, groups)
+        assert same_bits(scale, want_scale) and same_bits(q, want_q)
+
+
 def reference_bytes(tensors, dtype, sample_ids, aux_ids=AUX_IDS, target=TARGET) -> bytes:
     """A shard as ``safetensors.torch.save`` encodes it in memory, with the ``__metadata__``
     keys sorted: how shards were written before the streaming writer, kept here as the
@@ -280,8 +300,8 @@ def reference_bytes(tensors, dtype, sample_ids, aux_ids=AUX_IDS, target=TARGET) 
     out = {"input_ids": input_ids.to(torch.int64), "loss_mask": loss_mask.to(torch.uint8),
            "offsets": offsets.to(torch.int64), "teacher_argmax": teacher_argmax.to(torch.int64)}
     if dtype == "fp8":
-        out["aux_hidden"], out["aux_scale"] = shards.quantize_fp8(aux, len(aux_ids))
-        out["final_hidden"], out["final_scale"] = shards.quantize_fp8(final, 1)
+        out["aux_hidden"], out["aux_scale"] = reference_fp8(aux, len(aux_ids))
+        out["final_hidden"], out["final_scale"] = reference_fp8(final, 1)
     else:
         out["aux_hidden"] = aux.to(shards.STORAGE_DTYPES[dtype]).contiguous()
         out["final_hidden"] = final.to(shards.STORAGE_DTYPES[dtype]).contiguous()
@@ -366,7 +386,8 @@ def test_writer_bytes_equal_safetensors_save(tmp_path, dtype, chunk_bytes):
     former write path), whatever the row blocks, and with the aux states given as one tensor
     or as per-sample row pieces (extraction passes its per-sequence states unconcatenated)."""
     lengths = [7, 1, 13, 4]
-    tensors = packed(lengths, hidden=8, seed=23)
+    tensors = list(packed(lengths, hidden=8, seed=23))
+    tensors[5] = tensors[5].to(torch.bfloat16)  # states come in the target's dtype too
     want = reference_bytes(tensors, dtype, ODD_IDS[:4])
     pieces = list(tensors[4].split(lengths))
     for aux in (tensors[4], pieces):

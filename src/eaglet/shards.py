@@ -18,7 +18,9 @@ A shard is one safetensors file holding many samples packed end to end without p
 
 The ``__metadata__`` header (strings, readable with ``safetensors.safe_open``) names the
 format, the dtype, the aux layer ids, the hidden size, the sample ids and the target, so a
-shard explains itself to whoever opens it.
+shard explains itself to whoever opens it. :func:`write` streams a shard to disk a row
+block at a time and returns its sha256; the bytes are those ``safetensors.torch.save`` gives
+the same tensors, with the metadata keys sorted.
 """
 
 from __future__ import annotations
@@ -72,19 +74,35 @@ class Shard:
         return slice(int(self.offsets[index]), int(self.offsets[index + 1]))
 
 
-def fp8_scale(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """The e4m3 scale of each token and group of columns (``groups`` equal slices) [N, groups]."""
+def fp8_scale(x: torch.Tensor, groups: int, work: torch.Tensor | None = None) -> torch.Tensor:
+    """The e4m3 scale of each token and group of columns (``groups`` equal slices) [N, groups].
+    The largest magnitude is found in ``x``'s own dtype when it is a float32 subset (abs and
+    max are exact there, and so is the widening), without a float32 copy of ``x``; ``work``
+    (at least [N, W] of that dtype) takes the magnitudes instead of a new tensor."""
     n, width = x.shape
-    grouped = x.float().reshape(n, groups, width // groups)
-    return grouped.abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        x = x.float()
+    mag = x.abs() if work is None else torch.abs(x, out=work[:n])
+    amax = mag.reshape(n, groups, width // groups).amax(dim=-1).float()
+    return amax.clamp(min=1e-12) / FP8_MAX
 
 
-def fp8_apply(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``x`` in e4m3 with the given per-token, per-group ``scale`` (from :func:`fp8_scale`)."""
+def fp8_apply(x: torch.Tensor, scale: torch.Tensor, work: torch.Tensor | None = None,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` in e4m3 with the given per-token, per-group ``scale`` (from :func:`fp8_scale`).
+    ``work`` (float32) and ``out`` (e4m3), at least [N, W], are used instead of new tensors:
+    the streaming writer reuses them from one row block to the next."""
     n, width = x.shape
     groups = scale.shape[1]
-    q = (x.float().reshape(n, groups, width // groups) / scale.unsqueeze(-1)).to(torch.float8_e4m3fn)
-    return q.reshape(n, width)
+    if work is not None:
+        scaled = work[:n].copy_(x).reshape(n, groups, width // groups).div_(scale.unsqueeze(-1))
+    elif x.dtype == torch.float32:
+        scaled = x.reshape(n, groups, width // groups) / scale.unsqueeze(-1)
+    else:  # divide the widened copy in place: one float32 temporary, not two
+        scaled = x.float().reshape(n, groups, width // groups).div_(scale.unsqueeze(-1))
+    if out is None:
+        return scaled.to(torch.float8_e4m3fn).reshape(n, width)
+    return out[:n].copy_(scaled.reshape(n, width))
 
 
 def quantize_fp8(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,10 +120,11 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 # -- writing ---------------------------------------------------------------------------------
 #
-# A shard is written in one pass: the safetensors header is computed from the shapes alone,
-# then every tensor is converted (cast or quantized) and written a row block at a time while
-# the file's sha256 is updated, so neither the whole encoded shard nor a second converted copy
-# of the hidden states is ever in memory. The layout is the one ``safetensors.torch.save``
+# A shard is written in one pass over the file: the safetensors header is computed from the
+# shapes alone, then every tensor is converted (cast or quantized) and written a row block at
+# a time while the file's sha256 is updated, so neither the whole encoded shard nor a second
+# converted copy of the hidden states is ever in memory. fp8 reads the states twice: the
+# per-token scales come first in the file, so they are computed (small) before the data. The layout is the one ``safetensors.torch.save``
 # gives the same tensors (its tensor order, its compact JSON, spaces up to a multiple of 8),
 # with the ``__metadata__`` keys sorted so that equal shards are equal bytes.
 
@@ -161,18 +180,26 @@ def _state_fields(name: str, x, storage: str, groups: int, chunk_bytes: int) -> 
         return [_Field(name, to, (n, width), lambda: (b.to(to) for b in blocks()))]
     if width % groups:
         raise ValueError(f"{name} has {width} columns, not a multiple of its {groups} fp8 groups")
-    # one buffer filled in place: small results kept alive between the blocks' temporaries
-    # would fragment the heap and keep every block's memory resident
+    # Work buffers of one row block, reused: fresh temporaries per block cost page faults, and
+    # small results kept alive between them fragment the heap so that the memory of every
+    # block stays resident (measured: a shard's worth). The scales are filled in place.
+    rows = min(n, max(1, chunk_bytes // (4 * width)))
+    mags: dict[torch.dtype, torch.Tensor] = {}
     scale = torch.empty(n, groups, dtype=torch.float32)
     start = 0
     for b in blocks():
-        scale[start:start + b.shape[0]] = fp8_scale(b, groups)
+        if b.dtype in (torch.float32, torch.bfloat16, torch.float16) and b.dtype not in mags:
+            mags[b.dtype] = torch.empty(rows, width, dtype=b.dtype)
+        scale[start:start + b.shape[0]] = fp8_scale(b, groups, mags.get(b.dtype))
         start += b.shape[0]
+    mags.clear()
 
     def quantized():
+        work = torch.empty(rows, width, dtype=torch.float32)
+        out = torch.empty(rows, width, dtype=torch.float8_e4m3fn)
         start = 0
         for b in blocks():
-            yield fp8_apply(b, scale[start:start + b.shape[0]])
+            yield fp8_apply(b, scale[start:start + b.shape[0]], work, out)
             start += b.shape[0]
 
     prefix = name.removesuffix("_hidden")
