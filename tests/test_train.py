@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import types
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from eaglet import shards
 from eaglet.io import atomic_open
-from eaglet.train import TrainError, launch_torchrun, make_batch, settings, train
+from eaglet.train import (Dist, Trainer, TrainError, launch_torchrun, make_batch, settings,
+                          train)
 
 AUX_LAYERS = [1, 2, 3]
 VOCAB, DRAFT_VOCAB = 256, 160
@@ -67,14 +69,11 @@ def write_shards(model, directory: Path, n_shards: int, per_shard: int, seed: in
             lengths.append(ids.numel())
             sample_ids.append(f"{prefix}{s}-{i}")
         offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
-        data = shards.encode(torch.cat(cols["ids"]), torch.cat(cols["mask"]), offsets,
-                             torch.cat(cols["argmax"]), torch.cat(cols["aux"]),
-                             torch.cat(cols["final"]), sample_ids=sample_ids,
-                             aux_layer_ids=AUX_LAYERS, dtype="float32",
-                             target={"name": "tiny", "hidden_size": 64})
         path = shards.shard_path(directory, s)
-        with atomic_open(path, "wb") as handle:
-            handle.write(data)
+        shards.write(path, torch.cat(cols["ids"]), torch.cat(cols["mask"]), offsets,
+                     torch.cat(cols["argmax"]), torch.cat(cols["aux"]), torch.cat(cols["final"]),
+                     sample_ids=sample_ids, aux_layer_ids=AUX_LAYERS, dtype="float32",
+                     target={"name": "tiny", "hidden_size": 64})
         paths.append(str(path))
     return paths
 
@@ -178,11 +177,9 @@ def test_non_finite_loss_names_step_and_samples_and_keeps_the_checkpoint(world, 
         aux = shard.aux_hidden.clone()
         if i == 1:
             aux[shard.sample(3)] = float("nan")  # sample s1-3
-        with atomic_open(bad / Path(path).name, "wb") as handle:
-            handle.write(shards.encode(shard.input_ids, shard.loss_mask, shard.offsets,
-                                       shard.teacher_argmax, aux, shard.final_hidden,
-                                       sample_ids=shard.sample_ids, aux_layer_ids=AUX_LAYERS,
-                                       dtype="float32", target=shard.target))
+        shards.write(bad / Path(path).name, shard.input_ids, shard.loss_mask, shard.offsets,
+                     shard.teacher_argmax, aux, shard.final_hidden, sample_ids=shard.sample_ids,
+                     aux_layer_ids=AUX_LAYERS, dtype="float32", target=shard.target)
         paths.append(str(bad / Path(path).name))
     cfg = {**FAST, "shuffle": False, "checkpoint_every": 1}
     with pytest.raises(TrainError) as err:
@@ -197,6 +194,23 @@ def test_non_finite_loss_names_step_and_samples_and_keeps_the_checkpoint(world, 
     assert not (tmp_path / "out" / "model.safetensors").exists()
 
 
+def test_loss_check_once_per_step_names_only_the_non_finite_micro_batches(tmp_path):
+    """The losses of a step's micro-batches are checked together after them (one host sync
+    per optimizer step); the error still names only the micro-batches that went wrong."""
+    trainer = types.SimpleNamespace(dist=Dist(), device=torch.device("cpu"), step=6, epoch=0,
+                                    next_in_epoch=6, checkpoint_dir=tmp_path)
+    trainer.fail = lambda what, *batches: Trainer.fail(trainer, what, *batches)
+    batches = [types.SimpleNamespace(sample_ids=[f"s-{i}a", f"s-{i}b"]) for i in range(4)]
+    Trainer.check_losses(trainer, [torch.tensor(v) for v in (1.0, 2.0, 0.5, 3.0)], batches)
+    losses = [torch.tensor(v) for v in (1.0, float("nan"), 0.5, float("inf"))]
+    with pytest.raises(TrainError) as err:
+        Trainer.check_losses(trainer, losses, batches)
+    message = str(err.value)
+    assert "non-finite loss (nan, inf here) at step 7" in message
+    assert "samples in these 2 micro-batches: s-1a, s-1b, s-3a, s-3b." in message
+    assert "s-0a" not in message and "s-2a" not in message
+
+
 def rewrite(path: str, out: Path, **changes) -> str:
     shard = shards.load(path)
     fields = dict(input_ids=shard.input_ids, loss_mask=shard.loss_mask, offsets=shard.offsets,
@@ -206,8 +220,7 @@ def rewrite(path: str, out: Path, **changes) -> str:
                 target=shard.target)
     for key, value in changes.items():
         (fields if key in fields else meta)[key] = value
-    with atomic_open(out, "wb") as handle:
-        handle.write(shards.encode(*fields.values(), **meta))
+    shards.write(out, *fields.values(), **meta)
     return str(out)
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from eaglet import rates, shards
-from eaglet.io import atomic_open, read_json, read_jsonl, write_json
+from eaglet.io import read_json, read_jsonl, write_json
 from eaglet.progress import Progress
 
 log = logging.getLogger("eaglet.extract")
@@ -307,25 +307,23 @@ def extract_shard(target: Target, records: list[dict], cfg: dict, aux_layer_ids:
     input_ids = torch.tensor([t for s in seqs for t in s], dtype=torch.int64)
     loss_mask = torch.tensor([m for ms in masks for m in ms], dtype=torch.uint8)
     offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
-    aux_all = torch.cat(aux_rows)
-    final_all = torch.cat(final_rows)
+    final_all = torch.cat(final_rows)  # the aux states are written from their rows as they are
 
     # the teacher as training will see it: from the final state after the storage cast
     stored_final = _round_trip(final_all, cfg["dtype"])
     rows = predicting_rows(loss_mask, offsets)
     teacher_argmax, next_logprob = teacher_from_stored(target, stored_final,
                                                        torch.roll(input_ids, -1), rows)
+    del stored_final
     check = agreement(records, input_ids, rows, offsets, teacher_argmax, next_logprob)
 
-    data = shards.encode(input_ids, loss_mask, offsets, teacher_argmax, aux_all, final_all,
-                         sample_ids=[r["id"] for r in records], aux_layer_ids=aux_layer_ids,
-                         dtype=cfg["dtype"], target=identity)
-    with atomic_open(shard_path, "wb") as handle:
-        handle.write(data)
+    written = shards.write(shard_path, input_ids, loss_mask, offsets, teacher_argmax, aux_rows,
+                           final_all, sample_ids=[r["id"] for r in records],
+                           aux_layer_ids=aux_layer_ids, dtype=cfg["dtype"], target=identity)
     elapsed = time.monotonic() - started
     tensor_bytes = input_ids.numel() * shards.bytes_per_token(target.hidden_size, 3, cfg["dtype"])
     meta = {
-        "file": Path(shard_path).name, "sha256": shards.sha256_bytes(data), "bytes": len(data),
+        "file": Path(shard_path).name, "sha256": written.sha256, "bytes": written.bytes,
         "tensor_bytes": tensor_bytes, "samples": [r["id"] for r in records],
         "num_samples": len(records), "tokens": int(input_ids.numel()),
         "loss_tokens": int(loss_mask.sum()), "truncated": truncated, "dtype": cfg["dtype"],

@@ -18,22 +18,28 @@ A shard is one safetensors file holding many samples packed end to end without p
 
 The ``__metadata__`` header (strings, readable with ``safetensors.safe_open``) names the
 format, the dtype, the aux layer ids, the hidden size, the sample ids and the target, so a
-shard explains itself to whoever opens it.
+shard explains itself to whoever opens it. :func:`write` streams a shard to disk a row
+block at a time and returns its sha256; the bytes are those ``safetensors.torch.save`` gives
+the same tensors, with the metadata keys sorted.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import load as load_bytes
-from safetensors.torch import save
+
+from eaglet.io import atomic_open
 
 FORMAT = "eaglet.hidden.v1"
 STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
@@ -68,13 +74,42 @@ class Shard:
         return slice(int(self.offsets[index]), int(self.offsets[index + 1]))
 
 
-def quantize_fp8(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """e4m3 with one scale per token and group of columns (``groups`` equal slices)."""
+def fp8_scale(x: torch.Tensor, groups: int, work: torch.Tensor | None = None) -> torch.Tensor:
+    """The e4m3 scale of each token and group of columns (``groups`` equal slices) [N, groups].
+    The largest magnitude is found in ``x``'s own dtype when it is a float32 subset (abs and
+    max are exact there, and so is the widening), without a float32 copy of ``x``; ``work``
+    (at least [N, W] of that dtype) takes the magnitudes instead of a new tensor."""
     n, width = x.shape
-    grouped = x.float().reshape(n, groups, width // groups)
-    scale = grouped.abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX  # [N, groups]
-    q = (grouped / scale.unsqueeze(-1)).to(torch.float8_e4m3fn)
-    return q.reshape(n, width), scale
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        x = x.float()
+    mag = x.abs() if work is None else torch.abs(x, out=work[:n])
+    amax = mag.reshape(n, groups, width // groups).amax(dim=-1).float()
+    return amax.clamp(min=1e-12) / FP8_MAX
+
+
+def fp8_apply(x: torch.Tensor, scale: torch.Tensor, work: torch.Tensor | None = None,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` in e4m3 with the given per-token, per-group ``scale`` (from :func:`fp8_scale`).
+    ``work`` (float32) and ``out`` (e4m3), at least [N, W], are used instead of new tensors:
+    the streaming writer reuses them from one row block to the next."""
+    n, width = x.shape
+    groups = scale.shape[1]
+    if work is not None:
+        scaled = work[:n].copy_(x).reshape(n, groups, width // groups).div_(scale.unsqueeze(-1))
+    elif x.dtype == torch.float32:
+        scaled = x.reshape(n, groups, width // groups) / scale.unsqueeze(-1)
+    else:  # divide the widened copy in place: one float32 temporary, not two
+        scaled = x.float().reshape(n, groups, width // groups).div_(scale.unsqueeze(-1))
+    if out is None:
+        return scaled.to(torch.float8_e4m3fn).reshape(n, width)
+    return out[:n].copy_(scaled.reshape(n, width))
+
+
+def quantize_fp8(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 with one scale per token and group of columns (``groups`` equal slices). Every
+    row is quantized on its own, so quantizing row blocks gives the same bits as the whole."""
+    scale = fp8_scale(x, groups)
+    return fp8_apply(x, scale), scale
 
 
 def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -83,37 +118,158 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (q.float().reshape(n, groups, width // groups) * scale.unsqueeze(-1)).reshape(n, width)
 
 
-def encode(input_ids, loss_mask, offsets, teacher_argmax, aux_hidden, final_hidden, *, sample_ids,
-           aux_layer_ids, dtype: str, target: dict) -> bytes:
-    """Serialize one shard; ``aux_hidden``/``final_hidden`` are given in any float dtype."""
+# -- writing ---------------------------------------------------------------------------------
+#
+# A shard is written in one pass over the file: the safetensors header is computed from the
+# shapes alone, then every tensor is converted (cast or quantized) and written a row block at
+# a time while the file's sha256 is updated, so neither the whole encoded shard nor a second
+# converted copy of the hidden states is ever in memory. fp8 reads the states twice: the
+# per-token scales come first in the file, so they are computed (small) before the data. The layout is the one ``safetensors.torch.save``
+# gives the same tensors (its tensor order, its compact JSON, spaces up to a multiple of 8),
+# with the ``__metadata__`` keys sorted so that equal shards are equal bytes.
+
+SAFETENSORS_DTYPES = {torch.int64: "I64", torch.float32: "F32", torch.bfloat16: "BF16",
+                      torch.float16: "F16", torch.float8_e4m3fn: "F8_E4M3", torch.uint8: "U8"}
+# safetensors' data order: wider dtypes first (so every tensor stays aligned), then by name
+_DTYPE_ORDER = ["I64", "F32", "BF16", "F16", "F8_E4M3", "U8"]
+CHUNK_BYTES = 4 << 20  # float32 bytes of a row block of the hidden states, per write
+
+
+class Written(NamedTuple):
+    """What :func:`write` wrote: the file's sha256 and its size in bytes."""
+
+    sha256: str
+    bytes: int
+
+
+@dataclass
+class _Field:
+    name: str
+    dtype: torch.dtype                  # as stored
+    shape: tuple[int, ...]
+    blocks: Callable[[], Iterator[torch.Tensor]]  # the stored tensor, a row block at a time
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def _pieces(x: torch.Tensor | Sequence[torch.Tensor], name: str) -> list[torch.Tensor]:
+    """Row pieces of a [N, W] tensor (one tensor, or consecutive row blocks of it)."""
+    pieces = [x] if isinstance(x, torch.Tensor) else list(x)
+    if not pieces or any(p.dim() != 2 or p.shape[1] != pieces[0].shape[1] for p in pieces):
+        raise ValueError(f"{name} must be a [N, W] tensor or a non-empty list of row blocks of "
+                         f"one width, got shapes {[tuple(p.shape) for p in pieces]}")
+    return pieces
+
+
+def _row_blocks(pieces: list[torch.Tensor], bytes_per_row: int, chunk_bytes: int):
+    rows = max(1, chunk_bytes // max(1, bytes_per_row))
+    for piece in pieces:
+        for start in range(0, piece.shape[0], rows):
+            yield piece[start:start + rows]
+
+
+def _state_fields(name: str, x, storage: str, groups: int, chunk_bytes: int) -> list[_Field]:
+    """The hidden-state tensor ``name`` (and ``<prefix>_scale`` for fp8) as written fields."""
+    pieces = _pieces(x, name)
+    n, width = sum(p.shape[0] for p in pieces), pieces[0].shape[1]
+    blocks = lambda: _row_blocks(pieces, 4 * width, chunk_bytes)  # noqa: E731  (float32 rows)
+    if storage != "fp8":
+        to = STORAGE_DTYPES[storage]
+        return [_Field(name, to, (n, width), lambda: (b.to(to) for b in blocks()))]
+    if width % groups:
+        raise ValueError(f"{name} has {width} columns, not a multiple of its {groups} fp8 groups")
+    # Work buffers of one row block, reused: fresh temporaries per block cost page faults, and
+    # small results kept alive between them fragment the heap so that the memory of every
+    # block stays resident (measured: a shard's worth). The scales are filled in place.
+    rows = min(n, max(1, chunk_bytes // (4 * width)))
+    mags: dict[torch.dtype, torch.Tensor] = {}
+    scale = torch.empty(n, groups, dtype=torch.float32)
+    start = 0
+    for b in blocks():
+        if b.dtype in (torch.float32, torch.bfloat16, torch.float16) and b.dtype not in mags:
+            mags[b.dtype] = torch.empty(rows, width, dtype=b.dtype)
+        scale[start:start + b.shape[0]] = fp8_scale(b, groups, mags.get(b.dtype))
+        start += b.shape[0]
+    mags.clear()
+
+    def quantized():
+        work = torch.empty(rows, width, dtype=torch.float32)
+        out = torch.empty(rows, width, dtype=torch.float8_e4m3fn)
+        start = 0
+        for b in blocks():
+            yield fp8_apply(b, scale[start:start + b.shape[0]], work, out)
+            start += b.shape[0]
+
+    prefix = name.removesuffix("_hidden")
+    return [_Field(name, torch.float8_e4m3fn, (n, width), quantized),
+            _Field(f"{prefix}_scale", torch.float32, (n, groups), lambda: iter([scale]))]
+
+
+def _vector_field(name: str, x: torch.Tensor, dtype: torch.dtype, chunk_bytes: int) -> _Field:
+    x = x.reshape(-1)
+    rows = max(1, chunk_bytes // dtype.itemsize)
+    return _Field(name, dtype, (x.numel(),),
+                  lambda: (x[i:i + rows].to(dtype) for i in range(0, x.numel(), rows)))
+
+
+def _header(fields: list[_Field], metadata: dict[str, str]) -> tuple[bytes, list[_Field]]:
+    """The safetensors header (length prefix included) and the fields in data order."""
+    ordered = sorted(fields, key=lambda f: (_DTYPE_ORDER.index(SAFETENSORS_DTYPES[f.dtype]), f.name))
+    header: dict = {"__metadata__": dict(sorted(metadata.items()))}
+    offset = 0
+    for f in ordered:
+        header[f.name] = {"dtype": SAFETENSORS_DTYPES[f.dtype], "shape": list(f.shape),
+                          "data_offsets": [offset, offset + f.nbytes]}
+        offset += f.nbytes
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text, ordered
+
+
+def write(path: str | os.PathLike, input_ids, loss_mask, offsets, teacher_argmax,
+          aux_hidden, final_hidden, *, sample_ids, aux_layer_ids, dtype: str, target: dict,
+          chunk_bytes: int = CHUNK_BYTES) -> Written:
+    """Write one shard to ``path`` (atomically: a temporary sibling, fsynced, renamed) and
+    return its sha256 and size, hashed while writing.
+
+    ``aux_hidden``/``final_hidden`` are given in any float dtype, each as one [N, W] tensor
+    or as a list of consecutive row blocks of it (extraction's per-sequence states, so that
+    they need not be concatenated first); they are cast or quantized ``chunk_bytes`` at a
+    time."""
     if dtype not in STORAGE_DTYPES:
         raise ValueError(f"unknown shard dtype {dtype!r}; allowed: {', '.join(STORAGE_DTYPES)}")
-    tensors = {"input_ids": input_ids.to(torch.int64).contiguous(),
-               "loss_mask": loss_mask.to(torch.uint8).contiguous(),
-               "offsets": offsets.to(torch.int64).contiguous(),
-               "teacher_argmax": teacher_argmax.to(torch.int64).contiguous()}
-    if dtype == "fp8":
-        tensors["aux_hidden"], tensors["aux_scale"] = quantize_fp8(aux_hidden, len(aux_layer_ids))
-        tensors["final_hidden"], tensors["final_scale"] = quantize_fp8(final_hidden, 1)
-    else:
-        tensors["aux_hidden"] = aux_hidden.to(STORAGE_DTYPES[dtype]).contiguous()
-        tensors["final_hidden"] = final_hidden.to(STORAGE_DTYPES[dtype]).contiguous()
+    final_pieces = _pieces(final_hidden, "final_hidden")
+    fields = [_vector_field("input_ids", input_ids, torch.int64, chunk_bytes),
+              _vector_field("loss_mask", loss_mask, torch.uint8, chunk_bytes),
+              _vector_field("offsets", offsets, torch.int64, chunk_bytes),
+              _vector_field("teacher_argmax", teacher_argmax, torch.int64, chunk_bytes),
+              *_state_fields("aux_hidden", aux_hidden, dtype, len(aux_layer_ids), chunk_bytes),
+              *_state_fields("final_hidden", final_pieces, dtype, 1, chunk_bytes)]
     metadata = {"format": FORMAT, "dtype": dtype,
-                "hidden_size": str(final_hidden.shape[1]),
+                "hidden_size": str(final_pieces[0].shape[1]),
                 "aux_layer_ids": json.dumps(list(aux_layer_ids)),
                 "sample_ids": json.dumps(list(sample_ids)),
                 "target": json.dumps(target, sort_keys=True)}
-    return _sorted_header(save(tensors, metadata=metadata))
-
-
-def _sorted_header(data: bytes) -> bytes:
-    """safetensors writes the metadata in no fixed order; sort it so that equal shards are
-    equal bytes (and a rebuilt shard has the sha256 of the original)."""
-    n = struct.unpack("<Q", data[:8])[0]
-    header = json.loads(data[8:8 + n])
-    header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
-    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-    return data[:8] + text.ljust(n, b" ") + data[8 + n:]
+    head, ordered = _header(fields, metadata)
+    digest = hashlib.sha256(head)
+    size = len(head)
+    with atomic_open(path, "wb") as handle:
+        handle.write(head)
+        for f in ordered:
+            written = 0
+            for block in f.blocks():
+                if not block.numel():
+                    continue
+                raw = memoryview(block.contiguous().view(torch.uint8).numpy()).cast("B")
+                handle.write(raw)
+                digest.update(raw)
+                written += len(raw)
+            if written != f.nbytes:  # a shape promised in the header that the data broke
+                raise ValueError(f"{f.name}: wrote {written} bytes, the header says {f.nbytes}")
+            size += written
+    return Written(digest.hexdigest(), size)
 
 
 class ShardDamaged(ValueError):
@@ -155,7 +311,7 @@ def load(path: str | os.PathLike, sha256: str | None = None) -> Shard:
             raise ShardDamaged(path, f"its sha256 {actual[:12]}… is not the {sha256[:12]}… "
                                      f"recorded at extraction (truncated or modified on disk)")
         t = load_bytes(data)
-        meta = _parse_metadata(_header(data).get("__metadata__") or {}, path)
+        meta = _parse_metadata(_file_header(data).get("__metadata__") or {}, path)
         del data
     if meta["dtype"] == "fp8":
         aux = dequantize_fp8(t["aux_hidden"], t["aux_scale"])
@@ -166,7 +322,7 @@ def load(path: str | os.PathLike, sha256: str | None = None) -> Shard:
                  meta["sample_ids"], meta["aux_layer_ids"], meta["dtype"], meta["target"])
 
 
-def _header(data: bytes) -> dict:
+def _file_header(data: bytes) -> dict:
     n = struct.unpack("<Q", data[:8])[0]
     return json.loads(data[8:8 + n])
 

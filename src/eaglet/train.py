@@ -631,19 +631,17 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         ce_total = torch.zeros(K, dtype=torch.float64, device=self.device)
         agree_total = torch.zeros_like(ce_total)
+        losses = []  # checked once per step, not per micro-batch: no host sync in the loop
         for i, batch in enumerate(batches):
             sync = i == len(batches) - 1 or self.dist.world == 1
             with (contextlib.nullcontext() if sync else self.wrapped.no_sync()), self.autocast():
                 ce, agree = batch_sums(self.wrapped, batch, self.teacher_head)
                 loss = (scale * ce).sum()
-            finite = self.dist.all_reduce(torch.tensor(float(torch.isfinite(loss)), device=self.device),
-                                          dist.ReduceOp.MIN if self.dist.world > 1 else None)
-            if not bool(finite):
-                self.fail(f"non-finite loss ({loss.item():.4g} here)" if not torch.isfinite(loss)
-                          else "non-finite loss on another rank", batch)
             loss.backward()
+            losses.append(loss.detach())
             ce_total += ce.detach().double()
             agree_total += agree
+        self.check_losses(losses, batches)  # before the optimizer can take a non-finite step
         if cfg["grad_clip"]:
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg["grad_clip"])
             if not torch.isfinite(norm):
@@ -652,11 +650,28 @@ class Trainer:
         self.scheduler.step()
         return torch.stack([ce_total, local_counts, agree_total]), sum(b.num_tokens for b in batches)
 
-    def fail(self, what: str, batch: Batch) -> None:
+    def check_losses(self, losses: list[torch.Tensor], batches: list[Batch]) -> None:
+        """Fail naming the micro-batches whose loss is not finite, on any rank: one host
+        sync (and one all-reduce) per optimizer step."""
+        finite = torch.isfinite(torch.stack(losses)) if losses else torch.ones(0, dtype=torch.bool)
+        everywhere = finite.all().float().reshape(1).to(self.device)  # the one sync below
+        if self.dist.world > 1:
+            everywhere = self.dist.all_reduce(everywhere, dist.ReduceOp.MIN)
+        if bool(everywhere):
+            return
+        bad = [i for i, ok in enumerate(finite.tolist()) if not ok]
+        if not bad:
+            self.fail("non-finite loss on another rank", *batches)
+        values = ", ".join(f"{float(losses[i]):.4g}" for i in bad)
+        self.fail(f"non-finite loss ({values} here)", *(batches[i] for i in bad))
+
+    def fail(self, what: str, *batches: Batch) -> None:
         kept = checkpoints(self.checkpoint_dir)
+        samples = ", ".join(i for batch in batches for i in batch.sample_ids)
+        where = "the batch" if len(batches) == 1 else f"these {len(batches)} micro-batches"
         raise TrainError(
             f"{what} at step {self.step + 1} (epoch {self.epoch + 1}, batch "
-            f"{self.next_in_epoch + 1}); samples in the batch: {', '.join(batch.sample_ids)}. "
+            f"{self.next_in_epoch + 1}); samples in {where}: {samples}. "
             f"The last good checkpoint is {kept[-1] if kept else '(none yet)'}; check these "
             f"samples' features (rerun extract for their shard) or lower train.lr, then rerun")
 
