@@ -11,7 +11,7 @@ Stages:
 * extraction (``hf`` backend): the target's weights in its dtype, one forward pass of
   ``extract.batch_tokens`` padded tokens (inference mode: one layer's activations at a time,
   plus the captured aux and final states), the teacher check's logits chunk; on the host the
-  states of the shard being written (kept per sample, concatenated, serialized).
+  states of the shard being written (kept per sample; streamed to disk in row blocks).
 * training: drafter parameters, gradients and AdamW states in float32, bf16 autocast copies
   of the weights, the frozen target embedding and teacher lm_head rows, and the activations
   autograd keeps for the TTT unroll of ``max_tokens_per_batch`` rows (every row scored at
@@ -30,6 +30,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from eaglet import shards
 from eaglet.shards import bytes_per_token
 
 GiB = 2 ** 30
@@ -133,13 +134,15 @@ def extraction(s: Shape, batch_tokens: int, max_len: int, target_dtype: str, sto
     captured = t * (NUM_AUX + 1) * s.hidden * a * 2  # aux + final, and their unpadded copies
     mask = (t // seq) * seq * seq                     # the [B, 1, L, L] bool attention mask
     teacher = TEACHER_CHUNK * s.vocab * (a + 4 + 4)   # logits, float32, log_softmax
-    per_token = bytes_per_token(s.hidden, NUM_AUX, store_dtype)
-    host_states = shard_tokens * (NUM_AUX + 1) * s.hidden * a
     device = {"target weights": target_params(s) * a,
               "activations of one batch": layer_peak + captured + mask,
               "teacher check": teacher}
-    host = {"states of the shard (per sample, then concatenated)": 2 * host_states,
-            "serialized shard (and its sorted copy)": 2 * shard_tokens * per_token}
+    # the writer streams the aux states from their per-sample rows (eaglet.shards.write); the
+    # final states are concatenated, and rounded to the storage dtype in float32 for the check
+    host = {"aux states of the shard (per sample)": shard_tokens * NUM_AUX * s.hidden * a,
+            "final states (per sample, concatenated, float32 for the teacher check)":
+                shard_tokens * s.hidden * (2 * a + 4),
+            "write buffer (row blocks)": shards.CHUNK_BYTES * 2}
     return {"device": device, "host": host}
 
 
