@@ -222,6 +222,13 @@ def test_the_extract_estimate_counts_the_tokens_of_the_shards_not_yet_written(tm
     assert got.seconds == pytest.approx(2000 / status.PACK_TOKENS_PER_S)
     assert "packing 2000 captured tokens" in got.basis
     cfg["generate"]["capture_hidden_states"] = False
+    # vllm backend: one server start, then every token as prefill, at its own recorded rate
+    rates.record("extract_vllm", cfg["target"]["model"], tokens_per_s=400.0, server_start_s=70.0)
+    got = status.estimate("extract", r, cfg, None)
+    assert got.seconds == pytest.approx(70.0 + 2000 / 400.0)
+    assert "prefill at 400 tok/s (an earlier run)" in got.basis
+    # hf backend: one job per shard, the shards not yet written
+    cfg["extract"]["backend"] = "hf"
     rates.record("extract", cfg["target"]["model"], tokens_per_s=100.0)
     assert status.estimate("extract", r, cfg, None).seconds == pytest.approx(2000 / 100.0)
     (r / "hidden").mkdir()

@@ -46,6 +46,9 @@ log = logging.getLogger("eaglet.extract_vllm")
 
 CONNECTOR = "EagletHiddenStatesConnector"
 CONNECTOR_MODULE = "eaglet.hidden_connector"
+# the rates `eaglet status` estimates this stage from: sequences sent as prefill requests, or
+# states that generation captured, only packed
+RATE_PREFILL, RATE_PACK = "extract_vllm", "extract_pack"
 FINAL_NORM_NAMES = ["model.norm.weight", "norm.weight", "model.language_model.norm.weight",
                     "language_model.model.norm.weight"]
 LM_HEAD_NAMES = ["lm_head.weight", "model.lm_head.weight", "language_model.lm_head.weight"]
@@ -289,7 +292,7 @@ class Extractor:
 
 def extract_shards(cfg: dict, info: dict, jobs: list[ShardJob], work_dir: Path,
                    server_log: str | os.PathLike, progress: Progress | None = None,
-                   server: VLLMServer | None = None) -> list[dict]:
+                   server: VLLMServer | None = None, stats: dict | None = None) -> list[dict]:
     """Write every shard of ``jobs`` with one server (started only if some shard needs it,
     unless a running ``server`` with the capture options of :func:`capture_server` for
     ``<work_dir>/requests`` is given) and move them to their final names; returns the
@@ -331,7 +334,9 @@ def extract_shards(cfg: dict, info: dict, jobs: list[ShardJob], work_dir: Path,
                      _fmt(meta["teacher"]["agreement"]))
             metas.append(meta)
     if extractor.started and server is None:
-        rates.record("extract", info["spec"], server_start_s=extractor.server.ready_after_s)
+        rates.record(RATE_PREFILL, info["spec"], server_start_s=extractor.server.ready_after_s)
+    if stats is not None:
+        stats["server_started"] = extractor.started
     for job in jobs:  # all shards are good: give them their final names
         job.shard_path.parent.mkdir(parents=True, exist_ok=True)
         os.replace(job.staged_path, job.shard_path)
@@ -389,10 +394,12 @@ def run_stage(cfg: dict, target_json: str, splits: dict[str, dict], work_dir: st
     total = sum(len(j.records) for j in jobs)
     progress = Progress("extract", total=total, path=progress_path, log_path=log_path)
     started = time.monotonic()
-    metas = extract_shards(cfg, info, jobs, work, server_log, progress)
+    stats: dict = {}
+    metas = extract_shards(cfg, info, jobs, work, server_log, progress, stats=stats)
     run = progress.report("finished")
-    if run["done"] > run["resumed_from"]:
-        rates.record("extract", info["spec"], tokens_per_s=run["tokens_per_s"])
+    if run["done"] > run["resumed_from"]:  # prefill and packing run at rates of their own
+        rates.record(RATE_PREFILL if stats["server_started"] else RATE_PACK, info["spec"],
+                     tokens_per_s=run["tokens_per_s"])
     log.info("%d shards, %d samples, %d tokens in %.0f s", len(metas),
              sum(m["num_samples"] for m in metas), sum(m["tokens"] for m in metas),
              time.monotonic() - started)

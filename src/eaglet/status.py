@@ -280,8 +280,22 @@ def estimate(stage: str, r: Path, cfg: dict, progress: dict | None) -> Estimate:
         if totals is None:
             return Estimate(None, "token count unknown until generate runs")
         tokens = sum(t["tokens"] for t in totals.values())
-        return Estimate(tokens / PACK_TOKENS_PER_S,
-                        f"packing {tokens} captured tokens at ~{PACK_TOKENS_PER_S} tok/s (typical)")
+        rate, basis = _rate("extract_pack", "tokens_per_s", target)
+        if rate is None:
+            rate, basis = PACK_TOKENS_PER_S, "typical"
+        return Estimate(tokens / rate,
+                        f"packing {tokens} captured tokens at {rate:.0f} tok/s ({basis})")
+    if stage == "extract" and cfg["extract"]["backend"] == "vllm":
+        # one capture server; every sequence (train and held-out) is a prefill request
+        rate, basis = _rate("extract_vllm", "tokens_per_s", target,
+                            benchmark=lambda: (_read(BENCHMARKS / "extract.json") or {}).get(
+                                "vllm_backend_tokens_per_s"))
+        if totals is None or rate is None:
+            return Estimate(None, basis if totals else "token count unknown until generate runs")
+        start, _ = _rate("extract_vllm", "server_start_s", target)
+        tokens = sum(t["tokens"] for t in totals.values())
+        return Estimate((start or SERVER_START_GUESS_S) + tokens / rate,
+                        f"server start + {tokens} tokens of prefill at {rate:.0f} tok/s ({basis})")
     if stage == "extract":
         rate, basis = _rate("extract", "tokens_per_s", target)
         if totals is None or rate is None:
