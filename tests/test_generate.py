@@ -339,3 +339,22 @@ def test_template_variables_go_with_every_request_and_stay_in_every_record(serve
     assert ScriptedChat.template_kwargs == {"question 0": switch, "question 1": switch}
     assert all(r["chat_template_kwargs"] == switch for r in records.values())
     assert "kv_transfer_params" not in ScriptedChat.transfer  # no capture asked for
+
+
+def test_answers_made_with_other_settings_are_asked_again(server, tmp_path):
+    """A changed max_tokens (or template switch, or capture) reruns the stage: the partial
+    file's answers made otherwise are not handed back as finished."""
+    partial = tmp_path / "p.jsonl"
+    generate(prompts(3), settings(server), partial)
+    assert sum(ScriptedChat.calls.values()) == 3
+    generate(prompts(3), settings(server), partial)  # same settings: nothing asked
+    assert sum(ScriptedChat.calls.values()) == 3
+    longer = Sampling(temperature=0.0, top_p=1.0, max_tokens=16, seed=0)
+    records = generate(prompts(3), GenerationSettings(
+        base_url=server, sampling=longer, concurrency=4, request_timeout_s=10, max_retries=0),
+        partial)
+    assert sum(ScriptedChat.calls.values()) == 6
+    assert all(r["sampling"]["max_tokens"] == 16 for r in records.values())
+    generate(prompts(3), settings(server, chat_template_kwargs={"enable_thinking": False}),
+             partial)
+    assert sum(ScriptedChat.calls.values()) == 9

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -33,5 +34,8 @@ def run(results: Path, *targets: str, extra: tuple[str, ...] = (), timeout: floa
 
 def start(results: Path, *targets: str, log_file) -> subprocess.Popen:
     """Start snakemake in its own session, so a test can Ctrl-C it like a user would."""
+    # SIGINT handled as in a terminal even when the tests run from a background job (whose
+    # children inherit an ignored SIGINT, and Python then never raises KeyboardInterrupt)
     return subprocess.Popen(snakemake_cmd(results, *targets), cwd=REPO, text=True,
-                            stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+                            stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))

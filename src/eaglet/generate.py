@@ -134,6 +134,31 @@ def next_turn(messages: list[dict], answer: dict, user_text: str) -> list[dict]:
             {"role": "user", "content": user_text}]
 
 
+def answer_settings(sampling: Sampling, template_kwargs: dict | None, capture: bool) -> dict:
+    """What an answer was made with, beyond its messages: a record made otherwise is asked
+    again (a changed max_tokens, temperature, template switch or capture reruns the stage,
+    and the partial file must not hand it the old answers)."""
+    return {"sampling": vars(sampling), "chat_template_kwargs": template_kwargs or None,
+            "capture": capture}
+
+
+def made_with(record: dict) -> dict:
+    return {"sampling": record.get("sampling"),
+            "chat_template_kwargs": record.get("chat_template_kwargs") or None,
+            "capture": "hidden_states" in record}
+
+
+def drop_stale(records: dict[str, dict], wanted: dict) -> dict[str, dict]:
+    """The records answered with the ``wanted`` settings, plus failures and skips (which
+    depend on none of them); the others are logged and left to be asked again."""
+    kept = {rid: r for rid, r in records.items() if "sampling" not in r or made_with(r) == wanted}
+    if len(kept) < len(records):
+        log.info("%d answers in the partial file were made with other generation settings "
+                 "(sampling, chat template variables or capture): asked again",
+                 len(records) - len(kept))
+    return kept
+
+
 def turns_left(prompt: dict, records: dict[str, dict]) -> int:
     """Turns of a prompt still to ask: none after a turn skipped as too long (the
     conversation ends there), else every turn from the first without an answer."""
@@ -306,7 +331,8 @@ async def generate_async(prompts: list[dict], settings: GenerationSettings,
     ``too_long(messages)`` says why a prompt cannot be asked (it is then recorded as skipped
     and its conversation ends), or None.
     """
-    done = read_partial(partial_path)
+    done = drop_stale(read_partial(partial_path), answer_settings(
+        settings.sampling, settings.chat_template_kwargs, settings.capture_dir is not None))
     answered = lambda rid: rid in done and "error" not in done[rid]  # noqa: E731
     pending = [p for p in prompts if turns_left(p, done)]
     requests = sum(len(turn_ids(p)) for p in prompts)
@@ -378,7 +404,9 @@ async def generate_async(prompts: list[dict], settings: GenerationSettings,
                 if settings.capture_dir is not None and "error" not in record:
                     # the connector writes after answering: a record stands for saved states
                     path = request_path(settings.capture_dir, record_id)
-                    if not await asyncio.to_thread(wait_for_saved, path):
+                    saved = await asyncio.to_thread(wait_for_saved, path)
+                    record["hidden_states"] = "saved" if saved else "missing"
+                    if not saved:
                         log.warning("%s: the server saved no hidden states to %s within %d s; "
                                     "extraction will compute them", record_id, path, SAVE_WAIT_S)
                 record["created_at"] = now_iso()
@@ -527,7 +555,9 @@ def run_stage(cfg: dict[str, Any], target_json: str, prompts: dict[str, str],
     tokenizer = AutoTokenizer.from_pretrained(target["path"])
     too_long = too_long_check(tokenizer, cfg["target"]["max_model_len"],
                               cfg["generate"]["chat_template_kwargs"])
-    records = read_partial(partial_path)
+    gen = cfg["generate"]
+    records = drop_stale(read_partial(partial_path), answer_settings(
+        Sampling.from_config(gen), gen["chat_template_kwargs"], capture_dir is not None))
     if not any(turns_left(p, records) for p in everything):
         log.info("every prompt already has an answer in %s; no server needed", partial_path)
         progress.restart(already_done=requests)
@@ -552,7 +582,6 @@ def run_stage(cfg: dict[str, Any], target_json: str, prompts: dict[str, str],
     if run["done"] > run["resumed_from"]:
         rates.record("generate", target["spec"], completion_tokens_per_s=run["tokens_per_s"])
 
-    gen = cfg["generate"]
     kept = {}
     stats: dict[str, Any] = {"splits": {}}
     for split, split_prompts in by_split.items():
