@@ -358,3 +358,5 @@ def test_answers_made_with_other_settings_are_asked_again(server, tmp_path):
     generate(prompts(3), settings(server, chat_template_kwargs={"enable_thinking": False}),
              partial)
     assert sum(ScriptedChat.calls.values()) == 9
+    generate(prompts(3), settings(server, system_prompt="Be brief."), partial)
+    assert sum(ScriptedChat.calls.values()) == 12

@@ -246,7 +246,7 @@ def test_states_captured_while_generating_train_a_drafter_like_the_extracted_one
     extract_log = (results / "logs" / "extract" / "vllm.log").read_text()
     assert "3 shards" in extract_log
     assert "no saved states" not in extract_log  # every sample's states came from generation
-    assert not (results / "logs" / "extract" / "vllm.server.log").exists()
+    assert "starting server" not in extract_log  # the stage needed no server
     manifest = read_json(results / "hidden" / "manifest.json")
     assert manifest["num_samples"] == before_manifest["num_samples"]
     # greedy answers from a server with capture: the same within a token or two per sample

@@ -134,18 +134,20 @@ def next_turn(messages: list[dict], answer: dict, user_text: str) -> list[dict]:
             {"role": "user", "content": user_text}]
 
 
-def answer_settings(sampling: Sampling, template_kwargs: dict | None, capture: bool) -> dict:
-    """What an answer was made with, beyond its messages: a record made otherwise is asked
-    again (a changed max_tokens, temperature, template switch or capture reruns the stage,
-    and the partial file must not hand it the old answers)."""
+def answer_settings(sampling: Sampling, template_kwargs: dict | None, capture: bool,
+                    system_prompt: str | None = None) -> dict:
+    """What an answer was made with, beyond its prompt: a record made otherwise is asked
+    again (a changed max_tokens, temperature, system prompt, template switch or capture
+    reruns the stage, and the partial file must not hand it the old answers)."""
     return {"sampling": vars(sampling), "chat_template_kwargs": template_kwargs or None,
-            "capture": capture}
+            "capture": capture, "system_prompt": system_prompt or None}
 
 
 def made_with(record: dict) -> dict:
     return {"sampling": record.get("sampling"),
             "chat_template_kwargs": record.get("chat_template_kwargs") or None,
-            "capture": "hidden_states" in record}
+            "capture": "hidden_states" in record,
+            "system_prompt": record.get("system_prompt") or None}
 
 
 def drop_stale(records: dict[str, dict], wanted: dict) -> dict[str, dict]:
@@ -332,7 +334,8 @@ async def generate_async(prompts: list[dict], settings: GenerationSettings,
     and its conversation ends), or None.
     """
     done = drop_stale(read_partial(partial_path), answer_settings(
-        settings.sampling, settings.chat_template_kwargs, settings.capture_dir is not None))
+        settings.sampling, settings.chat_template_kwargs, settings.capture_dir is not None,
+        settings.system_prompt))
     answered = lambda rid: rid in done and "error" not in done[rid]  # noqa: E731
     pending = [p for p in prompts if turns_left(p, done)]
     requests = sum(len(turn_ids(p)) for p in prompts)
@@ -392,6 +395,8 @@ async def generate_async(prompts: list[dict], settings: GenerationSettings,
                           "sampling": vars(settings.sampling)}
                 if settings.chat_template_kwargs:  # the template check renders with them
                     record["chat_template_kwargs"] = dict(settings.chat_template_kwargs)
+                if settings.system_prompt:
+                    record["system_prompt"] = settings.system_prompt
                 if turn:
                     record.update(prompt_id=prompt["id"], turn=turn + 1)
                 try:
@@ -557,7 +562,8 @@ def run_stage(cfg: dict[str, Any], target_json: str, prompts: dict[str, str],
                               cfg["generate"]["chat_template_kwargs"])
     gen = cfg["generate"]
     records = drop_stale(read_partial(partial_path), answer_settings(
-        Sampling.from_config(gen), gen["chat_template_kwargs"], capture_dir is not None))
+        Sampling.from_config(gen), gen["chat_template_kwargs"], capture_dir is not None,
+        gen["system_prompt"]))
     if not any(turns_left(p, records) for p in everything):
         log.info("every prompt already has an answer in %s; no server needed", partial_path)
         progress.restart(already_done=requests)
