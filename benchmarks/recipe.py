@@ -43,6 +43,9 @@ def data_cost_s(results: Path, shards: int, total_shards: int) -> dict:
         progress = results / "progress" / f"extract_{i:05d}.json"
         if progress.exists():
             extract_s += read_json(progress)["elapsed_s"]
+    one_job = results / "progress" / "extract_vllm.json"  # the vllm backend: one job, all shards
+    if one_job.exists():
+        extract_s += read_json(one_job)["elapsed_s"] * share
     return {"generate_s": generate_s, "extract_s": extract_s}
 
 
