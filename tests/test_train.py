@@ -396,3 +396,10 @@ def test_loss_on_prompt_counts_the_prompt_positions_too():
     t2d = torch.ones(16, dtype=torch.bool)
     assert make_batch([piece], 1, t2d).rows[0].tolist() == [1, 2, 3]
     assert make_batch([piece], 1, t2d, prompt_loss=True).rows[0].tolist() == [0, 1, 2, 3]
+    # as extraction stores it: the argmax only where the target predicts an answer token
+    stored = ("s", ids, piece[2], torch.tensor([-1, -1, 8, 9, 10, -1]), *piece[4:])
+    t2d[-1] = False  # -1 must not read the vocabulary's last token (rarely a draft token)
+    assert make_batch([stored], 1, t2d).rows[0].tolist() == [1, 2, 3]
+    assert make_batch([stored], 1, t2d, prompt_loss=True).rows[0].tolist() == [0, 1, 2, 3]
+    t2d[9] = False  # an answer token the draft vocabulary lacks still does not count
+    assert make_batch([stored], 1, t2d, prompt_loss=True).rows[0].tolist() == [0, 1, 3]

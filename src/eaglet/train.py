@@ -321,10 +321,15 @@ class Batch:
 def make_batch(pieces: list[tuple], ttt_steps: int, t2d: torch.Tensor,
                prompt_loss: bool = False) -> Batch:
     """Pack samples (as ``Samples.get`` returns them) into one TTT batch. ``prompt_loss``:
-    prompt tokens count too (the target's distribution exists there as well)."""
+    prompt tokens count too (the target's distribution exists there as well). The shards
+    store the target's full-vocabulary argmax only where it predicts an answer token (-1
+    elsewhere), so a prompt position is not filtered by it: its teacher is the target's
+    distribution over the draft vocabulary, as everywhere."""
     ids, loss_mask, argmax = (torch.cat([p[i] for p in pieces]) for i in (1, 2, 3))
+    unchecked = torch.zeros_like(argmax, dtype=torch.bool)  # rows with no stored argmax
     if prompt_loss:
         loss_mask = torch.ones_like(loss_mask)
+        unchecked = argmax < 0
     lengths = torch.tensor([p[1].numel() for p in pieces])
     starts = torch.cumsum(lengths, 0) - lengths
     segments = torch.repeat_interleave(torch.arange(len(pieces)), lengths)
@@ -336,7 +341,8 @@ def make_batch(pieces: list[tuple], ttt_steps: int, t2d: torch.Tensor,
         predicted = row + 2 + k                          # the token step k predicts
         inside = predicted < end
         predicted = torch.minimum(predicted, end - 1)
-        valid = inside & loss_mask[predicted].bool() & t2d[argmax[predicted - 1]]
+        in_vocab = t2d[argmax[predicted - 1].clamp(min=0)] | unchecked[predicted - 1]
+        valid = inside & loss_mask[predicted].bool() & in_vocab
         rows.append(valid.nonzero().squeeze(1))
     return Batch(torch.cat([p[4] for p in pieces]), torch.cat([p[5] for p in pieces]), argmax,
                  torch.stack(step_ids), row - starts[segments], segments, rows,
