@@ -156,7 +156,7 @@ def drop_stale(records: dict[str, dict], wanted: dict) -> dict[str, dict]:
     kept = {rid: r for rid, r in records.items() if "sampling" not in r or made_with(r) == wanted}
     if len(kept) < len(records):
         log.info("%d answers in the partial file were made with other generation settings "
-                 "(sampling, chat template variables or capture): asked again",
+                 "(sampling, system prompt, chat template variables or capture): asked again",
                  len(records) - len(kept))
     return kept
 
