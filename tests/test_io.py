@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import stat
+import threading
 
 import pytest
 
-from eaglet.io import atomic_open, write_json, write_jsonl
+from eaglet.io import atomic_open, request_lock, write_json, write_jsonl, writer_done
 
 
 @pytest.fixture
@@ -41,3 +43,19 @@ def test_a_failed_write_leaves_neither_file_nor_temporary(tmp_path):
             handle.write("half")
             raise RuntimeError("killed")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_writer_done_waits_for_the_lock_the_capture_writer_holds(tmp_path):
+    path = tmp_path / "abc.safetensors"
+    assert writer_done(path, wait=False)  # no lock file: nobody writes
+    fd = os.open(request_lock(path), os.O_CREAT | os.O_WRONLY, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # as the connector holds it while it writes
+    assert not writer_done(path, wait=False)
+    finished = threading.Event()
+    waiter = threading.Thread(target=lambda: writer_done(path) and finished.set())
+    waiter.start()
+    assert not finished.wait(0.3)  # blocks while the writer holds the lock
+    os.close(fd)                  # the writer is done
+    assert finished.wait(10)
+    waiter.join()
+    assert writer_done(path, wait=False)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import json
 import logging
 import os
@@ -37,10 +36,11 @@ from eaglet.extract import (TORCH_DTYPES, ExtractionError, Target, check_disk, e
                             estimate_bytes, extract_shard, pick_device, resolve_aux_layer_ids,
                             shard_problem, target_identity)
 from eaglet.generate import RequestFailed, gather_or_cancel, post_json, with_retries
-from eaglet.io import read_json, request_path
+from eaglet.io import read_json, request_lock, request_path, writer_done
 from eaglet.progress import Progress
 from eaglet.server import VLLMServer, server_args
-from eaglet.target import EMBEDDING_NAMES, _read_tensor, _weight_files, read_target_config
+from eaglet.target import (EMBEDDING_NAMES, _read_tensor, _weight_files, read_target_config,
+                           text_config)
 
 log = logging.getLogger("eaglet.extract_vllm")
 
@@ -109,7 +109,7 @@ def load_head(target_dir: str | os.PathLike, dtype: str, device: str = "auto"
     target is never loaded): what the teacher check needs beside the served states."""
     target_dir = Path(target_dir)
     config = read_target_config(target_dir)
-    text = config.get("text_config") or config
+    text = text_config(config)
     files = _weight_files(target_dir)
     heads = list(LM_HEAD_NAMES)
     if config.get("tie_word_embeddings", text.get("tie_word_embeddings", False)) or \
@@ -139,15 +139,11 @@ def read_request(path: Path, ids: list[int]) -> torch.Tensor | None:
     pass has read. That last row is returned as zeros: no training loss reads it (row t
     predicts token t+2 and later; the last row predicts nothing and no other row attends to
     it) and the teacher check skips it (it predicts no token)."""
-    lock = Path(str(path) + ".lock")
     try:
-        with contextlib.ExitStack() as stack:
-            if lock.exists():
-                handle = stack.enter_context(open(lock))
-                fcntl.flock(handle, fcntl.LOCK_SH)  # the writer holds LOCK_EX until it is done
-            if not path.exists():
-                return None
-            data = load_file(str(path))
+        writer_done(path)
+        if not path.exists():
+            return None
+        data = load_file(str(path))
     except (OSError, ValueError, RuntimeError, SafetensorError) as exc:  # a torn file
         log.warning("discarding the unreadable request file %s (%s)", path.name, exc)
         remove_request(path)
@@ -165,7 +161,7 @@ def read_request(path: Path, ids: list[int]) -> torch.Tensor | None:
 
 
 def remove_request(path: Path) -> None:
-    for p in (path, Path(str(path) + ".lock")):
+    for p in (path, request_lock(path)):
         with contextlib.suppress(FileNotFoundError):
             p.unlink()
 
@@ -191,13 +187,10 @@ async def prefill(client: httpx.AsyncClient, ids: list[int], path: Path, timeout
 
 
 def _move_when_written(source: Path, dest: Path) -> None:
-    lock = Path(str(source) + ".lock")
-    if lock.exists():
-        with open(lock) as handle:
-            fcntl.flock(handle, fcntl.LOCK_SH)
+    writer_done(source)
     os.replace(source, dest)
     with contextlib.suppress(FileNotFoundError):
-        lock.unlink()
+        request_lock(source).unlink()
 
 
 def split_states(states: torch.Tensor, layer_ids: list[int], aux_layer_ids: list[int],

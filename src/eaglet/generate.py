@@ -9,7 +9,6 @@ failed for good.
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import json
 import logging
 import os
@@ -23,7 +22,8 @@ import httpx
 from transformers import AutoTokenizer
 
 from eaglet import rates
-from eaglet.io import atomic_open, read_jsonl, request_path, write_json, write_jsonl
+from eaglet.io import (atomic_open, read_jsonl, request_path, write_json, write_jsonl,
+                       writer_done)
 from eaglet.progress import Progress, now_iso
 from eaglet.server import target_server
 from eaglet.target import read_target
@@ -432,24 +432,13 @@ SAVE_WAIT_S = 60
 
 def wait_for_saved(path: Path, timeout_s: float = SAVE_WAIT_S) -> bool:
     """Wait until the capture connector has written ``path`` whole: the file exists and its
-    writer released the ``.lock`` beside it (vLLM's asynchronous GPU writer holds it)."""
-    lock = Path(f"{path}.lock")
+    writer released the lock beside it."""
     deadline = time.monotonic() + timeout_s
-    while True:
-        if path.exists():
-            if not lock.exists():
-                return True
-            try:
-                with open(lock) as handle:
-                    fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                    return True
-            except BlockingIOError:
-                pass
-            except FileNotFoundError:
-                return True
+    while not (path.exists() and writer_done(path, wait=False)):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.05)
+    return True
 
 
 async def gather_or_cancel(coroutines) -> None:
@@ -531,10 +520,9 @@ def capture_options(cfg: dict[str, Any], model_path: str, capture_dir: str) -> l
     ``extract.aux_layer_ids`` and the last layer's output) under ``capture_dir``."""
     from eaglet.extract import resolve_aux_layer_ids  # torch-heavy, needed only here
     from eaglet.extract_vllm import capture_args, capture_layer_ids
-    from eaglet.target import read_target_config
+    from eaglet.target import read_target_config, text_config
 
-    config = read_target_config(model_path)
-    num_layers = (config.get("text_config") or config)["num_hidden_layers"]
+    num_layers = text_config(read_target_config(model_path))["num_hidden_layers"]
     aux = resolve_aux_layer_ids(cfg["extract"]["aux_layer_ids"], num_layers)
     Path(capture_dir).mkdir(parents=True, exist_ok=True)
     return capture_args(capture_layer_ids(aux, num_layers), Path(capture_dir).resolve())

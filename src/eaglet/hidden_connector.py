@@ -30,6 +30,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
     PendingSave,
 )
 
+from eaglet.io import request_lock
+
 __all__ = ["EagletHiddenStatesConnector", "slot_mapping", "gather_states", "write_states"]
 
 
@@ -80,7 +82,7 @@ class EagletHiddenStatesConnector(ExampleHiddenStatesConnector):
         lock_fd = self._lock_fds.pop(pending.req_id, None)
         if lock_fd is None and self.use_lock:
             os.makedirs(os.path.dirname(pending.filename) or ".", exist_ok=True)
-            lock_fd = os.open(pending.filename + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC,
+            lock_fd = os.open(request_lock(pending.filename), os.O_CREAT | os.O_WRONLY | os.O_TRUNC,
                               0o644)
             fcntl.flock(lock_fd, fcntl.LOCK_EX)
         try:

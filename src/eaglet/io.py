@@ -6,6 +6,7 @@ temporary file in the same directory, fsynced, then renamed over the destination
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -77,3 +78,22 @@ def request_path(directory: str | os.PathLike, sample_id: str) -> Path:
     """Where vLLM's capture connector saves the hidden states of one sample (sample ids may
     hold any character): generation with capture and the vllm extraction backend agree on it."""
     return Path(directory) / f"{hashlib.sha256(sample_id.encode()).hexdigest()[:24]}.safetensors"
+
+
+def request_lock(path: str | os.PathLike) -> Path:
+    """The lock beside a request file: its writer (the capture connector; vLLM's asynchronous
+    GPU writer) holds an exclusive flock on it until the file is whole."""
+    return Path(f"{path}.lock")
+
+
+def writer_done(path: str | os.PathLike, wait: bool = True) -> bool:
+    """Whether the writer of the request file ``path`` has finished (or there is none);
+    ``wait``: block until it has, else answer at once."""
+    try:
+        with open(request_lock(path)) as handle:
+            fcntl.flock(handle, fcntl.LOCK_SH | (0 if wait else fcntl.LOCK_NB))
+    except FileNotFoundError:
+        return True
+    except BlockingIOError:
+        return False
+    return True

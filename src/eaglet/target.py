@@ -175,6 +175,12 @@ def read_target_config(target_dir: str | Path) -> dict:
     return read_json(Path(target_dir) / "config.json")
 
 
+def text_config(config: dict) -> dict:
+    """The language model's part of a target's config.json (multimodal wrappers nest it as
+    ``text_config``): its layers, hidden size and vocabulary."""
+    return config.get("text_config") or config
+
+
 # plain causal LMs, then the text model inside multimodal wrappers (both layouts)
 EMBEDDING_NAMES = ["model.embed_tokens.weight", "embed_tokens.weight",
                    "model.language_model.embed_tokens.weight",

@@ -52,7 +52,7 @@ from eaglet.export import export_drafter
 from eaglet.io import atomic_open, human_size, read_json, write_json
 from eaglet.progress import Progress
 from eaglet.target import (load_target_embedding, load_target_layer, load_target_lm_head,
-                           model_identity, read_target_config)
+                           model_identity, read_target_config, text_config)
 from eaglet.tracking import Trackers
 from eaglet.vocab import load_vocab_map
 
@@ -454,13 +454,13 @@ class Trainer:
         if not shard_paths:
             raise TrainError("no training shards: the extract stage produced none")
         target_config = read_target_config(target_dir)
-        text_config = target_config.get("text_config", target_config)
+        text = text_config(target_config)
         d2t, t2d = load_vocab_map(vocab_map)
-        check_vocab_map(text_config, d2t, t2d)
+        check_vocab_map(text, d2t, t2d)
         hashes = manifest_hashes(manifest, shard_paths + eval_shard_paths) if manifest else {}
         infos = [index_shard(p, t2d.numel(), hashes.get(p)) for p in shard_paths]
         eval_infos = [index_shard(p, t2d.numel(), hashes.get(p)) for p in eval_shard_paths]
-        check_shards(infos + eval_infos, text_config, target_dir)
+        check_shards(infos + eval_infos, text, target_dir)
         self.train_data = Samples(infos, cfg["shards_in_memory"])
         self.eval_data = Samples(eval_infos, cfg["shards_in_memory"])
         self.train_data.preload()
@@ -476,7 +476,7 @@ class Trainer:
         if cfg["lm_head_init"] == "target":
             init_lm_head(self.model, self.teacher_head)
         if cfg["layer_init"] == "target":
-            last = text_config["num_hidden_layers"] - 1
+            last = text["num_hidden_layers"] - 1
             init_from_target_layer(self.model, load_target_layer(target_dir, last))
         self.model.to(device)
         self.teacher_head = self.teacher_head.to(device)
