@@ -21,8 +21,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from eaglet import shards
 from eaglet.io import atomic_open
-from eaglet.train import (Dist, Trainer, TrainError, launch_torchrun, make_batch, settings,
-                          train)
+from eaglet.train import (Dist, Trainer, TrainError, add_feature_noise, launch_torchrun,
+                          make_batch, settings, train)
 
 AUX_LAYERS = [1, 2, 3]
 VOCAB, DRAFT_VOCAB = 256, 160
@@ -403,3 +403,23 @@ def test_loss_on_prompt_counts_the_prompt_positions_too():
     assert make_batch([stored], 1, t2d, prompt_loss=True).rows[0].tolist() == [0, 1, 2, 3]
     t2d[9] = False  # an answer token the draft vocabulary lacks still does not count
     assert make_batch([stored], 1, t2d, prompt_loss=True).rows[0].tolist() == [0, 1, 3]
+
+
+def test_feature_noise_is_scaled_to_each_layers_rms_per_row():
+    """Layers of very different magnitude (deep layers grow) each get noise of scale x their
+    own RMS, row by row; the noise is fresh per call and nothing else changes."""
+    from eaglet.train import add_feature_noise
+    T, H = 4000, 64
+    magnitudes = torch.tensor([1.0, 30.0, 400.0])
+    aux = (torch.randn(T, 3, H) * magnitudes[None, :, None]).view(T, 3 * H)
+    aux[0] *= 10  # one loud row
+    generator = torch.Generator().manual_seed(0)
+    noisy = add_feature_noise(aux, 3, 0.2, generator)
+    assert noisy.shape == aux.shape and noisy.dtype == aux.dtype
+    noise = (noisy - aux).view(T, 3, H)
+    rms = aux.view(T, 3, H).pow(2).mean(-1).sqrt()                # [T, 3]
+    ratio = noise.pow(2).mean(-1).sqrt() / rms                     # per row and layer ~0.2
+    assert ratio.mean(0).sub(0.2).abs().max() < 0.01
+    assert ratio[0].sub(0.2).abs().max() < 0.08                   # the loud row's own scale
+    assert not torch.equal(add_feature_noise(aux, 3, 0.2, generator), noisy)
+    assert torch.equal(add_feature_noise(aux, 3, 0.0), aux)

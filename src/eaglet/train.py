@@ -349,6 +349,15 @@ def make_batch(pieces: list[tuple], ttt_steps: int, t2d: torch.Tensor,
                  [p[0] for p in pieces])
 
 
+def add_feature_noise(aux: torch.Tensor, layers: int, scale: float,
+                      generator: torch.Generator | None = None) -> torch.Tensor:
+    """``aux`` [T, layers*H] plus Gaussian noise of ``scale`` times each row's RMS per layer."""
+    x = aux.float().view(aux.shape[0], layers, -1)
+    rms = x.pow(2).mean(-1, keepdim=True).sqrt()
+    noise = torch.randn(x.shape, generator=generator, device=x.device, dtype=x.dtype)
+    return (x + scale * rms * noise).view_as(aux).to(aux.dtype)
+
+
 # -- loss ------------------------------------------------------------------------------------
 
 def batch_sums(model, batch: Batch, teacher_head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -473,6 +482,7 @@ class Trainer:
         embed = load_target_embedding(target_dir)
         self.teacher_head = load_target_lm_head(target_dir, torch.arange(d2t.numel()) + d2t)
         self.model = Eagle3Drafter(config, embed, d2t, t2d)
+        self.num_aux = len(config.aux_layer_ids)
         if cfg["lm_head_init"] == "target":
             init_lm_head(self.model, self.teacher_head)
         if cfg["layer_init"] == "target":
@@ -535,8 +545,12 @@ class Trainer:
     def load_batch(self, data: Samples, indices: list[int]) -> Batch:
         pieces = [data.get(i, self.cfg["max_len"]) for i in indices]
         # held-out metrics stay on the answers, what speculation drafts
-        prompt_loss = self.cfg["loss_on_prompt"] and data is self.train_data
-        return make_batch(pieces, self.cfg["ttt_steps"], self.t2d, prompt_loss).to(self.device)
+        training = data is self.train_data
+        batch = make_batch(pieces, self.cfg["ttt_steps"], self.t2d,
+                           self.cfg["loss_on_prompt"] and training).to(self.device)
+        if training and self.cfg["feature_noise"]:
+            batch.aux = add_feature_noise(batch.aux, self.num_aux, self.cfg["feature_noise"])
+        return batch
 
     # -- checkpoints --
 
