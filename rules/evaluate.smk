@@ -27,13 +27,11 @@ rule evaluate:
         log_dir=f"{R}/logs",
         progress=f"{R}/progress/evaluate.json",
     resources:
-        gpu=config["server"]["gpus"],
-        mem_mb=config["resources"]["evaluate"]["mem_mb"],
-        runtime=config["resources"]["evaluate"]["runtime"],
+        **job_resources("evaluate", config["server"]["gpus"]),
     log:
         f"{R}/logs/evaluate.log",
     conda:
-        ENV
+        MODEL_ENV
     script:
         "../scripts/evaluate.py"
 
@@ -58,6 +56,6 @@ rule plots:
     log:
         f"{R}/logs/plots.log",
     conda:
-        ENV
+        CPU_ENV
     script:
         "../scripts/plots.py"

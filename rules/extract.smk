@@ -3,14 +3,14 @@
 # generate.capture_hidden_states: generation saved the states already; the vllm rule packs
 # them (and starts a server only for samples whose states are missing).
 # Each job declares the GPUs it holds, so it never overlaps another GPU stage.
-TRAIN_SHARDS = [f"{i:05d}" for i in range(config["extract"]["num_shards"])]
 EXTRACT_PARAMS = dict(
     extract={k: v for k, v in config["extract"].items() if k not in ("gpus", "device", "concurrency")},
     target=config["target"],
 )
 FROM_VLLM = config["extract"]["backend"] == "vllm" or CAPTURE
 # backend vllm: the server holds the GPUs (server.gpus), for every shard at once
-EXTRACT_GPUS = config["server"]["gpus"] if FROM_VLLM else config["extract"]["gpus"]
+EXTRACT_RESOURCES = job_resources(
+    "extract", config["server"]["gpus"] if FROM_VLLM else config["extract"]["gpus"])
 
 
 if FROM_VLLM:
@@ -24,10 +24,10 @@ if FROM_VLLM:
             train=f"{R}/synthetic/train.jsonl",
             eval=f"{R}/synthetic/eval.jsonl",
         output:
-            shards=expand(f"{R}/hidden/shard_{{i}}.safetensors", i=TRAIN_SHARDS),
-            metas=expand(f"{R}/hidden/shard_{{i}}.json", i=TRAIN_SHARDS),
-            eval_shard=f"{R}/hidden/eval/shard_00000.safetensors",
-            eval_meta=f"{R}/hidden/eval/shard_00000.json",
+            shards=hidden_files("train", ".safetensors"),
+            metas=hidden_files("train", ".json"),
+            eval_shards=hidden_files("eval", ".safetensors"),
+            eval_metas=hidden_files("eval", ".json"),
         params:
             **EXTRACT_PARAMS,
             server=config["server"],
@@ -35,14 +35,12 @@ if FROM_VLLM:
             work=f"{R}/hidden/vllm",
             progress=f"{R}/progress/extract_vllm.json",
         resources:
-            gpu=EXTRACT_GPUS,
-            mem_mb=config["resources"]["extract"]["mem_mb"],
-            runtime=config["resources"]["extract"]["runtime"],
+            **EXTRACT_RESOURCES,
         log:
             main=f"{R}/logs/extract/vllm.log",
             server=f"{R}/logs/extract/vllm.server.log",
         conda:
-            ENV
+            MODEL_ENV
         script:
             "../scripts/extract_vllm.py"
 
@@ -50,53 +48,27 @@ if FROM_VLLM:
 else:
 
     rule extract:
-        """Hidden states of training shard {wildcards.i}."""
+        """Hidden states of shard {wildcards.i} of the training samples (split "") or of the
+        held-out samples (split "eval/", the drafter's validation set)."""
         input:
             target=f"{R}/target/target.json",
-            data=f"{R}/synthetic/train.jsonl",
+            data=lambda w: f"{R}/synthetic/{'eval' if w.split else 'train'}.jsonl",
         output:
-            shard=f"{R}/hidden/shard_{{i}}.safetensors",
-            meta=f"{R}/hidden/shard_{{i}}.json",
+            shard=f"{R}/hidden/{{split}}shard_{{i}}.safetensors",
+            meta=f"{R}/hidden/{{split}}shard_{{i}}.json",
         wildcard_constraints:
+            split=r"(eval/)?",
             i=r"\d{5}",
         params:
             **EXTRACT_PARAMS,
-            num_shards=len(TRAIN_SHARDS),
-            progress=lambda w: f"{R}/progress/extract_{w.i}.json",
+            num_shards=lambda w: len(EVAL_SHARDS if w.split else TRAIN_SHARDS),
+            progress=lambda w: f"{R}/progress/extract_{'eval' if w.split else w.i}.json",
         resources:
-            gpu=config["extract"]["gpus"],
-            mem_mb=config["resources"]["extract"]["mem_mb"],
-            runtime=config["resources"]["extract"]["runtime"],
+            **EXTRACT_RESOURCES,
         log:
-            f"{R}/logs/extract/shard_{{i}}.log",
+            f"{R}/logs/extract/{{split}}shard_{{i}}.log",
         conda:
-            ENV
-        script:
-            "../scripts/extract.py"
-
-
-    rule extract_eval:
-        """Hidden states of the held-out samples (the drafter's validation set)."""
-        input:
-            target=f"{R}/target/target.json",
-            data=f"{R}/synthetic/eval.jsonl",
-        output:
-            shard=f"{R}/hidden/eval/shard_{{i}}.safetensors",
-            meta=f"{R}/hidden/eval/shard_{{i}}.json",
-        wildcard_constraints:
-            i=r"\d{5}",
-        params:
-            **EXTRACT_PARAMS,
-            num_shards=1,
-            progress=lambda w: f"{R}/progress/extract_eval.json",
-        resources:
-            gpu=config["extract"]["gpus"],
-            mem_mb=config["resources"]["extract"]["mem_mb"],
-            runtime=config["resources"]["extract"]["runtime"],
-        log:
-            f"{R}/logs/extract/eval_shard_{{i}}.log",
-        conda:
-            ENV
+            MODEL_ENV
         script:
             "../scripts/extract.py"
 
@@ -107,11 +79,11 @@ rule hidden_manifest:
     input:
         target=f"{R}/target/target.json",
         data=f"{R}/synthetic/train.jsonl",
-        shards=expand(f"{R}/hidden/shard_{{i}}.safetensors", i=TRAIN_SHARDS),
-        metas=expand(f"{R}/hidden/shard_{{i}}.json", i=TRAIN_SHARDS),
+        shards=hidden_files("train", ".safetensors"),
+        metas=hidden_files("train", ".json"),
         eval_data=f"{R}/synthetic/eval.jsonl",
-        eval_shards=[f"{R}/hidden/eval/shard_00000.safetensors"],
-        eval_metas=[f"{R}/hidden/eval/shard_00000.json"],
+        eval_shards=hidden_files("eval", ".safetensors"),
+        eval_metas=hidden_files("eval", ".json"),
     output:
         f"{R}/hidden/manifest.json",
     params:
@@ -121,12 +93,10 @@ rule hidden_manifest:
         server=config["server"],
         generate=GENERATE_PARAMS["generate"],
     resources:
-        gpu=EXTRACT_GPUS,
-        mem_mb=config["resources"]["extract"]["mem_mb"],
-        runtime=config["resources"]["extract"]["runtime"],
+        **EXTRACT_RESOURCES,
     log:
         f"{R}/logs/hidden_manifest.log",
     conda:
-        ENV
+        MODEL_ENV
     script:
         "../scripts/hidden_manifest.py"

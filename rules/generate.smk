@@ -1,13 +1,3 @@
-# generate.capture_hidden_states: the server saves every answer's hidden states where the
-# vllm extraction rule packs them from.
-CAPTURE = config["generate"]["capture_hidden_states"]
-GENERATE_PARAMS = dict(
-    generate=stage_params(config, "generate"),
-    **({"capture": {"dir": f"{R}/hidden/vllm/requests",
-                    "aux_layer_ids": config["extract"]["aux_layer_ids"]}} if CAPTURE else {}),
-)
-
-
 rule generate:
     """Serve the target with vLLM and keep exactly what it answers to every prompt (the
     eval split too: its answers are the drafter's held-out set). Resumes from
@@ -27,13 +17,11 @@ rule generate:
         partial=f"{R}/synthetic/generate.partial.jsonl",
         progress=f"{R}/progress/generate.json",
     resources:
-        gpu=config["server"]["gpus"],
-        mem_mb=config["resources"]["generate"]["mem_mb"],
-        runtime=config["resources"]["generate"]["runtime"],
+        **job_resources("generate", config["server"]["gpus"]),
     log:
         main=f"{R}/logs/generate.log",
         server=f"{R}/logs/generate.server.log",
     conda:
-        ENV
+        MODEL_ENV
     script:
         "../scripts/generate.py"

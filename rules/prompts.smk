@@ -15,6 +15,6 @@ rule prepare_prompts:
     log:
         f"{R}/logs/prepare_prompts.log",
     conda:
-        ENV
+        CPU_ENV
     script:
         "../scripts/prepare_prompts.py"

@@ -8,6 +8,6 @@ rule prepare_target:
     log:
         f"{R}/logs/prepare_target.log",
     conda:
-        ENV
+        CPU_ENV
     script:
         "../scripts/prepare_target.py"

@@ -4,8 +4,8 @@ rule train:
     input:
         target=f"{R}/target/target.json",
         manifest=f"{R}/hidden/manifest.json",
-        shards=expand(f"{R}/hidden/shard_{{i}}.safetensors", i=TRAIN_SHARDS),
-        eval_shards=[f"{R}/hidden/eval/shard_00000.safetensors"],
+        shards=hidden_files("train", ".safetensors"),
+        eval_shards=hidden_files("eval", ".safetensors"),
         vocab=f"{R}/vocab/vocab_map.safetensors",
     output:
         config=f"{R}/drafter/config.json",
@@ -20,12 +20,10 @@ rule train:
         checkpoints=f"{R}/drafter_checkpoints",
         progress=f"{R}/progress/train.json",
     resources:
-        gpu=config["train"]["gpus"],
-        mem_mb=config["resources"]["train"]["mem_mb"],
-        runtime=config["resources"]["train"]["runtime"],
+        **job_resources("train", config["train"]["gpus"]),
     log:
         f"{R}/logs/train.log",
     conda:
-        ENV
+        MODEL_ENV
     script:
         "../scripts/train.py"

@@ -11,6 +11,6 @@ rule vocab_map:
     log:
         f"{R}/logs/vocab_map.log",
     conda:
-        ENV
+        CPU_ENV
     script:
         "../scripts/vocab_map.py"

@@ -1,4 +1,4 @@
-"""Snakemake entry point of rules extract and extract_eval (one shard per job)."""
+"""Snakemake entry point of rule extract (one shard of the training or held-out samples per job)."""
 from eaglet.extract import run_shard
 from eaglet.scripting import run_stage
 

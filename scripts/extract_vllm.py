@@ -7,8 +7,8 @@ cfg = {"extract": {**smk.config["extract"], **smk.params.extract}, "target": smk
        "server": smk.params.server, "generate": smk.params.generate}
 splits = {"train": {"data": smk.input.train, "shards": list(smk.output.shards),
                     "metas": list(smk.output.metas)},
-          "eval": {"data": smk.input.eval, "shards": [smk.output.eval_shard],
-                   "metas": [smk.output.eval_meta]}}
+          "eval": {"data": smk.input.eval, "shards": list(smk.output.eval_shards),
+                   "metas": list(smk.output.eval_metas)}}
 run_stage("extract", smk.log.main, lambda: run_extract(
     cfg, smk.input.target, splits, work_dir=smk.params.work, server_log=smk.log.server,
     progress_path=smk.params.progress, log_path=smk.log.main),

@@ -34,11 +34,15 @@ CPU_RULES = {"prepare_target", "prepare_prompts", "vocab_map", "plots"}
 GPU_RULES = {
     "generate": ("server", "generate"),
     "evaluate": ("server", "evaluate"),
-    "extract": ("extract", "extract"),
-    "extract_eval": ("extract", "extract"),
+    "extract": ("extract", "extract"),  # the hf backend: training and held-out shards
     "hidden_manifest": ("extract", "extract"),
     "train": ("train", "train"),
 }
+# Every rule the workflow defines that runs a model (extract_vllm: the vllm backend's one job),
+# read from the rule files themselves
+MODEL_RULES = {name for path in (REPO / "rules").glob("*.smk")
+               for name in re.findall(r"^\s*rule (\w+):", path.read_text(), re.MULTILINE)
+               } - CPU_RULES
 # Distinct values, so each request can be traced to its config key. `--config
 # server.gpus=1` is no valid Snakemake config entry (and `--config 'server={gpus: 1}'` reads
 # 1 as a string), so nested overrides go in a second config file.
@@ -215,7 +219,7 @@ def test_jobs_are_submitted_in_dependency_order(cluster_run):
         order.setdefault(sub["comment"].split("_wildcards_")[0][len("rule_"):], []).append(index)
     first, last = ({r: min(i) for r, i in order.items()}, {r: max(i) for r, i in order.items()})
     assert last["prepare_target"] < first["generate"] and last["prepare_prompts"] < first["generate"]
-    assert last["generate"] < min(first["extract"], first["extract_eval"], first["vocab_map"])
+    assert last["generate"] < min(first["extract"], first["vocab_map"])
     assert last["extract"] < first["hidden_manifest"] < first["train"] < first["evaluate"]
     assert first["evaluate"] < first["plots"]
 
@@ -263,8 +267,9 @@ def test_profile_takes_partition_account_and_gpu_model_from_the_environment(monk
     split = _render(monkeypatch, EAGLET_SLURM_PARTITION="cpu", EAGLET_SLURM_GPU_PARTITION="gpu",
                     EAGLET_SLURM_GPU_MODEL="h100")
     assert "slurm_partition='cpu'" in split["default-resources"]
+    assert MODEL_RULES == set(GPU_RULES) | {"extract_vllm"}
     assert set(split["set-resources"]) == {
-        f"{rule}:{key}" for rule in GPU_RULES
+        f"{rule}:{key}" for rule in MODEL_RULES
         for key in ("slurm_partition='gpu'", "gpu_model='h100'")}
 
 

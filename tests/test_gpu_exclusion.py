@@ -100,10 +100,11 @@ def test_real_workflow_gpu_rules_declare_their_gpus_from_config(dry_run_jobs):
     by_rule: dict[str, list] = {}
     for job in dry_run_jobs:
         by_rule.setdefault(job.rule, []).append(job)
-    for rule in ("generate", "extract", "extract_eval", "hidden_manifest", "evaluate"):
+    for rule in ("generate", "extract", "hidden_manifest", "evaluate"):
         assert rule in by_rule, sorted(by_rule)
         assert all(_gpu(job) == 1 for job in by_rule[rule]), (rule, by_rule[rule])
-    assert len(by_rule["extract"]) == 2  # tiny.yaml: two shards, one job each
+    # tiny.yaml: two training shards and the held-out one, one job each
+    assert sorted(job.wildcards.get("split", "") for job in by_rule["extract"]) == ["", "", "eval/"]
     # train.gpus keeps its default (0); the CPU rules hold no GPU at all
     assert [_gpu(job) for job in by_rule["train"]] == [0]
     for rule in ("prepare_target", "prepare_prompts", "vocab_map", "plots"):

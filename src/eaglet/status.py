@@ -486,8 +486,7 @@ def collect(results: Path, cfg: dict, workflow: Path | None = None,
     outdated = snakemake_outdated(workflow, config_args or []) if workflow else None
     stages = [stage_status(s, results, cfg, outdated or set()) for s in STAGES]
     if outdated:
-        rule_to_stage = {"extract_eval": "extract", "extract_vllm": "extract",
-                         "hidden_manifest": "extract"}
+        rule_to_stage = {"extract_vllm": "extract", "hidden_manifest": "extract"}
         pending = {rule_to_stage.get(rule, rule) for rule in outdated}
         for s in stages:
             if s["state"] == "completed" and s["stage"] in pending:

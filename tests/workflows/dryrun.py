@@ -21,7 +21,9 @@ class DryRunJob:
         """The `--comment` the SLURM plugin gives this job's sbatch call."""
         if not self.wildcards:
             return f"rule_{self.rule}"
-        return f"rule_{self.rule}_wildcards_{'_'.join(self.wildcards.values())}"
+        # the plugin joins the values with "_" and turns slashes into "_" as well
+        values = "_".join(self.wildcards.values()).replace("/", "_")
+        return f"rule_{self.rule}_wildcards_{values}"
 
 
 def _pairs(value: str) -> dict[str, str]:

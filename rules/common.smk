@@ -1,0 +1,55 @@
+# Shared by all rule files, included first by the Snakefile. The validated config, the
+# results dir, the shard lists, the software of each job and its resources.
+import os
+
+from eaglet.config import outside_working_dir, stage_params, validate
+from eaglet.target import check_recorded_target
+
+_validated = validate(config)
+config.clear()
+config.update(_validated)
+
+R = config["results_dir"]
+if outside_working_dir(R):
+    logger.warning(outside_working_dir(R))
+# settings the prepared target cannot honour stop here, before any stage runs
+check_recorded_target(f"{R}/target/target.json", config["target"]["model"],
+                      config["vocab"]["draft_vocab_size"], config["extract"]["aux_layer_ids"])
+
+# Software of every job, deployed with `--software-deployment-method conda` (runs from the
+# .venv ignore it). Model stages get the vLLM GPU engine when any of them holds GPUs, else the
+# CPU one; stages that run no model always get the CPU one. Paths are relative to rules/.
+CPU_ENV = "../envs/cpu.yaml"
+MODEL_ENV = (
+    "../envs/gpu.yaml"
+    if any(config[stage]["gpus"] for stage in ("server", "extract", "train"))
+    else CPU_ENV
+)
+
+# Hidden-state shards: extract.num_shards for the training samples, one for the held-out ones.
+TRAIN_SHARDS = [f"{i:05d}" for i in range(config["extract"]["num_shards"])]
+EVAL_SHARDS = ["00000"]
+
+
+def hidden_files(split: str, suffix: str) -> list[str]:
+    """Every shard file (``suffix`` .safetensors or .json) of ``split`` (train or eval)."""
+    if split == "train":
+        return [f"{R}/hidden/shard_{i}{suffix}" for i in TRAIN_SHARDS]
+    return [f"{R}/hidden/eval/shard_{i}{suffix}" for i in EVAL_SHARDS]
+
+
+# generate.capture_hidden_states: the generation server saves every answer's hidden states
+# where the vllm extraction rule packs them from.
+CAPTURE = config["generate"]["capture_hidden_states"]
+GENERATE_PARAMS = dict(
+    generate=stage_params(config, "generate"),
+    **({"capture": {"dir": f"{R}/hidden/vllm/requests",
+                    "aux_layer_ids": config["extract"]["aux_layer_ids"]}} if CAPTURE else {}),
+)
+
+
+def job_resources(stage: str, gpus: int) -> dict:
+    """A job's resources: the GPUs it holds (the `gpu` resource Snakemake counts, so GPU stages
+    never overlap beyond the GPUs there are) and its memory and time from resources.<stage>."""
+    limits = config["resources"][stage]
+    return dict(gpu=gpus, mem_mb=limits["mem_mb"], runtime=limits["runtime"])
