@@ -7,13 +7,16 @@ without guarding. Errors name the offending key path and what the schema allows.
 from __future__ import annotations
 
 import copy
+import functools
 import os
 from collections.abc import Mapping
 from importlib import resources
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jsonschema
 import yaml
+
+if TYPE_CHECKING:
+    import jsonschema
 
 
 class ConfigError(ValueError):
@@ -35,18 +38,29 @@ def _with_defaults(validator_class):
                     instance[key] = copy.deepcopy(sub["default"])
         yield from validate_properties(validator, properties, instance, sched)
 
+    import jsonschema
+
     return jsonschema.validators.extend(validator_class, {"properties": set_defaults})
 
 
 def _strict_integers(validator_class):
     """JSON Schema counts 2.0 as an integer; eaglet does not (``range(2.0)`` fails and
     ``--max-model-len 2048.0`` reaches the server as written)."""
+    import jsonschema
+
     checker = validator_class.TYPE_CHECKER.redefine(
         "integer", lambda _, value: isinstance(value, int) and not isinstance(value, bool))
     return jsonschema.validators.extend(validator_class, type_checker=checker)
 
 
-_Validator = _with_defaults(_strict_integers(jsonschema.Draft202012Validator))
+@functools.cache
+def _validator_class():
+    """The validator, built on first use: jsonschema is imported only by code that validates,
+    so modules that import this one for its helpers run where jsonschema is not installed
+    (benchmarks/gpu_check.py on a bare GPU machine)."""
+    import jsonschema
+
+    return _with_defaults(_strict_integers(jsonschema.Draft202012Validator))
 
 
 def _describe(error: jsonschema.ValidationError) -> str:
@@ -70,12 +84,12 @@ def validate(config: dict[str, Any]) -> dict[str, Any]:
     # plain dicts and lists: Snakemake reads JSON config files into OrderedDicts, whose repr
     # would make every params-dependent rule look changed between a YAML and a JSON config
     cfg = _plain(config)
-    errors = sorted(_Validator(schema()).iter_errors(cfg), key=lambda e: list(e.absolute_path))
+    errors = sorted(_validator_class()(schema()).iter_errors(cfg), key=lambda e: list(e.absolute_path))
     if errors:
         lines = "\n  ".join(_describe(e) for e in errors)
         raise ConfigError(f"invalid configuration:\n  {lines}")
     # a second pass: defaults filled inside objects created by defaults
-    errors = list(_Validator(schema()).iter_errors(cfg))
+    errors = list(_validator_class()(schema()).iter_errors(cfg))
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(_describe(e) for e in errors))
     cfg["results_dir"] = results_dir(cfg["results_dir"])
