@@ -307,8 +307,11 @@ def random_trainer(cfg: dict, config: DrafterConfig, samples: RandomSamples,
     trainer.t2d = torch.arange(config.vocab_size) < config.draft_vocab_size
     d2t = torch.zeros(config.draft_vocab_size, dtype=torch.long)
     torch.manual_seed(cfg["seed"])
-    embed = (torch.randn(config.vocab_size, config.hidden_size) * 0.02).to(dtype)  # as the target stores it
-    trainer.teacher_head = (torch.randn(config.draft_vocab_size, config.hidden_size) * 0.02).to(dtype)
+    # in the target's dtype, as a checkpoint gives them; drawn on the device (the Kimi-K2.5
+    # embedding is 1.2G numbers)
+    embed = torch.randn(config.vocab_size, config.hidden_size, device=device, dtype=dtype) * 0.02
+    trainer.teacher_head = torch.randn(config.draft_vocab_size, config.hidden_size, device=device,
+                                       dtype=dtype) * 0.02
     trainer.model = Eagle3Drafter(config, embed, d2t, trainer.t2d)
     trainer.num_aux = len(config.aux_layer_ids)
     init_lm_head(trainer.model, trainer.teacher_head)  # train.lm_head_init: target
