@@ -186,6 +186,20 @@ def test_the_printed_hint_quotes_a_results_dir_with_spaces(tmp_path):
     assert shlex.split(hint) == ["eaglet", "status", "--results", str(r), "--watch", "10"]
 
 
+
+def test_a_stage_is_outdated_when_snakemake_would_rerun_any_of_its_rules(tmp_path, history):
+    """The vllm backend's extraction is two rules, neither named extract: either rerunning
+    makes the stage outdated, with its old facts and an estimate like any remaining stage."""
+    r = tmp_path / "results"
+    (r / "hidden").mkdir(parents=True)
+    (r / "hidden" / "manifest.json").write_text(json.dumps({"num_shards": 2}))
+    for rule in ("extract_vllm", "hidden_manifest"):
+        shown = status.stage_status(_stage("extract"), r, _full_config(r), {rule})
+        assert shown["state"] == "outdated" and shown["facts"]["shards"] == 2
+        assert "estimate_basis" in shown
+    assert status.stage_status(_stage("extract"), r, _full_config(r), {"train"})["state"] == \
+        "completed"
+
 # -- estimates in seconds, from known sizes and rates ------------------------------------------
 
 def _prompts(r, n_train, n_eval):
@@ -302,3 +316,41 @@ def test_watch_redraws_the_status_until_stopped(tmp_path, history):
     assert len(screens) == 3, "the status was not redrawn"
     # each screen clears the terminal first and shows the same results dir
     assert all(s.startswith("\033[2J\033[H") and str(r) in s for s in screens)
+
+
+
+# -- the stages against the workflow -------------------------------------------------------------
+
+NOT_STAGES = {"all", "plots"}  # plots redraws the figures from the results in seconds
+
+
+@pytest.mark.parametrize("backend", ["vllm", "hf"])
+def test_the_stages_are_the_workflows_rules_in_its_order(tmp_path, backend):
+    """Status lists the stages itself, as it also reads results without Snakemake: every rule
+    of a dry run belongs to one stage, a stage's outputs and log are its rules', and no stage
+    comes before one whose outputs it reads."""
+    from tests.workflows.dryrun import parse_dry_run
+
+    r = tmp_path / "results"
+    overlay = tmp_path / "backend.yaml"
+    overlay.write_text(f"extract:\n  backend: {backend}\n")
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "snakemake"), "-n", "--cores", "1", "--configfile",
+         str(REPO / "tests" / "configs" / "tiny.yaml"), str(overlay),
+         "--config", f"results_dir={r}"],
+        cwd=REPO, env=_env(), text=True, capture_output=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    jobs = [job for job in parse_dry_run(proc.stdout) if job.rule not in NOT_STAGES]
+    position = {rule: i for i, s in enumerate(status.STAGES) for rule in s.rules}
+    assert {job.rule for job in jobs} <= set(position)
+    made_by = {out: position[job.rule] for job in jobs for out in job.output}
+    for i, stage in enumerate(status.STAGES):
+        own = [job for job in jobs if position[job.rule] == i]
+        assert own, f"no rule of {stage.name} in the workflow"
+        outputs = {out for job in own for out in job.output}
+        assert {str(r / out) for out in stage.outputs} <= outputs, stage.name
+        logs = [Path(log) for job in own for log in job.log]
+        assert any(r / stage.log in (log, *log.parents) for log in logs), stage.name
+        read = {made_by[path] for job in own for path in job.input if path in made_by}
+        assert all(j <= i for j in read), stage.name
+    assert status.order_line().startswith(f"Order: {status.STAGES[0].name} -> ")

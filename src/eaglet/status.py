@@ -20,7 +20,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Callable
@@ -52,108 +52,7 @@ def process_alive(record: dict) -> bool | None:
     return pid_alive(record.get("pid"))
 
 
-@dataclass
-class Stage:
-    name: str
-    outputs: list[str]
-    progress: str | None = None            # glob under results/
-    log: str | None = None
-    gpu_key: tuple[str, str] | None = None  # config section and key of the GPUs it holds
-    facts: Callable[[Path], dict] | None = None
-
-
-def _facts_target(r: Path) -> dict:
-    t = _read(r / "target/target.json") or {}
-    return {"model": t.get("spec"), "layers": t.get("num_hidden_layers"),
-            "hidden_size": t.get("hidden_size"), "vocab_size": t.get("vocab_size")}
-
-
-def _facts_prompts(r: Path) -> dict:
-    s = _read(r / "prompts/stats.json") or {}
-    totals = s.get("totals", {})
-    return {"train_prompts": s.get("n_train"), "eval_prompts": s.get("n_eval"),
-            "bad_rows": totals.get("bad"), "duplicates": totals.get("duplicates")}
-
-
-def _facts_generate(r: Path) -> dict:
-    s = _read(r / "synthetic/stats.json") or {}
-    splits = s.get("splits", {})
-    tc = s.get("template_check", {})
-    return {"samples": sum(v["samples"] for v in splits.values()),
-            "failed": sum(v["failed"] for v in splits.values()),
-            "truncated": sum(v["truncated"] for v in splits.values()),
-            "completion_tokens": sum(v["completion_tokens"] for v in splits.values()),
-            "template_mismatched": tc.get("mismatched"), "template_checked": tc.get("checked"),
-            "retokenized": tc.get("retokenized")}
-
-
-def _facts_vocab(r: Path) -> dict:
-    s = _read(r / "vocab/stats.json") or {}
-    return {"draft_vocab_size": s.get("draft_vocab_size"), "coverage": s.get("coverage"),
-            "distinct_tokens": s.get("distinct_completion_tokens"), "filled": s.get("filled")}
-
-
-def _facts_extract(r: Path) -> dict:
-    m = _read(r / "hidden/manifest.json") or {}
-    return {"shards": m.get("num_shards"), "samples": m.get("num_samples"),
-            "tokens": m.get("tokens"), "truncated": m.get("truncated"),
-            "bytes": m.get("bytes"), "dtype": m.get("dtype"),
-            "aux_layer_ids": m.get("aux_layer_ids"),
-            "teacher_agreement": m.get("teacher_agreement")}
-
-
-def _training_rows(r: Path) -> list[dict]:
-    try:
-        with open(r / "drafter/training_log.csv", newline="") as handle:
-            return list(csv.DictReader(handle))
-    except OSError:
-        return []
-
-
-def _facts_train(r: Path) -> dict:
-    rows = _training_rows(r)
-    out: dict[str, Any] = {}
-    for split in ("train", "eval"):
-        last = [row for row in rows if row.get("split") == split]
-        if last:
-            out[f"{split}_acc_0"] = float(last[-1]["acc_0"])
-            out[f"{split}_simulated_al"] = float(last[-1]["sim_al"])
-    if rows:
-        out["steps"] = int(rows[-1]["step"])
-    return out
-
-
-def _facts_evaluate(r: Path) -> dict:
-    a = _read(r / "eval/acceptance.json") or {}
-    v = a.get("verdict", {})
-    return {"acceptance_length": v.get("acceptance_length"),
-            "speedup_by_concurrency": v.get("speedup_by_concurrency"),
-            "ngram_acceptance_length": v.get("ngram_acceptance_length"),
-            "speeds_up_serving": v.get("speeds_up_serving"),
-            "serve_never_slower_than_target": v.get("serve_never_slower_than_target"),
-            "warnings": v.get("warnings")}
-
-
-STAGES = [
-    Stage("prepare_target", ["target/target.json"], log="logs/prepare_target.log",
-          facts=_facts_target),
-    Stage("prepare_prompts", ["prompts/train.jsonl", "prompts/eval.jsonl"],
-          log="logs/prepare_prompts.log", facts=_facts_prompts),
-    Stage("generate", ["synthetic/train.jsonl", "synthetic/eval.jsonl"],
-          progress="progress/generate.json", log="logs/generate.log",
-          gpu_key=("server", "gpus"), facts=_facts_generate),
-    Stage("vocab_map", ["vocab/vocab_map.safetensors"], log="logs/vocab_map.log",
-          facts=_facts_vocab),
-    Stage("extract", ["hidden/manifest.json"], progress="progress/extract_*.json",
-          log="logs/extract", gpu_key=("extract", "gpus"), facts=_facts_extract),
-    Stage("train", ["drafter/model.safetensors"], progress="progress/train.json",
-          log="logs/train.log", gpu_key=("train", "gpus"), facts=_facts_train),
-    Stage("evaluate", ["eval/acceptance.json"], progress="progress/evaluate.json",
-          log="logs/evaluate.log", gpu_key=("server", "gpus"), facts=_facts_evaluate),
-]
-
-
-# -- estimates -------------------------------------------------------------------------------
+# -- rates and sizes the estimates use ------------------------------------------------------
 
 @dataclass
 class Estimate:
@@ -198,6 +97,11 @@ def _bench_generate(concurrency: int) -> float | None:
     return levels[nearest]
 
 
+def _server_start(stage: str, target: str) -> float:
+    start, _ = _rate(stage, "server_start_s", target)
+    return start or SERVER_START_GUESS_S
+
+
 def _prompt_counts(r: Path) -> tuple[int | None, int | None]:
     s = _read(r / "prompts/stats.json")
     return (s["n_train"], s["n_eval"]) if s else (None, None)
@@ -238,6 +142,9 @@ def _projected_totals(r: Path) -> dict | None:
             for split, n in (("train", n_train), ("eval", n_eval))}
 
 
+NO_TOKENS = "token count unknown until generate runs"
+
+
 def _checkpointed_steps(r: Path) -> tuple[int | None, int | None]:
     """Step and total steps of the newest training checkpoint, which a rerun resumes."""
     for directory in sorted((r / "drafter_checkpoints").glob("step_*"), reverse=True):
@@ -247,77 +154,267 @@ def _checkpointed_steps(r: Path) -> tuple[int | None, int | None]:
     return None, None
 
 
+def _training_rows(r: Path) -> list[dict]:
+    try:
+        with open(r / "drafter/training_log.csv", newline="") as handle:
+            return list(csv.DictReader(handle))
+    except OSError:
+        return []
+
+
+def _pct(x: float | None) -> str:
+    return "?" if x is None else f"{100 * x:.2f}%"
+
+
 # packing states that generation captured (read, teacher check, shard write), 2 CPU cores
 PACK_TOKENS_PER_S = 2000
 
 
-def estimate(stage: str, r: Path, cfg: dict, progress: dict | None) -> Estimate:
-    target = cfg["target"]["model"]
-    gen, ev = cfg["generate"], cfg["evaluate"]
-    if progress and progress.get("state") == "running" and progress.get("eta_s") is not None:
-        return Estimate(progress["eta_s"], "this run's progress")
-    if stage == "prepare_target":
-        return Estimate(40.0 if target.startswith("embedded:") else 5.0, "typical")
-    if stage in ("prepare_prompts", "vocab_map"):
-        return Estimate(10.0, "typical")
-    if stage == "generate":
+# -- the stages ------------------------------------------------------------------------------
+
+class Stage:
+    """Everything status knows of one stage: the Snakemake rules that make it, the outputs
+    that show it finished, the progress files its jobs write while they run (a glob under
+    the results dir), its log, the config key of the GPUs it holds, the facts its outputs
+    record and their line in the report, and an estimate of the time it takes."""
+
+    name: str
+    rules: tuple[str, ...] = ()                # () means the rule of the stage's name
+    outputs: tuple[str, ...] = ()
+    progress: str | None = None
+    log: str = ""                              # "" means logs/<name>.log
+    gpu_key: tuple[str, str] | None = None     # config section and key
+    note: str = ""                             # what the order line says of it
+    typical_s: float | None = None
+
+    def __init__(self) -> None:
+        self.rules = self.rules or (self.name,)
+        self.log = self.log or f"logs/{self.name}.log"
+
+    def facts(self, r: Path) -> dict:
+        return {}
+
+    def line(self, f: dict) -> str:
+        return json.dumps(f)
+
+    def estimate(self, r: Path, cfg: dict, progress: dict | None) -> Estimate:
+        """Time left when the stage is not running (a running one has its own ETA)."""
+        return Estimate(self.typical_s, "typical")
+
+
+class PrepareTarget(Stage):
+    name = "prepare_target"
+    outputs = ("target/target.json",)
+
+    def facts(self, r):
+        t = _read(r / "target/target.json") or {}
+        return {"model": t.get("spec"), "layers": t.get("num_hidden_layers"),
+                "hidden_size": t.get("hidden_size"), "vocab_size": t.get("vocab_size")}
+
+    def line(self, f):
+        return f"{f['model']}: {f['layers']} layers, hidden {f['hidden_size']}, vocab {f['vocab_size']}"
+
+    def estimate(self, r, cfg, progress):
+        return Estimate(40.0 if cfg["target"]["model"].startswith("embedded:") else 5.0, "typical")
+
+
+class PreparePrompts(Stage):
+    name = "prepare_prompts"
+    outputs = ("prompts/train.jsonl", "prompts/eval.jsonl")
+    typical_s = 10.0
+
+    def facts(self, r):
+        s = _read(r / "prompts/stats.json") or {}
+        totals = s.get("totals", {})
+        return {"train_prompts": s.get("n_train"), "eval_prompts": s.get("n_eval"),
+                "bad_rows": totals.get("bad"), "duplicates": totals.get("duplicates")}
+
+    def line(self, f):
+        return (f"{f['train_prompts']} train / {f['eval_prompts']} eval prompts, "
+                f"{f['bad_rows']} bad rows, {f['duplicates']} duplicates")
+
+
+class Generate(Stage):
+    name = "generate"
+    outputs = ("synthetic/train.jsonl", "synthetic/eval.jsonl")
+    progress = "progress/generate.json"
+    gpu_key = ("server", "gpus")
+    note = "vLLM server"
+
+    def facts(self, r):
+        s = _read(r / "synthetic/stats.json") or {}
+        splits = s.get("splits", {})
+        tc = s.get("template_check", {})
+        return {"samples": sum(v["samples"] for v in splits.values()),
+                "failed": sum(v["failed"] for v in splits.values()),
+                "truncated": sum(v["truncated"] for v in splits.values()),
+                "completion_tokens": sum(v["completion_tokens"] for v in splits.values()),
+                "template_mismatched": tc.get("mismatched"), "template_checked": tc.get("checked"),
+                "retokenized": tc.get("retokenized")}
+
+    def line(self, f):
+        return (f"{f['samples']} samples ({f['failed']} failed, {f['truncated']} truncated), "
+                f"{f['completion_tokens']} completion tokens; template check "
+                f"{f['template_mismatched']}/{f['template_checked']} mismatched")
+
+    def estimate(self, r, cfg, progress):
+        target, gen = cfg["target"]["model"], cfg["generate"]
         n_train, n_eval = _prompt_counts(r)
         if n_train is None:
             return Estimate(None, "prompt count unknown until prepare_prompts runs")
         remaining = n_train + n_eval - (progress or {}).get("done", 0)
         rate, basis = _rate("generate", "completion_tokens_per_s", target,
                             benchmark=lambda: _bench_generate(gen["concurrency"]))
-        start, _ = _rate("generate", "server_start_s", target)
         if rate is None:
             return Estimate(None, basis)
-        tokens = remaining * gen["max_tokens"] * COMPLETION_FILL_GUESS
-        return Estimate((start or SERVER_START_GUESS_S) + tokens / rate,
-                        f"{remaining} samples x ~{gen['max_tokens'] * COMPLETION_FILL_GUESS:.0f} "
+        per_sample = gen["max_tokens"] * COMPLETION_FILL_GUESS
+        return Estimate(_server_start("generate", target) + remaining * per_sample / rate,
+                        f"{remaining} samples x ~{per_sample:.0f} "
                         f"tokens at {rate:.0f} tok/s ({basis})")
-    totals = _token_totals(r)
-    if stage == "extract" and gen.get("capture_hidden_states"):
-        # generation saved the states: the stage reads, checks and packs them
-        if totals is None:
-            return Estimate(None, "token count unknown until generate runs")
-        tokens = sum(t["tokens"] for t in totals.values())
-        rate, basis = _rate("extract_pack", "tokens_per_s", target)
-        if rate is None:
-            rate, basis = PACK_TOKENS_PER_S, "typical"
-        return Estimate(tokens / rate,
-                        f"packing {tokens} captured tokens at {rate:.0f} tok/s ({basis})")
-    if stage == "extract" and cfg["extract"]["backend"] == "vllm":
-        # one capture server; every sequence (train and held-out) is a prefill request
-        rate, basis = _rate("extract_vllm", "tokens_per_s", target,
-                            benchmark=lambda: (_read(BENCHMARKS / "extract.json") or {}).get(
-                                "vllm_backend_tokens_per_s"))
-        if totals is None or rate is None:
-            return Estimate(None, basis if totals else "token count unknown until generate runs")
-        start, _ = _rate("extract_vllm", "server_start_s", target)
-        tokens = sum(t["tokens"] for t in totals.values())
-        return Estimate((start or SERVER_START_GUESS_S) + tokens / rate,
-                        f"server start + {tokens} tokens of prefill at {rate:.0f} tok/s ({basis})")
-    if stage == "extract":
+
+
+class VocabMap(Stage):
+    name = "vocab_map"
+    outputs = ("vocab/vocab_map.safetensors",)
+    typical_s = 10.0
+
+    def facts(self, r):
+        s = _read(r / "vocab/stats.json") or {}
+        return {"draft_vocab_size": s.get("draft_vocab_size"), "coverage": s.get("coverage"),
+                "distinct_tokens": s.get("distinct_completion_tokens"), "filled": s.get("filled")}
+
+    def line(self, f):
+        return (f"Vd {f['draft_vocab_size']} covers {_pct(f['coverage'])} of completion tokens "
+                f"({f['distinct_tokens']} distinct)")
+
+
+class Extract(Stage):
+    """Shards by the hf backend (a job each), by one vLLM capture server, or packed from
+    what generation captured; the manifest verifies them all."""
+
+    name = "extract"
+    rules = ("extract", "extract_vllm", "hidden_manifest")
+    outputs = ("hidden/manifest.json",)
+    progress = "progress/extract_*.json"
+    log = "logs/extract"
+    gpu_key = ("extract", "gpus")
+    note = "starts only after the server stopped: both need the GPU"
+
+    def facts(self, r):
+        m = _read(r / "hidden/manifest.json") or {}
+        return {"shards": m.get("num_shards"), "samples": m.get("num_samples"),
+                "tokens": m.get("tokens"), "truncated": m.get("truncated"),
+                "bytes": m.get("bytes"), "dtype": m.get("dtype"),
+                "aux_layer_ids": m.get("aux_layer_ids"),
+                "teacher_agreement": m.get("teacher_agreement")}
+
+    def line(self, f):
+        gib = (f["bytes"] or 0) / 2**30
+        return (f"{f['shards']} shards, {f['samples']} samples, {f['tokens']} tokens, "
+                f"{gib:.2f} GiB {f['dtype']}, layers {f['aux_layer_ids']}; teacher agreement "
+                f"{_pct(f['teacher_agreement'])}")
+
+    def estimate(self, r, cfg, progress):
+        target, totals = cfg["target"]["model"], _token_totals(r)
+        tokens = sum(t["tokens"] for t in totals.values()) if totals is not None else None
+        if cfg["generate"].get("capture_hidden_states"):
+            # generation saved the states: the stage reads, checks and packs them
+            if tokens is None:
+                return Estimate(None, NO_TOKENS)
+            rate, basis = _rate("extract_pack", "tokens_per_s", target)
+            if rate is None:
+                rate, basis = PACK_TOKENS_PER_S, "typical"
+            return Estimate(tokens / rate,
+                            f"packing {tokens} captured tokens at {rate:.0f} tok/s ({basis})")
+        if cfg["extract"]["backend"] == "vllm":
+            # one capture server; every sequence (train and held-out) is a prefill request
+            rate, basis = _rate("extract_vllm", "tokens_per_s", target,
+                                benchmark=lambda: (_read(BENCHMARKS / "extract.json") or {}).get(
+                                    "vllm_backend_tokens_per_s"))
+            if tokens is None or rate is None:
+                return Estimate(None, basis if totals else NO_TOKENS)
+            return Estimate(_server_start("extract_vllm", target) + tokens / rate,
+                            f"server start + {tokens} tokens of prefill at {rate:.0f} tok/s "
+                            f"({basis})")
         rate, basis = _rate("extract", "tokens_per_s", target)
+        if tokens is None or rate is None:
+            return Estimate(None, basis if totals else NO_TOKENS)
+        done = len(glob.glob(str(r / "hidden/shard_*.safetensors")))
+        left = tokens * (1 - done / max(cfg["extract"]["num_shards"], 1))
+        return Estimate(left / rate, f"{left:.0f} tokens at {rate:.0f} tok/s ({basis})")
+
+
+class Train(Stage):
+    name = "train"
+    outputs = ("drafter/model.safetensors",)
+    progress = "progress/train.json"
+    gpu_key = ("train", "gpus")
+
+    def facts(self, r):
+        rows = _training_rows(r)
+        out: dict[str, Any] = {}
+        for split in ("train", "eval"):
+            last = [row for row in rows if row.get("split") == split]
+            if last:
+                out[f"{split}_acc_0"] = float(last[-1]["acc_0"])
+                out[f"{split}_simulated_al"] = float(last[-1]["sim_al"])
+        if rows:
+            out["steps"] = int(rows[-1]["step"])
+        return out
+
+    def line(self, f):
+        parts = [f"step {f.get('steps')}"]
+        for split in ("train", "eval"):
+            if f"{split}_acc_0" in f:
+                parts.append(f"{split} acc_0 {f[f'{split}_acc_0']:.3f}, simulated AL "
+                             f"{f[f'{split}_simulated_al']:.2f}")
+        return "; ".join(parts)
+
+    def estimate(self, r, cfg, progress):
+        totals, epochs = _token_totals(r), cfg["train"]["epochs"]
+        rate, basis = _train_rate(cfg["target"]["model"], cfg["train"]["ttt_steps"])
         if totals is None or rate is None:
-            return Estimate(None, basis if totals else "token count unknown until generate runs")
-        done = sum(1 for _ in glob.glob(str(r / "hidden/shard_*.safetensors")))
-        share = 1 - done / max(cfg["extract"]["num_shards"], 1)
-        tokens = sum(t["tokens"] for t in totals.values()) * share
-        return Estimate(tokens / rate, f"{tokens:.0f} tokens at {rate:.0f} tok/s ({basis})")
-    if stage == "train":
-        rate, basis = _train_rate(target, cfg["train"]["ttt_steps"])
-        if totals is None or rate is None:
-            return Estimate(None, basis if totals else "token count unknown until generate runs")
-        tokens = totals["train"]["tokens"] * cfg["train"]["epochs"]
-        text = f"{cfg['train']['epochs']} epochs x {totals['train']['tokens']} tokens"
+            return Estimate(None, basis if totals else NO_TOKENS)
+        tokens = totals["train"]["tokens"] * epochs
+        text = f"{epochs} epochs x {totals['train']['tokens']} tokens"
         step, steps = _checkpointed_steps(r)
         if step:  # a rerun continues from the newest checkpoint
             tokens *= max(steps - step, 0) / steps
             text += f", resuming from the checkpoint at step {step}/{steps}"
         return Estimate(tokens / rate, f"{text} at {rate:.0f} tok/s ({basis})")
-    if stage == "evaluate":
+
+
+class Evaluate(Stage):
+    name = "evaluate"
+    outputs = ("eval/acceptance.json",)
+    progress = "progress/evaluate.json"
+    gpu_key = ("server", "gpus")
+    note = "vLLM server again"
+
+    def facts(self, r):
+        v = (_read(r / "eval/acceptance.json") or {}).get("verdict", {})
+        keys = ("acceptance_length", "speedup_by_concurrency", "ngram_acceptance_length",
+                "speeds_up_serving", "serve_never_slower_than_target", "warnings")
+        return {key: v.get(key) for key in keys}
+
+    def line(self, f):
+        if f.get("acceptance_length") is None:
+            return "no drafter run"
+        speedups = f.get("speedup_by_concurrency") or {}
+        text = f"AL {f['acceptance_length']:.2f}, best k " + ", ".join(
+            f"{x:.2f}x at concurrency {c}" for c, x in speedups.items())
+        if f.get("ngram_acceptance_length"):
+            text += f" (ngram AL {f['ngram_acceptance_length']:.2f})"
+        slow = [c for c, pays in (f.get("speeds_up_serving") or {}).items() if not pays]
+        if slow:
+            text += f"; does NOT speed serving up at concurrency {', '.join(slow)}"
+        if f.get("serve_never_slower_than_target") is False:
+            text += "; serve.json slower than the target alone somewhere"
+        return text
+
+    def estimate(self, r, cfg, progress):
+        ev, target = cfg["evaluate"], cfg["target"]["model"]
         plan, replays = run_plan(ev)
-        runs = len(plan)
         _, n_eval = _prompt_counts(r)
         if n_eval is None:
             return Estimate(None, "prompt count unknown")
@@ -328,8 +425,7 @@ def estimate(stage: str, r: Path, cfg: dict, progress: dict | None) -> Estimate:
                             benchmark=lambda: _bench_generate(first))
         if rate is None:
             return Estimate(None, basis)
-        start, _ = _rate("generate", "server_start_s", target)
-        per_run = start or SERVER_START_GUESS_S
+        per_run = _server_start("generate", target)
         base = _bench_generate(first)
         for c in ev["concurrency"]:
             # the rate was measured at the first concurrency; the benchmark's server rates
@@ -338,11 +434,28 @@ def estimate(stage: str, r: Path, cfg: dict, progress: dict | None) -> Estimate:
             scale = at_c / base if at_c and base else 1.0
             requests = sum(len(level_prompts(range(n), c, ev["rounds"])) for n in sizes)
             per_run += requests * ev["max_tokens"] * COMPLETION_FILL_GUESS / (rate * scale)
-        return Estimate((runs + OFFLINE_REPLAY_SHARE * replays) * per_run,
-                        f"{runs} vLLM runs x {len(sizes)} prompt sets at concurrency "
+        return Estimate((len(plan) + OFFLINE_REPLAY_SHARE * replays) * per_run,
+                        f"{len(plan)} vLLM runs x {len(sizes)} prompt sets at concurrency "
                         f"{ev['concurrency']} ({basis})" + (f", {replays} offline replays"
                                                              if replays else ""))
-    return Estimate(None, "unknown stage")
+
+
+# The stages in the workflow's order. Status also reads a results dir without Snakemake
+# (--no-snakemake, a copied results dir, no workflow at hand), so their order, rules and
+# outputs are listed here, in one place; tests/test_status.py checks them against the jobs
+# of a Snakemake dry run.
+STAGES: list[Stage] = [PrepareTarget(), PreparePrompts(), Generate(), VocabMap(), Extract(),
+                       Train(), Evaluate()]
+_BY_NAME = {s.name: s for s in STAGES}
+
+
+def estimate(stage: str, r: Path, cfg: dict, progress: dict | None) -> Estimate:
+    """Time left of ``stage``: a running stage's own ETA, else the stage's estimate."""
+    if progress and progress.get("state") == "running" and progress.get("eta_s") is not None:
+        return Estimate(progress["eta_s"], "this run's progress")
+    if stage not in _BY_NAME:
+        return Estimate(None, "unknown stage")
+    return _BY_NAME[stage].estimate(r, cfg, progress)
 
 
 # -- gathering -------------------------------------------------------------------------------
@@ -388,13 +501,14 @@ def _took(progresses: list[dict]) -> float | None:
 
 
 def stage_status(stage: Stage, r: Path, cfg: dict, outdated: set[str]) -> dict:
+    """Where ``stage`` stands; ``outdated``: the rules Snakemake would run now."""
     done = all(glob.glob(str(r / out)) for out in stage.outputs)
     progress_files = sorted(glob.glob(str(r / stage.progress))) if stage.progress else []
     progresses = [p for p in (_read(Path(f)) for f in progress_files) if p]
     active = [p for p in progresses if p.get("state") == "running"]
     running = [p for p in active if process_alive(p) is not False]
     stale = [p for p in active if process_alive(p) is False]
-    failure = _last_error(r / stage.log) if stage.log and not running else None
+    failure = _last_error(r / stage.log) if not running else None
     if failure and done and failure[1] <= _newest_output(r, stage):
         failure = None  # an older failure: the outputs were made after it
     out: dict[str, Any] = {"stage": stage.name}
@@ -405,8 +519,8 @@ def stage_status(stage: Stage, r: Path, cfg: dict, outdated: set[str]) -> dict:
         out["state"] = "failed"
         out["error"] = failure[0]
     elif done:
-        out["state"] = "outdated" if stage.name in outdated else "completed"
-        out["facts"] = stage.facts(r) if stage.facts else {}
+        out["state"] = "outdated" if outdated & set(stage.rules) else "completed"
+        out["facts"] = stage.facts(r)
         out["took_s"] = _took(progresses)
     elif stale:
         out["state"] = "interrupted"
@@ -420,8 +534,7 @@ def stage_status(stage: Stage, r: Path, cfg: dict, outdated: set[str]) -> dict:
         first = (out.get("progress") or [None])[0]
         est = estimate(stage.name, r, cfg, first if out["state"] == "running" else None)
         out["estimate_s"], out["estimate_basis"] = est.seconds, est.basis
-    if stage.log:
-        out["log"] = str(r / stage.log)
+    out["log"] = str(r / stage.log)
     return out
 
 
@@ -485,12 +598,6 @@ def collect(results: Path, cfg: dict, workflow: Path | None = None,
             config_args: list[str] | None = None) -> dict:
     outdated = snakemake_outdated(workflow, config_args or []) if workflow else None
     stages = [stage_status(s, results, cfg, outdated or set()) for s in STAGES]
-    if outdated:
-        rule_to_stage = {"extract_vllm": "extract", "hidden_manifest": "extract"}
-        pending = {rule_to_stage.get(rule, rule) for rule in outdated}
-        for s in stages:
-            if s["state"] == "completed" and s["stage"] in pending:
-                s["state"] = "outdated"
     remaining = [s for s in stages if s["state"] not in ("completed",)]
     known = [s["estimate_s"] for s in remaining if s.get("estimate_s") is not None]
     total = sum(known) if known else None
@@ -510,47 +617,14 @@ def collect(results: Path, cfg: dict, workflow: Path | None = None,
 
 # -- rendering -------------------------------------------------------------------------------
 
-def _fmt_facts(stage: str, f: dict) -> str:
-    pct = lambda x: "?" if x is None else f"{100 * x:.2f}%"  # noqa: E731
-    if stage == "prepare_target":
-        return f"{f['model']}: {f['layers']} layers, hidden {f['hidden_size']}, vocab {f['vocab_size']}"
-    if stage == "prepare_prompts":
-        return (f"{f['train_prompts']} train / {f['eval_prompts']} eval prompts, "
-                f"{f['bad_rows']} bad rows, {f['duplicates']} duplicates")
-    if stage == "generate":
-        return (f"{f['samples']} samples ({f['failed']} failed, {f['truncated']} truncated), "
-                f"{f['completion_tokens']} completion tokens; template check "
-                f"{f['template_mismatched']}/{f['template_checked']} mismatched")
-    if stage == "vocab_map":
-        return (f"Vd {f['draft_vocab_size']} covers {pct(f['coverage'])} of completion tokens "
-                f"({f['distinct_tokens']} distinct)")
-    if stage == "extract":
-        gib = (f["bytes"] or 0) / 2**30
-        return (f"{f['shards']} shards, {f['samples']} samples, {f['tokens']} tokens, "
-                f"{gib:.2f} GiB {f['dtype']}, layers {f['aux_layer_ids']}; teacher agreement "
-                f"{pct(f['teacher_agreement'])}")
-    if stage == "train":
-        parts = [f"step {f.get('steps')}"]
-        for split in ("train", "eval"):
-            if f"{split}_acc_0" in f:
-                parts.append(f"{split} acc_0 {f[f'{split}_acc_0']:.3f}, simulated AL "
-                             f"{f[f'{split}_simulated_al']:.2f}")
-        return "; ".join(parts)
-    if stage == "evaluate":
-        if f.get("acceptance_length") is None:
-            return "no drafter run"
-        speedups = f.get("speedup_by_concurrency") or {}
-        text = f"AL {f['acceptance_length']:.2f}, best k " + ", ".join(
-            f"{x:.2f}x at concurrency {c}" for c, x in speedups.items())
-        if f.get("ngram_acceptance_length"):
-            text += f" (ngram AL {f['ngram_acceptance_length']:.2f})"
-        slow = [c for c, pays in (f.get("speeds_up_serving") or {}).items() if not pays]
-        if slow:
-            text += f"; does NOT speed serving up at concurrency {', '.join(slow)}"
-        if f.get("serve_never_slower_than_target") is False:
-            text += "; serve.json slower than the target alone somewhere"
-        return text
-    return json.dumps(f)
+def _facts_line(s: dict) -> str:
+    stage = _BY_NAME.get(s["stage"])
+    facts = s.get("facts", {})
+    return stage.line(facts) if stage else json.dumps(facts)
+
+
+def order_line() -> str:
+    return "Order: " + " -> ".join(s.name + (f" ({s.note})" if s.note else "") for s in STAGES)
 
 
 def render(report: dict) -> str:
@@ -568,7 +642,7 @@ def render(report: dict) -> str:
         mark = "~" if s["state"] == "outdated" else "+"
         note = "  (outdated: Snakemake will rerun it)" if s["state"] == "outdated" else ""
         took = f"[{format_duration(s['took_s'])}] " if s.get("took_s") is not None else ""
-        lines.append(f"  {mark} {s['stage']:<16}{took}{_fmt_facts(s['stage'], s.get('facts', {}))}{note}")
+        lines.append(f"  {mark} {s['stage']:<16}{took}{_facts_line(s)}{note}")
     if not by_state.get("completed") and not by_state.get("outdated"):
         lines.append("  (nothing yet)")
 
@@ -602,8 +676,7 @@ def render(report: dict) -> str:
         partial = "" if report["remaining_complete"] else " (some stages have no estimate yet)"
         lines.append(f"  total remaining ~{format_duration(report['remaining_s'])}, finishing "
                      f"around {report['finishes_at']}{partial}")
-    lines.append("\nOrder: generate (vLLM server) -> vocab_map -> extract (starts only after the "
-                 "server stopped: both need the GPU) -> train -> evaluate (vLLM server again)")
+    lines.append("\n" + order_line())
     running_logs = [p.get("log") for s in by_state.get("running", []) for p in s["progress"]]
     lines.append(f"Follow it: eaglet status --results {shlex.quote(report['results'])} --watch 10"
                  + (f"   or   tail -f {shlex.quote(running_logs[0])}"

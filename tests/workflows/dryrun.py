@@ -1,4 +1,5 @@
-"""Read the jobs out of `snakemake --dry-run` output: rule, wildcards, output files, resources."""
+"""Read the jobs out of `snakemake --dry-run` output: rule, wildcards, input, output and log
+files, resources."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ _FIELD = re.compile(r"^\s+(?P<key>\w+): (?P<value>.*)$")
 class DryRunJob:
     rule: str
     wildcards: dict[str, str] = field(default_factory=dict)
+    input: list[str] = field(default_factory=list)
     output: list[str] = field(default_factory=list)
+    log: list[str] = field(default_factory=list)
     resources: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -51,8 +54,8 @@ def parse_dry_run(text: str) -> list[DryRunJob]:
                 current = None
             continue
         key, value = match["key"], match["value"]
-        if key == "output":
-            current.output = value.split(", ")
+        if key in ("input", "output", "log"):
+            setattr(current, key, value.split(", "))
         elif key == "wildcards":
             current.wildcards = _pairs(value)
         elif key == "resources":
