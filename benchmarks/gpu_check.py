@@ -1,5 +1,5 @@
 """One device check of eaglet on a GPU machine: extraction, training and disk rates against
-the goals of issue 13, in under 9 minutes, with nothing installed but PyTorch and
+eaglet's GPU goals, in under 9 minutes, with nothing installed but PyTorch and
 transformers (no vLLM, no jsonschema, no network, no checkpoint).
 
 Sections, each timed on its own and skipped with a recorded reason when the run is late:
