@@ -354,3 +354,15 @@ def test_the_stages_are_the_workflows_rules_in_its_order(tmp_path, backend):
         read = {made_by[path] for job in own for path in job.input if path in made_by}
         assert all(j <= i for j in read), stage.name
     assert status.order_line().startswith(f"Order: {status.STAGES[0].name} -> ")
+
+
+@pytest.mark.parametrize("backend, capture, holds", [("vllm", False, 2), ("hf", True, 2),
+                                                      ("hf", False, 1)])
+def test_extract_reports_the_gpus_its_jobs_hold(tmp_path, backend, capture, holds):
+    """The vllm backend and captured states extract through a server on server.gpus (as
+    rules/extract.smk declares it); the hf backend's jobs hold extract.gpus."""
+    from eaglet.config import validate
+    r = tmp_path / "results"
+    cfg = validate({"results_dir": str(r), "server": {"gpus": 2}, "extract": {
+        "gpus": 1, "backend": backend}, "generate": {"capture_hidden_states": capture}})
+    assert status.stage_status(_stage("extract"), r, cfg, set())["gpus"] == holds

@@ -191,6 +191,13 @@ class Stage:
         self.rules = self.rules or (self.name,)
         self.log = self.log or f"logs/{self.name}.log"
 
+    def gpus(self, cfg: dict) -> int | None:
+        """GPUs the stage's jobs hold (None: it runs no model)."""
+        if not self.gpu_key:
+            return None
+        section, key = self.gpu_key
+        return cfg[section].get(key, 0)
+
     def facts(self, r: Path) -> dict:
         return {}
 
@@ -299,6 +306,12 @@ class Extract(Stage):
     log = "logs/extract"
     gpu_key = ("extract", "gpus")
     note = "starts only after the server stopped: both need the GPU"
+
+    def gpus(self, cfg):
+        # the vllm backend and captured states: the extraction server holds server.gpus
+        from_vllm = (cfg["extract"].get("backend") == "vllm"
+                     or cfg["generate"].get("capture_hidden_states"))
+        return cfg["server" if from_vllm else "extract"].get("gpus", 0)
 
     def facts(self, r):
         m = _read(r / "hidden/manifest.json") or {}
@@ -528,8 +541,7 @@ def stage_status(stage: Stage, r: Path, cfg: dict, outdated: set[str]) -> dict:
     else:
         out["state"] = "pending"
     if stage.gpu_key:
-        section, key = stage.gpu_key
-        out["gpus"] = cfg[section].get(key, 0)
+        out["gpus"] = stage.gpus(cfg)
     if out["state"] != "completed":
         first = (out.get("progress") or [None])[0]
         est = estimate(stage.name, r, cfg, first if out["state"] == "running" else None)
