@@ -2,8 +2,10 @@
 
 The tests share one results directory and run in file order, each taking the workflow one
 stage further, as a user would: generation (interrupted with Ctrl-C and resumed), then the
-vocabulary and the hidden states (vLLM prefill, the default backend), training and evaluation; last, generation once more with the
-hidden states captured by vLLM as it generates (generate.capture_hidden_states).
+vocabulary and the hidden states (vLLM prefill, the default backend, checked row for row against
+the transformers backend), training and evaluation (vLLM loads the exported drafter); last,
+generation once more with the hidden states captured by vLLM as it generates
+(generate.capture_hidden_states).
 """
 
 from __future__ import annotations
@@ -14,10 +16,14 @@ import signal
 import time
 
 import pytest
+import torch
 
+from eaglet import shards
 from eaglet import status as eaglet_status
+from eaglet.extract import extract_shard, load_target, target_identity
 from eaglet.io import read_json, read_jsonl
 from eaglet.server import port_is_free
+from eaglet.target import read_target
 from tests import workflow
 
 pytestmark = pytest.mark.e2e
@@ -136,7 +142,7 @@ def test_generate_is_interrupted_and_resumes_without_regenerating(results, tmp_p
     assert all(r["completion_token_ids"][-1] == 2 for r in stopped)
 
 
-def test_hidden_states_reproduce_the_servers_greedy_tokens(results):
+def test_hidden_states_reproduce_the_servers_greedy_tokens(results, tmp_path):
     workflow.run(results, "hidden/manifest.json", "hidden/eval/shard_00000.safetensors",
                  "vocab/vocab_map.safetensors")
     manifest = read_json(results / "hidden" / "manifest.json")
@@ -154,6 +160,29 @@ def test_hidden_states_reproduce_the_servers_greedy_tokens(results):
     vocab = read_json(results / "vocab" / "stats.json")
     assert vocab["coverage"] == 1.0  # every completion token fits in the tiny draft vocab
 
+    # vLLM's prefill states equal the transformers backend's, row for row (the tiny config
+    # stores float32): the captured layers, their order and the final norm are the ones the
+    # drafter is trained on
+    cfg = eaglet_status.load_run_config(results, str(workflow.TINY), workflow.REPO)
+    info = read_target(results / "target" / "target.json")
+    target = load_target(info["path"], "float32", "cpu")
+    by_id = {r["id"]: r for r in train}
+    shard = manifest["shards"][0]
+    ours = shards.load(results / "hidden" / shard["file"])
+    hf_path = tmp_path / "hf.safetensors"
+    extract_shard(target, [by_id[i] for i in shard["samples"]], {**cfg["extract"], "backend": "hf"},
+                  manifest["aux_layer_ids"], target_identity(info), hf_path,
+                  tmp_path / "hf.json")
+    theirs = shards.load(hf_path)
+    for name in ("input_ids", "offsets", "loss_mask"):
+        assert torch.equal(getattr(ours, name), getattr(theirs, name)), name
+    for name in ("aux_hidden", "final_hidden"):
+        a, b = getattr(ours, name).float(), getattr(theirs, name).float()
+        assert a.shape == b.shape, name
+        rel = ((a - b).norm(dim=-1) / b.norm(dim=-1).clamp(min=1e-6)).max()
+        assert rel < 1e-3, f"{name}: max relative row error {rel:.2e}"
+    assert (ours.teacher_argmax == theirs.teacher_argmax).float().mean() > 0.99
+
     after = status(results)
     assert after["extract"]["state"] == "completed"
     assert after["extract"]["facts"]["teacher_agreement"] == manifest["teacher_agreement"]
@@ -167,6 +196,11 @@ def test_trained_drafter_is_measured_in_vllm_and_reported(results):
     assert drafter["architectures"] == ["LlamaForCausalLMEagle3"]
     assert drafter["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == manifest["aux_layer_ids"]
     assert drafter["draft_vocab_size"] == 2048 and drafter["vocab_size"] == 49152
+
+    # vLLM loaded the export as an EAGLE-3 drafter sharing the target's embedding
+    served = (results / "logs" / "evaluate.eagle3_k3.server.log").read_text()
+    assert "Resolved architecture: LlamaForCausalLMEagle3" in served
+    assert "without its own embed_tokens" in served
 
     acceptance = read_json(results / "eval" / "acceptance.json")
     runs = {r["name"]: r for r in acceptance["runs"]}
@@ -256,6 +290,8 @@ def test_states_captured_while_generating_train_a_drafter_like_the_extracted_one
         assert read_json(results / "hidden" / shard["file"].replace(
             ".safetensors", ".json"))["backend"] == "vllm"
     assert not list((results / "hidden" / "vllm" / "requests").glob("*.safetensors"))
+    # packed shards were moved into place: nothing staged is left behind
+    assert not list((results / "hidden" / "vllm").rglob("shard_*.safetensors"))
     facts = eaglet_status.collect(results, eaglet_status.load_run_config(
         results, str(workflow.TINY), workflow.REPO), None)
     train = {s["stage"]: s for s in facts["stages"]}["train"]["facts"]
