@@ -3,6 +3,9 @@
 # generate.capture_hidden_states: generation saved the states already; the vllm rule packs
 # them (and starts a server only for samples whose states are missing).
 # Each job declares the GPUs it holds, so it never overlaps another GPU stage.
+# What the states depend on (besides the samples): the server's and the requests' settings
+# (timeouts, retries, port, memory share) are read from config by the scripts, so changing
+# them reruns nothing.
 EXTRACT_PARAMS = dict(
     extract={k: v for k, v in config["extract"].items() if k not in ("gpus", "device", "concurrency")},
     target=config["target"],
@@ -30,8 +33,6 @@ if FROM_VLLM:
             eval_metas=hidden_files("eval", ".json"),
         params:
             **EXTRACT_PARAMS,
-            server=config["server"],
-            generate=GENERATE_PARAMS["generate"],
             work=f"{R}/hidden/vllm",
             progress=f"{R}/progress/extract_vllm.json",
         resources:
@@ -90,8 +91,6 @@ rule hidden_manifest:
         **EXTRACT_PARAMS,
         num_shards=len(TRAIN_SHARDS),
         hidden_dir=lambda wildcards, output: os.path.dirname(output[0]),
-        server=config["server"],
-        generate=GENERATE_PARAMS["generate"],
     resources:
         **EXTRACT_RESOURCES,
     log:

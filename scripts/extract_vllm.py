@@ -4,7 +4,7 @@ from eaglet.scripting import run_stage
 
 smk = snakemake  # noqa: F821 (injected by Snakemake)
 cfg = {"extract": {**smk.config["extract"], **smk.params.extract}, "target": smk.params.target,
-       "server": smk.params.server, "generate": smk.params.generate}
+       "server": smk.config["server"], "generate": smk.config["generate"]}
 splits = {"train": {"data": smk.input.train, "shards": list(smk.output.shards),
                     "metas": list(smk.output.metas)},
           "eval": {"data": smk.input.eval, "shards": list(smk.output.eval_shards),

@@ -189,7 +189,7 @@ def test_hidden_states_reproduce_the_servers_greedy_tokens(results, tmp_path):
     assert after["train"]["state"] == "pending"
 
 
-def test_trained_drafter_is_measured_in_vllm_and_reported(results):
+def test_trained_drafter_is_measured_in_vllm_and_reported(results, tmp_path):
     workflow.run(results, "eval/acceptance.json", "eval/training_curves.png")
     manifest = read_json(results / "hidden" / "manifest.json")
     drafter = read_json(results / "drafter" / "config.json")
@@ -247,6 +247,12 @@ def test_trained_drafter_is_measured_in_vllm_and_reported(results):
 
     finished = status(results)
     assert all(s["state"] == "completed" for s in finished.values()), finished
+    # how the server starts and stops changes no sample and no state: nothing reruns (the
+    # params Snakemake recorded are checked, which a touched tree would not have)
+    overlay = tmp_path / "server.yaml"
+    overlay.write_text("server:\n  startup_timeout_s: 7200\n  memory_utilization: 0.3\n")
+    proc = workflow.run(results, extra=("-n",), configs=(overlay,))
+    assert "Nothing to be done" in proc.stdout + proc.stderr, proc.stdout[-3000:]
     # judged against the config the run recorded, nothing is outdated either
     recorded = status(results, config=None)
     assert all(s["state"] == "completed" for s in recorded.values()), recorded
