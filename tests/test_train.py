@@ -169,6 +169,24 @@ def test_resume_refuses_a_checkpoint_of_other_settings_unless_told_to_start_over
     assert [p.name for p in (tmp_path / "run" / "ckpt").glob("step_*")] == ["step_00000002"]
 
 
+def test_changed_settings_train_again_over_a_finished_training(world, tmp_path):
+    """A finished training leaves nothing to resume: after a settings change the rerun starts
+    over (and logs why) instead of refusing; a setting eaglet added later, left at the value
+    that reproduces the earlier behaviour, counts as no change at all."""
+    run(world, tmp_path, FAST)
+    ckpt = tmp_path / "run" / "ckpt"
+    newest = sorted(ckpt.glob("step_*"))[-1]
+    state = json.loads((newest / "state.json").read_text())
+    del state["fingerprint"]["train"]["feature_noise"]  # written before the setting existed
+    (newest / "state.json").write_text(json.dumps(state))
+    again = run(world, tmp_path, FAST)
+    assert again["resumed_from_step"] == state["step"]  # the same settings: nothing to redo
+    changed = run(world, tmp_path, {**FAST, "lr": 1e-3})
+    assert changed["resumed_from_step"] == 0 and changed["steps"] == state["step"]
+    assert sorted(p.name for p in ckpt.glob("step_*"))[-1] == newest.name  # written anew
+    assert json.loads((newest / "state.json").read_text())["fingerprint"]["train"]["lr"] == 1e-3
+
+
 def test_non_finite_loss_names_step_and_samples_and_keeps_the_checkpoint(world, tmp_path):
     bad = tmp_path / "bad"
     paths = []

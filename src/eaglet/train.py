@@ -45,7 +45,7 @@ from safetensors.torch import save as save_safetensors
 
 from eaglet import rates
 from eaglet import shards as shard_format
-from eaglet.config import ConfigError, validate
+from eaglet.config import ADDED_LATER, ConfigError, validate
 from eaglet.drafter import (DrafterConfig, Eagle3Drafter, init_from_target_layer, init_lm_head,
                             num_params)
 from eaglet.export import export_drafter
@@ -442,6 +442,16 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def fingerprint_differences(was: dict, now: dict) -> list[str]:
+    """What differs between a checkpoint's fingerprint and this run's; settings added to
+    eaglet later count only when set away from the behaviour before them."""
+    later = ADDED_LATER["train"]
+    what = sorted(k for k in set(was["train"]) | set(now["train"])
+                  if was["train"].get(k, later.get(k)) != now["train"].get(k, later.get(k)))
+    return what + [k for k in ("shards", "sample_ids_sha256", "micro_batches_per_step")
+                   if was.get(k) != now[k]]
+
+
 def fingerprint(cfg: dict, infos: list[ShardInfo], group: int) -> dict:
     """What a checkpoint must share with the run that resumes it."""
     samples = hashlib.sha256(json.dumps([i.sample_ids for i in infos]).encode()).hexdigest()
@@ -610,14 +620,21 @@ class Trainer:
             return None
         path = found[-1]
         state = read_json(path / "state.json")
-        if state["fingerprint"] != self.fingerprint:
-            was, now = state["fingerprint"], self.fingerprint
-            what = sorted(k for k in set(was["train"]) | set(now["train"])
-                          if was["train"].get(k) != now["train"].get(k))
-            what += [k for k in ("shards", "sample_ids_sha256", "micro_batches_per_step")
-                     if was.get(k) != now[k]]
-            raise TrainError(f"the checkpoint {path} belongs to a run with other settings or data "
-                             f"({', '.join(what)} differ): restore them, or delete "
+        what = fingerprint_differences(state["fingerprint"], self.fingerprint)
+        if what and state["step"] >= state.get("total_steps", float("inf")):
+            # a finished training with other settings: nothing of it to resume (its drafter
+            # is what this run replaces), so changed settings simply train again
+            log.warning("the checkpoints in %s are of a finished training with other settings "
+                        "or data (%s differ): deleting them and starting over",
+                        self.checkpoint_dir, ", ".join(what))
+            if self.dist.rank == 0:
+                for old in found:
+                    shutil.rmtree(old)
+            return None
+        if what:
+            raise TrainError(f"the checkpoint {path} of an unfinished training (step "
+                             f"{state['step']}) belongs to other settings or data "
+                             f"({', '.join(what)} differ): restore them to resume it, or delete "
                              f"{self.checkpoint_dir} (or set train.resume: false) to start over")
         with open(path / "model.safetensors", "rb") as handle:
             self.model.load_state_dict(load_safetensors(handle.read()))
