@@ -52,6 +52,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))  # run from a plain copy of the repository, nothing installed
@@ -68,7 +69,7 @@ from eaglet.extract import (AuxCapture, Target, decoder_layers, default_aux_laye
                             token_budget_batches)
 from eaglet.io import write_json  # noqa: E402
 from eaglet.plan import PRESETS, Shape  # noqa: E402
-from eaglet.train import Dist, Trainer, lr_factor  # noqa: E402
+from eaglet.train import Dist, Trainer  # noqa: E402
 
 OUT = Path(__file__).parent / "results"
 PEAK_FLOPS = 989e12        # H200 dense bf16 (the datasheet's number without sparsity)
@@ -287,6 +288,9 @@ class RandomSamples:
                         torch.randn(length, config.hidden_size, generator=g))
                        for s in range(count)]
 
+        # one "shard" holding them all, as train_data.plan_epoch reads samples
+        self.infos, self.first = [SimpleNamespace(lengths=self.lengths)], [0]
+
     def __len__(self) -> int:
         return len(self.pieces)
 
@@ -296,38 +300,21 @@ class RandomSamples:
 
 
 def random_trainer(cfg: dict, config: DrafterConfig, samples: RandomSamples,
-                   device: torch.device, dtype: torch.dtype, work: Path, total_steps: int) -> Trainer:
-    """A ``Trainer`` as its ``__init__`` builds it, with random target weights and samples in
-    place of what it reads from the target directory, the vocabulary map and the shards."""
-    trainer = Trainer.__new__(Trainer)
-    trainer.cfg, trainer.dist, trainer.device = cfg, Dist(), device
-    trainer.checkpoint_dir = work / "checkpoints"  # named by failure messages only
-    trainer.group = cfg["grad_accum"]
-    trainer.train_data = trainer.eval_data = samples
-    trainer.t2d = torch.arange(config.vocab_size) < config.draft_vocab_size
+                   device: torch.device, dtype: torch.dtype, work: Path) -> Trainer:
+    """eaglet's ``Trainer`` around random samples and random target weights (in place of what
+    ``Trainer.from_files`` reads from the shards, the vocabulary map and the target)."""
+    t2d = torch.arange(config.vocab_size) < config.draft_vocab_size
     d2t = torch.zeros(config.draft_vocab_size, dtype=torch.long)
     torch.manual_seed(cfg["seed"])
     # in the target's dtype, as a checkpoint gives them; drawn on the device (the Kimi-K2.5
     # embedding is 1.2G numbers)
     embed = torch.randn(config.vocab_size, config.hidden_size, device=device, dtype=dtype) * 0.02
-    trainer.teacher_head = torch.randn(config.draft_vocab_size, config.hidden_size, device=device,
-                                       dtype=dtype) * 0.02
-    trainer.model = Eagle3Drafter(config, embed, d2t, trainer.t2d)
-    trainer.num_aux = len(config.aux_layer_ids)
-    init_lm_head(trainer.model, trainer.teacher_head)  # train.lm_head_init: target
-    trainer.model.to(device)
-    trainer.teacher_head = trainer.teacher_head.to(device)
-    decay = [p for p in trainer.model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in trainer.model.parameters() if p.ndim < 2]
-    trainer.optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg["weight_decay"]},
-         {"params": no_decay, "weight_decay": 0.0}], lr=cfg["lr"], betas=tuple(cfg["betas"]))
-    warmup = math.ceil(cfg["warmup_ratio"] * total_steps)
-    trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(
-        trainer.optimizer, lambda s: lr_factor(s, warmup, total_steps, cfg["min_lr_ratio"]))
-    trainer.wrapped = trainer.model
-    trainer.step, trainer.epoch, trainer.next_in_epoch = 0, 0, 0
-    return trainer
+    teacher_head = torch.randn(config.draft_vocab_size, config.hidden_size, device=device,
+                               dtype=dtype) * 0.02
+    model = Eagle3Drafter(config, embed, d2t, t2d)
+    init_lm_head(model, teacher_head)  # train.lm_head_init: target
+    return Trainer(cfg, model, teacher_head, samples, samples, work / "checkpoints", device,
+                   Dist())
 
 
 def training(shape: Shape, size: dict, device: torch.device, dtype: torch.dtype, work: Path) -> dict:
@@ -340,7 +327,9 @@ def training(shape: Shape, size: dict, device: torch.device, dtype: torch.dtype,
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     steps = size["train_warmup"] + size["train_steps"]
-    trainer = random_trainer(cfg, config, samples, device, dtype, work, steps)
+    # the schedule spans exactly the steps measured
+    trainer = random_trainer({**cfg, "epochs": steps, "max_steps": steps}, config, samples,
+                             device, dtype, work)
     micro = [list(range(count))]  # one micro-batch per step (grad_accum 1), every sample
     times, rows, losses = [], 0, []
     for step in range(steps):

@@ -52,7 +52,7 @@ from eaglet import shards as shard_format
 from eaglet.config import validate
 from eaglet.io import read_json, write_json
 from eaglet.target import FINAL_NORM_NAMES, _read_tensor, _weight_files
-from eaglet.train import make_batch
+from eaglet.train_data import make_batch
 from eaglet.vocab import load_vocab_map
 
 HERE = Path(__file__).parent

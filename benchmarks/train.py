@@ -32,7 +32,8 @@ import torch
 
 from eaglet.drafter import DrafterConfig, Eagle3Drafter, count_flops_per_token, num_params
 from eaglet.io import read_json, write_json
-from eaglet.train import batch_sums, make_batch, train
+from eaglet.train import batch_sums, train
+from eaglet.train_data import make_batch
 
 OUT = Path(__file__).parent / "results"
 

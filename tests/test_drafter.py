@@ -21,7 +21,8 @@ from eaglet import drafter
 from eaglet.drafter import DrafterConfig, Eagle3Drafter
 from eaglet.export import export_drafter, export_speculators, load_drafter
 from eaglet.target import load_target_layer
-from eaglet.train import batch_sums, make_batch, summarize
+from eaglet.train import batch_sums, summarize
+from eaglet.train_data import make_batch
 
 H, VOCAB, DRAFT_VOCAB, K = 32, 50, 30, 4
 

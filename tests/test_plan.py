@@ -13,7 +13,8 @@ import torch
 from eaglet import plan
 from eaglet.cli import main as cli_main
 from eaglet.drafter import DrafterConfig, Eagle3Drafter, num_params
-from eaglet.train import batch_sums, make_batch
+from eaglet.train import batch_sums
+from eaglet.train_data import make_batch
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 2 ** 30

@@ -21,8 +21,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from eaglet import shards
 from eaglet.io import atomic_open
-from eaglet.train import (Dist, Trainer, TrainError, add_feature_noise, launch_torchrun,
-                          make_batch, settings, train)
+from eaglet.train import Dist, Trainer, TrainError, launch_torchrun, settings, train
+from eaglet.train_data import add_feature_noise, make_batch
 
 AUX_LAYERS = [1, 2, 3]
 VOCAB, DRAFT_VOCAB = 256, 160
@@ -426,7 +426,6 @@ def test_loss_on_prompt_counts_the_prompt_positions_too():
 def test_feature_noise_is_scaled_to_each_layers_rms_per_row():
     """Layers of very different magnitude (deep layers grow) each get noise of scale x their
     own RMS, row by row; the noise is fresh per call and nothing else changes."""
-    from eaglet.train import add_feature_noise
     T, H = 4000, 64
     magnitudes = torch.tensor([1.0, 30.0, 400.0])
     aux = (torch.randn(T, 3, H) * magnitudes[None, :, None]).view(T, 3 * H)

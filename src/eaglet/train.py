@@ -23,49 +23,36 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import hashlib
-import json
 import logging
 import math
 import os
-import random
 import shutil
 import subprocess
 import sys
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
-from safetensors.torch import load as load_safetensors
-from safetensors.torch import save as save_safetensors
 
 from eaglet import rates
-from eaglet import shards as shard_format
-from eaglet.config import ADDED_LATER, ConfigError, validate
+from eaglet import train_checkpoints as ckpt
+from eaglet.config import ConfigError, validate
 from eaglet.drafter import (DrafterConfig, Eagle3Drafter, init_from_target_layer, init_lm_head,
                             num_params)
 from eaglet.export import export_drafter
 from eaglet.io import atomic_open, human_size, read_json, write_json
 from eaglet.progress import Progress
 from eaglet.target import (load_target_embedding, load_target_layer, load_target_lm_head,
-                           model_identity, read_target_config, text_config)
+                           read_target_config, text_config)
 from eaglet.tracking import Trackers
+from eaglet.train_data import (Batch, Samples, TrainError, add_feature_noise, check_shards,
+                               check_vocab_map, index_shard, make_batch, manifest_hashes, pack,
+                               plan_epoch, step_micro_batches, steps_in)
 from eaglet.vocab import load_vocab_map
 
 log = logging.getLogger("eaglet.train")
-
-# keys that may change between a run and its resumption without changing the result
-RESUME_FREE = {"log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "resume",
-               "device", "precision", "export_dtype", "report_to"}
-
-
-class TrainError(RuntimeError):
-    """The inputs or the run cannot go on; the message says what to change."""
-
 
 def settings(cfg: dict) -> dict:
     """The train section with the schema's defaults filled in and checked against it
@@ -81,281 +68,6 @@ def settings(cfg: dict) -> dict:
         raise TrainError(f"train.max_len {out['max_len']} exceeds train.max_tokens_per_batch "
                          f"{out['max_tokens_per_batch']}: a sample must fit one batch")
     return out
-
-
-# -- inputs and their checks -----------------------------------------------------------------
-
-@dataclass
-class ShardInfo:
-    path: str
-    lengths: list[int]
-    sample_ids: list[str]
-    hidden_size: int
-    aux_layer_ids: list[int]
-    target: dict
-    sha256: str | None = None  # recorded in the manifest at extraction; None: not verified
-
-
-def manifest_hashes(manifest_path: str, paths: list[str]) -> dict[str, str]:
-    """The sha256 that ``manifest.json`` records for each shard of ``paths``."""
-    manifest = read_json(manifest_path)
-    root = Path(manifest_path).parent
-    listed = {os.path.realpath(root / entry["file"]): entry["sha256"]
-              for entry in manifest.get("shards", []) + manifest.get("eval_shards", [])}
-    hashes = {}
-    for path in paths:
-        sha256 = listed.get(os.path.realpath(path))
-        if sha256 is None:
-            raise TrainError(f"{path} is not listed in {manifest_path}, so it cannot be verified: "
-                             f"rebuild the manifest (snakemake --forcerun hidden_manifest)")
-        hashes[path] = sha256
-    return hashes
-
-
-def damaged(exc: shard_format.ShardDamaged) -> TrainError:
-    """Move a damaged shard aside, so that the next run extracts it again, and say so."""
-    aside = shard_format.set_aside(exc.path)
-    where = f"it was moved to {aside.name}" if aside else "it is gone"
-    return TrainError(f"{exc}. No training step used its damaged bytes; {where}, so that "
-                      f"rerunning the workflow extracts it again (finished checkpoints are kept)")
-
-
-def index_shard(path: str, vocab_size: int, sha256: str | None = None) -> ShardInfo:
-    """What training needs to know of a shard before loading it, with its token ids checked.
-    With ``sha256`` a shard that cannot be read, or whose check fails because its bytes
-    changed since extraction, is refused as damaged."""
-    def refuse(message: str) -> TrainError:
-        if sha256 is not None and shard_format.sha256_path(path) != sha256:
-            return damaged(shard_format.ShardDamaged(
-                path, "its sha256 is not the one recorded at extraction (truncated or modified "
-                      f"on disk; {message})"))
-        return TrainError(message)
-
-    try:
-        meta = shard_format.read_metadata(path)
-        with safe_open(str(path), framework="pt") as handle:
-            offsets = handle.get_tensor("offsets")
-            width = handle.get_slice("aux_hidden").get_shape()[1]
-            # teacher_argmax is -1 on rows no loss reads (see eaglet.shards)
-            ranges = {}
-            for name in ("input_ids", "teacher_argmax"):
-                ids = handle.get_tensor(name)
-                ranges[name] = (int(ids.min()), int(ids.max())) if ids.numel() else None
-    except Exception as exc:  # safetensors' own message names no file
-        if sha256 is None:
-            raise TrainError(f"{path} cannot be read ({exc}): rerun extract for it") from exc
-        raise damaged(shard_format.ShardDamaged(path, f"it cannot be read ({exc})")) from exc
-    for name, lowest in (("input_ids", 0), ("teacher_argmax", -1)):
-        if ranges[name] is None:
-            continue
-        low, high = ranges[name]
-        if low < lowest or high >= vocab_size:
-            bad = low if low < lowest else high
-            raise refuse(f"{path}: {name} holds id {bad} outside the target vocabulary of "
-                         f"{vocab_size}: the shard was extracted for another "
-                         f"tokenizer; rerun extract for this target")
-    if width != meta["hidden_size"] * len(meta["aux_layer_ids"]):
-        raise refuse(f"{path}: aux_hidden is {width} wide, not hidden size {meta['hidden_size']}"
-                     f" x {len(meta['aux_layer_ids'])} aux layers: the shard is corrupt; rerun extract")
-    return ShardInfo(str(path), (offsets[1:] - offsets[:-1]).tolist(), meta["sample_ids"],
-                     meta["hidden_size"], meta["aux_layer_ids"], meta["target"], sha256)
-
-
-def check_vocab_map(target_config: dict, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-    vocab = target_config["vocab_size"]
-    fix = "rebuild vocab/vocab_map.safetensors for this target (rerun the vocab_map rule)"
-    if t2d.numel() != vocab:
-        raise TrainError(f"the vocab map's t2d covers {t2d.numel()} tokens but the target's "
-                         f"vocab_size is {vocab}: {fix}")
-    draft_to_target = torch.arange(d2t.numel()) + d2t
-    if (int(t2d.sum()) != d2t.numel() or int(draft_to_target.min()) < 0
-            or int(draft_to_target.max()) >= vocab or not bool(t2d[draft_to_target].all())):
-        raise TrainError(f"the vocab map is inconsistent: d2t maps {d2t.numel()} draft ids but "
-                         f"t2d marks {int(t2d.sum())} target ids, or they disagree: {fix}")
-
-
-def check_shards(infos: list[ShardInfo], target_config: dict, target_dir: str) -> None:
-    """Refuse shards that disagree with each other or with the target."""
-    first, identity = infos[0], None
-    for info in infos:
-        if info.hidden_size != target_config["hidden_size"]:
-            raise TrainError(f"{info.path} has hidden size {info.hidden_size} but the target has "
-                             f"{target_config['hidden_size']}: it was extracted from another "
-                             f"model; rerun extract")
-        for what in ("aux_layer_ids", "target"):
-            if getattr(info, what) != getattr(first, what):
-                raise TrainError(
-                    f"{info.path} has {what} {getattr(info, what)} but {first.path} has "
-                    f"{getattr(first, what)}: the shards come from different extract runs; "
-                    f"delete the stale ones and rerun extract")
-        if "config_sha256" in info.target:
-            identity = identity or model_identity(Path(target_dir))
-            if info.target["config_sha256"] != identity["config_sha256"]:
-                raise TrainError(f"{info.path} was extracted from a target whose config differs "
-                                 f"from {target_dir}: rerun extract for this target")
-
-
-# -- data ------------------------------------------------------------------------------------
-
-class Samples:
-    """The samples of a list of shards under one global index; shards are loaded on first use
-    and at most ``keep`` of them (0: all) stay in memory."""
-
-    def __init__(self, infos: list[ShardInfo], keep: int = 0):
-        self.infos = infos
-        self.keep = keep
-        self.lengths = [n for info in infos for n in info.lengths]
-        self.shard_of = [s for s, info in enumerate(infos) for _ in info.lengths]
-        self.first = [0]  # global index of each shard's first sample
-        for info in infos[:-1]:
-            self.first.append(self.first[-1] + len(info.lengths))
-        self._loaded: OrderedDict[int, shard_format.Shard] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self.lengths)
-
-    def preload(self) -> None:
-        """Load (and so verify) every shard now when all of them stay in memory anyway, so
-        that a damaged one stops the run before its first step."""
-        if not self.keep:
-            for number in range(len(self.infos)):
-                self.shard(number)
-
-    def shard(self, number: int) -> shard_format.Shard:
-        if number in self._loaded:
-            self._loaded.move_to_end(number)
-        else:
-            info = self.infos[number]
-            try:  # read once, hashed as it is read, against the manifest
-                self._loaded[number] = shard_format.load(info.path, info.sha256)
-            except shard_format.ShardDamaged as exc:
-                raise damaged(exc) from exc
-            if self.keep and len(self._loaded) > self.keep:
-                self._loaded.popitem(last=False)
-        return self._loaded[number]
-
-    def get(self, index: int, max_len: int) -> tuple:
-        """(sample id, input_ids, loss_mask, teacher_argmax, aux_hidden, final_hidden)."""
-        number = self.shard_of[index]
-        local = index - self.first[number]
-        shard = self.shard(number)
-        rows = shard.sample(local)
-        rows = slice(rows.start, min(rows.stop, rows.start + max_len))
-        return (shard.sample_ids[local], shard.input_ids[rows], shard.loss_mask[rows],
-                shard.teacher_argmax[rows], shard.aux_hidden[rows], shard.final_hidden[rows])
-
-
-def pack(order: list[int], lengths: list[int], budget: int, open_bins: int = 8) -> list[list[int]]:
-    """Whole samples (``lengths`` already cut to max_len) into batches of at most ``budget``
-    rows, first fit over the few newest open batches (keeps the shuffled order nearly intact)."""
-    done, bins = [], []  # bins: [rows used, [sample indices]]
-    for index in order:
-        rows = lengths[index]
-        for b in bins:
-            if b[0] + rows <= budget:
-                b[0] += rows
-                b[1].append(index)
-                break
-        else:
-            bins.append([rows, [index]])
-            if len(bins) > open_bins:
-                done.append(bins.pop(0)[1])
-    return done + [b[1] for b in bins]
-
-
-def plan_epoch(samples: Samples, epoch: int, cfg: dict) -> list[list[int]]:
-    """The epoch's micro-batches (lists of global sample indices), a pure function of the seed."""
-    rng = random.Random(f"eaglet-train:{cfg['seed']}:{epoch}")
-    shard_order = list(range(len(samples.infos)))
-    if cfg["shuffle"]:
-        rng.shuffle(shard_order)
-    window = cfg["shards_in_memory"] or len(shard_order)
-    lengths = [min(n, cfg["max_len"]) for n in samples.lengths]
-    batches = []
-    for start in range(0, len(shard_order), window):
-        order = [samples.first[s] + i for s in shard_order[start:start + window]
-                 for i in range(len(samples.infos[s].lengths))]
-        if cfg["shuffle"]:
-            rng.shuffle(order)
-        batches += pack(order, lengths, cfg["max_tokens_per_batch"])
-    return batches
-
-
-def steps_in(plan: list, group: int) -> int:
-    return math.ceil(len(plan) / group)
-
-
-def step_micro_batches(plan: list, step: int, group: int) -> list:
-    """The ``group`` micro-batches of one optimizer step; the last step of an epoch wraps
-    around to the epoch's first batches so that every rank has work."""
-    return [plan[(step * group + i) % len(plan)] for i in range(group)]
-
-
-@dataclass
-class Batch:
-    """A packed micro-batch laid out for TTT (T rows, K steps)."""
-
-    aux: torch.Tensor             # [T, A*H] aux features of each row
-    final: torch.Tensor           # [T, H] the target's final-norm output (teacher)
-    teacher_argmax: torch.Tensor  # [T] the target's full-vocab argmax (predicts row + 1)
-    step_ids: torch.Tensor        # [K, T] token embedded by each row at step k (t+1+k)
-    positions: torch.Tensor       # [T] position within the sample
-    segments: torch.Tensor        # [T] packed sample number
-    rows: list[torch.Tensor]      # K x [n_k] rows whose step-k prediction counts
-    sample_ids: list[str]
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.positions.numel())
-
-    def counts(self) -> torch.Tensor:
-        return torch.tensor([r.numel() for r in self.rows], dtype=torch.float64)
-
-    def to(self, device: torch.device) -> "Batch":
-        move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
-        return Batch(move(self.aux), move(self.final), move(self.teacher_argmax),
-                     move(self.step_ids), move(self.positions), move(self.segments),
-                     [move(r) for r in self.rows], self.sample_ids)
-
-
-def make_batch(pieces: list[tuple], ttt_steps: int, t2d: torch.Tensor,
-               prompt_loss: bool = False) -> Batch:
-    """Pack samples (as ``Samples.get`` returns them) into one TTT batch. ``prompt_loss``:
-    prompt tokens count too (the target's distribution exists there as well). The shards
-    store the target's full-vocabulary argmax only where it predicts an answer token (-1
-    elsewhere), so a prompt position is not filtered by it: its teacher is the target's
-    distribution over the draft vocabulary, as everywhere."""
-    ids, loss_mask, argmax = (torch.cat([p[i] for p in pieces]) for i in (1, 2, 3))
-    unchecked = torch.zeros_like(argmax, dtype=torch.bool)  # rows with no stored argmax
-    if prompt_loss:
-        loss_mask = torch.ones_like(loss_mask)
-        unchecked = argmax < 0
-    lengths = torch.tensor([p[1].numel() for p in pieces])
-    starts = torch.cumsum(lengths, 0) - lengths
-    segments = torch.repeat_interleave(torch.arange(len(pieces)), lengths)
-    end = (starts + lengths)[segments]                   # [T] first row after the row's sample
-    row = torch.arange(ids.numel())
-    step_ids, rows = [], []
-    for k in range(ttt_steps):
-        step_ids.append(ids[torch.minimum(row + 1 + k, end - 1)])
-        predicted = row + 2 + k                          # the token step k predicts
-        inside = predicted < end
-        predicted = torch.minimum(predicted, end - 1)
-        in_vocab = t2d[argmax[predicted - 1].clamp(min=0)] | unchecked[predicted - 1]
-        valid = inside & loss_mask[predicted].bool() & in_vocab
-        rows.append(valid.nonzero().squeeze(1))
-    return Batch(torch.cat([p[4] for p in pieces]), torch.cat([p[5] for p in pieces]), argmax,
-                 torch.stack(step_ids), row - starts[segments], segments, rows,
-                 [p[0] for p in pieces])
-
-
-def add_feature_noise(aux: torch.Tensor, layers: int, scale: float,
-                      generator: torch.Generator | None = None) -> torch.Tensor:
-    """``aux`` [T, layers*H] plus Gaussian noise of ``scale`` times each row's RMS per layer."""
-    x = aux.float().view(aux.shape[0], layers, -1)
-    rms = x.pow(2).mean(-1, keepdim=True).sqrt()
-    noise = torch.randn(x.shape, generator=generator, device=x.device, dtype=x.dtype)
-    return (x + scale * rms * noise).view_as(aux).to(aux.dtype)
 
 
 # -- loss ------------------------------------------------------------------------------------
@@ -421,7 +133,7 @@ def init_distributed(device: torch.device) -> Dist:
     return Dist(dist.get_rank(), dist.get_world_size(), owns)
 
 
-# -- checkpoints and the log -----------------------------------------------------------------
+# -- the log ---------------------------------------------------------------------------------
 
 def write_csv(path: Path, rows: list[dict], columns: list[str]) -> None:
     with atomic_open(path, "w") as handle:
@@ -430,76 +142,26 @@ def write_csv(path: Path, rows: list[dict], columns: list[str]) -> None:
         writer.writerows(rows)
 
 
-def checkpoints(directory: Path) -> list[Path]:
-    return sorted(p for p in directory.glob("step_*") if p.is_dir() and p.name[5:].isdigit())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fingerprint_differences(was: dict, now: dict) -> list[str]:
-    """What differs between a checkpoint's fingerprint and this run's; settings added to
-    eaglet later count only when set away from the behaviour before them."""
-    later = ADDED_LATER["train"]
-    what = sorted(k for k in set(was["train"]) | set(now["train"])
-                  if was["train"].get(k, later.get(k)) != now["train"].get(k, later.get(k)))
-    return what + [k for k in ("shards", "sample_ids_sha256", "micro_batches_per_step")
-                   if was.get(k) != now[k]]
-
-
-def fingerprint(cfg: dict, infos: list[ShardInfo], group: int) -> dict:
-    """What a checkpoint must share with the run that resumes it."""
-    samples = hashlib.sha256(json.dumps([i.sample_ids for i in infos]).encode()).hexdigest()
-    return {"train": {k: v for k, v in cfg.items() if k not in RESUME_FREE},
-            "shards": [Path(i.path).name for i in infos], "sample_ids_sha256": samples,
-            "micro_batches_per_step": group}
-
-
 # -- the run ---------------------------------------------------------------------------------
 
 class Trainer:
-    def __init__(self, cfg: dict, shard_paths, eval_shard_paths, vocab_map: str, target_dir: str,
-                 checkpoint_dir: str, device: torch.device, dist_: Dist,
-                 manifest: str | None = None):
+    """One training run: the drafter, its optimizer and schedule, the data position, the log
+    and the checkpoints. ``from_files`` builds it from a run's files; a caller with samples and
+    a drafter of its own (``benchmarks/gpu_check.py``) builds it directly."""
+
+    def __init__(self, cfg: dict, model: Eagle3Drafter, teacher_head: torch.Tensor,
+                 train_data: Samples, eval_data: Samples, checkpoint_dir: str | Path,
+                 device: torch.device, dist_: Dist, fingerprint: dict | None = None):
         self.cfg, self.dist, self.device = cfg, dist_, device
         self.checkpoint_dir = Path(checkpoint_dir)
         self.trackers = Trackers([], self.checkpoint_dir / "tracking", cfg)  # train() opens them
         self.group = dist_.world * cfg["grad_accum"]
-        if not shard_paths:
-            raise TrainError("no training shards: the extract stage produced none")
-        target_config = read_target_config(target_dir)
-        text = text_config(target_config)
-        d2t, t2d = load_vocab_map(vocab_map)
-        check_vocab_map(text, d2t, t2d)
-        hashes = manifest_hashes(manifest, shard_paths + eval_shard_paths) if manifest else {}
-        infos = [index_shard(p, t2d.numel(), hashes.get(p)) for p in shard_paths]
-        eval_infos = [index_shard(p, t2d.numel(), hashes.get(p)) for p in eval_shard_paths]
-        check_shards(infos + eval_infos, text, target_dir)
-        self.train_data = Samples(infos, cfg["shards_in_memory"])
-        self.eval_data = Samples(eval_infos, cfg["shards_in_memory"])
-        self.train_data.preload()
-        self.eval_data.preload()
-        self.t2d = t2d
-        self.fingerprint = fingerprint(cfg, infos, self.group)
-
-        torch.manual_seed(cfg["seed"])
-        config = DrafterConfig.from_target(target_config, d2t.numel(), infos[0].aux_layer_ids)
-        embed = load_target_embedding(target_dir)
-        self.teacher_head = load_target_lm_head(target_dir, torch.arange(d2t.numel()) + d2t)
-        self.model = Eagle3Drafter(config, embed, d2t, t2d)
-        self.num_aux = len(config.aux_layer_ids)
-        if cfg["lm_head_init"] == "target":
-            init_lm_head(self.model, self.teacher_head)
-        if cfg["layer_init"] == "target":
-            last = text["num_hidden_layers"] - 1
-            init_from_target_layer(self.model, load_target_layer(target_dir, last))
-        self.model.to(device)
-        self.teacher_head = self.teacher_head.to(device)
+        self.train_data, self.eval_data = train_data, eval_data
+        self.fingerprint = fingerprint
+        self.model = model.to(device)
+        self.t2d = model.t2d.cpu()
+        self.num_aux = len(model.config.aux_layer_ids)
+        self.teacher_head = teacher_head.to(device)
         decay = [p for n, p in self.model.named_parameters() if p.ndim >= 2]
         no_decay = [p for n, p in self.model.named_parameters() if p.ndim < 2]
         self.optimizer = torch.optim.AdamW(
@@ -526,11 +188,47 @@ class Trainer:
             DDP._set_params_and_buffers_to_ignore_for_model(self.model, list(Eagle3Drafter.CONSTANT_BUFFERS))
             self.wrapped = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None,
                                broadcast_buffers=False)
+
+    @classmethod
+    def from_files(cls, cfg: dict, shard_paths, eval_shard_paths, vocab_map: str,
+                   target_dir: str, checkpoint_dir: str, device: torch.device, dist_: Dist,
+                   manifest: str | None = None) -> "Trainer":
+        """Check the shards and the vocabulary map against the target, and build the drafter
+        from the target's embedding (and lm_head rows and last layer, as configured)."""
+        if not shard_paths:
+            raise TrainError("no training shards: the extract stage produced none")
+        target_config = read_target_config(target_dir)
+        text = text_config(target_config)
+        d2t, t2d = load_vocab_map(vocab_map)
+        check_vocab_map(text, d2t, t2d)
+        hashes = manifest_hashes(manifest, shard_paths + eval_shard_paths) if manifest else {}
+        infos = [index_shard(p, t2d.numel(), hashes.get(p)) for p in shard_paths]
+        eval_infos = [index_shard(p, t2d.numel(), hashes.get(p)) for p in eval_shard_paths]
+        check_shards(infos + eval_infos, text, target_dir)
+        train_data = Samples(infos, cfg["shards_in_memory"])
+        eval_data = Samples(eval_infos, cfg["shards_in_memory"])
+        train_data.preload()
+        eval_data.preload()
+
+        torch.manual_seed(cfg["seed"])
+        config = DrafterConfig.from_target(target_config, d2t.numel(), infos[0].aux_layer_ids)
+        embed = load_target_embedding(target_dir)
+        teacher_head = load_target_lm_head(target_dir, torch.arange(d2t.numel()) + d2t)
+        model = Eagle3Drafter(config, embed, d2t, t2d)
+        if cfg["lm_head_init"] == "target":
+            init_lm_head(model, teacher_head)
+        if cfg["layer_init"] == "target":
+            last = text["num_hidden_layers"] - 1
+            init_from_target_layer(model, load_target_layer(target_dir, last))
+        group = dist_.world * cfg["grad_accum"]
+        trainer = cls(cfg, model, teacher_head, train_data, eval_data, checkpoint_dir, device,
+                      dist_, ckpt.fingerprint(cfg, infos, group))
         if dist_.rank == 0:
             log.info("drafter: %.1fM trainable parameters, draft vocab %d, aux layers %s, "
                      "%d training samples in %d shards, %d held out, %d steps",
-                     num_params(self.model) / 1e6, d2t.numel(), config.aux_layer_ids,
-                     len(self.train_data), len(infos), len(self.eval_data), self.total_steps)
+                     num_params(model) / 1e6, d2t.numel(), config.aux_layer_ids,
+                     len(train_data), len(infos), len(eval_data), trainer.total_steps)
+        return trainer
 
     # -- schedule and data position --
 
@@ -570,7 +268,7 @@ class Trainer:
         state = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
         params = sum(p.numel() * p.element_size() for p in self.model.parameters())
         per_checkpoint = state + 2 * params  # weights, and AdamW's two moments
-        to_write = max(self.cfg["keep_checkpoints"] + 1 - len(checkpoints(self.checkpoint_dir)), 1)
+        to_write = max(self.cfg["keep_checkpoints"] + 1 - len(ckpt.checkpoints(self.checkpoint_dir)), 1)
         needed = to_write * per_checkpoint + state
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(self.checkpoint_dir).free
@@ -584,67 +282,17 @@ class Trainer:
     def save_checkpoint(self) -> None:
         if self.dist.rank != 0:
             return
-        final = self.checkpoint_dir / f"step_{self.step:08d}"
-        tmp = self.checkpoint_dir / f".step_{self.step:08d}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        with atomic_open(tmp / "model.safetensors", "wb") as handle:
-            handle.write(save_safetensors({k: v.detach().cpu().contiguous()
-                                           for k, v in self.model.state_dict().items()}))
-        with atomic_open(tmp / "trainer.pt", "wb") as handle:
-            torch.save({"optimizer": self.optimizer.state_dict(),
-                        "scheduler": self.scheduler.state_dict(),
-                        "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
-                                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}},
-                       handle)
-        write_json(tmp / "state.json", {
+        ckpt.save(self.checkpoint_dir, self.step, self.model, self.optimizer, self.scheduler, {
             "step": self.step, "epoch": self.epoch, "next_in_epoch": self.next_in_epoch,
             "epoch_plan": self.plan(self.epoch), "total_steps": self.total_steps,
-            "fingerprint": self.fingerprint, "log": self.rows})
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        _fsync_dir(self.checkpoint_dir)
-        for old in checkpoints(self.checkpoint_dir)[:-self.cfg["keep_checkpoints"]]:
-            shutil.rmtree(old, ignore_errors=True)
+            "fingerprint": self.fingerprint, "log": self.rows}, self.cfg["keep_checkpoints"])
 
     def resume(self) -> Path | None:
-        found = checkpoints(self.checkpoint_dir)
-        if found and not self.cfg["resume"]:  # start over: an old step number must not win later
-            log.warning("train.resume is false: deleting %d old checkpoints in %s", len(found),
-                        self.checkpoint_dir)
-            if self.dist.rank == 0:
-                for old in found:
-                    shutil.rmtree(old)
+        path = ckpt.to_resume(self.checkpoint_dir, self.fingerprint, self.cfg["resume"],
+                              self.dist.rank)
+        if path is None:
             return None
-        if not found:
-            return None
-        path = found[-1]
-        state = read_json(path / "state.json")
-        what = fingerprint_differences(state["fingerprint"], self.fingerprint)
-        if what and state["step"] >= state.get("total_steps", float("inf")):
-            # a finished training with other settings: nothing of it to resume (its drafter
-            # is what this run replaces), so changed settings simply train again
-            log.warning("the checkpoints in %s are of a finished training with other settings "
-                        "or data (%s differ): deleting them and starting over",
-                        self.checkpoint_dir, ", ".join(what))
-            if self.dist.rank == 0:
-                for old in found:
-                    shutil.rmtree(old)
-            return None
-        if what:
-            raise TrainError(f"the checkpoint {path} of an unfinished training (step "
-                             f"{state['step']}) belongs to other settings or data "
-                             f"({', '.join(what)} differ): restore them to resume it, or delete "
-                             f"{self.checkpoint_dir} (or set train.resume: false) to start over")
-        with open(path / "model.safetensors", "rb") as handle:
-            self.model.load_state_dict(load_safetensors(handle.read()))
-        trainer = torch.load(path / "trainer.pt", map_location="cpu", weights_only=False)
-        self.optimizer.load_state_dict(trainer["optimizer"])
-        self.scheduler.load_state_dict(trainer["scheduler"])
-        torch.set_rng_state(trainer["rng"]["torch"])
-        random.setstate(trainer["rng"]["python"])
-        if trainer["rng"]["cuda"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(trainer["rng"]["cuda"])
+        state = ckpt.load(path, self.model, self.optimizer, self.scheduler)
         self.step, self.epoch, self.next_in_epoch = (state["step"], state["epoch"],
                                                      state["next_in_epoch"])
         self.plans = {self.epoch: state["epoch_plan"]}
@@ -703,7 +351,7 @@ class Trainer:
         self.fail(f"non-finite loss ({values} here)", *(batches[i] for i in bad))
 
     def fail(self, what: str, *batches: Batch) -> None:
-        kept = checkpoints(self.checkpoint_dir)
+        kept = ckpt.checkpoints(self.checkpoint_dir)
         samples = ", ".join(i for batch in batches for i in batch.sample_ids)
         where = "the batch" if len(batches) == 1 else f"these {len(batches)} micro-batches"
         raise TrainError(
@@ -807,7 +455,8 @@ def train(cfg: dict, shard_paths: list[str], eval_shard_paths: list[str], vocab_
     started = time.monotonic()
     trainer = None
     try:
-        trainer = Trainer(cfg, list(shard_paths), list(eval_shard_paths), vocab_map, target_dir,
+        trainer = Trainer.from_files(cfg, list(shard_paths), list(eval_shard_paths), vocab_map,
+                                     target_dir,
                           checkpoint_dir, device, dist_, manifest)
         trainer.resume()
         if dist_.rank == 0:

@@ -1,0 +1,135 @@
+"""Training checkpoints: ``checkpoint_dir/step_XXXXXXXX/`` holds the weights, the optimizer,
+the schedule, the RNG states and the data position, each directory built under a temporary
+name and renamed into place whole, so a crash leaves either the old or the new one. A rerun
+continues from the newest checkpoint of the same settings and data (its fingerprint) and ends
+with the weights an uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from eaglet.config import ADDED_LATER
+from eaglet.io import atomic_open, read_json, write_json
+from eaglet.train_data import ShardInfo, TrainError
+
+log = logging.getLogger("eaglet.train")
+
+# keys that may change between a run and its resumption without changing the result
+RESUME_FREE = {"log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "resume",
+               "device", "precision", "export_dtype", "report_to"}
+
+
+def checkpoints(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.glob("step_*") if p.is_dir() and p.name[5:].isdigit())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fingerprint_differences(was: dict, now: dict) -> list[str]:
+    """What differs between a checkpoint's fingerprint and this run's; settings added to
+    eaglet later count only when set away from the behaviour before them."""
+    later = ADDED_LATER["train"]
+    what = sorted(k for k in set(was["train"]) | set(now["train"])
+                  if was["train"].get(k, later.get(k)) != now["train"].get(k, later.get(k)))
+    return what + [k for k in ("shards", "sample_ids_sha256", "micro_batches_per_step")
+                   if was.get(k) != now[k]]
+
+
+def fingerprint(cfg: dict, infos: list[ShardInfo], group: int) -> dict:
+    """What a checkpoint must share with the run that resumes it."""
+    samples = hashlib.sha256(json.dumps([i.sample_ids for i in infos]).encode()).hexdigest()
+    return {"train": {k: v for k, v in cfg.items() if k not in RESUME_FREE},
+            "shards": [Path(i.path).name for i in infos], "sample_ids_sha256": samples,
+            "micro_batches_per_step": group}
+
+
+def save(directory: Path, step: int, model: torch.nn.Module, optimizer, scheduler, state: dict,
+         keep: int) -> None:
+    """Write checkpoint ``step`` (``state``: the JSON-able data position, log and
+    fingerprint) and keep the newest ``keep``."""
+    final = directory / f"step_{step:08d}"
+    tmp = directory / f".step_{step:08d}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    with atomic_open(tmp / "model.safetensors", "wb") as handle:
+        handle.write(save_safetensors({k: v.detach().cpu().contiguous()
+                                       for k, v in model.state_dict().items()}))
+    with atomic_open(tmp / "trainer.pt", "wb") as handle:
+        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                    "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
+                            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}},
+                   handle)
+    write_json(tmp / "state.json", state)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    _fsync_dir(directory)
+    for old in checkpoints(directory)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def to_resume(directory: Path, now: dict, resume: bool, rank: int) -> Path | None:
+    """The checkpoint this run continues from, or None to start over (old checkpoints that
+    would get in the way are deleted); raise when an unfinished training of other settings
+    or data would be lost."""
+    found = checkpoints(directory)
+    if found and not resume:  # start over: an old step number must not win later
+        log.warning("train.resume is false: deleting %d old checkpoints in %s", len(found),
+                    directory)
+        _delete(found, rank)
+        return None
+    if not found:
+        return None
+    path = found[-1]
+    state = read_json(path / "state.json")
+    what = fingerprint_differences(state["fingerprint"], now)
+    if what and state["step"] >= state.get("total_steps", float("inf")):
+        # a finished training with other settings: nothing of it to resume (its drafter is
+        # what this run replaces), so changed settings simply train again
+        log.warning("the checkpoints in %s are of a finished training with other settings "
+                    "or data (%s differ): deleting them and starting over",
+                    directory, ", ".join(what))
+        _delete(found, rank)
+        return None
+    if what:
+        raise TrainError(f"the checkpoint {path} of an unfinished training (step "
+                         f"{state['step']}) belongs to other settings or data "
+                         f"({', '.join(what)} differ): restore them to resume it, or delete "
+                         f"{directory} (or set train.resume: false) to start over")
+    return path
+
+
+def load(path: Path, model: torch.nn.Module, optimizer, scheduler) -> dict:
+    """Restore weights, optimizer, schedule and RNG states from ``path``; its state.json."""
+    with open(path / "model.safetensors", "rb") as handle:
+        model.load_state_dict(load_safetensors(handle.read()))
+    trainer = torch.load(path / "trainer.pt", map_location="cpu", weights_only=False)
+    optimizer.load_state_dict(trainer["optimizer"])
+    scheduler.load_state_dict(trainer["scheduler"])
+    torch.set_rng_state(trainer["rng"]["torch"])
+    random.setstate(trainer["rng"]["python"])
+    if trainer["rng"]["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(trainer["rng"]["cuda"])
+    return read_json(path / "state.json")
+
+
+def _delete(found: list[Path], rank: int) -> None:
+    if rank == 0:
+        for old in found:
+            shutil.rmtree(old)
