@@ -41,6 +41,19 @@ def test_no_history_no_train_rate(history):
     assert status._train_rate("embedded:m", 3) == (None, "no rate measured yet")
 
 
+def test_without_history_training_is_estimated_from_the_benchmark_of_the_targets_shape(history):
+    """A fresh clone has no earlier run: the training benchmark's row for the embedded
+    target's shape, the one nearest the run's sample length, scaled to its TTT steps."""
+    rows = [r for r in json.loads((status.BENCHMARKS / "train.json").read_text()).values()
+            if r["shape"] == "smollm2-135m"]
+    assert len({r["sample_len"] for r in rows}) >= 2
+    for max_len in (256, 2048):
+        nearest = min(rows, key=lambda r: abs(r["sample_len"] - max_len))
+        rate, basis = status._train_rate("embedded:smollm2-135m-instruct", 3, max_len)
+        assert rate == pytest.approx(nearest["tokens_per_s"] * nearest["ttt_steps"] / 3)
+        assert basis.startswith(f"benchmarks/results, {nearest['sample_len']}-token samples")
+
+
 def test_dry_run_uses_the_config_the_run_recorded(tmp_path):
     results = tmp_path / "results-large"
     assert status.snakemake_config_args(results, None) == ["--config", f"results_dir={results}"]
@@ -248,6 +261,36 @@ def test_the_extract_estimate_counts_the_tokens_of_the_shards_not_yet_written(tm
     (r / "hidden").mkdir()
     (r / "hidden" / "shard_00000.safetensors").write_bytes(b"")
     assert status.estimate("extract", r, cfg, None).seconds == pytest.approx(1500 / 100.0)
+
+
+def test_before_the_first_answer_extract_and_train_are_estimated_from_the_prompts(
+        tmp_path, history):
+    """From the first status after generation starts: the tokens are guessed from the
+    prompts' characters and max_tokens (and said to be), then taken from the answers."""
+    r = tmp_path / "results"
+    _prompts(r, 3, 1)
+    texts = ["x" * 400, "y" * 800, "z" * 1200]  # 800 characters on average
+    (r / "prompts" / "train.jsonl").write_text("".join(
+        json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": t}]}) + "\n"
+        for i, t in enumerate(texts)))
+    cfg = _full_config(r)
+    cfg["generate"]["max_tokens"] = 100
+    rates.record("extract_vllm", cfg["target"]["model"], tokens_per_s=50.0, server_start_s=10.0)
+    per_sample = (800 / status.CHARS_PER_TOKEN + status.TEMPLATE_TOKENS_GUESS
+                  + 100 * status.COMPLETION_FILL_GUESS)
+    tokens = int(3 * per_sample) + int(1 * per_sample)  # the held-out prompts alike
+    got = status.estimate("extract", r, cfg, None)
+    assert got.seconds == pytest.approx(10.0 + tokens / 50.0)
+    assert got.basis.endswith("tokens guessed from the prompts")
+    train = status.estimate("train", r, cfg, None)
+    assert train.seconds is not None and "guessed" in train.basis
+    # the first answer replaces the guess
+    (r / "synthetic").mkdir()
+    (r / "synthetic" / "generate.partial.jsonl").write_text(json.dumps(
+        {"id": "p0", "prompt_token_ids": [1] * 40, "completion_token_ids": [2] * 60}) + "\n")
+    got = status.estimate("extract", r, cfg, None)
+    assert got.seconds == pytest.approx(10.0 + 4 * 100 / 50.0)
+    assert "guessed" not in got.basis
 
 
 def test_a_running_stage_is_estimated_by_its_own_eta_and_the_total_sums_the_stages(

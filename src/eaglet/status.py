@@ -10,9 +10,11 @@ benchmarks, in that order, and says which one it used.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import glob
 import json
+import math
 import os
 import re
 import shlex
@@ -33,6 +35,8 @@ from eaglet.server import pid_alive
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 SERVER_START_GUESS_S = 60.0      # vLLM CPU with --enforce-eager: about 55 s here
 COMPLETION_FILL_GUESS = 0.75     # share of max_tokens a completion uses before it is measured
+CHARS_PER_TOKEN = 4.0            # of prompt text, before any prompt is tokenized
+TEMPLATE_TOKENS_GUESS = 30       # the chat template's tokens around a prompt (system turn, roles)
 OFFLINE_REPLAY_SHARE = 0.7       # an offline replay's time over its vLLM run's (2 CPU cores)
 
 
@@ -74,17 +78,25 @@ def _rate(stage: str, key: str, target: str | None, measured: float | None = Non
     return None, "no rate measured yet"
 
 
-def _train_rate(target: str, ttt_steps: int) -> tuple[float | None, str]:
-    """An earlier run's training tokens/s, scaled to this run's TTT steps: each step runs the
-    drafter layer and its lm_head once more, so the cost per token grows about linearly."""
-    entry = rates.lookup_entry("train", "tokens_per_s", target)
+def _train_rate(target: str, ttt_steps: int, max_len: int | None = None
+                ) -> tuple[float | None, str]:
+    """An earlier run's training tokens/s, else ``benchmarks/results/train.json``'s for this
+    target's shape (the row whose sample length is nearest ``max_len``), scaled to this run's
+    TTT steps: each step runs the drafter layer and its lm_head once more, so the cost per
+    token grows about linearly."""
+    entry, source = rates.lookup_entry("train", "tokens_per_s", target), "an earlier run"
     if entry is None:
-        return None, "no rate measured yet"
+        rows = [row for row in (_read(BENCHMARKS / "train.json") or {}).values()
+                if row.get("shape") and row["shape"] in target and row.get("tokens_per_s")]
+        if not rows:
+            return None, "no rate measured yet"
+        entry = min(rows, key=lambda row: abs(math.log(row["sample_len"] / (max_len or row["sample_len"]))))
+        source = f"benchmarks/results, {entry['sample_len']}-token samples"
     measured_at = int(entry.get("ttt_steps") or ttt_steps)
     rate = float(entry["tokens_per_s"]) * measured_at / ttt_steps
     if measured_at == ttt_steps:
-        return rate, "an earlier run"
-    return rate, f"an earlier run at {measured_at} TTT steps, scaled to {ttt_steps}"
+        return rate, source
+    return rate, f"{source} at {measured_at} TTT steps, scaled to {ttt_steps}"
 
 
 def _bench_generate(concurrency: int) -> float | None:
@@ -107,20 +119,28 @@ def _prompt_counts(r: Path) -> tuple[int | None, int | None]:
     return (s["n_train"], s["n_eval"]) if s else (None, None)
 
 
-def _token_totals(r: Path) -> dict | None:
+def _token_totals(r: Path, cfg: dict | None = None) -> dict | None:
     """Tokens per split: from the final stats, or, while generation runs, projected from the
-    samples finished so far (mean length x prompts)."""
+    samples finished so far (mean length x prompts), or, before the first one, guessed from
+    the prompts' characters and ``generate.max_tokens`` (``guessed`` is then set)."""
     s = _read(r / "synthetic/stats.json")
     if not s:
-        return _projected_totals(r)
+        return _projected_totals(r) or (_guessed_totals(r, cfg) if cfg else None)
     splits = s["splits"]
     return {split: {"samples": v["samples"],
                     "tokens": v["prompt_tokens"] + v["completion_tokens"],
                     "completion_tokens": v["completion_tokens"]} for split, v in splits.items()}
 
 
-def _projected_totals(r: Path) -> dict | None:
+def _per_split(r: Path, prompt: float, completion: float, **extra) -> dict:
     n_train, n_eval = _prompt_counts(r)
+    return {split: {"samples": n, "tokens": int(n * (prompt + completion)),
+                    "completion_tokens": int(n * completion), **extra}
+            for split, n in (("train", n_train), ("eval", n_eval))}
+
+
+def _projected_totals(r: Path) -> dict | None:
+    n_train, _ = _prompt_counts(r)
     partial = r / "synthetic" / "generate.partial.jsonl"
     if n_train is None or not partial.exists():
         return None
@@ -135,14 +155,34 @@ def _projected_totals(r: Path) -> dict | None:
                 lengths.append((len(record["prompt_token_ids"]), len(record["completion_token_ids"])))
     if not lengths:
         return None
-    prompt = sum(p for p, _ in lengths) / len(lengths)
-    completion = sum(c for _, c in lengths) / len(lengths)
-    return {split: {"samples": n, "tokens": int(n * (prompt + completion)),
-                    "completion_tokens": int(n * completion)}
-            for split, n in (("train", n_train), ("eval", n_eval))}
+    return _per_split(r, sum(p for p, _ in lengths) / len(lengths),
+                      sum(c for _, c in lengths) / len(lengths))
+
+
+def _guessed_totals(r: Path, cfg: dict) -> dict | None:
+    """Before any answer exists: the prompts' characters at CHARS_PER_TOKEN plus the chat
+    template's tokens, and answers at COMPLETION_FILL_GUESS of max_tokens."""
+    n_train, _ = _prompt_counts(r)
+    prompts = r / "prompts" / "train.jsonl"
+    if n_train is None or not prompts.exists():
+        return None
+    chars = []
+    with open(prompts) as handle:
+        for line in handle:
+            with contextlib.suppress(json.JSONDecodeError, KeyError, TypeError):
+                chars.append(sum(len(m["content"] or "") for m in json.loads(line)["messages"]))
+    if not chars:
+        return None
+    prompt = sum(chars) / len(chars) / CHARS_PER_TOKEN + TEMPLATE_TOKENS_GUESS
+    return _per_split(r, prompt, cfg["generate"]["max_tokens"] * COMPLETION_FILL_GUESS,
+                      guessed=True)
 
 
 NO_TOKENS = "token count unknown until generate runs"
+
+
+def _guessed(totals: dict) -> str:
+    return "; tokens guessed from the prompts" if totals["train"].get("guessed") else ""
 
 
 def _checkpointed_steps(r: Path) -> tuple[int | None, int | None]:
@@ -310,7 +350,7 @@ class Extract(Stage):
     def gpus(self, cfg):
         # the vllm backend and captured states: the extraction server holds server.gpus
         from_vllm = (cfg["extract"].get("backend") == "vllm"
-                     or cfg["generate"].get("capture_hidden_states"))
+                     or cfg.get("generate", {}).get("capture_hidden_states"))
         return cfg["server" if from_vllm else "extract"].get("gpus", 0)
 
     def facts(self, r):
@@ -328,7 +368,7 @@ class Extract(Stage):
                 f"{_pct(f['teacher_agreement'])}")
 
     def estimate(self, r, cfg, progress):
-        target, totals = cfg["target"]["model"], _token_totals(r)
+        target, totals = cfg["target"]["model"], _token_totals(r, cfg)
         tokens = sum(t["tokens"] for t in totals.values()) if totals is not None else None
         if cfg["generate"].get("capture_hidden_states"):
             # generation saved the states: the stage reads, checks and packs them
@@ -338,7 +378,8 @@ class Extract(Stage):
             if rate is None:
                 rate, basis = PACK_TOKENS_PER_S, "typical"
             return Estimate(tokens / rate,
-                            f"packing {tokens} captured tokens at {rate:.0f} tok/s ({basis})")
+                            f"packing {tokens} captured tokens at {rate:.0f} tok/s ({basis})"
+                            + _guessed(totals))
         if cfg["extract"]["backend"] == "vllm":
             # one capture server; every sequence (train and held-out) is a prefill request
             rate, basis = _rate("extract_vllm", "tokens_per_s", target,
@@ -348,13 +389,14 @@ class Extract(Stage):
                 return Estimate(None, basis if totals else NO_TOKENS)
             return Estimate(_server_start("extract_vllm", target) + tokens / rate,
                             f"server start + {tokens} tokens of prefill at {rate:.0f} tok/s "
-                            f"({basis})")
+                            f"({basis})" + _guessed(totals))
         rate, basis = _rate("extract", "tokens_per_s", target)
         if tokens is None or rate is None:
             return Estimate(None, basis if totals else NO_TOKENS)
         done = len(glob.glob(str(r / "hidden/shard_*.safetensors")))
         left = tokens * (1 - done / max(cfg["extract"]["num_shards"], 1))
-        return Estimate(left / rate, f"{left:.0f} tokens at {rate:.0f} tok/s ({basis})")
+        return Estimate(left / rate, f"{left:.0f} tokens at {rate:.0f} tok/s ({basis})"
+                        + _guessed(totals))
 
 
 class Train(Stage):
@@ -384,12 +426,13 @@ class Train(Stage):
         return "; ".join(parts)
 
     def estimate(self, r, cfg, progress):
-        totals, epochs = _token_totals(r), cfg["train"]["epochs"]
-        rate, basis = _train_rate(cfg["target"]["model"], cfg["train"]["ttt_steps"])
+        totals, epochs = _token_totals(r, cfg), cfg["train"]["epochs"]
+        rate, basis = _train_rate(cfg["target"]["model"], cfg["train"]["ttt_steps"],
+                                  cfg["train"]["max_len"] or cfg["train"]["max_tokens_per_batch"])
         if totals is None or rate is None:
             return Estimate(None, basis if totals else NO_TOKENS)
         tokens = totals["train"]["tokens"] * epochs
-        text = f"{epochs} epochs x {totals['train']['tokens']} tokens"
+        text = f"{epochs} epochs x {totals['train']['tokens']} tokens" + _guessed(totals)
         step, steps = _checkpointed_steps(r)
         if step:  # a rerun continues from the newest checkpoint
             tokens *= max(steps - step, 0) / steps
