@@ -306,6 +306,30 @@ def test_a_running_stage_is_estimated_by_its_own_eta_and_the_total_sums_the_stag
     assert report["remaining_complete"] == (len(known) == len(report["stages"]))
 
 
+def test_a_stage_just_started_is_estimated_by_its_plan_less_the_time_it_has_run(tmp_path, history):
+    """Right after a start the stage's own rate carries the server start and its first units
+    (a fresh demo's status said 5 hours for an extraction of 6 minutes): its plan counts until
+    a quarter of it is done; evaluate's units, whole engine runs, never give a rate."""
+    r = tmp_path / "results"
+    _prompts(r, 30, 10)
+    cfg = _full_config(r)
+    rates.record("generate", cfg["target"]["model"], completion_tokens_per_s=50.0,
+                 server_start_s=20.0)
+    plan = status.estimate("generate", r, cfg, None).seconds
+    early = {"state": "running", "done": 2, "total": 40, "eta_s": 18000.0, "elapsed_s": 60.0}
+    got = status.estimate("generate", r, cfg, early)
+    assert got.seconds == pytest.approx(plan - 60.0) and "not settled" in got.basis
+    settled = {**early, "done": 10, "eta_s": 300.0}
+    assert status.estimate("generate", r, cfg, settled) == status.Estimate(300.0, "this run's progress")
+    later = {**early, "eta_s": 18000.0, "elapsed_s": plan + 100}  # past its plan: nothing left
+    assert status.estimate("generate", r, cfg, later).seconds == 0.0
+    rates.record("evaluate", cfg["target"]["model"], baseline_tokens_per_s=20.0, server_start_s=30.0)
+    evaluate_plan = status.estimate("evaluate", r, cfg, None).seconds
+    assert evaluate_plan
+    nearly = {"state": "running", "done": 3, "total": 4, "eta_s": 900.0, "elapsed_s": 50.0}
+    assert status.estimate("evaluate", r, cfg, nearly).seconds == pytest.approx(evaluate_plan - 50.0)
+
+
 # -- the command line --------------------------------------------------------------------------
 
 REPO = Path(__file__).resolve().parents[1]

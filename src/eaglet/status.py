@@ -226,6 +226,9 @@ class Stage:
     gpu_key: tuple[str, str] | None = None     # config section and key
     note: str = ""                             # what the order line says of it
     typical_s: float | None = None
+    # share of its units done before a running stage's own ETA is trusted over its plan less
+    # the time it has run (until then its rate carries the server start and the first units)
+    settles_at: float = 0.25
 
     def __init__(self) -> None:
         self.rules = self.rules or (self.name,)
@@ -446,6 +449,9 @@ class Evaluate(Stage):
     progress = "progress/evaluate.json"
     gpu_key = ("server", "gpus")
     note = "vLLM server again"
+    # its units are whole engine runs of very different lengths (the target alone is the
+    # fastest, the drafter at concurrency 16 the slowest): a rate per run predicts nothing
+    settles_at = 1.0
 
     def facts(self, r):
         v = (_read(r / "eval/acceptance.json") or {}).get("verdict", {})
@@ -506,12 +512,25 @@ _BY_NAME = {s.name: s for s in STAGES}
 
 
 def estimate(stage: str, r: Path, cfg: dict, progress: dict | None) -> Estimate:
-    """Time left of ``stage``: a running stage's own ETA, else the stage's estimate."""
-    if progress and progress.get("state") == "running" and progress.get("eta_s") is not None:
-        return Estimate(progress["eta_s"], "this run's progress")
-    if stage not in _BY_NAME:
+    """Time left of ``stage``: a running stage's own ETA once it has settled, else the
+    stage's plan (less the time it has run, while it runs)."""
+    running = bool(progress) and progress.get("state") == "running"
+    own = progress.get("eta_s") if running else None
+    spec = _BY_NAME.get(stage)
+    if own is not None:
+        done, total = progress.get("done"), progress.get("total")
+        if spec is None or not total or done is None or done / total >= spec.settles_at:
+            return Estimate(own, "this run's progress")
+        planned = spec.estimate(r, cfg, None)
+        if planned.seconds is None:
+            return Estimate(own, "this run's progress")
+        elapsed = progress.get("elapsed_s") or 0.0
+        return Estimate(max(planned.seconds - elapsed, 0.0),
+                        f"{planned.basis}, less the {format_duration(elapsed)} it has run "
+                        f"({done}/{total} done: its own rate is not settled)")
+    if spec is None:
         return Estimate(None, "unknown stage")
-    return _BY_NAME[stage].estimate(r, cfg, progress)
+    return spec.estimate(r, cfg, progress)
 
 
 # -- gathering -------------------------------------------------------------------------------
