@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -115,6 +116,52 @@ def capture_cost(args) -> None:
     print("\n".join(lines))
 
 
+def cpu_cores(args) -> None:
+    """Default CPU server against one that computes on every core, one at a time."""
+    cfg = validate({"target": {"dtype": "float32"},
+                    "server": {"memory_utilization": 0.25, "enforce_eager": True}})
+    prompts, _ = load_source({"type": "sharegpt", "limit": args.prompts * 2,
+                              "max_prompt_chars": 1000})
+    prompts = prompts[:args.prompts]
+    sampling = Sampling(temperature=0.0, top_p=1.0, max_tokens=args.max_tokens, seed=0)
+    single = Sampling(temperature=0.0, top_p=1.0, max_tokens=64, seed=0)
+    env = {"default": dict(os.environ), "every core": {**os.environ,
+                                                       "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}}
+    env["default"].pop("VLLM_CPU_NUM_OF_RESERVED_CPU", None)
+    runs: dict[str, list] = {name: [] for name in env}
+    for name in ("default", "every core", "every core", "default"):
+        log_path = OUT / f"cpu_cores.{name.replace(' ', '_')}.server.log"
+        with VLLMServer(model=args.target, log_path=log_path, env=env[name],
+                        args=server_args(cfg["target"], cfg["server"], "target")) as server:
+            time_bare(server.url, prompts[:4], single, 4)  # warm-up
+            elapsed, tokens = time_bare(server.url, prompts, sampling, args.concurrency)
+            one_s, one_tokens = time_bare(server.url, prompts[:4], single, 1)
+            runs[name].append({"ready_s": server.ready_after_s,
+                               f"tokens_per_s_at_{args.concurrency}": tokens / elapsed,
+                               "tokens_per_s_at_1": one_tokens / one_s})
+        print(name, runs[name][-1], flush=True)
+    keys = [f"tokens_per_s_at_{args.concurrency}", "tokens_per_s_at_1", "ready_s"]
+    best = {name: {k: (min if k == "ready_s" else max)(r[k] for r in rs) for k in keys}
+            for name, rs in runs.items()}
+    result = {"prompts": len(prompts), "max_tokens": args.max_tokens,
+              "concurrency": args.concurrency, "cpus": os.cpu_count(), "runs": runs,
+              "best": best, "ratios": {k: best["every core"][k] / best["default"][k]
+                                       for k in keys}}
+    write_json(OUT / "cpu_cores.json", result)
+    lines = [f"vLLM CPU engine, {os.cpu_count()} CPUs, SmolLM2-135M float32: {len(prompts)} "
+             f"ShareGPT prompts greedy at concurrency {args.concurrency} ({args.max_tokens} "
+             "tokens), 4 of them one at a time (64 tokens); best of 2 servers each, order "
+             "A B B A", "",
+             f"| server | tokens/s at {args.concurrency} | tokens/s at 1 | ready after (s) |",
+             "|---|---|---|---|"]
+    lines += [f"| {name} | {b[keys[0]]:.1f} | {b[keys[1]]:.1f} | {b[keys[2]]:.0f} |"
+              for name, b in best.items()]
+    lines += ["", "every core / default: " + ", ".join(
+        f"{k} {v:.2f}x" for k, v in result["ratios"].items())]
+    (OUT / "cpu_cores.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", required=True, help="HF model directory of the target")
@@ -125,9 +172,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--capture", action="store_true",
                         help="measure generate.capture_hidden_states against plain generation")
+    parser.add_argument("--cpu-cores", action="store_true",
+                        help="measure vLLM's CPU engine computing on every core against its "
+                             "default (one core kept for its scheduler)")
     args = parser.parse_args()
     if args.capture:
         return capture_cost(args)
+    if args.cpu_cores:
+        return cpu_cores(args)
 
     cfg = validate({"server": {"memory_utilization": 0.4}})
     prompts, _ = load_source({"type": "humaneval", "limit": args.prompts})

@@ -82,9 +82,12 @@ def test_read_request_takes_states_saved_while_generating_and_cut_sequences(tmp_
 
 
 def test_server_gets_the_generation_settings_plus_capture(tmp_path):
-    cfg = validate({"server": {"tensor_parallel_size": 2, "extra_args": ["--quantization", "awq"]},
+    cfg = validate({"server": {"tensor_parallel_size": 2, "extra_args": ["--quantization", "awq"],
+                               "env": {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}},
                     "target": {"max_model_len": 1024}, "extract": {"max_len": 4096}})
     server = capture_server(cfg, "/models/t", [2, 15, 27, 30], tmp_path / "req", tmp_path / "log")
+    # server.env reaches the server over the workflow's own environment
+    assert server.env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0" and server.env["PATH"]
     args = server.args
     assert args[args.index("--tensor-parallel-size") + 1] == "2"
     assert "--quantization" in args and "--no-enable-prefix-caching" in args

@@ -391,3 +391,13 @@ def test_pid_alive_counts_running_processes_not_zombies_or_reaped_ones():
     child.wait()
     assert not pid_alive(child.pid) and process_stat(child.pid) is None
     assert not pid_alive(None)
+
+
+def test_server_env_reaches_the_managed_server_over_the_workflows_own(monkeypatch):
+    monkeypatch.setenv("EAGLET_TEST_OUTER", "kept")
+    cfg = validate({"server": {"env": {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}}})
+    server = target_server(cfg, "/models/t", "server.log")
+    assert server.env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    assert server.env["EAGLET_TEST_OUTER"] == "kept"
+    # no server.env: the server inherits the environment as it is when it starts
+    assert target_server(validate({}), "/models/t", "server.log").env is None

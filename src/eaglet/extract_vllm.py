@@ -38,7 +38,7 @@ from eaglet.extract import (TORCH_DTYPES, ExtractionError, Target, check_disk, e
 from eaglet.generate import RequestFailed, gather_or_cancel, post_json, with_retries
 from eaglet.io import read_json, request_lock, request_path, writer_done
 from eaglet.progress import Progress
-from eaglet.server import VLLMServer, server_args
+from eaglet.server import VLLMServer, target_server
 from eaglet.target import (EMBEDDING_NAMES, _read_tensor, _weight_files, read_target_config,
                            text_config)
 
@@ -81,12 +81,8 @@ def capture_server(cfg: dict, model_path: str, layer_ids: list[int], storage_dir
     fits the longest extracted sequence and the one token a request must generate."""
     target = dict(cfg["target"])
     target["max_model_len"] = max(target["max_model_len"], cfg["extract"]["max_len"] + 1)
-    server_cfg = cfg["server"]
-    args = server_args(target, server_cfg, served_model_name="target")
-    return VLLMServer(model=model_path, log_path=log_path,
-                      args=args + capture_args(layer_ids, storage_dir),
-                      port=server_cfg["port"], startup_timeout_s=server_cfg["startup_timeout_s"],
-                      shutdown_grace_s=server_cfg["shutdown_grace_s"])
+    return target_server(cfg, model_path, log_path, capture_args(layer_ids, storage_dir),
+                         target=target)
 
 
 # -- the teacher from the checkpoint ---------------------------------------------------------

@@ -312,12 +312,19 @@ def server_args(target: dict, server: dict, served_model_name: str) -> list[str]
     return args + list(server["extra_args"])
 
 
+def server_env(server: dict) -> dict[str, str] | None:
+    """The managed server's environment: the workflow's own plus ``server.env``."""
+    return {**os.environ, **server["env"]} if server.get("env") else None
+
+
 def target_server(cfg: dict, model: str, log_path: str | os.PathLike,
-                  extra_args: list[str] = ()) -> VLLMServer:
-    """The target's vLLM server as the validated config's ``target`` and ``server`` sections
-    describe it, served as ``target``, plus ``extra_args``; use it with ``with``."""
+                  extra_args: list[str] = (), target: dict | None = None) -> VLLMServer:
+    """The target's vLLM server as the validated config's ``target`` (or the given
+    ``target`` section) and ``server`` sections describe it, served as ``target``, plus
+    ``extra_args``; use it with ``with``."""
     server = cfg["server"]
     return VLLMServer(model=model, log_path=log_path,
-                      args=server_args(cfg["target"], server, "target") + list(extra_args),
+                      args=server_args(target or cfg["target"], server, "target")
+                      + list(extra_args),
                       port=server["port"], startup_timeout_s=server["startup_timeout_s"],
-                      shutdown_grace_s=server["shutdown_grace_s"])
+                      shutdown_grace_s=server["shutdown_grace_s"], env=server_env(server))
