@@ -125,24 +125,26 @@ def _token_totals(r: Path, cfg: dict | None = None) -> dict | None:
     the prompts' characters and ``generate.max_tokens`` (``guessed`` is then set)."""
     s = _read(r / "synthetic/stats.json")
     if not s:
-        return _projected_totals(r) or (_guessed_totals(r, cfg) if cfg else None)
+        counts = _prompt_counts(r)
+        if counts[0] is None:
+            return None
+        return _projected_totals(r, counts) or (_guessed_totals(r, cfg, counts) if cfg else None)
     splits = s["splits"]
     return {split: {"samples": v["samples"],
                     "tokens": v["prompt_tokens"] + v["completion_tokens"],
                     "completion_tokens": v["completion_tokens"]} for split, v in splits.items()}
 
 
-def _per_split(r: Path, prompt: float, completion: float, **extra) -> dict:
-    n_train, n_eval = _prompt_counts(r)
+def _per_split(counts: tuple[int, int], prompt: float, completion: float, **extra) -> dict:
+    """Tokens per split from the prompt counts (train, eval) and mean lengths per sample."""
     return {split: {"samples": n, "tokens": int(n * (prompt + completion)),
                     "completion_tokens": int(n * completion), **extra}
-            for split, n in (("train", n_train), ("eval", n_eval))}
+            for split, n in zip(("train", "eval"), counts)}
 
 
-def _projected_totals(r: Path) -> dict | None:
-    n_train, _ = _prompt_counts(r)
+def _projected_totals(r: Path, counts: tuple[int, int]) -> dict | None:
     partial = r / "synthetic" / "generate.partial.jsonl"
-    if n_train is None or not partial.exists():
+    if not partial.exists():
         return None
     lengths = []
     with open(partial) as handle:
@@ -155,16 +157,15 @@ def _projected_totals(r: Path) -> dict | None:
                 lengths.append((len(record["prompt_token_ids"]), len(record["completion_token_ids"])))
     if not lengths:
         return None
-    return _per_split(r, sum(p for p, _ in lengths) / len(lengths),
+    return _per_split(counts, sum(p for p, _ in lengths) / len(lengths),
                       sum(c for _, c in lengths) / len(lengths))
 
 
-def _guessed_totals(r: Path, cfg: dict) -> dict | None:
+def _guessed_totals(r: Path, cfg: dict, counts: tuple[int, int]) -> dict | None:
     """Before any answer exists: the prompts' characters at CHARS_PER_TOKEN plus the chat
     template's tokens, and answers at COMPLETION_FILL_GUESS of max_tokens."""
-    n_train, _ = _prompt_counts(r)
     prompts = r / "prompts" / "train.jsonl"
-    if n_train is None or not prompts.exists():
+    if not prompts.exists():
         return None
     chars = []
     with open(prompts) as handle:
@@ -174,7 +175,7 @@ def _guessed_totals(r: Path, cfg: dict) -> dict | None:
     if not chars:
         return None
     prompt = sum(chars) / len(chars) / CHARS_PER_TOKEN + TEMPLATE_TOKENS_GUESS
-    return _per_split(r, prompt, cfg["generate"]["max_tokens"] * COMPLETION_FILL_GUESS,
+    return _per_split(counts, prompt, cfg["generate"]["max_tokens"] * COMPLETION_FILL_GUESS,
                       guessed=True)
 
 
