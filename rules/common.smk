@@ -48,6 +48,14 @@ GENERATE_PARAMS = dict(
 )
 
 
+# Threads of a job that runs a model. Snakemake starts every job with OMP_NUM_THREADS (and
+# MKL_NUM_THREADS, ...) set to its threads, 1 unless declared. So torch's training
+# and HF extraction, and vLLM's CPU engine, computed on one core however many the run had.
+# Locally a model job gets every core of the run (--cores; Snakemake runs nothing beside it).
+# A cluster run has no --cores: its GPU jobs get the profile's cpus_per_gpu instead.
+MODEL_THREADS = workflow.resource_settings.cores or 1
+
+
 def job_resources(stage: str, gpus: int) -> dict:
     """A job's resources: the GPUs it holds (the `gpu` resource Snakemake counts, so GPU stages
     never overlap beyond the GPUs there are) and its memory and time from resources.<stage>."""

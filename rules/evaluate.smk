@@ -26,6 +26,7 @@ rule evaluate:
            if config["generate"]["chat_template_kwargs"] else {}),
         log_dir=f"{R}/logs",
         progress=f"{R}/progress/evaluate.json",
+    threads: MODEL_THREADS
     resources:
         **job_resources("evaluate", config["server"]["gpus"]),
     log:

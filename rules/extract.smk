@@ -35,6 +35,7 @@ if FROM_VLLM:
             **EXTRACT_PARAMS,
             work=f"{R}/hidden/vllm",
             progress=f"{R}/progress/extract_vllm.json",
+        threads: MODEL_THREADS
         resources:
             **EXTRACT_RESOURCES,
         log:
@@ -64,6 +65,7 @@ else:
             **EXTRACT_PARAMS,
             num_shards=lambda w: len(EVAL_SHARDS if w.split else TRAIN_SHARDS),
             progress=lambda w: f"{R}/progress/extract_{'eval' if w.split else w.i}.json",
+        threads: MODEL_THREADS
         resources:
             **EXTRACT_RESOURCES,
         log:
@@ -91,6 +93,7 @@ rule hidden_manifest:
         **EXTRACT_PARAMS,
         num_shards=len(TRAIN_SHARDS),
         hidden_dir=lambda wildcards, output: os.path.dirname(output[0]),
+    threads: MODEL_THREADS
     resources:
         **EXTRACT_RESOURCES,
     log:

@@ -16,6 +16,7 @@ rule generate:
         **GENERATE_PARAMS,
         partial=f"{R}/synthetic/generate.partial.jsonl",
         progress=f"{R}/progress/generate.json",
+    threads: MODEL_THREADS
     resources:
         **job_resources("generate", config["server"]["gpus"]),
     log:

@@ -19,6 +19,7 @@ rule train:
         train=stage_params(config, "train", drop=("gpus",)),
         checkpoints=f"{R}/drafter_checkpoints",
         progress=f"{R}/progress/train.json",
+    threads: MODEL_THREADS
     resources:
         **job_resources("train", config["train"]["gpus"]),
     log:

@@ -110,3 +110,13 @@ def test_real_workflow_gpu_rules_declare_their_gpus_from_config(dry_run_jobs):
     for rule in ("prepare_target", "prepare_prompts", "vocab_map", "plots"):
         assert rule in by_rule, sorted(by_rule)
         assert all(_gpu(job) == 0 for job in by_rule[rule]), (rule, by_rule[rule])
+
+
+def test_model_jobs_get_every_core_of_a_local_run(dry_run_jobs):
+    """Snakemake sets OMP_NUM_THREADS to a job's threads (1 unless the rule says more): the
+    model jobs computed on one core of the profile's two. Jobs that run no model keep one."""
+    threads = {job.rule: job.threads for job in dry_run_jobs if job.rule != "all"}
+    for rule in ("generate", "extract", "hidden_manifest", "train", "evaluate"):
+        assert threads[rule] == 2, threads  # profiles/default: cores 2
+    for rule in ("prepare_target", "prepare_prompts", "vocab_map", "plots"):
+        assert threads[rule] == 1, threads

@@ -1,5 +1,5 @@
 """Read the jobs out of `snakemake --dry-run` output: rule, wildcards, input, output and log
-files, resources."""
+files, threads, resources."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ class DryRunJob:
     output: list[str] = field(default_factory=list)
     log: list[str] = field(default_factory=list)
     resources: dict[str, str] = field(default_factory=dict)
+    threads: int = 1  # the dry run prints threads only above 1
 
     @property
     def slurm_comment(self) -> str:
@@ -58,6 +59,8 @@ def parse_dry_run(text: str) -> list[DryRunJob]:
             setattr(current, key, value.split(", "))
         elif key == "wildcards":
             current.wildcards = _pairs(value)
+        elif key == "threads":
+            current.threads = int(value)
         elif key == "resources":
             current.resources = _pairs(value)
     return jobs
