@@ -330,6 +330,27 @@ def test_a_stage_just_started_is_estimated_by_its_plan_less_the_time_it_has_run(
     assert status.estimate("evaluate", r, cfg, nearly).seconds == pytest.approx(evaluate_plan - 50.0)
 
 
+
+def test_evaluate_counts_the_run_that_checks_the_derived_schedule(tmp_path, history):
+    """With several concurrency levels the derived k schedule gets one more vLLM run: a plan
+    without it read 27 s left with nearly 3 minutes to go on a fresh demo."""
+    r = tmp_path / "results"
+    _prompts(r, 30, 10)
+    cfg = _full_config(r)
+    rates.record("evaluate", cfg["target"]["model"], baseline_tokens_per_s=20.0, server_start_s=30.0)
+    ev = cfg["evaluate"]
+    assert ev["schedule"] and ev["ngram"] and ev["offline"] and len(ev["concurrency"]) > 1
+    with_check = status.estimate("evaluate", r, cfg, None)
+    cfg["evaluate"] = {**ev, "schedule": False}
+    without = status.estimate("evaluate", r, cfg, None)
+    runs = 2 + len(ev["num_speculative_tokens"])  # the target alone, ngram, each k
+    replays = status.OFFLINE_REPLAY_SHARE * len(ev["num_speculative_tokens"])
+    assert with_check.seconds / without.seconds == pytest.approx((runs + 1 + replays) / (runs + replays))
+    assert f"{runs + 1} vLLM runs" in with_check.basis and f"{runs} vLLM runs" in without.basis
+    cfg["evaluate"] = {**ev, "concurrency": [1]}  # one level: the schedule is one fixed k
+    assert f"{runs} vLLM runs" in status.estimate("evaluate", r, cfg, None).basis
+
+
 # -- the command line --------------------------------------------------------------------------
 
 REPO = Path(__file__).resolve().parents[1]

@@ -497,8 +497,11 @@ class Evaluate(Stage):
             scale = at_c / base if at_c and base else 1.0
             requests = sum(len(level_prompts(range(n), c, ev["rounds"])) for n in sizes)
             per_run += requests * ev["max_tokens"] * COMPLETION_FILL_GUESS / (rate * scale)
-        return Estimate((len(plan) + OFFLINE_REPLAY_SHARE * replays) * per_run,
-                        f"{len(plan)} vLLM runs x {len(sizes)} prompt sets at concurrency "
+        # the derived k schedule gets a run of its own unless it is one fixed k (with several
+        # concurrency levels it mostly is not): counted, or the last minutes read near zero
+        runs = len(plan) + (1 if ev["schedule"] and len(ev["concurrency"]) > 1 else 0)
+        return Estimate((runs + OFFLINE_REPLAY_SHARE * replays) * per_run,
+                        f"{runs} vLLM runs x {len(sizes)} prompt sets at concurrency "
                         f"{ev['concurrency']} ({basis})" + (f", {replays} offline replays"
                                                              if replays else ""))
 
