@@ -390,10 +390,18 @@ def verdict(runs: list[dict], concurrencies: list[int], serve: dict | None = Non
     if serve is not None:
         out["serve_never_slower_than_target"] = serve["never_slower_than_target"]
         if not serve["never_slower_than_target"]:
+            slower = [e for e in serve["by_concurrency"] if e["speedup"] < 1.0]
             slow = ", ".join(f"{e['speedup']:.2f}x at concurrency {e['concurrency']}"
-                             for e in serve["by_concurrency"] if e["speedup"] < 1.0)
-            warnings.append(f"SERVE CONFIG SLOWER THAN NO DRAFTER: {serve['checked_by']} "
-                            f"(serve.json) measured {slow}.")
+                             for e in slower)
+            text = (f"SERVE CONFIG SLOWER THAN NO DRAFTER: {serve['checked_by']} (serve.json) "
+                    f"measured {slow}.")
+            if any(e["k"] == 0 for e in slower):
+                # vLLM runs the drafter's forward pass on every step to keep its KV cache in
+                # sync, drafting or not
+                text += (" k 0 is not free: vLLM still runs the drafter's forward pass every "
+                         "step. Where this concurrency is what you serve, serve without "
+                         "--speculative-config.")
+            warnings.append(text)
     out["summary"] = _summary(best, choice, ngram, concurrencies)
     return out
 
