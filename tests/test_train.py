@@ -127,7 +127,7 @@ def test_training_reduces_loss_and_writes_the_drafter(world, tmp_path):
     train_rows = [r for r in rows if r["split"] == "train"]
     eval_rows = [r for r in rows if r["split"] == "eval"]
     assert list(rows[0]) == ["step", "epoch", "split", "loss", "acc_0", "acc_1", "acc_2",
-                             "sim_al", "lr", "tokens_per_s"]
+                             "sim_al", "lr", "tokens_per_s", "peak_rss_mb"]
     first, last = float(train_rows[0]["loss"]), float(train_rows[-1]["loss"])
     assert last < 0.7 * first, (first, last)
     assert len(eval_rows) == 6  # one per epoch, the last one at the end
