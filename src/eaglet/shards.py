@@ -429,11 +429,14 @@ def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def sha256_path(path: str | os.PathLike) -> str:
+def sha256_path(path: str | os.PathLike, block_bytes: int = 4 << 20) -> str:
+    """The file's sha256, read into one reused block (never more of it in memory)."""
     digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(1 << 24):
-            digest.update(block)
+    block = bytearray(block_bytes)
+    view = memoryview(block)
+    with open(path, "rb", buffering=0) as handle:
+        while count := handle.readinto(block):
+            digest.update(view[:count])
     return digest.hexdigest()
 
 
