@@ -350,13 +350,15 @@ class Trainer:
     def train_step(self, micro: list[list[int]],
                    host_batches: list[Batch] | None = None) -> tuple[torch.Tensor, int]:
         """One optimizer step over this rank's share of ``micro`` (``host_batches``: those
-        micro-batches already packed, by the prefetcher); returns this rank's summed
-        [cross-entropy, valid positions, agreements] per TTT step [3, K] and its rows."""
+        micro-batches already packed, by the prefetcher; the list is emptied, each host copy
+        let go once it is on the device); returns this rank's summed [cross-entropy, valid
+        positions, agreements] per TTT step [3, K] and its rows."""
         cfg, K = self.cfg, self.cfg["ttt_steps"]
         if host_batches is None:
             host_batches = [self.host_batch(self.train_data, m) for m in self.share(micro)]
-        batches = [self.device_batch(b, training=True) for b in host_batches]
-        del host_batches  # the host copies go once on the device
+        batches = []
+        while host_batches:
+            batches.append(self.device_batch(host_batches.pop(0), training=True))
         local_counts = sum(b.counts() for b in batches).to(self.device)
         counts = self.dist.all_reduce(local_counts.clone())  # valid positions of the whole step
         weights = cfg["ttt_decay"] ** torch.arange(K, dtype=torch.float64, device=self.device)
