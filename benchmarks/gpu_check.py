@@ -14,8 +14,9 @@ Sections, each timed on its own and skipped with a recorded reason when the run 
   no greedy completion, so ``extract.min_teacher_agreement`` is set to 0 (the check still
   runs and costs what it costs). Goals: extraction >= 28K tokens/s and >= 0.8 of the hooked
   forward.
-* ``train_llama`` and ``train_kimi``: eaglet's training step (``Trainer.train_step``: batch
-  packing with ``make_batch``, bf16 autocast, 7 TTT steps, loss against the teacher,
+* ``train_llama`` and ``train_kimi``: eaglet's training step (``Trainer.train_step``: batches
+  packed ahead by the prefetcher in page-locked memory, copied to the device in bf16 and
+  widened there, bf16 autocast, 7 TTT steps, loss against the teacher,
   backward, grad clip, AdamW, LR schedule) at the drafter shapes of Llama-3.1-8B and
   Kimi-K2.5 (``eaglet.plan.PRESETS``), one micro-batch of 2048 tokens per step. The trainer
   is assembled around random samples instead of shards, a target directory and a vocabulary
@@ -70,6 +71,7 @@ from eaglet.extract import (AuxCapture, Target, decoder_layers, default_aux_laye
 from eaglet.io import write_json  # noqa: E402
 from eaglet.plan import PRESETS, Shape  # noqa: E402
 from eaglet.train import Dist, Trainer  # noqa: E402
+from eaglet.train_data import Prefetcher  # noqa: E402
 
 OUT = Path(__file__).parent / "results"
 PEAK_FLOPS = 989e12        # H200 dense bf16 (the datasheet's number without sparsity)
@@ -275,7 +277,7 @@ def extraction(shape: Shape, size: dict, device: torch.device, dtype: torch.dtyp
 
 class RandomSamples:
     """Stands in for ``train.Samples``: fixed random samples, in the tuple its ``get`` returns
-    (states in float32, as ``shards.load`` gives them)."""
+    (states in bfloat16, as a bf16 shard maps them; the step widens them on the device)."""
 
     def __init__(self, config: DrafterConfig, count: int, length: int):
         g = torch.Generator().manual_seed(0)
@@ -284,8 +286,8 @@ class RandomSamples:
                         torch.ones(length, dtype=torch.uint8),
                         # the target's argmax, in the draft vocabulary (d2t = 0: same ids)
                         torch.randint(0, config.draft_vocab_size, (length,), generator=g),
-                        torch.randn(length, config.fc_input_size, generator=g),
-                        torch.randn(length, config.hidden_size, generator=g))
+                        torch.randn(length, config.fc_input_size, generator=g).bfloat16(),
+                        torch.randn(length, config.hidden_size, generator=g).bfloat16())
                        for s in range(count)]
 
         # one "shard" holding them all, as train_data.plan_epoch reads samples
@@ -331,13 +333,20 @@ def training(shape: Shape, size: dict, device: torch.device, dtype: torch.dtype,
     trainer = random_trainer({**cfg, "epochs": steps, "max_steps": steps}, config, samples,
                              device, dtype, work)
     micro = [list(range(count))]  # one micro-batch per step (grad_accum 1), every sample
+    # packed ahead as Trainer.run does; the wait for it, if any, is inside the timing
+    feed = Prefetcher(lambda indices: trainer.host_batch(samples, indices),
+                      (((step, 0, 0), micro[0]) for step in range(steps)), cfg["prefetch_batches"])
     times, rows, losses = [], 0, []
-    for step in range(steps):
-        seconds, (stats, rows) = timed(device, trainer.train_step, micro)
-        trainer.step += 1
-        losses.append(float(stats[0].sum() / stats[1].sum()))
-        if step >= size["train_warmup"]:
-            times.append(seconds)
+    try:
+        for step in range(steps):
+            seconds, (stats, rows) = timed(
+                device, lambda: trainer.train_step(micro, [feed.take((step, 0, 0))]))
+            trainer.step += 1
+            losses.append(float(stats[0].sum() / stats[1].sum()))
+            if step >= size["train_warmup"]:
+                times.append(seconds)
+    finally:
+        feed.close()
     step_s = sorted(times)[len(times) // 2]
     context = (size["train_sample_len"] + 1) / 2
     flops = count_flops_per_token(config, cfg["ttt_steps"], context)
@@ -348,7 +357,7 @@ def training(shape: Shape, size: dict, device: torch.device, dtype: torch.dtype,
         "intermediate": config.intermediate_size, "target_vocab": config.vocab_size,
         "draft_vocab": config.draft_vocab_size, "ttt_steps": cfg["ttt_steps"],
         "precision": "bf16 autocast" if device.type == "cuda" else "float32",
-        "driven_by": "Trainer.train_step on random samples (no shards on disk)",
+        "driven_by": "Trainer.train_step on random bf16 samples packed ahead (no shards on disk)",
         "tokens_per_step": rows, "sample_len": size["train_sample_len"],
         "trainable_params": num_params(trainer.model), "timed_steps": len(times),
         "step_s": step_s, "step_s_all": times, "tokens_per_s": tokens_per_s,

@@ -275,11 +275,13 @@ def test_settings_added_later_leave_the_params_of_earlier_runs_unchanged():
     generation or training), and set to anything else they count."""
     cfg = validate({"train": {"gpus": 2}})
     before = {k: v for k, v in cfg["train"].items()
-              if k not in ("gpus", "loss_on_prompt", "feature_noise")}
+              if k not in ("gpus", "loss_on_prompt", "feature_noise", "host_ram_mb",
+                           "prefetch_batches")}
     assert stage_params(cfg, "train", drop=("gpus",)) == before
     assert "capture_hidden_states" not in stage_params(cfg, "generate")
     cfg = validate({"train": {"loss_on_prompt": True, "feature_noise": 0.2},
                     "generate": {"capture_hidden_states": True}})
     assert stage_params(cfg, "train")["loss_on_prompt"] is True
     assert stage_params(cfg, "train")["feature_noise"] == 0.2
+    assert stage_params(validate({"train": {"host_ram_mb": 999}}), "train")["host_ram_mb"] == 999
     assert stage_params(cfg, "generate")["capture_hidden_states"] is True

@@ -442,3 +442,57 @@ def test_writer_memory_stays_bounded(tmp_path):
     extra, shard_bytes = map(int, out.split())
     assert shard_bytes > 190e6
     assert extra < shard_bytes / 4, f"writing raised the peak RSS by {extra / 1e6:.0f} MB"
+
+
+# -- mapped reading --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "fp8"])
+def test_mapped_shard_converts_to_what_the_eager_load_gives(tmp_path, dtype):
+    """open_mapped keeps the stored dtype (views of the file) and to_float, applied to any
+    rows, gives the very float32 values load gives for those rows."""
+    lengths = [5, 9, 1, 12]
+    path, _ = write(tmp_path, packed(lengths, hidden=16, seed=4), dtype)
+    written = shards.sha256_path(path)
+    eager, mapped = shards.load(path, written), shards.open_mapped(path, written)
+    stored = shards.STORAGE_DTYPES[dtype]
+    assert mapped.aux_hidden.dtype == mapped.final_hidden.dtype == stored
+    assert (mapped.aux_scale is not None) == (dtype == "fp8") == (mapped.final_scale is not None)
+    for name in ("input_ids", "loss_mask", "offsets", "teacher_argmax"):
+        got, want = getattr(mapped, name), getattr(eager, name)
+        assert got.dtype == want.dtype and torch.equal(got, want), name
+    assert (mapped.sample_ids, mapped.aux_layer_ids, mapped.dtype, mapped.target) == \
+        (eager.sample_ids, eager.aux_layer_ids, eager.dtype, eager.target)
+    for s in range(len(lengths)):
+        rows = mapped.sample(s)
+        scales = (None, None) if dtype != "fp8" else (mapped.aux_scale[rows], mapped.final_scale[rows])
+        assert torch.equal(shards.to_float(mapped.aux_hidden[rows], scales[0]), eager.aux_hidden[rows])
+        assert torch.equal(shards.to_float(mapped.final_hidden[rows], scales[1]), eager.final_hidden[rows])
+    # the tensors are the file's pages: nothing was copied, and giving them back loses nothing
+    assert mapped.aux_hidden.untyped_storage().nbytes() == path.stat().st_size
+    before = mapped.aux_hidden[:3].clone()
+    mapped.mapping.release()
+    assert torch.equal(mapped.aux_hidden[:3], before)
+
+
+def test_mapped_shard_writes_stay_in_the_process(tmp_path):
+    path, data = write(tmp_path, packed([4, 4], hidden=8), "bfloat16")
+    mapped = shards.open_mapped(path)
+    mapped.aux_hidden[0] = 7.0  # copy-on-write: no fault, and the file keeps its bytes
+    assert path.read_bytes() == data
+
+
+@pytest.mark.parametrize("damage", ["bit flip", "truncated", "truncated header"])
+def test_mapped_shard_refuses_damaged_bytes_by_name(tmp_path, damage):
+    path, data = write(tmp_path, packed([6, 7, 8], hidden=16, seed=9), "bfloat16")
+    recorded = hashlib.sha256(data).hexdigest()
+    if damage == "bit flip":
+        broken = bytearray(data)
+        broken[len(data) // 2] ^= 0x10
+        path.write_bytes(bytes(broken))
+    else:
+        path.write_bytes(data[:100] if damage == "truncated header" else data[:-64])
+    with pytest.raises(shards.ShardDamaged, match=rf"{path} is damaged: its sha256 .* recorded"):
+        shards.open_mapped(path, recorded)
+    if damage != "bit flip":  # without the hash, the file's own structure gives it away
+        with pytest.raises(shards.ShardDamaged, match=rf"{path} is damaged: it cannot be read"):
+            shards.open_mapped(path)

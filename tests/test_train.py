@@ -22,7 +22,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from eaglet import shards
 from eaglet.io import atomic_open
 from eaglet.train import Dist, Trainer, TrainError, launch_torchrun, settings, train
-from eaglet.train_data import add_feature_noise, make_batch
+from eaglet.train_data import (Samples, add_feature_noise, make_batch, step_micro_batches,
+                               steps_in)
 
 AUX_LAYERS = [1, 2, 3]
 VOCAB, DRAFT_VOCAB = 256, 160
@@ -127,7 +128,7 @@ def test_training_reduces_loss_and_writes_the_drafter(world, tmp_path):
     train_rows = [r for r in rows if r["split"] == "train"]
     eval_rows = [r for r in rows if r["split"] == "eval"]
     assert list(rows[0]) == ["step", "epoch", "split", "loss", "acc_0", "acc_1", "acc_2",
-                             "sim_al", "lr", "tokens_per_s"]
+                             "sim_al", "lr", "tokens_per_s", "peak_rss_mb"]
     first, last = float(train_rows[0]["loss"]), float(train_rows[-1]["loss"])
     assert last < 0.7 * first, (first, last)
     assert len(eval_rows) == 6  # one per epoch, the last one at the end
@@ -236,6 +237,7 @@ def rewrite(path: str, out: Path, **changes) -> str:
                   final_hidden=shard.final_hidden)
     meta = dict(sample_ids=shard.sample_ids, aux_layer_ids=shard.aux_layer_ids, dtype="float32",
                 target=shard.target)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
     for key, value in changes.items():
         (fields if key in fields else meta)[key] = value
     shards.write(out, *fields.values(), **meta)
@@ -361,6 +363,93 @@ def test_a_shard_missing_from_the_manifest_is_refused(world, tmp_path):
     with pytest.raises(TrainError, match=r"shard_00000.safetensors is not listed in .*manifest.json"
                                          r".*forcerun hidden_manifest"):
         train_verified(world, tmp_path, train_paths, eval_paths, manifest)
+
+
+# -- streamed data: mapped shards and the prefetcher ------------------------------------------
+
+class EagerSamples(Samples):
+    """The data path before shards were mapped: every shard loaded whole and widened to
+    float32 by shards.load, samples sliced from it."""
+
+    def get(self, index, max_len):
+        number = self.shard_of[index]
+        if not hasattr(self, "loaded"):
+            self.loaded = {}
+        if number not in self.loaded:
+            self.loaded[number] = shards.load(self.infos[number].path, self.infos[number].sha256)
+        shard, local = self.loaded[number], index - self.first[number]
+        rows = shard.sample(local)
+        rows = slice(rows.start, min(rows.stop, rows.start + max_len))
+        return (shard.sample_ids[local], shard.input_ids[rows], shard.loss_mask[rows],
+                shard.teacher_argmax[rows], shard.aux_hidden[rows], shard.final_hidden[rows])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "fp8"])
+def test_streamed_training_equals_the_eager_data_path(world, tmp_path, monkeypatch, dtype):
+    """Mapped shards in their stored dtype, converted a micro-batch at a time, with batches
+    built ahead by the prefetcher, train to the same weights and log as shards loaded whole
+    in float32 and packed in the loop."""
+    paths = [rewrite(p, tmp_path / "hidden" / Path(p).name, dtype=dtype) for p in world["train"]]
+    cfg = {**FAST, "feature_noise": 0.1}  # the noise stays in the loop's random stream
+
+    def fit(name, **extra):
+        return train({**cfg, **extra}, paths, world["eval"], world["vocab"], world["target"],
+                     str(tmp_path / name / "out"), str(tmp_path / name / "ckpt"), None, None)
+
+    streamed = fit("streamed", prefetch_batches=3, host_ram_mb=64)
+    with monkeypatch.context() as patch:
+        patch.setattr("eaglet.train.Samples", EagerSamples)
+        eager = fit("eager", prefetch_batches=0)
+    assert streamed["steps"] == eager["steps"] > 4
+    a, b = weights(tmp_path / "streamed" / "out"), weights(tmp_path / "eager" / "out")
+    for name in a:
+        assert torch.allclose(a[name], b[name], rtol=1e-6, atol=1e-7), name
+    log_a = read_log(tmp_path / "streamed" / "out" / "training_log.csv")
+    log_b = read_log(tmp_path / "eager" / "out" / "training_log.csv")
+    assert [(r["step"], r["split"], r["acc_0"]) for r in log_a] == \
+        [(r["step"], r["split"], r["acc_0"]) for r in log_b]
+    for x, y in zip(log_a, log_b):
+        assert float(x["loss"]) == pytest.approx(float(y["loss"]), rel=1e-5)
+    peaks = [float(r["peak_rss_mb"]) for r in log_a if r["split"] == "train"]
+    assert all(p > 50 for p in peaks) and peaks == sorted(peaks)  # a running peak, in MiB
+    assert streamed["peak_rss_mb"] >= peaks[-1]
+
+
+def test_prefetched_batches_are_the_loops_from_any_resumed_position(world, tmp_path):
+    """The prefetcher's sequence, started where a checkpoint left off (mid-epoch, over an
+    epoch boundary, with grad_accum), is the sequence of micro-batches the loop trains on,
+    and the batches it builds are those the loop would build."""
+    cfg = settings({**FAST, "epochs": 3, "grad_accum": 2, "max_tokens_per_batch": 64})
+    trainer = Trainer.from_files(cfg, world["train"], [], world["vocab"], world["target"],
+                                 str(tmp_path / "ckpt"), torch.device("cpu"), Dist())
+
+    def loop_order():  # what Trainer.run steps through, position by position
+        out, step, epoch, at = [], trainer.step, trainer.epoch, trainer.next_in_epoch
+        while step < trainer.total_steps and epoch < cfg["epochs"]:
+            plan = trainer.plan(epoch)
+            if at >= steps_in(plan, trainer.group):
+                epoch, at = epoch + 1, 0
+                continue
+            out += [((epoch, at, i), m) for i, m in
+                    enumerate(step_micro_batches(plan, at, trainer.group))]
+            step, at = step + 1, at + 1
+        return out
+
+    first_epoch = steps_in(trainer.plan(0), trainer.group)
+    assert first_epoch > 2
+    for step, epoch, at in [(0, 0, 0), (first_epoch - 1, 0, first_epoch - 1), (first_epoch, 1, 0)]:
+        trainer.step, trainer.epoch, trainer.next_in_epoch = step, epoch, at
+        expected = loop_order()
+        ahead = list(trainer.upcoming())
+        assert ahead == expected and ahead[0][0] == (epoch, at, 0)
+        feed = trainer.prefetcher()
+        try:
+            for key, indices in expected[:6]:
+                got, want = feed.take(key), trainer.host_batch(trainer.train_data, indices)
+                assert got.sample_ids == want.sample_ids
+                assert torch.equal(got.aux, want.aux) and torch.equal(got.step_ids, want.step_ids)
+        finally:
+            feed.close()
 
 
 # -- data parallel ---------------------------------------------------------------------------

@@ -28,8 +28,10 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import mmap
 import os
 import struct
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +51,9 @@ FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 
 @dataclass
 class Shard:
-    """A shard in memory; hidden states are dequantized to ``float32`` on load."""
+    """A shard's tensors. From :func:`load` they are in memory with the hidden states
+    dequantized to ``float32``; from :func:`open_mapped` they are views of the file's pages in
+    their stored dtype (``aux_scale``/``final_scale`` set for fp8; :func:`to_float` converts)."""
 
     input_ids: torch.Tensor
     loss_mask: torch.Tensor
@@ -61,6 +65,9 @@ class Shard:
     aux_layer_ids: list[int]
     dtype: str
     target: dict
+    aux_scale: torch.Tensor | None = None    # fp8 from open_mapped only: [N, A]
+    final_scale: torch.Tensor | None = None  # fp8 from open_mapped only: [N, 1]
+    mapping: "Mapping | None" = None         # the file's pages (open_mapped)
 
     @property
     def num_samples(self) -> int:
@@ -116,6 +123,13 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     n, width = q.shape
     groups = scale.shape[1]
     return (q.float().reshape(n, groups, width // groups) * scale.unsqueeze(-1)).reshape(n, width)
+
+
+def to_float(x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Hidden states as stored (any float dtype; e4m3 with its ``scale``) in ``float32``, on
+    the device they are on: the conversion :func:`load` applies to a whole shard, and training
+    to one micro-batch at a time."""
+    return x.float() if scale is None else dequantize_fp8(x, scale)
 
 
 # -- writing ---------------------------------------------------------------------------------
@@ -313,11 +327,8 @@ def load(path: str | os.PathLike, sha256: str | None = None) -> Shard:
         t = load_bytes(data)
         meta = _parse_metadata(_file_header(data).get("__metadata__") or {}, path)
         del data
-    if meta["dtype"] == "fp8":
-        aux = dequantize_fp8(t["aux_hidden"], t["aux_scale"])
-        final = dequantize_fp8(t["final_hidden"], t["final_scale"])
-    else:
-        aux, final = t["aux_hidden"].float(), t["final_hidden"].float()
+    aux = to_float(t["aux_hidden"], t.get("aux_scale"))
+    final = to_float(t["final_hidden"], t.get("final_scale"))
     return Shard(t["input_ids"], t["loss_mask"], t["offsets"], t["teacher_argmax"], aux, final,
                  meta["sample_ids"], meta["aux_layer_ids"], meta["dtype"], meta["target"])
 
@@ -325,6 +336,81 @@ def load(path: str | os.PathLike, sha256: str | None = None) -> Shard:
 def _file_header(data: bytes) -> dict:
     n = struct.unpack("<Q", data[:8])[0]
     return json.loads(data[8:8 + n])
+
+
+# -- reading without holding -----------------------------------------------------------------
+#
+# Training maps a shard instead of reading it: its tensors are views of the file's pages in
+# the stored dtype, the kernel reads what a batch touches, and the pages a process has touched
+# are given back with ``Mapping.release`` (they stay in the page cache, shared by every rank,
+# and are read again from there when needed). The hash check reads the file once in blocks
+# before mapping it, so the guarantee of :func:`load` (no byte used that extraction did not
+# write) holds without the shard ever being in memory whole.
+
+_STORED = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
+
+
+class Mapping:
+    """A shard file mapped into memory (copy-on-write, so a stray in-place write changes
+    this process's copy of a page, never the file, and cannot fault)."""
+
+    def __init__(self, path: str | os.PathLike):
+        with open(path, "rb") as handle:
+            self.size = os.fstat(handle.fileno()).st_size
+            if self.size < 8:
+                raise ValueError(f"{self.size} bytes, too short for a safetensors header")
+            self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+        self._lock = threading.Lock()
+
+    def tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """Every tensor of the file as a view of its pages, and the ``__metadata__``."""
+        (length,) = struct.unpack("<Q", self._map[:8])
+        if 8 + length > self.size:
+            raise ValueError(f"its header claims {length} bytes, the file has {self.size}")
+        header = json.loads(self._map[8:8 + length])
+        meta = header.pop("__metadata__", None) or {}
+        data = torch.frombuffer(self._map, dtype=torch.uint8)[8 + length:]
+        out = {}
+        for name, entry in header.items():
+            dtype, shape = _STORED.get(entry["dtype"]), tuple(entry["shape"])
+            begin, end = entry["data_offsets"]
+            if dtype is None:
+                raise ValueError(f"{name} has dtype {entry['dtype']}, not one of a shard's")
+            if end - begin != math.prod(shape) * dtype.itemsize or end > data.numel():
+                raise ValueError(f"{name} spans bytes {begin}:{end} of {data.numel()} for "
+                                 f"shape {list(shape)}")
+            raw = data[begin:end]
+            if (8 + length + begin) % dtype.itemsize:  # not aligned: a copy, not a view
+                raw = raw.clone()
+            out[name] = raw.view(dtype).reshape(shape)
+        return out, meta
+
+    def release(self) -> None:
+        """Give back the pages this process has touched; the data stays readable."""
+        with self._lock:
+            if not self._map.closed and hasattr(mmap, "MADV_DONTNEED"):
+                self._map.madvise(mmap.MADV_DONTNEED)
+
+
+def open_mapped(path: str | os.PathLike, sha256: str | None = None) -> Shard:
+    """The shard at ``path`` memory-mapped, its tensors in their stored dtype (nothing is
+    read until used). With ``sha256`` the file is first hashed in blocks (never held whole);
+    a mismatch or an undecodable file raises :class:`ShardDamaged` naming it."""
+    if sha256 is not None:
+        actual = sha256_path(path)
+        if actual != sha256:
+            raise ShardDamaged(path, f"its sha256 {actual[:12]}… is not the {sha256[:12]}… "
+                                     f"recorded at extraction (truncated or modified on disk)")
+    try:
+        mapping = Mapping(path)
+        t, raw_meta = mapping.tensors()
+        meta = _parse_metadata(raw_meta, path)
+        stored = [t[name] for name in ("input_ids", "loss_mask", "offsets", "teacher_argmax",
+                                       "aux_hidden", "final_hidden")]
+    except (ValueError, OSError, KeyError, TypeError) as exc:
+        raise ShardDamaged(path, f"it cannot be read ({exc!r})") from exc
+    return Shard(*stored, meta["sample_ids"], meta["aux_layer_ids"], meta["dtype"],
+                 meta["target"], t.get("aux_scale"), t.get("final_scale"), mapping)
 
 
 def set_aside(path: str | os.PathLike) -> Path | None:
@@ -343,11 +429,14 @@ def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def sha256_path(path: str | os.PathLike) -> str:
+def sha256_path(path: str | os.PathLike, block_bytes: int = 4 << 20) -> str:
+    """The file's sha256, read into one reused block (never more of it in memory)."""
     digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(1 << 24):
-            digest.update(block)
+    block = bytearray(block_bytes)
+    view = memoryview(block)
+    with open(path, "rb", buffering=0) as handle:
+        while count := handle.readinto(block):
+            digest.update(view[:count])
     return digest.hexdigest()
 
 

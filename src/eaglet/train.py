@@ -26,6 +26,7 @@ import csv
 import logging
 import math
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -47,9 +48,10 @@ from eaglet.progress import Progress
 from eaglet.target import (load_target_embedding, load_target_layer, load_target_lm_head,
                            read_target_config, text_config)
 from eaglet.tracking import Trackers
-from eaglet.train_data import (Batch, Samples, TrainError, add_feature_noise, check_shards,
-                               check_vocab_map, index_shard, make_batch, manifest_hashes, pack,
-                               plan_epoch, step_micro_batches, steps_in)
+from eaglet.train_data import (Batch, Prefetcher, Samples, TrainError, add_feature_noise,
+                               check_shards, check_vocab_map, data_memory, index_shard,
+                               make_batch, manifest_hashes, pack, plan_epoch,
+                               step_micro_batches, steps_in)
 from eaglet.vocab import load_vocab_map
 
 log = logging.getLogger("eaglet.train")
@@ -135,6 +137,11 @@ def init_distributed(device: torch.device) -> Dist:
 
 # -- the log ---------------------------------------------------------------------------------
 
+def peak_rss_mb() -> float:
+    """The peak resident memory of this process so far, in MiB (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def write_csv(path: Path, rows: list[dict], columns: list[str]) -> None:
     with atomic_open(path, "w") as handle:
         writer = csv.DictWriter(handle, fieldnames=columns, lineterminator="\n")
@@ -179,7 +186,7 @@ class Trainer:
                               cfg["max_tokens_per_batch"])
         self.columns = (["step", "epoch", "split", "loss"]
                         + [f"acc_{k}" for k in range(cfg["ttt_steps"])]
-                        + ["sim_al", "lr", "tokens_per_s"])
+                        + ["sim_al", "lr", "tokens_per_s", "peak_rss_mb"])
         self.rows: list[dict] = []
         self.step, self.epoch, self.next_in_epoch = 0, 0, 0
         self.wrapped = self.model
@@ -205,8 +212,9 @@ class Trainer:
         infos = [index_shard(p, t2d.numel(), hashes.get(p)) for p in shard_paths]
         eval_infos = [index_shard(p, t2d.numel(), hashes.get(p)) for p in eval_shard_paths]
         check_shards(infos + eval_infos, text, target_dir)
-        train_data = Samples(infos, cfg["shards_in_memory"])
-        eval_data = Samples(eval_infos, cfg["shards_in_memory"])
+        memory = data_memory(cfg, infos + eval_infos)  # shared: one budget per process
+        train_data = Samples(infos, cfg["shards_in_memory"], memory)
+        eval_data = Samples(eval_infos, cfg["shards_in_memory"], memory)
         train_data.preload()
         eval_data.preload()
 
@@ -250,15 +258,52 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
-    def load_batch(self, data: Samples, indices: list[int]) -> Batch:
+    def host_batch(self, data: Samples, indices: list[int]) -> Batch:
+        """The micro-batch of these samples packed on the host, features in their stored
+        dtype (page-locked for a CUDA device): what the prefetcher builds ahead."""
         pieces = [data.get(i, self.cfg["max_len"]) for i in indices]
         # held-out metrics stay on the answers, what speculation drafts
         training = data is self.train_data
-        batch = make_batch(pieces, self.cfg["ttt_steps"], self.t2d,
-                           self.cfg["loss_on_prompt"] and training).to(self.device)
+        return make_batch(pieces, self.cfg["ttt_steps"], self.t2d,
+                          self.cfg["loss_on_prompt"] and training,
+                          pin=self.device.type == "cuda")
+
+    def device_batch(self, batch: Batch, training: bool) -> Batch:
+        """A host batch on the device, features in float32; the feature noise is drawn here,
+        in the loop, so that the random stream (saved in checkpoints) does not depend on how
+        far ahead batches were built."""
+        batch = batch.to(self.device)
         if training and self.cfg["feature_noise"]:
             batch.aux = add_feature_noise(batch.aux, self.num_aux, self.cfg["feature_noise"])
         return batch
+
+    def load_batch(self, data: Samples, indices: list[int]) -> Batch:
+        return self.device_batch(self.host_batch(data, indices), data is self.train_data)
+
+    def share(self, micro: list[list[int]]) -> list[list[int]]:
+        """This rank's micro-batches of one optimizer step's."""
+        ga = self.cfg["grad_accum"]
+        return micro[self.dist.rank * ga:(self.dist.rank + 1) * ga]
+
+    def upcoming(self):
+        """This rank's micro-batches from the current data position to the end of training,
+        in the order :meth:`run` trains on them, each keyed (epoch, step in epoch, index)."""
+        cfg, step, epoch, at = self.cfg, self.step, self.epoch, self.next_in_epoch
+        plan = self.plan(epoch) if epoch < cfg["epochs"] else []
+        while step < self.total_steps and epoch < cfg["epochs"]:
+            if at >= steps_in(plan, self.group):
+                epoch, at = epoch + 1, 0
+                plan = plan_epoch(self.train_data, epoch, cfg) if epoch < cfg["epochs"] else []
+                continue
+            for i, indices in enumerate(self.share(step_micro_batches(plan, at, self.group))):
+                yield (epoch, at, i), indices
+            step, at = step + 1, at + 1
+
+    def prefetcher(self) -> Prefetcher | None:
+        if not self.cfg["prefetch_batches"]:
+            return None
+        return Prefetcher(lambda indices: self.host_batch(self.train_data, indices),
+                          self.upcoming(), self.cfg["prefetch_batches"])
 
     # -- checkpoints --
 
@@ -302,12 +347,18 @@ class Trainer:
 
     # -- one optimizer step --
 
-    def train_step(self, micro: list[list[int]]) -> tuple[torch.Tensor, int]:
-        """One optimizer step over this rank's share of ``micro``; returns this rank's summed
-        [cross-entropy, valid positions, agreements] per TTT step [3, K] and its rows."""
+    def train_step(self, micro: list[list[int]],
+                   host_batches: list[Batch] | None = None) -> tuple[torch.Tensor, int]:
+        """One optimizer step over this rank's share of ``micro`` (``host_batches``: those
+        micro-batches already packed, by the prefetcher; the list is emptied, each host copy
+        let go once it is on the device); returns this rank's summed [cross-entropy, valid
+        positions, agreements] per TTT step [3, K] and its rows."""
         cfg, K = self.cfg, self.cfg["ttt_steps"]
-        mine = micro[self.dist.rank * cfg["grad_accum"]:(self.dist.rank + 1) * cfg["grad_accum"]]
-        batches = [self.load_batch(self.train_data, m) for m in mine]
+        if host_batches is None:
+            host_batches = [self.host_batch(self.train_data, m) for m in self.share(micro)]
+        batches = []
+        while host_batches:
+            batches.append(self.device_batch(host_batches.pop(0), training=True))
         local_counts = sum(b.counts() for b in batches).to(self.device)
         counts = self.dist.all_reduce(local_counts.clone())  # valid positions of the whole step
         weights = cfg["ttt_decay"] ** torch.arange(K, dtype=torch.float64, device=self.device)
@@ -379,18 +430,28 @@ class Trainer:
         plan_len = steps_in(self.plan(self.epoch), self.group)
         row = {"step": self.step, "epoch": round(self.epoch + self.next_in_epoch / plan_len, 4),
                "split": split, **{k: round(v, 6) for k, v in metrics.items()}, "lr": "",
-               "tokens_per_s": "", **extra}
+               "tokens_per_s": "", "peak_rss_mb": "", **extra}
         self.rows.append(row)
         if self.dist.rank != 0:
             return
         self.trackers.log(row)
         accs = " ".join(f"{metrics[f'acc_{k}']:.3f}" for k in range(self.cfg["ttt_steps"]))
-        log.info("%s step %d/%d epoch %.2f: loss %.4f acc %s sim_al %.3f", split, self.step,
-                 self.total_steps, row["epoch"], metrics["loss"], accs, metrics["sim_al"])
+        rss = f" peak RSS {row['peak_rss_mb']:.0f} MiB" if row["peak_rss_mb"] != "" else ""
+        log.info("%s step %d/%d epoch %.2f: loss %.4f acc %s sim_al %.3f%s", split, self.step,
+                 self.total_steps, row["epoch"], metrics["loss"], accs, metrics["sim_al"], rss)
         write_csv(self.checkpoint_dir / "training_log.csv", self.rows, self.columns)
 
     def run(self, progress: Progress | None, stop_after_steps: int | None = None) -> bool:
         """Train to the end (True), or until ``stop_after_steps`` (False: as if killed)."""
+        feed = self.prefetcher()
+        try:
+            return self._run(progress, stop_after_steps, feed)
+        finally:
+            if feed is not None:
+                feed.close()
+
+    def _run(self, progress: Progress | None, stop_after_steps: int | None,
+             feed: Prefetcher | None) -> bool:
         cfg, K = self.cfg, self.cfg["ttt_steps"]
         window = torch.zeros(3, K, dtype=torch.float64, device=self.device)
         window_tokens, window_start = 0, time.monotonic()
@@ -400,7 +461,11 @@ class Trainer:
             if self.next_in_epoch >= steps:
                 self.epoch, self.next_in_epoch = self.epoch + 1, 0
                 continue
-            sums, tokens = self.train_step(step_micro_batches(plan, self.next_in_epoch, self.group))
+            micro = step_micro_batches(plan, self.next_in_epoch, self.group)
+            ready = None if feed is None else [
+                feed.take((self.epoch, self.next_in_epoch, i))
+                for i in range(len(self.share(micro)))]
+            sums, tokens = self.train_step(micro, ready)
             self.step += 1
             self.next_in_epoch += 1
             window += sums
@@ -411,8 +476,11 @@ class Trainer:
             if self.step % cfg["log_every"] == 0 or last:
                 sums = self.dist.all_reduce(window.clone()).cpu()
                 rate = self.dist.world * window_tokens / (time.monotonic() - window_start)
+                rss = self.dist.all_reduce(torch.tensor([peak_rss_mb()], device=self.device),
+                                           dist.ReduceOp.MAX if self.dist.world > 1 else None)
                 self.log_row("train", summarize(*sums, cfg["ttt_decay"]),
-                             lr=f"{self.scheduler.get_last_lr()[0]:.6g}", tokens_per_s=round(rate, 1))
+                             lr=f"{self.scheduler.get_last_lr()[0]:.6g}", tokens_per_s=round(rate, 1),
+                             peak_rss_mb=round(float(rss), 1))
                 window.zero_()
                 window_tokens, window_start = 0, time.monotonic()
             epoch_end = self.next_in_epoch == steps
@@ -482,10 +550,13 @@ def train(cfg: dict, shard_paths: list[str], eval_shard_paths: list[str], vocab_
                 for split in ("train", "eval")}
         elapsed = time.monotonic() - started
         return {"steps": trainer.step, "resumed_from_step": first_step,
-                "train": last["train"], "eval": last["eval"], "elapsed_s": elapsed}
+                "train": last["train"], "eval": last["eval"], "elapsed_s": elapsed,
+                "peak_rss_mb": round(peak_rss_mb(), 1)}
     finally:
         if trainer is not None:
             trainer.trackers.close()
+            trainer.train_data.close()
+            trainer.eval_data.close()
         if dist_.owns_group:
             dist.destroy_process_group()
 

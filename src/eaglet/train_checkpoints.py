@@ -27,7 +27,8 @@ log = logging.getLogger("eaglet.train")
 
 # keys that may change between a run and its resumption without changing the result
 RESUME_FREE = {"log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "resume",
-               "device", "precision", "export_dtype", "report_to"}
+               "device", "precision", "export_dtype", "report_to", "host_ram_mb",
+               "prefetch_batches"}
 
 
 def checkpoints(directory: Path) -> list[Path]:

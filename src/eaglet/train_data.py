@@ -1,7 +1,13 @@
 """The drafter's training data: shards checked against the target and the vocabulary map,
-samples held in memory (``train.shards_in_memory`` at a time), packed whole into micro-batches
-of at most ``max_tokens_per_batch`` rows per epoch (shuffled, seeded), and laid out for
-training-time test (``make_batch``: which rows count at each TTT step).
+memory-mapped in their stored dtype (hash-checked once each), packed whole into micro-batches
+of at most ``max_tokens_per_batch`` rows per epoch (shuffled, seeded, ``train.shards_in_memory``
+shards mixed at a time), laid out for training-time test (``make_batch``: which rows count at
+each TTT step), and built ahead of the step that needs them (``Prefetcher``).
+
+Host memory stays under ``train.host_ram_mb`` (``DataMemory``): the micro-batches built ahead,
+and the shard pages a process has read, which are given back to the kernel whenever what was
+read since would exceed the rest. Features reach the device in their stored dtype and become
+float32 there, a micro-batch at a time (``Batch.to``).
 
 A sample longer than ``max_len`` is cut to its first ``max_len`` tokens. At TTT step ``k`` row
 ``t`` predicts token ``t+2+k``; that position counts when the token lies in the sample, is a
@@ -13,8 +19,11 @@ from __future__ import annotations
 
 import math
 import os
+import queue
 import random
+import threading
 from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +48,11 @@ class ShardInfo:
     aux_layer_ids: list[int]
     target: dict
     sha256: str | None = None  # recorded in the manifest at extraction; None: not verified
+    dtype: str = "float32"     # storage dtype of the hidden states
+
+    @property
+    def bytes_per_token(self) -> int:
+        return shard_format.bytes_per_token(self.hidden_size, len(self.aux_layer_ids), self.dtype)
 
 
 def manifest_hashes(manifest_path: str, paths: list[str]) -> dict[str, str]:
@@ -103,7 +117,8 @@ def index_shard(path: str, vocab_size: int, sha256: str | None = None) -> ShardI
         raise refuse(f"{path}: aux_hidden is {width} wide, not hidden size {meta['hidden_size']}"
                      f" x {len(meta['aux_layer_ids'])} aux layers: the shard is corrupt; rerun extract")
     return ShardInfo(str(path), (offsets[1:] - offsets[:-1]).tolist(), meta["sample_ids"],
-                     meta["hidden_size"], meta["aux_layer_ids"], meta["target"], sha256)
+                     meta["hidden_size"], meta["aux_layer_ids"], meta["target"], sha256,
+                     meta["dtype"])
 
 
 def check_vocab_map(target_config: dict, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
@@ -142,52 +157,135 @@ def check_shards(infos: list[ShardInfo], target_config: dict, target_dir: str) -
 
 # -- samples, packing and batches -------------------------------------------------------------
 
-class Samples:
-    """The samples of a list of shards under one global index; shards are loaded on first use
-    and at most ``keep`` of them (0: all) stay in memory."""
+MB = 1 << 20
+MAX_OPEN_SHARDS = 256  # mapped files at once with shards_in_memory 0 (each holds a descriptor)
 
-    def __init__(self, infos: list[ShardInfo], keep: int = 0):
+
+class DataMemory:
+    """The host memory of the training data in one process (``train.host_ram_mb``): room for
+    the micro-batches built ahead, and a limit on the shard pages mapped in. Every mapping
+    registers here; when the rows read since the last release would pass the limit, the
+    pages of every mapping are given back (they stay in the page cache)."""
+
+    def __init__(self, page_limit: int | None):
+        self.page_limit = page_limit
+        self.read = 0
+        self.releases = 0
+        self._mappings: set = set()
+        self._lock = threading.Lock()
+
+    def add(self, mapping) -> None:
+        with self._lock:
+            self._mappings.add(mapping)
+
+    def discard(self, mapping) -> None:
+        with self._lock:
+            self._mappings.discard(mapping)
+        mapping.release()
+
+    def reading(self, nbytes: int) -> None:
+        """``nbytes`` of mapped rows are about to be read."""
+        with self._lock:
+            self.read += nbytes
+            if self.page_limit is None or self.read <= self.page_limit:
+                return
+            self.read, self.releases = nbytes, self.releases + 1
+            mappings = list(self._mappings)
+        for mapping in mappings:
+            mapping.release()
+
+
+def data_memory(cfg: dict, infos: list[ShardInfo]) -> DataMemory:
+    """Split ``train.host_ram_mb`` between the micro-batches built ahead (``prefetch_batches``
+    waiting and one being built, in the stored dtype) and the shard pages; refuse a budget
+    that cannot hold those batches and one more batch of pages."""
+    per_token = max(info.bytes_per_token for info in infos)
+    layout = 8 * (2 * cfg["ttt_steps"] + 3)  # step ids, rows, positions, segments
+    batch = cfg["max_tokens_per_batch"] * (per_token + layout)
+    ahead = (cfg["prefetch_batches"] + 1) * batch
+    pages = cfg["host_ram_mb"] * MB - ahead
+    if pages < cfg["max_tokens_per_batch"] * per_token:
+        need = math.ceil((ahead + cfg["max_tokens_per_batch"] * per_token) / MB)
+        raise TrainError(
+            f"train.host_ram_mb {cfg['host_ram_mb']} cannot hold {cfg['prefetch_batches'] + 1} "
+            f"micro-batches of {batch / MB:.0f} MB ({cfg['prefetch_batches']} built ahead, "
+            f"train.prefetch_batches, and one being built) and the shard pages of one more: "
+            f"set train.host_ram_mb to at least {need}, or lower train.prefetch_batches or "
+            f"train.max_tokens_per_batch")
+    return DataMemory(pages)
+
+
+class Samples:
+    """The samples of a list of shards under one global index. A shard is mapped on first
+    use, its file hash-checked against the manifest the first time (again only if the file
+    changed), and at most ``keep`` of them stay mapped (0: all, up to MAX_OPEN_SHARDS);
+    the pages read are bounded by ``memory``. Safe to use from one thread at a time per
+    shard list (the prefetcher's, or the loop's)."""
+
+    def __init__(self, infos: list[ShardInfo], keep: int = 0, memory: DataMemory | None = None):
         self.infos = infos
         self.keep = keep
+        self.memory = memory or DataMemory(None)
         self.lengths = [n for info in infos for n in info.lengths]
         self.shard_of = [s for s, info in enumerate(infos) for _ in info.lengths]
         self.first = [0]  # global index of each shard's first sample
         for info in infos[:-1]:
             self.first.append(self.first[-1] + len(info.lengths))
-        self._loaded: OrderedDict[int, shard_format.Shard] = OrderedDict()
+        self._open: OrderedDict[int, shard_format.Shard] = OrderedDict()
+        self._verified: dict[int, tuple] = {}  # shard -> (inode, size, mtime) when checked
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self.lengths)
 
     def preload(self) -> None:
-        """Load (and so verify) every shard now when all of them stay in memory anyway, so
-        that a damaged one stops the run before its first step."""
+        """With every shard in one mixing window (``keep`` 0), hash-check every shard now, so
+        that a damaged one stops the run before its first step; otherwise each is checked
+        when first used."""
         if not self.keep:
             for number in range(len(self.infos)):
                 self.shard(number)
 
+    def close(self) -> None:
+        with self._lock:
+            while self._open:
+                self.memory.discard(self._open.popitem()[1].mapping)
+
     def shard(self, number: int) -> shard_format.Shard:
-        if number in self._loaded:
-            self._loaded.move_to_end(number)
-        else:
+        with self._lock:
+            if number in self._open:
+                self._open.move_to_end(number)
+                return self._open[number]
             info = self.infos[number]
-            try:  # read once, hashed as it is read, against the manifest
-                self._loaded[number] = shard_format.load(info.path, info.sha256)
+            stat = os.stat(info.path)
+            signature = (stat.st_ino, stat.st_size, stat.st_mtime_ns)
+            check = info.sha256 if self._verified.get(number) != signature else None
+            try:  # hashed in blocks against the manifest, then mapped
+                shard = shard_format.open_mapped(info.path, check)
             except shard_format.ShardDamaged as exc:
                 raise damaged(exc) from exc
-            if self.keep and len(self._loaded) > self.keep:
-                self._loaded.popitem(last=False)
-        return self._loaded[number]
+            self._verified[number] = signature
+            self._open[number] = shard
+            self.memory.add(shard.mapping)
+            if len(self._open) > (self.keep or MAX_OPEN_SHARDS):
+                self.memory.discard(self._open.popitem(last=False)[1].mapping)
+            return shard
 
     def get(self, index: int, max_len: int) -> tuple:
-        """(sample id, input_ids, loss_mask, teacher_argmax, aux_hidden, final_hidden)."""
+        """(sample id, input_ids, loss_mask, teacher_argmax, aux_hidden, final_hidden,
+        aux_scale, final_scale): views of the mapped shard, states in the stored dtype
+        (scales: fp8 only, else None)."""
         number = self.shard_of[index]
         local = index - self.first[number]
         shard = self.shard(number)
         rows = shard.sample(local)
         rows = slice(rows.start, min(rows.stop, rows.start + max_len))
+        self.memory.reading((rows.stop - rows.start) * self.infos[number].bytes_per_token)
+        scales = ((shard.aux_scale[rows], shard.final_scale[rows]) if shard.aux_scale is not None
+                  else (None, None))
         return (shard.sample_ids[local], shard.input_ids[rows], shard.loss_mask[rows],
-                shard.teacher_argmax[rows], shard.aux_hidden[rows], shard.final_hidden[rows])
+                shard.teacher_argmax[rows], shard.aux_hidden[rows], shard.final_hidden[rows],
+                *scales)
 
 
 def pack(order: list[int], lengths: list[int], budget: int, open_bins: int = 8) -> list[list[int]]:
@@ -248,6 +346,8 @@ class Batch:
     segments: torch.Tensor        # [T] packed sample number
     rows: list[torch.Tensor]      # K x [n_k] rows whose step-k prediction counts
     sample_ids: list[str]
+    aux_scale: torch.Tensor | None = None    # fp8 storage: [T, A] scales of aux, else None
+    final_scale: torch.Tensor | None = None  # fp8 storage: [T, 1]
 
     @property
     def num_tokens(self) -> int:
@@ -257,19 +357,33 @@ class Batch:
         return torch.tensor([r.numel() for r in self.rows], dtype=torch.float64)
 
     def to(self, device: torch.device) -> "Batch":
+        """On ``device`` (asynchronous copies from pinned memory) with the features in
+        float32: the stored dtype crosses to the device and is converted there."""
         move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
-        return Batch(move(self.aux), move(self.final), move(self.teacher_argmax),
-                     move(self.step_ids), move(self.positions), move(self.segments),
-                     [move(r) for r in self.rows], self.sample_ids)
+        scale = lambda t: None if t is None else move(t)  # noqa: E731
+        return Batch(shard_format.to_float(move(self.aux), scale(self.aux_scale)),
+                     shard_format.to_float(move(self.final), scale(self.final_scale)),
+                     move(self.teacher_argmax), move(self.step_ids), move(self.positions),
+                     move(self.segments), [move(r) for r in self.rows], self.sample_ids)
+
+
+def _cat(tensors: list[torch.Tensor], pin: bool) -> torch.Tensor:
+    """Row blocks into one tensor (in page-locked memory with ``pin``, for asynchronous
+    copies to a GPU: written there directly, not copied again)."""
+    if not pin:
+        return torch.cat(tensors)
+    shape = (sum(t.shape[0] for t in tensors), *tensors[0].shape[1:])
+    return torch.cat(tensors, out=torch.empty(shape, dtype=tensors[0].dtype, pin_memory=True))
 
 
 def make_batch(pieces: list[tuple], ttt_steps: int, t2d: torch.Tensor,
-               prompt_loss: bool = False) -> Batch:
-    """Pack samples (as ``Samples.get`` returns them) into one TTT batch. ``prompt_loss``:
-    prompt tokens count too (the target's distribution exists there as well). The shards
+               prompt_loss: bool = False, pin: bool = False) -> Batch:
+    """Pack samples (as ``Samples.get`` returns them; the two fp8 scales may be left out)
+    into one TTT batch, features in the dtype they come in. ``prompt_loss``: prompt tokens
+    count too (the target's distribution exists there as well). The shards
     store the target's full-vocabulary argmax only where it predicts an answer token (-1
     elsewhere), so a prompt position is not filtered by it: its teacher is the target's
-    distribution over the draft vocabulary, as everywhere."""
+    distribution over the draft vocabulary, as everywhere. ``pin``: in page-locked memory."""
     ids, loss_mask, argmax = (torch.cat([p[i] for p in pieces]) for i in (1, 2, 3))
     unchecked = torch.zeros_like(argmax, dtype=torch.bool)  # rows with no stored argmax
     if prompt_loss:
@@ -289,9 +403,68 @@ def make_batch(pieces: list[tuple], ttt_steps: int, t2d: torch.Tensor,
         in_vocab = t2d[argmax[predicted - 1].clamp(min=0)] | unchecked[predicted - 1]
         valid = inside & loss_mask[predicted].bool() & in_vocab
         rows.append(valid.nonzero().squeeze(1))
-    return Batch(torch.cat([p[4] for p in pieces]), torch.cat([p[5] for p in pieces]), argmax,
-                 torch.stack(step_ids), row - starts[segments], segments, rows,
-                 [p[0] for p in pieces])
+    fp8 = len(pieces[0]) > 6 and pieces[0][6] is not None
+    scales = [_cat([p[i] for p in pieces], pin) if fp8 else None for i in (6, 7)]
+    small = lambda t: t.pin_memory() if pin else t  # noqa: E731
+    return Batch(_cat([p[4] for p in pieces], pin), _cat([p[5] for p in pieces], pin),
+                 small(argmax), small(torch.stack(step_ids)), small(row - starts[segments]),
+                 small(segments), [small(r) for r in rows], [p[0] for p in pieces], *scales)
+
+
+class Prefetcher:
+    """Builds items in a background thread, in order, at most ``depth`` of them waiting, so
+    that the next micro-batches are packed (and copied into page-locked memory) while the
+    current step runs. :meth:`take` hands them out in the order of ``keys``; an exception
+    raised while building one is raised by :meth:`take` in its place."""
+
+    def __init__(self, build: Callable, keyed: Iterable[tuple], depth: int):
+        if depth < 1:
+            raise ValueError(f"a prefetcher needs a depth of at least 1, got {depth}")
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._work, args=(build, keyed), daemon=True,
+                                        name="eaglet-prefetch")
+        self._thread.start()
+
+    def _put(self, item) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _work(self, build: Callable, keyed: Iterable[tuple]) -> None:
+        try:
+            for key, what in keyed:
+                if self._stop.is_set() or not self._put((key, build(what), None)):
+                    return
+        except BaseException as exc:  # handed to the consumer, raised there
+            self._put((None, None, exc))
+            return
+        self._put((None, None, StopIteration()))
+
+    def take(self, key=None):
+        """The next item; with ``key``, checked to be the one the caller expects."""
+        got, item, error = self._queue.get()
+        if error is not None:
+            self._stop.set()
+            raise error
+        if key is not None and got != key:
+            self.close()
+            raise RuntimeError(f"the prefetcher built {got} where {key} was due: its order "
+                               f"differs from the training loop's")
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        while True:  # let a blocked producer see the stop
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+        self._thread.join(timeout=60)
 
 
 def add_feature_noise(aux: torch.Tensor, layers: int, scale: float,
