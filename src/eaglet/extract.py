@@ -532,6 +532,29 @@ def shard_records(records: list[dict], num_shards: int, index: int) -> list[dict
     return records[lo:hi]
 
 
+def extract_shards(target: Target, parts: list[tuple[list[dict], str | os.PathLike, str | os.PathLike]],
+                   cfg: dict, aux_layer_ids: list[int], identity: dict,
+                   progress: Progress | None = None) -> list[dict]:
+    """:func:`extract_shard` for each ``(records, shard_path, meta_path)`` of ``parts`` in
+    turn, with each shard's teacher check and write in a second thread while the next
+    shard's batches run: the device does not wait for the disk, and at most two shards'
+    states are on the host (the one being written, the one being extracted). The first
+    error raised is raised here, once the write in flight has ended."""
+    metas: list[dict] = []
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer") as writer:
+        writing = None
+        for records, shard_path, meta_path in parts:
+            got = shard_states(target, records, cfg, aux_layer_ids, progress)
+            if writing is not None:
+                metas.append(writing.result())  # bounded: one shard written at a time
+            writing = writer.submit(write_shard, target, got, cfg, aux_layer_ids, identity,
+                                    shard_path, meta_path)
+            del got
+        if writing is not None:
+            metas.append(writing.result())
+    return metas
+
+
 @dataclass
 class ShardJob:
     """One shard a job writes: shard ``index`` of ``num_shards`` of the samples in ``data``."""
@@ -554,10 +577,8 @@ def run_shard(cfg: dict, target_json: str, data_path: str, index: int, num_shard
 def run_shards(cfg: dict, target_json: str, jobs: list[ShardJob], progress_path: str | None = None,
                log_path: str | None = None, name: str = "extract") -> list[dict]:
     """Several shards from one job (``extract.jobs: one``; one shard for the ``extract`` rule):
-    the target is loaded once, and each shard's teacher check and write run in a second
-    thread while the next shard's batches run, so the device does not wait for the disk.
-    At most two shards' states are on the host: the one being written and the one being
-    extracted. Raises the first shard's error (after the write in flight has ended)."""
+    the target loaded once, the shards extracted by :func:`extract_shards` (each write beside
+    the next shard's forward)."""
     ext = cfg["extract"]
     info = read_json(target_json)
     data: dict[str, list[dict]] = {}
@@ -582,20 +603,10 @@ def run_shards(cfg: dict, target_json: str, jobs: list[ShardJob], progress_path:
     target = load_target(info["path"], cfg["target"]["dtype"], ext["device"],
                          cfg["target"].get("trust_remote_code", False))
     aux_ids = resolve_aux_layer_ids(ext["aux_layer_ids"], target.num_layers)
-    identity = target_identity(info)
     progress = Progress(name, total=sum(map(len, records)), path=progress_path, log_path=log_path)
     started = time.monotonic()
-    metas: list[dict] = []
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer") as writer:
-        writing = None
-        for job, recs in zip(jobs, records):
-            got = shard_states(target, recs, ext, aux_ids, progress)
-            if writing is not None:
-                metas.append(writing.result())  # bounded: one shard written at a time
-            writing = writer.submit(write_shard, target, got, ext, aux_ids, identity, job.shard,
-                                    job.meta)
-            del got
-        metas.append(writing.result())
+    metas = extract_shards(target, [(recs, job.shard, job.meta) for job, recs in zip(jobs, records)],
+                           ext, aux_ids, target_identity(info), progress)
     progress.report("finished")
     tokens = sum(m["tokens"] for m in metas)
     elapsed = time.monotonic() - started
