@@ -64,7 +64,10 @@ def main() -> None:
     parser.add_argument("--vllm", action="store_true",
                         help="also time the vLLM backend on the same samples")
     parser.add_argument("--concurrency", type=int, default=16, help="vLLM backend requests in flight")
+    parser.add_argument("--out", default=str(OUT / "extract"),
+                        help="results go to OUT.json and OUT.md")
     args = parser.parse_args()
+    out = Path(args.out)
 
     cfg = validate({})["extract"]
     records = read_jsonl(args.data)[:args.samples]
@@ -98,11 +101,11 @@ def main() -> None:
     if args.vllm:
         del target
         result.update(vllm_backend(args, records, tokens, bf16["wall_s"]))
-    write_json(OUT / "extract.json", result)
+    write_json(out.with_suffix(".json"), result)
     lines = ["| measure | value |", "|---|---|"]
     lines += [f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |"
               for k, v in result.items()]
-    (OUT / "extract.md").write_text("\n".join(lines) + "\n")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

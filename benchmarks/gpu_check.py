@@ -9,11 +9,14 @@ Sections, each timed on its own and skipped with a recorded reason when the run 
   ids (64 samples x 2048 tokens). Three timings over the same token-budget batches: the
   plain decoder forward; the forward with eaglet's aux-layer hooks (``extract.forward_batch``:
   what extraction needs from the model, the 3 aux states and the final norm's output, left
-  on the device); and eaglet's extraction end to end (``extract.extract_shard``: copies to
-  the host, teacher check, shard written and fsynced by ``eaglet.shards``). Random tokens are
-  no greedy completion, so ``extract.min_teacher_agreement`` is set to 0 (the check still
-  runs and costs what it costs). Goals: extraction >= 28K tokens/s and >= 0.8 of the hooked
-  forward.
+  on the device); and eaglet's extraction end to end (``extract.extract_shard``: each batch
+  packed on the device and copied to pinned host buffers while the next one runs, teacher
+  check, shard written and fsynced by ``eaglet.shards``). A fourth timing splits the same
+  records into shards written by one job (``extract.extract_shards``, as ``extract.jobs:
+  one`` runs them: each shard's check and write beside the next shard's forward). Random
+  tokens are no greedy completion, so ``extract.min_teacher_agreement`` is set to 0 (the
+  check still runs and costs what it costs). Goals: extraction >= 28K tokens/s and >= 0.8
+  of the hooked forward.
 * ``train_llama`` and ``train_kimi``: eaglet's training step (``Trainer.train_step``: batches
   packed ahead by the prefetcher in page-locked memory, copied to the device in bf16 and
   widened there, bf16 autocast, 7 TTT steps, loss against the teacher,
@@ -66,8 +69,8 @@ from eaglet import shards  # noqa: E402
 from eaglet.drafter import (DrafterConfig, Eagle3Drafter, count_flops_per_token,  # noqa: E402
                             init_lm_head, num_params)
 from eaglet.extract import (AuxCapture, Target, decoder_layers, default_aux_layer_ids,  # noqa: E402
-                            extract_shard, forward_batch, right_padded, sequence,
-                            token_budget_batches)
+                            extract_shard, extract_shards, forward_batch, right_padded,
+                            sequence, token_budget_batches)
 from eaglet.io import write_json  # noqa: E402
 from eaglet.plan import PRESETS, Shape  # noqa: E402
 from eaglet.train import Dist, Trainer  # noqa: E402
@@ -87,16 +90,17 @@ SHAPES = {
                            intermediate=192, vocab=640, draft_vocab=128)},
 }
 SIZES = {  # what each section runs over
-    "full": {"samples": 64, "sample_len": 2048, "prompt_len": 512, "repeats": 2,
+    "full": {"samples": 64, "sample_len": 2048, "prompt_len": 512, "repeats": 2, "shards": 4,
              "train_tokens": 2048, "train_sample_len": 2048, "train_steps": 8, "train_warmup": 3,
              "disk_bytes": 4_000_000_000},
     "tiny": {"samples": 4, "sample_len": 64, "prompt_len": 16, "repeats": 1, "batch_tokens": 128,
+             "shards": 2,
              "train_tokens": 128, "train_sample_len": 64, "train_steps": 2, "train_warmup": 1,
              "disk_bytes": 8_000_000},
 }
 # seconds a section is expected to take on the H200: it is skipped when it would end past
 # the budget (nothing is expected of the tiny run but speed)
-ESTIMATES = {"extraction": 150, "train_llama": 60, "train_kimi": 90, "disk": 45}
+ESTIMATES = {"extraction": 175, "train_llama": 60, "train_kimi": 90, "disk": 45}
 
 
 # -- small helpers ---------------------------------------------------------------------------
@@ -228,13 +232,21 @@ def extraction(shape: Shape, size: dict, device: torch.device, dtype: torch.dtyp
         return extract_shard(target, recs, cfg, aux_ids, {"spec": "gpu_check"}, shard,
                              shard.with_suffix(".json"))
 
+    count = size["shards"]
+    parts = [(records[k * len(records) // count:(k + 1) * len(records) // count],
+              work / f"shard_{k + 1:05d}.safetensors", work / f"shard_{k + 1:05d}.json")
+             for k in range(count)]
+
+    def run_shards():
+        return extract_shards(target, parts, cfg, aux_ids, {"spec": "gpu_check"})
+
     warm = max(1, cfg["batch_tokens"] // size["sample_len"])  # one batch, every path once
     plain_forward(target, seqs[:warm], cfg["batch_tokens"])
     hooked_forward(target, seqs[:warm], cfg["batch_tokens"], aux_ids)
     run_extract(records[:warm])
     say(f"extraction: warmed up; {len(records)} samples, {tokens} tokens, "
         f"batch_tokens {cfg['batch_tokens']}")
-    plain, hooked, extracted, meta = [], [], [], None
+    plain, hooked, extracted, overlapped, meta, metas = [], [], [], [], None, None
     for repeat in range(size["repeats"]):  # alternate, keep the best of each
         if repeat and CLOCK.left() < 2 * ESTIMATES["extraction"] / size["repeats"]:
             say("extraction: running late, no further repeat")
@@ -243,12 +255,18 @@ def extraction(shape: Shape, size: dict, device: torch.device, dtype: torch.dtyp
         hooked.append(timed(device, hooked_forward, target, seqs, cfg["batch_tokens"], aux_ids)[0])
         seconds, meta = timed(device, run_extract, records)
         extracted.append(seconds)
+        overlapped_s, metas = timed(device, run_shards)
+        overlapped.append(overlapped_s)
         say(f"extraction: repeat {repeat + 1}: plain forward {tokens / plain[-1]:.0f}, hooked "
-            f"forward {tokens / hooked[-1]:.0f}, eaglet extraction {tokens / seconds:.0f} tokens/s")
+            f"forward {tokens / hooked[-1]:.0f}, eaglet extraction {tokens / seconds:.0f}, "
+            f"{count} shards in one job {tokens / overlapped_s:.0f} tokens/s")
     with safe_open(str(shard), framework="pt") as handle:
         tokens_in_file = handle.get_slice("input_ids").get_shape()[0]
     if tokens_in_file != tokens or meta["tokens"] != tokens:
         raise RuntimeError(f"the shard holds {tokens_in_file} tokens, {tokens} were extracted")
+    if sum(m["tokens"] for m in metas) != tokens:
+        raise RuntimeError(f"the {count} shards hold {sum(m['tokens'] for m in metas)} tokens, "
+                           f"{tokens} were extracted")
     result = {
         "shape": shape.name, "layers": shape.layers, "hidden": shape.hidden,
         "vocab": shape.vocab, "target_dtype": str(dtype).removeprefix("torch."),
@@ -264,6 +282,10 @@ def extraction(shape: Shape, size: dict, device: torch.device, dtype: torch.dtyp
         "extraction_tokens_per_s": tokens / min(extracted),
         "extraction_over_forward": min(hooked) / min(extracted),
         "extraction_over_plain_forward": min(plain) / min(extracted),
+        "shards_in_one_job": count, "shards_in_one_job_s": min(overlapped),
+        "shards_in_one_job_tokens_per_s": tokens / min(overlapped),
+        "shards_in_one_job_over_forward": min(hooked) / min(overlapped),
+        "shards_in_one_job_bytes": sum(m["bytes"] for m in metas),
         "shard_bytes": meta["bytes"], "shard_sha256": meta["sha256"],
         "shard_tokens_in_file": tokens_in_file, "peak_memory_gib": peak_memory_gib(device),
     }
@@ -443,6 +465,9 @@ def render(result: dict) -> str:
                  "extraction_tokens_per_s", "{:.0f}", GOALS["extraction_tokens_per_s"]),
              row("extraction / hooked forward", ">= 0.8", "extraction", "extraction_over_forward",
                  "{:.3f}", GOALS["extraction_over_forward"]),
+             row("extraction tokens/s, shards written beside the next shard's forward", "-",
+                 "extraction", "shards_in_one_job_tokens_per_s", "{:.0f}"),
+             row("  / hooked forward", "-", "extraction", "shards_in_one_job_over_forward", "{:.3f}"),
              row("hooked forward tokens/s (3 aux layers)", "-", "extraction",
                  "hooked_forward_tokens_per_s", "{:.0f}"),
              row("plain forward tokens/s", "-", "extraction", "plain_forward_tokens_per_s", "{:.0f}"),

@@ -1,5 +1,6 @@
 # Hidden states. Backend hf: one job per shard, extract.num_shards for the training samples,
-# one for the held-out samples. Backend vllm: one job (one server) writes the same files.
+# one for the held-out samples; with extract.jobs: one, a single job (one target load) writes
+# them all. Backend vllm: one job (one server) writes the same files.
 # generate.capture_hidden_states: generation saved the states already; the vllm rule packs
 # them (and starts a server only for samples whose states are missing).
 # Each job declares the GPUs it holds, so it never overlaps another GPU stage.
@@ -7,7 +8,8 @@
 # (timeouts, retries, port, memory share) are read from config by the scripts, so changing
 # them reruns nothing.
 EXTRACT_PARAMS = dict(
-    extract={k: v for k, v in config["extract"].items() if k not in ("gpus", "device", "concurrency")},
+    extract={k: v for k, v in config["extract"].items()
+             if k not in ("gpus", "device", "concurrency", "jobs")},
     target=config["target"],
 )
 FROM_VLLM = config["extract"]["backend"] == "vllm" or CAPTURE
@@ -45,6 +47,34 @@ if FROM_VLLM:
             MODEL_ENV
         script:
             "../scripts/extract_vllm.py"
+
+
+elif config["extract"]["jobs"] == "one":
+
+    rule extract_all:
+        """Hidden states of every shard (train and held-out) from one job: the target loaded
+        once, each shard checked and written while the next one runs through it."""
+        input:
+            target=f"{R}/target/target.json",
+            train=f"{R}/synthetic/train.jsonl",
+            eval=f"{R}/synthetic/eval.jsonl",
+        output:
+            shards=hidden_files("train", ".safetensors"),
+            metas=hidden_files("train", ".json"),
+            eval_shards=hidden_files("eval", ".safetensors"),
+            eval_metas=hidden_files("eval", ".json"),
+        params:
+            **EXTRACT_PARAMS,
+            progress=f"{R}/progress/extract_all.json",
+        threads: MODEL_THREADS
+        resources:
+            **EXTRACT_RESOURCES,
+        log:
+            f"{R}/logs/extract/all.log",
+        conda:
+            MODEL_ENV
+        script:
+            "../scripts/extract_all.py"
 
 
 else:

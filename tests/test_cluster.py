@@ -38,7 +38,8 @@ GPU_RULES = {
     "hidden_manifest": ("extract", "extract"),
     "train": ("train", "train"),
 }
-# Every rule the workflow defines that runs a model (extract_vllm: the vllm backend's one job),
+# Every rule the workflow defines that runs a model (extract_vllm: the vllm backend's one job;
+# extract_all: the hf backend's with extract.jobs: one),
 # read from the rule files themselves
 MODEL_RULES = {name for path in (REPO / "rules").glob("*.smk")
                for name in re.findall(r"^\s*rule (\w+):", path.read_text(), re.MULTILINE)
@@ -267,7 +268,7 @@ def test_profile_takes_partition_account_and_gpu_model_from_the_environment(monk
     split = _render(monkeypatch, EAGLET_SLURM_PARTITION="cpu", EAGLET_SLURM_GPU_PARTITION="gpu",
                     EAGLET_SLURM_GPU_MODEL="h100")
     assert "slurm_partition='cpu'" in split["default-resources"]
-    assert MODEL_RULES == set(GPU_RULES) | {"extract_vllm"}
+    assert MODEL_RULES == set(GPU_RULES) | {"extract_vllm", "extract_all"}
     assert set(split["set-resources"]) == {
         f"{rule}:{key}" for rule in MODEL_RULES
         for key in ("slurm_partition='gpu'", "gpu_model='h100'")}

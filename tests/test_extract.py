@@ -7,11 +7,13 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import eaglet.extract as extract_mod
 from eaglet import shards
@@ -19,6 +21,8 @@ from eaglet.config import validate
 from eaglet.extract import (
     AuxCapture,
     ExtractionError,
+    HostCopies,
+    ShardJob,
     Target,
     build_manifest,
     check_disk,
@@ -26,10 +30,12 @@ from eaglet.extract import (
     default_aux_layer_ids,
     extract_shard,
     forward_batch,
+    hf_states,
     load_target,
     predicting_rows,
     resolve_aux_layer_ids,
     run_shard,
+    run_shards,
     sequence,
     shard_bounds,
     target_identity,
@@ -165,6 +171,137 @@ def test_default_aux_ids_of_a_six_layer_model_extract(target):
     finally:
         capture.close()
     assert torch.equal(aux[:, 64:128], aux[:, 128:])
+
+
+# -- the batch loop: packing on the device, copies to the host -------------------------------
+
+@torch.inference_mode()
+def per_sample_states(target, seqs, batch_tokens, layer_ids):
+    """The batch loop as it was before the copies overlapped the forward: padding dropped by
+    a boolean mask, every sample copied to the host on its own. The oracle of hf_states."""
+    lengths = [len(s) for s in seqs]
+    aux_rows, final_rows = [None] * len(seqs), [None] * len(seqs)
+    capture = AuxCapture(decoder_layers(target.model), layer_ids)
+    try:
+        for batch in token_budget_batches(lengths, batch_tokens):
+            longest = max(lengths[i] for i in batch)
+            ids = torch.zeros(len(batch), longest, dtype=torch.long)
+            attention = torch.zeros(len(batch), longest, dtype=torch.long)
+            for row, i in enumerate(batch):
+                ids[row, :lengths[i]] = torch.tensor(seqs[i])
+                attention[row, :lengths[i]] = 1
+            out = target.model.get_decoder()(input_ids=ids, attention_mask=attention, use_cache=False)
+            keep = attention.bool()
+            aux = torch.cat(capture.take(), dim=-1)[keep]
+            final = out.last_hidden_state[keep]
+            start = 0
+            for i in batch:
+                aux_rows[i] = aux[start:start + lengths[i]].cpu()
+                final_rows[i] = final[start:start + lengths[i]].cpu()
+                start += lengths[i]
+    finally:
+        capture.close()
+    return aux_rows, final_rows
+
+
+def uneven_seqs(n: int = 11, seed: int = 3) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = [1, 2] + torch.randint(3, 40, (n - 2,), generator=g).tolist()  # a one-row batch too
+    return [torch.randint(0, 300, (n_,), generator=g).tolist() for n_ in lengths]
+
+
+@pytest.mark.parametrize("depth, staged", [(2, None), (1, True), (2, True), (3, True)])
+def test_hf_states_equal_the_per_sample_copies(target, depth, staged):
+    """Every sample's aux and final rows, bit for bit, whatever the copies in flight and
+    whether the copies go through (reused) staging buffers, over batches of uneven sizes."""
+    seqs = uneven_seqs()
+    batch_tokens = 60
+    batches = token_budget_batches([len(s) for s in seqs], batch_tokens)
+    assert len(batches) >= 4 and len({len(b) for b in batches}) > 1
+    assert [len(s) for s in seqs if len(s) == 1] and any(len(b) == 1 for b in batches)
+    want_aux, want_final = per_sample_states(target, seqs, batch_tokens, AUX)
+    seen = []
+    progress = SimpleNamespace(advance=lambda done, tokens: seen.append((done, tokens)))
+    got_aux, got_final = hf_states(target, [], seqs, {"batch_tokens": batch_tokens}, AUX,
+                                   progress, depth=depth, staged=staged)
+    for s, (wa, wf, ga, gf) in enumerate(zip(want_aux, want_final, got_aux, got_final)):
+        assert ga.shape == (len(seqs[s]), 3 * 64) and gf.shape == (len(seqs[s]), 64)
+        assert torch.equal(ga, wa) and torch.equal(gf, wf), s
+        assert ga.device.type == "cpu" and not ga.is_pinned()
+    # every batch reported once, in order, with its tokens
+    assert seen == [(len(b), sum(len(seqs[i]) for i in b)) for b in batches]
+    # a sample's rows are a block of its batch's host copy, not a copy of their own
+    for batch in batches:
+        bases = {got_aux[i].untyped_storage().data_ptr() for i in batch}
+        assert len(bases) == 1
+
+
+def batch_of(tag: int, rows: int, width: int = 8) -> torch.Tensor:
+    """Rows whose every value names its batch and row: [tag, row, column]."""
+    r = torch.arange(rows, dtype=torch.float32)[:, None]
+    c = torch.arange(width, dtype=torch.float32)[None, :]
+    return tag * 10_000 + r * 100 + c
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+@pytest.mark.parametrize("staged", [False, True])
+def test_host_copies_hand_back_each_batch_whole_and_in_order(depth, staged):
+    rows = [5, 1, 9, 3, 7, 1, 2]                  # uneven, one-row batches among them
+    copies = HostCopies(max(rows), 8, 6, torch.float32, torch.device("cpu"), depth=depth,
+                        staged=staged)
+    taken = []
+    for tag, n in enumerate(rows):
+        out = copies.put(batch_of(tag, n), tag)
+        taken += out
+        # at most `depth` batches in flight; the rest handed back as soon as a newer one is queued
+        assert len(copies.pending) == min(tag + 1, depth - 1) if depth > 1 else not copies.pending
+        assert len(taken) == tag + 1 - len(copies.pending)
+    taken += copies.drain()
+    assert not copies.pending and sorted(copies.free) == list(range(len(copies.slots)))
+    assert [tag for tag, _, _ in taken] == list(range(len(rows)))
+    for tag, aux, final in taken:  # checked after every later batch went through the slots
+        whole = batch_of(tag, rows[tag])
+        assert aux.is_contiguous() and final.is_contiguous()
+        assert torch.equal(aux, whole[:, :6]) and torch.equal(final, whole[:, 6:]), tag
+    assert len(copies.slots) == (depth if staged else 0)
+
+
+class DeviceWaits(TorchDispatchMode):
+    """The ops that make the host wait for the device: a value read back (item, bool of a
+    tensor) or a result whose size is data (nonzero, masked_select, a boolean-mask index)."""
+
+    READS = ("aten._local_scalar_dense", "aten.is_nonzero", "aten.item")
+    SIZED = ("aten.nonzero", "aten.masked_select")
+
+    def __init__(self):
+        super().__init__()
+        self.reads, self.sized = [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if name.startswith(self.READS):
+            self.reads.append(name)
+        bool_index = name.startswith("aten.index") and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool
+            for a in args if isinstance(a, (list, tuple)) for i in a)
+        if name.startswith(self.SIZED) or bool_index:
+            self.sized.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_forward_batch_does_not_wait_for_the_device(target):
+    """Dropping the padding with a boolean mask waits for the device (how many rows remain is
+    data); eaglet gathers rows whose indices the host knows. (transformers reads a flag of
+    the mask back before the first layer: that read is its own, and counted apart.)"""
+    capture = AuxCapture(decoder_layers(target.model), AUX)
+    try:
+        with DeviceWaits() as waits:
+            aux, final = forward_batch(target, capture, [[1, 2, 3], [4, 5, 6, 7, 8]])
+    finally:
+        capture.close()
+    assert aux.shape == (8, 192) and final.shape == (8, 64)
+    assert waits.sized == []
+    assert len(waits.reads) <= 2  # transformers' mask check, nothing per sample or per row
 
 
 # -- batching and bounds ---------------------------------------------------------------------
@@ -454,6 +591,49 @@ def test_run_shard_writes_contiguous_blocks(extracted, greedy, tiny):
         assert meta["teacher"]["agreement"] == 1.0
         progress = read_json(extracted.root / "progress" / f"extract_{i}.json")
         assert progress["state"] == "finished" and progress["done"] == 3
+
+
+def shard_job(data, count, index, directory) -> ShardJob:
+    path = shards.shard_path(directory, index)
+    return ShardJob(str(data), count, index, str(path), str(path.with_suffix(".json")))
+
+
+def test_one_job_writes_every_shard_with_one_target_load(tiny, extracted, greedy, tmp_path,
+                                                         monkeypatch):
+    """extract.jobs: one: the training shards and the held-out one from one target load, the
+    same bytes as one job per shard, each written by the writer thread beside the forward."""
+    loads, writers = [], []
+    real_load, real_write = extract_mod.load_target, shards.write
+    monkeypatch.setattr(extract_mod, "load_target", lambda *a, **k: loads.append(a) or real_load(*a, **k))
+    monkeypatch.setattr(shards, "write", lambda *a, **k: writers.append(
+        threading.current_thread().name) or real_write(*a, **k))
+    eval_data = tmp_path / "eval.jsonl"
+    write_jsonl(eval_data, greedy[:2])
+    hidden = tmp_path / "hidden"
+    jobs = [shard_job(extracted.data, 2, i, hidden) for i in range(2)]
+    jobs.append(shard_job(eval_data, 1, 0, hidden / "eval"))
+    metas = run_shards(stage_cfg(), str(tiny.target_json), jobs,
+                       progress_path=str(tmp_path / "progress.json"))
+    assert len(loads) == 1
+    assert [m["sha256"] for m in metas[:2]] == extracted.sha  # as the per-shard jobs wrote them
+    assert [shards.sha256_path(j.shard) for j in jobs] == [m["sha256"] for m in metas]
+    assert [read_json(j.meta)["sha256"] for j in jobs] == [m["sha256"] for m in metas]
+    assert metas[2]["samples"] == [r["id"] for r in greedy[:2]]
+    assert all(m["teacher"]["agreement"] == 1.0 for m in metas)
+    assert len(writers) == 3 and all(name.startswith("shard-writer") for name in writers)
+    progress = read_json(tmp_path / "progress.json")
+    assert progress["state"] == "finished" and progress["done"] == len(greedy) + 2
+
+
+def test_one_job_stops_at_a_shard_that_fails_its_check(tiny, greedy, tmp_path):
+    data = tmp_path / "train.jsonl"
+    write_jsonl(data, greedy[:3] + random_records(n=3, seed=7))
+    hidden = tmp_path / "hidden"
+    jobs = [shard_job(data, 2, i, hidden) for i in range(2)]
+    with pytest.raises(ExtractionError, match="teacher agreement"):
+        run_shards(stage_cfg(), str(tiny.target_json), jobs)
+    assert read_json(jobs[0].meta)["teacher"]["agreement"] == 1.0  # the good shard is kept
+    assert read_json(jobs[1].meta)["teacher"]["agreement"] < 0.99
 
 
 def test_manifest_reuses_matching_shards(tiny, extracted, hidden_copy, extract_calls, monkeypatch):

@@ -51,9 +51,14 @@ def test_extraction_rates_and_shard(run):
     ext = result["sections"]["extraction"]
     tokens = ext["tokens"]
     assert tokens == ext["samples"] * ext["sample_len"] > 0
-    for kind in ("plain_forward", "hooked_forward", "extraction"):
+    for kind in ("plain_forward", "hooked_forward", "extraction", "shards_in_one_job"):
         assert ext[f"{kind}_s"] > 0
         assert close(ext[f"{kind}_tokens_per_s"], tokens / ext[f"{kind}_s"])
+    assert close(ext["shards_in_one_job_over_forward"],
+                 ext["shards_in_one_job_tokens_per_s"] / ext["hooked_forward_tokens_per_s"])
+    # the same tokens in shards of their own: the shard file's bytes but for the headers
+    assert ext["shards_in_one_job"] == 2
+    assert abs(ext["shards_in_one_job_bytes"] - ext["shard_bytes"]) < 4096
     assert close(ext["extraction_over_forward"],
                  ext["extraction_tokens_per_s"] / ext["hooked_forward_tokens_per_s"])
     assert close(ext["extraction_over_plain_forward"],

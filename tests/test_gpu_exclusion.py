@@ -120,3 +120,40 @@ def test_model_jobs_get_every_core_of_a_local_run(dry_run_jobs):
         assert threads[rule] == 2, threads  # profiles/default: cores 2
     for rule in ("prepare_target", "prepare_prompts", "vocab_map", "plots"):
         assert threads[rule] == 1, threads
+
+
+def dry_run(tmp: Path, extract: str) -> list:
+    tmp.mkdir(parents=True, exist_ok=True)
+    overrides = tmp / "extract.yaml"
+    overrides.write_text(f"extract: {{{extract}}}\n")
+    cmd = [str(SNAKEMAKE), "--dry-run", "--workflow-profile", str(DEFAULT_PROFILE),
+           "--configfile", str(TINY), str(overrides), "--config", f"results_dir={tmp / 'results'}"]
+    proc = subprocess.run(cmd, cwd=REPO, text=True, capture_output=True, timeout=120, env=_env())
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return parse_dry_run(proc.stdout + "\n" + proc.stderr)
+
+
+def test_one_extraction_job_writes_every_shard(tmp_path):
+    """extract.jobs: one: a single job (one target load) holding extract.gpus writes the very
+    files the per-shard jobs write, and everything downstream reads the same files."""
+    per_shard = dry_run(tmp_path / "per_shard", "gpus: 1, backend: hf")
+    one = dry_run(tmp_path / "one", "gpus: 1, backend: hf, jobs: one")
+    shard_jobs = [j for j in per_shard if j.rule == "extract"]
+    all_jobs = [j for j in one if j.rule == "extract_all"]
+    assert len(shard_jobs) == 3 and not [j for j in one if j.rule == "extract"]
+    assert len(all_jobs) == 1 and _gpu(all_jobs[0]) == 1 and all_jobs[0].threads == 2
+    # relative to each results dir: the same shard files, and nothing else
+    outputs = {str(Path(f).relative_to(tmp_path / "one" / "results")) for f in all_jobs[0].output}
+    assert outputs == {str(Path(f).relative_to(tmp_path / "per_shard" / "results"))
+                       for j in shard_jobs for f in j.output}
+    assert outputs == {f"hidden/{split}shard_{i}.{ext}" for split, i in
+                       (("", "00000"), ("", "00001"), ("eval/", "00000"))
+                       for ext in ("safetensors", "json")}
+
+    def downstream(jobs, root):
+        return {j.rule: sorted(str(Path(f).relative_to(root)) if f.startswith(str(root)) else f
+                               for f in j.input)
+                for j in jobs if j.rule not in ("extract", "extract_all")}
+
+    assert downstream(one, tmp_path / "one" / "results") == downstream(
+        per_shard, tmp_path / "per_shard" / "results")

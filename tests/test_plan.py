@@ -111,7 +111,8 @@ def test_llama_8b_numbers():
     assert round(p["training_device_fused_attention"] / GIB, 1) == 38.8
     assert plan.fits(p["training_device_fused_attention"])
     assert p["extraction"]["device"]["target weights"] == 2 * 8_030_261_248
-    assert round(p["extraction_device"] / GIB, 1) == 19.1
+    # + 0.5 GiB: the packed states of the batch whose copy to the host is in flight
+    assert round(p["extraction_device"] / GIB, 1) == 19.6
     assert p["shard_bytes_per_token"] == 8 + 1 + 8 + 4 * 4096 * 2
     short = plan.plan(s, tokens=2048, max_len=2048, steps=7, batch_tokens=16384,
                       extract_max_len=2048, target_dtype="bfloat16", store_dtype="fp8",
@@ -124,7 +125,7 @@ def test_cli_prints_presets(capsys):
     assert cli_main(["plan", "--preset", "kimi-k2.5", "--tokens", "8192"]) == 0
     out = capsys.readouterr().out
     assert "assumed: drafter layer: 64 heads" in out
-    assert "1868.6 GiB  total: does NOT fit one 141 GB GPU" in out        # the 1T target
+    assert "1869.5 GiB  total: does NOT fit one 141 GB GPU" in out        # the 1T target
     assert "255.5 GiB  total: does NOT fit one 141 GB GPU" in out         # training, unfused
     assert "64.6 GiB  with fused attention" in out
     assert "57,361 bytes per token (bfloat16)" in out

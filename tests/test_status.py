@@ -201,12 +201,13 @@ def test_the_printed_hint_quotes_a_results_dir_with_spaces(tmp_path):
 
 
 def test_a_stage_is_outdated_when_snakemake_would_rerun_any_of_its_rules(tmp_path, history):
-    """The vllm backend's extraction is two rules, neither named extract: either rerunning
-    makes the stage outdated, with its old facts and an estimate like any remaining stage."""
+    """The vllm backend's extraction is two rules, neither named extract (the hf backend's
+    with extract.jobs: one is extract_all and hidden_manifest): any of them rerunning makes
+    the stage outdated, with its old facts and an estimate like any remaining stage."""
     r = tmp_path / "results"
     (r / "hidden").mkdir(parents=True)
     (r / "hidden" / "manifest.json").write_text(json.dumps({"num_shards": 2}))
-    for rule in ("extract_vllm", "hidden_manifest"):
+    for rule in ("extract_vllm", "extract_all", "hidden_manifest"):
         shown = status.stage_status(_stage("extract"), r, _full_config(r), {rule})
         assert shown["state"] == "outdated" and shown["facts"]["shards"] == 2
         assert "estimate_basis" in shown

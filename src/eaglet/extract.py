@@ -17,6 +17,8 @@ import logging
 import os
 import shutil
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -157,26 +159,66 @@ def load_target(path: str, dtype: str, device: str = "auto",
 
 
 def right_padded(seqs: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Input ids [B, T] (padded with 0 on the right) and their attention mask."""
+    """Input ids [B, T] (padded with 0 on the right) and their attention mask. On a GPU they
+    are built in pinned memory and sent without blocking: a copy from pageable memory would
+    wait for the forward pass still running."""
+    ids, attention = _to_device(_padded_host(seqs), device)
+    return ids, attention
+
+
+def _padded_host(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     longest = max(len(s) for s in seqs)
     ids = torch.zeros(len(seqs), longest, dtype=torch.long)
     attention = torch.zeros(len(seqs), longest, dtype=torch.long)
     for row, s in enumerate(seqs):
         ids[row, :len(s)] = torch.tensor(s)
         attention[row, :len(s)] = 1
-    return ids.to(device), attention.to(device)
+    return ids, attention
+
+
+def _to_device(tensors, device: torch.device) -> list[torch.Tensor]:
+    if device.type != "cuda":
+        return [t.to(device) for t in tensors]
+    # the caching host allocator keeps a pinned block until the copy reading it is done
+    return [t.pin_memory().to(device, non_blocking=True) for t in tensors]
+
+
+def packed_rows(lengths: list[int], longest: int) -> torch.Tensor:
+    """Row indices, in a right-padded batch flattened to [B * T], of every real token, sample
+    after sample: what the packed states keep."""
+    return torch.cat([torch.arange(n) + row * longest for row, n in enumerate(lengths)])
 
 
 @torch.inference_mode()
-def forward_batch(target: Target, capture: AuxCapture, seqs: list[list[int]]):
-    """Aux states [sum L, 3H] and final-norm states [sum L, H] of a right-padded batch,
-    with the padding dropped again."""
-    ids, attention = right_padded(seqs, target.device)
+def forward_packed(target: Target, capture: AuxCapture, seqs: list[list[int]]) -> torch.Tensor:
+    """The states of one right-padded batch, packed on the device without padding: one
+    [sum L, 4H] tensor, the 3 aux states then the final-norm state of each row, sample after
+    sample. Nothing here waits for the device (the padding is dropped by a gather whose
+    indices are known on the host, not by a mask), so the next batch can be queued while
+    this one runs and is copied. (transformers itself still reads one flag of the mask
+    back before the first layer, so the host does not run more than a batch ahead.)"""
+    lengths = [len(s) for s in seqs]
+    ids, attention, rows = _to_device([*_padded_host(seqs), packed_rows(lengths, max(lengths))],
+                                      target.device)
     out = target.model.get_decoder()(input_ids=ids, attention_mask=attention, use_cache=False)
     final = out.last_hidden_state                        # [B, T, H], after the final norm
-    aux = torch.cat(capture.take(), dim=-1)              # [B, T, 3H]
-    keep = attention.bool()
-    return aux[keep], final[keep]
+    parts = [*capture.take(), final]                     # 3 aux states, then the final one
+    hidden = final.shape[-1]
+    packed = torch.empty(rows.numel(), len(parts) * hidden, dtype=final.dtype, device=final.device)
+    index = {rows.device: rows}
+    for k, part in enumerate(parts):  # on a sharded target the parts lie on several devices
+        if part.device not in index:
+            index[part.device] = rows.to(part.device, non_blocking=True)
+        packed[:, k * hidden:(k + 1) * hidden] = part.reshape(-1, hidden)[index[part.device]]
+    return packed
+
+
+def forward_batch(target: Target, capture: AuxCapture, seqs: list[list[int]]):
+    """Aux states [sum L, 3H] and final-norm states [sum L, H] of a right-padded batch,
+    with the padding dropped again (on the device)."""
+    packed = forward_packed(target, capture, seqs)
+    aux_width = packed.shape[1] - target.hidden_size
+    return packed[:, :aux_width], packed[:, aux_width:]
 
 
 def predicting_rows(loss_mask: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -261,28 +303,182 @@ def is_greedy(records: list[dict]) -> bool:
     return all((r.get("sampling") or {}).get("temperature", 0.0) == 0.0 for r in records)
 
 
+class HostCopies:
+    """Packed batch states brought to the host while the device runs the next batch.
+
+    :meth:`put` starts the copy of one batch's packed states ([rows, W] on the device) and
+    hands back, oldest first, the batches whose host copy is complete, keeping at most
+    ``depth`` copies in flight. On a GPU each copy is one non-blocking device-to-host copy
+    into one of ``depth`` pinned staging buffers, on a side stream that waits (by an event)
+    for the forward that made the states; the host waits for that copy's own event only
+    when it takes the batch, then splits it into ordinary memory, so the staging buffer
+    serves the next batch and nothing pinned outlives the job. Elsewhere (``staged`` False,
+    the default off a GPU) the packed tensor is already on the host and is split as it is.
+
+    A taken batch is ``(tag, aux, final)``: ``aux`` its first ``aux_width`` columns
+    [rows, 3H] and ``final`` the rest [rows, H], each a new contiguous tensor in the states'
+    dtype (never a view of a staging buffer)."""
+
+    def __init__(self, capacity_rows: int, width: int, aux_width: int, dtype: torch.dtype,
+                 device: torch.device, depth: int = 2, staged: bool | None = None):
+        if depth < 1:
+            raise ValueError(f"depth must be at least 1, got {depth}")
+        self.aux_width = aux_width
+        self.cuda = device.type == "cuda"
+        self.staged = self.cuda if staged is None else staged
+        self.depth = depth
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.slots = [torch.empty(capacity_rows, width, dtype=dtype, pin_memory=self.cuda)
+                      for _ in range(depth)] if self.staged else []
+        self.free = list(range(len(self.slots)))
+        self.pending: deque = deque()
+
+    def put(self, packed: torch.Tensor, tag) -> list[tuple]:
+        taken = []
+        while len(self.pending) >= self.depth:  # only with depth 1: room for this one first
+            taken.append(self._take())
+        if not self.staged:
+            self.pending.append((tag, packed, None, None, None))
+        else:
+            slot = self.free.pop()
+            host = self.slots[slot][:packed.shape[0]]
+            event = None
+            if self.cuda:
+                made = torch.cuda.Event()
+                made.record(torch.cuda.current_stream(packed.device))
+                self.stream.wait_event(made)
+                with torch.cuda.stream(self.stream):
+                    host.copy_(packed, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self.stream)
+            else:
+                host.copy_(packed)
+            # the device tensor is kept until its copy is done: then its memory may go
+            self.pending.append((tag, host, event, slot, packed))
+        while len(self.pending) >= self.depth:  # this batch is in flight: take older ones
+            taken.append(self._take())
+        return taken
+
+    def drain(self) -> list[tuple]:
+        """Every batch still in flight, oldest first."""
+        return [self._take() for _ in range(len(self.pending))]
+
+    def _take(self) -> tuple:
+        tag, host, event, slot, _ = self.pending.popleft()
+        if event is not None:
+            event.synchronize()
+        # copies: a one-row column slice is contiguous, and .contiguous() would keep the view
+        aux = host[:, :self.aux_width].clone(memory_format=torch.contiguous_format)
+        final = host[:, self.aux_width:].clone(memory_format=torch.contiguous_format)
+        if slot is not None:
+            self.free.append(slot)
+        return tag, aux, final
+
+
 def hf_states(target: Target, records: list[dict], seqs: list[list[int]], cfg: dict,
-              aux_layer_ids: list[int], progress: Progress | None = None
-              ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+              aux_layer_ids: list[int], progress: Progress | None = None, depth: int = 2,
+              staged: bool | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Aux [L, 3H] and final-norm [L, H] states of every sequence, from the target loaded by
-    transformers (the ``hf`` backend), in token-budget batches."""
+    transformers (the ``hf`` backend), in token-budget batches. Each batch is packed on the
+    device and copied to the host (:class:`HostCopies`, ``depth`` batches in flight) while
+    the next one runs; a sequence's states are row blocks (views) of its batch's host copy."""
     lengths = [len(s) for s in seqs]
     aux_rows: list[torch.Tensor | None] = [None] * len(seqs)
     final_rows: list[torch.Tensor | None] = [None] * len(seqs)
+    batches = token_budget_batches(lengths, cfg["batch_tokens"])
+    capacity = max(sum(lengths[i] for i in batch) for batch in batches)
+    copies = None
     capture = AuxCapture(decoder_layers(target.model), aux_layer_ids)
-    try:
-        for batch in token_budget_batches(lengths, cfg["batch_tokens"]):
-            aux, final = forward_batch(target, capture, [seqs[i] for i in batch])
+
+    def keep(taken):
+        for batch, aux, final in taken:
             start = 0
             for i in batch:
-                aux_rows[i] = aux[start:start + lengths[i]].cpu()
-                final_rows[i] = final[start:start + lengths[i]].cpu()
+                aux_rows[i] = aux[start:start + lengths[i]]
+                final_rows[i] = final[start:start + lengths[i]]
                 start += lengths[i]
             if progress is not None:
-                progress.advance(done=len(batch), tokens=sum(lengths[i] for i in batch))
+                progress.advance(done=len(batch), tokens=start)
+
+    try:
+        for batch in batches:
+            packed = forward_packed(target, capture, [seqs[i] for i in batch])
+            if copies is None:  # the states' width, dtype and device are known now
+                copies = HostCopies(capacity, packed.shape[1], packed.shape[1] - target.hidden_size,
+                                    packed.dtype, packed.device, depth=depth, staged=staged)
+            keep(copies.put(packed, batch))
+            del packed
+        if copies is not None:
+            keep(copies.drain())
     finally:
         capture.close()
     return aux_rows, final_rows
+
+
+@dataclass
+class ShardStates:
+    """One shard's sequences and their states on the host, not yet checked nor written."""
+
+    records: list[dict]
+    seqs: list[list[int]]
+    masks: list[list[int]]
+    truncated: int
+    aux_rows: list[torch.Tensor]
+    final_rows: list[torch.Tensor]
+    started: float
+
+
+def shard_states(target: Target, records: list[dict], cfg: dict, aux_layer_ids: list[int],
+                 progress: Progress | None = None, states=hf_states) -> ShardStates:
+    """The sequences of ``records`` (cut at ``max_len``) and their states, by ``states``."""
+    started = time.monotonic()
+    seqs, masks, truncated = [], [], 0
+    for record in records:
+        ids, mask, cut = sequence(record, cfg["max_len"])
+        seqs.append(ids)
+        masks.append(mask)
+        truncated += cut
+    aux_rows, final_rows = states(target, records, seqs, cfg, aux_layer_ids, progress)
+    return ShardStates(records, seqs, masks, truncated, aux_rows, final_rows, started)
+
+
+def write_shard(target: Target, got: ShardStates, cfg: dict, aux_layer_ids: list[int],
+                identity: dict, shard_path: str | os.PathLike, meta_path: str | os.PathLike,
+                backend: str = "hf") -> dict:
+    """Check the teacher of computed states, write the shard and its sidecar JSON; raise below
+    the teacher-agreement threshold."""
+    records, seqs = got.records, got.seqs
+    lengths = [len(s) for s in seqs]
+    input_ids = torch.tensor([t for s in seqs for t in s], dtype=torch.int64)
+    loss_mask = torch.tensor([m for ms in got.masks for m in ms], dtype=torch.uint8)
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
+    final_all = torch.cat(got.final_rows)  # the aux states are written from their rows as they are
+
+    # the teacher as training will see it: from the final state after the storage cast
+    stored_final = _round_trip(final_all, cfg["dtype"])
+    rows = predicting_rows(loss_mask, offsets)
+    teacher_argmax, next_logprob = teacher_from_stored(target, stored_final,
+                                                       torch.roll(input_ids, -1), rows)
+    del stored_final
+    check = agreement(records, input_ids, rows, offsets, teacher_argmax, next_logprob)
+
+    written = shards.write(shard_path, input_ids, loss_mask, offsets, teacher_argmax, got.aux_rows,
+                           final_all, sample_ids=[r["id"] for r in records],
+                           aux_layer_ids=aux_layer_ids, dtype=cfg["dtype"], target=identity)
+    elapsed = time.monotonic() - got.started
+    tensor_bytes = input_ids.numel() * shards.bytes_per_token(target.hidden_size, 3, cfg["dtype"])
+    meta = {
+        "file": Path(shard_path).name, "sha256": written.sha256, "bytes": written.bytes,
+        "tensor_bytes": tensor_bytes, "samples": [r["id"] for r in records],
+        "num_samples": len(records), "tokens": int(input_ids.numel()),
+        "loss_tokens": int(loss_mask.sum()), "truncated": got.truncated, "dtype": cfg["dtype"],
+        "aux_layer_ids": aux_layer_ids, "hidden_size": target.hidden_size, "target": identity,
+        "greedy": is_greedy(records), "teacher": check, "backend": backend, "elapsed_s": elapsed,
+        "tokens_per_s": input_ids.numel() / elapsed if elapsed else None,
+    }
+    write_json(meta_path, meta)
+    enforce_agreement(meta, cfg["min_teacher_agreement"])
+    return meta
 
 
 def extract_shard(target: Target, records: list[dict], cfg: dict, aux_layer_ids: list[int],
@@ -294,46 +490,8 @@ def extract_shard(target: Target, records: list[dict], cfg: dict, aux_layer_ids:
     ``states(target, records, seqs, cfg, aux_layer_ids, progress)`` computes the aux and
     final states of each sequence (:func:`hf_states`, or the vLLM backend's); ``target``
     needs only its lm_head and device for the teacher check."""
-    started = time.monotonic()
-    seqs, masks, truncated = [], [], 0
-    for record in records:
-        ids, mask, cut = sequence(record, cfg["max_len"])
-        seqs.append(ids)
-        masks.append(mask)
-        truncated += cut
-    lengths = [len(s) for s in seqs]
-    aux_rows, final_rows = states(target, records, seqs, cfg, aux_layer_ids, progress)
-
-    input_ids = torch.tensor([t for s in seqs for t in s], dtype=torch.int64)
-    loss_mask = torch.tensor([m for ms in masks for m in ms], dtype=torch.uint8)
-    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
-    final_all = torch.cat(final_rows)  # the aux states are written from their rows as they are
-
-    # the teacher as training will see it: from the final state after the storage cast
-    stored_final = _round_trip(final_all, cfg["dtype"])
-    rows = predicting_rows(loss_mask, offsets)
-    teacher_argmax, next_logprob = teacher_from_stored(target, stored_final,
-                                                       torch.roll(input_ids, -1), rows)
-    del stored_final
-    check = agreement(records, input_ids, rows, offsets, teacher_argmax, next_logprob)
-
-    written = shards.write(shard_path, input_ids, loss_mask, offsets, teacher_argmax, aux_rows,
-                           final_all, sample_ids=[r["id"] for r in records],
-                           aux_layer_ids=aux_layer_ids, dtype=cfg["dtype"], target=identity)
-    elapsed = time.monotonic() - started
-    tensor_bytes = input_ids.numel() * shards.bytes_per_token(target.hidden_size, 3, cfg["dtype"])
-    meta = {
-        "file": Path(shard_path).name, "sha256": written.sha256, "bytes": written.bytes,
-        "tensor_bytes": tensor_bytes, "samples": [r["id"] for r in records],
-        "num_samples": len(records), "tokens": int(input_ids.numel()),
-        "loss_tokens": int(loss_mask.sum()), "truncated": truncated, "dtype": cfg["dtype"],
-        "aux_layer_ids": aux_layer_ids, "hidden_size": target.hidden_size, "target": identity,
-        "greedy": is_greedy(records), "teacher": check, "backend": backend, "elapsed_s": elapsed,
-        "tokens_per_s": input_ids.numel() / elapsed if elapsed else None,
-    }
-    write_json(meta_path, meta)
-    enforce_agreement(meta, cfg["min_teacher_agreement"])
-    return meta
+    got = shard_states(target, records, cfg, aux_layer_ids, progress, states)
+    return write_shard(target, got, cfg, aux_layer_ids, identity, shard_path, meta_path, backend)
 
 
 def _round_trip(x: torch.Tensor, dtype: str) -> torch.Tensor:
@@ -374,38 +532,91 @@ def shard_records(records: list[dict], num_shards: int, index: int) -> list[dict
     return records[lo:hi]
 
 
+def extract_shards(target: Target, parts: list[tuple[list[dict], str | os.PathLike, str | os.PathLike]],
+                   cfg: dict, aux_layer_ids: list[int], identity: dict,
+                   progress: Progress | None = None) -> list[dict]:
+    """:func:`extract_shard` for each ``(records, shard_path, meta_path)`` of ``parts`` in
+    turn, with each shard's teacher check and write in a second thread while the next
+    shard's batches run: the device does not wait for the disk, and at most two shards'
+    states are on the host (the one being written, the one being extracted). The first
+    error raised is raised here, once the write in flight has ended."""
+    metas: list[dict] = []
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer") as writer:
+        writing = None
+        for records, shard_path, meta_path in parts:
+            got = shard_states(target, records, cfg, aux_layer_ids, progress)
+            if writing is not None:
+                metas.append(writing.result())  # bounded: one shard written at a time
+            writing = writer.submit(write_shard, target, got, cfg, aux_layer_ids, identity,
+                                    shard_path, meta_path)
+            del got
+        if writing is not None:
+            metas.append(writing.result())
+    return metas
+
+
+@dataclass
+class ShardJob:
+    """One shard a job writes: shard ``index`` of ``num_shards`` of the samples in ``data``."""
+
+    data: str
+    num_shards: int
+    index: int
+    shard: str
+    meta: str
+
+
 def run_shard(cfg: dict, target_json: str, data_path: str, index: int, num_shards: int,
               shard_path: str, meta_path: str, progress_path: str | None = None,
               log_path: str | None = None) -> dict:
     """The ``extract`` rule for one shard (``cfg`` holds ``extract`` and ``target``)."""
+    return run_shards(cfg, target_json, [ShardJob(data_path, num_shards, index, shard_path, meta_path)],
+                      progress_path, log_path, name=f"extract[{index}]")[0]
+
+
+def run_shards(cfg: dict, target_json: str, jobs: list[ShardJob], progress_path: str | None = None,
+               log_path: str | None = None, name: str = "extract") -> list[dict]:
+    """Several shards from one job (``extract.jobs: one``; one shard for the ``extract`` rule):
+    the target loaded once, the shards extracted by :func:`extract_shards` (each write beside
+    the next shard's forward)."""
     ext = cfg["extract"]
     info = read_json(target_json)
-    all_records = read_jsonl(data_path)
-    records = shard_records(all_records, num_shards, index)
-    if num_shards > len(all_records) and all_records:
-        log.warning("%d shards for %d samples: some shards are empty (lower extract.num_shards)",
-                    num_shards, len(all_records))
-    if not records:
-        raise ExtractionError(f"shard {index} of {num_shards} has no samples: lower "
-                              f"extract.num_shards to at most the number of samples")
-    pending = [i for i in range(num_shards) if not shards.shard_path(Path(shard_path).parent, i).exists()]
-    needed = sum(estimate_bytes(shard_records(all_records, num_shards, i), ext["max_len"],
-                                hidden_size_of(info), ext["dtype"]) for i in pending)
-    check_disk(Path(shard_path).parent, needed)  # before minutes of loading a large model
+    data: dict[str, list[dict]] = {}
+    for job in jobs:
+        if job.data not in data:
+            data[job.data] = read_jsonl(job.data)
+    records = [shard_records(data[job.data], job.num_shards, job.index) for job in jobs]
+    for job, recs in zip(jobs, records):
+        if job.num_shards > len(data[job.data]) and data[job.data]:
+            log.warning("%d shards for %d samples: some shards are empty (lower extract.num_shards)",
+                        job.num_shards, len(data[job.data]))
+        if not recs:
+            raise ExtractionError(f"shard {job.index} of {job.num_shards} has no samples: lower "
+                                  f"extract.num_shards to at most the number of samples")
+    # every shard of each split not yet on disk: its other shards may be written beside this job
+    splits = {(Path(job.shard).parent, job.data, job.num_shards) for job in jobs}
+    needed = sum(estimate_bytes(shard_records(data[d], count, i), ext["max_len"],
+                                hidden_size_of(info), ext["dtype"])
+                 for directory, d, count in splits for i in range(count)
+                 if not shards.shard_path(directory, i).exists())
+    check_disk(Path(jobs[0].shard).parent, needed)  # before minutes of loading a large model
     target = load_target(info["path"], cfg["target"]["dtype"], ext["device"],
                          cfg["target"].get("trust_remote_code", False))
     aux_ids = resolve_aux_layer_ids(ext["aux_layer_ids"], target.num_layers)
-    progress = Progress(f"extract[{index}]", total=len(records), path=progress_path,
-                        log_path=log_path)
-    meta = extract_shard(target, records, ext, aux_ids, target_identity(info), shard_path,
-                         meta_path, progress)
+    progress = Progress(name, total=sum(map(len, records)), path=progress_path, log_path=log_path)
+    started = time.monotonic()
+    metas = extract_shards(target, [(recs, job.shard, job.meta) for job, recs in zip(jobs, records)],
+                           ext, aux_ids, target_identity(info), progress)
     progress.report("finished")
-    rates.record("extract", info["spec"], tokens_per_s=meta["tokens_per_s"])
-    log.info("shard %d: %d samples, %d tokens (%d truncated), %.1f MB, %.0f tokens/s, teacher "
-             "agreement %s", index, meta["num_samples"], meta["tokens"], meta["truncated"],
-             meta["bytes"] / 1e6, meta["tokens_per_s"] or 0,
-             f"{meta['teacher']['agreement']:.4f}" if meta["teacher"]["agreement"] is not None else "-")
-    return meta
+    tokens = sum(m["tokens"] for m in metas)
+    elapsed = time.monotonic() - started
+    rates.record("extract", info["spec"], tokens_per_s=tokens / elapsed if elapsed else None)
+    for job, meta in zip(jobs, metas):
+        log.info("shard %s: %d samples, %d tokens (%d truncated), %.1f MB, %.0f tokens/s, teacher "
+                 "agreement %s", job.shard, meta["num_samples"], meta["tokens"], meta["truncated"],
+                 meta["bytes"] / 1e6, meta["tokens_per_s"] or 0,
+                 f"{meta['teacher']['agreement']:.4f}" if meta["teacher"]["agreement"] is not None else "-")
+    return metas
 
 
 def hidden_size_of(info: dict) -> int:

@@ -132,17 +132,21 @@ def extraction(s: Shape, batch_tokens: int, max_len: int, target_dtype: str, sto
                       + 4 * s.hidden               # RMSNorm's float32 copy
                       + 3 * s.intermediate * a)    # gate, up, their product
     captured = t * (NUM_AUX + 1) * s.hidden * a * 2  # aux + final, and their unpadded copies
+    # the previous batch's packed states, kept until their copy to the host is done
+    in_flight = t * (NUM_AUX + 1) * s.hidden * a
     mask = (t // seq) * seq * seq                     # the [B, 1, L, L] bool attention mask
     teacher = TEACHER_CHUNK * s.vocab * (a + 4 + 4)   # logits, float32, log_softmax
     device = {"target weights": target_params(s) * a,
               "activations of one batch": layer_peak + captured + mask,
+              "packed states of the batch being copied to the host": in_flight,
               "teacher check": teacher}
     # the writer streams the aux states from their per-sample rows (eaglet.shards.write); the
     # final states are concatenated, and rounded to the storage dtype in float32 for the check
     host = {"aux states of the shard (per sample)": shard_tokens * NUM_AUX * s.hidden * a,
             "final states (per sample, concatenated, float32 for the teacher check)":
                 shard_tokens * s.hidden * (2 * a + 4),
-            "write buffer (row blocks)": shards.CHUNK_BYTES * 2}
+            "write buffer (row blocks)": shards.CHUNK_BYTES * 2,
+            "pinned staging buffers of the copies (2 batches)": 2 * in_flight}
     return {"device": device, "host": host}
 
 

@@ -344,7 +344,7 @@ class Extract(Stage):
     what generation captured; the manifest verifies them all."""
 
     name = "extract"
-    rules = ("extract", "extract_vllm", "hidden_manifest")
+    rules = ("extract", "extract_all", "extract_vllm", "hidden_manifest")
     outputs = ("hidden/manifest.json",)
     progress = "progress/extract_*.json"
     log = "logs/extract"
