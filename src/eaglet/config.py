@@ -105,7 +105,7 @@ def validate(config: dict[str, Any]) -> dict[str, Any]:
 # Settings added after runs were made, with the value that reproduces those runs: a stage's
 # params leave them out at that value, so that a run made before them is not redone.
 ADDED_LATER = {"generate": {"capture_hidden_states": False, "chat_template_kwargs": None},
-               "train": {"loss_on_prompt": False, "feature_noise": 0.0}}
+               "train": {"loss_on_prompt": False, "feature_noise": 0.0, "attention": "auto"}}
 
 
 def stage_params(cfg: dict[str, Any], section: str, drop: tuple[str, ...] = ()) -> dict[str, Any]:
