@@ -7,6 +7,12 @@ against --peak-flops (default: the measured 800 TFLOP/s bf16 matmul of an H200).
 
     .venv/bin/python benchmarks/train.py                      # embedded target's shape, CPU
     .venv/bin/python benchmarks/train.py --shape llama3-8b    # on a GPU: bf16 autocast
+    .venv/bin/python benchmarks/train.py --attention eager,sdpa  # kernels side by side
+
+Each attention kernel (``train.attention``) runs in a process of its own, one after the
+other, so that each reports its own peak RSS; the activations each keeps for backward
+(bytes autograd saves, counted once per storage) are counted too, which does not depend on
+what else runs on the machine.
 
 Results are merged into benchmarks/results/train.json and rendered as train.md.
 
@@ -21,10 +27,14 @@ equal, and tabulates the held-out curves side by side (benchmarks/results/lm_hea
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import glob
 import json
 import platform
+import resource
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -79,7 +89,7 @@ def throughput(args) -> dict:
     t2d = torch.arange(config.vocab_size) < config.draft_vocab_size
     embed = torch.randn(config.vocab_size, config.hidden_size) * 0.02
     model = Eagle3Drafter(config, embed, torch.zeros(config.draft_vocab_size, dtype=torch.long),
-                          t2d).to(device)
+                          t2d, attention=args.attention).to(device)
     teacher_head = (torch.randn(config.draft_vocab_size, config.hidden_size) * 0.02).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95))
     batch = random_batch(config, args.tokens, args.sample_len or args.tokens, args.ttt_steps,
@@ -91,12 +101,21 @@ def throughput(args) -> dict:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    times = []
+    times, saved = [], {}
+
+    def keep(tensor):  # bytes autograd keeps for backward, once per storage
+        if tensor.device.type != "meta":
+            storage = tensor.untyped_storage()
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
     for step in range(args.warmup + args.steps):
         sync()
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        with autocast:
+        counting = torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t) if step == 0 \
+            else contextlib.nullcontext()
+        with autocast, counting:
             ce, _ = batch_sums(model, batch, teacher_head)
             loss = (weights * ce / counts).sum()
         loss.backward()
@@ -121,6 +140,9 @@ def throughput(args) -> dict:
         "peak_flops": args.peak_flops,
         "peak_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
         if device.type == "cuda" else None,
+        "attention": args.attention,
+        "saved_for_backward_mib": round(sum(saved.values()) / 2**20, 1),
+        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "torch": torch.__version__, "measured_at": time.strftime("%Y-%m-%d"),
     }
     return result
@@ -129,17 +151,27 @@ def throughput(args) -> dict:
 def write_results(result: dict) -> None:
     path = OUT / "train.json"
     runs = read_json(path) if path.exists() else {}
+    # rows measured before train.attention existed ran the eager kernel
     runs[f"{result['shape']} | {result['device']} | {result['precision']} | "
-         f"{result['tokens']}/{result['sample_len']}"] = result
+         f"{result['tokens']}/{result['sample_len']}"
+         + (f" | {result['attention']}" if result.get("attention", "eager") != "eager" else "")
+         ] = result
     write_json(path, runs)
     lines = ["# Drafter training throughput (random features, full training step)", "",
-             "| shape | device | precision | tokens | sample length | TTT steps | params (M) | "
-             "step (s) | tokens/s | model TFLOP/s | MFU (vs peak) |", "|" + "---|" * 11]
+             "Peak memory: the GPU's allocator peak, or on CPU the process's peak RSS (with "
+             "PyTorch itself); saved: the bytes autograd keeps for backward in one step.", "",
+             "| shape | device | precision | tokens | sample length | TTT steps | attention | "
+             "params (M) | step (s) | tokens/s | model TFLOP/s | MFU (vs peak) | peak memory | "
+             "saved for backward |", "|" + "---|" * 14]
     for r in runs.values():
         mfu = f"{r['mfu']:.1%} of {r['peak_flops'] / 1e12:.0f}T" if r["mfu"] is not None else "-"
+        peak = (f"{r['peak_memory_gib']} GiB" if r.get("peak_memory_gib") is not None
+                else f"{r['peak_rss_mib']:.0f} MiB RSS" if r.get("peak_rss_mib") else "-")
+        saved = f"{r['saved_for_backward_mib']:.0f} MiB" if r.get("saved_for_backward_mib") else "-"
         lines.append(f"| {r['shape']} | {r['device']} | {r['precision']} | {r['tokens']} | "
-                     f"{r['sample_len']} | {r['ttt_steps']} | {r['trainable_params_m']} | "
-                     f"{r['step_s']} | {r['tokens_per_s']} | {r['model_tflops_per_s']} | {mfu} |")
+                     f"{r['sample_len']} | {r['ttt_steps']} | {r.get('attention', 'eager')} | "
+                     f"{r['trainable_params_m']} | {r['step_s']} | {r['tokens_per_s']} | "
+                     f"{r['model_tflops_per_s']} | {mfu} | {peak} | {saved} |")
     (OUT / "train.md").write_text("\n".join(lines) + "\n")
 
 
@@ -187,6 +219,10 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--fp32", action="store_true", help="no bf16 autocast on CUDA")
+    parser.add_argument("--attention", default="sdpa",
+                        help="TTT attention kernel (train.attention), or several separated by "
+                             "commas, each measured in a process of its own")
+    parser.add_argument("--json-out", help=argparse.SUPPRESS)  # a child's result file
     parser.add_argument("--peak-flops", type=float, default=800e12,
                         help="FLOP/s that MFU is measured against (H200 bf16 matmul, measured)")
     parser.add_argument("--compare-lm-head-init", action="store_true")
@@ -201,9 +237,33 @@ def main() -> None:
     if args.compare_lm_head_init:
         compare_lm_head_init(args)
         return
-    result = throughput(args)
-    write_results(result)
-    print(json.dumps(result, indent=2))
+    kernels = args.attention.split(",")
+    if args.json_out:
+        write_json(args.json_out, throughput(args))
+        return
+    results = []
+    for kernel in kernels:
+        out = OUT / f".train_{kernel}.json"
+        child, skip = [], False
+        for arg in sys.argv[1:]:  # this process's arguments but --attention
+            if not skip and not arg.startswith("--attention"):
+                child.append(arg)
+            skip = arg == "--attention"
+        subprocess.run([sys.executable, __file__, *child, "--attention", kernel,
+                        "--json-out", str(out)], check=True)
+        results.append(read_json(out))
+        out.unlink()
+    for result in results:
+        write_results(result)
+    print(json.dumps(results, indent=2))
+    if len(results) > 1:
+        base = results[0]
+        for r in results[1:]:
+            print(f"{r['attention']} vs {base['attention']}: "
+                  f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x tokens/s, peak RSS "
+                  f"{r['peak_rss_mib']:.0f} vs {base['peak_rss_mib']:.0f} MiB, saved for "
+                  f"backward {r['saved_for_backward_mib']:.0f} vs "
+                  f"{base['saved_for_backward_mib']:.0f} MiB")
 
 
 if __name__ == "__main__":
