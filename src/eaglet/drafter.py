@@ -16,7 +16,9 @@ Training-time test (TTT) runs ``K`` such steps over a packed batch of rows at on
 of a sample holds the target's features at position ``t``; step ``k`` reads the embedding of
 token ``t+1+k``, uses RoPE position ``t+k`` and predicts token ``t+2+k``. Its query attends to
 the step-0 keys of rows ``<= t`` of its own sample and to its own keys of steps ``1..k``: the
-drafter's KV cache at inference after ``k`` drafted tokens (``ttt_attention``).
+drafter's KV cache at inference after ``k`` drafted tokens. ``ttt_attention`` computes that
+with plain matmuls (``eager``), ``sdpa_ttt_attention`` and ``flex_ttt_attention`` through
+PyTorch's fused kernels, exactly the same softmax (``Eagle3Drafter.attention``).
 """
 
 from __future__ import annotations
@@ -186,7 +188,8 @@ def _sink_problem(q, cache, scale):
     c = top.float() * scale
     weights = torch.exp(own - c[..., None])                # [Hkv, G, n, k]
     total = weights.sum(-1)                                # Z
-    values = sum(weights[..., j:j + 1] * v.float() for j, (_, v) in enumerate(diagonal))  # D
+    # float32 weights times v in its dtype: float32 D, and v itself kept for backward
+    values = sum(weights[..., j:j + 1] * v for j, (_, v) in enumerate(diagonal))  # D
     query = torch.cat([q, top[..., None], q.new_zeros(hkv, g, n, pad - 1)], -1)
     query = F.pad(query, (0, 0, 1, 0))                     # dummy row 0 (sees only the sink)
     sink = q.new_zeros(hkv, 1, 1, d + pad)
