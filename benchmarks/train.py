@@ -9,10 +9,11 @@ against --peak-flops (default: the measured 800 TFLOP/s bf16 matmul of an H200).
     .venv/bin/python benchmarks/train.py --shape llama3-8b    # on a GPU: bf16 autocast
     .venv/bin/python benchmarks/train.py --attention eager,sdpa  # kernels side by side
 
-Each attention kernel (``train.attention``) runs in a process of its own, one after the
-other, so that each reports its own peak RSS; the activations each keeps for backward
-(bytes autograd saves, counted once per storage) are counted too, which does not depend on
-what else runs on the machine.
+Several attention kernels (``train.attention``) take turns step by step on the same model
+in one process, so that a machine shared with other work slows them alike and their ratio
+holds. Memory: the bytes autograd keeps for backward in one step (counted once per
+storage; what the GPU must hold, and independent of the machine's load), and the process's
+peak RSS when one kernel runs alone.
 
 Results are merged into benchmarks/results/train.json and rendered as train.md.
 
@@ -33,8 +34,6 @@ import glob
 import json
 import platform
 import resource
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -80,7 +79,7 @@ def random_batch(config: DrafterConfig, tokens: int, sample_len: int, ttt_steps:
     return make_batch(pieces, ttt_steps, t2d)
 
 
-def throughput(args) -> dict:
+def throughput(args) -> list[dict]:
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
                           else "cpu" if args.device == "auto" else args.device)
     shape = SHAPES[args.shape]
@@ -88,8 +87,9 @@ def throughput(args) -> dict:
     torch.manual_seed(0)
     t2d = torch.arange(config.vocab_size) < config.draft_vocab_size
     embed = torch.randn(config.vocab_size, config.hidden_size) * 0.02
+    kernels = args.attention.split(",")
     model = Eagle3Drafter(config, embed, torch.zeros(config.draft_vocab_size, dtype=torch.long),
-                          t2d, attention=args.attention).to(device)
+                          t2d).to(device)
     teacher_head = (torch.randn(config.draft_vocab_size, config.hidden_size) * 0.02).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95))
     batch = random_batch(config, args.tokens, args.sample_len or args.tokens, args.ttt_steps,
@@ -101,29 +101,40 @@ def throughput(args) -> dict:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    times, saved = [], {}
+    times = {k: [] for k in kernels}
+    saved = {k: {} for k in kernels}
 
-    def keep(tensor):  # bytes autograd keeps for backward, once per storage
-        if tensor.device.type != "meta":
+    def keeper(kernel):
+        def keep(tensor):  # bytes autograd keeps for backward, once per storage
             storage = tensor.untyped_storage()
-            saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
+            saved[kernel][storage.data_ptr()] = storage.nbytes()
+            return tensor
+        return keep
 
     for step in range(args.warmup + args.steps):
-        sync()
-        start = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        counting = torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t) if step == 0 \
-            else contextlib.nullcontext()
-        with autocast, counting:
-            ce, _ = batch_sums(model, batch, teacher_head)
-            loss = (weights * ce / counts).sum()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        optimizer.step()
-        sync()
-        if step >= args.warmup:
-            times.append(time.perf_counter() - start)
+        for kernel in kernels:  # the kernels take turns: the same load on each
+            model.attention = kernel
+            sync()
+            start = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            counting = (torch.autograd.graph.saved_tensors_hooks(keeper(kernel), lambda t: t)
+                        if step == 0 else contextlib.nullcontext())
+            with autocast, counting:
+                ce, _ = batch_sums(model, batch, teacher_head)
+                loss = (weights * ce / counts).sum()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            optimizer.step()
+            sync()
+            if step >= args.warmup:
+                times[kernel].append(time.perf_counter() - start)
+    own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    return [result(args, device, config, model, batch, bf16, kernel, times[kernel],
+                   sum(n for ptr, n in saved[kernel].items() if ptr not in own), len(kernels))
+            for kernel in kernels]
+
+
+def result(args, device, config, model, batch, bf16, kernel, times, saved, kernels) -> dict:
     seconds = sorted(times)[len(times) // 2]
     tokens_per_s = batch.num_tokens / seconds
     sample_len = args.sample_len or args.tokens
@@ -139,10 +150,12 @@ def throughput(args) -> dict:
         "mfu": round(flops * tokens_per_s / args.peak_flops, 4) if device.type == "cuda" else None,
         "peak_flops": args.peak_flops,
         "peak_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
-        if device.type == "cuda" else None,
-        "attention": args.attention,
-        "saved_for_backward_mib": round(sum(saved.values()) / 2**20, 1),
-        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        if device.type == "cuda" and kernels == 1 else None,  # one kernel alone: its own peak
+        "attention": kernel,
+        "saved_for_backward_mib": round(saved / 2**20, 1),
+        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+        if kernels == 1 else None,
+        "interleaved_with": [k for k in args.attention.split(",") if k != kernel],
         "torch": torch.__version__, "measured_at": time.strftime("%Y-%m-%d"),
     }
     return result
@@ -221,8 +234,7 @@ def main() -> None:
     parser.add_argument("--fp32", action="store_true", help="no bf16 autocast on CUDA")
     parser.add_argument("--attention", default="sdpa",
                         help="TTT attention kernel (train.attention), or several separated by "
-                             "commas, each measured in a process of its own")
-    parser.add_argument("--json-out", help=argparse.SUPPRESS)  # a child's result file
+                             "commas, taking turns step by step")
     parser.add_argument("--peak-flops", type=float, default=800e12,
                         help="FLOP/s that MFU is measured against (H200 bf16 matmul, measured)")
     parser.add_argument("--compare-lm-head-init", action="store_true")
@@ -237,33 +249,15 @@ def main() -> None:
     if args.compare_lm_head_init:
         compare_lm_head_init(args)
         return
-    kernels = args.attention.split(",")
-    if args.json_out:
-        write_json(args.json_out, throughput(args))
-        return
-    results = []
-    for kernel in kernels:
-        out = OUT / f".train_{kernel}.json"
-        child, skip = [], False
-        for arg in sys.argv[1:]:  # this process's arguments but --attention
-            if not skip and not arg.startswith("--attention"):
-                child.append(arg)
-            skip = arg == "--attention"
-        subprocess.run([sys.executable, __file__, *child, "--attention", kernel,
-                        "--json-out", str(out)], check=True)
-        results.append(read_json(out))
-        out.unlink()
+    results = throughput(args)
     for result in results:
         write_results(result)
     print(json.dumps(results, indent=2))
-    if len(results) > 1:
-        base = results[0]
-        for r in results[1:]:
-            print(f"{r['attention']} vs {base['attention']}: "
-                  f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x tokens/s, peak RSS "
-                  f"{r['peak_rss_mib']:.0f} vs {base['peak_rss_mib']:.0f} MiB, saved for "
-                  f"backward {r['saved_for_backward_mib']:.0f} vs "
-                  f"{base['saved_for_backward_mib']:.0f} MiB")
+    base = results[0]
+    for r in results[1:]:
+        print(f"{r['attention']} vs {base['attention']}: "
+              f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x tokens/s, saved for backward "
+              f"{r['saved_for_backward_mib']:.0f} vs {base['saved_for_backward_mib']:.0f} MiB")
 
 
 if __name__ == "__main__":
