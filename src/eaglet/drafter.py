@@ -355,8 +355,8 @@ ATTENTION = ("eager", "sdpa", "flex")
 
 def resolve_attention(name: str, device: torch.device | str) -> str:
     """``train.attention``: ``auto`` is ``sdpa``, the fused kernel, equal to ``eager`` within
-    float rounding and faster and smaller on CPU (benchmarks/results/train.md); ``flex``
-    runs on CUDA only (PyTorch has no flex attention backward on CPU)."""
+    float rounding and without its [heads, n, n] scores (benchmarks/results/train.md for
+    the speed); ``flex`` runs on CUDA only (PyTorch has no flex attention backward on CPU)."""
     if name == "auto":
         return "sdpa"
     if name not in ATTENTION:
