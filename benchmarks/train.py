@@ -164,15 +164,19 @@ def result(args, device, config, model, batch, bf16, kernel, times, saved, kerne
 def write_results(result: dict) -> None:
     path = OUT / "train.json"
     runs = read_json(path) if path.exists() else {}
-    # rows measured before train.attention existed ran the eager kernel
+    # rows measured before train.attention existed ran the eager kernel alone
+    turns = result.get("interleaved_with")
     runs[f"{result['shape']} | {result['device']} | {result['precision']} | "
          f"{result['tokens']}/{result['sample_len']}"
          + (f" | {result['attention']}" if result.get("attention", "eager") != "eager" else "")
-         ] = result
+         + (f" | turns with {','.join(turns)}" if turns else "")] = result
     write_json(path, runs)
     lines = ["# Drafter training throughput (random features, full training step)", "",
              "Peak memory: the GPU's allocator peak, or on CPU the process's peak RSS (with "
-             "PyTorch itself); saved: the bytes autograd keeps for backward in one step.", "",
+             "PyTorch itself); saved: the bytes autograd keeps for backward in one step. "
+             "Kernels that took turns step by step ran in one process on a machine shared "
+             "with other work: compare such rows with each other (a ratio), not with the "
+             "others.", "",
              "| shape | device | precision | tokens | sample length | TTT steps | attention | "
              "params (M) | step (s) | tokens/s | model TFLOP/s | MFU (vs peak) | peak memory | "
              "saved for backward |", "|" + "---|" * 14]
@@ -182,7 +186,8 @@ def write_results(result: dict) -> None:
                 else f"{r['peak_rss_mib']:.0f} MiB RSS" if r.get("peak_rss_mib") else "-")
         saved = f"{r['saved_for_backward_mib']:.0f} MiB" if r.get("saved_for_backward_mib") else "-"
         lines.append(f"| {r['shape']} | {r['device']} | {r['precision']} | {r['tokens']} | "
-                     f"{r['sample_len']} | {r['ttt_steps']} | {r.get('attention', 'eager')} | "
+                     f"{r['sample_len']} | {r['ttt_steps']} | {r.get('attention', 'eager')}"
+                     f"{' (turns with ' + ', '.join(r['interleaved_with']) + ')' if r.get('interleaved_with') else ''} | "
                      f"{r['trainable_params_m']} | {r['step_s']} | {r['tokens_per_s']} | "
                      f"{r['model_tflops_per_s']} | {mfu} | {peak} | {saved} |")
     (OUT / "train.md").write_text("\n".join(lines) + "\n")
