@@ -7,6 +7,13 @@ against --peak-flops (default: the measured 800 TFLOP/s bf16 matmul of an H200).
 
     .venv/bin/python benchmarks/train.py                      # embedded target's shape, CPU
     .venv/bin/python benchmarks/train.py --shape llama3-8b    # on a GPU: bf16 autocast
+    .venv/bin/python benchmarks/train.py --attention eager,sdpa  # kernels side by side
+
+Several attention kernels (``train.attention``) take turns step by step on the same model
+in one process, so that a machine shared with other work slows them alike and their ratio
+holds. Memory: the bytes autograd keeps for backward in one step (counted once per
+storage; what the GPU must hold, and independent of the machine's load), and the process's
+peak RSS when one kernel runs alone.
 
 Results are merged into benchmarks/results/train.json and rendered as train.md.
 
@@ -21,10 +28,12 @@ equal, and tabulates the held-out curves side by side (benchmarks/results/lm_hea
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import glob
 import json
 import platform
+import resource
 import time
 from pathlib import Path
 
@@ -70,7 +79,7 @@ def random_batch(config: DrafterConfig, tokens: int, sample_len: int, ttt_steps:
     return make_batch(pieces, ttt_steps, t2d)
 
 
-def throughput(args) -> dict:
+def throughput(args) -> list[dict]:
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
                           else "cpu" if args.device == "auto" else args.device)
     shape = SHAPES[args.shape]
@@ -78,6 +87,7 @@ def throughput(args) -> dict:
     torch.manual_seed(0)
     t2d = torch.arange(config.vocab_size) < config.draft_vocab_size
     embed = torch.randn(config.vocab_size, config.hidden_size) * 0.02
+    kernels = args.attention.split(",")
     model = Eagle3Drafter(config, embed, torch.zeros(config.draft_vocab_size, dtype=torch.long),
                           t2d).to(device)
     teacher_head = (torch.randn(config.draft_vocab_size, config.hidden_size) * 0.02).to(device)
@@ -91,20 +101,40 @@ def throughput(args) -> dict:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    times = []
+    times = {k: [] for k in kernels}
+    saved = {k: {} for k in kernels}
+
+    def keeper(kernel):
+        def keep(tensor):  # bytes autograd keeps for backward, once per storage
+            storage = tensor.untyped_storage()
+            saved[kernel][storage.data_ptr()] = storage.nbytes()
+            return tensor
+        return keep
+
     for step in range(args.warmup + args.steps):
-        sync()
-        start = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        with autocast:
-            ce, _ = batch_sums(model, batch, teacher_head)
-            loss = (weights * ce / counts).sum()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        optimizer.step()
-        sync()
-        if step >= args.warmup:
-            times.append(time.perf_counter() - start)
+        for kernel in kernels:  # the kernels take turns: the same load on each
+            model.attention = kernel
+            sync()
+            start = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            counting = (torch.autograd.graph.saved_tensors_hooks(keeper(kernel), lambda t: t)
+                        if step == 0 else contextlib.nullcontext())
+            with autocast, counting:
+                ce, _ = batch_sums(model, batch, teacher_head)
+                loss = (weights * ce / counts).sum()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            optimizer.step()
+            sync()
+            if step >= args.warmup:
+                times[kernel].append(time.perf_counter() - start)
+    own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    return [result(args, device, config, model, batch, bf16, kernel, times[kernel],
+                   sum(n for ptr, n in saved[kernel].items() if ptr not in own), len(kernels))
+            for kernel in kernels]
+
+
+def result(args, device, config, model, batch, bf16, kernel, times, saved, kernels) -> dict:
     seconds = sorted(times)[len(times) // 2]
     tokens_per_s = batch.num_tokens / seconds
     sample_len = args.sample_len or args.tokens
@@ -120,7 +150,12 @@ def throughput(args) -> dict:
         "mfu": round(flops * tokens_per_s / args.peak_flops, 4) if device.type == "cuda" else None,
         "peak_flops": args.peak_flops,
         "peak_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
-        if device.type == "cuda" else None,
+        if device.type == "cuda" and kernels == 1 else None,  # one kernel alone: its own peak
+        "attention": kernel,
+        "saved_for_backward_mib": round(saved / 2**20, 1),
+        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+        if kernels == 1 else None,
+        "interleaved_with": [k for k in args.attention.split(",") if k != kernel],
         "torch": torch.__version__, "measured_at": time.strftime("%Y-%m-%d"),
     }
     return result
@@ -129,17 +164,32 @@ def throughput(args) -> dict:
 def write_results(result: dict) -> None:
     path = OUT / "train.json"
     runs = read_json(path) if path.exists() else {}
+    # rows measured before train.attention existed ran the eager kernel alone
+    turns = result.get("interleaved_with")
     runs[f"{result['shape']} | {result['device']} | {result['precision']} | "
-         f"{result['tokens']}/{result['sample_len']}"] = result
+         f"{result['tokens']}/{result['sample_len']}"
+         + (f" | {result['attention']}" if result.get("attention", "eager") != "eager" else "")
+         + (f" | turns with {','.join(turns)}" if turns else "")] = result
     write_json(path, runs)
     lines = ["# Drafter training throughput (random features, full training step)", "",
-             "| shape | device | precision | tokens | sample length | TTT steps | params (M) | "
-             "step (s) | tokens/s | model TFLOP/s | MFU (vs peak) |", "|" + "---|" * 11]
+             "Peak memory: the GPU's allocator peak, or on CPU the process's peak RSS (with "
+             "PyTorch itself); saved: the bytes autograd keeps for backward in one step. "
+             "Kernels that took turns step by step ran in one process on a machine shared "
+             "with other work: compare such rows with each other (a ratio), not with the "
+             "others.", "",
+             "| shape | device | precision | tokens | sample length | TTT steps | attention | "
+             "params (M) | step (s) | tokens/s | model TFLOP/s | MFU (vs peak) | peak memory | "
+             "saved for backward |", "|" + "---|" * 14]
     for r in runs.values():
         mfu = f"{r['mfu']:.1%} of {r['peak_flops'] / 1e12:.0f}T" if r["mfu"] is not None else "-"
+        peak = (f"{r['peak_memory_gib']} GiB" if r.get("peak_memory_gib") is not None
+                else f"{r['peak_rss_mib']:.0f} MiB RSS" if r.get("peak_rss_mib") else "-")
+        saved = f"{r['saved_for_backward_mib']:.0f} MiB" if r.get("saved_for_backward_mib") else "-"
         lines.append(f"| {r['shape']} | {r['device']} | {r['precision']} | {r['tokens']} | "
-                     f"{r['sample_len']} | {r['ttt_steps']} | {r['trainable_params_m']} | "
-                     f"{r['step_s']} | {r['tokens_per_s']} | {r['model_tflops_per_s']} | {mfu} |")
+                     f"{r['sample_len']} | {r['ttt_steps']} | {r.get('attention', 'eager')}"
+                     f"{' (turns with ' + ', '.join(r['interleaved_with']) + ')' if r.get('interleaved_with') else ''} | "
+                     f"{r['trainable_params_m']} | {r['step_s']} | {r['tokens_per_s']} | "
+                     f"{r['model_tflops_per_s']} | {mfu} | {peak} | {saved} |")
     (OUT / "train.md").write_text("\n".join(lines) + "\n")
 
 
@@ -187,6 +237,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--fp32", action="store_true", help="no bf16 autocast on CUDA")
+    parser.add_argument("--attention", default="sdpa",
+                        help="TTT attention kernel (train.attention), or several separated by "
+                             "commas, taking turns step by step")
     parser.add_argument("--peak-flops", type=float, default=800e12,
                         help="FLOP/s that MFU is measured against (H200 bf16 matmul, measured)")
     parser.add_argument("--compare-lm-head-init", action="store_true")
@@ -201,9 +254,15 @@ def main() -> None:
     if args.compare_lm_head_init:
         compare_lm_head_init(args)
         return
-    result = throughput(args)
-    write_results(result)
-    print(json.dumps(result, indent=2))
+    results = throughput(args)
+    for result in results:
+        write_results(result)
+    print(json.dumps(results, indent=2))
+    base = results[0]
+    for r in results[1:]:
+        print(f"{r['attention']} vs {base['attention']}: "
+              f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x tokens/s, saved for backward "
+              f"{r['saved_for_backward_mib']:.0f} vs {base['saved_for_backward_mib']:.0f} MiB")
 
 
 if __name__ == "__main__":

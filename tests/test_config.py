@@ -270,17 +270,18 @@ def test_snakefile_targets_stay_addressable_with_a_trailing_slash(tmp_path):
 
 
 def test_settings_added_later_leave_the_params_of_earlier_runs_unchanged():
-    """A run made before capture_hidden_states / loss_on_prompt / feature_noise existed recorded params
+    """A run made before capture_hidden_states / loss_on_prompt / feature_noise / attention existed recorded params
     without them: at the value that reproduces it they are left out (no rerun of hours of
     generation or training), and set to anything else they count."""
     cfg = validate({"train": {"gpus": 2}})
     before = {k: v for k, v in cfg["train"].items()
               if k not in ("gpus", "loss_on_prompt", "feature_noise", "host_ram_mb",
-                           "prefetch_batches")}
+                           "prefetch_batches", "attention")}
     assert stage_params(cfg, "train", drop=("gpus",)) == before
     assert "capture_hidden_states" not in stage_params(cfg, "generate")
-    cfg = validate({"train": {"loss_on_prompt": True, "feature_noise": 0.2},
+    cfg = validate({"train": {"loss_on_prompt": True, "feature_noise": 0.2, "attention": "eager"},
                     "generate": {"capture_hidden_states": True}})
+    assert stage_params(cfg, "train")["attention"] == "eager"  # the script must get it
     assert stage_params(cfg, "train")["loss_on_prompt"] is True
     assert stage_params(cfg, "train")["feature_noise"] == 0.2
     assert stage_params(validate({"train": {"host_ram_mb": 999}}), "train")["host_ram_mb"] == 999

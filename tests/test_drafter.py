@@ -136,8 +136,10 @@ def test_shapes_and_selected_rows():
     assert batch.segments.tolist() == [0] * 9 + [1] * 6
 
 
-def test_batched_ttt_equals_drafting_one_query_at_a_time():
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_batched_ttt_equals_drafting_one_query_at_a_time(attention):
     model = tiny_model()
+    model.attention = attention
     pieces = [sample(7, 1), sample(5, 2)]
     with torch.no_grad():
         _, logits = run_batch(model, pieces)
@@ -165,12 +167,12 @@ def test_attention_split_into_blocks_of_whole_samples_changes_nothing(monkeypatc
     model = tiny_model()
     pieces = [sample(7, 1), sample(5, 2), sample(9, 3), sample(3, 4)]
     batch = make_batch(pieces, K, model.t2d)
-    spans = [(a, b) for a, b, _ in drafter.attention_blocks(batch.segments, 8)]
+    spans = [(b.start, b.end) for b in drafter.attention_blocks(batch.segments, 8)]
     assert spans == [(0, 7), (7, 12), (12, 21), (21, 24)]
     with torch.no_grad():
         whole = model(batch.aux, batch.step_ids, batch.positions, batch.segments)
         split = drafter.attention_blocks
-        monkeypatch.setattr(drafter, "attention_blocks", lambda segments: split(segments, 8))
+        monkeypatch.setattr(drafter, "attention_blocks", lambda segments, rows: split(segments, 8))
         blocked = model(batch.aux, batch.step_ids, batch.positions, batch.segments)
     for a, b in zip(whole, blocked):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
@@ -474,3 +476,162 @@ def test_the_export_is_the_set_of_tensors_and_config_keys_sglang_loads(tmp_path)
                 "max_position_embeddings"):
         assert key in config, key
     assert "bias" not in config  # SGLang builds fc without a bias unless told
+
+
+# -- the attention kernels -------------------------------------------------------------------
+
+def attention_reference(q, cache, segments, scale):
+    """One query at a time over the explicit list of keys it sees: the step-0 keys of rows
+    <= t of its sample, then its own keys of steps 1..k (cache as ``ttt_attention``'s)."""
+    hkv, g, n, _ = q.shape
+    rows = []
+    for t in range(n):
+        seen = [i for i in range(t + 1) if segments[i] == segments[t]]
+        heads = []
+        for h in range(hkv):
+            keys = [cache[0][0][h, 0, i] for i in seen] + [k[h, 0, t] for k, _ in cache[1:]]
+            values = [cache[0][1][h, 0, i] for i in seen] + [v[h, 0, t] for _, v in cache[1:]]
+            keys, values = torch.stack(keys), torch.stack(values)
+            heads.append(torch.stack([torch.softmax(keys @ q[h, j, t] * scale, 0) @ values
+                                      for j in range(g)]))
+        rows.append(torch.stack(heads))
+    return torch.stack(rows, 2)                                       # [Hkv, G, n, D]
+
+
+def attention_inputs(n: int, steps: int, size: float = 1.0, seed: int = 0):
+    """q [2, 3, n, 8] (GQA: 3 query heads per KV head) and a cache of 1 + steps entries."""
+    gen = torch.Generator().manual_seed(seed)
+    q = (torch.randn(2, 3, n, 8, generator=gen) * size).requires_grad_()
+    cache = [(torch.randn(2, 1, n, 8, generator=gen).requires_grad_(),
+              torch.randn(2, 1, n, 8, generator=gen).requires_grad_()) for _ in range(1 + steps)]
+    return q, cache
+
+
+def outputs_and_gradients(fn, q, cache):
+    out = fn(q, cache)
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    leaves = [q] + [t for kv in cache for t in kv]
+    return out.detach(), torch.autograd.grad((out * weights).sum(), leaves)
+
+
+LAYOUTS = {"three samples": [0] * 4 + [1] * 3 + [2] * 5, "one sample": [0] * 12}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("steps", [0, 1, 2, 3])
+def test_fused_attention_equals_eager_and_the_one_query_reference(layout, steps):
+    """Outputs and gradients (queries, every key and value of every step) of the fused
+    path equal the eager path's and the reference's, with packed samples and GQA."""
+    segments = torch.tensor(LAYOUTS[layout])
+    [block] = drafter.attention_blocks(segments)
+    assert (block.mask is None) == (layout == "one sample")  # plain causal: no mask at all
+    q, cache = attention_inputs(len(segments), steps, size=3.0)
+    scale = 8 ** -0.5
+    ref, ref_grads = outputs_and_gradients(
+        lambda q, c: attention_reference(q, c, segments.tolist(), scale), q, cache)
+    for fn in (lambda q, c: drafter.ttt_attention(q, c, block.dense_mask(), scale),
+               lambda q, c: drafter.sdpa_ttt_attention(q, c, block, scale)):
+        out, grads = outputs_and_gradients(fn, q, cache)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        for got, expected in zip(grads, ref_grads):
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_fused_attention_stays_exact_with_large_scores():
+    """Scores in the hundreds: the sink's shift keeps every exponent in range."""
+    segments = torch.tensor(LAYOUTS["three samples"])
+    [block] = drafter.attention_blocks(segments)
+    q, cache = attention_inputs(len(segments), 3, size=60.0, seed=3)
+    with torch.no_grad():
+        ref = attention_reference(q, cache, segments.tolist(), 8 ** -0.5)
+        out = drafter.sdpa_ttt_attention(q, cache, block, 8 ** -0.5)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_a_fused_query_sees_no_other_sample_and_no_other_rows_later_steps():
+    """Changing one sample's keys and values changes its own rows only; changing row 5's
+    step-2 key changes row 5 only."""
+    segments = torch.tensor(LAYOUTS["three samples"])
+    [block] = drafter.attention_blocks(segments)
+    q, cache = attention_inputs(len(segments), 2)
+    with torch.no_grad():
+        base = drafter.sdpa_ttt_attention(q, cache, block, 0.3)
+        other = [(k.clone(), v.clone()) for k, v in cache]
+        for k, v in other:
+            k[..., 4:7, :] += 1.0
+            v[..., 4:7, :] -= 1.0
+        changed = drafter.sdpa_ttt_attention(q, other, block, 0.3)
+        moved = (changed - base).abs().amax((0, 1, 3)) > 0                 # per row
+        assert moved.tolist() == [False] * 4 + [True] * 3 + [False] * 5
+        other = [(k.clone(), v.clone()) for k, v in cache]
+        other[2][0][..., 5, :] += 1.0
+        changed = drafter.sdpa_ttt_attention(q, other, block, 0.3)
+        moved = (changed - base).abs().amax((0, 1, 3)) > 0
+        assert moved.tolist() == [i == 5 for i in range(12)]
+
+
+def test_the_fused_masks_encode_the_ttt_pattern():
+    """The sink key 0 is seen by every query row; row r (batch row r - 1) sees the rows of
+    its sample up to itself; flex attention's mask_mod says the same."""
+    segments = torch.tensor([0, 0, 1, 1, 1])
+    [block] = drafter.attention_blocks(segments)
+    expected = torch.tensor([[1, 0, 0, 0, 0, 0],
+                             [1, 1, 0, 0, 0, 0],
+                             [1, 1, 1, 0, 0, 0],
+                             [1, 0, 0, 1, 0, 0],
+                             [1, 0, 0, 1, 1, 0],
+                             [1, 0, 0, 1, 1, 1]], dtype=torch.bool)
+    assert torch.equal(block.sink_mask(), expected)
+    assert torch.equal(block.mask, expected[1:, 1:])
+    index = torch.arange(6)
+    for sink, want in ((True, expected), (False, expected[1:, 1:])):
+        size = len(want)
+        mod = drafter.ttt_mask_mod(segments, sink)
+        got = mod(0, 0, index[:size, None], index[None, :size])
+        assert torch.equal(got, want)
+
+
+def test_flex_attention_forward_equals_the_reference_where_it_runs():
+    """PyTorch's flex attention runs forward only on CPU (no backward): the block mask and
+    the sink through it, against the reference."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    segments = torch.tensor(LAYOUTS["three samples"])
+    [block] = drafter.attention_blocks(segments)
+    for steps in (0, 2):
+        q, cache = attention_inputs(len(segments), steps, size=3.0)
+        q, cache = q.detach(), [(k.detach(), v.detach()) for k, v in cache]
+        ref = attention_reference(q, cache, segments.tolist(), 0.3)
+        out = drafter.flex_ttt_attention(q, cache, block, 0.3)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_drafter_gradients_are_the_same_with_every_attention():
+    """The whole TTT unroll, packed samples in one block: logits and every parameter's
+    gradient, eager against sdpa."""
+    model = tiny_model()
+    pieces = [sample(7, 1), sample(5, 2), sample(9, 3)]
+    got = {}
+    for attention in ("eager", "sdpa"):
+        model.attention = attention
+        model.zero_grad()
+        _, logits = run_batch(model, pieces)
+        gen = torch.Generator().manual_seed(5)
+        sum((z * torch.randn(z.shape, generator=gen)).sum() for z in logits).backward()
+        got[attention] = ([z.detach() for z in logits],
+                          {n: p.grad.clone() for n, p in model.named_parameters()})
+    for a, b in zip(got["eager"][0], got["sdpa"][0]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    for name, grad in got["eager"][1].items():
+        torch.testing.assert_close(got["sdpa"][1][name], grad, rtol=1e-4, atol=1e-5)
+
+
+def test_attention_setting_is_checked():
+    model = tiny_model()
+    assert model.attention == "sdpa"  # the default: the fused kernel
+    with pytest.raises(ValueError, match="none of"):
+        model.attention = "fast"
+    assert drafter.resolve_attention("auto", "cpu") == "sdpa"
+    assert drafter.resolve_attention("eager", "cpu") == "eager"
+    with pytest.raises(ValueError, match="CUDA"):
+        drafter.resolve_attention("flex", "cpu")

@@ -170,6 +170,25 @@ def test_resume_refuses_a_checkpoint_of_other_settings_unless_told_to_start_over
     assert [p.name for p in (tmp_path / "run" / "ckpt").glob("step_*")] == ["step_00000002"]
 
 
+def test_a_run_resumes_under_another_attention_kernel_with_the_same_weights(world, tmp_path):
+    """train.attention picks a kernel, not the math: a run killed under eager resumes under
+    sdpa (no fingerprint mismatch) and ends where an sdpa run does, within float rounding;
+    a checkpoint written before the setting existed resumes too."""
+    whole = run(world, tmp_path, {**FAST, "attention": "sdpa"}, "whole")
+    assert run(world, tmp_path, {**FAST, "attention": "eager"}, "killed",
+               stop_after_steps=4) == {"stopped_at_step": 4}
+    newest = tmp_path / "killed" / "ckpt" / "step_00000004"
+    state = json.loads((newest / "state.json").read_text())
+    assert "attention" not in state["fingerprint"]["train"]
+    resumed = run(world, tmp_path, {**FAST, "attention": "sdpa"}, "killed")
+    assert resumed["resumed_from_step"] == 4 and resumed["steps"] == whole["steps"]
+    a, b = weights(tmp_path / "whole" / "drafter"), weights(tmp_path / "killed" / "drafter")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5, msg=name)
+    with pytest.raises(TrainError, match="train.attention: attention flex needs a CUDA"):
+        run(world, tmp_path, {**FAST, "attention": "flex", "device": "cpu"}, "flex")
+
+
 def test_changed_settings_train_again_over_a_finished_training(world, tmp_path):
     """A finished training leaves nothing to resume: after a settings change the rerun starts
     over (and logs why) instead of refusing; a setting eaglet added later, left at the value

@@ -16,7 +16,9 @@ Training-time test (TTT) runs ``K`` such steps over a packed batch of rows at on
 of a sample holds the target's features at position ``t``; step ``k`` reads the embedding of
 token ``t+1+k``, uses RoPE position ``t+k`` and predicts token ``t+2+k``. Its query attends to
 the step-0 keys of rows ``<= t`` of its own sample and to its own keys of steps ``1..k``: the
-drafter's KV cache at inference after ``k`` drafted tokens (``ttt_attention``).
+drafter's KV cache at inference after ``k`` drafted tokens. ``ttt_attention`` computes that
+with plain matmuls (``eager``), ``sdpa_ttt_attention`` and ``flex_ttt_attention`` through
+PyTorch's fused kernels, exactly the same softmax (``Eagle3Drafter.attention``).
 """
 
 from __future__ import annotations
@@ -126,7 +128,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 def ttt_attention(q: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]],
                   mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """Attention of step ``k = len(cache) - 1`` over the drafter's KV cache.
+    """Attention of step ``k = len(cache) - 1`` over the drafter's KV cache (``eager``).
 
     q        [Hkv, G, T, D]   queries, G = query heads per KV head (GQA)
     cache[0] [Hkv, 1, T, D]   step-0 keys/values of every row, seen through ``mask``
@@ -156,6 +158,127 @@ def ttt_attention(q: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]
     return (out / total).to(v0.dtype)
 
 
+# The fused path (``sdpa``, ``flex``): one call of PyTorch's attention kernel per step over
+# the step-0 keys, with the diagonal keys of steps 1..k folded in exactly through a "sink".
+#
+# A query row t of step k attends to the shared step-0 keys i (rows <= t of its sample,
+# scores s_i) and to its own keys of steps 1..k (scores s_j, one set per row, which no
+# kernel takes as shared keys). The kernel gets one extra key, the sink, whose score for
+# row t is c_t = max_j s_j (detached) and whose value is a unit vector e in an extra column:
+#
+#   kernel output   o = sum_i e^(s_i) v_i / (S + e^c),   m = e^c / (S + e^c)  (the e column)
+#   own keys        D = sum_j e^(s_j - c) v_j,           Z = sum_j e^(s_j - c)  (>= 1)
+#   attention       (sum_i e^(s_i) v_i + e^c D) / (S + e^c Z) = (o + m D) / (1 + m (Z - 1))
+#
+# with S = sum_i e^(s_i). The result does not depend on c, so c carries no gradient (as the
+# row max of ``ttt_attention``); 1 + m (Z - 1) >= 1 has no cancellation; every term is
+# differentiable through the kernel's output. The sink score reaches the kernel as an extra
+# coordinate of the query (c / scale) against 1 in the sink key, so no [T, T] mask or bias
+# carries it. The sink is key 0, and a dummy query row 0 keeps the problem square, so a
+# block of one sample is plain causal attention (``is_causal``: no mask at all).
+
+def _sink_problem(q, cache, scale):
+    """Queries, keys and values [1, heads, 1 + n, D + pad] with the sink of step k, the
+    own-key sums D [Hkv, G, n, D] and Z [Hkv, G, n] in float32."""
+    (k0, v0), diagonal = cache[0], cache[1:]
+    hkv, g, n, d = q.shape
+    pad = 1 if q.device.type == "cpu" else 8  # CUDA kernels want head dims in multiples of 8
+    own = torch.stack([(q * k).sum(-1) for k, _ in diagonal], -1).float() * scale  # [Hkv, G, n, k]
+    top = (own.amax(-1).detach() / scale).to(q.dtype)      # c / scale, as the kernel will see it
+    c = top.float() * scale
+    weights = torch.exp(own - c[..., None])                # [Hkv, G, n, k]
+    total = weights.sum(-1)                                # Z
+    # float32 weights times v in its dtype: float32 D, and v itself kept for backward
+    values = sum(weights[..., j:j + 1] * v for j, (_, v) in enumerate(diagonal))  # D
+    query = torch.cat([q, top[..., None], q.new_zeros(hkv, g, n, pad - 1)], -1)
+    query = F.pad(query, (0, 0, 1, 0))                     # dummy row 0 (sees only the sink)
+    sink = q.new_zeros(hkv, 1, 1, d + pad)
+    sink[..., d] = 1
+    key = torch.cat([sink, F.pad(k0, (0, pad))], -2)     # [Hkv, 1, 1 + n, D + pad]
+    value = torch.cat([sink, F.pad(v0, (0, pad))], -2)
+    heads = hkv * g
+    return (query.reshape(1, heads, n + 1, d + pad), key.reshape(1, hkv, n + 1, d + pad),
+            value.reshape(1, hkv, n + 1, d + pad), values, total)
+
+
+def _combine(out, values, total, shape, dtype):
+    """(o + m D) / (1 + m (Z - 1)) from the kernel's output [1, heads, 1 + n, D + pad]."""
+    hkv, g, n, d = shape
+    out = out.reshape(hkv, g, n + 1, -1)[..., 1:, :]
+    o, m = out[..., :d].float(), out[..., d].float()
+    return ((o + m[..., None] * values) / (1 + m * (total - 1))[..., None]).to(dtype)
+
+
+def sdpa_ttt_attention(q: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]],
+                       block: "AttentionBlock", scale: float) -> torch.Tensor:
+    """What ``ttt_attention`` computes, through ``F.scaled_dot_product_attention`` (fused
+    kernels: no [heads, n, n] scores kept). Shapes as ``ttt_attention``."""
+    (k0, v0), diagonal = cache[0], cache[1:]
+    hkv, g, n, d = q.shape
+    if not diagonal:  # step 0: the step-0 keys alone
+        out = F.scaled_dot_product_attention(
+            q.reshape(1, hkv * g, n, d), k0.reshape(1, hkv, n, d), v0.reshape(1, hkv, n, d),
+            attn_mask=block.mask, is_causal=block.mask is None, scale=scale, enable_gqa=True)
+        return out.reshape(hkv, g, n, d)
+    query, key, value, values, total = _sink_problem(q, cache, scale)
+    mask = block.sink_mask()
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask,
+                                         is_causal=mask is None, scale=scale, enable_gqa=True)
+    return _combine(out, values, total, q.shape, v0.dtype)
+
+
+def ttt_mask_mod(segments: torch.Tensor, sink: bool):
+    """flex attention's mask_mod of the TTT pattern over rows with samples ``segments`` [n]:
+    same sample and key row <= query row; with ``sink``, index 0 is the sink key (seen by
+    every query) and the dummy query row, rows start at 1 (``sdpa_ttt_attention``)."""
+    if not sink:
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx) & (segments[q_idx] == segments[kv_idx])
+        return mask_mod
+    shifted = F.pad(segments, (1, 0), value=-1)  # row r - 1's sample at index r
+
+    def sink_mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx == 0) | ((kv_idx <= q_idx) & (shifted[q_idx] == shifted[kv_idx]))
+    return sink_mask_mod
+
+
+_FLEX = {}
+
+
+def _flex():
+    """flex_attention, compiled on first use where it runs (CUDA; eager elsewhere)."""
+    if not _FLEX:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        _FLEX["create_block_mask"] = create_block_mask
+        _FLEX["plain"] = flex_attention
+        _FLEX["compiled"] = torch.compile(flex_attention, dynamic=True)
+    return _FLEX
+
+
+def flex_ttt_attention(q: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]],
+                       block: AttentionBlock, scale: float) -> torch.Tensor:
+    """What ``sdpa_ttt_attention`` computes, through flex attention with a block mask of the
+    TTT pattern: packed samples in one block skip each other's tiles, no [n, n] mask."""
+    flex = _flex()
+    (k0, v0), diagonal = cache[0], cache[1:]
+    hkv, g, n, d = q.shape
+    attend = flex["compiled"] if q.is_cuda else flex["plain"]
+    key = "sink" if diagonal else "plain"
+    if key not in block._masks:
+        size = n + 1 if diagonal else n
+        block._masks[key] = flex["create_block_mask"](
+            ttt_mask_mod(block.segments, bool(diagonal)), None, None, size, size,
+            device=q.device)
+    if not diagonal:
+        out = attend(q.reshape(1, hkv * g, n, d), k0.reshape(1, hkv, n, d),
+                     v0.reshape(1, hkv, n, d), block_mask=block._masks[key], scale=scale,
+                     enable_gqa=True)
+        return out.reshape(hkv, g, n, d)
+    query, key_, value, values, total = _sink_problem(q, cache, scale)
+    out = attend(query, key_, value, block_mask=block._masks[key], scale=scale, enable_gqa=True)
+    return _combine(out, values, total, q.shape, v0.dtype)
+
+
 class Attention(nn.Module):
     """GQA self-attention whose q/k/v read the 2H-wide [embedding, hidden] input."""
 
@@ -168,6 +291,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(2 * h, self.kv_heads * d, bias=False)
         self.v_proj = nn.Linear(2 * h, self.kv_heads * d, bias=False)
         self.o_proj = nn.Linear(self.heads * d, h, bias=False)
+        self.implementation = "sdpa"  # ATTENTION: the same math, another kernel
 
     def forward(self, x, cos, sin, blocks, cache):
         rows = x.shape[0]
@@ -179,9 +303,17 @@ class Attention(nn.Module):
         q = rotate(q, cos, sin)
         cache.append((rotate(k, cos, sin), v))
         scale = self.head_dim ** -0.5
-        out = torch.cat([ttt_attention(q[..., a:b, :], [(ck[..., a:b, :], cv[..., a:b, :])
-                                                         for ck, cv in cache], mask, scale)
-                         for a, b, mask in blocks], dim=-2)                  # [Hkv, G, T, D]
+        outs = []
+        for block in blocks:
+            a, b = block.start, block.end
+            part = [(ck[..., a:b, :], cv[..., a:b, :]) for ck, cv in cache]
+            if self.implementation == "eager":
+                outs.append(ttt_attention(q[..., a:b, :], part, block.dense_mask(), scale))
+            elif self.implementation == "sdpa":
+                outs.append(sdpa_ttt_attention(q[..., a:b, :], part, block, scale))
+            else:
+                outs.append(flex_ttt_attention(q[..., a:b, :], part, block, scale))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)       # [Hkv, G, T, D]
         return self.o_proj(out.permute(2, 0, 1, 3).reshape(rows, self.heads * self.head_dim))
 
 
@@ -218,27 +350,81 @@ class DecoderLayer(nn.Module):
 # -- the drafter -----------------------------------------------------------------------------
 
 BLOCK_ROWS = 512
+ATTENTION = ("eager", "sdpa", "flex")
+
+
+def resolve_attention(name: str, device: torch.device | str) -> str:
+    """``train.attention``: ``auto`` is ``sdpa``, the fused kernel, equal to ``eager`` within
+    float rounding and without its [heads, n, n] scores (benchmarks/results/train.md for
+    the speed); ``flex`` runs on CUDA only (PyTorch has no flex attention backward on CPU)."""
+    if name == "auto":
+        return "sdpa"
+    if name not in ATTENTION:
+        raise ValueError(f"attention {name!r} is none of auto, {', '.join(ATTENTION)}")
+    if name == "flex" and torch.device(device).type != "cuda":
+        raise ValueError("attention flex needs a CUDA device (PyTorch's flex attention has no "
+                         "backward pass on CPU); use sdpa")
+    return name
+
+
+@dataclass(eq=False)
+class AttentionBlock:
+    """Rows ``start:end`` of the batch: whole samples that attend among themselves only.
+    ``segments`` [n] names each row's sample; ``mask`` [n, n] bool (same sample and key row
+    <= query row) is None for a block of one sample, plain causal attention."""
+    start: int
+    end: int
+    segments: torch.Tensor
+    mask: torch.Tensor | None
+    _masks: dict = field(default_factory=dict, repr=False)
+
+    def dense_mask(self) -> torch.Tensor:
+        """The [n, n] mask, also for one sample (``eager`` needs it)."""
+        if self.mask is not None:
+            return self.mask
+        if "causal" not in self._masks:
+            n = self.end - self.start
+            self._masks["causal"] = torch.ones(n, n, dtype=torch.bool,
+                                               device=self.segments.device).tril()
+        return self._masks["causal"]
+
+    def sink_mask(self) -> torch.Tensor | None:
+        """The mask [1 + n, 1 + n] of the fused path with its sink (key 0, seen by every
+        query) and dummy query row 0; None for one sample (plain causal does it)."""
+        if self.mask is None:
+            return None
+        if "sink" not in self._masks:
+            n = self.end - self.start
+            mask = torch.zeros(n + 1, n + 1, dtype=torch.bool, device=self.mask.device)
+            mask[:, 0] = True
+            mask[1:, 1:] = self.mask
+            self._masks["sink"] = mask
+        return self._masks["sink"]
 
 
 def attention_blocks(segments: torch.Tensor, block_rows: int = BLOCK_ROWS
-                     ) -> list[tuple[int, int, torch.Tensor]]:
+                     ) -> list[AttentionBlock]:
     """Consecutive whole samples grouped into blocks of at most ``block_rows`` rows (or one
-    longer sample), each with its mask [n, n] (same sample, key row <= query row). Attention
-    never crosses samples, so blocks are computed apart: short packed samples cost far less
-    than one [T, T] mask over the whole batch."""
+    longer sample), each with its mask (same sample, key row <= query row; None when the
+    block is one sample). Attention never crosses samples, so blocks are computed apart:
+    short packed samples cost far less than one [T, T] mask over the whole batch."""
     _, lengths = torch.unique_consecutive(segments, return_counts=True)
-    spans, start, end = [], 0, 0
+    spans, start, end, samples = [], 0, 0, 0
     for length in lengths.tolist():
         if end > start and end + length - start > block_rows:
-            spans.append((start, end))
-            start = end
+            spans.append((start, end, samples))
+            start, samples = end, 0
         end += length
-    spans.append((start, end))
+        samples += 1
+    spans.append((start, end, samples))
     blocks = []
-    for a, b in spans:
+    for a, b, samples in spans:
         seg = segments[a:b]
-        causal = torch.ones(b - a, b - a, dtype=torch.bool, device=segments.device).tril()
-        blocks.append((a, b, causal & (seg[:, None] == seg[None, :])))
+        mask = None
+        if samples > 1:
+            causal = torch.ones(b - a, b - a, dtype=torch.bool, device=segments.device).tril()
+            mask = causal & (seg[:, None] == seg[None, :])
+        blocks.append(AttentionBlock(a, b, seg, mask))
     return blocks
 
 
@@ -246,7 +432,7 @@ class Eagle3Drafter(nn.Module):
     """Parameters and persistent buffers are named as in the vLLM checkpoint (export.py)."""
 
     def __init__(self, config: DrafterConfig, embed_tokens: torch.Tensor, d2t: torch.Tensor,
-                 t2d: torch.Tensor):
+                 t2d: torch.Tensor, attention: str = "sdpa"):
         super().__init__()
         self.config = config
         h = config.hidden_size
@@ -259,8 +445,21 @@ class Eagle3Drafter(nn.Module):
         self.register_buffer("t2d", t2d.to(torch.bool))         # [V] in the draft vocabulary
         inv_freq, self.rope_scale = rope_inv_freq(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.attention = attention
 
     CONSTANT_BUFFERS = ("embed_tokens", "d2t", "t2d", "inv_freq")
+
+    @property
+    def attention(self) -> str:
+        """Which kernel computes the TTT attention (ATTENTION): the same math either way,
+        so it is no part of the checkpoint."""
+        return self.midlayer.self_attn.implementation
+
+    @attention.setter
+    def attention(self, name: str) -> None:
+        if name not in ATTENTION:
+            raise ValueError(f"attention {name!r} is none of {', '.join(ATTENTION)}")
+        self.midlayer.self_attn.implementation = name
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         angles = positions.float()[:, None] * self.inv_freq[None, :]        # [T, D/2]
@@ -282,7 +481,9 @@ class Eagle3Drafter(nn.Module):
         logit_rows  K x [n_k]  rows whose logits each step returns (all rows when None)
         returns     K x [n_k, Vd] draft-vocabulary logits
         """
-        blocks = attention_blocks(segments)
+        # flex attention skips other samples' tiles itself: one block for the whole batch
+        blocks = attention_blocks(segments, len(segments) if self.attention == "flex"
+                                  else BLOCK_ROWS)
         hidden = self.fc(aux_hidden)                                             # [T, H]
         cache: list[tuple[torch.Tensor, torch.Tensor]] = []
         logits = []

@@ -18,8 +18,11 @@ Stages:
   every step). The TTT attention (``drafter.ttt_attention``) materializes float32 scores
   [heads, n, n] per step for an attention block of n rows, kept for backward (and a bf16
   copy under autocast); the worst case, reported here, is one sample filling the batch
-  (n = min(max_len, max_tokens_per_batch)). A fused kernel (SDPA / flex attention) keeps
-  only q, k, v, the output and a float32 log-sum-exp per query row instead.
+  (n = min(max_len, max_tokens_per_batch)). A fused kernel (``train.attention`` sdpa or
+  flex, what ``auto`` selects) keeps per step and row only its inputs (q, k, v padded with
+  the sink column, ``drafter.sdpa_ttt_attention``), its output, a float32 log-sum-exp per
+  head and the float32 [heads, head_dim] terms that fold the later steps' own keys in. The
+  total is of the path ``train.attention`` selects; the other one is printed beside it.
 * disk: ``shards.bytes_per_token`` per stored token.
 """
 
@@ -152,13 +155,29 @@ def extraction(s: Shape, batch_tokens: int, max_len: int, target_dtype: str, sto
 
 # -- training --------------------------------------------------------------------------------
 
+SINK_PAD = 8  # columns the fused path adds to the head dim on CUDA (the sink's; 1 on CPU)
+FUSED = ("sdpa", "flex")
+
+
+def resolve_attention(name: str) -> str:
+    """``train.attention`` on a GPU, as ``drafter.resolve_attention`` resolves it."""
+    return "sdpa" if name == "auto" else name
+
+
 def ttt_attention_bytes(s: Shape, rows: int, block: int, steps: int, act: int,
-                        fused: bool = False) -> int:
+                        fused: bool = False, pad: int = SINK_PAD) -> int:
     """What the attention of all TTT steps keeps for backward, beyond the projections."""
-    heads = s.d_heads
-    if fused:  # q (rotated), k, v, output in act, a float32 log-sum-exp per row and head
-        return steps * rows * (2 * heads * s.head_dim * act + 2 * s.d_kv_heads * s.head_dim * act
-                               + 4 * heads)
+    heads, kv, d = s.d_heads, s.d_kv_heads, s.head_dim
+    if fused:
+        # step 0: the kernel's q, k, v (contiguous copies) and output in act, its float32
+        # log-sum-exp per head
+        first = 2 * heads * d * act + 2 * kv * d * act + 4 * heads
+        # later steps: q, k, v and output with the sink column, the log-sum-exp, float32
+        # per-head terms (the sink's weight, the denominator, the own keys' weights) and
+        # float32 [heads, d] sums of the own keys' values, the numerator and its input
+        later = (2 * heads * (d + pad) * act + 2 * kv * (d + pad) * act + 4 * heads
+                 + 3 * 4 * heads + 3 * 4 * heads * d)
+        return rows * (first + (steps - 1) * later)
     blocks = rows // block
     square = heads * block * block
     per_step = blocks * square * (4 + (act if act != 4 else 0))  # exp'd scores (+ bf16 copy)
@@ -184,8 +203,11 @@ def ttt_rows_bytes(s: Shape, rows: int, steps: int, act: int) -> int:
 
 
 def training(s: Shape, tokens: int, max_len: int | None, steps: int, precision: str = "bfloat16",
-             embed_dtype: str = "bfloat16") -> dict:
-    """Bytes on one training rank's device at the peak (the end of the forward pass)."""
+             embed_dtype: str = "bfloat16", attention: str = "auto",
+             sink_pad: int = SINK_PAD) -> dict:
+    """Bytes on one training rank's device at the peak (the end of the forward pass), with
+    the TTT attention of ``attention`` (``train.attention``)."""
+    attention = resolve_attention(attention)
     act = 2 if precision == "bfloat16" else 4
     block = min(max_len or tokens, tokens)
     p = drafter_params(s)
@@ -199,17 +221,22 @@ def training(s: Shape, tokens: int, max_len: int | None, steps: int, precision: 
         fixed["bf16 autocast weight copies"] = 2 * p
     inputs = tokens * (NUM_AUX + 1) * s.hidden * act + tokens * s.draft_vocab * 4  # + teacher probs
     rows = ttt_rows_bytes(s, tokens, steps, act)
-    attention = ttt_attention_bytes(s, tokens, block, steps, act)
-    fused = ttt_attention_bytes(s, tokens, block, steps, act, fused=True)
+    scores = ttt_attention_bytes(s, tokens, block, steps, act)
+    fused = ttt_attention_bytes(s, tokens, block, steps, act, fused=True, pad=sink_pad)
     # backward of the last step's attention: float32 gradient of its scores (and a bf16 one)
     square = (tokens // block) * s.d_heads * block * block
     backward = square * (4 + (act if act != 4 else 0))
     out = dict(fixed)
     out["batch inputs and teacher probabilities"] = inputs
     out[f"TTT activations, {steps} steps (norms, projections, MLP, logits)"] = rows
-    out[f"TTT attention scores [heads, n, n] float32, n = {block}"] = attention
-    out["backward of one step's scores"] = backward
-    return {"device": out, "fused_attention": fused, "unfused_attention": attention + backward}
+    if attention in FUSED:
+        out[f"TTT attention, {attention} (kernel inputs and outputs, log-sum-exp; no "
+            f"[heads, n, n] scores)"] = fused
+    else:
+        out[f"TTT attention scores [heads, n, n] float32, n = {block}"] = scores
+        out["backward of one step's scores"] = backward
+    return {"device": out, "attention": attention, "fused_attention": fused,
+            "unfused_attention": scores + backward}
 
 
 def fits(device_bytes: int) -> bool:
@@ -220,21 +247,25 @@ def fits(device_bytes: int) -> bool:
 
 def plan(s: Shape, *, tokens: int, max_len: int | None, steps: int, batch_tokens: int,
          extract_max_len: int, target_dtype: str, store_dtype: str, shard_tokens: int,
-         precision: str = "bfloat16") -> dict:
+         precision: str = "bfloat16", attention: str = "auto") -> dict:
     ext = extraction(s, batch_tokens, extract_max_len, target_dtype, store_dtype, shard_tokens)
     tr = training(s, tokens, max_len, steps, precision,
-                  embed_dtype=target_dtype if target_dtype != "auto" else "bfloat16")
+                  embed_dtype=target_dtype if target_dtype != "auto" else "bfloat16",
+                  attention=attention)
     train_total = sum(tr["device"].values())
-    fused_total = train_total - tr["unfused_attention"] + tr["fused_attention"]
+    fused = tr["attention"] in FUSED
+    rest = train_total - (tr["fused_attention"] if fused else tr["unfused_attention"])
     return {
         "shape": asdict(s), "tokens_per_batch": tokens, "ttt_steps": steps,
+        "attention": tr["attention"],
         "target_dtype": target_dtype, "precision": precision, "extract_batch_tokens": batch_tokens,
         "extract_max_len": extract_max_len,
         "target_params": target_params(s), "drafter_params": drafter_params(s),
         "extraction": ext, "extraction_device": sum(ext["device"].values()),
         "extraction_host": sum(ext["host"].values()),
         "training": tr["device"], "training_device": train_total,
-        "training_device_fused_attention": fused_total,
+        "training_device_fused_attention": rest + tr["fused_attention"],
+        "training_device_eager_attention": rest + tr["unfused_attention"],
         "shard_bytes_per_token": bytes_per_token(s.hidden, NUM_AUX, store_dtype),
         "shard_tokens": shard_tokens,
         "shard_bytes": shard_tokens * bytes_per_token(s.hidden, NUM_AUX, store_dtype),
@@ -271,13 +302,18 @@ def render(p: dict, store_dtype: str) -> str:
         lines.append(f"   host    {gib(n):>11}  {name}")
     lines.append(f"   host    {gib(p['extraction_host']):>11}  total, for a shard of "
                  f"{p['shard_tokens']:,} tokens")
-    lines.append("training (one rank)")
+    lines.append(f"training (one rank, train.attention {p['attention']})")
     for name, n in p["training"].items():
         lines.append(f"   device  {gib(n):>11}  {name}")
     lines.append(f"   device  {gib(p['training_device']):>11}  total: {_fit_line(p['training_device'])}")
-    lines.append(f"   device  {gib(p['training_device_fused_attention']):>11}  with fused attention "
-                 f"(SDPA/flex: no [heads, n, n] scores kept): "
-                 f"{_fit_line(p['training_device_fused_attention'])}")
+    if p["attention"] in FUSED:
+        other = p["training_device_eager_attention"]
+        lines.append(f"   device  {gib(other):>11}  with eager attention instead ([heads, n, n] "
+                     f"float32 scores kept): {_fit_line(other)}")
+    else:
+        other = p["training_device_fused_attention"]
+        lines.append(f"   device  {gib(other):>11}  with fused attention instead (sdpa/flex: no "
+                     f"[heads, n, n] scores kept): {_fit_line(other)}")
     lines.append(f"disk: {p['shard_bytes_per_token']:,} bytes per token ({store_dtype}), "
                  f"{gib(p['shard_bytes'])} per {p['shard_tokens']:,}-token shard")
     return "\n".join(lines)
@@ -369,7 +405,8 @@ def main(argv: list[str] | None = None) -> int:
                      steps=train["ttt_steps"], batch_tokens=ext["batch_tokens"],
                      extract_max_len=t if named else ext["max_len"],
                      target_dtype=cfg["target"]["dtype"], store_dtype=ext["dtype"],
-                     shard_tokens=shard_tokens, precision=precision)
+                     shard_tokens=shard_tokens, precision=precision,
+                     attention=train["attention"])
             plans.append(p)
             texts.append(render(p, ext["dtype"]))
     if args.json:

@@ -41,7 +41,7 @@ from eaglet import rates
 from eaglet import train_checkpoints as ckpt
 from eaglet.config import ConfigError, validate
 from eaglet.drafter import (DrafterConfig, Eagle3Drafter, init_from_target_layer, init_lm_head,
-                            num_params)
+                            num_params, resolve_attention)
 from eaglet.export import export_drafter
 from eaglet.io import atomic_open, human_size, read_json, write_json
 from eaglet.progress import Progress
@@ -166,6 +166,10 @@ class Trainer:
         self.train_data, self.eval_data = train_data, eval_data
         self.fingerprint = fingerprint
         self.model = model.to(device)
+        try:  # the kernel of the TTT attention; the same math, so no part of the fingerprint
+            self.model.attention = resolve_attention(cfg.get("attention", "auto"), device)
+        except ValueError as error:
+            raise TrainError(f"train.attention: {error}") from None
         self.t2d = model.t2d.cpu()
         self.num_aux = len(model.config.aux_layer_ids)
         self.teacher_head = teacher_head.to(device)
@@ -233,8 +237,8 @@ class Trainer:
                       dist_, ckpt.fingerprint(cfg, infos, group))
         if dist_.rank == 0:
             log.info("drafter: %.1fM trainable parameters, draft vocab %d, aux layers %s, "
-                     "%d training samples in %d shards, %d held out, %d steps",
-                     num_params(model) / 1e6, d2t.numel(), config.aux_layer_ids,
+                     "%s attention, %d training samples in %d shards, %d held out, %d steps",
+                     num_params(model) / 1e6, d2t.numel(), config.aux_layer_ids, model.attention,
                      len(train_data), len(infos), len(eval_data), trainer.total_steps)
         return trainer
 

@@ -26,9 +26,10 @@ from eaglet.train_data import ShardInfo, TrainError
 log = logging.getLogger("eaglet.train")
 
 # keys that may change between a run and its resumption without changing the result
+# (attention: another kernel for the same math)
 RESUME_FREE = {"log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "resume",
                "device", "precision", "export_dtype", "report_to", "host_ram_mb",
-               "prefetch_batches"}
+               "prefetch_batches", "attention"}
 
 
 def checkpoints(directory: Path) -> list[Path]:
