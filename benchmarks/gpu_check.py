@@ -74,7 +74,7 @@ from eaglet.extract import (AuxCapture, Target, decoder_layers, default_aux_laye
 from eaglet.io import write_json  # noqa: E402
 from eaglet.plan import PRESETS, Shape  # noqa: E402
 from eaglet.train import Dist, Trainer  # noqa: E402
-from eaglet.train_data import Prefetcher  # noqa: E402
+from eaglet.train_data import Prefetcher, prefetch_depth  # noqa: E402
 
 OUT = Path(__file__).parent / "results"
 PEAK_FLOPS = 989e12        # H200 dense bf16 (the datasheet's number without sparsity)
@@ -357,7 +357,8 @@ def training(shape: Shape, size: dict, device: torch.device, dtype: torch.dtype,
     micro = [list(range(count))]  # one micro-batch per step (grad_accum 1), every sample
     # packed ahead as Trainer.run does; the wait for it, if any, is inside the timing
     feed = Prefetcher(lambda indices: trainer.host_batch(samples, indices),
-                      (((step, 0, 0), micro[0]) for step in range(steps)), cfg["prefetch_batches"])
+                      (((step, 0, 0), micro[0]) for step in range(steps)),
+                      max(1, prefetch_depth(cfg["prefetch_batches"], device)))
     times, rows, losses = [], 0, []
     try:
         for step in range(steps):

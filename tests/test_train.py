@@ -438,7 +438,8 @@ def test_prefetched_batches_are_the_loops_from_any_resumed_position(world, tmp_p
     """The prefetcher's sequence, started where a checkpoint left off (mid-epoch, over an
     epoch boundary, with grad_accum), is the sequence of micro-batches the loop trains on,
     and the batches it builds are those the loop would build."""
-    cfg = settings({**FAST, "epochs": 3, "grad_accum": 2, "max_tokens_per_batch": 64})
+    cfg = settings({**FAST, "epochs": 3, "grad_accum": 2, "max_tokens_per_batch": 64,
+                    "prefetch_batches": 2})  # set: on the CPU its default is none ahead
     trainer = Trainer.from_files(cfg, world["train"], [], world["vocab"], world["target"],
                                  str(tmp_path / "ckpt"), torch.device("cpu"), Dist())
 

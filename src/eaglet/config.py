@@ -106,7 +106,7 @@ def validate(config: dict[str, Any]) -> dict[str, Any]:
 # params leave them out at that value, so that a run made before them is not redone.
 ADDED_LATER = {"generate": {"capture_hidden_states": False, "chat_template_kwargs": None},
                "train": {"loss_on_prompt": False, "feature_noise": 0.0, "host_ram_mb": 4096,
-                         "prefetch_batches": 2, "attention": "auto"}}
+                         "prefetch_batches": None, "attention": "auto"}}
 
 
 def stage_params(cfg: dict[str, Any], section: str, drop: tuple[str, ...] = ()) -> dict[str, Any]:

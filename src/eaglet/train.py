@@ -50,7 +50,7 @@ from eaglet.target import (load_target_embedding, load_target_layer, load_target
 from eaglet.tracking import Trackers
 from eaglet.train_data import (Batch, Prefetcher, Samples, TrainError, add_feature_noise,
                                check_shards, check_vocab_map, data_memory, index_shard,
-                               make_batch, manifest_hashes, pack, plan_epoch,
+                               make_batch, manifest_hashes, pack, plan_epoch, prefetch_depth,
                                step_micro_batches, steps_in)
 from eaglet.vocab import load_vocab_map
 
@@ -523,6 +523,7 @@ def train(cfg: dict, shard_paths: list[str], eval_shard_paths: list[str], vocab_
     """
     cfg = settings(cfg)
     device = resolve_device(cfg["device"])
+    cfg["prefetch_batches"] = prefetch_depth(cfg["prefetch_batches"], device)
     dist_ = init_distributed(device)
     started = time.monotonic()
     trainer = None

@@ -195,6 +195,15 @@ class DataMemory:
             mapping.release()
 
 
+def prefetch_depth(configured: int | None, device: torch.device) -> int:
+    """``train.prefetch_batches``, its null resolved for the device: packing ahead in a thread
+    pays where a GPU computes, and costs on the CPU, whose cores the step itself uses (the
+    demo's training ran at 0.65x its tokens/s with 2 batches ahead on 2 cores)."""
+    if configured is not None:
+        return configured
+    return 2 if device.type == "cuda" else 0
+
+
 def data_memory(cfg: dict, infos: list[ShardInfo]) -> DataMemory:
     """Split ``train.host_ram_mb`` between the micro-batches built ahead (``prefetch_batches``
     waiting and one being built, in the stored dtype) and the shard pages; refuse a budget
