@@ -434,6 +434,16 @@ def test_streamed_training_equals_the_eager_data_path(world, tmp_path, monkeypat
     assert streamed["peak_rss_mb"] >= peaks[-1]
 
 
+def test_a_trainer_built_from_files_resolves_the_prefetch_default_for_its_device(world, tmp_path):
+    """train.prefetch_batches null: none ahead on the CPU; resolved where the data budget is
+    split (a null there would not count)."""
+    cfg = settings(FAST)
+    assert cfg["prefetch_batches"] is None
+    trainer = Trainer.from_files(cfg, world["train"], [], world["vocab"], world["target"],
+                                 str(tmp_path / "ckpt"), torch.device("cpu"), Dist())
+    assert trainer.cfg["prefetch_batches"] == 0 and trainer.prefetcher() is None
+
+
 def test_prefetched_batches_are_the_loops_from_any_resumed_position(world, tmp_path):
     """The prefetcher's sequence, started where a checkpoint left off (mid-epoch, over an
     epoch boundary, with grad_accum), is the sequence of micro-batches the loop trains on,

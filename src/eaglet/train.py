@@ -216,6 +216,7 @@ class Trainer:
         infos = [index_shard(p, t2d.numel(), hashes.get(p)) for p in shard_paths]
         eval_infos = [index_shard(p, t2d.numel(), hashes.get(p)) for p in eval_shard_paths]
         check_shards(infos + eval_infos, text, target_dir)
+        cfg = {**cfg, "prefetch_batches": prefetch_depth(cfg["prefetch_batches"], device)}
         memory = data_memory(cfg, infos + eval_infos)  # shared: one budget per process
         train_data = Samples(infos, cfg["shards_in_memory"], memory)
         eval_data = Samples(eval_infos, cfg["shards_in_memory"], memory)
@@ -523,7 +524,6 @@ def train(cfg: dict, shard_paths: list[str], eval_shard_paths: list[str], vocab_
     """
     cfg = settings(cfg)
     device = resolve_device(cfg["device"])
-    cfg["prefetch_batches"] = prefetch_depth(cfg["prefetch_batches"], device)
     dist_ = init_distributed(device)
     started = time.monotonic()
     trainer = None
