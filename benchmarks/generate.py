@@ -67,17 +67,23 @@ def time_eaglet(url, prompts, sampling, concurrency, capture_dir=None) -> tuple[
     return elapsed, sum(len(r["completion_token_ids"]) for r in records.values())
 
 
+def sharegpt_setup(args, memory_utilization: float) -> tuple[dict, list[dict], Sampling]:
+    """A float32 eager CPU server's config, ``args.prompts`` ShareGPT first turns (pasted
+    documents skipped, as the demo does) and greedy sampling of ``args.max_tokens``."""
+    cfg = validate({"target": {"dtype": "float32"},
+                    "server": {"memory_utilization": memory_utilization, "enforce_eager": True}})
+    prompts, _ = load_source({"type": "sharegpt", "limit": args.prompts * 2,
+                              "max_prompt_chars": 1000})
+    return (cfg, prompts[:args.prompts],
+            Sampling(temperature=0.0, top_p=1.0, max_tokens=args.max_tokens, seed=0))
+
+
 def capture_cost(args) -> None:
     """Plain and capturing servers side by side, the same requests to each in turn."""
     import shutil
 
     from eaglet.generate import capture_options
-    cfg = validate({"target": {"dtype": "float32"},
-                    "server": {"memory_utilization": 0.2, "enforce_eager": True}})
-    prompts, _ = load_source({"type": "sharegpt", "limit": args.prompts * 2,
-                              "max_prompt_chars": 1000})
-    prompts = prompts[:args.prompts]
-    sampling = Sampling(temperature=0.0, top_p=1.0, max_tokens=args.max_tokens, seed=0)
+    cfg, prompts, sampling = sharegpt_setup(args, memory_utilization=0.2)
     work = Path(tempfile.mkdtemp(prefix="capture-"))
     plain_args = server_args(cfg["target"], cfg["server"], "target")
     runs = {"plain": [], "capture": []}
@@ -118,12 +124,7 @@ def capture_cost(args) -> None:
 
 def cpu_cores(args) -> None:
     """Default CPU server against one that computes on every core, one at a time."""
-    cfg = validate({"target": {"dtype": "float32"},
-                    "server": {"memory_utilization": 0.25, "enforce_eager": True}})
-    prompts, _ = load_source({"type": "sharegpt", "limit": args.prompts * 2,
-                              "max_prompt_chars": 1000})
-    prompts = prompts[:args.prompts]
-    sampling = Sampling(temperature=0.0, top_p=1.0, max_tokens=args.max_tokens, seed=0)
+    cfg, prompts, sampling = sharegpt_setup(args, memory_utilization=0.25)
     single = Sampling(temperature=0.0, top_p=1.0, max_tokens=64, seed=0)
     env = {"default": dict(os.environ), "every core": {**os.environ,
                                                        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}}
