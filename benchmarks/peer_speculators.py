@@ -19,7 +19,7 @@ vocabulary, aux layers and TTT steps, same tokens per step, same CPU), this benc
 4. trains eaglet (``eaglet.train.train``) with the run's own train settings;
 5. scores both on the run's held-out shards with one definition (eaglet's: per TTT step,
    top-1 agreement with the target's argmax at the positions eaglet counts; simulated AL =
-   1 + sum_k prod_{j<=k} acc_j), and serves both in vLLM (``eaglet.evaluate.engine_run``):
+   1 + sum_k prod_{j<=k} acc_j), and serves both in vLLM (``eaglet.evaluate.engine_runs``):
    acceptance length and speedup over the target alone at each concurrency.
 
 Install speculators beside eaglet, never into its environment (``make peer-bench-install``)::
@@ -75,11 +75,10 @@ def import_peer():
     if str(PEER.resolve()) not in sys.path:
         sys.path.insert(0, str(PEER.resolve()))
     try:
-        import speculators  # noqa: F401
+        import speculators
     except ImportError as exc:
         raise SystemExit(f"speculators is not installed for this benchmark ({exc}); run: "
                          f"{INSTALL}") from None
-    import speculators
     return speculators
 
 
@@ -443,7 +442,7 @@ def serve_both(results: Path, work: Path, cfg: dict, drafters: dict[str, str], k
                ev_overrides: dict, log) -> list[dict]:
     """The target alone, then each drafter at k, through eaglet's evaluation (one server at a
     time), on the held-out split and the run's configured prompt sets."""
-    from eaglet.evaluate import add_speedups, engine_run, load_prompt_sets
+    from eaglet.evaluate import add_speedups, engine_runs, load_prompt_sets
 
     run_cfg = {**cfg, "evaluate": {**cfg["evaluate"], **ev_overrides},
                "server": {**cfg["server"], "memory_utilization": 0.15}}
@@ -458,8 +457,7 @@ def serve_both(results: Path, work: Path, cfg: dict, drafters: dict[str, str], k
     runs = []
     for run in plan:
         log(f"vLLM: {run['name']}")
-        runs.append(engine_run(run_cfg, str(results / "target"), run, sets,
-                               str(logs / f"{run['name']}.server.log")))
+        runs += engine_runs(run_cfg, str(results / "target"), [run], sets, str(logs))
     add_speedups(runs, ev["concurrency"])
     return runs
 
@@ -534,7 +532,7 @@ def render(r: dict) -> str:
                      f"`{t['error']}`" + (f" at `{t['raised_at']}`" if t.get("raised_at") else ""))
     lines += ["", "Settings:", "", f"- eaglet: `{json.dumps(e['settings'])}`",
               f"- speculators: `{json.dumps(s['settings'])}`", "", "## Verdict", ""]
-    for name, a, b in ((f"held-out sim AL gain per training minute", e["gain_per_min"],
+    for name, a, b in (("held-out sim AL gain per training minute", e["gain_per_min"],
                         s["gain_per_min"]),
                        ("training tokens/s (wall)", e["tokens_per_s"], s["tokens_per_s"])):
         if a and b:

@@ -232,3 +232,132 @@ def test_each_level_sends_rounds_times_its_concurrency():
     prompts = list(range(40))
     assert level_prompts(prompts, 1, 4) == [0, 1, 2, 3]
     assert level_prompts(prompts, 16, 4) == prompts  # at most the whole set
+
+
+# -- interleaved measurement on a machine whose speed drifts ---------------------------------
+
+class DriftingMachine:
+    """Stands in for vLLM servers on a machine that slows down as it works: each request's
+    answer of 10 tokens takes ``cost[run] * clock`` seconds, where the clock grows by a half
+    per minute of machine time. Records the order the servers were asked in."""
+
+    def __init__(self, cost: dict[str, float]):
+        self.cost, self.clock_s, self.calls = cost, 0.0, []
+
+    def start(self, stack, cfg, target_path, run, log_path):
+        self.started_with = getattr(self, "started_with", []) + [cfg["server"]]
+        return run["name"]
+
+    def measure(self, url, prompts, ev, concurrency, template_kwargs=None):
+        self.calls.append((url, tuple(p["id"] for p in prompts)))
+        slowdown = 1.0 + 0.5 * self.clock_s / 60
+        wall = self.cost[url] * slowdown * len(prompts) / concurrency
+        self.clock_s += wall
+        answers = [{"id": p["id"], "latency_s": wall, "completion_tokens": 10,
+                    "token_ids": [7] * 10} for p in prompts]
+        drafts = 0 if url == "baseline" else 4 * len(prompts)
+        delta = {"drafts": drafts, "draft_tokens": 3 * drafts, "accepted": drafts,
+                 "per_position": [drafts / 2, drafts / 4, drafts / 4]}
+        return {"concurrency": concurrency, "requests": len(prompts),
+                "output_tokens": 10 * len(prompts), "wall_s": wall,
+                "output_tokens_per_s": 10 * len(prompts) / wall,
+                "mean_latency_s": wall, "_delta": delta, "_answers": answers}
+
+
+def _measured(machine, monkeypatch, runs, interleave):
+    from eaglet import evaluate
+    from eaglet.config import validate
+
+    monkeypatch.setattr(evaluate, "_start", machine.start)
+    monkeypatch.setattr(evaluate, "_measure", machine.measure)
+    cfg = validate({"evaluate": {"concurrency": [1], "rounds": 6, "interleave": interleave},
+                    "server": {"memory_utilization": 0.3, "port": 8000}})
+    prompt_sets = {"heldout": [{"id": f"p{i}", "messages": []} for i in range(6)]}
+    groups = [runs] if interleave else [[r] for r in runs]
+    measured = [m for group in groups
+                for m in evaluate.engine_runs(cfg, "target", group, prompt_sets, "logs")]
+    add_speedups(measured, [1])
+    machine.runs = measured
+    return {m["name"]: m["by_concurrency"][0]["speedup"] for m in measured}
+
+
+RUNS = [{"name": "baseline", "method": "baseline"},
+        {"name": "eagle3_k3", "method": "ngram", "k": 3}]   # ngram: no drafter dir needed
+
+
+def test_interleaved_runs_see_the_same_drift_and_measure_the_true_speedup(monkeypatch):
+    # the drafter truly serves 1.2x the target's tokens/s
+    cost = {"baseline": 6.0, "eagle3_k3": 5.0}
+    one_at_a_time = _measured(DriftingMachine(cost), monkeypatch, RUNS, interleave=False)
+    machine = DriftingMachine(cost)
+    side_by_side = _measured(machine, monkeypatch, RUNS, interleave=True)
+    # measured after the target alone, the drafter pays for the machine's slowdown
+    assert one_at_a_time["eagle3_k3"] < 1.0
+    assert side_by_side["eagle3_k3"] == pytest.approx(1.2, abs=0.03)
+    # every prompt went to both servers, a round each in turn, the first server rotating
+    assert [c[0] for c in machine.calls[:4]] == ["baseline", "eagle3_k3", "eagle3_k3", "baseline"]
+    assert [c[1] for c in machine.calls[:2]] == [("p0",), ("p0",)]
+    assert sorted(c[1][0] for c in machine.calls) == sorted([f"p{i}" for i in range(6)] * 2)
+    # the rounds' measurements add up to the level's
+    level = machine.runs[1]["levels"][0]
+    assert level["requests"] == 6 and level["output_tokens"] == 60
+    assert level["drafts"] == 24 and level["acceptance_length"] == pytest.approx(2.0)
+    # the servers share the machine: free ports and half the memory share each
+    assert machine.started_with == [{**machine.started_with[0], "port": 0,
+                                     "memory_utilization": 0.15}] * 2
+
+
+def test_one_run_alone_sends_each_level_at_once_on_its_own_port(monkeypatch):
+    machine = DriftingMachine({"baseline": 6.0})
+    _measured(machine, monkeypatch, RUNS[:1], interleave=False)
+    assert [c[1] for c in machine.calls] == [tuple(f"p{i}" for i in range(6))]
+    assert machine.started_with[0]["port"] == 8000
+    assert machine.started_with[0]["memory_utilization"] == 0.3
+
+
+def test_the_schedule_is_checked_beside_the_target_alone_kept_up(monkeypatch, tmp_path):
+    """Interleaved: the drafter pays at 1 and not at 16, so the stage derives a schedule and
+    checks it beside a second measurement of the target alone, whose server stayed up."""
+    from eaglet import evaluate
+    from eaglet.config import validate
+    from eaglet.io import read_json, write_json
+
+    per_token = {"baseline": {1: 6.0, 16: 1.0}, "ngram_k3": {1: 7.0, 16: 2.0},
+                 "eagle3_k3": {1: 5.0, 16: 1.5}, "eagle3_schedule": {1: 5.0, 16: 1.1}}
+
+    class Machine(DriftingMachine):
+        def measure(self, url, prompts, ev, concurrency, template_kwargs=None):
+            self.cost = {name: costs[concurrency] for name, costs in per_token.items()}
+            return super().measure(url, prompts, ev, concurrency, template_kwargs)
+
+        def start(self, stack, cfg, target_path, run, log_path):
+            self.started = getattr(self, "started", []) + [run["name"]]
+            return super().start(stack, cfg, target_path, run, log_path)
+
+    machine = Machine({})
+    monkeypatch.setattr(evaluate, "_start", machine.start)
+    monkeypatch.setattr(evaluate, "_measure", machine.measure)
+    cfg = validate({"evaluate": {"concurrency": [1, 16], "rounds": 2, "interleave": True,
+                                 "offline": False},
+                    "server": {"memory_utilization": 0.3}})
+    write_json(tmp_path / "target.json", {"path": "target", "spec": "t"})
+    (tmp_path / "eval.jsonl").write_text("".join(
+        f'{{"id": "p{i}", "messages": [{{"role": "user", "content": "q{i}"}}]}}\n'
+        for i in range(16)))
+    result = evaluate.run_stage(cfg, str(tmp_path / "target.json"), "drafter",
+                                str(tmp_path / "eval.jsonl"), str(tmp_path / "acceptance.json"),
+                                str(tmp_path), serve_path=str(tmp_path / "serve.json"))
+    assert machine.started == ["baseline", "ngram_k3", "eagle3_k3", "eagle3_schedule"]
+    # the check's rounds alternate between the schedule and the target alone
+    check = [url for url, _ in machine.calls if url in ("baseline", "eagle3_schedule")][-4:]
+    assert sorted(check) == ["baseline", "baseline", "eagle3_schedule", "eagle3_schedule"]
+    # four servers up at once at most: each a quarter of the memory share
+    assert {s["memory_utilization"] for s in machine.started_with} == {0.1}
+    serve = read_json(tmp_path / "serve.json")
+    assert serve["checked_by"] == "eagle3_schedule"
+    speedups = {e["concurrency"]: e["speedup"] for e in serve["by_concurrency"]}
+    assert speedups[1] == pytest.approx(1.2, abs=0.05)
+    assert speedups[16] == pytest.approx(1 / 1.1, abs=0.05)
+    assert not serve["never_slower_than_target"]
+    assert [r["name"] for r in result["runs"]] == ["baseline", "ngram_k3", "eagle3_k3",
+                                                   "eagle3_schedule"]

@@ -197,34 +197,94 @@ def _sum_deltas(deltas: list[dict]) -> dict:
                                  if i < len(d["per_position"])) for i in range(width)]}
 
 
-def engine_run(cfg: dict, target_path: str, run: dict, prompt_sets: dict[str, list[dict]],
-               log_path: str, progress: Progress | None = None) -> dict:
-    """Serve once with ``run``'s speculation; send every prompt set at every concurrency of
-    the sweep through that one server; return the measurements per level and in all."""
-    ev = cfg["evaluate"]
+def _start(stack: contextlib.ExitStack, cfg: dict, target_path: str, run: dict,
+           log_path: str) -> str:
+    """Start ``run``'s vLLM server inside ``stack``; its base URL."""
     spec = speculative_config(run)
-    name = run["name"]
-    log.info("%s: starting vLLM (%s)", name, json.dumps(spec) if spec else "no speculation")
-    levels = []
+    log.info("%s: starting vLLM (%s)", run["name"], json.dumps(spec) if spec else "no speculation")
+    try:
+        server = stack.enter_context(target_server(
+            cfg, target_path, log_path,
+            ["--speculative-config", json.dumps(spec)] if spec is not None else []))
+    except ServerError as exc:
+        what = "vLLM refused the drafter" if run["method"] == "eagle3" else "vLLM did not start"
+        raise EvaluationError(f"{run['name']}: {what}.\n{exc}") from None
+    return server.url
+
+
+def side_by_side(cfg: dict, count: int) -> dict:
+    """The config the ``count`` servers of one interleaved measurement start from: each on a
+    free port, with an equal part of ``server.memory_utilization`` (they share the device)."""
+    server = dict(cfg["server"], port=0)
+    if server["memory_utilization"] is not None:
+        server["memory_utilization"] = round(server["memory_utilization"] / count, 4)
+    return {**cfg, "server": server}
+
+
+def _merge(parts: list[dict]) -> dict:
+    """One level's measurement from the measurements of its rounds."""
+    answers = [a for p in parts for a in p["_answers"]]
+    tokens, wall = sum(p["output_tokens"] for p in parts), sum(p["wall_s"] for p in parts)
+    return {"concurrency": parts[0]["concurrency"], "requests": len(answers),
+            "output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall,
+            "mean_latency_s": sum(a["latency_s"] for a in answers) / len(answers),
+            "_delta": _sum_deltas([p["_delta"] for p in parts]), "_answers": answers}
+
+
+def server_log(log_dir: str, run: dict) -> str:
+    return f"{log_dir}/evaluate.{run['name']}.server.log"
+
+
+def engine_runs(cfg: dict, target_path: str, runs: list[dict], prompt_sets: dict[str, list[dict]],
+                log_dir: str, progress: Progress | None = None) -> list[dict]:
+    """Serve each of ``runs`` with its speculation and send every prompt set at every
+    concurrency of the sweep through that one server (:func:`measure_runs`; several runs:
+    their servers side by side, :func:`side_by_side`)."""
+    served = side_by_side(cfg, len(runs)) if len(runs) > 1 else cfg
     with contextlib.ExitStack() as stack:
-        try:
-            server = stack.enter_context(target_server(
-                cfg, target_path, log_path,
-                ["--speculative-config", json.dumps(spec)] if spec is not None else []))
-        except ServerError as exc:
-            what = "vLLM refused the drafter" if run["method"] == "eagle3" else "vLLM did not start"
-            raise EvaluationError(f"{name}: {what}.\n{exc}") from None
-        for concurrency in ev["concurrency"]:
-            for set_name, prompts in prompt_sets.items():
-                if progress is not None:
-                    progress.enter_phase(f"{name} in vLLM: {set_name} at concurrency "
-                                         f"{concurrency}")
-                # the chat template renders prompts as it did for the training data
-                level = _measure(server.url, level_prompts(prompts, concurrency, ev["rounds"]),
-                                 ev, concurrency,
-                                 cfg.get("generate", {}).get("chat_template_kwargs"))
-                levels.append({"set": set_name, **level,
-                               **acceptance(level["_delta"], run.get("k"))})
+        urls = {run["name"]: _start(stack, served, target_path, run, server_log(log_dir, run))
+                for run in runs}
+        return measure_runs(cfg, urls, runs, prompt_sets, log_dir, progress)
+
+
+def measure_runs(cfg: dict, urls: dict[str, str], runs: list[dict],
+                 prompt_sets: dict[str, list[dict]], log_dir: str,
+                 progress: Progress | None = None) -> list[dict]:
+    """Every prompt set at every concurrency of the sweep through each run's server (``urls``
+    by run name); the measurements per level and in all.
+
+    One run: each level sent at once. Several: each level sent round by round
+    (``concurrency`` prompts a round) to every server in turn, the first server of each round
+    rotating: a machine whose speed drifts while they run slows every run alike, so their
+    speedups compare like with like."""
+    ev = cfg["evaluate"]
+    template_kwargs = cfg.get("generate", {}).get("chat_template_kwargs")
+    names = " and ".join(run["name"] for run in runs)
+    levels: dict[str, list[dict]] = {run["name"]: [] for run in runs}
+    for concurrency in ev["concurrency"]:
+        for set_name, prompts in prompt_sets.items():
+            if progress is not None:
+                progress.enter_phase(f"{names} in vLLM: {set_name} at concurrency {concurrency}")
+            sent = level_prompts(prompts, concurrency, ev["rounds"])
+            rounds = ([sent[i:i + concurrency] for i in range(0, len(sent), concurrency)]
+                      if len(runs) > 1 else [sent])
+            parts: dict[str, list[dict]] = {name: [] for name in levels}
+            for r, chunk in enumerate(rounds):
+                order = list(levels)[r % len(levels):] + list(levels)[:r % len(levels)]
+                for name in order:
+                    # the chat template renders prompts as it did for the training data
+                    parts[name].append(_measure(urls[name], chunk, ev, concurrency,
+                                                template_kwargs))
+            for run in runs:
+                level = _merge(parts[run["name"]])
+                levels[run["name"]].append({"set": set_name, **level,
+                                            **acceptance(level["_delta"], run.get("k"))})
+    return [_run_result(run, levels[run["name"]], prompt_sets, server_log(log_dir, run))
+            for run in runs]
+
+
+def _run_result(run: dict, levels: list[dict], prompt_sets: dict, log_path: str) -> dict:
+    name, spec = run["name"], speculative_config(run)
     total = _sum_deltas([lv["_delta"] for lv in levels])
     result = {"name": name, "method": run["method"], "k": run.get("k"),
               "schedule": bool(run.get("schedule")), "speculative_config": spec, "levels": levels,
@@ -245,14 +305,16 @@ def engine_run(cfg: dict, target_path: str, run: dict, prompt_sets: dict[str, li
     return result
 
 
-def add_speedups(runs: list[dict], concurrencies: list[int]) -> None:
+def add_speedups(runs: list[dict], concurrencies: list[int], base: dict | None = None) -> None:
     """Speedup of every level over the baseline's same set and concurrency, and per
-    concurrency over all sets together (tokens over wall time, pooled)."""
-    base = {(lv["set"], lv["concurrency"]): lv for lv in runs[0]["levels"]}
-    base_pooled = _pooled(runs[0], concurrencies)
+    concurrency over all sets together (tokens over wall time, pooled). ``base``: the
+    baseline measured beside these runs (default: the first run)."""
+    base = base or runs[0]
+    ref_levels = {(lv["set"], lv["concurrency"]): lv for lv in base["levels"]}
+    base_pooled = _pooled(base, concurrencies)
     for run in runs:
         for lv in run["levels"]:
-            ref = base[(lv["set"], lv["concurrency"])]
+            ref = ref_levels[(lv["set"], lv["concurrency"])]
             lv["speedup"] = lv["output_tokens_per_s"] / ref["output_tokens_per_s"]
             lv["latency_ratio"] = lv["mean_latency_s"] / ref["mean_latency_s"]
         run["by_concurrency"] = [
@@ -495,23 +557,44 @@ def run_stage(cfg: dict, target_json: str, drafter_dir: str, prompts_path: str,
     plan, replays = run_plan(ev, drafter_dir)
     progress = Progress("evaluate", total=len(plan) + replays, path=progress_path,
                         log_path=log_path, unit="runs", interval_s=0.0)
-    runs = []
-
-    def serve(run: dict) -> None:
-        runs.append(engine_run(cfg, target["path"], run, prompt_sets,
-                               f"{log_dir}/evaluate.{run['name']}.server.log", progress))
-        progress.advance(done=1, tokens=runs[-1]["output_tokens"])
-
-    for run in plan:
-        serve(run)
     concurrencies = ev["concurrency"]
-    add_speedups(runs, concurrencies)
-    choice = best_k_by_concurrency(runs, concurrencies)
-    extra = schedule_run(choice, drafter_dir) if ev["schedule"] else None
-    if extra is not None:
-        progress.total += 1
-        serve(extra)
+
+    def advanced(measured: list[dict]) -> list[dict]:
+        progress.advance(done=len(measured), tokens=sum(r["output_tokens"] for r in measured))
+        return measured
+
+    with contextlib.ExitStack() as baseline:
+        if ev["interleave"]:
+            # every run's server side by side; the target alone's stays up for the schedule
+            served = side_by_side(cfg, len(plan))
+            urls = {plan[0]["name"]: _start(baseline, served, target["path"], plan[0],
+                                            server_log(log_dir, plan[0]))}
+            with contextlib.ExitStack() as others:
+                urls.update({run["name"]: _start(others, served, target["path"], run,
+                                                 server_log(log_dir, run)) for run in plan[1:]})
+                runs = advanced(measure_runs(cfg, urls, plan, prompt_sets, log_dir, progress))
+        else:
+            runs = [advanced(engine_runs(cfg, target["path"], [run], prompt_sets, log_dir,
+                                         progress))[0] for run in plan]
         add_speedups(runs, concurrencies)
+        choice = best_k_by_concurrency(runs, concurrencies)
+        extra = schedule_run(choice, drafter_dir) if ev["schedule"] else None
+        if extra is not None:
+            progress.total += 1
+            if ev["interleave"]:
+                # measured beside the target alone once more, like the sweep
+                with contextlib.ExitStack() as check:
+                    urls[extra["name"]] = _start(check, served, target["path"], extra,
+                                                 server_log(log_dir, extra))
+                    base, checked = measure_runs(cfg, urls, [plan[0], extra], prompt_sets,
+                                                 log_dir, progress)
+                progress.advance(done=1, tokens=checked["output_tokens"])
+            else:
+                base, = runs[:1]
+                checked, = advanced(engine_runs(cfg, target["path"], [extra], prompt_sets,
+                                                log_dir, progress))
+            add_speedups([checked], concurrencies, base)
+            runs.append(checked)
     rates.record("evaluate", target["spec"],
                  baseline_tokens_per_s=_pooled(runs[0], concurrencies)[concurrencies[0]])
     mismatched = _greedy_divergence(runs)

@@ -499,7 +499,9 @@ class Evaluate(Stage):
             per_run += requests * ev["max_tokens"] * COMPLETION_FILL_GUESS / (rate * scale)
         # the derived k schedule gets a run of its own unless it is one fixed k (with several
         # concurrency levels it mostly is not): counted, or the last minutes read near zero
-        runs = len(plan) + (1 if ev["schedule"] and len(ev["concurrency"]) > 1 else 0)
+        # (interleaved, it is measured beside the target alone once more: two runs)
+        runs = len(plan) + ((2 if ev["interleave"] else 1)
+                            if ev["schedule"] and len(ev["concurrency"]) > 1 else 0)
         return Estimate((runs + OFFLINE_REPLAY_SHARE * replays) * per_run,
                         f"{runs} vLLM runs x {len(sizes)} prompt sets at concurrency "
                         f"{ev['concurrency']} ({basis})" + (f", {replays} offline replays"
