@@ -9,7 +9,9 @@ run itself measured (``synthetic/stats.json``, ``progress/extract_*.json``).
 A variant is ``{"name": ..., "shards": N, "train": {...}}``: the first N training shards (each
 a contiguous block of samples: 1 of 4 is a quarter of the prompts) and train settings over
 the run's own; ``{"name": ..., "from_run": true}`` reads the run's own training instead of
-training it again. Run, after a workflow run has written its shards:
+training it again; ``"other": true`` adds every training shard of the run given with
+``--other-results`` (e.g. one trained on recorded answers, ``answers: dataset``), scored on
+the first run's held-out split. Run, after a workflow run has written its shards:
 
     .venv/bin/python benchmarks/recipe.py --results results --variants benchmarks/recipe_demo.json
 
@@ -43,9 +45,9 @@ def data_cost_s(results: Path, shards: int, total_shards: int) -> dict:
         progress = results / "progress" / f"extract_{i:05d}.json"
         if progress.exists():
             extract_s += read_json(progress)["elapsed_s"]
-    one_job = results / "progress" / "extract_vllm.json"  # the vllm backend: one job, all shards
-    if one_job.exists():
-        extract_s += read_json(one_job)["elapsed_s"] * share
+    for one_job in ("extract_vllm.json", "extract_all.json"):  # one job wrote every shard
+        if (results / "progress" / one_job).exists():
+            extract_s += read_json(results / "progress" / one_job)["elapsed_s"] * share
     return {"generate_s": generate_s, "extract_s": extract_s}
 
 
@@ -56,12 +58,25 @@ def _last_rows(training_log: Path) -> dict:
             for split in ("train", "eval")}
 
 
-def run_variant(results: Path, variant: dict, base_train: dict, out_root: Path) -> dict:
+def training_shards(results: Path) -> list[str]:
+    return sorted(glob.glob(str(results / "hidden" / "shard_*.safetensors")))
+
+
+def run_variant(results: Path, variant: dict, base_train: dict, out_root: Path,
+                other: Path | None = None) -> dict:
     """Train the variant (or, with ``from_run``, read the run's own training: its recipe
-    trained once already) and measure what it cost."""
-    shards = sorted(glob.glob(str(results / "hidden" / "shard_*.safetensors")))
+    trained once already) and measure what it cost. ``"other": true``: every training shard
+    of the ``other`` run as well (its data charged at that run's own rates), held out and
+    scored on this run's split and vocabulary."""
+    shards = training_shards(results)
     eval_shards = sorted(glob.glob(str(results / "hidden" / "eval" / "shard_*.safetensors")))
     used = shards[:variant.get("shards", len(shards))]
+    extra = []
+    if variant.get("other"):
+        if other is None:
+            raise SystemExit(f"variant {variant['name']!r} trains on another run's shards too: "
+                             f"give that run with --other-results")
+        extra = training_shards(other)
     if variant.get("from_run"):
         progress = read_json(results / "progress" / "train.json")
         metrics = {**_last_rows(results / "drafter" / "training_log.csv"),
@@ -71,14 +86,19 @@ def run_variant(results: Path, variant: dict, base_train: dict, out_root: Path) 
         cfg = {**base_train, **variant.get("train", {}), "resume": False}
         run_dir = out_root / variant["name"].replace(" ", "_").replace(",", "")
         start = time.perf_counter()
-        metrics = train(cfg, used, eval_shards, str(results / "vocab" / "vocab_map.safetensors"),
+        metrics = train(cfg, used + extra, eval_shards,
+                        str(results / "vocab" / "vocab_map.safetensors"),
                         str(results / "target"), str(run_dir / "drafter"),
                         str(run_dir / "checkpoints"), None, None)
         train_s = time.perf_counter() - start
     cost = data_cost_s(results, len(used), len(shards))
+    if extra:
+        more = data_cost_s(other, len(extra), len(extra))
+        cost = {key: cost[key] + more[key] for key in cost}
     held_out = metrics["eval"]
     total_s = train_s + cost["generate_s"] + cost["extract_s"]
-    return {"name": variant["name"], "shards": f"{len(used)}/{len(shards)}",
+    return {"name": variant["name"],
+            "shards": f"{len(used)}/{len(shards)}" + (f" + {len(extra)} other" if extra else ""),
             "train": variant.get("train", {}), "steps": metrics["steps"],
             "train_min": train_s / 60, "data_min": (cost["generate_s"] + cost["extract_s"]) / 60,
             "total_min": total_s / 60,
@@ -113,6 +133,8 @@ def main() -> None:
     parser.add_argument("--variants", required=True, help="JSON file: a list of variants")
     parser.add_argument("--only", nargs="*", help="run just these variant names")
     parser.add_argument("--out", default=str(OUT / "recipe"), help="run directories")
+    parser.add_argument("--other-results", help="a second finished run whose training shards "
+                        "variants with \"other\": true add")
     args = parser.parse_args()
     results = Path(args.results)
     run_cfg = validate(read_json(results / "run" / "config.json"))
@@ -122,7 +144,8 @@ def main() -> None:
     for variant in json.loads(Path(args.variants).read_text()):
         if args.only and variant["name"] not in args.only:
             continue
-        row = run_variant(results, variant, base_train, Path(args.out))
+        row = run_variant(results, variant, base_train, Path(args.out),
+                          Path(args.other_results) if args.other_results else None)
         print(json.dumps(row))
         rows = [r for r in rows if r["name"] != row["name"]] + [row]
         write_json(table_path, rows)

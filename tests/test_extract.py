@@ -800,3 +800,21 @@ def test_a_sharded_target_writes_the_same_shard(tiny, greedy, greedy_shard, tmp_
     assert sharded.device == sharded.model.get_input_embeddings().weight.device
     meta, _ = extract(sharded, greedy, tmp_path)  # as the greedy_shard fixture, same name
     assert meta["sha256"] == greedy_shard.meta["sha256"]
+
+
+def test_recorded_answers_are_left_out_of_the_greedy_check_and_reported(target, greedy, tmp_path):
+    """answers: dataset: another writer's answers disagree with the target's argmax; the greedy
+    check covers the target's own answers, the recorded ones are reported apart."""
+    recorded = [{**r, "model": "dataset", "sampling": None}
+                for r in random_records(n=2, seed=7)]
+    meta, _ = extract(target, greedy[:4] + recorded, tmp_path)
+    assert meta["greedy"] is True and meta["recorded_answers"] == 2
+    assert meta["teacher"]["agreement"] == 1.0
+    assert meta["teacher"]["positions"] == sum(len(r["completion_token_ids"])
+                                               for r in greedy[:4])
+    other = meta["teacher"]["recorded_answers"]
+    assert other["positions"] == sum(len(r["completion_token_ids"]) for r in recorded)
+    assert other["agreement"] < 0.5 and other["mean_logprob"] < -3
+    # a shard of recorded answers alone: nothing to enforce
+    meta, _ = extract(target, recorded, tmp_path / "alone")
+    assert meta["greedy"] is False and meta["teacher"]["agreement"] is None

@@ -360,3 +360,52 @@ def test_answers_made_with_other_settings_are_asked_again(server, tmp_path):
     assert sum(ScriptedChat.calls.values()) == 9
     generate(prompts(3), settings(server, system_prompt="Be brief."), partial)
     assert sum(ScriptedChat.calls.values()) == 12
+
+
+# -- answers: dataset -------------------------------------------------------------------------
+
+def test_recorded_answers_become_samples_without_asking_any_server(tmp_path):
+    """Every training prompt has a recorded answer: the stage renders each through the chat
+    template as the server would, ends it at the end-of-turn id, cuts it at max_tokens, and
+    passes the template check, with no server at all (server.url points nowhere)."""
+    from eaglet.config import validate
+    from eaglet.generate import run_stage
+    from eaglet.io import read_json, read_jsonl, write_json, write_jsonl
+    from tests.test_template_check import PLAIN_TEMPLATE, make_tokenizer
+
+    tokenizer = make_tokenizer(PLAIN_TEMPLATE)
+    tokenizer.save_pretrained(tmp_path / "target")
+    write_json(tmp_path / "target.json", {"path": str(tmp_path / "target"), "spec": "t"})
+    answers = ["Four.", "x" * 50]
+    write_jsonl(tmp_path / "train.jsonl", [{**p, "answer": a} for p, a in zip(prompts(2), answers)])
+    cfg = validate({"server": {"url": "http://127.0.0.1:9"},
+                    "generate": {"max_tokens": 20, "system_prompt": "Be brief."}})
+    run_stage(cfg, str(tmp_path / "target.json"), {"train": str(tmp_path / "train.jsonl")},
+              {"train": str(tmp_path / "out.jsonl")}, str(tmp_path / "stats.json"),
+              str(tmp_path / "partial.jsonl"), None, None, str(tmp_path / "server.log"))
+    short, cut = read_jsonl(tmp_path / "out.jsonl")
+    messages = [{"role": "system", "content": "Be brief."}, *prompts(1)[0]["messages"]]
+    assert short["messages"] == messages and short["model"] == "dataset"
+    assert short["prompt_token_ids"] == tokenizer.apply_chat_template(
+        messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    # the answer's ids and the end-of-turn id, not the newline the template renders after it
+    assert short["completion_token_ids"] == tokenizer.encode("Four.", add_special_tokens=False) + [end]
+    assert short["finish_reason"] == "stop" and short["content"] == "Four."
+    assert cut["completion_token_ids"] == tokenizer.encode("x" * 20, add_special_tokens=False)
+    assert cut["finish_reason"] == "length"
+    stats = read_json(tmp_path / "stats.json")
+    assert stats["dataset_answers"] == 2 and stats["template_check"]["mismatched"] == 0
+    assert stats["splits"]["train"]["truncated"] == 1
+
+
+def test_a_template_that_renders_answers_apart_from_the_prompt_is_refused():
+    from eaglet.generate import dataset_record
+    from tests.test_template_check import PLAIN_TEMPLATE, make_tokenizer
+
+    # the generation prompt opens a "bot" turn, an answer renders as an "assistant" one
+    tokenizer = make_tokenizer(PLAIN_TEMPLATE.replace("<|im_start|>assistant\n{% endif %}",
+                                                      "<|im_start|>bot\n{% endif %}"))
+    gen = {"chat_template_kwargs": None, "system_prompt": None, "max_tokens": 8}
+    with pytest.raises(RuntimeError, match="use answers: target"):
+        dataset_record({**prompts(1)[0], "answer": "A"}, tokenizer, gen, {0})

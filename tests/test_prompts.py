@@ -525,3 +525,43 @@ def test_prompts_longer_than_max_prompt_chars_are_bad_rows(tmp_path):
         "row": 2, "reason": "prompt of 500 characters is longer than max_prompt_chars=100"}
     everything, _ = load_source(source(type="file", path=str(path), text_field="text"))
     assert len(everything) == 3
+
+
+# -- answers: dataset -------------------------------------------------------------------------
+
+def test_recorded_answers_are_kept_for_training_prompts_only(tmp_path):
+    rows = [{"conversations": [{"from": "human", "value": f"Q{i}"},
+                               {"from": "gpt", "value": f"A{i}"},
+                               {"from": "human", "value": "later turns are not kept"}]}
+            for i in range(40)]
+    rows += [{"conversations": [{"from": "human", "value": "asked, never answered"}]},
+             {"conversations": [{"from": "human", "value": "Q"}, {"from": "gpt", "value": " "}]}]
+    path = write_jsonl_lines(tmp_path / "sg.jsonl", rows)
+    recorded = data_config({"type": "sharegpt", "path": str(path), "answers": "dataset"},
+                           eval_fraction=0.2)
+    records, report = load_source(recorded["sources"][0])
+    assert [(r["messages"], r["answer"]) for r in records[:2]] == [(user("Q0"), "A0"),
+                                                                   (user("Q1"), "A1")]
+    assert all("followups" not in r for r in records)
+    # an answer is part of the row: a row without one is bad, not a prompt to generate for
+    assert [(e["row"], e["reason"].split(" (")[0]) for e in report["bad_examples"]] == [
+        (41, "no recorded answer right after the first user message"),
+        (42, "message 1 content is empty")]
+    # the same prompt ids (and so the same split) as without answers
+    asked = load_source(source(type="sharegpt", path=str(path)))[0]
+    assert [r["id"] for r in records] == [r["id"] for r in asked[:40]]
+    train, held_out, stats = run_prepare(tmp_path, recorded)
+    assert held_out and all("answer" not in p for p in held_out)  # the target answers these
+    assert all(p["answer"] == "A" + p["messages"][0]["content"][1:] for p in train)
+    assert stats["n_train_recorded_answers"] == len(train)
+
+
+@pytest.mark.parametrize("bad, why", [
+    ({"type": "file", "text_field": "text"}, "needs recorded answers"),
+    ({"type": "humaneval"}, "needs recorded answers"),
+    ({"type": "sharegpt", "max_turns": 2}, "set max_turns: 1"),
+])
+def test_answers_dataset_needs_a_source_that_records_one_answer(tmp_path, bad, why):
+    path = write_jsonl_lines(tmp_path / "x.jsonl", [{"text": "q"}])
+    with pytest.raises(PromptSourceError, match=why):
+        load_source(source(**bad, path=str(path), answers="dataset"))

@@ -187,3 +187,18 @@ def test_build_vocab_map_without_completion_tokens_raises(tmp_path):
         build_vocab_map([record(0, [1, 2, 3], [])], 10, 4, tmp_path / "v.safetensors",
                         tmp_path / "s.json")
     assert not (tmp_path / "v.safetensors").exists()
+
+
+def test_the_targets_own_tokens_come_before_recorded_answers(tmp_path):
+    """answers: dataset: a token the target emitted once ranks above one a recorded answer
+    holds a hundred times; recorded tokens fill only what the target's leave free."""
+    from eaglet.vocab import build_vocab_map, load_vocab_map
+
+    target = [{"completion_token_ids": [5, 5, 6]}]
+    recorded = [{"model": "dataset", "completion_token_ids": [9] * 100 + [8] * 50 + [7]}]
+    stats = build_vocab_map(target + recorded, 16, 3, tmp_path / "v.safetensors",
+                            tmp_path / "v.json")
+    _, t2d = load_vocab_map(tmp_path / "v.safetensors")
+    assert t2d.nonzero().squeeze(1).tolist() == [5, 6, 9]
+    assert stats["target_coverage"] == 1.0 and stats["target_tokens"] == 3
+    assert stats["completion_tokens"] == 154

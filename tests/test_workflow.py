@@ -86,18 +86,21 @@ def test_generate_is_interrupted_and_resumes_without_regenerating(results, tmp_p
             wait_for(progress_file.exists, 600, "the generate stage to start", proc)
             prompts = (read_jsonl(results / "prompts" / "train.jsonl")
                        + read_jsonl(results / "prompts" / "eval.jsonl"))
+            # the ShareGPT source trains on its recorded answers: the target answers the rest
+            asked = [p for p in prompts if "answer" not in p]
+            assert 0 < len(asked) < len(prompts)
             mid = status(results)
             assert mid["prepare_prompts"]["state"] == "completed"
             assert mid["generate"]["state"] == "running"
             running = mid["generate"]["progress"][0]
-            assert running["total"] == len(prompts) and running["pid"] > 0
+            assert running["total"] == len(asked) and running["pid"] > 0
             if running["phase"] is None:  # the dry run outlasted the server's start
                 assert "server ready" in (results / "logs" / "generate.log").read_text()
             else:
                 assert running["phase"] == "starting the vLLM server" and running["done"] == 0
             wait_for(lambda: len(partial_lines(partial)) >= 1, 600, "the first sample", proc,
                      poll_s=0.1)
-            assert len(partial_lines(partial)) < len(prompts), "finished before the interrupt"
+            assert len(partial_lines(partial)) < len(asked), "finished before the interrupt"
             os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
             proc.wait(timeout=120)
         finally:
@@ -114,7 +117,7 @@ def test_generate_is_interrupted_and_resumes_without_regenerating(results, tmp_p
     assert status(results)["generate"]["state"] == "interrupted"
 
     before = {r["id"]: r for r in partial_lines(partial) if "error" not in r}
-    assert 1 <= len(before) < len(prompts)
+    assert 1 <= len(before) < len(asked)
 
     workflow.run(results, "synthetic/train.jsonl")
     train = read_jsonl(results / "synthetic" / "train.jsonl")
@@ -128,7 +131,7 @@ def test_generate_is_interrupted_and_resumes_without_regenerating(results, tmp_p
         if record["id"] in before:  # finished samples were kept, not regenerated
             assert record == before[record["id"]]
         assert record["completion_token_ids"] and record["prompt_token_ids"]
-    assert "resuming: %d of %d" % (len(before), len(prompts)) in (
+    assert "resuming: %d of %d" % (len(before), len(asked)) in (
         results / "logs" / "generate.log").read_text()
 
     stats = read_json(results / "synthetic" / "stats.json")
@@ -137,6 +140,9 @@ def test_generate_is_interrupted_and_resumes_without_regenerating(results, tmp_p
     assert stats["this_run"]["resumed_from"] == len(before)
     assert stats["template_check"]["mismatched"] == 0
     assert stats["template_check"]["checked"] == len(prompts)
+    recorded = [r for r in records if r["model"] == "dataset"]
+    assert stats["dataset_answers"] == len(recorded) == len(prompts) - len(asked)
+    assert {r["id"] for r in recorded} <= {r["id"] for r in train}  # held-out: the target's
     # greedy answers end with the end-of-turn token the template closes the turn with
     stopped = [r for r in records if r["finish_reason"] == "stop"]
     assert all(r["completion_token_ids"][-1] == 2 for r in stopped)

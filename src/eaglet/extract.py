@@ -28,6 +28,7 @@ import torch
 from eaglet import rates, shards
 from eaglet.io import read_json, read_jsonl, write_json
 from eaglet.progress import Progress
+from eaglet.prompts import recorded_answer
 
 log = logging.getLogger("eaglet.extract")
 
@@ -300,7 +301,21 @@ def _size(n: int) -> str:
 
 
 def is_greedy(records: list[dict]) -> bool:
-    return all((r.get("sampling") or {}).get("temperature", 0.0) == 0.0 for r in records)
+    """Whether the target answered these samples greedily (recorded answers aside; at least
+    one answered by the target): what the teacher check compares."""
+    generated = [r for r in records if not recorded_answer(r)]
+    return bool(generated) and all((r.get("sampling") or {}).get("temperature", 0.0) == 0.0
+                                   for r in generated)
+
+
+def generated_rows(records: list[dict], offsets: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` less those of samples with a recorded answer: the teacher check compares the
+    target with its own answers only (a recorded answer is another writer's)."""
+    keep = rows.clone()
+    for s, record in enumerate(records):
+        if recorded_answer(record):
+            keep[int(offsets[s]):int(offsets[s + 1])] = False
+    return keep
 
 
 class HostCopies:
@@ -460,7 +475,13 @@ def write_shard(target: Target, got: ShardStates, cfg: dict, aux_layer_ids: list
     teacher_argmax, next_logprob = teacher_from_stored(target, stored_final,
                                                        torch.roll(input_ids, -1), rows)
     del stored_final
-    check = agreement(records, input_ids, rows, offsets, teacher_argmax, next_logprob)
+    generated = generated_rows(records, offsets, rows)
+    check = agreement(records, input_ids, generated, offsets, teacher_argmax, next_logprob)
+    if any(map(recorded_answer, records)):  # how far the recorded answers are from the target
+        other = agreement(records, input_ids, rows & ~generated, offsets, teacher_argmax,
+                          next_logprob, worst=0)
+        check["recorded_answers"] = {k: other[k] for k in ("positions", "agreement",
+                                                           "mean_logprob")}
 
     written = shards.write(shard_path, input_ids, loss_mask, offsets, teacher_argmax, got.aux_rows,
                            final_all, sample_ids=[r["id"] for r in records],
@@ -474,6 +495,7 @@ def write_shard(target: Target, got: ShardStates, cfg: dict, aux_layer_ids: list
         "loss_tokens": int(loss_mask.sum()), "truncated": got.truncated, "dtype": cfg["dtype"],
         "aux_layer_ids": aux_layer_ids, "hidden_size": target.hidden_size, "target": identity,
         "greedy": is_greedy(records), "teacher": check, "backend": backend, "elapsed_s": elapsed,
+        "recorded_answers": sum(map(recorded_answer, records)),
         "tokens_per_s": input_ids.numel() / elapsed if elapsed else None,
     }
     write_json(meta_path, meta)
@@ -735,7 +757,9 @@ def summarize(entries: list[dict], expected: dict, ext: dict) -> dict:
         "truncated": sum(e["truncated"] for e in entries),
         "bytes": sum(e["bytes"] for e in entries),
         "bytes_per_token": sum(e["bytes"] for e in entries) / tokens if tokens else None,
-        "greedy": all(e["greedy"] for e in entries),
+        # shards of recorded answers alone (answers: dataset) hold no answer of the target's
+        "greedy": all(e["greedy"] for e in entries if e["teacher"]["positions"]),
+        "recorded_answers": sum(e.get("recorded_answers", 0) for e in entries),
         "teacher_agreement": weighted("agreement"), "teacher_mean_logprob": weighted("mean_logprob"),
         "shards": [{k: e[k] for k in ("file", "sha256", "bytes", "samples", "num_samples",
                                       "tokens", "loss_tokens", "truncated", "teacher",

@@ -25,6 +25,7 @@ from eaglet import rates
 from eaglet.io import (atomic_open, read_jsonl, request_path, write_json, write_jsonl,
                        writer_done)
 from eaglet.progress import Progress, now_iso
+from eaglet.prompts import RECORDED_ANSWER
 from eaglet.server import target_server
 from eaglet.target import read_target
 from eaglet.template_check import check_records, enforce
@@ -188,6 +189,70 @@ def too_long_check(tokenizer, max_model_len: int, template_kwargs: dict | None =
         return None
 
     return check
+
+
+# -- recorded answers (answers: dataset) -----------------------------------------------------
+
+def end_of_turn_ids(tokenizer, target_dir: str | os.PathLike) -> set[int]:
+    """Token ids the target stops at: its generation config's eos ids and the tokenizer's."""
+    ids = {tokenizer.eos_token_id} - {None}
+    config = Path(target_dir) / "generation_config.json"
+    if config.exists():
+        eos = json.loads(config.read_text()).get("eos_token_id")
+        ids |= set(eos if isinstance(eos, list) else [eos]) - {None}
+    return ids
+
+
+def dataset_record(prompt: dict, tokenizer, gen: dict, stop_ids: set[int]) -> dict:
+    """The training sample of a prompt whose recorded answer is the answer (``answers:
+    dataset``): prompt and answer rendered through the chat template as the server renders a
+    conversation, the answer's ids ending at the first end-of-turn id the template puts after
+    it (as a generated answer ends at the id the target stopped at), cut at
+    ``generate.max_tokens`` (finish_reason ``length``, like a generated answer)."""
+    from eaglet.template_check import render_ids
+
+    kwargs = gen["chat_template_kwargs"]
+    messages = build_messages(prompt, gen["system_prompt"])
+    prompt_ids = render_ids(tokenizer, messages, add_generation_prompt=True,
+                            template_kwargs=kwargs)
+    whole = render_ids(tokenizer, [*messages, {"role": "assistant", "content": prompt["answer"]}],
+                       add_generation_prompt=False, template_kwargs=kwargs)
+    if whole[:len(prompt_ids)] != prompt_ids:
+        raise RuntimeError(
+            f"{prompt['id']}: the chat template does not render a conversation with its answer "
+            f"as the prompt followed by the answer, so a recorded answer cannot be placed "
+            f"after the prompt the server would see: use answers: target for this target")
+    answer = whole[len(prompt_ids):]
+    stop = next((i for i, t in enumerate(answer) if t in stop_ids), None)
+    if stop is not None:
+        answer = answer[:stop + 1]
+    finish = "stop"
+    if len(answer) > gen["max_tokens"]:
+        answer, finish = answer[:gen["max_tokens"]], "length"
+    record = {"id": prompt["id"], "source": prompt.get("source"), "messages": messages,
+              "model": RECORDED_ANSWER, "sampling": None,
+              "content": tokenizer.decode([t for t in answer if t not in stop_ids],
+                                          skip_special_tokens=False),
+              "reasoning": None, "prompt_token_ids": prompt_ids,
+              "completion_token_ids": answer, "finish_reason": finish}
+    if kwargs:
+        record["chat_template_kwargs"] = dict(kwargs)
+    if gen["system_prompt"]:
+        record["system_prompt"] = gen["system_prompt"]
+    return record
+
+
+def dataset_records(prompts: list[dict], tokenizer, gen: dict, stop_ids: set[int],
+                    too_long) -> dict[str, dict]:
+    """The samples of every prompt with a recorded answer (too long ones recorded as skipped)."""
+    records = {}
+    for prompt in prompts:
+        reason = too_long(build_messages(prompt, gen["system_prompt"]))
+        records[prompt["id"]] = (
+            {"id": prompt["id"], "source": prompt.get("source"), "messages": prompt["messages"],
+             "skipped": reason} if reason
+            else dataset_record(prompt, tokenizer, gen, stop_ids))
+    return records
 
 
 # -- one request -----------------------------------------------------------------------------
@@ -541,14 +606,22 @@ def run_stage(cfg: dict[str, Any], target_json: str, prompts: dict[str, str],
     answer there, named by :func:`eaglet.io.request_path`, for the extraction stage to pack."""
     target = read_target(target_json)
     by_split = {split: read_jsonl(path) for split, path in prompts.items()}
-    everything = [p for split_prompts in by_split.values() for p in split_prompts]
+    gen = cfg["generate"]
+    tokenizer = AutoTokenizer.from_pretrained(target["path"])
+    too_long = too_long_check(tokenizer, cfg["target"]["max_model_len"],
+                              gen["chat_template_kwargs"])
+    # answers: dataset: the recorded answer is the sample (held-out prompts carry none)
+    recorded = dataset_records([p for ps in by_split.values() for p in ps if "answer" in p],
+                               tokenizer, gen, end_of_turn_ids(tokenizer, target["path"]),
+                               too_long)
+    everything = [p for split_prompts in by_split.values() for p in split_prompts
+                  if p["id"] not in recorded]
+    if recorded:
+        log.info("%d prompts answered by their recorded answers (answers: dataset), %d to ask "
+                 "the target", len(recorded), len(everything))
     requests = sum(len(turn_ids(p)) for p in everything)
     progress = Progress("generate", total=requests, path=progress_path, log_path=log_path)
     server_cfg = cfg["server"]
-    tokenizer = AutoTokenizer.from_pretrained(target["path"])
-    too_long = too_long_check(tokenizer, cfg["target"]["max_model_len"],
-                              cfg["generate"]["chat_template_kwargs"])
-    gen = cfg["generate"]
     records = drop_stale(read_partial(partial_path), answer_settings(
         Sampling.from_config(gen), gen["chat_template_kwargs"], capture_dir is not None,
         gen["system_prompt"]))
@@ -576,8 +649,9 @@ def run_stage(cfg: dict[str, Any], target_json: str, prompts: dict[str, str],
     if run["done"] > run["resumed_from"]:
         rates.record("generate", target["spec"], completion_tokens_per_s=run["tokens_per_s"])
 
+    records = {**records, **recorded}
     kept = {}
-    stats: dict[str, Any] = {"splits": {}}
+    stats: dict[str, Any] = {"splits": {}, "dataset_answers": len(recorded)}
     for split, split_prompts in by_split.items():
         kept[split], stats["splits"][split] = collect(split_prompts, records,
                                                       gen["keep_truncated"])

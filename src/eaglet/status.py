@@ -313,7 +313,9 @@ class Generate(Stage):
         n_train, n_eval = _prompt_counts(r)
         if n_train is None:
             return Estimate(None, "prompt count unknown until prepare_prompts runs")
-        remaining = n_train + n_eval - (progress or {}).get("done", 0)
+        # prompts with recorded answers (answers: dataset) are not asked
+        recorded = (_read(r / "prompts/stats.json") or {}).get("n_train_recorded_answers", 0)
+        remaining = n_train - recorded + n_eval - (progress or {}).get("done", 0)
         rate, basis = _rate("generate", "completion_tokens_per_s", target,
                             benchmark=lambda: _bench_generate(gen["concurrency"]))
         if rate is None:

@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file, save
 
 from eaglet.io import atomic_open, write_json
+from eaglet.prompts import recorded_answer
 
 log = logging.getLogger("eaglet.vocab")
 
@@ -65,16 +66,29 @@ def draft_to_target(d2t: torch.Tensor, draft_index: torch.Tensor) -> torch.Tenso
 
 def build_vocab_map(records: list[dict], vocab_size: int, draft_vocab_size: int,
                     out_path: str | os.PathLike, stats_path: str | os.PathLike) -> dict:
-    counts = count_completion_tokens(records)
-    total = sum(counts.values())
+    """The ``draft_vocab_size`` tokens the target emitted most often; where it emitted fewer
+    distinct ones, the most frequent of the recorded answers (``answers: dataset``) fill the
+    rest: the target's own choices come first, another writer's only after them."""
+    counts = count_completion_tokens(r for r in records if not recorded_answer(r))
+    recorded = count_completion_tokens(r for r in records if recorded_answer(r))
+    total = sum(counts.values()) + sum(recorded.values())
     if not total:
         raise ValueError("the synthetic data has no completion tokens to build a vocabulary from")
-    draft_ids, filled = choose_draft_tokens(counts, vocab_size, draft_vocab_size)
+    # any count of the target's beats every recorded one: ranked after all of the target's
+    top = max(recorded.values(), default=0) + 1
+    ranked = Counter({t: n * top for t, n in counts.items()})
+    for t, n in recorded.items():
+        ranked[t] += n
+    draft_ids, filled = choose_draft_tokens(ranked, vocab_size, draft_vocab_size)
     d2t, t2d = build_maps(draft_ids, vocab_size)
-    covered = sum(counts[t] for t in draft_ids)
+    both = counts + recorded
+    covered = sum(both[t] for t in draft_ids)
     stats = {"draft_vocab_size": draft_vocab_size, "target_vocab_size": vocab_size,
-             "distinct_completion_tokens": len(counts), "completion_tokens": total,
-             "coverage": covered / total, "filled": filled}
+             "distinct_completion_tokens": len(both), "completion_tokens": total,
+             "coverage": covered / total, "filled": filled,
+             "target_tokens": sum(counts.values()), "target_distinct": len(counts),
+             "target_coverage": (sum(counts[t] for t in draft_ids) / sum(counts.values())
+                                 if counts else None)}
     if filled:
         log.info("only %d distinct completion tokens for a draft vocabulary of %d: filled %d "
                  "slots with the lowest unused token ids", len(counts), draft_vocab_size, filled)
