@@ -270,7 +270,8 @@ def _measured(machine, monkeypatch, runs, interleave):
 
     monkeypatch.setattr(evaluate, "_start", machine.start)
     monkeypatch.setattr(evaluate, "_measure", machine.measure)
-    cfg = validate({"evaluate": {"concurrency": [1], "rounds": 6, "interleave": interleave},
+    cfg = validate({"evaluate": {"concurrency": [1], "rounds": 6, "interleave": interleave,
+                                 "memory_utilization": 0.1},
                     "server": {"memory_utilization": 0.3, "port": 8000}})
     prompt_sets = {"heldout": [{"id": f"p{i}", "messages": []} for i in range(6)]}
     groups = [runs] if interleave else [[r] for r in runs]
@@ -302,9 +303,9 @@ def test_interleaved_runs_see_the_same_drift_and_measure_the_true_speedup(monkey
     level = machine.runs[1]["levels"][0]
     assert level["requests"] == 6 and level["output_tokens"] == 60
     assert level["drafts"] == 24 and level["acceptance_length"] == pytest.approx(2.0)
-    # the servers share the machine: free ports and half the memory share each
+    # the servers share the machine: free ports, the evaluation's memory share each
     assert machine.started_with == [{**machine.started_with[0], "port": 0,
-                                     "memory_utilization": 0.15}] * 2
+                                     "memory_utilization": 0.1}] * 2
 
 
 def test_one_run_alone_sends_each_level_at_once_on_its_own_port(monkeypatch):
@@ -312,7 +313,7 @@ def test_one_run_alone_sends_each_level_at_once_on_its_own_port(monkeypatch):
     _measured(machine, monkeypatch, RUNS[:1], interleave=False)
     assert [c[1] for c in machine.calls] == [tuple(f"p{i}" for i in range(6))]
     assert machine.started_with[0]["port"] == 8000
-    assert machine.started_with[0]["memory_utilization"] == 0.3
+    assert machine.started_with[0]["memory_utilization"] == 0.1
 
 
 def test_the_schedule_is_checked_beside_the_target_alone_kept_up(monkeypatch, tmp_path):
@@ -339,7 +340,7 @@ def test_the_schedule_is_checked_beside_the_target_alone_kept_up(monkeypatch, tm
     monkeypatch.setattr(evaluate, "_measure", machine.measure)
     cfg = validate({"evaluate": {"concurrency": [1, 16], "rounds": 2, "interleave": True,
                                  "offline": False},
-                    "server": {"memory_utilization": 0.3}})
+                    "server": {"memory_utilization": 0.3, "port": 8000}})
     write_json(tmp_path / "target.json", {"path": "target", "spec": "t"})
     (tmp_path / "eval.jsonl").write_text("".join(
         f'{{"id": "p{i}", "messages": [{{"role": "user", "content": "q{i}"}}]}}\n'
@@ -351,8 +352,8 @@ def test_the_schedule_is_checked_beside_the_target_alone_kept_up(monkeypatch, tm
     # the check's rounds alternate between the schedule and the target alone
     check = [url for url, _ in machine.calls if url in ("baseline", "eagle3_schedule")][-4:]
     assert sorted(check) == ["baseline", "baseline", "eagle3_schedule", "eagle3_schedule"]
-    # four servers up at once at most: each a quarter of the memory share
-    assert {s["memory_utilization"] for s in machine.started_with} == {0.1}
+    # evaluate.memory_utilization unset: the server's share; each on a free port
+    assert {(s["memory_utilization"], s["port"]) for s in machine.started_with} == {(0.3, 0)}
     serve = read_json(tmp_path / "serve.json")
     assert serve["checked_by"] == "eagle3_schedule"
     speedups = {e["concurrency"]: e["speedup"] for e in serve["by_concurrency"]}

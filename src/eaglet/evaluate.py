@@ -212,12 +212,14 @@ def _start(stack: contextlib.ExitStack, cfg: dict, target_path: str, run: dict,
     return server.url
 
 
-def side_by_side(cfg: dict, count: int) -> dict:
-    """The config the ``count`` servers of one interleaved measurement start from: each on a
-    free port, with an equal part of ``server.memory_utilization`` (they share the device)."""
-    server = dict(cfg["server"], port=0)
-    if server["memory_utilization"] is not None:
-        server["memory_utilization"] = round(server["memory_utilization"] / count, 4)
+def serving(cfg: dict, side_by_side: bool = False) -> dict:
+    """The config evaluation servers start from: ``evaluate.memory_utilization`` (when set)
+    in place of the server's share, each on a free port when several are up at once."""
+    server = dict(cfg["server"])
+    if cfg["evaluate"].get("memory_utilization") is not None:
+        server["memory_utilization"] = cfg["evaluate"]["memory_utilization"]
+    if side_by_side:
+        server["port"] = 0
     return {**cfg, "server": server}
 
 
@@ -239,8 +241,8 @@ def engine_runs(cfg: dict, target_path: str, runs: list[dict], prompt_sets: dict
                 log_dir: str, progress: Progress | None = None) -> list[dict]:
     """Serve each of ``runs`` with its speculation and send every prompt set at every
     concurrency of the sweep through that one server (:func:`measure_runs`; several runs:
-    their servers side by side, :func:`side_by_side`)."""
-    served = side_by_side(cfg, len(runs)) if len(runs) > 1 else cfg
+    their servers side by side)."""
+    served = serving(cfg, side_by_side=len(runs) > 1)
     with contextlib.ExitStack() as stack:
         urls = {run["name"]: _start(stack, served, target_path, run, server_log(log_dir, run))
                 for run in runs}
@@ -566,7 +568,7 @@ def run_stage(cfg: dict, target_json: str, drafter_dir: str, prompts_path: str,
     with contextlib.ExitStack() as baseline:
         if ev["interleave"]:
             # every run's server side by side; the target alone's stays up for the schedule
-            served = side_by_side(cfg, len(plan))
+            served = serving(cfg, side_by_side=True)
             urls = {plan[0]["name"]: _start(baseline, served, target["path"], plan[0],
                                             server_log(log_dir, plan[0]))}
             with contextlib.ExitStack() as others:
