@@ -288,6 +288,25 @@ def test_mismatched_shards_are_refused(world, tmp_path, change, message):
               str(tmp_path / "out"), str(tmp_path / "ckpt"), None, None)
 
 
+def test_shards_of_one_model_from_two_runs_train_together(world, tmp_path):
+    """Two runs' copies of one target sit at different paths: the checkpoint's hashes say
+    they are one model; other hashes are refused."""
+    from eaglet.train_data import same_model
+
+    here = {"spec": "m", "path": "/runs/a/target", "source_sha256": "s", "config_sha256": "c"}
+    assert same_model(here, {**here, "path": "/runs/b/target"})
+    assert not same_model(here, {**here, "path": "/runs/b/target", "source_sha256": "t"})
+    assert not same_model({"name": "m"}, {"name": "other"})
+    from eaglet.target import model_identity
+
+    hashed = {"spec": "tiny", "source_sha256": "s",
+              "config_sha256": model_identity(Path(world["target"]))["config_sha256"]}
+    runs = [rewrite(world["train"][0], tmp_path / run / "shard_00000.safetensors",
+                    target={**hashed, "path": f"/runs/{run}/target"}) for run in ("a", "b")]
+    train(FAST, runs, [], world["vocab"], world["target"],
+          str(tmp_path / "out"), str(tmp_path / "ckpt"), None, None)
+
+
 def test_training_checks_disk_for_its_checkpoints_before_the_first_step(world, tmp_path, monkeypatch):
     import eaglet.train as train_mod
 

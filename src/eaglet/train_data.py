@@ -18,6 +18,7 @@ the draft vocabulary.
 from __future__ import annotations
 
 import math
+import operator
 import os
 import queue
 import random
@@ -134,6 +135,15 @@ def check_vocab_map(target_config: dict, d2t: torch.Tensor, t2d: torch.Tensor) -
                          f"t2d marks {int(t2d.sum())} target ids, or they disagree: {fix}")
 
 
+def same_model(a: dict, b: dict) -> bool:
+    """Whether two shards' targets are one model: by its checkpoint's hashes where both hold
+    them (two runs' copies of one model live at different paths), else field by field."""
+    hashes = ("source_sha256", "config_sha256")
+    if all(k in a and k in b for k in hashes):
+        return all(a[k] == b[k] for k in hashes)
+    return a == b
+
+
 def check_shards(infos: list[ShardInfo], target_config: dict, target_dir: str) -> None:
     """Refuse shards that disagree with each other or with the target."""
     first, identity = infos[0], None
@@ -142,8 +152,8 @@ def check_shards(infos: list[ShardInfo], target_config: dict, target_dir: str) -
             raise TrainError(f"{info.path} has hidden size {info.hidden_size} but the target has "
                              f"{target_config['hidden_size']}: it was extracted from another "
                              f"model; rerun extract")
-        for what in ("aux_layer_ids", "target"):
-            if getattr(info, what) != getattr(first, what):
+        for what, same in (("aux_layer_ids", operator.eq), ("target", same_model)):
+            if not same(getattr(info, what), getattr(first, what)):
                 raise TrainError(
                     f"{info.path} has {what} {getattr(info, what)} but {first.path} has "
                     f"{getattr(first, what)}: the shards come from different extract runs; "
