@@ -538,7 +538,14 @@ def estimate(stage: str, r: Path, cfg: dict, progress: dict | None) -> Estimate:
                         f"({done}/{total} done: its own rate is not settled)")
     if spec is None:
         return Estimate(None, "unknown stage")
-    return spec.estimate(r, cfg, progress)
+    planned = spec.estimate(r, cfg, progress)
+    if running and planned.seconds is not None:
+        # no rate of its own yet (nothing done: a server starting, an interleaved evaluation
+        # that finishes its runs together): the plan, less the time it has run
+        elapsed = progress.get("elapsed_s") or 0.0
+        return Estimate(max(planned.seconds - elapsed, 0.0),
+                        f"{planned.basis}, less the {format_duration(elapsed)} it has run")
+    return planned
 
 
 # -- gathering -------------------------------------------------------------------------------
