@@ -244,9 +244,10 @@ class DriftingMachine:
     def __init__(self, cost: dict[str, float]):
         self.cost, self.clock_s, self.calls = cost, 0.0, []
 
-    def start(self, stack, cfg, target_path, run, log_path):
-        self.started_with = getattr(self, "started_with", []) + [cfg["server"]]
-        return run["name"]
+    def start(self, cfg, target_path, placed, log_dir):
+        runs = [run for _, run in placed]
+        self.started_with = getattr(self, "started_with", []) + [cfg["server"]] * len(runs)
+        return {run["name"]: run["name"] for run in runs}
 
     def measure(self, url, prompts, ev, concurrency, template_kwargs=None):
         self.calls.append((url, tuple(p["id"] for p in prompts)))
@@ -331,9 +332,9 @@ def test_the_schedule_is_checked_beside_the_target_alone_kept_up(monkeypatch, tm
             self.cost = {name: costs[concurrency] for name, costs in per_token.items()}
             return super().measure(url, prompts, ev, concurrency, template_kwargs)
 
-        def start(self, stack, cfg, target_path, run, log_path):
-            self.started = getattr(self, "started", []) + [run["name"]]
-            return super().start(stack, cfg, target_path, run, log_path)
+        def start(self, cfg, target_path, placed, log_dir):
+            self.started = getattr(self, "started", []) + [[run["name"] for _, run in placed]]
+            return super().start(cfg, target_path, placed, log_dir)
 
     machine = Machine({})
     monkeypatch.setattr(evaluate, "_start", machine.start)
@@ -348,7 +349,8 @@ def test_the_schedule_is_checked_beside_the_target_alone_kept_up(monkeypatch, tm
     result = evaluate.run_stage(cfg, str(tmp_path / "target.json"), "drafter",
                                 str(tmp_path / "eval.jsonl"), str(tmp_path / "acceptance.json"),
                                 str(tmp_path), serve_path=str(tmp_path / "serve.json"))
-    assert machine.started == ["baseline", "ngram_k3", "eagle3_k3", "eagle3_schedule"]
+    # the sweep's servers start together; the schedule's beside the target alone's, kept up
+    assert machine.started == [["baseline", "ngram_k3", "eagle3_k3"], ["eagle3_schedule"]]
     # the check's rounds alternate between the schedule and the target alone
     check = [url for url, _ in machine.calls if url in ("baseline", "eagle3_schedule")][-4:]
     assert sorted(check) == ["baseline", "baseline", "eagle3_schedule", "eagle3_schedule"]
@@ -362,3 +364,40 @@ def test_the_schedule_is_checked_beside_the_target_alone_kept_up(monkeypatch, tm
     assert not serve["never_slower_than_target"]
     assert [r["name"] for r in result["runs"]] == ["baseline", "ngram_k3", "eagle3_k3",
                                                    "eagle3_schedule"]
+
+
+def test_a_drafter_vllm_refuses_is_named_and_every_server_started_with_it_stops(
+        monkeypatch, tmp_path):
+    """Side by side, the servers start together; the one that fails names its run, and the
+    others (one up already, one still starting) are stopped with it."""
+    import os
+    import re
+    from pathlib import Path
+
+    from eaglet import evaluate
+    from eaglet.config import validate
+    from eaglet.server import VLLMServer, pid_alive
+
+    behaviour = {"baseline": ["--ready-after", "0.5"],
+                 "eagle3_k3": ["--ready-after", "1000", "--crash-after", "0.3"],
+                 "ngram_k3": ["--ready-after", "0.5"]}
+    repo = str(Path(__file__).resolve().parents[1])
+
+    def health_server(cfg, model, log_path, extra_args=()):
+        name = Path(log_path).name.split(".")[1]  # evaluate.<run>.server.log
+        return VLLMServer(model=model, log_path=log_path, args=behaviour[name],
+                          module="tests.helpers.health_server",
+                          env={**os.environ, "PYTHONPATH": repo},
+                          startup_timeout_s=10, shutdown_grace_s=0.5)
+
+    monkeypatch.setattr(evaluate, "target_server", health_server)
+    cfg = validate({"evaluate": {"concurrency": [1], "interleave": True}})
+    runs = [{"name": "baseline", "method": "baseline"},
+            {"name": "eagle3_k3", "method": "eagle3", "k": 3, "drafter": "drafter"},
+            {"name": "ngram_k3", "method": "ngram", "k": 3}]
+    with pytest.raises(evaluate.EvaluationError, match="eagle3_k3: vLLM refused the drafter"):
+        evaluate.engine_runs(cfg, "target", runs, {"heldout": []}, str(tmp_path))
+    for run in runs:
+        text = Path(evaluate.server_log(str(tmp_path), run)).read_text()
+        pid = int(re.search(r"health server pid (\d+)", text).group(1))
+        assert not pid_alive(pid), run["name"]

@@ -7,6 +7,7 @@ told to become ready late, crash, ignore SIGTERM or leave a grandchild in its pr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -31,6 +32,7 @@ from eaglet.server import (
     free_port,
     port_is_free,
     server_args,
+    start_together,
     target_server,
 )
 
@@ -270,6 +272,40 @@ def test_check_alive_raises_after_the_server_died(make_server):
     message = str(info.value)
     assert "died (exit code 3)" in message
     assert "boom: simulated crash" in message
+
+
+# -- several servers side by side ------------------------------------------------------------
+
+def test_servers_started_together_start_up_at_once_on_ports_of_their_own(make_server, tmp_path):
+    servers = [make_server("--ready-after", "1.5", log_path=tmp_path / f"s{i}.log")
+               for i in range(3)]
+    with contextlib.ExitStack() as first, contextlib.ExitStack() as rest:
+        start_together([(first, servers[0]), (rest, servers[1]), (rest, servers[2])])
+        assert all(server.healthy() for server in servers)
+        assert len({server.port for server in servers}) == 3
+        # the first took its 1.5 s; the others started up meanwhile (one after another,
+        # each would have waited 1.5 s of its own)
+        assert servers[0].ready_after_s >= 1.5
+        assert max(server.ready_after_s for server in servers[1:]) < 1.0
+        pids = [server.proc.pid for server in servers]
+    for server, pid in zip(servers, pids):
+        assert server.proc is None
+        assert_stopped(pid, server.port)
+
+
+def test_a_server_that_fails_to_start_stops_those_started_with_it(make_server, tmp_path):
+    servers = [make_server("--ready-after", "0.5", log_path=tmp_path / "ok.log"),
+               make_server("--ready-after", "1000", "--crash-after", "0.2",
+                           log_path=tmp_path / "crash.log"),
+               make_server("--ready-after", "0.5", log_path=tmp_path / "waiting.log")]
+    with pytest.raises(ServerError, match="exited with code 3"):
+        with contextlib.ExitStack() as stack:
+            start_together([(stack, server) for server in servers])
+    # the one that was up was stopped by its stack, the one not yet waited for right away
+    assert [server.ready_after_s is not None for server in servers] == [True, False, False]
+    for name, server in zip(("ok", "crash", "waiting"), servers):
+        assert server.proc is None
+        assert not pid_alive(logged_server_pid(tmp_path / f"{name}.log"))
 
 
 # -- signals to the process that owns the server ---------------------------------------------

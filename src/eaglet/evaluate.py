@@ -31,7 +31,7 @@ import httpx
 from eaglet import rates
 from eaglet.io import read_jsonl, write_json
 from eaglet.progress import Progress
-from eaglet.server import ServerError, target_server
+from eaglet.server import ServerError, start_together, target_server
 
 log = logging.getLogger("eaglet.evaluate")
 
@@ -197,19 +197,27 @@ def _sum_deltas(deltas: list[dict]) -> dict:
                                  if i < len(d["per_position"])) for i in range(width)]}
 
 
-def _start(stack: contextlib.ExitStack, cfg: dict, target_path: str, run: dict,
-           log_path: str) -> str:
-    """Start ``run``'s vLLM server inside ``stack``; its base URL."""
-    spec = speculative_config(run)
-    log.info("%s: starting vLLM (%s)", run["name"], json.dumps(spec) if spec else "no speculation")
+def _start(cfg: dict, target_path: str, placed: list[tuple[contextlib.ExitStack, dict]],
+           log_dir: str) -> dict[str, str]:
+    """Start the servers of the runs in ``placed`` at once, each inside the stack beside it
+    (:func:`eaglet.server.start_together`); their base URLs by run name."""
+    servers = []
+    for stack, run in placed:
+        spec = speculative_config(run)
+        log.info("%s: starting vLLM (%s)", run["name"],
+                 json.dumps(spec) if spec else "no speculation")
+        servers.append((stack, target_server(
+            cfg, target_path, server_log(log_dir, run),
+            ["--speculative-config", json.dumps(spec)] if spec is not None else [])))
     try:
-        server = stack.enter_context(target_server(
-            cfg, target_path, log_path,
-            ["--speculative-config", json.dumps(spec)] if spec is not None else []))
+        start_together(servers)
     except ServerError as exc:
+        # waited for in order: the first without a ready time is the one that failed
+        run = next(run for (_, run), (_, server) in zip(placed, servers)
+                   if server.ready_after_s is None)
         what = "vLLM refused the drafter" if run["method"] == "eagle3" else "vLLM did not start"
         raise EvaluationError(f"{run['name']}: {what}.\n{exc}") from None
-    return server.url
+    return {run["name"]: server.url for (_, run), (_, server) in zip(placed, servers)}
 
 
 def serving(cfg: dict, side_by_side: bool = False) -> dict:
@@ -244,8 +252,7 @@ def engine_runs(cfg: dict, target_path: str, runs: list[dict], prompt_sets: dict
     their servers side by side)."""
     served = serving(cfg, side_by_side=len(runs) > 1)
     with contextlib.ExitStack() as stack:
-        urls = {run["name"]: _start(stack, served, target_path, run, server_log(log_dir, run))
-                for run in runs}
+        urls = _start(served, target_path, [(stack, run) for run in runs], log_dir)
         return measure_runs(cfg, urls, runs, prompt_sets, log_dir, progress)
 
 
@@ -569,11 +576,9 @@ def run_stage(cfg: dict, target_json: str, drafter_dir: str, prompts_path: str,
         if ev["interleave"]:
             # every run's server side by side; the target alone's stays up for the schedule
             served = serving(cfg, side_by_side=True)
-            urls = {plan[0]["name"]: _start(baseline, served, target["path"], plan[0],
-                                            server_log(log_dir, plan[0]))}
             with contextlib.ExitStack() as others:
-                urls.update({run["name"]: _start(others, served, target["path"], run,
-                                                 server_log(log_dir, run)) for run in plan[1:]})
+                urls = _start(served, target["path"], [(baseline, plan[0])]
+                              + [(others, run) for run in plan[1:]], log_dir)
                 runs = advanced(measure_runs(cfg, urls, plan, prompt_sets, log_dir, progress))
         else:
             runs = [advanced(engine_runs(cfg, target["path"], [run], prompt_sets, log_dir,
@@ -586,8 +591,7 @@ def run_stage(cfg: dict, target_json: str, drafter_dir: str, prompts_path: str,
             if ev["interleave"]:
                 # measured beside the target alone once more, like the sweep
                 with contextlib.ExitStack() as check:
-                    urls[extra["name"]] = _start(check, served, target["path"], extra,
-                                                 server_log(log_dir, extra))
+                    urls.update(_start(served, target["path"], [(check, extra)], log_dir))
                     base, checked = measure_runs(cfg, urls, [plan[0], extra], prompt_sets,
                                                  log_dir, progress)
                 progress.advance(done=1, tokens=checked["output_tokens"])

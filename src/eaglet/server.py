@@ -9,6 +9,7 @@ period, and checks that the port is free again.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -19,6 +20,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,10 +51,14 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
     return True
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+def free_port(host: str = "127.0.0.1", taken: Collection[int] = ()) -> int:
+    """A port nothing listens on, and not one of ``taken``."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            port = sock.getsockname()[1]
+        if port not in taken:
+            return port
 
 
 def log_tail(path: str | os.PathLike, lines: int = 40) -> str:
@@ -105,8 +111,17 @@ class VLLMServer:
     # -- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> None:
+        """Launch the server (unless :meth:`launch` did) and wait until it is ready."""
+        if self.proc is None:
+            self.launch()
+        self._wait_ready()
+
+    def launch(self, taken: Collection[int] = ()) -> None:
+        """Start the server process without waiting for it to be ready; with ``port=0``,
+        a free port not among ``taken`` (the ports of servers launched just before, which
+        may not listen yet)."""
         if self.port == 0:
-            self.port = free_port(self.host)
+            self.port = free_port(self.host, taken)
         elif not port_is_free(self.port, self.host):
             raise PortInUseError(
                 f"port {self.port} on {self.host} is already in use (another server, or one left "
@@ -125,7 +140,6 @@ class VLLMServer:
                 start_new_session=True, preexec_fn=_die_with_parent, env=env)
         finally:
             log_file.close()
-        self._wait_ready()
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
@@ -210,6 +224,27 @@ class VLLMServer:
             self.stop()
         finally:
             _restore_handlers(self._previous)
+
+
+def start_together(placed: list[tuple[contextlib.ExitStack, VLLMServer]]) -> None:
+    """Start several servers at once, each entered into the stack beside it (stopped when
+    that stack closes): every process is launched first, each on its own port, so that their
+    start-ups overlap (on a CPU host most of a start is one core's work), then each is waited
+    for in turn. When one fails to start, those launched but not yet in their stack are
+    stopped before the error goes on."""
+    entered = 0
+    try:
+        taken: set[int] = set()
+        for _, server in placed:
+            server.launch(taken)
+            taken.add(server.port)
+        for stack, server in placed:
+            stack.enter_context(server)
+            entered += 1
+    except BaseException:
+        for _, server in placed[entered:]:
+            server.stop()
+        raise
 
 
 def _signal_group(pgid: int, sig: int) -> None:
