@@ -38,6 +38,7 @@ class ScriptedChat(BaseHTTPRequestHandler):
     calls: Counter = Counter()
     conversations: list[list[dict]] = []  # the messages of every request, in arrival order
     transfer: dict[str, dict | None] = {}  # prompt text -> the request's kv_transfer_params
+    prefills: list[list[int]] = []  # the token ids of every prefill request
     template_kwargs: dict[str, dict | None] = {}  # prompt text -> its chat_template_kwargs
 
     def log_message(self, *args):  # keep pytest output clean
@@ -56,6 +57,8 @@ class ScriptedChat(BaseHTTPRequestHandler):
 
     def do_POST(self):
         request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path == "/v1/completions":  # a prefill request (token ids, one new token)
+            return self._prefill(request)
         text = request["messages"][-1]["content"]
         ScriptedChat.calls[text] += 1
         ScriptedChat.conversations.append(request["messages"])
@@ -77,6 +80,15 @@ class ScriptedChat(BaseHTTPRequestHandler):
                          "finish_reason": "stop"}],
             "usage": {"prompt_tokens": 3, "completion_tokens": 5},
         })
+
+    def _prefill(self, request):
+        ScriptedChat.prefills.append(request["prompt"])
+        path = Path(request["kv_transfer_params"]["hidden_states_path"])
+        if request["prompt"][0] == 666:  # a server without the capture options
+            return self._send(200, {"choices": [{"text": "x"}]})
+        threading.Timer(0.3, lambda: path.write_bytes(b"states")).start()
+        self._send(200, {"choices": [{"text": "x"}],
+                         "kv_transfer_params": {"hidden_states_path": str(path)}})
 
 
 @pytest.fixture
@@ -330,6 +342,31 @@ def test_capture_asks_for_each_answers_states_at_the_path_extraction_reads(serve
     ScriptedChat.transfer = {}
     generate(prompts(2), settings(server), tmp_path / "q.jsonl")
     assert ScriptedChat.transfer == {"question 0": None, "question 1": None}
+
+
+def test_recorded_answers_are_prefilled_on_the_capturing_server(server, tmp_path):
+    """With capture on, the recorded answers (answers: dataset), which are never generated,
+    get their states from the generation server too: one prefill request of the whole
+    sample each, the files where extraction looks; those saved already are not sent again,
+    and a server that saves nothing leaves them to extraction instead of failing."""
+    from eaglet.config import validate
+    from eaglet.generate import prefill_recorded
+
+    cfg = validate({})
+    capture = tmp_path / "requests"
+    capture.mkdir()
+    recorded = [{"id": f"r{i}", "prompt_token_ids": [1, 2, i], "completion_token_ids": [7, i, 2]}
+                for i in range(3)]
+    request_path(capture, "r0").write_bytes(b"saved before")
+    ScriptedChat.prefills = []
+    assert prefill_recorded(server, recorded, str(capture), cfg) == 2
+    assert sorted(ScriptedChat.prefills) == [[1, 2, 1, 7, 1, 2], [1, 2, 2, 7, 2, 2]]
+    assert all(request_path(capture, r["id"]).exists() for r in recorded)
+    assert request_path(capture, "r0").read_bytes() == b"saved before"
+
+    uncaptured = [{"id": "u", "prompt_token_ids": [666], "completion_token_ids": [2]}]
+    assert prefill_recorded(server, uncaptured, str(capture), cfg) == 0
+    assert not request_path(capture, "u").exists()
 
 
 def test_template_variables_go_with_every_request_and_stay_in_every_record(server, tmp_path):

@@ -235,6 +235,17 @@ def test_the_generate_estimate_is_server_start_plus_the_samples_left_at_the_reco
     # 10 samples done by an interrupted run: only the other 30 remain
     later = status.estimate("generate", r, cfg, {"state": "interrupted", "done": 10})
     assert later.seconds == pytest.approx(20.0 + 30 * guess / 50.0)
+    # 12 training prompts keep their recorded answers (answers: dataset): not asked; with
+    # capture on, the same server prefills them for their states, at the prefill rate
+    stats = json.loads((r / "prompts" / "stats.json").read_text())
+    (r / "prompts" / "stats.json").write_text(json.dumps({**stats, "n_train_recorded_answers": 12}))
+    assert status.estimate("generate", r, cfg, None).seconds == pytest.approx(
+        20.0 + 28 * guess / 50.0)
+    cfg["generate"]["capture_hidden_states"] = True
+    rates.record("extract_vllm", target, tokens_per_s=400.0)
+    got = status.estimate("generate", r, cfg, None)
+    assert got.seconds == pytest.approx(20.0 + 28 * guess / 50.0 + 12 * guess / 400.0)
+    assert "12 recorded answers prefilled at 400 tok/s" in got.basis
 
 
 def test_the_extract_estimate_counts_the_tokens_of_the_shards_not_yet_written(tmp_path, history):

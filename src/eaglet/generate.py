@@ -492,6 +492,47 @@ async def generate_async(prompts: list[dict], settings: GenerationSettings,
     return done
 
 
+def prefill_recorded(url: str, records: list[dict], capture_dir: str, cfg: dict) -> int:
+    """generate.capture_hidden_states with recorded answers (``answers: dataset``): each
+    recorded sample whose states are not saved yet goes to the capturing server as one
+    prefill request, so that extraction packs them with the generated ones instead of
+    loading the target a second time. Returns how many were saved; a failure leaves the rest
+    to extraction (with a warning), it does not fail generation."""
+    from eaglet.extract_vllm import ExtractionError, prefill  # torch-heavy, needed only here
+
+    todo = [r for r in records if not request_path(capture_dir, r["id"]).exists()]
+    gen, concurrency = cfg["generate"], cfg["extract"]["concurrency"]
+    saved = 0
+
+    async def send() -> None:
+        gate = asyncio.Semaphore(concurrency)
+        limits = httpx.Limits(max_connections=concurrency)
+        async with httpx.AsyncClient(base_url=url, limits=limits) as client:
+
+            async def one(record: dict) -> None:
+                nonlocal saved
+                path = request_path(capture_dir, record["id"])
+                async with gate:
+                    await prefill(client, record["prompt_token_ids"]
+                                  + record["completion_token_ids"], path,
+                                  gen["request_timeout_s"], gen["max_retries"])
+                # the connector writes after answering: wait until the file is whole
+                written = await asyncio.to_thread(wait_for_saved, path)
+                saved += written
+
+            await gather_or_cancel(one(r) for r in todo)
+
+    if todo:
+        log.info("prefilling %d recorded answers on the capturing server (%d saved before)",
+                 len(todo), len(records) - len(todo))
+        try:
+            asyncio.run(send())
+        except ExtractionError as exc:
+            log.warning("prefilling the recorded answers failed (%s): %d of %d saved, "
+                        "extraction will compute the rest", exc, saved, len(todo))
+    return saved
+
+
 SAVE_WAIT_S = 60
 
 
@@ -644,6 +685,11 @@ def run_stage(cfg: dict[str, Any], target_json: str, prompts: dict[str, str],
                 settings.capture_dir = str(Path(capture_dir).resolve())
             records = generate(everything, settings, partial_path, progress,
                                health_check=server.check_alive, too_long=too_long)
+            if capture_dir and recorded:
+                progress.enter_phase(f"prefilling {len(recorded)} recorded answers for their "
+                                     f"hidden states")
+                prefill_recorded(server.url, list(recorded.values()), settings.capture_dir, cfg)
+                progress.enter_phase(None)
         rates.record("generate", target["spec"], server_start_s=server.ready_after_s)
     run = progress.report("finished")
     if run["done"] > run["resumed_from"]:

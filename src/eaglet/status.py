@@ -321,9 +321,14 @@ class Generate(Stage):
         if rate is None:
             return Estimate(None, basis)
         per_sample = gen["max_tokens"] * COMPLETION_FILL_GUESS
-        return Estimate(_server_start("generate", target) + remaining * per_sample / rate,
-                        f"{remaining} samples x ~{per_sample:.0f} "
-                        f"tokens at {rate:.0f} tok/s ({basis})")
+        seconds = _server_start("generate", target) + remaining * per_sample / rate
+        text = f"{remaining} samples x ~{per_sample:.0f} tokens at {rate:.0f} tok/s ({basis})"
+        prefill, _ = _rate("extract_vllm", "tokens_per_s", target)
+        if gen.get("capture_hidden_states") and recorded and prefill:
+            # the capturing server prefills the recorded answers for their states as well
+            seconds += recorded * per_sample / prefill
+            text += f", then {recorded} recorded answers prefilled at {prefill:.0f} tok/s"
+        return Estimate(seconds, text)
 
 
 class VocabMap(Stage):
