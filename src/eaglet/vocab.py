@@ -71,7 +71,8 @@ def build_vocab_map(records: list[dict], vocab_size: int, draft_vocab_size: int,
     rest: the target's own choices come first, another writer's only after them."""
     counts = count_completion_tokens(r for r in records if not recorded_answer(r))
     recorded = count_completion_tokens(r for r in records if recorded_answer(r))
-    total = sum(counts.values()) + sum(recorded.values())
+    both = counts + recorded
+    total = sum(both.values())
     if not total:
         raise ValueError("the synthetic data has no completion tokens to build a vocabulary from")
     # any count of the target's beats every recorded one: ranked after all of the target's
@@ -81,7 +82,6 @@ def build_vocab_map(records: list[dict], vocab_size: int, draft_vocab_size: int,
         ranked[t] += n
     draft_ids, filled = choose_draft_tokens(ranked, vocab_size, draft_vocab_size)
     d2t, t2d = build_maps(draft_ids, vocab_size)
-    both = counts + recorded
     covered = sum(both[t] for t in draft_ids)
     stats = {"draft_vocab_size": draft_vocab_size, "target_vocab_size": vocab_size,
              "distinct_completion_tokens": len(both), "completion_tokens": total,
@@ -91,9 +91,9 @@ def build_vocab_map(records: list[dict], vocab_size: int, draft_vocab_size: int,
                                  if counts else None)}
     if filled:
         log.info("only %d distinct completion tokens for a draft vocabulary of %d: filled %d "
-                 "slots with the lowest unused token ids", len(counts), draft_vocab_size, filled)
+                 "slots with the lowest unused token ids", len(both), draft_vocab_size, filled)
     log.info("draft vocabulary of %d covers %.2f%% of %d completion tokens (%d distinct)",
-             draft_vocab_size, 100 * stats["coverage"], total, len(counts))
+             draft_vocab_size, 100 * stats["coverage"], total, len(both))
     with atomic_open(out_path, "wb") as handle:
         handle.write(save({"d2t": d2t, "t2d": t2d},
                           metadata={"draft_vocab_size": str(draft_vocab_size),
