@@ -368,6 +368,33 @@ def test_evaluate_counts_the_run_that_checks_the_derived_schedule(tmp_path, hist
     assert f"{runs} vLLM runs" in status.estimate("evaluate", r, cfg, None).basis
 
 
+def test_interleaved_the_sweeps_servers_start_together_as_an_earlier_evaluation_measured(
+        tmp_path, history):
+    """Side by side, the sweep's servers start up together (the check's alone): before any
+    evaluation measured that, as long as one after another; then that evaluation's time for
+    as many servers, scaled to this sweep's count."""
+    r = tmp_path / "results"
+    _prompts(r, 30, 10)
+    cfg = _full_config(r)
+    target = cfg["target"]["model"]
+    rates.record("evaluate", target, baseline_tokens_per_s=20.0)
+    rates.record("generate", target, server_start_s=30.0)
+    cfg["evaluate"] = {**cfg["evaluate"], "interleave": True, "offline": False}
+    assert len(status.run_plan(cfg["evaluate"])[0]) == 3  # the target alone, ngram, k 3
+    unmeasured = status.estimate("evaluate", r, cfg, None).seconds
+    rates.record("evaluate", target, sweep_servers=3, sweep_start_s=45.0)
+    measured = status.estimate("evaluate", r, cfg, None).seconds
+    assert unmeasured - measured == pytest.approx(3 * 30.0 - 45.0)
+    cfg["evaluate"] = {**cfg["evaluate"], "num_speculative_tokens": [2, 3, 4]}  # five servers
+    five = status.estimate("evaluate", r, cfg, None).seconds
+    cfg["evaluate"] = {**cfg["evaluate"], "interleave": False}
+    one_by_one = status.estimate("evaluate", r, cfg, None).seconds
+    # one after another: five starts and the check's; together: 45 s x 5/3 and the check's,
+    # and the check is measured beside the target alone (one more measurement)
+    per_run = (measured - 45.0 - 30.0) / 5  # 3 sweep runs + the check and the target again
+    assert one_by_one - five == pytest.approx(6 * 30.0 - (75.0 + 30.0) - per_run)
+
+
 # -- the command line --------------------------------------------------------------------------
 
 REPO = Path(__file__).resolve().parents[1]

@@ -577,8 +577,12 @@ def run_stage(cfg: dict, target_json: str, drafter_dir: str, prompts_path: str,
             # every run's server side by side; the target alone's stays up for the schedule
             served = serving(cfg, side_by_side=True)
             with contextlib.ExitStack() as others:
+                started = time.monotonic()
                 urls = _start(served, target["path"], [(baseline, plan[0])]
                               + [(others, run) for run in plan[1:]], log_dir)
+                # for status: how long this many servers took to start up together here
+                rates.record("evaluate", target["spec"], sweep_servers=len(plan),
+                             sweep_start_s=time.monotonic() - started)
                 runs = advanced(measure_runs(cfg, urls, plan, prompt_sets, log_dir, progress))
         else:
             runs = [advanced(engine_runs(cfg, target["path"], [run], prompt_sets, log_dir,

@@ -495,7 +495,7 @@ class Evaluate(Stage):
                             benchmark=lambda: _bench_generate(first))
         if rate is None:
             return Estimate(None, basis)
-        per_run = _server_start("generate", target)
+        start, measure = _server_start("generate", target), 0.0
         base = _bench_generate(first)
         for c in ev["concurrency"]:
             # the rate was measured at the first concurrency; the benchmark's server rates
@@ -503,16 +503,32 @@ class Evaluate(Stage):
             at_c = _bench_generate(c)
             scale = at_c / base if at_c and base else 1.0
             requests = sum(len(level_prompts(range(n), c, ev["rounds"])) for n in sizes)
-            per_run += requests * ev["max_tokens"] * COMPLETION_FILL_GUESS / (rate * scale)
+            measure += requests * ev["max_tokens"] * COMPLETION_FILL_GUESS / (rate * scale)
         # the derived k schedule gets a run of its own unless it is one fixed k (with several
         # concurrency levels it mostly is not): counted, or the last minutes read near zero
         # (interleaved, it is measured beside the target alone once more: two runs)
-        runs = len(plan) + ((2 if ev["interleave"] else 1)
-                            if ev["schedule"] and len(ev["concurrency"]) > 1 else 0)
-        return Estimate((runs + OFFLINE_REPLAY_SHARE * replays) * per_run,
+        check = ev["schedule"] and len(ev["concurrency"]) > 1
+        runs = len(plan) + ((2 if ev["interleave"] else 1) if check else 0)
+        if ev["interleave"] and len(plan) > 1:
+            # the sweep's servers start up together; the check's one server on its own
+            starts = _together_start(target, len(plan), start) + (start if check else 0.0)
+        else:
+            starts = (runs - (1 if check and ev["interleave"] else 0)) * start
+        seconds = starts + runs * measure + OFFLINE_REPLAY_SHARE * replays * (start + measure)
+        return Estimate(seconds,
                         f"{runs} vLLM runs x {len(sizes)} prompt sets at concurrency "
                         f"{ev['concurrency']} ({basis})" + (f", {replays} offline replays"
                                                              if replays else ""))
+
+
+def _together_start(target: str, servers: int, start: float) -> float:
+    """Seconds for ``servers`` vLLM servers started together to be ready: an earlier
+    evaluation's measurement, scaled to this many (on a few CPU cores their start-ups share
+    the cores), else as long as one after another."""
+    entry = rates.lookup_entry("evaluate", "sweep_start_s", target)
+    if entry is None:
+        return servers * start
+    return float(entry["sweep_start_s"]) * servers / float(entry.get("sweep_servers") or servers)
 
 
 # The stages in the workflow's order. Status also reads a results dir without Snakemake
