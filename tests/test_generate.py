@@ -352,7 +352,8 @@ def test_recorded_answers_are_prefilled_on_the_capturing_server(server, tmp_path
     from eaglet.config import validate
     from eaglet.generate import prefill_recorded
 
-    cfg = validate({})
+    # the generate rule's config: generation's sections only (no extract.concurrency)
+    cfg = {"generate": validate({})["generate"]}
     capture = tmp_path / "requests"
     capture.mkdir()
     recorded = [{"id": f"r{i}", "prompt_token_ids": [1, 2, i], "completion_token_ids": [7, i, 2]}

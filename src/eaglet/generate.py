@@ -501,7 +501,8 @@ def prefill_recorded(url: str, records: list[dict], capture_dir: str, cfg: dict)
     from eaglet.extract_vllm import ExtractionError, prefill  # torch-heavy, needed only here
 
     todo = [r for r in records if not request_path(capture_dir, r["id"]).exists()]
-    gen, concurrency = cfg["generate"], cfg["extract"]["concurrency"]
+    gen = cfg["generate"]  # the stage's config holds generation's sections, not extract's
+    concurrency = gen["concurrency"]
     saved = 0
 
     async def send() -> None:
