@@ -364,6 +364,15 @@ def test_the_schedule_is_checked_beside_the_target_alone_kept_up(monkeypatch, tm
     assert not serve["never_slower_than_target"]
     assert [r["name"] for r in result["runs"]] == ["baseline", "ngram_k3", "eagle3_k3",
                                                    "eagle3_schedule"]
+    # its speedups are over the target alone measured beside it, kept with the run
+    checked = result["runs"][-1]
+    refs = {(lv["set"], lv["concurrency"]): lv for lv in checked["baseline_levels"]}
+    assert refs.keys() == {(lv["set"], lv["concurrency"]) for lv in checked["levels"]}
+    for lv in checked["levels"]:
+        ref = refs[(lv["set"], lv["concurrency"])]
+        assert lv["speedup"] == pytest.approx(
+            lv["output_tokens_per_s"] / ref["output_tokens_per_s"])
+    assert "baseline_levels" not in result["runs"][2]
 
 
 def test_a_drafter_vllm_refuses_is_named_and_every_server_started_with_it_stops(

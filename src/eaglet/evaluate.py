@@ -317,11 +317,19 @@ def _run_result(run: dict, levels: list[dict], prompt_sets: dict, log_path: str)
 def add_speedups(runs: list[dict], concurrencies: list[int], base: dict | None = None) -> None:
     """Speedup of every level over the baseline's same set and concurrency, and per
     concurrency over all sets together (tokens over wall time, pooled). ``base``: the
-    baseline measured beside these runs (default: the first run)."""
+    baseline measured beside these runs (default: the first run). A baseline other than the
+    first run is kept in each run (``baseline_levels``), so its speedups can be read back."""
+    kept = None
+    if base is not None:
+        kept = [{k: lv[k] for k in ("set", "concurrency", "output_tokens", "wall_s",
+                                    "output_tokens_per_s", "mean_latency_s")}
+                for lv in base["levels"]]
     base = base or runs[0]
     ref_levels = {(lv["set"], lv["concurrency"]): lv for lv in base["levels"]}
     base_pooled = _pooled(base, concurrencies)
     for run in runs:
+        if kept is not None:
+            run["baseline_levels"] = kept
         for lv in run["levels"]:
             ref = ref_levels[(lv["set"], lv["concurrency"])]
             lv["speedup"] = lv["output_tokens_per_s"] / ref["output_tokens_per_s"]
