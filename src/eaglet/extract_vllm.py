@@ -182,6 +182,26 @@ async def prefill(client: httpx.AsyncClient, ids: list[int], path: Path, timeout
         await asyncio.to_thread(_move_when_written, Path(saved), path)
 
 
+async def prefill_each(url: str, work: list[tuple[list[int], Path]], concurrency: int,
+                       timeout: float, max_retries: int, after, before=None) -> None:
+    """Send every ``(ids, path)`` of ``work`` as one prefill request to the capturing server
+    at ``url``, ``concurrency`` at a time; ``await after(i)`` once the i-th was answered
+    (outside the concurrency gate: reading a file does not hold a request slot back), and
+    ``before()`` ahead of each request. The first failure cancels the rest."""
+    gate = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, limits=limits) as client:
+
+        async def one(i: int, ids: list[int], path: Path) -> None:
+            async with gate:
+                if before is not None:
+                    before()
+                await prefill(client, ids, path, timeout, max_retries)
+            await after(i)
+
+        await gather_or_cancel(one(i, ids, path) for i, (ids, path) in enumerate(work))
+
+
 def _move_when_written(source: Path, dest: Path) -> None:
     writer_done(source)
     os.replace(source, dest)
@@ -257,26 +277,22 @@ class Extractor:
         return [r[0] for r in rows], [r[1] for r in rows]
 
     async def _send(self, missing, seqs, paths, rows, aux_layer_ids, progress) -> None:
-        ext, gen = self.cfg["extract"], self.cfg["generate"]
-        gate = asyncio.Semaphore(ext["concurrency"])
-        limits = httpx.Limits(max_connections=ext["concurrency"])
-        async with httpx.AsyncClient(base_url=self.server.url, limits=limits) as client:
+        gen = self.cfg["generate"]
 
-            async def one(i: int) -> None:
-                async with gate:
-                    self.server.check_alive()
-                    await prefill(client, seqs[i], paths[i], gen["request_timeout_s"],
-                                  gen["max_retries"])
-                saved = await asyncio.to_thread(read_request, paths[i], seqs[i])
-                if saved is None:
-                    raise ExtractionError(
-                        f"the server saved no states of {len(seqs[i])} tokens to {paths[i]}: "
-                        f"see the server log {self.server.log_path}")
-                rows[i] = split_states(saved, self.layer_ids, aux_layer_ids, self.norm)
-                if progress is not None:
-                    progress.advance(done=1, tokens=len(seqs[i]))
+        async def after(j: int) -> None:
+            i = missing[j]
+            saved = await asyncio.to_thread(read_request, paths[i], seqs[i])
+            if saved is None:
+                raise ExtractionError(
+                    f"the server saved no states of {len(seqs[i])} tokens to {paths[i]}: "
+                    f"see the server log {self.server.log_path}")
+            rows[i] = split_states(saved, self.layer_ids, aux_layer_ids, self.norm)
+            if progress is not None:
+                progress.advance(done=1, tokens=len(seqs[i]))
 
-            await gather_or_cancel(one(i) for i in missing)
+        await prefill_each(self.server.url, [(seqs[i], paths[i]) for i in missing],
+                           self.cfg["extract"]["concurrency"], gen["request_timeout_s"],
+                           gen["max_retries"], after, before=self.server.check_alive)
 
 
 def extract_shards(cfg: dict, info: dict, jobs: list[ShardJob], work_dir: Path,

@@ -498,39 +498,29 @@ def prefill_recorded(url: str, records: list[dict], capture_dir: str, cfg: dict)
     prefill request, so that extraction packs them with the generated ones instead of
     loading the target a second time. Returns how many were saved; a failure leaves the rest
     to extraction (with a warning), it does not fail generation."""
-    from eaglet.extract_vllm import ExtractionError, prefill  # torch-heavy, needed only here
+    from eaglet.extract_vllm import ExtractionError, prefill_each  # torch-heavy, only here
 
-    todo = [r for r in records if not request_path(capture_dir, r["id"]).exists()]
+    paths = [request_path(capture_dir, r["id"]) for r in records]
+    work = [(r["prompt_token_ids"] + r["completion_token_ids"], path)
+            for r, path in zip(records, paths) if not path.exists()]
     gen = cfg["generate"]  # the stage's config holds generation's sections, not extract's
-    concurrency = gen["concurrency"]
     saved = 0
 
-    async def send() -> None:
-        gate = asyncio.Semaphore(concurrency)
-        limits = httpx.Limits(max_connections=concurrency)
-        async with httpx.AsyncClient(base_url=url, limits=limits) as client:
+    async def after(i: int) -> None:
+        nonlocal saved
+        # the connector writes after answering: wait until the file is whole
+        written = await asyncio.to_thread(wait_for_saved, work[i][1])
+        saved += written
 
-            async def one(record: dict) -> None:
-                nonlocal saved
-                path = request_path(capture_dir, record["id"])
-                async with gate:
-                    await prefill(client, record["prompt_token_ids"]
-                                  + record["completion_token_ids"], path,
-                                  gen["request_timeout_s"], gen["max_retries"])
-                # the connector writes after answering: wait until the file is whole
-                written = await asyncio.to_thread(wait_for_saved, path)
-                saved += written
-
-            await gather_or_cancel(one(r) for r in todo)
-
-    if todo:
+    if work:
         log.info("prefilling %d recorded answers on the capturing server (%d saved before)",
-                 len(todo), len(records) - len(todo))
+                 len(work), len(records) - len(work))
         try:
-            asyncio.run(send())
+            asyncio.run(prefill_each(url, work, gen["concurrency"], gen["request_timeout_s"],
+                                     gen["max_retries"], after))
         except ExtractionError as exc:
             log.warning("prefilling the recorded answers failed (%s): %d of %d saved, "
-                        "extraction will compute the rest", exc, saved, len(todo))
+                        "extraction will compute the rest", exc, saved, len(work))
     return saved
 
 
