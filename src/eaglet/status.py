@@ -323,11 +323,12 @@ class Generate(Stage):
         per_sample = gen["max_tokens"] * COMPLETION_FILL_GUESS
         seconds = _server_start("generate", target) + remaining * per_sample / rate
         text = f"{remaining} samples x ~{per_sample:.0f} tokens at {rate:.0f} tok/s ({basis})"
-        prefill, _ = _rate("extract_vllm", "tokens_per_s", target)
-        if gen.get("capture_hidden_states") and recorded and prefill:
+        if gen.get("capture_hidden_states") and recorded:
             # the capturing server prefills the recorded answers for their states as well
-            seconds += recorded * per_sample / prefill
-            text += f", then {recorded} recorded answers prefilled at {prefill:.0f} tok/s"
+            prefill, _ = _rate("extract_vllm", "tokens_per_s", target)
+            if prefill:
+                seconds += recorded * per_sample / prefill
+                text += f", then {recorded} recorded answers prefilled at {prefill:.0f} tok/s"
         return Estimate(seconds, text)
 
 
@@ -509,11 +510,11 @@ class Evaluate(Stage):
         # (interleaved, it is measured beside the target alone once more: two runs)
         check = ev["schedule"] and len(ev["concurrency"]) > 1
         runs = len(plan) + ((2 if ev["interleave"] else 1) if check else 0)
-        if ev["interleave"] and len(plan) > 1:
+        if ev["interleave"]:
             # the sweep's servers start up together; the check's one server on its own
             starts = _together_start(target, len(plan), start) + (start if check else 0.0)
         else:
-            starts = (runs - (1 if check and ev["interleave"] else 0)) * start
+            starts = runs * start
         seconds = starts + runs * measure + OFFLINE_REPLAY_SHARE * replays * (start + measure)
         return Estimate(seconds,
                         f"{runs} vLLM runs x {len(sizes)} prompt sets at concurrency "
