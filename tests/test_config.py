@@ -51,7 +51,7 @@ def test_repo_configs_validate(path):
 def test_repo_config_values_survive_validation():
     cfg = load(str(REPO_ROOT / "config.yaml"))
 
-    assert cfg["server"]["memory_utilization"] == 0.25
+    assert cfg["server"]["kv_cache_gib"] == 2 and cfg["evaluate"]["kv_cache_gib"] == 0.5
     assert cfg["generate"]["max_tokens"] == 256  # not the schema's default of 512
 
 
@@ -151,6 +151,7 @@ def test_out_of_range_value_names_the_key_path():
 @pytest.mark.parametrize(("config", "path"), [
     ({"server": {"port": 70000}}, "server.port"),
     ({"server": {"memory_utilization": 0}}, "server.memory_utilization"),
+    ({"server": {"kv_cache_gib": 0}}, "server.kv_cache_gib"),
     ({"data": {"eval_fraction": 1}}, "data.eval_fraction"),
     ({"data": {"sources": []}}, "data.sources"),
 ])

@@ -272,8 +272,8 @@ def _measured(machine, monkeypatch, runs, interleave):
     monkeypatch.setattr(evaluate, "_start", machine.start)
     monkeypatch.setattr(evaluate, "_measure", machine.measure)
     cfg = validate({"evaluate": {"concurrency": [1], "rounds": 6, "interleave": interleave,
-                                 "memory_utilization": 0.1},
-                    "server": {"memory_utilization": 0.3, "port": 8000}})
+                                 "memory_utilization": 0.1, "kv_cache_gib": 0.25},
+                    "server": {"memory_utilization": 0.3, "kv_cache_gib": 2, "port": 8000}})
     prompt_sets = {"heldout": [{"id": f"p{i}", "messages": []} for i in range(6)]}
     groups = [runs] if interleave else [[r] for r in runs]
     measured = [m for group in groups
@@ -306,7 +306,7 @@ def test_interleaved_runs_see_the_same_drift_and_measure_the_true_speedup(monkey
     assert level["drafts"] == 24 and level["acceptance_length"] == pytest.approx(2.0)
     # the servers share the machine: free ports, the evaluation's memory share each
     assert machine.started_with == [{**machine.started_with[0], "port": 0,
-                                     "memory_utilization": 0.1}] * 2
+                                     "memory_utilization": 0.1, "kv_cache_gib": 0.25}] * 2
 
 
 def test_one_run_alone_sends_each_level_at_once_on_its_own_port(monkeypatch):
@@ -315,6 +315,7 @@ def test_one_run_alone_sends_each_level_at_once_on_its_own_port(monkeypatch):
     assert [c[1] for c in machine.calls] == [tuple(f"p{i}" for i in range(6))]
     assert machine.started_with[0]["port"] == 8000
     assert machine.started_with[0]["memory_utilization"] == 0.1
+    assert machine.started_with[0]["kv_cache_gib"] == 0.25
 
 
 def test_the_schedule_is_checked_beside_the_target_alone_kept_up(monkeypatch, tmp_path):
@@ -355,7 +356,8 @@ def test_the_schedule_is_checked_beside_the_target_alone_kept_up(monkeypatch, tm
     check = [url for url, _ in machine.calls if url in ("baseline", "eagle3_schedule")][-4:]
     assert sorted(check) == ["baseline", "baseline", "eagle3_schedule", "eagle3_schedule"]
     # evaluate.memory_utilization unset: the server's share; each on a free port
-    assert {(s["memory_utilization"], s["port"]) for s in machine.started_with} == {(0.3, 0)}
+    assert {(s["memory_utilization"], s["kv_cache_gib"], s["port"])
+            for s in machine.started_with} == {(0.3, None, 0)}
     serve = read_json(tmp_path / "serve.json")
     assert serve["checked_by"] == "eagle3_schedule"
     speedups = {e["concurrency"]: e["speedup"] for e in serve["by_concurrency"]}

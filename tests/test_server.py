@@ -173,6 +173,23 @@ def test_crash_before_ready_raises_with_exit_code_and_log_tail(make_server, log_
     assert str(log_path) in message
     assert server.proc is None
     assert not pid_alive(logged_server_pid(log_path))
+    assert "Fix:" not in message  # no advice for a failure it does not know
+
+
+def test_a_server_without_room_for_its_kv_cache_names_the_setting_that_fixes_it(make_server):
+    """vLLM's CPU engine sizes the KV cache as a share of the first NUMA node's RAM: where
+    that leaves nothing, the error says which eaglet setting gives it a size of its own."""
+    vllm_says = ("RuntimeError: Worker failed with error 'Available memory on node 0 "
+                 "(6.12/9.34 GiB) on kv cache allocation is less than requested memory for kv "
+                 "(-0.04/1.4 GiB). Reduce CPU memory used by other processes.'")
+    server = make_server("--ready-after", "1000", "--crash-after", "0.2",
+                         "--crash-message", vllm_says)
+    with pytest.raises(ServerError) as info:
+        with server:
+            pytest.fail("the with-block must not run when the server crashed")
+    message = str(info.value)
+    assert "Available memory on node 0" in message
+    assert "Fix: vLLM found no room for the KV cache: set server.kv_cache_gib" in message
 
 
 def test_start_timeout_raises_and_stops_the_group(make_server, log_path, child_pid_file):
@@ -381,7 +398,7 @@ def test_server_args_from_default_config():
 def test_server_args_with_every_option_set():
     cfg = validate({
         "target": {"dtype": "bfloat16", "max_model_len": 4096},
-        "server": {"tensor_parallel_size": 2, "memory_utilization": 0.4,
+        "server": {"tensor_parallel_size": 2, "memory_utilization": 0.4, "kv_cache_gib": 1.5,
                    "reasoning_parser": "qwen3", "extra_args": ["--max-num-seqs", "64"]},
     })
 
@@ -392,6 +409,7 @@ def test_server_args_with_every_option_set():
         "--tensor-parallel-size", "2",
         "--enforce-eager",
         "--gpu-memory-utilization", "0.4",
+        "--kv-cache-memory-bytes", str(3 * 2**29),
         "--reasoning-parser", "qwen3",
         "--max-num-seqs", "64",
     ]
@@ -437,3 +455,19 @@ def test_server_env_reaches_the_managed_server_over_the_workflows_own(monkeypatc
     assert server.env["EAGLET_TEST_OUTER"] == "kept"
     # no server.env: the server inherits the environment as it is when it starts
     assert target_server(validate({}), "/models/t", "server.log").env is None
+
+
+def test_a_fixed_kv_cache_on_gpus_is_warned_about(caplog):
+    """config.yaml's fixed KV cache is for the CPU demo: on GPUs it would cap the cache
+    whatever memory_utilization leaves free, so a GPU server with one says so."""
+    from eaglet.server import target_server
+
+    cfg = validate({"server": {"gpus": 1, "kv_cache_gib": 2}})
+    with caplog.at_level("WARNING", logger="eaglet.server"):
+        server = target_server(cfg, "m", "log")
+    assert "--kv-cache-memory-bytes" in server.args
+    assert "server.kv_cache_gib is 2 on a GPU server" in caplog.text
+    caplog.clear()
+    target_server(validate({"server": {"gpus": 0, "kv_cache_gib": 2}}), "m", "log")
+    target_server(validate({"server": {"gpus": 1}}), "m", "log")
+    assert caplog.text == ""

@@ -259,7 +259,7 @@ def test_trained_drafter_is_measured_in_vllm_and_reported(results, tmp_path):
     # how the server starts and stops changes no sample and no state: nothing reruns (the
     # params Snakemake recorded are checked, which a touched tree would not have)
     overlay = tmp_path / "server.yaml"
-    overlay.write_text("server:\n  startup_timeout_s: 7200\n  memory_utilization: 0.3\n")
+    overlay.write_text("server:\n  startup_timeout_s: 7200\n  kv_cache_gib: 1\n")
     proc = workflow.run(results, extra=("-n",), configs=(overlay,))
     assert "Nothing to be done" in proc.stdout + proc.stderr, proc.stdout[-3000:]
     # judged against the config the run recorded, nothing is outdated either

@@ -221,11 +221,13 @@ def _start(cfg: dict, target_path: str, placed: list[tuple[contextlib.ExitStack,
 
 
 def serving(cfg: dict, side_by_side: bool = False) -> dict:
-    """The config evaluation servers start from: ``evaluate.memory_utilization`` (when set)
-    in place of the server's share, each on a free port when several are up at once."""
+    """The config evaluation servers start from: ``evaluate.memory_utilization`` and
+    ``evaluate.kv_cache_gib`` (when set) in place of the server's, each on a free port when
+    several are up at once."""
     server = dict(cfg["server"])
-    if cfg["evaluate"].get("memory_utilization") is not None:
-        server["memory_utilization"] = cfg["evaluate"]["memory_utilization"]
+    for key in ("memory_utilization", "kv_cache_gib"):
+        if cfg["evaluate"].get(key) is not None:
+            server[key] = cfg["evaluate"][key]
     if side_by_side:
         server["port"] = 0
     return {**cfg, "server": server}

@@ -69,6 +69,27 @@ def log_tail(path: str | os.PathLike, lines: int = 40) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+# What a server log says, and the fix in eaglet's terms (vLLM's own advice names its flags)
+KNOWN_FAILURES = [
+    ("on kv cache allocation is less than requested memory",
+     "vLLM found no room for the KV cache: set server.kv_cache_gib (evaluate.kv_cache_gib for "
+     "the evaluation's servers) to a size that fits, e.g. 1; on the CPU engine "
+     "memory_utilization is a share of the first NUMA node's RAM, which may be far less than "
+     "the machine's"),
+    ("is less than desired CPU memory utilization",
+     "the NUMA node has less free RAM than server.memory_utilization asks for: set "
+     "server.kv_cache_gib (a size, not a share) or lower memory_utilization"),
+]
+
+
+def failure_advice(tail: str) -> str:
+    """The fix for a failure the log's tail shows, as a line to append (or nothing)."""
+    for marker, advice in KNOWN_FAILURES:
+        if marker in tail:
+            return f"\nFix: {advice}."
+    return ""
+
+
 def _die_with_parent() -> None:
     """In the child: get SIGTERM if eaglet itself is killed with SIGKILL (Linux only)."""
     try:
@@ -147,9 +168,10 @@ class VLLMServer:
         while True:
             code = self.proc.poll()
             if code is not None:
+                tail = log_tail(self.log_path)
                 raise ServerError(
                     f"the vLLM server exited with code {code} before it was ready.\n"
-                    f"--- last lines of {self.log_path} ---\n{log_tail(self.log_path)}")
+                    f"--- last lines of {self.log_path} ---\n{tail}{failure_advice(tail)}")
             if self.healthy():
                 self.ready_after_s = time.monotonic() - started
                 log.info("server ready at %s after %.0f s", self.url, self.ready_after_s)
@@ -342,6 +364,8 @@ def server_args(target: dict, server: dict, served_model_name: str) -> list[str]
         args.append("--trust-remote-code")
     if server["memory_utilization"] is not None:
         args += ["--gpu-memory-utilization", str(server["memory_utilization"])]
+    if server.get("kv_cache_gib") is not None:
+        args += ["--kv-cache-memory-bytes", str(int(server["kv_cache_gib"] * 2**30))]
     if server["reasoning_parser"]:
         args += ["--reasoning-parser", server["reasoning_parser"]]
     return args + list(server["extra_args"])
@@ -358,6 +382,11 @@ def target_server(cfg: dict, model: str, log_path: str | os.PathLike,
     ``target`` section) and ``server`` sections describe it, served as ``target``, plus
     ``extra_args``; use it with ``with``."""
     server = cfg["server"]
+    if server["gpus"] and server.get("kv_cache_gib") is not None:
+        log.warning("server.kv_cache_gib is %s on a GPU server: each GPU's KV cache is that "
+                    "size, whatever memory_utilization leaves free (config.yaml sets it for "
+                    "the CPU demo); set kv_cache_gib: null to let vLLM size it",
+                    server["kv_cache_gib"])
     return VLLMServer(model=model, log_path=log_path,
                       args=server_args(target or cfg["target"], server, "target")
                       + list(extra_args),

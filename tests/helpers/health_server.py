@@ -26,6 +26,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="seconds of 503 on /health before 200")
     parser.add_argument("--crash-after", type=float, default=None,
                         help="exit with code 3 after this many seconds")
+    parser.add_argument("--crash-message", default="boom: simulated crash",
+                        help="what the crash prints to stderr first")
     parser.add_argument("--ignore-sigterm", action="store_true")
     parser.add_argument("--spawn-child", action="store_true",
                         help="start `sleep 600` in this process group")
@@ -53,9 +55,9 @@ def make_handler(started: float, ready_after: float):
     return Handler
 
 
-def crash_later(seconds: float) -> None:
+def crash_later(seconds: float, message: str) -> None:
     def crash():
-        print("boom: simulated crash", file=sys.stderr, flush=True)
+        print(message, file=sys.stderr, flush=True)
         os._exit(3)
 
     timer = threading.Timer(seconds, crash)
@@ -80,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.spawn_child:
         spawn_child(args.child_pid_file)
     if args.crash_after is not None:
-        crash_later(args.crash_after)
+        crash_later(args.crash_after, args.crash_message)
     server = http.server.ThreadingHTTPServer(
         (args.host, args.port), make_handler(started, args.ready_after))
     print(f"health server for {args.model} listening on {args.host}:{args.port}", flush=True)
