@@ -160,14 +160,18 @@ def test_enter_returns_only_once_health_is_ok(make_server):
         assert http_status(server.url + "/health") == 200
 
 
-def test_crash_before_ready_raises_with_exit_code_and_log_tail(make_server, log_path):
-    server = make_server("--ready-after", "1000", "--crash-after", "0.2")
-
+def start_error(server: VLLMServer) -> str:
+    """The ServerError a server that crashes while starting raises."""
     with pytest.raises(ServerError) as info:
         with server:
             pytest.fail("the with-block must not run when the server crashed")
+    return str(info.value)
 
-    message = str(info.value)
+
+def test_crash_before_ready_raises_with_exit_code_and_log_tail(make_server, log_path):
+    server = make_server("--ready-after", "1000", "--crash-after", "0.2")
+
+    message = start_error(server)
     assert "exited with code 3 before it was ready" in message
     assert "boom: simulated crash" in message
     assert str(log_path) in message
@@ -182,12 +186,8 @@ def test_a_server_without_room_for_its_kv_cache_names_the_setting_that_fixes_it(
     vllm_says = ("RuntimeError: Worker failed with error 'Available memory on node 0 "
                  "(6.12/9.34 GiB) on kv cache allocation is less than requested memory for kv "
                  "(-0.04/1.4 GiB). Reduce CPU memory used by other processes.'")
-    server = make_server("--ready-after", "1000", "--crash-after", "0.2",
-                         "--crash-message", vllm_says)
-    with pytest.raises(ServerError) as info:
-        with server:
-            pytest.fail("the with-block must not run when the server crashed")
-    message = str(info.value)
+    message = start_error(make_server("--ready-after", "1000", "--crash-after", "0.2",
+                                      "--crash-message", vllm_says))
     assert "Available memory on node 0" in message
     assert "Fix: vLLM found no room for the KV cache: set server.kv_cache_gib" in message
 
