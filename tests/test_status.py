@@ -37,6 +37,23 @@ def test_rate_lookup_prefers_the_same_target(history):
     assert status._train_rate("nothing-recorded", 3)[0] == pytest.approx(900.0)  # same device
 
 
+def test_a_rate_of_no_work_is_not_recorded_and_an_old_one_is_ignored(history):
+    """A training resumed at its last step measured 0 tokens/s: recorded, every later
+    training estimate divided by it (ZeroDivisionError in every status)."""
+    rates.record("train", "embedded:m", tokens_per_s=0.0, ttt_steps=3)
+    recorded = [json.loads(line) for line in history.read_text().splitlines()]
+    assert recorded and not any("tokens_per_s" in entry for entry in recorded)
+    history.write_text(json.dumps({"stage": "train", "target": "embedded:m",
+                                   "device": rates.device_kind(), "tokens_per_s": 0.0,
+                                   "ttt_steps": 3}) + "\n")
+    assert status._train_rate("embedded:m", 3) == (None, "no rate measured yet")
+    rates.record("train", "embedded:m", tokens_per_s=300.0, ttt_steps=3)
+    history.write_text(history.read_text() + json.dumps(
+        {"stage": "train", "target": "embedded:m", "device": rates.device_kind(),
+         "tokens_per_s": -1, "ttt_steps": 3}) + "\n")
+    assert rates.lookup("train", "tokens_per_s", "embedded:m") == pytest.approx(300.0)
+
+
 def test_no_history_no_train_rate(history):
     assert status._train_rate("embedded:m", 3) == (None, "no rate measured yet")
 

@@ -207,6 +207,49 @@ def test_changed_settings_train_again_over_a_finished_training(world, tmp_path):
     assert json.loads((newest / "state.json").read_text())["fingerprint"]["train"]["lr"] == 1e-3
 
 
+def test_a_checkpoint_of_other_inputs_is_set_aside_never_resumed(world, tmp_path, caplog):
+    """The same settings, sample ids and shard names, but other inputs: other hidden states
+    (extraction rerun for other aux layers) or another vocabulary map. The finished run's
+    checkpoint was resumed at its last step and its drafter shipped as this one's; now it
+    is moved aside with one line saying which input differs, and training starts over."""
+    first = run(world, tmp_path, FAST)
+    ckpt = tmp_path / "run" / "ckpt"
+    trained = weights(tmp_path / "run" / "drafter")
+
+    # the same samples with other states: the shards rewritten from another target's layers
+    other = tmp_path / "other"
+    torch.manual_seed(5)
+    model = LlamaForCausalLM(LlamaForCausalLM.config_class.from_pretrained(world["target"]))
+    other_train = write_shards(model.eval(), other / "hidden", 2, 8, seed=1)
+    assert [Path(p).name for p in other_train] == [Path(p).name for p in world["train"]]
+    caplog.set_level("WARNING", logger="eaglet.train")
+    again = train(FAST, other_train, world["eval"], world["vocab"], world["target"],
+                  out_dir=str(tmp_path / "run" / "drafter"), checkpoint_dir=str(ckpt),
+                  progress_path=None, log_path=None)
+    assert again["resumed_from_step"] == 0 and again["steps"] == first["steps"]
+    assert "trained on other inputs (shards_sha256 differ)" in caplog.text
+    assert sorted(p.name for p in (ckpt / "set_aside").glob("step_*"))[-1] == \
+        f"step_{first['steps']:08d}"
+    retrained = weights(tmp_path / "run" / "drafter")
+    assert not torch.equal(retrained["fc.weight"], trained["fc.weight"])
+
+    # another vocabulary map over the same shards: not resumed either (it crashed on d2t)
+    caplog.clear()
+    vocab = tmp_path / "vocab_other.safetensors"
+    d2t_t2d = load_file(world["vocab"])
+    t2d = d2t_t2d["t2d"].clone()
+    dropped, added = int(t2d.nonzero()[-1]), int((~t2d).nonzero()[0])
+    t2d[dropped], t2d[added] = False, True
+    keep = t2d.nonzero()[:, 0]
+    with atomic_open(vocab, "wb") as handle:
+        handle.write(save({"d2t": keep - torch.arange(keep.numel()), "t2d": t2d}))
+    third = train(FAST, other_train, world["eval"], str(vocab), world["target"],
+                  out_dir=str(tmp_path / "run" / "drafter"), checkpoint_dir=str(ckpt),
+                  progress_path=None, log_path=None)
+    assert third["resumed_from_step"] == 0
+    assert "(vocab_map_sha256 differ)" in caplog.text
+
+
 def test_non_finite_loss_names_step_and_samples_and_keeps_the_checkpoint(world, tmp_path):
     bad = tmp_path / "bad"
     paths = []

@@ -29,10 +29,22 @@ def device_kind() -> str:
     return f"cpu:{platform.machine()}:{os.cpu_count()}"
 
 
+def _measured(value) -> bool:
+    """A rate or time that measured something: a number above zero (a stage that did no work
+    measures 0, which no estimate can divide by)."""
+    try:
+        return float(value) > 0
+    except (TypeError, ValueError):
+        return False
+
+
 def record(stage: str, target: str, **values: float | None) -> None:
-    """Append one measurement; never fails the stage that measured it."""
-    entry = {"stage": stage, "target": target, "device": device_kind(), "at": now_iso(),
-             **{k: v for k, v in values.items() if v is not None}}
+    """Append one measurement (values that measured nothing are left out); never fails the
+    stage that measured it."""
+    kept = {k: v for k, v in values.items() if _measured(v)}
+    if not kept:
+        return
+    entry = {"stage": stage, "target": target, "device": device_kind(), "at": now_iso(), **kept}
     try:
         path = history_path()
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -61,7 +73,7 @@ def lookup_entry(stage: str, key: str, target: str | None = None) -> dict | None
             entry = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if entry.get("stage") == stage and entry.get(key) is not None:
+        if entry.get("stage") == stage and _measured(entry.get(key)):
             entries.append(entry)
     here = device_kind()
     for match in (lambda e: e["target"] == target and e["device"] == here,

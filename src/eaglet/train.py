@@ -45,6 +45,7 @@ from eaglet.drafter import (DrafterConfig, Eagle3Drafter, init_from_target_layer
 from eaglet.export import export_drafter
 from eaglet.io import atomic_open, human_size, read_json, write_json
 from eaglet.progress import Progress
+from eaglet.shards import sha256_path
 from eaglet.target import (load_target_embedding, load_target_layer, load_target_lm_head,
                            read_target_config, text_config)
 from eaglet.tracking import Trackers
@@ -235,7 +236,7 @@ class Trainer:
             init_from_target_layer(model, load_target_layer(target_dir, last))
         group = dist_.world * cfg["grad_accum"]
         trainer = cls(cfg, model, teacher_head, train_data, eval_data, checkpoint_dir, device,
-                      dist_, ckpt.fingerprint(cfg, infos, group))
+                      dist_, ckpt.fingerprint(cfg, infos, group, sha256_path(vocab_map)))
         if dist_.rank == 0:
             log.info("drafter: %.1fM trainable parameters, draft vocab %d, aux layers %s, "
                      "%s attention, %d training samples in %d shards, %d held out, %d steps",
@@ -546,7 +547,7 @@ def train(cfg: dict, shard_paths: list[str], eval_shard_paths: list[str], vocab_
             export_drafter(trainer.model, out_dir, cfg["export_dtype"])
             write_csv(Path(out_dir) / "training_log.csv", trainer.rows, trainer.columns)
             run = progress.report("finished")
-            if rate_key is not None:
+            if rate_key is not None and trainer.step > first_step:  # a rate of work done
                 rates.record("train", rate_key, tokens_per_s=run["tokens_per_s"],
                              ttt_steps=cfg["ttt_steps"])
         if dist_.world > 1:

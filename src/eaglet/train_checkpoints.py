@@ -2,7 +2,9 @@
 the schedule, the RNG states and the data position, each directory built under a temporary
 name and renamed into place whole, so a crash leaves either the old or the new one. A rerun
 continues from the newest checkpoint of the same settings and data (its fingerprint) and ends
-with the weights an uninterrupted run would have.
+with the weights an uninterrupted run would have. Checkpoints trained on other inputs (other
+shard contents, aux layers or vocabulary map) are never resumed: they are moved aside to
+``checkpoint_dir/set_aside/`` with one line saying why.
 """
 
 from __future__ import annotations
@@ -54,12 +56,34 @@ def fingerprint_differences(was: dict, now: dict) -> list[str]:
                    if was.get(k) != now[k]]
 
 
-def fingerprint(cfg: dict, infos: list[ShardInfo], group: int) -> dict:
-    """What a checkpoint must share with the run that resumes it."""
+def input_differences(was: dict, now: dict) -> list[str]:
+    """Which inputs the weights depend on differ between a checkpoint's fingerprint and this
+    run's (a checkpoint written before inputs were recorded differs in all of them: nothing
+    says it was trained on these)."""
+    before = was.get("inputs") or {}
+    return [k for k in now["inputs"] if before.get(k) != now["inputs"][k]]
+
+
+def _shard_identity(info: ShardInfo) -> str:
+    """The manifest's sha256 of a shard; without a manifest (benchmarks, tests) its size and
+    modification time, which a rewrite changes."""
+    if info.sha256:
+        return info.sha256
+    stat = os.stat(info.path)
+    return f"size {stat.st_size} mtime_ns {stat.st_mtime_ns}"
+
+
+def fingerprint(cfg: dict, infos: list[ShardInfo], group: int, vocab_map_sha256: str) -> dict:
+    """What a checkpoint must share with the run that resumes it: the settings, the data's
+    order, and (``inputs``) every input the weights depend on: each shard's contents, the aux
+    layers its states are of, and the vocabulary map."""
     samples = hashlib.sha256(json.dumps([i.sample_ids for i in infos]).encode()).hexdigest()
     return {"train": {k: v for k, v in cfg.items() if k not in RESUME_FREE},
             "shards": [Path(i.path).name for i in infos], "sample_ids_sha256": samples,
-            "micro_batches_per_step": group}
+            "micro_batches_per_step": group,
+            "inputs": {"shards_sha256": [_shard_identity(i) for i in infos],
+                       "aux_layer_ids": list(infos[0].aux_layer_ids) if infos else [],
+                       "vocab_map_sha256": vocab_map_sha256}}
 
 
 def save(directory: Path, step: int, model: torch.nn.Module, optimizer, scheduler, state: dict,
@@ -100,6 +124,10 @@ def to_resume(directory: Path, now: dict, resume: bool, rank: int) -> Path | Non
         return None
     path = found[-1]
     state = read_json(path / "state.json")
+    inputs = input_differences(state["fingerprint"], now)
+    if inputs:
+        _set_aside(found, directory, inputs, rank)
+        return None
     what = fingerprint_differences(state["fingerprint"], now)
     if what and state["step"] >= state.get("total_steps", float("inf")):
         # a finished training with other settings: nothing of it to resume (its drafter is
@@ -129,6 +157,20 @@ def load(path: Path, model: torch.nn.Module, optimizer, scheduler) -> dict:
     if trainer["rng"]["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(trainer["rng"]["cuda"])
     return read_json(path / "state.json")
+
+
+def _set_aside(found: list[Path], directory: Path, inputs: list[str], rank: int) -> None:
+    """Move the checkpoints of a training on other inputs to ``directory/set_aside/`` (the
+    previous set aside there goes), so this run starts over and none of them is resumed."""
+    aside = directory / "set_aside"
+    log.warning("the checkpoints in %s were trained on other inputs (%s differ): moved to %s, "
+                "training starts over", directory, ", ".join(inputs), aside)
+    if rank != 0:
+        return
+    shutil.rmtree(aside, ignore_errors=True)
+    aside.mkdir()
+    for old in found:
+        os.replace(old, aside / old.name)
 
 
 def _delete(found: list[Path], rank: int) -> None:
