@@ -447,3 +447,93 @@ def test_a_template_that_renders_answers_apart_from_the_prompt_is_refused():
     gen = {"chat_template_kwargs": None, "system_prompt": None, "max_tokens": 8}
     with pytest.raises(RuntimeError, match="use answers: target"):
         dataset_record({**prompts(1)[0], "answer": "A"}, tokenizer, gen, {0})
+
+
+# -- the target's tokenizer ---------------------------------------------------------------------
+
+def tokenizer_shipped_as_code(directory: Path) -> Path:
+    """A target tokenizer that is code: its class lives in a tokenization_*.py beside it,
+    named by auto_map in tokenizer_config.json (as Kimi's tiktoken tokenizer is)."""
+    from tests.test_template_check import PLAIN_TEMPLATE, make_tokenizer
+
+    make_tokenizer(PLAIN_TEMPLATE).save_pretrained(directory)
+    (directory / "tokenization_tiny.py").write_text(
+        "from transformers import PreTrainedTokenizerFast\n\n\n"
+        "class TinyTokenizer(PreTrainedTokenizerFast):\n"
+        "    shipped_with_the_model = True\n")
+    config_path = directory / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config.update(tokenizer_class="TinyTokenizer",
+                  auto_map={"AutoTokenizer": ["tokenization_tiny.TinyTokenizer", None]})
+    config_path.write_text(json.dumps(config))
+    return directory
+
+
+@pytest.fixture
+def private_modules_cache(tmp_path, monkeypatch):
+    """transformers copies a model's code into its modules cache: keep it in the test's dir."""
+    import transformers.dynamic_module_utils as dynamic
+
+    monkeypatch.setattr(dynamic, "HF_MODULES_CACHE", str(tmp_path / "modules"))
+
+
+def test_a_tokenizer_shipped_as_code_loads_only_when_the_config_trusts_it(
+        tmp_path, private_modules_cache):
+    from eaglet.generate import load_tokenizer
+
+    path = tokenizer_shipped_as_code(tmp_path / "target")
+    tokenizer = load_tokenizer(path, trust_remote_code=True)
+    assert type(tokenizer).__name__ == "TinyTokenizer" and tokenizer.shipped_with_the_model
+    assert tokenizer.decode(tokenizer.encode("hi <|im_end|>")) == "hi <|im_end|>"
+    with pytest.raises(RuntimeError, match=r"set target\.trust_remote_code: true"):
+        load_tokenizer(path, trust_remote_code=False)
+
+
+def test_the_generate_stage_loads_the_tokenizer_with_the_targets_trust_remote_code(
+        tmp_path, private_modules_cache):
+    """run_stage passes target.trust_remote_code to the tokenizer it loads (recorded answers
+    need no server, so the stage runs to its end here)."""
+    from eaglet.config import validate
+    from eaglet.generate import run_stage
+    from eaglet.io import read_jsonl, write_json, write_jsonl
+
+    path = tokenizer_shipped_as_code(tmp_path / "target")
+    write_json(tmp_path / "target.json", {"path": str(path), "spec": "t"})
+    write_jsonl(tmp_path / "train.jsonl", [{**prompts(1)[0], "answer": "Four."}])
+
+    def run(trust: bool) -> None:
+        cfg = validate({"target": {"trust_remote_code": trust},
+                        "server": {"url": "http://127.0.0.1:9"}})
+        run_stage(cfg, str(tmp_path / "target.json"), {"train": str(tmp_path / "train.jsonl")},
+                  {"train": str(tmp_path / "out.jsonl")}, str(tmp_path / "stats.json"),
+                  str(tmp_path / "partial.jsonl"), None, None, str(tmp_path / "server.log"))
+
+    with pytest.raises(RuntimeError, match=r"target\.trust_remote_code"):
+        run(trust=False)
+    assert not (tmp_path / "out.jsonl").exists()
+    run(trust=True)
+    assert read_jsonl(tmp_path / "out.jsonl")[0]["content"] == "Four."
+
+
+def test_a_recorded_answer_after_a_prompt_that_opens_the_reasoning_round_trips():
+    """answers: dataset with a template shaped like Kimi-K2.5's: the generation prompt ends
+    with <think>, so the answer's ids begin with the </think> the template renders before the
+    content; the content is the answer without it, and the sample passes the template check
+    (thinking on, off, and cut at max_tokens)."""
+    from eaglet.generate import dataset_record
+    from eaglet.template_check import check_record
+    from tests.test_template_check import make_kimi_tokenizer
+
+    tokenizer = make_kimi_tokenizer()
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    prompt = {**prompts(1)[0], "answer": "It is four."}
+    for kwargs, max_tokens, emitted, content in [
+            (None, 50, "</think>It is four.<|im_end|>", "It is four."),
+            ({"thinking": False}, 50, "It is four.<|im_end|>", "It is four."),
+            (None, 5, "</think>It i", "It i")]:
+        gen = {"chat_template_kwargs": kwargs, "system_prompt": None, "max_tokens": max_tokens}
+        record = dataset_record(prompt, tokenizer, gen, {end})
+        assert tokenizer.decode(record["completion_token_ids"]) == emitted
+        assert record["content"] == content and record["reasoning"] is None
+        result = check_record(tokenizer, record)
+        assert result.ok and not result.retokenized, result.reason

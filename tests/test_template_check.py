@@ -42,7 +42,8 @@ REASONING = "Add two and two."
 CONTENT = "It is 4."
 
 
-def make_tokenizer(chat_template: str, merges: tuple[tuple[str, str], ...] = ()) -> PreTrainedTokenizerFast:
+def make_tokenizer(chat_template: str, merges: tuple[tuple[str, str], ...] = (),
+                   special_tokens: list[str] = SPECIAL_TOKENS) -> PreTrainedTokenizerFast:
     """Byte-level vocabulary: any text round-trips; special tokens are single ids. Without
     merges every text has one tokenization; a merge gives a string two possible splits."""
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet()) + [a + b for a, b in merges]
@@ -50,7 +51,7 @@ def make_tokenizer(chat_template: str, merges: tuple[tuple[str, str], ...] = ())
                                    merges=list(merges)))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens(SPECIAL_TOKENS)
+    backend.add_special_tokens(special_tokens)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>")
     tokenizer.chat_template = chat_template
     return tokenizer
@@ -265,3 +266,230 @@ def test_the_check_renders_with_the_template_variables_the_server_used():
     del record["chat_template_kwargs"]
     result = check_record(switch, record)
     assert not result.ok and result.part == "prompt"
+
+
+# -- a template shaped like Kimi-K2.5's ----------------------------------------------------
+
+KIMI_SPECIAL_TOKENS = ["<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>",
+                       "<|im_end|>", "<think>", "</think>"]
+
+
+def kimi_like_template(history_through: str) -> str:
+    """A template shaped like Kimi-K2.5's (written for these tests): a default system turn
+    when none is given; the generation prompt opens the reasoning with ``<think>`` (renders an
+    empty ``<think></think>`` when the variable ``thinking`` is false); assistant turns of the
+    history render an empty ``<think></think>``, later ones ``<think>`` reasoning ``</think>``,
+    then the content. The history runs through the last message of role ``history_through``
+    without tool calls: ``"assistant"`` as in K2.5's own template (so a conversation that ends
+    in the answer renders the answer itself as history), ``"user"`` as the template is often
+    described (assistant turns before the last user message)."""
+    return (
+        "{%- set ns = namespace(history_end=-1) -%}"
+        "{%- for m in messages -%}"
+        f"{{%- if m.role == '{history_through}' and not m.tool_calls -%}}"
+        "{%- set ns.history_end = loop.index0 -%}{%- endif -%}"
+        "{%- endfor -%}"
+        "{%- set thinking_off = thinking is defined and thinking is false -%}"
+        "{%- if messages[0].role != 'system' -%}"
+        "<|im_system|>system<|im_middle|>You are a helpful assistant.<|im_end|>"
+        "{%- endif -%}"
+        "{%- for m in messages -%}"
+        "{%- if m.role == 'assistant' -%}<|im_assistant|>assistant<|im_middle|>"
+        "{%- if loop.index0 <= ns.history_end or thinking_off -%}<think></think>"
+        "{%- else -%}<think>{{ m.reasoning_content or '' }}</think>{%- endif -%}"
+        "{%- elif m.role == 'user' -%}<|im_user|>user<|im_middle|>"
+        "{%- else -%}<|im_system|>{{ m.role }}<|im_middle|>{%- endif -%}"
+        "{{ m.content }}<|im_end|>"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>"
+        "{%- if thinking_off -%}<think></think>{%- else -%}<think>{%- endif -%}"
+        "{%- endif -%}"
+    )
+
+
+KIMI_K25_TEMPLATE = kimi_like_template("assistant")
+LAST_USER_TEMPLATE = kimi_like_template("user")
+KIMI_MESSAGES = [{"role": "user", "content": "What is 2+2?"}]
+FOLLOWUPS = ["And 3+3?", "And 4+4?"]
+
+
+def make_kimi_tokenizer(template: str = KIMI_K25_TEMPLATE) -> PreTrainedTokenizerFast:
+    return make_tokenizer(template, special_tokens=KIMI_SPECIAL_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def kimi() -> PreTrainedTokenizerFast:
+    return make_kimi_tokenizer()
+
+
+@pytest.fixture(scope="module", params=["history through the last answer",
+                                        "history before the last user message"])
+def kimi_shapes(request) -> PreTrainedTokenizerFast:
+    return make_kimi_tokenizer(KIMI_K25_TEMPLATE if "answer" in request.param
+                               else LAST_USER_TEMPLATE)
+
+
+def kimi_k2_parse(text: str, thinking: bool) -> tuple[str | None, str | None]:
+    """(reasoning, content) as vLLM 0.32's ``kimi_k2`` reasoning parser makes them of an
+    answer's text (test_the_parser_stand_in_splits_as_vllms_kimi_k2_parser holds it to the
+    real one): with thinking on it starts in the reasoning, drops ``<think>``, ends the
+    reasoning at the first ``</think>`` (dropping later ones) and strips whitespace from the
+    reasoning's end; with thinking off everything is content."""
+    if not thinking:
+        return None, text or None
+    reasoning, _, content = text.partition("</think>")
+    reasoning = reasoning.replace("<think>", "").rstrip()
+    return reasoning or None, content.replace("</think>", "") or None
+
+
+def kimi_record(tokenizer: PreTrainedTokenizerFast, messages: list[dict], emitted: str,
+                thinking: bool = True, finish: str = "stop") -> dict:
+    """The record eaglet saves of a chat completion from a server with ``--reasoning-parser
+    kimi_k2``: ``emitted`` is what the model wrote after the generation prompt (ending in
+    ``<|im_end|>`` when it stopped). vLLM parses the text of the ids with special tokens
+    (the parser turns skip_special_tokens off) but without the end-of-turn it stopped at."""
+    kwargs = None if thinking else {"thinking": False}
+    completion = ids(tokenizer, emitted)
+    text = tokenizer.decode(completion[:-1] if finish == "stop" else completion,
+                            skip_special_tokens=False)
+    reasoning, content = kimi_k2_parse(text, thinking)
+    record = {"id": "p-0000000000000000", "messages": messages, "content": content,
+              "reasoning": reasoning,
+              "prompt_token_ids": tokenizer.apply_chat_template(
+                  messages, tokenize=True, add_generation_prompt=True, return_dict=False,
+                  **(kwargs or {})),
+              "completion_token_ids": completion, "finish_reason": finish}
+    if kwargs:
+        record["chat_template_kwargs"] = kwargs
+    return record
+
+
+def kimi_conversation(tokenizer: PreTrainedTokenizerFast, answer: str, thinking: bool,
+                      finish: str, turns: int) -> list[dict]:
+    """The records of a conversation of ``turns`` turns (generate.max_turns), each turn's
+    messages built as generation builds them (generate.next_turn) from the earlier answers;
+    ``answer`` is a format string of what the model emits, {n} the turn."""
+    from eaglet.generate import next_turn
+
+    records, messages = [], KIMI_MESSAGES
+    for turn in range(turns):
+        if turn:
+            messages = next_turn(messages, records[-1], FOLLOWUPS[turn - 1])
+        records.append(kimi_record(tokenizer, messages, answer.format(n=turn + 2), thinking,
+                                   finish))
+    return records
+
+
+# what the model emits after the generation prompt, with thinking on and off
+KIMI_ANSWERS = {
+    "reasoning then content": ("Add {n} and {n}.</think>It is {n}.<|im_end|>", True, "stop"),
+    "a newline the parser strips": ("Add {n} and {n}.\n</think>\n\nIt is {n}.<|im_end|>",
+                                    True, "stop"),
+    "no reasoning": ("</think>It is {n}.<|im_end|>", True, "stop"),
+    "cut at max_tokens in the reasoning": ("Add {n} and", True, "length"),
+    "cut at max_tokens after a newline": ("Add {n} and {n}.\n\n", True, "length"),
+    "cut at max_tokens in the content": ("Add {n}.</think>It i", True, "length"),
+    "thinking off": ("It is {n}.<|im_end|>", False, "stop"),
+    "thinking off, cut at max_tokens": ("It is", False, "length"),
+}
+
+
+def test_a_conversation_ending_in_the_answer_renders_it_as_history_with_an_empty_reasoning(kimi):
+    """Where the plain round trip breaks on K2.5's template: the conversation with the answer
+    renders the answer as history, ``</think>`` where the model's reasoning begins."""
+    from eaglet.template_check import assistant_message, first_difference, render_ids
+
+    record = kimi_record(kimi, KIMI_MESSAGES, "Add 2 and 2.</think>It is 2.<|im_end|>")
+    assert record["reasoning"] == "Add 2 and 2." and record["content"] == "It is 2."
+    plain = render_ids(kimi, [*record["messages"], assistant_message(record)],
+                       add_generation_prompt=False)
+    prompt = record["prompt_token_ids"]
+    assert prompt[-1] == kimi.convert_tokens_to_ids("<think>")  # the prompt opens the reasoning
+    assert first_difference(prompt + record["completion_token_ids"], plain) == len(prompt)
+    assert plain[len(prompt)] == kimi.convert_tokens_to_ids("</think>")
+
+
+@pytest.mark.parametrize("turns", [1, 3], ids=["one turn", "three turns"])
+@pytest.mark.parametrize("answer", list(KIMI_ANSWERS))
+def test_kimi_like_records_round_trip(kimi_shapes, answer, turns):
+    """Records as vLLM's kimi_k2 parser shapes them pass, single- and multi-turn, thinking on
+    and off, stopped or cut at max_tokens, for both readings of the template's history."""
+    records = kimi_conversation(kimi_shapes, *KIMI_ANSWERS[answer], turns)
+    for turn, record in enumerate(records):
+        result = check_record(kimi_shapes, record)
+        assert result.ok and not result.retokenized, f"turn {turn + 1}: {result.reason}"
+    report = check_records(kimi_shapes, records)
+    assert report["mismatched"] == 0 and report["retokenized"] == 0
+
+
+def test_later_turns_carry_the_earlier_answers_content_as_the_server_rendered_it(kimi):
+    """The next turn's messages hold the earlier answer as a plain assistant turn: the
+    template renders it as history (empty reasoning) both on the server and in the check."""
+    first, second = kimi_conversation(kimi, *KIMI_ANSWERS["reasoning then content"], turns=2)
+    assert second["messages"][1] == {"role": "assistant", "content": "It is 2."}
+    prompt = kimi.decode(second["prompt_token_ids"], skip_special_tokens=False)
+    assert ("<|im_assistant|>assistant<|im_middle|><think></think>It is 2.<|im_end|>"
+            "<|im_user|>user<|im_middle|>And 3+3?<|im_end|>"
+            "<|im_assistant|>assistant<|im_middle|><think>") in prompt
+    assert check_record(kimi, second).ok
+
+
+def kimi_mismatches(kimi: PreTrainedTokenizerFast) -> dict[str, tuple[dict, int]]:
+    """Records whose text does not describe their ids, and where each must fail."""
+    good = kimi_record(kimi, KIMI_MESSAGES, "Add 2 and 2.</think>It is 2.<|im_end|>")
+    start = len(good["prompt_token_ids"])
+    closer = start + len(ids(kimi, "Add 2 and 2."))  # where the model emitted </think>
+    return {
+        # the ids lack the closer the text fields imply
+        "lost closer": ({**good, "completion_token_ids": ids(
+            kimi, "Add 2 and 2.It is 2.<|im_end|>")}, closer),
+        # a server without the reasoning parser: special tokens skipped, all text content
+        "no reasoning parser": ({**good, "reasoning": None,
+                                 "content": "Add 2 and 2.It is 2."}, start),
+        # reasoning and content merged into the reasoning
+        "merged into the reasoning": ({**good, "reasoning": "Add 2 and 2.It is 2.",
+                                       "content": None}, closer),
+        # a thinking-off answer saved as reasoning
+        "content saved as reasoning": (
+            {**kimi_record(kimi, KIMI_MESSAGES, "It is 2.<|im_end|>", thinking=False),
+             "reasoning": "It is 2.", "content": None},
+            len(kimi_record(kimi, KIMI_MESSAGES, "", thinking=False)["prompt_token_ids"])),
+    }
+
+
+@pytest.mark.parametrize("case", ["lost closer", "no reasoning parser",
+                                  "merged into the reasoning", "content saved as reasoning"])
+def test_kimi_like_real_mismatches_are_still_caught(kimi, case):
+    record, index = kimi_mismatches(kimi)[case]
+    result = check_record(kimi, record)
+    assert not result.ok and not result.retokenized
+    assert result.part == "completion" and result.first_mismatch == index, result.reason
+
+
+def test_answer_opening_is_what_the_template_writes_between_prompt_and_content(
+        kimi, tokenizer, plain_tokenizer):
+    from eaglet.template_check import answer_opening
+
+    assert answer_opening(kimi, KIMI_MESSAGES) == "</think>"
+    assert answer_opening(kimi, KIMI_MESSAGES, {"thinking": False}) == ""
+    # K2.5's shape drops the answer's reasoning; the other shape renders it
+    assert answer_opening(kimi, KIMI_MESSAGES, reasoning="r") == "</think>"
+    assert answer_opening(make_kimi_tokenizer(LAST_USER_TEMPLATE), KIMI_MESSAGES,
+                          reasoning="r") == "r</think>"
+    assert answer_opening(plain_tokenizer, MESSAGES) == ""
+    assert answer_opening(tokenizer, MESSAGES, reasoning="r") == "<think>\nr\n</think>\n\n"
+
+
+def test_the_parser_stand_in_splits_as_vllms_kimi_k2_parser(kimi):
+    """kimi_k2_parse against vLLM's own parser, on the answers these tests use."""
+    from types import SimpleNamespace
+
+    parser_module = pytest.importorskip("vllm.reasoning.kimi_k2_reasoning_parser")
+    request = SimpleNamespace(include_reasoning=True, tools=None, tool_choice=None)
+    texts = [answer.format(n=2).removesuffix("<|im_end|>")
+             for answer, _, _ in KIMI_ANSWERS.values()] + ["<think>Add.</think>It</think> is."]
+    for thinking in (True, False):
+        kwargs = {} if thinking else {"thinking": False}
+        for text in texts:
+            parser = parser_module.KimiK2ReasoningParser(kimi, chat_template_kwargs=kwargs)
+            assert parser.extract_reasoning(text, request) == kimi_k2_parse(text, thinking), text

@@ -191,6 +191,23 @@ def too_long_check(tokenizer, max_model_len: int, template_kwargs: dict | None =
     return check
 
 
+def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool):
+    """The target's tokenizer, with the model's own code only when the config trusts it
+    (``target.trust_remote_code``; the server gets the same setting). A tokenizer that is
+    code shipped with the model (``auto_map`` in tokenizer_config.json, a tokenization_*.py:
+    Kimi's tiktoken tokenizer) fails without it, with the setting named."""
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except ValueError as exc:
+        if trust_remote_code or "trust_remote_code" not in str(exc):
+            raise
+        raise RuntimeError(
+            f"the target's tokenizer at {path} is code shipped with the model (auto_map in its "
+            f"tokenizer_config.json), which runs only when trusted: set "
+            f"target.trust_remote_code: true in the config if you trust this model's code "
+            f"(the vLLM server runs it too)") from exc
+
+
 # -- recorded answers (answers: dataset) -----------------------------------------------------
 
 def end_of_turn_ids(tokenizer, target_dir: str | os.PathLike) -> set[int]:
@@ -231,8 +248,7 @@ def dataset_record(prompt: dict, tokenizer, gen: dict, stop_ids: set[int]) -> di
         answer, finish = answer[:gen["max_tokens"]], "length"
     record = {"id": prompt["id"], "source": prompt.get("source"), "messages": messages,
               "model": RECORDED_ANSWER, "sampling": None,
-              "content": tokenizer.decode([t for t in answer if t not in stop_ids],
-                                          skip_special_tokens=False),
+              "content": recorded_content(tokenizer, messages, kwargs, answer, stop_ids),
               "reasoning": None, "prompt_token_ids": prompt_ids,
               "completion_token_ids": answer, "finish_reason": finish}
     if kwargs:
@@ -240,6 +256,20 @@ def dataset_record(prompt: dict, tokenizer, gen: dict, stop_ids: set[int]) -> di
     if gen["system_prompt"]:
         record["system_prompt"] = gen["system_prompt"]
     return record
+
+
+def recorded_content(tokenizer, messages: list[dict], template_kwargs: dict | None,
+                     answer: list[int], stop_ids: set[int]) -> str:
+    """The content of a recorded answer's ids: their text without the end-of-turn ids and
+    without what the template writes before an answer's content. A template whose
+    generation prompt opens the reasoning (ends with ``<think>``) renders an answer without
+    reasoning as ``</think>`` and the content: the ids keep the closer (the target would
+    emit it), the content does not, as a reasoning parser would give it."""
+    from eaglet.template_check import answer_opening
+
+    text = tokenizer.decode([t for t in answer if t not in stop_ids], skip_special_tokens=False)
+    opening = answer_opening(tokenizer, messages, template_kwargs)
+    return text[len(opening):] if opening and text.startswith(opening) else text
 
 
 def dataset_records(prompts: list[dict], tokenizer, gen: dict, stop_ids: set[int],
@@ -639,7 +669,7 @@ def run_stage(cfg: dict[str, Any], target_json: str, prompts: dict[str, str],
     target = read_target(target_json)
     by_split = {split: read_jsonl(path) for split, path in prompts.items()}
     gen = cfg["generate"]
-    tokenizer = AutoTokenizer.from_pretrained(target["path"])
+    tokenizer = load_tokenizer(target["path"], cfg["target"].get("trust_remote_code", False))
     too_long = too_long_check(tokenizer, cfg["target"]["max_model_len"],
                               gen["chat_template_kwargs"])
     # answers: dataset: the recorded answer is the sample (held-out prompts carry none)
