@@ -11,6 +11,9 @@ rule evaluate:
         train_prompts=f"{R}/prompts/train.jsonl",
         prompt_sets=[s["source"]["path"] for s in config["evaluate"]["prompt_sets"]
                      if s["source"].get("path")],
+        # the offline replay reads the target's states of the held-out answers from here
+        **({"held_out": hidden_files("eval", ".safetensors")} if config["evaluate"]["offline"]
+           else {}),
     output:
         acceptance=report(
             f"{R}/eval/acceptance.json",

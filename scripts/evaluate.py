@@ -11,5 +11,6 @@ cfg = {"evaluate": smk.params.evaluate, "target": smk.params.target,
 run_stage("evaluate", smk.log[0], lambda: evaluate_stage(
     cfg, smk.input.target, str(Path(smk.input.drafter).parent.resolve()), smk.input.prompts,
     smk.output.acceptance, smk.params.log_dir, progress_path=smk.params.progress,
-    log_path=smk.log[0], serve_path=smk.output.serve, train_prompts_path=smk.input.train_prompts),
+    log_path=smk.log[0], serve_path=smk.output.serve, train_prompts_path=smk.input.train_prompts,
+    held_out_paths=list(smk.input.get("held_out", []))),
     gpus=smk.resources.get("gpu", 0))

@@ -412,3 +412,121 @@ def test_a_drafter_vllm_refuses_is_named_and_every_server_started_with_it_stops(
         text = Path(evaluate.server_log(str(tmp_path), run)).read_text()
         pid = int(re.search(r"health server pid (\d+)", text).group(1))
         assert not pid_alive(pid), run["name"]
+
+
+# -- servers side by side only where they fit ------------------------------------------------
+
+def _weights_header(directory, tensors: dict[str, tuple[str, list[int]]]) -> None:
+    """A safetensors file's header alone (the sizes are read from it, no weight is): a
+    checkpoint of any size in a few bytes."""
+    import json
+    import math
+    import struct
+
+    directory.mkdir(parents=True, exist_ok=True)
+    header, offset = {}, 0
+    width = {"BF16": 2, "F32": 4, "I32": 4}
+    for name, (dtype, shape) in tensors.items():
+        size = math.prod(shape) * width[dtype]
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header).encode()
+    (directory / "model.safetensors").write_bytes(struct.pack("<Q", len(text)) + text)
+
+
+GB = 10 ** 9
+
+
+def test_servers_run_side_by_side_only_where_they_fit(tmp_path):
+    from eaglet.config import ConfigError, validate
+    from eaglet.evaluate import placement, target_size
+
+    small, large = tmp_path / "small", tmp_path / "large"
+    _weights_header(small, {"w": ("F32", [1000, 1000])})                      # 4 MB
+    # Kimi-K2.5's scale: 554 GB, most of it INT4 experts packed in int32
+    _weights_header(large, {"experts": ("I32", [124_000_000, 1000]),
+                            "rest": ("BF16", [29_000_000, 1000])})
+    assert target_size(large, "bfloat16").served == 554 * GB
+    # float tensors are held in the serving dtype; a forward dequantizes 8 int4 to an int32
+    assert target_size(small, "bfloat16").served == 2 * 10 ** 6
+    assert target_size(large, "bfloat16").float32 == 4 * (29 * GB + 2 * 496 * GB)
+
+    cpu = validate({"evaluate": {"kv_cache_gib": 0.5}})
+    got = placement(cpu, small, 3, host_bytes=16 << 30)
+    assert got.together and got.fits and "3 servers" in got.reason and "fit within" in got.reason
+    got = placement(cpu, small, 3, host_bytes=4 << 30)    # 3 x 1.5 GiB past 80% of 4 GiB
+    assert not got.together and "need more than" in got.reason
+
+    gpus = validate({"server": {"gpus": 8, "tensor_parallel_size": 8}})
+    got = placement(gpus, large, 3)
+    assert not got.together and "8 GPUs" in got.reason and "554" not in got.reason
+    assert "weights 515.95 GiB" in got.reason and "memory_utilization 0.9" in got.reason
+    # a small target on GPUs: each server asks vLLM's memory_utilization free at its start
+    assert not placement(gpus, small, 3).together              # 3 x 0.9 of the GPUs
+    shared = validate({"server": {"gpus": 8}, "evaluate": {"memory_utilization": 0.3}})
+    assert placement(shared, small, 3).together                 # 3 x 0.3
+
+    # a setting is obeyed, and says what the sizes say
+    forced = validate({"server": {"gpus": 8}, "evaluate": {"interleave": True}})
+    got = placement(forced, large, 3)
+    assert got.together and got.fits is False and "interleave: true" in got.reason
+    assert not placement(validate({"evaluate": {"interleave": False}}), small, 3,
+                         host_bytes=16 << 30).together
+    # the default decides; a setting other than auto, true or false is refused
+    assert validate({})["evaluate"]["interleave"] == "auto"
+    with pytest.raises(ConfigError, match="interleave"):
+        validate({"evaluate": {"interleave": "sometimes"}})
+    # nothing to judge by: one at a time
+    assert not placement(cpu, None, 3).together
+    assert not placement(cpu, tmp_path / "nothing", 3).together
+
+
+def test_a_targets_size_comes_from_its_config_where_no_weights_are_there(tmp_path):
+    """A hub config alone (a wrapper's text_config, an MoE with MLA): `eaglet plan`'s dense
+    count plus the experts, about 1T for Kimi-K2.5's shape."""
+    import json
+
+    from eaglet.config import validate
+    from eaglet.evaluate import config_params, placement, target_size
+
+    text = {"model_type": "kimi_k2", "hidden_size": 7168, "num_hidden_layers": 61,
+            "num_attention_heads": 64, "num_key_value_heads": 64, "intermediate_size": 18432,
+            "moe_intermediate_size": 2048, "n_routed_experts": 384, "n_shared_experts": 1,
+            "first_k_dense_replace": 1, "vocab_size": 163840}
+    config = {"architectures": ["KimiK25ForConditionalGeneration"], "text_config": text}
+    assert 0.95e12 < config_params(config) < 1.1e12
+    dense = {**text, "moe_intermediate_size": None, "n_routed_experts": None}
+    assert config_params({"text_config": dense}) < 0.05e12
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    size = target_size(tmp_path, "bfloat16")
+    assert size.served == 2 * config_params(config) and "config.json" in size.source
+    assert not placement(validate({"server": {"gpus": 8}}), tmp_path, 3).together
+    assert config_params({"architectures": ["X"]}) is None   # no shape: unknown
+
+
+def test_status_plans_the_evaluation_as_the_stage_places_its_servers(tmp_path, monkeypatch):
+    """`eaglet status` asks the stage's own decision: one target planned side by side, a
+    larger one one at a time (each run's server starting on its own)."""
+    import json
+
+    from eaglet import evaluate, rates, status
+    from eaglet.config import validate
+
+    monkeypatch.setenv("EAGLET_RATES", str(tmp_path / "rates.jsonl"))
+    monkeypatch.setattr(evaluate, "host_memory_bytes", lambda: 16 << 30)
+    r = tmp_path / "results"
+    (r / "prompts").mkdir(parents=True)
+    (r / "prompts" / "stats.json").write_text(json.dumps({"n_train": 30, "n_eval": 10}))
+    (r / "target").mkdir()
+    cfg = validate({"results_dir": str(r), "evaluate": {"kv_cache_gib": 0.5, "offline": False}})
+    rates.record("evaluate", cfg["target"]["model"], baseline_tokens_per_s=20.0,
+                 server_start_s=30.0)
+    plans = {}
+    for name, tensors in {"small": {"w": ("F32", [1000, 1000])},
+                          "large": {"w": ("BF16", [8_000_000, 1000])}}.items():   # 16 GB
+        _weights_header(tmp_path / name, tensors)
+        (r / "target" / "target.json").write_text(json.dumps({"path": str(tmp_path / name)}))
+        plans[name] = status.estimate("evaluate", r, cfg, None)
+        runs = len(evaluate.run_plan(cfg["evaluate"])[0])
+        assert plans[name].basis.startswith(f"{runs + (2 if name == 'small' else 1)} vLLM runs")
+    assert "side by side" in plans["small"].basis and "one at a time" in plans["large"].basis

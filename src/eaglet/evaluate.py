@@ -20,16 +20,21 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
+import os
 import re
+import struct
 import time
 import urllib.request
 from collections import defaultdict
-from typing import Any
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import httpx
 
 from eaglet import rates
-from eaglet.io import read_jsonl, write_json
+from eaglet.io import human_size, read_json, read_jsonl, write_json
 from eaglet.progress import Progress
 from eaglet.server import ServerError, start_together, target_server
 
@@ -231,6 +236,192 @@ def serving(cfg: dict, side_by_side: bool = False) -> dict:
     if side_by_side:
         server["port"] = 0
     return {**cfg, "server": server}
+
+
+# -- the servers side by side, or one at a time ----------------------------------------------
+#
+# Interleaved, every engine run's server holds the target at once (three or more copies of
+# it): right for a small target on a machine whose speed drifts, impossible for a target that
+# fills its GPUs. evaluate.interleave auto decides from the target's size against the memory
+# the servers would share; `eaglet status` plans the stage's time from the same decision.
+
+# per server (per GPU of a GPU server): the engine process, its activations and buffers, the
+# CUDA context, the drafter's one layer. On the CPU engine the embedded model's server process
+# measured about 1.4 GB with its 0.5 GB of weights.
+SERVER_OVERHEAD = 1 << 30
+# share of the machine's RAM the servers (or the offline replay's forward) may hold together:
+# the rest is the stage's own process, the OS and its page cache
+HOST_USABLE = 0.8
+VLLM_MEMORY_UTILIZATION = 0.9   # vLLM's default --gpu-memory-utilization
+SERVED_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# safetensors dtypes: bytes per element; the float ones are cast to the serving dtype
+_FLOATS = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+_ELEMENT_BYTES = {**_FLOATS, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "U64": 8, "I32": 4, "U32": 4,
+                  "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+@dataclass
+class TargetSize:
+    """The target's weights as a vLLM server holds them (float tensors in the serving dtype,
+    quantized ones as stored) and as a float32 transformers forward would (the offline
+    replay's), and what they were read from."""
+
+    served: int
+    float32: int
+    source: str
+
+
+@dataclass
+class Placement:
+    """Whether evaluation's servers run side by side, and why (the log and status say it)."""
+
+    together: bool
+    reason: str
+    fits: bool | None = None     # what the sizes say (None: unknown)
+
+
+def _safetensors_tensors(path: Path) -> dict:
+    """A safetensors file's tensor entries (dtype, shape), read from its header alone."""
+    with open(path, "rb") as handle:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        header = json.loads(handle.read(length))
+    header.pop("__metadata__", None)
+    return header
+
+
+def config_params(config: dict) -> int | None:
+    """The target's parameter count from its config.json: `eaglet plan`'s count of a dense
+    model (plan.target_params), plus the experts of a mixture of experts (routed and shared,
+    in every layer past ``first_k_dense_replace``); None where the config lacks the shape."""
+    from eaglet.plan import shape_from_target_config, target_params
+
+    c = config.get("text_config") or config
+    try:
+        params = target_params(shape_from_target_config(config, 0, "target"))
+    except (KeyError, TypeError, ZeroDivisionError):
+        return None
+    experts = c.get("n_routed_experts") or c.get("num_experts") or c.get("num_local_experts")
+    if experts:
+        width = c.get("moe_intermediate_size") or c["intermediate_size"]
+        layers = c["num_hidden_layers"] - (c.get("first_k_dense_replace") or 0)
+        # without a width of their own, one expert is the MLP the dense count holds already
+        extra = (experts + (c.get("n_shared_experts") or 0)
+                 - (0 if c.get("moe_intermediate_size") else 1))
+        params += layers * extra * 3 * c["hidden_size"] * width
+    return params
+
+
+def target_size(target_dir: str | os.PathLike, dtype: str) -> TargetSize | None:
+    """The target's size: from its safetensors headers (every tensor's dtype and shape; no
+    weight is read), else from its config.json's parameter count; None where neither is
+    there. ``dtype`` is target.dtype, the dtype the server casts float weights to."""
+    directory = Path(target_dir)
+    files = sorted(directory.glob("*.safetensors")) if directory.is_dir() else []
+    if files:
+        served = params = packed = 0
+        for file in files:
+            for entry in _safetensors_tensors(file).values():
+                kind, numel = entry["dtype"], math.prod(entry["shape"])
+                stored = numel * _ELEMENT_BYTES.get(kind, 1)
+                cast = kind in _FLOATS and dtype in SERVED_BYTES
+                served += numel * SERVED_BYTES[dtype] if cast else stored
+                if kind in _FLOATS or kind.startswith("F8"):
+                    params += numel
+                else:
+                    packed += stored
+        # integer tensors are packed quantized weights (INT4 experts: 2 a byte), which a
+        # transformers forward dequantizes
+        return TargetSize(served, 4 * (params + 2 * packed),
+                          f"its safetensors headers ({len(files)} files)")
+    config = directory / "config.json"
+    params = config_params(json.loads(config.read_text())) if config.is_file() else None
+    if params is None:
+        return None
+    return TargetSize(params * SERVED_BYTES.get(dtype, 2), params * 4,
+                      f"the parameter count of its config.json ({params / 1e9:.1f}B)")
+
+
+def host_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+class ServerMemory(NamedTuple):
+    """One evaluation server's memory, the memory every server up at once shares, what that
+    memory is, and what sizes the server (its own contents, or vLLM's share of the memory)."""
+
+    each: int
+    budget: int
+    where: str
+    sized_by: str
+
+
+def server_memory(cfg: dict, weights: int, host_bytes: int | None = None) -> ServerMemory:
+    """What one evaluation server holds with ``weights`` bytes of weights, against the memory
+    every server up at once shares.
+
+    GPUs (server.gpus): each server stacks on the same GPUs; vLLM asks its
+    memory_utilization of each GPU free at start (whatever the KV cache's size), and holds
+    the weights, its KV cache (evaluate.kv_cache_gib per GPU) and its overhead; plan.py's
+    device of 141 GB, 95% usable. CPU: the weights, the KV cache (or, without a size, the
+    memory_utilization share of the RAM vLLM's CPU engine reserves) and the overhead, within
+    80% of the machine's RAM."""
+    from eaglet.plan import GPU_BYTES, GPU_USABLE
+
+    server = serving(cfg)["server"]
+    util = server["memory_utilization"] or VLLM_MEMORY_UTILIZATION
+    kv = server.get("kv_cache_gib")
+    gpus = server["gpus"]
+    contents = "weights, KV cache and engine" if kv is not None else "weights and engine"
+    share = f"vLLM's memory_utilization {util} of the memory"
+    if gpus:
+        total = gpus * GPU_BYTES
+        own = weights + gpus * (SERVER_OVERHEAD + (int(kv * 2**30) if kv is not None else 0))
+        reserved = int(util * total)
+        return ServerMemory(max(own, reserved), int(GPU_USABLE * total),
+                            f"{GPU_USABLE:.0%} of {gpus} GPUs of {human_size(GPU_BYTES)}",
+                            contents if own >= reserved else share)
+    ram = host_bytes or host_memory_bytes()
+    where = f"{HOST_USABLE:.0%} of the machine's {human_size(ram)} RAM"
+    own = weights + SERVER_OVERHEAD
+    if kv is not None:
+        return ServerMemory(own + int(kv * 2**30), int(HOST_USABLE * ram), where, contents)
+    # without a KV cache size the CPU engine reserves its memory_utilization share
+    reserved = int(util * ram)
+    return ServerMemory(max(own, reserved), int(HOST_USABLE * ram), where,
+                        contents if own >= reserved else share)
+
+
+def placement(cfg: dict, target_dir: str | os.PathLike | None, servers: int,
+              host_bytes: int | None = None) -> Placement:
+    """Whether the stage's ``servers`` engine runs serve side by side: evaluate.interleave
+    true or false as set; auto: where they fit together (:func:`server_memory` of the
+    target's size, :func:`target_size`), else one at a time. The run and `eaglet status`
+    both ask here, so the plan and the run agree."""
+    setting = cfg["evaluate"]["interleave"]
+    size = target_size(target_dir, cfg["target"]["dtype"]) if target_dir else None
+    if size is None:
+        fits, sizes = None, (f"the target's size is unknown (no safetensors or config.json in "
+                             f"{target_dir})" if target_dir else "the target is not prepared yet")
+    else:
+        memory = server_memory(cfg, size.served, host_bytes)
+        fits = servers * memory.each <= memory.budget
+        sizes = (f"{servers} servers of about {human_size(memory.each)} each ({memory.sized_by}; "
+                 f"the target's weights {human_size(size.served)}, from {size.source}) "
+                 f"{'fit within' if fits else 'need more than'} {human_size(memory.budget)}, "
+                 f"{memory.where}")
+    if setting != "auto":
+        return Placement(bool(setting), f"evaluate.interleave: {str(setting).lower()}; {sizes}",
+                         fits)
+    return Placement(bool(fits), f"evaluate.interleave: auto; {sizes}", fits)
+
+
+def recorded_target_dir(results: str | os.PathLike, spec: str) -> str | None:
+    """The target's directory as prepare_target recorded it in ``results``, else the
+    configured one where it is a local directory; None before a hub target is prepared."""
+    try:
+        return read_json(Path(results) / "target" / "target.json")["path"]
+    except (OSError, ValueError, KeyError):
+        return spec if Path(spec).is_dir() else None
 
 
 def _merge(parts: list[dict]) -> dict:
@@ -567,13 +758,22 @@ def _pct(rate: float | None) -> str:
 def run_stage(cfg: dict, target_json: str, drafter_dir: str, prompts_path: str,
               out_path: str, log_dir: str, progress_path: str | None = None,
               log_path: str | None = None, serve_path: str | None = None,
-              train_prompts_path: str | None = None) -> dict:
+              train_prompts_path: str | None = None,
+              held_out_paths: list[str] | None = None) -> dict:
+    """The stage: every engine run in vLLM, the k schedule, the offline replay (from the
+    held-out shards ``held_out_paths`` where they store the answers' states), the verdict."""
     from eaglet.target import read_target
 
     ev = cfg["evaluate"]
     target = read_target(target_json)
     prompt_sets, about = load_prompt_sets(ev, prompts_path, train_prompts_path)
     plan, replays = run_plan(ev, drafter_dir)
+    place = placement(cfg, target["path"], len(plan))
+    log.info("evaluation servers %s: %s", "side by side" if place.together else "one at a time",
+             place.reason)
+    if place.together and place.fits is False:
+        log.warning("evaluate.interleave is true but the servers may not fit together: set "
+                    "evaluate.interleave auto (or false) to run them one at a time")
     progress = Progress("evaluate", total=len(plan) + replays, path=progress_path,
                         log_path=log_path, unit="runs", interval_s=0.0)
     concurrencies = ev["concurrency"]
@@ -583,7 +783,7 @@ def run_stage(cfg: dict, target_json: str, drafter_dir: str, prompts_path: str,
         return measured
 
     with contextlib.ExitStack() as baseline:
-        if ev["interleave"]:
+        if place.together:
             # every run's server side by side; the target alone's stays up for the schedule
             served = serving(cfg, side_by_side=True)
             with contextlib.ExitStack() as others:
@@ -602,7 +802,7 @@ def run_stage(cfg: dict, target_json: str, drafter_dir: str, prompts_path: str,
         extra = schedule_run(choice, drafter_dir) if ev["schedule"] else None
         if extra is not None:
             progress.total += 1
-            if ev["interleave"]:
+            if place.together:
                 # measured beside the target alone once more, like the sweep
                 with contextlib.ExitStack() as check:
                     urls.update(_start(served, target["path"], [(check, extra)], log_dir))
@@ -618,13 +818,16 @@ def run_stage(cfg: dict, target_json: str, drafter_dir: str, prompts_path: str,
     rates.record("evaluate", target["spec"],
                  baseline_tokens_per_s=_pooled(runs[0], concurrencies)[concurrencies[0]])
     mismatched = _greedy_divergence(runs)
-    offline = offline_check(target["path"], drafter_dir, runs, progress) if ev["offline"] else None
+    offline, replayed = (offline_check(cfg, target["path"], drafter_dir, runs, progress,
+                                       held_out_paths or []) if ev["offline"] else (None, None))
     progress.report("finished")
     recommendation = serve_recommendation(choice, runs, drafter_dir)
     result = {"prompt_sets": about, "max_tokens": ev["max_tokens"], "rounds": ev["rounds"],
               "concurrency": concurrencies, "target": target["path"], "drafter": drafter_dir,
               "runs": [_public(r) for r in runs],
               "outputs_differ_from_baseline": mismatched, "offline": offline,
+              "offline_replay": replayed,
+              "servers": {"side_by_side": place.together, "why": place.reason},
               "serve": recommendation,
               "verdict": verdict(runs, concurrencies, recommendation)}
     if serve_path:
@@ -650,42 +853,175 @@ def _replayed_levels(run: dict) -> list[dict]:
     return [lv for lv in run["levels"] if lv["concurrency"] == lowest]
 
 
-def offline_check(target_path: str, drafter_dir: str, runs: list[dict],
-                  progress: Progress) -> dict:
+def served_dtype(cfg: dict, target_dir: str) -> str:
+    """The dtype vLLM serves the target in: target.dtype, or with auto the checkpoint's own
+    (its config.json's torch_dtype; bfloat16 where it names none)."""
+    dtype = cfg["target"]["dtype"]
+    if dtype != "auto":
+        return dtype
+    try:
+        config = read_json(Path(target_dir) / "config.json")
+    except (OSError, ValueError):
+        return "bfloat16"
+    text = config.get("text_config") or config
+    name = str(text.get("torch_dtype") or text.get("dtype") or config.get("torch_dtype")
+               or config.get("dtype") or "bfloat16").removeprefix("torch.")
+    return name if name in SERVED_BYTES else "bfloat16"
+
+
+def target_loader(cfg: dict, target_dir: str, host_bytes: int | None = None):
+    """A loader of the target for the offline replay's forward (transformers, float32, on the
+    CPU) and None; or None and why it cannot be loaded: its float32 weights
+    (:func:`target_size`) would not fit in 80% of the machine's RAM (a 1T model: about 4 TB),
+    or its size is unknown."""
+    size = target_size(target_dir, cfg["target"]["dtype"])
+    if size is None:
+        return None, f"the target's size is unknown (no safetensors or config.json in {target_dir})"
+    ram = host_bytes or host_memory_bytes()
+    if size.float32 > HOST_USABLE * ram:
+        return None, (f"a float32 forward of the target needs about {human_size(size.float32)} "
+                      f"(from {size.source}), more than {HOST_USABLE:.0%} of the machine's "
+                      f"{human_size(ram)} RAM")
+
+    def load():
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        log.info("loading the target (float32, %s) for the offline replay's forward",
+                 human_size(size.float32))
+        return AutoModelForCausalLM.from_pretrained(
+            target_dir, dtype=torch.float32,
+            trust_remote_code=cfg["target"].get("trust_remote_code", False)).eval()
+    return load, None
+
+
+def stored_states(paths: list[str], layer_ids: list[int]):
+    """The held-out shards' stored states (:class:`eaglet.offline_eval.StoredStates`) and
+    None; or None and why they cannot serve the drafter's replay."""
+    from eaglet.offline_eval import StoredStates
+
+    if not paths:
+        return None, "no held-out shard given"
+    missing = [p for p in paths if not Path(p).is_file()]
+    if missing:
+        return None, f"the held-out shard {missing[0]} is missing"
+    try:
+        stored = StoredStates(paths)
+    except (ValueError, OSError) as exc:
+        return None, f"the held-out shards cannot be read ({exc})"
+    if stored.aux_layer_ids != list(layer_ids):
+        return None, (f"the held-out shards store aux layers {stored.aux_layer_ids}, the "
+                      f"drafter reads {list(layer_ids)}")
+    return stored, None
+
+
+def _states_label(sources: dict) -> str:
+    """Where one prompt set's replayed states came from, in words for acceptance.json."""
+    stored, forward = sources["stored"], sources["forward"]
+    if stored and forward:
+        return "stored states and forward"
+    return "stored states" if stored else "forward" if forward else "not replayed"
+
+
+def offline_check(cfg: dict, target_path: str, drafter_dir: str, runs: list[dict],
+                  progress: Progress, held_out_paths: list[str] = ()) -> tuple[dict, dict]:
     """Replay each fixed-k EAGLE-3 run offline on the baseline's greedy answers at the lowest
-    concurrency and compare the acceptance lengths with vLLM's on the same requests."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    concurrency, every prompt set, and compare the acceptance lengths with vLLM's on the same
+    requests, per set and over the sets replayed.
 
+    The target's states of an answer are the held-out shards' where extraction stored that
+    very sequence (or a longer one it begins), else a forward of the target where it can be
+    loaded (:func:`target_loader`), else the answer is left out and counted: the other sets
+    (which no shard stores) are then not replayed. Where the shards round the states more than
+    the server does (bfloat16 or fp8 beside float32) a loadable target is run instead.
+
+    Returns the comparison per run (acceptance.json ``offline``) and where each set's states
+    came from (``offline_replay``)."""
     from eaglet.export import load_drafter
-    from eaglet.offline_eval import offline_acceptance
+    from eaglet.offline_eval import Features, coarser, replay_sequences
 
-    base = [a for lv in _replayed_levels(runs[0]) for a in lv["_answers"]]
-    sequences = [(a["prompt_token_ids"], a["token_ids"]) for a in base
-                 if a["prompt_token_ids"] and a["token_ids"]]
-    progress.enter_phase("loading the target for the offline replays")
-    model = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
+    fixed = [run for run in runs if run["method"] == "eagle3" and not run.get("schedule")]
+    ks = sorted({run["k"] for run in fixed})
     drafter = load_drafter(drafter_dir, target_path)
-    out = {}
-    for run in runs:
-        if run["method"] != "eagle3" or run.get("schedule"):
-            continue
-        progress.enter_phase(f"{run['name']} replayed offline")
-        offline = offline_acceptance(model, drafter, sequences, run["k"])
-        vllm = acceptance(_sum_deltas([lv["_delta"] for lv in _replayed_levels(run)]),
-                          run["k"])["acceptance_length"]
-        ratio = (offline["acceptance_length"] / vllm
-                 if offline["acceptance_length"] and vllm else None)
-        out[run["name"]] = {**offline, "vllm_acceptance_length": vllm,
-                            "ratio_offline_over_vllm": ratio}
-        progress.advance(done=1)
-        log.info("%s: offline AL %.3f, vLLM AL %.3f (ratio %.3f)", run["name"],
-                 offline["acceptance_length"] or 0, vllm or 0, ratio or 0)
-        if ratio is not None and abs(ratio - 1) > 0.05:
-            log.warning("%s: offline and vLLM acceptance lengths differ by %.1f%%: check the "
-                        "exported layer ids, the d2t map and the dtype", run["name"],
-                        100 * abs(ratio - 1))
-    return out
+    layer_ids = drafter.config.aux_layer_ids
+    stored, no_stored = stored_states(list(held_out_paths), layer_ids)
+    load, no_forward = target_loader(cfg, target_path)
+    served = served_dtype(cfg, target_path)
+    prefer_forward = stored is not None and coarser(stored.dtype, served)
+    features = Features(layer_ids, stored, load, prefer_forward, no_forward)
+    by_set: dict[str, list] = defaultdict(list)
+    for lv in _replayed_levels(runs[0]):
+        by_set[lv["set"]] += [(a["prompt_token_ids"], a["token_ids"]) for a in lv["_answers"]
+                              if a["prompt_token_ids"] and a["token_ids"]]
+    replayed = {}
+    for name, sequences in by_set.items():
+        progress.enter_phase(f"offline replay of {name}: {len(sequences)} answers at k "
+                             f"{', '.join(map(str, ks))}")
+        replayed[name] = got = replay_sequences(drafter, sequences, ks, features)
+        _log_sources(name, got["sources"])
+    progress.advance(done=len(fixed))
+    out = {run["name"]: _compare(run, replayed) for run in fixed}
+    report = {"served_dtype": served, "stored_dtype": stored.dtype if stored else None,
+              "stored_states": "read" if stored else no_stored,
+              "forward": "loaded" if features.loaded else features.no_forward or "not needed",
+              "sets": {name: {"states": _states_label(got["sources"]), **got["sources"]}
+                       for name, got in replayed.items()}}
+    if stored is not None and any(got["sources"]["stored"] for got in replayed.values()) \
+            and coarser(stored.dtype, served):
+        report["note"] = (f"replayed from states stored in {stored.dtype} while vLLM serves in "
+                          f"{served}: the drafter read rounded inputs, so the replay may differ "
+                          f"from vLLM by a little (tests/test_offline_eval.py measures it)")
+        log.warning("offline replay: %s", report["note"])
+    return out, report
+
+
+def _log_sources(name: str, sources: dict) -> None:
+    missed = ", ".join(f"{sources[key]} {key.replace('_', ' ')}" for key in
+                       ("differs", "longer_than_stored", "not_stored") if sources.get(key))
+    text = (f"offline replay of {name}: {sources['sequences']} answers, {sources['stored']} from "
+            f"stored states, {sources['forward']} from the target's forward, "
+            f"{sources['left_out']} left out" + (f" (against the stored answers: {missed})"
+                                                 if missed else ""))
+    (log.warning if sources["left_out"] else log.info)(text)
+
+
+def _compare(run: dict, replayed: dict) -> dict:
+    """One run's offline acceptance beside vLLM's, per set and over the sets replayed
+    (vLLM's counters of those sets' requests at the lowest concurrency)."""
+    from eaglet.offline_eval import add_counts, empty_counts, summarize
+
+    k = run["k"]
+    total, deltas, sets, partial = empty_counts(k), [], {}, False
+    for name, got in replayed.items():
+        mine = [lv["_delta"] for lv in _replayed_levels(run) if lv["set"] == name]
+        offline = summarize(got["counts"][k], k)
+        vllm = acceptance(_sum_deltas(mine), k)["acceptance_length"] if mine else None
+        sets[name] = {"acceptance_length": offline["acceptance_length"],
+                      "drafts": offline["drafts"], "vllm_acceptance_length": vllm,
+                      "ratio_offline_over_vllm": _ratio(offline["acceptance_length"], vllm)}
+        if got["sources"]["stored"] + got["sources"]["forward"]:
+            add_counts(total, got["counts"][k])
+            deltas += mine
+            partial = partial or bool(got["sources"]["left_out"])
+    offline = summarize(total, k)
+    vllm = acceptance(_sum_deltas(deltas), k)["acceptance_length"] if deltas else None
+    ratio = _ratio(offline["acceptance_length"], vllm)
+    log.info("%s: offline AL %.3f, vLLM AL %.3f (ratio %.3f)", run["name"],
+             offline["acceptance_length"] or 0, vllm or 0, ratio or 0)
+    if ratio is not None and abs(ratio - 1) > 0.05:
+        log.warning("%s: offline and vLLM acceptance lengths differ by %.1f%%: check the "
+                    "exported layer ids, the d2t map and the dtype%s", run["name"],
+                    100 * abs(ratio - 1),
+                    " (some answers were left out of the replay; vLLM's counters hold them)"
+                    if partial else "")
+    return {**offline, "vllm_acceptance_length": vllm, "ratio_offline_over_vllm": ratio,
+            "sets_compared": [name for name, got in replayed.items()
+                              if got["sources"]["stored"] + got["sources"]["forward"]],
+            "every_request_replayed": not partial, "sets": sets}
+
+
+def _ratio(offline: float | None, vllm: float | None) -> float | None:
+    return offline / vllm if offline and vllm else None
 
 
 def _greedy_divergence(runs: list[dict]) -> dict:

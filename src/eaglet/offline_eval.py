@@ -1,8 +1,10 @@
 """Offline acceptance: eaglet's own PyTorch replay of vLLM's greedy EAGLE-3 drafting.
 
-Given the target's greedy continuation of each prompt, run the target once (transformers) for
-its aux features, then replay the serving loop: at a round whose last verified position is
-``p`` (the target has just produced token ``p+1``), the drafter chains ``k`` draft tokens
+Given the target's greedy continuation of each prompt, take its aux features from the
+held-out shard where extraction stored that very sequence (:class:`StoredStates`: no target
+loaded), else from one forward of the target (transformers), then replay the serving loop: at
+a round whose last verified position is ``p`` (the target has just produced token ``p+1``),
+the drafter chains ``k`` draft tokens
 from row ``p`` (step 0 reads the target's features of ``p`` and the embedding of token
 ``p+1``; step j reads its own previous hidden state and its own previous draft, at RoPE
 position ``p+j``, attending to step-0 keys of rows <= p and to its own chain). The target
@@ -16,9 +18,13 @@ the d2t mapping end to end; it also evaluates a drafter where no vLLM is availab
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
+from eaglet import shards
 from eaglet.drafter import Eagle3Drafter, attention_blocks
 from eaglet.extract import AuxCapture, decoder_layers
 
@@ -81,20 +87,20 @@ def replay(draft, ids: list[int], prompt_len: int, k: int) -> dict:
     return counts
 
 
-def offline_acceptance(target_model, drafter: Eagle3Drafter,
-                       sequences: list[tuple[list[int], list[int]]], k: int) -> dict:
-    """Acceptance over ``(prompt_ids, completion_ids)`` pairs, as vLLM would count it."""
-    total = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_position": [0] * k}
-    layer_ids = drafter.config.aux_layer_ids
-    for prompt_ids, completion_ids in sequences:
-        ids = list(prompt_ids) + list(completion_ids)
-        aux = target_features(target_model, layer_ids, ids).to(drafter.fc.weight.dtype)
-        seq = torch.tensor(ids)
-        counts = replay(lambda p, n: draft_chain(drafter, aux, seq, p, n), ids,
-                        len(prompt_ids), k)
-        for key in ("drafts", "draft_tokens", "accepted"):
-            total[key] += counts[key]
-        total["per_position"] = [a + b for a, b in zip(total["per_position"], counts["per_position"])]
+def empty_counts(k: int) -> dict:
+    return {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_position": [0] * k}
+
+
+def add_counts(total: dict, counts: dict) -> dict:
+    """``counts`` added into ``total`` (both as :func:`replay` keeps them); returns ``total``."""
+    for key in ("drafts", "draft_tokens", "accepted"):
+        total[key] += counts[key]
+    total["per_position"] = [a + b for a, b in zip(total["per_position"], counts["per_position"])]
+    return total
+
+
+def summarize(total: dict, k: int) -> dict:
+    """Acceptance length and rates from summed counts, as vLLM's metrics give them."""
     drafts = total["drafts"]
     return {
         "k": k, **total,
@@ -102,6 +108,168 @@ def offline_acceptance(target_model, drafter: Eagle3Drafter,
         "acceptance_rate": total["accepted"] / total["draft_tokens"] if drafts else None,
         "per_position_rate": [c / drafts for c in total["per_position"]] if drafts else [],
     }
+
+
+def replay_counts(drafter: Eagle3Drafter, aux: torch.Tensor, prompt_ids: list[int],
+                  completion_ids: list[int], k: int) -> dict:
+    """vLLM's counters for one greedy sequence, drafted from its aux states ``aux``
+    ([at least len(prompt) + len(completion) rows, 3H], any float dtype)."""
+    ids = list(prompt_ids) + list(completion_ids)
+    aux = aux.to(drafter.fc.weight.dtype)
+    seq = torch.tensor(ids)
+    return replay(lambda p, n: draft_chain(drafter, aux, seq, p, n), ids, len(prompt_ids), k)
+
+
+def offline_acceptance(target_model, drafter: Eagle3Drafter,
+                       sequences: list[tuple[list[int], list[int]]], k: int) -> dict:
+    """Acceptance over ``(prompt_ids, completion_ids)`` pairs, as vLLM would count it, from a
+    forward of the target (transformers) for each."""
+    total = empty_counts(k)
+    layer_ids = drafter.config.aux_layer_ids
+    for prompt_ids, completion_ids in sequences:
+        aux = target_features(target_model, layer_ids, list(prompt_ids) + list(completion_ids))
+        add_counts(total, replay_counts(drafter, aux, prompt_ids, completion_ids, k))
+    return summarize(total, k)
+
+
+# -- the target's states without the target: the held-out shard ------------------------------
+#
+# Extraction stored the target's aux states of every held-out sample (prompt + the target's
+# answer at generation). A state at row t depends on tokens 0..t only, so where evaluation's
+# greedy answer to the same prompt is the stored answer or its beginning, the stored rows up
+# to the answer's length are exactly the states a forward of that sequence would give (in
+# the storage dtype): a 1T target need not be loaded to replay its drafter.
+
+# mantissa bits of each storage and serving dtype: which one rounds the states more
+MANTISSA_BITS = {"float32": 24, "float16": 11, "bfloat16": 8, "fp8": 4}
+
+
+def coarser(stored: str, served: str) -> bool:
+    """Whether states stored in ``stored`` are rounded more than the serving engine's own
+    (``served``): replayed from them, the drafter reads other inputs than vLLM's."""
+    return MANTISSA_BITS.get(stored, 0) < MANTISSA_BITS.get(served, 0)
+
+
+class StoredStates:
+    """The aux states held-out shards store, found by a sequence's tokens: the stored sample
+    whose prompt tokens are the sequence's prompt and whose answer begins with its answer."""
+
+    def __init__(self, paths: list[str | os.PathLike]):
+        self.shards = [shards.open_mapped(path) for path in paths]
+        if not self.shards:
+            raise ValueError("no held-out shard to read stored states from")
+        first = self.shards[0]
+        self.dtype, self.aux_layer_ids = first.dtype, list(first.aux_layer_ids)
+        for shard in self.shards[1:]:
+            if shard.dtype != self.dtype or list(shard.aux_layer_ids) != self.aux_layer_ids:
+                raise ValueError("the held-out shards differ in dtype or aux layer ids")
+        self.by_prompt: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+        for i, shard in enumerate(self.shards):
+            ids, mask = shard.input_ids.tolist(), shard.loss_mask.tolist()
+            offsets = shard.offsets.tolist()
+            for s in range(shard.num_samples):
+                start, end = offsets[s], offsets[s + 1]
+                # the prompt: the rows before the first completion token (loss mask 1)
+                answer = next((t for t in range(start, end) if mask[t]), end)
+                self.by_prompt.setdefault(tuple(ids[start:answer]), []).append((i, s))
+
+    def find(self, prompt_ids: list[int],
+             completion_ids: list[int]) -> tuple[torch.Tensor | None, str]:
+        """The stored aux rows of ``prompt + completion`` in float32 and ``"stored"``; or None
+        and why not: ``"not_stored"`` (no stored sample of this prompt), ``"differs"`` (the
+        stored answers are other tokens: sampled generation, batch-dependent numerics, a
+        recorded answer), ``"longer_than_stored"`` (the stored answer is a beginning of this
+        one, cut by extract.max_len or generate.max_tokens)."""
+        found = self.by_prompt.get(tuple(prompt_ids))
+        if not found:
+            return None, "not_stored"
+        n, why = len(completion_ids), "differs"
+        for i, s in found:
+            shard = self.shards[i]
+            span = shard.sample(s)
+            begin = span.start + len(prompt_ids)
+            stored = shard.input_ids[begin:span.stop].tolist()
+            if stored[:n] != list(completion_ids):
+                if list(completion_ids[:len(stored)]) == stored:
+                    why = "longer_than_stored"
+                continue
+            rows = slice(span.start, begin + n)
+            scale = shard.aux_scale[rows] if shard.aux_scale is not None else None
+            return shards.to_float(shard.aux_hidden[rows], scale), "stored"
+        return None, why
+
+
+class Features:
+    """Where each replayed sequence's aux states come from: the held-out shard's stored
+    states where its tokens are the stored ones, else a forward of the target where it can be
+    loaded, else nowhere (the sequence is left out, and counted).
+
+    ``prefer_forward``: the stored states are rounded more than the serving engine's (a
+    bfloat16 or fp8 store beside a float32 server): a loadable target is run instead, so that
+    the replay reads what vLLM's drafter reads; the stored states serve where it cannot be.
+    ``load_target`` loads the target (float32 transformers model) on first need; None where
+    it cannot be loaded (``no_forward`` says why). A load or forward that fails is reported
+    once and the forward is not tried again."""
+
+    def __init__(self, layer_ids: list[int], stored: StoredStates | None,
+                 load_target: Callable[[], Any] | None, prefer_forward: bool = False,
+                 no_forward: str | None = None):
+        self.layer_ids, self.stored, self.prefer_forward = layer_ids, stored, prefer_forward
+        self._load, self._model = load_target, None
+        self.no_forward = no_forward if load_target is None else None
+
+    @property
+    def loaded(self) -> bool:
+        """Whether the target was loaded (some sequence needed its forward)."""
+        return self._model is not None
+
+    def forward(self, ids: list[int]) -> torch.Tensor | None:
+        if self._load is None:
+            return None
+        try:
+            if self._model is None:
+                self._model = self._load()
+            return target_features(self._model, self.layer_ids, ids)
+        except Exception as exc:  # noqa: BLE001  (any failure leaves the stored states to replay)
+            self.no_forward = f"the target's forward failed: {type(exc).__name__}: {exc}"
+            log.warning("offline replay: %s; replaying from stored states only", self.no_forward)
+            self._load = self._model = None
+            return None
+
+    def __call__(self, prompt_ids: list[int], completion_ids: list[int]
+                 ) -> tuple[str | None, torch.Tensor | None, str]:
+        """``(source, aux, match)``: source ``"stored"``, ``"forward"`` or None (left out),
+        and how the sequence compared with the stored ones (:meth:`StoredStates.find`)."""
+        aux, match = (self.stored.find(prompt_ids, completion_ids) if self.stored is not None
+                      else (None, "not_stored"))
+        if aux is not None and not self.prefer_forward:
+            return "stored", aux, match
+        forward = self.forward(list(prompt_ids) + list(completion_ids))
+        if forward is not None:
+            return "forward", forward, match
+        return ("stored", aux, match) if aux is not None else (None, None, match)
+
+
+def replay_sequences(drafter: Eagle3Drafter, sequences: list[tuple[list[int], list[int]]],
+                     ks: list[int], features: Features) -> dict:
+    """Every sequence replayed at every k from the states ``features`` gives it (each
+    sequence's states got once for all k); the counts per k and where the states came from:
+    ``stored``, ``forward``, ``left_out``, and per way a sequence missed the stored states
+    (``differs``, ``longer_than_stored``, ``not_stored``) how many did."""
+    totals = {k: empty_counts(k) for k in ks}
+    sources: dict[str, int] = {"sequences": len(sequences), "stored": 0, "forward": 0,
+                               "left_out": 0}
+    for prompt_ids, completion_ids in sequences:
+        source, aux, match = features(prompt_ids, completion_ids)
+        if match != "stored":
+            sources[match] = sources.get(match, 0) + 1
+        if aux is None:
+            sources["left_out"] += 1
+            continue
+        sources[source] += 1
+        for k in ks:
+            add_counts(totals[k], replay_counts(drafter, aux, prompt_ids, completion_ids, k))
+    return {"counts": totals, "sources": sources}
 
 
 @torch.inference_mode()

@@ -509,15 +509,19 @@ class Evaluate(Stage):
         # concurrency levels it mostly is not): counted, or the last minutes read near zero
         # (interleaved, it is measured beside the target alone once more: two runs)
         check = ev["schedule"] and len(ev["concurrency"]) > 1
-        runs = len(plan) + ((2 if ev["interleave"] else 1) if check else 0)
-        if ev["interleave"]:
+        # side by side or one at a time, as the stage itself decides (evaluate.interleave)
+        from eaglet.evaluate import placement, recorded_target_dir
+        together = placement(cfg, recorded_target_dir(r, target), len(plan)).together
+        runs = len(plan) + ((2 if together else 1) if check else 0)
+        if together:
             # the sweep's servers start up together; the check's one server on its own
             starts = _together_start(target, len(plan), start) + (start if check else 0.0)
         else:
             starts = runs * start
         seconds = starts + runs * measure + OFFLINE_REPLAY_SHARE * replays * (start + measure)
         return Estimate(seconds,
-                        f"{runs} vLLM runs x {len(sizes)} prompt sets at concurrency "
+                        f"{runs} vLLM runs {'side by side' if together else 'one at a time'} "
+                        f"x {len(sizes)} prompt sets at concurrency "
                         f"{ev['concurrency']} ({basis})" + (f", {replays} offline replays"
                                                              if replays else ""))
 
@@ -681,8 +685,9 @@ def snakemake_config_args(results: Path, config_path: str | None) -> list[str]:
 
 
 def load_run_config(results: Path, config_path: str | None, workflow: Path) -> dict:
-    """The run's own record of its config, else the workflow's config.yaml with
-    ``config_path`` merged over it (as ``snakemake --configfile`` does)."""
+    """The run's own record of its config, else ``config_path`` over the schema's defaults,
+    else the workflow's config.yaml (as the Snakefile reads config.yaml only when no
+    ``--configfile`` is given)."""
     import yaml
 
     from eaglet.config import validate
@@ -690,19 +695,10 @@ def load_run_config(results: Path, config_path: str | None, workflow: Path) -> d
     recorded = _read(results / "run" / "config.json")
     if recorded is not None and config_path is None:
         return validate(recorded)
-    base_path = workflow / "config.yaml"
-    cfg = yaml.safe_load(base_path.read_text()) if base_path.exists() else {}
     if config_path:
-        _merge(cfg, yaml.safe_load(Path(config_path).read_text()) or {})
-    return validate(cfg)
-
-
-def _merge(base: dict, over: dict) -> None:
-    for key, value in over.items():
-        if isinstance(value, dict) and isinstance(base.get(key), dict):
-            _merge(base[key], value)
-        else:
-            base[key] = value
+        return validate(yaml.safe_load(Path(config_path).read_text()) or {})
+    base_path = workflow / "config.yaml"
+    return validate((yaml.safe_load(base_path.read_text()) or {}) if base_path.exists() else {})
 
 
 def collect(results: Path, cfg: dict, workflow: Path | None = None,
