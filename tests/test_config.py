@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import copy
+import logging
 import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
-from eaglet.config import ConfigError, load, schema, stage_params, validate
+from eaglet.config import (ConfigError, cpu_tunings_on_gpus, load, schema, stage_params,
+                           validate)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SNAKEMAKE = REPO_ROOT / ".venv" / "bin" / "snakemake"
@@ -41,7 +43,8 @@ def lookup(cfg: dict, path: str):
 
 # -- valid configurations --------------------------------------------------------------------
 
-@pytest.mark.parametrize("path", ["config.yaml", "tests/configs/tiny.yaml"])
+@pytest.mark.parametrize("path", ["config.yaml", "tests/configs/tiny.yaml",
+                                  "configs/cpu-large.yaml"])
 def test_repo_configs_validate(path):
     cfg = load(str(REPO_ROOT / path))
 
@@ -61,7 +64,7 @@ def test_empty_config_gets_every_default():
     for path in defaulted_paths(schema()["properties"]):
         lookup(cfg, path)  # KeyError if a default was not filled
     assert cfg["results_dir"] == "results"
-    assert cfg["target"]["dtype"] == "float32"
+    assert cfg["target"]["dtype"] == "bfloat16"
     assert cfg["server"]["port"] == 0
     assert cfg["server"]["extra_args"] == []
     assert cfg["generate"]["concurrency"] == 32
@@ -77,7 +80,7 @@ def test_given_values_are_kept_and_siblings_defaulted():
     assert cfg["generate"]["concurrency"] == 4
     assert cfg["generate"]["temperature"] == 0.0
     assert cfg["server"]["port"] == 8123
-    assert cfg["server"]["enforce_eager"] is True
+    assert cfg["server"]["enforce_eager"] is False
 
 
 def test_source_defaults_are_filled():
@@ -96,6 +99,64 @@ def test_validate_does_not_mutate_its_input():
     validate(config)
 
     assert config == original
+
+
+# -- the schema's defaults are for GPUs; config.yaml holds the CPU demo's settings -----------
+
+def with_gpus(config: dict) -> dict:
+    config = copy.deepcopy(config)
+    config.setdefault("server", {})["gpus"] = 1
+    return config
+
+
+def test_schema_defaults_carry_no_cpu_tuning():
+    """A GPU run that names none of them starts from bfloat16, CUDA graphs, vLLM's own KV
+    cache sizing, and evaluation servers started together only where they fit."""
+    cfg = validate({"server": {"gpus": 1}})
+    assert cpu_tunings_on_gpus(cfg) == []
+    assert (cfg["target"]["dtype"], cfg["server"]["enforce_eager"]) == ("bfloat16", False)
+    assert cfg["server"]["kv_cache_gib"] is None and cfg["server"]["env"] == {}
+    assert cfg["evaluate"]["interleave"] is not True and cfg["train"]["layer_init"] == "random"
+
+
+def test_every_cpu_tuning_of_config_yaml_is_named_with_its_value_in_a_gpu_run(caplog):
+    demo = yaml.safe_load((REPO_ROOT / "config.yaml").read_text())
+    with caplog.at_level(logging.WARNING, logger="eaglet.config"):
+        validate(with_gpus(demo))
+    for key, value in [("target.dtype", "'float32'"), ("server.enforce_eager", "True"),
+                       ("server.kv_cache_gib", "2"), ("evaluate.kv_cache_gib", "0.5"),
+                       ("server.env.VLLM_CPU_NUM_OF_RESERVED_CPU", "'0'"),
+                       ("evaluate.interleave", "True")]:
+        assert f"{key} is {value} in a run on GPUs (server.gpus 1)" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="eaglet.config"):
+        cfg = validate(demo)  # on the CPU they are what the demo needs: no word
+    assert caplog.text == "" and cfg["target"]["dtype"] == "float32"
+
+
+def test_cpu_tunings_are_warned_about_whichever_stage_holds_gpus():
+    config = {"target": {"dtype": "float32"}, "server": {"env": {"NCCL_DEBUG": "INFO"}}}
+    assert cpu_tunings_on_gpus(validate(config)) == []
+    for stage in ("extract", "train"):
+        [warning] = cpu_tunings_on_gpus(validate({**config, stage: {"gpus": 2}}))
+        assert warning.startswith(f"target.dtype is 'float32' in a run on GPUs ({stage}.gpus 2)")
+        assert "set bfloat16" in warning  # the fix; NCCL_DEBUG is no CPU tuning
+
+
+@pytest.mark.parametrize("path, needs", [
+    ("configs/cpu-large.yaml", {"target.dtype": "float32", "server.enforce_eager": True,
+                                "server.kv_cache_gib": 2, "evaluate.kv_cache_gib": 0.5,
+                                "evaluate.interleave": True, "train.layer_init": "target",
+                                "train.loss_on_prompt": True, "extract.max_len": 2048}),
+    ("tests/configs/tiny.yaml", {"target.dtype": "float32", "server.enforce_eager": True,
+                                 "server.kv_cache_gib": 0.5, "train.layer_init": "target",
+                                 "train.loss_on_prompt": True}),
+])
+def test_configs_given_with_configfile_state_the_cpu_settings_they_need(path, needs):
+    """They are validated over the schema's defaults, not merged over config.yaml."""
+    cfg = load(str(REPO_ROOT / path))
+    assert {key: lookup(cfg, key) for key in needs} == needs
+    assert cfg["server"]["env"] == {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
 
 # -- invalid configurations ------------------------------------------------------------------
@@ -159,6 +220,26 @@ def test_range_limits_of_other_keys(config, path):
     assert path in config_error(config)
 
 
+def test_aux_layer_id_0_is_refused_with_the_reason_and_the_fix():
+    """vLLM's DeepSeek-V2/V3 model (DeepSeek, Kimi targets) collects hidden + residual at a
+    layer's input and has no residual at layer 0: id 0 crashes it."""
+    message = config_error({"extract": {"aux_layer_ids": [0, 15, 27]}})
+    assert "extract.aux_layer_ids.0: 0 is less than the minimum of 1" in message
+    assert "no residual at layer 0" in message and "ids from 1 to L-1" in message
+    assert validate({"extract": {"aux_layer_ids": [1, 15, 27]}})["extract"]["aux_layer_ids"] == [
+        1, 15, 27]
+
+
+@pytest.mark.parametrize("section", ["generate", "evaluate"])
+def test_max_tokens_past_the_context_is_refused(section):
+    """vLLM refuses every request whose max_tokens exceeds max_model_len, after the server
+    has started: refused before any stage runs."""
+    message = config_error({"target": {"max_model_len": 1024}, section: {"max_tokens": 1025}})
+    assert (f"{section}.max_tokens 1025 exceeds target.max_model_len 1024" in message
+            and f"lower {section}.max_tokens or raise target.max_model_len" in message)
+    validate({"target": {"max_model_len": 1024}, section: {"max_tokens": 1024}})
+
+
 def test_unknown_key_in_a_data_source_is_rejected():
     message = config_error({"data": {"sources": [{"type": "file", "pth": "x.jsonl"}]}})
 
@@ -201,6 +282,23 @@ def test_snakefile_accepts_a_valid_config(tmp_path):
     run = snakemake_dry_run(tmp_path, {"generate": {"temperature": 0.5}})
 
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_snakefile_reads_config_yaml_only_without_a_configfile(tmp_path):
+    """A --configfile run is validated over the schema's defaults: none of config.yaml's CPU
+    tunings reach a GPU run. Without one (make demo), config.yaml is the run."""
+    own = snakemake_dry_run(tmp_path, {"server": {"gpus": 1}, "evaluate": {"interleave": True}})
+    output = own.stdout + own.stderr
+    assert own.returncode == 0, output
+    assert "evaluate.interleave is True in a run on GPUs" in output  # the warning is shown
+    assert "target.dtype is 'float32'" not in output and "kv_cache_gib is" not in output
+    assert "data/everyday_prompts.jsonl" not in output  # config.yaml's evaluate.prompt_sets
+    demo = subprocess.run(
+        [str(SNAKEMAKE), "-n", "--cores", "1", "--config", f"results_dir={tmp_path / 'demo'}"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    output = demo.stdout + demo.stderr
+    assert demo.returncode == 0, output
+    assert "data/everyday_prompts.jsonl" in output
 
 
 def test_validated_config_is_plain_whatever_the_file_format():

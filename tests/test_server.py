@@ -388,18 +388,18 @@ def test_server_args_from_default_config():
 
     assert server_args(cfg["target"], cfg["server"], "tiny") == [
         "--served-model-name", "tiny",
-        "--dtype", "float32",
+        "--dtype", "bfloat16",
         "--max-model-len", "2048",
         "--tensor-parallel-size", "1",
-        "--enforce-eager",
     ]
 
 
 def test_server_args_with_every_option_set():
     cfg = validate({
         "target": {"dtype": "bfloat16", "max_model_len": 4096},
-        "server": {"tensor_parallel_size": 2, "memory_utilization": 0.4, "kv_cache_gib": 1.5,
-                   "reasoning_parser": "qwen3", "extra_args": ["--max-num-seqs", "64"]},
+        "server": {"tensor_parallel_size": 2, "enforce_eager": True, "memory_utilization": 0.4,
+                   "kv_cache_gib": 1.5, "reasoning_parser": "qwen3",
+                   "extra_args": ["--max-num-seqs", "64"]},
     })
 
     assert server_args(cfg["target"], cfg["server"], "served") == [
@@ -429,8 +429,8 @@ def test_target_server_is_built_from_the_config_with_the_extra_args_last(tmp_pat
     assert (server.model, server.port, server.startup_timeout_s, server.shutdown_grace_s) == (
         "model-dir", 8123, 77, 5)
     assert server.args == [
-        "--served-model-name", "target", "--dtype", "float32", "--max-model-len", "2048",
-        "--tensor-parallel-size", "1", "--enforce-eager", "--max-num-seqs", "8",
+        "--served-model-name", "target", "--dtype", "bfloat16", "--max-model-len", "2048",
+        "--tensor-parallel-size", "1", "--max-num-seqs", "8",
         "--speculative-config", "{}"]
     assert server.proc is None  # built, not started: the caller's `with` starts it
 

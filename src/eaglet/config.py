@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 import os
 from collections.abc import Mapping
 from importlib import resources
@@ -17,6 +18,9 @@ import yaml
 
 if TYPE_CHECKING:
     import jsonschema
+
+
+log = logging.getLogger("eaglet.config")
 
 
 class ConfigError(ValueError):
@@ -63,8 +67,23 @@ def _validator_class():
     return _with_defaults(_strict_integers(jsonschema.Draft202012Validator))
 
 
+# Why a value the schema refuses cannot work, and what to set instead, by key (list indices
+# left out of the path): the schema's own message says only what is allowed.
+FIXES = {
+    "extract.aux_layer_ids": (
+        "aux layer ids start at 1: vLLM collects the state at the input of layer i as hidden "
+        "+ residual, and its DeepSeek-V2/V3 model (DeepSeek, Kimi targets) has no residual at "
+        "layer 0 and crashes (in the others id 0 is the bare token embedding); set "
+        "extract.aux_layer_ids to ids from 1 to L-1 for a target of L decoder layers, or null "
+        "for vLLM's default (2, L//2, L-3)"),
+}
+
+
 def _describe(error: jsonschema.ValidationError) -> str:
     where = ".".join(str(p) for p in error.absolute_path) or "(top level)"
+    fix = FIXES.get(".".join(str(p) for p in error.absolute_path if not isinstance(p, int)))
+    if fix and error.validator == "minimum":
+        return f"{where}: {error.message}: {fix}"
     if error.validator == "additionalProperties":
         allowed = sorted(error.schema.get("properties", {}))
         extra = sorted(set(error.instance) - set(allowed))
@@ -80,7 +99,9 @@ def _describe(error: jsonschema.ValidationError) -> str:
 
 
 def validate(config: dict[str, Any]) -> dict[str, Any]:
-    """Return a validated copy of ``config`` with every default filled in."""
+    """Return a validated copy of ``config`` with every default filled in. Settings that
+    cannot work together are refused; CPU-only settings in a run on GPUs are logged as
+    warnings (:func:`cpu_tunings_on_gpus`)."""
     # plain dicts and lists: Snakemake reads JSON config files into OrderedDicts, whose repr
     # would make every params-dependent rule look changed between a YAML and a JSON config
     cfg = _plain(config)
@@ -99,6 +120,76 @@ def validate(config: dict[str, Any]) -> dict[str, Any]:
             "starts with its capture options, but server.url names a running one: set "
             "server.url: null, or capture_hidden_states: false (extraction then runs as its "
             "own stage)")
+    too_long = answers_past_context(cfg)
+    if too_long:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(too_long))
+    for warning in cpu_tunings_on_gpus(cfg):
+        log.warning(warning)
+    return cfg
+
+
+def answers_past_context(cfg: dict[str, Any]) -> list[str]:
+    """The ``max_tokens`` settings above ``target.max_model_len``: vLLM refuses every request
+    that asks for more tokens than the context holds ("max_tokens=... cannot be greater than
+    max_model_len=..."), so such a run would fail only after its server had started."""
+    limit = cfg["target"]["max_model_len"]
+    return [f"{section}.max_tokens {cfg[section]['max_tokens']} exceeds target.max_model_len "
+            f"{limit}: vLLM refuses every request that asks for more tokens than the context "
+            f"holds; lower {section}.max_tokens or raise target.max_model_len"
+            for section in ("generate", "evaluate") if cfg[section]["max_tokens"] > limit]
+
+
+# Settings config.yaml makes for the CPU demo (its comments say why), by key: whether a value
+# is that CPU tuning, and why it does not suit GPUs.
+CPU_TUNINGS = {
+    "target.dtype": (
+        lambda v: v == "float32",
+        "float32 is for CPUs without native bf16; on GPUs it doubles the target's memory and "
+        "time: set bfloat16"),
+    "server.enforce_eager": (
+        lambda v: v is True,
+        "it saves the CPU server's graph compilation; on GPUs it gives up CUDA graphs, and "
+        "decoding (and every speedup evaluation measures) slows: set false"),
+    "server.kv_cache_gib": (
+        lambda v: v is not None,
+        "a fixed size is for vLLM's CPU engine, which sizes memory from the first NUMA node; "
+        "on GPUs it caps each GPU's KV cache whatever memory is free: set null"),
+    "evaluate.kv_cache_gib": (
+        lambda v: v is not None,
+        "the CPU demo gives its evaluation servers a small fixed size to fit side by side; on "
+        "GPUs it caps each server's KV cache whatever memory is free: set null"),
+    "evaluate.interleave": (
+        lambda v: v is True,
+        "it starts every evaluation server at once, which suits small targets on CPUs; on "
+        "GPUs each server needs the memory of a whole target: set auto (together only where "
+        "they fit) or false"),
+}
+# server.env variables with this prefix tune vLLM's CPU engine only
+CPU_ENV_PREFIX = "VLLM_CPU_"
+
+
+def cpu_tunings_on_gpus(cfg: dict[str, Any]) -> list[str]:
+    """A warning, naming the key and its value, for each CPU-only setting in a config that
+    gives GPUs (server.gpus, extract.gpus or train.gpus): a config copied from the CPU demo's
+    config.yaml would carry them silently into a GPU run. Warnings, not errors: each still
+    runs, only worse."""
+    gpus = [f"{stage}.gpus {cfg[stage]['gpus']}" for stage in ("server", "extract", "train")
+            if cfg[stage]["gpus"]]
+    if not gpus:
+        return []
+    found = [(key, lookup(cfg, key), why) for key, (is_cpu_tuning, why) in CPU_TUNINGS.items()
+             if is_cpu_tuning(lookup(cfg, key))]
+    found += [(f"server.env.{name}", value, "VLLM_CPU_* variables tune vLLM's CPU engine and "
+               "do nothing on GPUs: remove it")
+              for name, value in cfg["server"]["env"].items() if name.startswith(CPU_ENV_PREFIX)]
+    return [f"{key} is {value!r} in a run on GPUs ({', '.join(gpus)}): {why}"
+            for key, value, why in found]
+
+
+def lookup(cfg: dict[str, Any], key: str) -> Any:
+    """The value of a dotted ``key`` such as ``server.kv_cache_gib``."""
+    for part in key.split("."):
+        cfg = cfg[part]
     return cfg
 
 

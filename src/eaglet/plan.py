@@ -360,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     from eaglet.status import load_run_config
     parser = argparse.ArgumentParser(prog="eaglet plan", description=__doc__.splitlines()[0])
     parser.add_argument("--results", default=None, help="results directory (default: the config's)")
-    parser.add_argument("--config", default=None, help="config file merged over config.yaml")
+    parser.add_argument("--config", default=None,
+                        help="the run's config file, over the schema's defaults (not config.yaml)")
     parser.add_argument("--workflow", default=".", help="workflow directory (its config.yaml)")
     parser.add_argument("--preset", action="append", choices=sorted(PRESETS), default=[],
                         help="plan for a named target shape instead of the run's target "
