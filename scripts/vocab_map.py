@@ -7,6 +7,6 @@ from eaglet.vocab import build_vocab_map
 smk = snakemake  # noqa: F821 (injected by Snakemake)
 run_stage("vocab_map", smk.log[0], lambda: build_vocab_map(
     read_jsonl(smk.input.data),
-    vocab_size=load_text_config(read_target(smk.input.target)["path"]).vocab_size,
+    vocab_size=load_text_config(read_target(smk.input.target)["path"])["vocab_size"],
     draft_vocab_size=smk.params.draft_vocab_size,
     out_path=smk.output.map, stats_path=smk.output.stats))

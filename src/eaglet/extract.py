@@ -647,7 +647,7 @@ def hidden_size_of(info: dict) -> int:
         return info["hidden_size"]
     from eaglet.target import load_text_config
 
-    return load_text_config(info["path"]).hidden_size
+    return load_text_config(info["path"])["hidden_size"]
 
 
 def shard_problem(meta_path: Path, shard_file: Path, expected: dict) -> str | None:
@@ -675,7 +675,7 @@ def build_manifest(cfg: dict, target_json: str, data_path: str, num_shards: int,
 
     ext = cfg["extract"]
     info = read_json(target_json)
-    num_layers = load_text_config(info["path"]).num_hidden_layers
+    num_layers = load_text_config(info["path"])["num_hidden_layers"]
     expected = {"aux_layer_ids": resolve_aux_layer_ids(ext["aux_layer_ids"], num_layers),
                 "dtype": ext["dtype"], "target": target_identity(info)}
     jobs = [(Path(hidden_dir), data_path, num_shards, index) for index in range(num_shards)]

@@ -13,6 +13,7 @@ import importlib.metadata
 import json
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -73,12 +74,16 @@ def dequantize_gguf(gguf: Path, out_dir: Path, dtype: str = "float32") -> None:
 
 def snapshot(hub_id: str) -> str:
     """Local directory of a hub model (downloaded once into the HF cache). Later stages read
-    the target's files directly, so a hub id is resolved to its snapshot here."""
+    the target's files directly, so a hub id is resolved to its snapshot here: the weights
+    and everything its tokenizer and config need, the code of a model that ships its own
+    (tokenization_*.py, configuration_*.py: Kimi's tiktoken tokenizer) included."""
     from huggingface_hub import snapshot_download
 
+    files = ["*.json", "*.safetensors", "*.jinja", "*.txt",  # config, weights, templates
+             "*.py",  # the model's own code: tokenization_*.py, configuration_*.py
+             "*.model", "*.tiktoken"]  # sentencepiece / tiktoken vocabularies (tiktoken.model)
     try:
-        return snapshot_download(hub_id, allow_patterns=["*.json", "*.safetensors", "*.model",
-                                                         "*.txt", "*.jinja", "*.tiktoken"])
+        return snapshot_download(hub_id, allow_patterns=files)
     except Exception as exc:  # offline, gated, or a typo: say which id and what to do
         raise TargetError(
             f"could not get the target {hub_id!r} from the Hugging Face hub ({exc}). Check the "
@@ -88,7 +93,9 @@ def snapshot(hub_id: str) -> str:
 
 def model_identity(model_dir: Path) -> dict:
     """What distinguishes one set of target weights from another, cheaply: the config and
-    the names and sizes of the weight files (hashing a 1T model's weights is not cheap)."""
+    the names and sizes of the weight files (hashing a 1T model's weights is not cheap).
+    Layers, hidden size and vocabulary are the language model's: a multimodal wrapper
+    (Kimi-K2.5) nests them in ``text_config``."""
     config = json.loads((model_dir / "config.json").read_text())
     weights = sorted(p for p in model_dir.iterdir()
                      if p.suffix in (".safetensors", ".bin") and p.is_file())
@@ -97,24 +104,42 @@ def model_identity(model_dir: Path) -> dict:
         digest.update(f"{path.name}:{path.stat().st_size}".encode())
     return {"config_sha256": digest.hexdigest(),
             "architectures": config.get("architectures"),
-            "num_hidden_layers": config.get("num_hidden_layers"),
-            "hidden_size": config.get("hidden_size"),
-            "vocab_size": config.get("vocab_size")}
+            **_text_model_shape(config)}
+
+
+def _text_model_shape(config: dict) -> dict:
+    """The language model's layers, hidden size and vocabulary from a config.json, whether
+    they sit at its top level or in a wrapper's ``text_config``."""
+    text = text_config(config)
+    return {key: text.get(key, config.get(key))
+            for key in ("num_hidden_layers", "hidden_size", "vocab_size")}
 
 
 def check_run_fits(info: dict, draft_vocab_size: int | None = None,
                    aux_layer_ids: list[int] | None = None) -> None:
     """Refuse settings the target cannot honour, before generation spends hours: a draft
-    vocabulary larger than the target's, aux layer ids past its decoder layers."""
-    name, vocab, layers = info.get("spec"), info.get("vocab_size"), info.get("num_hidden_layers")
+    vocabulary larger than the target's, aux layer ids vLLM cannot capture (0, or past its
+    decoder layers). ``info`` is a target.json; one written before it recorded a wrapper's
+    text model has its shape read from the target's config.json."""
+    name = info.get("spec")
+    shape = {k: info.get(k) for k in ("num_hidden_layers", "vocab_size")}
+    config_json = Path(info.get("path") or "") / "config.json"
+    if None in shape.values() and info.get("path") and config_json.is_file():
+        shape = _text_model_shape(json.loads(config_json.read_text()))
+    vocab, layers = shape["vocab_size"], shape["num_hidden_layers"]
     if draft_vocab_size is not None and vocab is not None and draft_vocab_size > vocab:
         raise TargetError(f"vocab.draft_vocab_size {draft_vocab_size} exceeds the vocabulary of "
                           f"the target {name} ({vocab} tokens): set it to at most {vocab}")
+    if aux_layer_ids and 0 in aux_layer_ids:
+        raise TargetError(f"extract.aux_layer_ids {list(aux_layer_ids)}: vLLM cannot capture id "
+                          f"0 from every target (its DeepSeek-V2/V3 model has no residual at "
+                          f"layer 0's input and crashes); pick ids from 1 or null for vLLM's "
+                          f"default (2, L//2, L-3)")
     if aux_layer_ids and layers is not None:
-        bad = [i for i in aux_layer_ids if not 0 <= i < layers]
+        bad = [i for i in aux_layer_ids if not 1 <= i < layers]
         if bad:
             raise TargetError(f"extract.aux_layer_ids {list(aux_layer_ids)}: {bad} outside "
-                              f"0..{layers - 1}, the {layers} decoder layers of the target {name} "
+                              f"1..{layers - 1}, the {layers} decoder layers of the target {name} "
                               f"(id i is the input of layer i); pick ids in that range or null "
                               f"for vLLM's default")
 
@@ -161,12 +186,11 @@ def read_target(target_json: str | os.PathLike) -> dict:
     return read_json(target_json)
 
 
-def load_text_config(path: str):
-    """The target's (text) model config, from a local directory or the hub cache."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(path)
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
+def load_text_config(path: str | Path) -> dict:
+    """The language model's part of the config.json of the target at ``path`` (a local
+    directory: target.json holds the hub cache's). Read as JSON: a config shipped as code
+    (trust_remote_code) needs none of its code run to give its layers, widths, vocabulary."""
+    return text_config(read_target_config(path))
 
 
 # -- reading the target's checkpoint: the pieces the drafter shares or starts from ----------
@@ -181,10 +205,48 @@ def text_config(config: dict) -> dict:
     return config.get("text_config") or config
 
 
-# plain causal LMs, then the text model inside multimodal wrappers (both layouts)
-EMBEDDING_NAMES = ["model.embed_tokens.weight", "embed_tokens.weight",
-                   "model.language_model.embed_tokens.weight",
-                   "language_model.model.embed_tokens.weight"]
+@dataclass(frozen=True)
+class Layout:
+    """Where a checkpoint keeps its language model: ``prefix`` holds ``embed_tokens`` and
+    ``norm``, ``lm_head`` is the output projection's name, and decoder layer N sits under
+    the first of ``layers`` (+ "N.") that the checkpoint has (``prefix`` + "layers." if none
+    is given)."""
+    prefix: str
+    lm_head: str
+    layers: tuple[str, ...] = ()
+
+    @property
+    def embedding(self) -> str:
+        return f"{self.prefix}embed_tokens.weight"
+
+    @property
+    def final_norm(self) -> str:
+        return f"{self.prefix}norm.weight"
+
+    def layer_prefixes(self, layer: int) -> list[str]:
+        return [f"{container}{layer}." for container in self.layers or (f"{self.prefix}layers.",)]
+
+
+LAYOUTS = [
+    # a causal LM: LlamaForCausalLM, DeepseekV3ForCausalLM, Qwen3MoeForCausalLM, ...
+    Layout("model.", "lm_head.weight"),
+    # a multimodal wrapper around a whole causal LM as hub checkpoints name it: Kimi-K2.5
+    # (KimiK25ForConditionalGeneration), LLaVA, Llama 4, Mistral 3. Layers are
+    # language_model.model.layers.N.; legacy NVFP4 Kimi checkpoints say language_model.layers.N.
+    # (vLLM's kimi_k25 maps both). transformers 5.19 saves a Kimi_K25ForConditionalGeneration's
+    # layers as language_model.model.blocks.N. (its vision tower's blocks->layers rename run
+    # backwards); no served checkpoint uses that name and it is not read here.
+    Layout("language_model.model.", "language_model.lm_head.weight",
+           ("language_model.model.layers.", "language_model.layers.")),
+    # a multimodal wrapper as transformers >= 4.52 saves it and newer hub checkpoints name it
+    # (Qwen3-VL, Gemma 3): model.language_model.layers.N., the lm_head at the top
+    Layout("model.language_model.", "lm_head.weight"),
+    # a bare decoder saved alone (LlamaModel): layers.N., an lm_head only if tied
+    Layout("", "lm_head.weight"),
+]
+# the names every layout gives these tensors (other modules read them through _read_tensor)
+EMBEDDING_NAMES = [layout.embedding for layout in LAYOUTS]
+FINAL_NORM_NAMES = [layout.final_norm for layout in LAYOUTS]
 
 
 def _weight_files(target_dir: Path) -> dict[str, Path]:
@@ -211,38 +273,110 @@ def _read_tensor(files: dict[str, Path], candidates: list[str], what: str, targe
     raise KeyError(f"{target_dir} holds no {what} (looked for {', '.join(candidates)})")
 
 
+def checkpoint_layout(files: dict[str, Path], target_dir) -> Layout:
+    """The layout whose token embedding the checkpoint holds: read from its tensor names, so
+    a wrapper is recognized whatever its architecture is called."""
+    for layout in LAYOUTS:
+        if layout.embedding in files:
+            return layout
+    raise KeyError(f"{target_dir} holds no token embedding under any known layout (looked for "
+                   f"{', '.join(EMBEDDING_NAMES)}); its tensors start "
+                   f"{', '.join(sorted(files)[:3])}")
+
+
+def layer_prefix(files: dict[str, Path], layout: Layout, layer: int) -> str:
+    """The prefix of decoder layer ``layer``'s tensors: the first of the layout's layer
+    containers that holds any tensor (the first one when none does)."""
+    prefixes = layout.layer_prefixes(layer)
+    return next((p for p in prefixes if any(name.startswith(p) for name in files)), prefixes[0])
+
+
 def load_target_embedding(target_dir: str | Path) -> torch.Tensor:
     """The target's token embedding [V, H], read alone from its safetensors: the rest of the
     target is never loaded."""
     target_dir = Path(target_dir)
-    return _read_tensor(_weight_files(target_dir), EMBEDDING_NAMES, "token embedding", target_dir)
+    files = _weight_files(target_dir)
+    layout = checkpoint_layout(files, target_dir)
+    return _read_tensor(files, [layout.embedding], "token embedding", target_dir)
+
+
+def tied_embeddings(config: dict) -> bool:
+    """Whether the lm_head is the embedding: a wrapper may say so at its top or in its
+    ``text_config``."""
+    return bool(config.get("tie_word_embeddings", text_config(config).get("tie_word_embeddings",
+                                                                          False)))
 
 
 def load_target_lm_head(target_dir: str | Path, draft_to_target: torch.Tensor) -> torch.Tensor:
     """The target's lm_head rows of the draft vocabulary [Vd, H] (the embedding when tied)."""
     target_dir = Path(target_dir)
-    config = read_target_config(target_dir)
     files = _weight_files(target_dir)
-    heads = ["lm_head.weight", "model.lm_head.weight", "language_model.lm_head.weight"]
-    if config.get("tie_word_embeddings", False) or not any(n in files for n in heads):
-        heads += EMBEDDING_NAMES
+    layout = checkpoint_layout(files, target_dir)
+    heads = [layout.lm_head]
+    if tied_embeddings(read_target_config(target_dir)) or layout.lm_head not in files:
+        heads.append(layout.embedding)
     return _read_tensor(files, heads, "lm_head", target_dir)[draft_to_target].contiguous()
 
 
-LAYER_PREFIXES = ["model.layers.{i}.", "layers.{i}.", "model.language_model.layers.{i}."]
-FINAL_NORM_NAMES = ["model.norm.weight", "norm.weight", "model.language_model.norm.weight"]
-LAYER_WEIGHTS = ["input_layernorm.weight", "post_attention_layernorm.weight",
-                 "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                 "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
-                 "mlp.down_proj.weight"]
-
-
-def load_target_layer(target_dir: str | Path, layer: int) -> dict[str, torch.Tensor]:
-    """The weights of the target's decoder layer ``layer`` (named without their prefix) and
-    its final norm (as ``norm``), read alone from its safetensors."""
+def load_target_final_norm(target_dir: str | Path) -> torch.Tensor:
+    """The weight [H] of the target's final norm, read alone from its safetensors."""
     target_dir = Path(target_dir)
     files = _weight_files(target_dir)
-    out = {name: _read_tensor(files, [p.format(i=layer) + name for p in LAYER_PREFIXES],
-                              f"layer {layer} {name}", target_dir) for name in LAYER_WEIGHTS}
-    out["norm"] = _read_tensor(files, FINAL_NORM_NAMES, "final norm", target_dir)
+    layout = checkpoint_layout(files, target_dir)
+    return _read_tensor(files, [layout.final_norm], "final norm", target_dir)
+
+
+# the shape and dtype of a stored tensor, read from the safetensors header alone
+TensorMeta = tuple[tuple[int, ...], str]
+_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+def _layer_names(target_dir: Path, layer: int) -> tuple[dict[str, Path], dict[str, str]]:
+    """The checkpoint's files and the tensors of decoder layer ``layer`` plus its final norm
+    (``norm``): short name -> stored name."""
+    files = _weight_files(target_dir)
+    layout = checkpoint_layout(files, target_dir)
+    prefix = layer_prefix(files, layout, layer)
+    names = {name[len(prefix):]: name for name in files if name.startswith(prefix)}
+    if layout.final_norm in files:
+        names["norm"] = layout.final_norm
+    return files, names
+
+
+def target_layer_meta(target_dir: str | Path, layer: int) -> dict[str, TensorMeta]:
+    """Shape and dtype of every tensor of decoder layer ``layer`` (named without its prefix)
+    and of the final norm (``norm``), from the safetensors headers: no tensor is read, so a
+    MoE layer of gigabytes costs nothing to inspect. Empty when the layer is not found."""
+    target_dir = Path(target_dir)
+    files, names = _layer_names(target_dir, layer)
+    meta = {}
+    for file in sorted({files[stored] for stored in names.values()}):
+        with safe_open(str(file), framework="pt") as handle:
+            for short, stored in names.items():
+                if files[stored] == file:
+                    piece = handle.get_slice(stored)
+                    dtype = piece.get_dtype()
+                    meta[short] = (tuple(piece.get_shape()),
+                                   _SAFETENSORS_DTYPES.get(dtype, dtype.lower()))
+    return meta
+
+
+def load_target_layer(target_dir: str | Path, layer: int,
+                      names: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """The weights of the target's decoder layer ``layer`` (named without their prefix) and
+    its final norm (as ``norm``), read alone from its safetensors: all of them, or only
+    ``names`` (``target_layer_meta`` says what there is without reading)."""
+    target_dir = Path(target_dir)
+    files, stored = _layer_names(target_dir, layer)
+    wanted = list(stored) if names is None else list(names)
+    missing = [name for name in wanted if name not in stored]
+    if missing or not wanted:
+        raise KeyError(f"{target_dir} holds no {', '.join(missing) or 'tensor'} of decoder layer "
+                       f"{layer} (looked under "
+                       f"{' and '.join(checkpoint_layout(files, target_dir).layer_prefixes(layer))})")
+    out = {}
+    for file in sorted({files[stored[name]] for name in wanted}):
+        with safe_open(str(file), framework="pt") as handle:
+            out.update({name: handle.get_tensor(stored[name]) for name in wanted
+                        if files[stored[name]] == file})
     return out
