@@ -530,3 +530,20 @@ def test_status_plans_the_evaluation_as_the_stage_places_its_servers(tmp_path, m
         runs = len(evaluate.run_plan(cfg["evaluate"])[0])
         assert plans[name].basis.startswith(f"{runs + (2 if name == 'small' else 1)} vLLM runs")
     assert "side by side" in plans["small"].basis and "one at a time" in plans["large"].basis
+
+
+def test_ngram_that_proposes_nothing_is_reported_but_a_drafter_that_drafts_nothing_fails():
+    """ngram proposes only where an n-gram recurs in the context: on short, unrepeated answers
+    it drafts nothing, which is a result, not a server that ignored its config. An EAGLE-3
+    drafter proposes at every step, so no drafts there means the config was not applied."""
+    from eaglet.evaluate import EvaluationError, _run_result
+
+    nothing = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_position": []}
+    level = {"set": "heldout", "concurrency": 1, "output_tokens": 32, "wall_s": 1.0,
+             "output_tokens_per_s": 32.0, "_delta": nothing, **acceptance(nothing, 3)}
+    ngram = _run_result({"name": "ngram_k3", "method": "ngram", "k": 3}, [level],
+                        {"heldout": []}, "ngram.log")
+    assert ngram["drafts"] == 0 and ngram["acceptance_length"] is None
+    with pytest.raises(EvaluationError, match="eagle3_k3: vLLM served without drafting"):
+        _run_result({"name": "eagle3_k3", "method": "eagle3", "k": 3, "drafter": "d"}, [level],
+                    {"heldout": []}, "eagle3.log")

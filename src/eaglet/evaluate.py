@@ -496,9 +496,13 @@ def _run_result(run: dict, levels: list[dict], prompt_sets: dict, log_path: str)
               "output_tokens": sum(lv["output_tokens"] for lv in levels),
               **acceptance(total, run.get("k"))}
     if spec is not None and not result["drafts"]:
-        raise EvaluationError(
-            f"{name}: vLLM served without drafting anything (no spec-decode drafts in "
-            f"/metrics): the speculative config was not applied. Server log: {log_path}")
+        if run["method"] == "ngram":  # proposes only where an n-gram of the context recurs
+            log.warning("%s: ngram proposed no draft on these prompts (no n-gram of a prompt "
+                        "or answer recurred in it)", name)
+        else:  # a drafter model proposes at every step it is given
+            raise EvaluationError(
+                f"{name}: vLLM served without drafting anything (no spec-decode drafts in "
+                f"/metrics): the speculative config was not applied. Server log: {log_path}")
     for lv in levels:
         log.info("%s: %s at concurrency %d: %d tokens in %.1f s (%.1f tok/s)%s", name,
                  lv["set"], lv["concurrency"], lv["output_tokens"], lv["wall_s"],
