@@ -1,0 +1,241 @@
+"""A miniature of a target: the same architecture at toy widths, random weights, taught the
+target's chat format, for `eaglet rehearse`.
+
+Built from the target's config and tokenizer files alone (no weights): the config keeps its
+class, model_type, attention and MoE kind, special tokens, chat template and vocabulary;
+only widths, depths and expert counts shrink. Head shapes stay the target's: the engine's
+kernels accept the shapes real models have (the CPU MLA kernel refused a 16+8 head), and a
+miniature that the engine refuses for a shape of its own would rehearse nothing.
+
+A random model emits random tokens: no reasoning wrapper, no end of turn, nothing for a
+reasoning parser to split. So the miniature is taught the target's format for a few
+minutes: conversations rendered through the target's own chat template with the run's
+template variables, each answer a short reasoning (where the template renders one) and a
+recorded answer, so that greedy generation emits the wrapper tokens and ends its turn.
+
+A multimodal wrapper (a config with ``text_config``) is built as its language model: on the
+CPU engine the wrapper's processors cannot load (they import torchvision, which no wheel
+for this torch provides), and the drafter reads the language model alone either way. The
+rehearsal reports this as a part it cannot show.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import shutil
+import time
+from pathlib import Path
+
+log = logging.getLogger("eaglet.miniature")
+
+# The toy widths. Keys absent from a config are skipped; a key the config sets to null
+# stays null (q_lora_rank null means no query compression, an architecture choice).
+WIDTHS = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 64,
+    "num_attention_heads": 4,
+    "q_lora_rank": 64,
+}
+LAYERS = 8  # vLLM's default aux layers (2, L//2, L-3) are distinct from 7 layers on
+EXPERT_COUNTS = {"n_routed_experts": 8, "num_experts": 8, "num_local_experts": 8,
+                 "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1}
+# dropped: the miniature is float32 and unquantized on the CPU engine
+DROPPED = ("quantization_config", "auto_map")
+
+# Tokens of one taught answer, and the teaching budget.
+ANSWERS = ["Yes, this is a short answer.", "No, that is not right.",
+           "Here is what I would do first.", "It depends on the case.",
+           "That is a good question.", "I think the answer is yes."]
+REASONING = ["The user asks a question. I will answer briefly.",
+             "The user wants to know something. A short answer is best."]
+TEACH_SAMPLES = 160
+# teaching stops early once every one of the last LEARNED_STEPS steps was under LEARNED_LOSS
+LEARNED_STEPS, LEARNED_LOSS = 20, 0.05
+
+
+class MiniatureError(RuntimeError):
+    pass
+
+
+def shrink(text: dict) -> tuple[dict, list[str]]:
+    """The text config at toy widths, and a line for every value changed."""
+    out = {k: v for k, v in text.items() if k not in DROPPED}
+    changes = [f"{k} dropped" for k in DROPPED if k in text]
+    old_layers = text.get("num_hidden_layers")
+    for key, value in {**WIDTHS, **EXPERT_COUNTS}.items():
+        if out.get(key) is None:
+            continue
+        new = min(out[key], value) if key in EXPERT_COUNTS else value
+        if new != out[key]:
+            changes.append(f"{key} {out[key]} -> {new}")
+            out[key] = new
+    heads, kv = text.get("num_attention_heads"), text.get("num_key_value_heads")
+    if heads and kv:  # keep grouped-query attention grouped
+        out["num_key_value_heads"] = out["num_attention_heads"] if kv == heads else max(1, min(kv, 2))
+        changes.append(f"num_key_value_heads {kv} -> {out['num_key_value_heads']}")
+    if heads and "head_dim" not in text and not text.get("kv_lora_rank"):
+        # no explicit head size: the target's hidden/heads, which the engine's kernels accept
+        out["head_dim"] = text["hidden_size"] // heads
+        changes.append(f"head_dim {out['head_dim']} kept (hidden_size/num_attention_heads)")
+    if old_layers:
+        out["num_hidden_layers"] = min(old_layers, LAYERS)
+        changes.append(f"num_hidden_layers {old_layers} -> {out['num_hidden_layers']}")
+        for key, value in text.items():  # per-layer lists (layer_types, ...) keep their head
+            if isinstance(value, list) and len(value) == old_layers:
+                out[key] = value[:out["num_hidden_layers"]]
+    if isinstance(out.get("first_k_dense_replace"), int):
+        out["first_k_dense_replace"] = min(out["first_k_dense_replace"], 1)
+    out["torch_dtype"] = out["dtype"] = "float32"
+    out["use_cache"] = True
+    return out, changes
+
+
+def tokenizer_files(source: Path) -> list[Path]:
+    """The files of ``source`` a tokenizer and its chat template need (no weights)."""
+    keep = {".json", ".py", ".model", ".tiktoken", ".jinja", ".txt"}
+    return [p for p in sorted(source.iterdir())
+            if p.is_file() and p.suffix in keep and p.name != "config.json"
+            and not p.name.endswith(".index.json")]
+
+
+def build(source: Path, out: Path, *, trust_remote_code: bool, template_kwargs: dict | None,
+          reasoning: bool, teach_seconds: float = 150.0, seed: int = 0) -> dict:
+    """Write the miniature of the target whose files are in ``source`` to ``out`` (a model
+    directory vLLM serves and eaglet reads), taught the chat format; return what was built."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    # the config class transformers (or the target's own code) gives these files; a
+    # wrapper's language model is its text config (transformers maps Kimi's kimi_k2 to
+    # deepseek_v3 there, as vLLM does)
+    full = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+    text = full.get_text_config() if hasattr(full, "get_text_config") else full
+    wrapped = text is not full
+    small, changes = shrink(text.to_dict())
+    out.mkdir(parents=True, exist_ok=True)
+    for path in tokenizer_files(source):
+        shutil.copy2(path, out / path.name)
+    tokenizer = AutoTokenizer.from_pretrained(out, trust_remote_code=trust_remote_code)
+    small_config = type(text).from_dict(small)
+    small_config.architectures = None  # the class transformers builds says it
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(small_config, dtype=torch.float32)
+    if model.get_input_embeddings().weight.shape[0] < len(tokenizer):
+        raise MiniatureError(f"the tokenizer has {len(tokenizer)} tokens, more than the "
+                             f"config's vocab_size {small.get('vocab_size')}")
+    sequences = format_samples(tokenizer, template_kwargs or {}, reasoning)
+    taught = teach(model, sequences, teach_seconds)
+    model.save_pretrained(out, safe_serialization=True)
+    # the target's own generation config (its stop tokens: a chat turn ends at <|im_end|>,
+    # not at the config's eos), which save_pretrained wrote over
+    if (source / "generation_config.json").exists():
+        shutil.copy2(source / "generation_config.json", out / "generation_config.json")
+    info = {"architecture": type(model).__name__,
+            "wrapper": getattr(full, "architectures", None) if wrapped else None,
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "changes": changes, "taught": taught}
+    (out / "miniature.json").write_text(json.dumps(info, indent=1))
+    return info
+
+
+def format_samples(tokenizer, template_kwargs: dict, reasoning: bool,
+                   n: int = TEACH_SAMPLES) -> list[tuple[list[int], int]]:
+    """Token ids of ``n`` conversations in the target's format, with the length of each
+    one's prompt (the rendering with the generation prompt): recorded ShareGPT first turns,
+    each answered from a small pool of short answers after a short reasoning where the run
+    has a reasoning parser. A pool of common words, not each prompt's own answer: a toy
+    model learns a few answers in minutes, and ends its turn after them; free text it only
+    loops on, never closing the reasoning or the turn."""
+    from eaglet.prompts import load_source
+    from eaglet.template_check import render_conversation_ids, render_ids
+
+    records, _ = load_source({"type": "sharegpt", "limit": 4 * n, "max_prompt_chars": 160})
+    out = []
+    for i, record in enumerate(records[:n]):
+        # as generation records an answer; rendered as the template check renders it (a
+        # template that blanks the last answer's reasoning gets it back where a model emits it)
+        answer = {"messages": record["messages"], "content": ANSWERS[i % len(ANSWERS)],
+                  "reasoning": REASONING[i % len(REASONING)] if reasoning else None,
+                  "chat_template_kwargs": template_kwargs}
+        prompt = render_ids(tokenizer, record["messages"], True, template_kwargs)
+        whole = render_conversation_ids(tokenizer, answer)
+        start = next((j for j, (a, b) in enumerate(zip(prompt, whole)) if a != b),
+                     min(len(prompt), len(whole)))
+        out.append((whole, start))
+    return out
+
+
+def teach(model, sequences: list[tuple[list[int], int]], seconds: float,
+          batch: int = 8, lr: float = 3e-3) -> dict:
+    """Train ``model`` on the answers of ``sequences`` (prompt tokens are context only) for
+    about ``seconds``; return the steps, epochs and the first and last loss.
+
+    The softmax runs over the answers' own tokens only: a target's vocabulary (160K rows)
+    on every answer row was most of a step's time, and the tokens left out keep the near-zero
+    logits of their random rows, far below what the taught ones reach, so greedy decoding
+    never picks them."""
+    import torch
+
+    taught = torch.tensor(sorted({t for ids, start in sequences for t in ids[start:]}))
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    column = torch.full((embed.weight.shape[0],), -1, dtype=torch.long)
+    column[taught] = torch.arange(taught.numel())
+    # the taught tokens' rows train apart from the vocabulary's (a target's 160K rows in
+    # the optimizer made a step ten times slower) and are written back after; tied
+    # embeddings share one set of rows
+    tied = head.weight.data_ptr() == embed.weight.data_ptr()
+    out_rows = torch.nn.Parameter(head.weight.detach()[taught].clone())
+    in_rows = out_rows if tied else torch.nn.Parameter(embed.weight.detach()[taught].clone())
+    embed.weight.requires_grad_(False)
+    head.weight.requires_grad_(False)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad] + [out_rows] + ([] if tied else [in_rows])
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    started, step, losses = time.monotonic(), 0, []
+    order = list(range(len(sequences)))
+    rng = random.Random(0)
+    while time.monotonic() - started < seconds:
+        if step % math.ceil(len(order) / batch) == 0:
+            rng.shuffle(order)
+        chosen = [sequences[i] for i in order[(step * batch) % len(order):][:batch]]
+        width = max(len(ids) for ids, _ in chosen)
+        ids = torch.zeros(len(chosen), width, dtype=torch.long)
+        labels = torch.full((len(chosen), width), -100, dtype=torch.long)
+        mask = torch.zeros(len(chosen), width, dtype=torch.long)
+        for row, (seq, start) in enumerate(chosen):
+            ids[row, :len(seq)] = torch.tensor(seq)
+            labels[row, start:len(seq)] = torch.tensor(seq[start:])
+            mask[row, :len(seq)] = 1
+        where = column[ids]
+        inputs = torch.where((where >= 0)[..., None], in_rows[where.clamp(min=0)],
+                             embed.weight.detach()[ids])
+        hidden = model.get_decoder()(inputs_embeds=inputs, attention_mask=mask).last_hidden_state
+        rows = labels[:, 1:] != -100
+        logits = hidden[:, :-1][rows] @ out_rows.T
+        loss = torch.nn.functional.cross_entropy(logits.float(), column[labels[:, 1:][rows]])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+        step += 1
+        if len(losses) >= LEARNED_STEPS and max(losses[-LEARNED_STEPS:]) < LEARNED_LOSS:
+            break  # the answers are learned: greedy decoding follows them to the end of turn
+        if step % 20 == 0:
+            log.info("teaching step %d: loss %.3f (%.0f s)", step, losses[-1],
+                     time.monotonic() - started)
+    with torch.no_grad():
+        embed.weight[taught] = in_rows.detach()
+        head.weight[taught] = out_rows.detach()
+    embed.weight.requires_grad_(True)
+    head.weight.requires_grad_(True)
+    model.eval()
+    log.info("taught the chat format: %d steps in %.0f s, loss %.2f -> %.2f", step,
+             time.monotonic() - started, losses[0], losses[-1])
+    return {"steps": step, "samples": len(sequences), "answer_tokens": int(taught.numel()),
+            "epochs": round(step * batch / len(sequences), 1),
+            "loss_first": round(losses[0], 3), "loss_last": round(losses[-1], 3)}

@@ -1,0 +1,398 @@
+"""`eaglet rehearse`: the user's own run config, end to end on a miniature of their target,
+before the real run spends GPU-hours.
+
+The target's config and tokenizer files (kilobytes: from a local directory, or from the hub
+without weights) become a miniature of the same architecture (``eaglet.miniature``), taught
+the target's chat format. The workflow then runs on it with the user's config: the same
+reasoning parser, template variables, trust_remote_code, extraction backend and storage
+dtype, aux layers chosen as vLLM would, the drafter settings, evaluation with vLLM's spec
+decode and the offline replay. Only what cannot run here is scaled down (sizes, GPUs,
+tensor parallelism, prompt counts), each such change listed. Then it prints, stage by
+stage, what held and what would have failed, with the setting to change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from eaglet.io import read_json, read_jsonl, write_json
+
+log = logging.getLogger("eaglet.rehearse")
+
+REPO = Path(__file__).resolve().parents[2]
+
+# What the rehearsal scales down, and why: sizes that fit 2 CPU cores in minutes. Everything
+# else in the user's config is rehearsed as it is.
+SCALE = {
+    "target.dtype": ("float32", "the CPU engine computes in float32 (bf16 is emulated)"),
+    "target.max_model_len": (1024, "the miniature's answers are short"),
+    "server.gpus": (0, "the CPU engine"),
+    "server.tensor_parallel_size": (1, "one CPU process (tensor parallelism not rehearsed)"),
+    "server.enforce_eager": (True, "no graph capture on the CPU engine"),
+    "server.memory_utilization": (None, "the KV cache is given a size"),
+    "server.kv_cache_gib": (0.5, "the miniature's KV cache"),
+    "server.url": (None, "the rehearsal starts its own server"),
+    "server.env": ({"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}, "compute on every core"),
+    "generate.max_tokens": (64, "short answers"),
+    "generate.concurrency": (8, "the miniature's prompts"),
+    "extract.gpus": (0, "CPU"),
+    "extract.num_shards": (2, "the miniature's data"),
+    "extract.max_len": (1024, "the miniature's answers are short"),
+    "extract.concurrency": (8, "the miniature's prompts"),
+    "extract.aux_layer_ids": (None, "vLLM's default for the miniature's depth (the run's "
+                                    "own ids are checked against the target's depth)"),
+    "train.gpus": (0, "CPU"),
+    "train.epochs": (2, "minutes, not hours"),
+    "train.max_tokens_per_batch": (512, "the miniature's data"),
+    "train.max_len": (None, "the miniature's data"),
+    "evaluate.max_prompts": (4, "minutes, not hours"),
+    "evaluate.max_tokens": (32, "minutes, not hours"),
+    "evaluate.concurrency": ([1, 4], "the sweep's ends, scaled"),
+    "evaluate.rounds": (1, "minutes, not hours"),
+    "evaluate.kv_cache_gib": (0.25, "the miniature's KV cache"),
+    "evaluate.schedule": (False, "one engine run less (the schedule check is a rerun of the "
+                                 "same engine path)"),
+    "evaluate.prompt_sets": ([], "the held-out split only"),
+    "evaluate.ngram": (False, "one server less: ngram is vLLM's, not the run's"),
+}
+DRAFT_VOCAB = 1024  # at most: the miniature's answers use a few thousand distinct tokens
+
+
+class RehearsalError(RuntimeError):
+    pass
+
+
+@dataclass
+class Check:
+    stage: str
+    ok: bool | None  # None: not shown here (why in ``detail``)
+    detail: str
+    fix: str = ""
+
+
+@dataclass
+class Report:
+    checks: list[Check] = field(default_factory=list)
+    scaled: list[str] = field(default_factory=list)
+    times: dict[str, float] = field(default_factory=dict)
+    plan: str = ""
+
+    def add(self, stage: str, ok: bool | None, detail: str, fix: str = "") -> None:
+        self.checks.append(Check(stage, ok, detail, fix))
+        mark = {True: "held", False: "FAILED", None: "not shown"}[ok]
+        log.info("%s: %s: %s%s", stage, mark, detail, f" ({fix})" if fix else "")
+
+    @property
+    def passed(self) -> bool:
+        return all(c.ok is not False for c in self.checks)
+
+
+# -- the target's files -----------------------------------------------------------------------
+
+def target_files(spec: str, given: str | None, out: Path) -> Path:
+    """A directory with the target's config and tokenizer files: ``given``, the target
+    itself when it is a local directory, or the hub's files of ``spec`` (no weights)."""
+    if given:
+        path = Path(given)
+    elif Path(spec).is_dir():
+        path = Path(spec)
+    elif spec.startswith("embedded:"):
+        raise RehearsalError(f"target.model {spec} is the embedded demo target, which runs "
+                             f"for real: `make demo` is its rehearsal")
+    else:
+        from eaglet.target import snapshot
+        path = Path(snapshot(spec, weights=False))
+    if not (path / "config.json").exists():
+        raise RehearsalError(f"{path} has no config.json: pass --target-files with a directory "
+                             f"of the target's config and tokenizer files")
+    return path
+
+
+def _sha(path: Path) -> str:
+    digest = hashlib.sha256()
+    for file in sorted(p for p in path.iterdir() if p.is_file()):
+        digest.update(file.name.encode() + file.read_bytes())
+    return digest.hexdigest()
+
+
+# -- the rehearsal's config -------------------------------------------------------------------
+
+def _get(cfg: dict, dotted: str):
+    node = cfg
+    for key in dotted.split("."):
+        node = node.get(key) if isinstance(node, dict) else None
+    return node
+
+
+def _set(cfg: dict, dotted: str, value) -> None:
+    *parents, last = dotted.split(".")
+    node = cfg
+    for key in parents:
+        node = node.setdefault(key, {})
+    node[last] = value
+
+
+def rehearsal_config(user: dict, miniature: Path, results: Path) -> tuple[dict, list[str]]:
+    """The user's config (as written) with the target swapped for its miniature and the
+    sizes scaled to minutes on the CPU; and a line for each scaled value that differs."""
+    cfg = copy.deepcopy(user)
+    scaled = []
+    for dotted, (value, why) in SCALE.items():
+        was = _get(user, dotted)
+        if was != value and not (was is None and dotted.startswith(("server.url", "train.max_len"))):
+            scaled.append(f"{dotted}: {was!r} -> {value!r} ({why})")
+        _set(cfg, dotted, value)
+    vocab = _get(user, "vocab.draft_vocab_size")
+    if vocab is None or vocab > DRAFT_VOCAB:
+        _set(cfg, "vocab.draft_vocab_size", DRAFT_VOCAB)
+        scaled.append(f"vocab.draft_vocab_size: {vocab!r} -> {DRAFT_VOCAB} (the miniature's data)")
+    ks = _get(user, "evaluate.num_speculative_tokens") or [3]
+    if len(ks) > 1:  # each k is one more server; the path a drafter takes is the same
+        _set(cfg, "evaluate.num_speculative_tokens", [min(ks)])
+        scaled.append(f"evaluate.num_speculative_tokens: {ks} -> {[min(ks)]} (one server per k)")
+    turns = max((s.get("max_turns", 1) for s in _get(user, "data.sources") or []), default=1)
+    # ShareGPT first turns answered by the miniature (the user's sources may need the network
+    # or be large); a later turn where the run asks for them, so the template's history is
+    # rehearsed too
+    cfg["data"] = {"sources": [{"type": "sharegpt", "limit": 96, "max_prompt_chars": 300,
+                                **({"max_turns": 2} if turns > 1 else {})}],
+                   "eval_fraction": 0.25}
+    scaled.append("data.sources: ShareGPT chats answered by the miniature (96 rows"
+                  + (", 2 turns" if turns > 1 else "") + ")")
+    cfg["results_dir"] = str(results)
+    _set(cfg, "target.model", str(miniature))
+    return cfg, scaled
+
+
+# -- checks on the target's own files ---------------------------------------------------------
+
+def check_target(files: Path, user: dict, report: Report) -> None:
+    """What the real target's config says about the run: draft vocabulary and aux layers
+    that fit it, and the memory plan of its real shape."""
+    from eaglet.plan import plan, render, shape_from_target_config
+    from eaglet.target import TargetError, check_run_fits, text_config
+
+    config = json.loads((files / "config.json").read_text())
+    text = text_config(config)
+    info = {"spec": _get(user, "target.model"), "vocab_size": text.get("vocab_size"),
+            "num_hidden_layers": text.get("num_hidden_layers")}
+    try:
+        check_run_fits(info, _get(user, "vocab.draft_vocab_size"),
+                       _get(user, "extract.aux_layer_ids"))
+        report.add("target", True, f"{config.get('architectures')} with "
+                   f"{text.get('num_hidden_layers')} layers and a vocabulary of "
+                   f"{text.get('vocab_size')}: the draft vocabulary and aux layers fit it")
+    except TargetError as error:
+        report.add("target", False, str(error), "see the setting it names")
+    from eaglet.config import validate
+    cfg = validate(copy.deepcopy(user))
+    ext, tr = cfg["extract"], cfg["train"]
+    try:
+        shape = shape_from_target_config(config, cfg["vocab"]["draft_vocab_size"],
+                                         str(cfg["target"]["model"]))
+        tokens = tr["max_tokens_per_batch"]
+        numbers = plan(shape, tokens=tokens, max_len=tr["max_len"] or tokens,
+                       steps=tr["ttt_steps"], batch_tokens=ext["batch_tokens"],
+                       extract_max_len=ext["max_len"], target_dtype=cfg["target"]["dtype"],
+                       store_dtype=ext["dtype"], shard_tokens=1_000_000,
+                       precision="bfloat16" if tr["precision"] == "auto" else tr["precision"],
+                       attention=tr["attention"])
+        report.plan = render(numbers, ext["dtype"])
+        report.add("plan", True, "eaglet plan read the target's real shape "
+                   f"({numbers['target_params'] / 1e9:.1f}B parameters, drafter "
+                   f"{numbers['drafter_params'] / 1e6:.0f}M): see rehearsal.json")
+    except Exception as error:  # the plan is advice: its failure is reported, not fatal
+        report.add("plan", False, f"eaglet plan could not read this target: "
+                   f"{type(error).__name__}: {error}")
+
+
+# -- running the workflow ---------------------------------------------------------------------
+
+def run_workflow(config_path: Path, results: Path, cores: int, log_path: Path) -> int:
+    """Snakemake on the rehearsal config; its output goes to ``log_path``."""
+    snakemake = Path(sys.executable).parent / "snakemake"
+    cmd = [str(snakemake), "--cores", str(cores), "--workflow-profile",
+           str(REPO / "profiles" / "default"), "--configfile", str(config_path),
+           "--config", f"results_dir={results}"]
+    log.info("running the workflow on the miniature: %s (log: %s)", " ".join(cmd), log_path)
+    with open(log_path, "w") as handle:
+        return subprocess.run(cmd, cwd=REPO, stdout=handle, stderr=subprocess.STDOUT).returncode
+
+
+def stage_times(results: Path) -> dict[str, float]:
+    """Seconds each stage ran, from its progress file."""
+    out = {}
+    for path in sorted((results / "progress").glob("*.json")):
+        data = read_json(path)
+        if data.get("elapsed_s") is not None:
+            out[path.stem] = float(data["elapsed_s"])
+    return out
+
+
+def failed_rule(log_path: Path) -> str | None:
+    """The first rule Snakemake reports as failed, and its error's last lines."""
+    text = log_path.read_text(errors="replace") if log_path.exists() else ""
+    marker = "Error in rule "
+    if marker not in text:
+        return None
+    tail = text.split(marker, 1)[1]
+    rule = tail.split(":", 1)[0]
+    lines = [line for line in text.splitlines() if "Error" in line or "error:" in line]
+    return f"{rule}: " + " | ".join(lines[-3:])
+
+
+def check_results(results: Path, cfg: dict, report: Report) -> None:
+    """Each stage's own checks, read from its outputs."""
+    stats = _read(results / "synthetic" / "stats.json")
+    if stats is None:
+        report.add("generate", False, "no synthetic/stats.json: generation did not finish")
+        return
+    template = stats.get("template_check") or {}
+    mismatched = template.get("mismatched", 0)
+    report.add("generate", mismatched == 0,
+               f"{template.get('checked', 0)} samples re-rendered through the chat template, "
+               f"{mismatched} mismatched",
+               "" if not mismatched else "see synthetic/stats.json for the first differing token")
+    records = [r for split in ("train", "eval")
+               for r in read_jsonl(results / "synthetic" / f"{split}.jsonl")
+               if r.get("model") != "dataset"]
+    if cfg["server"].get("reasoning_parser"):
+        split = sum(bool(r.get("reasoning")) and bool(r.get("content")) for r in records)
+        share = split / len(records) if records else 0.0
+        report.add("reasoning", share >= 0.9,
+                   f"the {cfg['server']['reasoning_parser']} parser split reasoning and answer in "
+                   f"{split} of {len(records)} samples ({share:.0%})",
+                   "" if share >= 0.9 else "server.reasoning_parser must match the template's "
+                   "wrapper tokens")
+    manifest = _read(results / "hidden" / "manifest.json")
+    if manifest is None:
+        report.add("extract", False, "no hidden/manifest.json")
+        return
+    report.add("extract", True, f"{len(manifest.get('shards', []))} shards, teacher agreement "
+               f"{manifest.get('teacher_agreement', manifest.get('agreement'))}")
+    if not (results / "drafter" / "model.safetensors").exists():
+        report.add("train", False, "no drafter/model.safetensors")
+        return
+    report.add("train", True, "drafter trained and exported")
+    acceptance = _read(results / "eval" / "acceptance.json")
+    if acceptance is None:
+        report.add("evaluate", False, "no eval/acceptance.json")
+        return
+    offline = acceptance.get("offline") or {}
+    for name, row in offline.items():
+        ratio = row.get("ratio_offline_over_vllm")
+        ok = ratio is not None and abs(ratio - 1) <= 0.01
+        report.add("evaluate", ok, f"{name}: vLLM AL {row.get('vllm_acceptance_length')}, "
+                   f"offline replay AL {row.get('acceptance_length')} (ratio {ratio})",
+                   "" if ok else "the export, aux layer ids or d2t disagree with vLLM")
+    if not offline:
+        report.add("evaluate", False, "no offline replay in acceptance.json")
+
+
+def _read(path: Path):
+    try:
+        return read_json(path)
+    except (OSError, ValueError):
+        return None
+
+
+# -- the command ------------------------------------------------------------------------------
+
+def render_report(report: Report) -> str:
+    mark = {True: "ok  ", False: "FAIL", None: "n/a "}
+    lines = ["", "Rehearsal:"]
+    for check in report.checks:
+        lines.append(f"  {mark[check.ok]} {check.stage:<10} {check.detail}")
+        if check.fix:
+            lines.append(f"       {'':<10} -> {check.fix}")
+    if report.times:
+        lines.append("  stage times: " + ", ".join(f"{k} {v:.0f} s" for k, v in report.times.items()))
+    if report.scaled:
+        lines.append("  scaled down for the rehearsal (not rehearsed at the run's value):")
+        lines += [f"    {line}" for line in report.scaled]
+    lines.append("REHEARSAL PASSED" if report.passed else "REHEARSAL FAILED: fix the settings "
+                 "above before the real run")
+    return "\n".join(lines)
+
+
+def rehearse(config_file: str, target_files_dir: str | None, out: Path, cores: int,
+             teach_seconds: float) -> Report:
+    from eaglet.miniature import build
+
+    started = time.monotonic()
+    user = yaml.safe_load(Path(config_file).read_text()) or {}
+    report = Report()
+    spec = _get(user, "target.model") or ""
+    files = target_files(spec, target_files_dir, out / "target-files")
+    check_target(files, user, report)
+
+    miniature = out / "miniature"
+    stamp = {"files_sha256": _sha(files), "teach_seconds": teach_seconds,
+             "template_kwargs": _get(user, "generate.chat_template_kwargs") or {},
+             "reasoning": bool(_get(user, "server.reasoning_parser"))}
+    if _read(miniature / "built.json") != stamp:
+        t0 = time.monotonic()
+        info = build(files, miniature, trust_remote_code=bool(_get(user, "target.trust_remote_code")),
+                     template_kwargs=stamp["template_kwargs"], reasoning=stamp["reasoning"],
+                     teach_seconds=teach_seconds)
+        write_json(miniature / "built.json", stamp)
+        report.times["miniature"] = time.monotonic() - t0
+    info = read_json(miniature / "miniature.json")
+    report.add("miniature", True, f"{info['architecture']}, {info['parameters'] / 1e6:.1f}M "
+               f"parameters; taught the chat format for {info['taught']['steps']} steps "
+               f"(loss {info['taught']['loss_first']} -> {info['taught']['loss_last']})")
+    if info.get("wrapper"):
+        report.add("wrapper", None, f"{info['wrapper']} served as its language model: the "
+                   "CPU engine cannot load a multimodal wrapper's processors")
+
+    results = out / "results"
+    cfg, report.scaled = rehearsal_config(user, miniature, results)
+    config_path = out / "rehearsal.yaml"
+    config_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    code = run_workflow(config_path, results, cores, out / "snakemake.log")
+    report.times.update(stage_times(results))
+    from eaglet.config import validate
+    check_results(results, validate(copy.deepcopy(cfg)), report)
+    if code != 0:
+        report.add("workflow", False, failed_rule(out / "snakemake.log")
+                   or f"snakemake exited {code}", f"see {out / 'snakemake.log'}")
+    report.times["total"] = time.monotonic() - started
+    write_json(out / "rehearsal.json", {"passed": report.passed,
+                                        "checks": [c.__dict__ for c in report.checks],
+                                        "scaled": report.scaled, "times_s": report.times,
+                                        "plan": report.plan})
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="eaglet rehearse", description=__doc__.splitlines()[0])
+    parser.add_argument("--configfile", required=True, help="the real run's config")
+    parser.add_argument("--target-files", help="a directory of the target's config and "
+                        "tokenizer files (default: target.model's, from the hub without weights)")
+    parser.add_argument("--out", help="where the rehearsal writes (default rehearsal/<config>)")
+    parser.add_argument("--cores", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--teach-seconds", type=float, default=150.0,
+                        help="how long the miniature learns the chat format")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    out = Path(args.out or Path("rehearsal") / Path(args.configfile).stem).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        report = rehearse(args.configfile, args.target_files, out, args.cores, args.teach_seconds)
+    except RehearsalError as error:
+        print(f"eaglet rehearse: {error}", file=sys.stderr)
+        return 2
+    print(render_report(report))
+    return 0 if report.passed else 1

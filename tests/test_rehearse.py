@@ -1,0 +1,88 @@
+"""`eaglet rehearse`: the miniature keeps the target's architecture and shrinks only sizes,
+the rehearsal config keeps the run's settings and scales only what cannot run here, and (end
+to end) a shipped run config rehearses green on its target's stand-in files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from eaglet import rehearse
+from eaglet.miniature import LAYERS, shrink
+
+REPO = Path(__file__).resolve().parents[1]
+STANDINS = REPO / "tests" / "standins"
+
+
+def test_the_miniature_keeps_the_attention_and_moe_kind_and_shrinks_sizes():
+    text = json.loads((STANDINS / "kimi-k2.5" / "config.json").read_text())["text_config"]
+    small, changes = shrink(text)
+    # MLA: the head shapes the engine's kernels accept stay the target's
+    for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                "model_type", "topk_method", "scoring_func", "n_shared_experts",
+                "rope_scaling", "vocab_size"):
+        assert small.get(key) == text.get(key), key
+    assert small["hidden_size"] < text["hidden_size"]
+    assert small["num_hidden_layers"] == LAYERS < text["num_hidden_layers"]
+    assert small["n_routed_experts"] < text["n_routed_experts"]
+    assert small["num_experts_per_tok"] <= small["n_routed_experts"]
+    assert small["q_lora_rank"] is not None  # query compression stays on
+    assert "quantization_config" not in small and "quantization_config dropped" in changes
+    assert small["first_k_dense_replace"] == 1  # dense layers first, then MoE, as the target
+
+
+def test_the_miniature_keeps_grouped_query_attention_and_the_head_size():
+    text = json.loads((STANDINS / "qwen3-8b" / "config.json").read_text())
+    small, _ = shrink(text)
+    assert small["head_dim"] == text["head_dim"]
+    assert small["num_key_value_heads"] < small["num_attention_heads"]
+    assert small["vocab_size"] == text["vocab_size"]
+    layers = {k: v for k, v in text.items()
+              if isinstance(v, list) and len(v) == text["num_hidden_layers"]}
+    for key in layers:  # per-layer lists follow the depth
+        assert len(small[key]) == small["num_hidden_layers"], key
+
+
+def test_the_rehearsal_config_keeps_the_runs_settings_and_lists_what_it_scales(tmp_path):
+    user = yaml.safe_load((REPO / "configs" / "kimi-k2.5.yaml").read_text())
+    cfg, scaled = rehearse.rehearsal_config(user, tmp_path / "mini", tmp_path / "results")
+    for dotted in ("target.trust_remote_code", "server.reasoning_parser",
+                   "generate.chat_template_kwargs", "generate.temperature",
+                   "generate.capture_hidden_states", "extract.backend", "extract.dtype",
+                   "train.ttt_steps", "evaluate.num_speculative_tokens", "evaluate.offline"):
+        assert rehearse._get(cfg, dotted) == rehearse._get(user, dotted), dotted
+    assert cfg["target"]["model"] == str(tmp_path / "mini")
+    assert cfg["server"]["tensor_parallel_size"] == 1 and cfg["server"]["gpus"] == 0
+    assert any(line.startswith("server.tensor_parallel_size: 8 -> 1") for line in scaled)
+    assert any(line.startswith("vocab.draft_vocab_size: 32000 -> ") for line in scaled)
+    from eaglet.config import validate
+    validate(cfg)  # the rehearsal's own config is valid
+
+
+def test_the_real_targets_files_are_checked_against_the_runs_settings(tmp_path):
+    """Aux layer ids past the target's depth fail the rehearsal's first check, naming the
+    setting, before any miniature is built."""
+    user = yaml.safe_load((REPO / "configs" / "kimi-k2.5.yaml").read_text())
+    user["extract"]["aux_layer_ids"] = [2, 30, 61]
+    report = rehearse.Report()
+    rehearse.check_target(STANDINS / "kimi-k2.5", user, report)
+    failed = [c for c in report.checks if c.ok is False]
+    assert failed and "extract.aux_layer_ids" in failed[0].detail
+    assert not report.passed
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("name", ["qwen3-8b"])
+def test_a_shipped_config_rehearses_green_on_its_stand_in(name, tmp_path):
+    out = tmp_path / name
+    code = rehearse.main(["--configfile", str(REPO / "configs" / f"{name}.yaml"),
+                          "--target-files", str(STANDINS / name), "--out", str(out),
+                          "--cores", "2"])
+    result = json.loads((out / "rehearsal.json").read_text())
+    assert code == 0 and result["passed"], json.dumps(result["checks"], indent=1)
+    stages = {c["stage"] for c in result["checks"] if c["ok"]}
+    assert {"target", "miniature", "generate", "reasoning", "extract", "train",
+            "evaluate"} <= stages, stages
