@@ -52,11 +52,13 @@ def test_the_rehearsal_config_keeps_the_runs_settings_and_lists_what_it_scales(t
     for dotted in ("target.trust_remote_code", "server.reasoning_parser",
                    "generate.chat_template_kwargs", "generate.temperature",
                    "generate.capture_hidden_states", "extract.backend", "extract.dtype",
-                   "train.ttt_steps", "evaluate.num_speculative_tokens", "evaluate.offline"):
+                   "train.ttt_steps", "evaluate.offline"):
         assert rehearse._get(cfg, dotted) == rehearse._get(user, dotted), dotted
+    assert cfg["evaluate"]["num_speculative_tokens"] == [3]  # one server per k: the smallest
     assert cfg["target"]["model"] == str(tmp_path / "mini")
     assert cfg["server"]["tensor_parallel_size"] == 1 and cfg["server"]["gpus"] == 0
     assert any(line.startswith("server.tensor_parallel_size: 8 -> 1") for line in scaled)
+    assert not any(line.startswith("server.url") for line in scaled)  # unset, and stays so
     assert any(line.startswith("vocab.draft_vocab_size: 32000 -> ") for line in scaled)
     from eaglet.config import validate
     validate(cfg)  # the rehearsal's own config is valid

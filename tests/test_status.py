@@ -515,3 +515,141 @@ def test_extract_reports_the_gpus_its_jobs_hold(tmp_path, backend, capture, hold
     cfg = validate({"results_dir": str(r), "server": {"gpus": 2}, "extract": {
         "gpus": 1, "backend": backend}, "generate": {"capture_hidden_states": capture}})
     assert status.stage_status(_stage("extract"), r, cfg, set())["gpus"] == holds
+
+
+# -- generation's skipped prompts, Snakemake's leftover lock, stages seen while they run --------
+
+def test_a_prompt_skipped_as_too_long_leaves_the_estimates_during_generation_working(
+        tmp_path, history):
+    """A prompt too long for target.max_model_len is recorded as skipped, without token ids:
+    status raised KeyError 'prompt_token_ids' on every reading until generation ended."""
+    r = tmp_path / "results"
+    _prompts(r, 3, 1)
+    (r / "synthetic").mkdir()
+    messages = [{"role": "user", "content": "x"}]
+    records = (
+        {"id": "p0", "source": "s", "messages": messages, "created_at": "2026-01-01T10:00:00+00:00",
+         "skipped": "the prompt's 9000 tokens leave no room for an answer"},
+        {"id": "p1", "prompt_token_ids": [1] * 40, "completion_token_ids": [2] * 60},
+        {"id": "p2", "messages": messages, "error": "ReadTimeout"})
+    (r / "synthetic" / "generate.partial.jsonl").write_text(
+        "".join(json.dumps(record) + "\n" for record in records))
+    cfg = _full_config(r)
+    rates.record("extract_vllm", cfg["target"]["model"], tokens_per_s=50.0, server_start_s=10.0)
+    got = status.estimate("extract", r, cfg, None)
+    assert got.seconds == pytest.approx(10.0 + 4 * 100 / 50.0)  # from the one answer
+    assert "guessed" not in got.basis
+    shown = {s["stage"]: s for s in status.collect(r, cfg, None)["stages"]}
+    assert shown["extract"]["estimate_s"] == pytest.approx(got.seconds)
+
+
+def _snakemake_record(r, pid, started=None, command="snakemake --cores 2"):
+    (r / "run").mkdir(parents=True, exist_ok=True)
+    path = r / "run" / "snakemake.json"
+    path.write_text(json.dumps({"pid": pid, "command": command}))
+    if started is not None:
+        os.utime(path, (started, started))
+
+
+DEAD_PID = 2**22 + 7
+
+
+def test_a_killed_snakemakes_lock_is_named_with_the_command_that_removes_it(tmp_path, capsys):
+    """Snakemake removes its lock only on its way out: after a kill the rerun stopped with
+    LockException while status said only "rerun snakemake to resume"."""
+    import shlex
+
+    workdir = tmp_path / "workflow"
+    r = workdir / "results"
+    (r / "run").mkdir(parents=True)
+    (r / "run" / "config.json").write_text(json.dumps({"results_dir": str(r)}))
+    _snakemake_record(r, DEAD_PID, command="/somewhere/.venv/bin/snakemake --cores 2")
+    _dead_progress(r, "generate")
+    locks = workdir / ".snakemake" / "locks"
+    locks.mkdir(parents=True)
+    # Snakemake writes the paths as the rules name them: here relative to its directory
+    (locks / "0.input.lock").write_text("results/prompts/train.jsonl\n")
+    (locks / "0.output.lock").write_text("results/synthetic/train.jsonl\n"
+                                         "results/target/target.json\n")
+    assert status.main(["--results", str(r), "--no-snakemake", "--workflow", str(workdir)]) == 0
+    text = capsys.readouterr().out
+    assert "LockException" in text and str(locks) in text
+    command = next(line for line in text.splitlines() if "--unlock" in line).strip()
+    assert command.startswith(f"cd {shlex.quote(str(workdir))} && ")
+    assert shlex.split(command.split(" && ", 1)[1]) == [
+        "/somewhere/.venv/bin/snakemake", "--unlock", *status.snakemake_config_args(r, None)]
+    assert "INTERRUPTED (process gone; remove Snakemake's lock" in text
+    def lock():
+        return status.collect(r, _full_config(r), None, workdir=workdir)["snakemake"]["stale_lock"]
+
+    assert lock()["files"] == ["0.input.lock", "0.output.lock"]
+    # a lock of another results dir, or one a running Snakemake holds, is not this run's
+    (locks / "0.output.lock").write_text(f"{tmp_path / 'other' / 'target.json'}\n")
+    (locks / "0.input.lock").write_text(f"{workdir / 'results-other' / 'x'}\n")
+    assert lock() is None
+    (locks / "0.output.lock").write_text(f"{r / 'target' / 'target.json'}\n")  # absolute
+    assert lock() is not None
+    _snakemake_record(r, os.getpid())
+    assert lock() is None
+
+
+def test_a_stage_without_a_progress_file_shows_running_while_snakemake_runs_its_job(tmp_path):
+    """prepare_target writes no progress file: status read it pending for the whole
+    minute its dequantization took. Its log, newer than the Snakemake that runs it, says
+    it runs; once that Snakemake is gone, it was interrupted."""
+    import time
+    from datetime import datetime, timedelta
+
+    r = tmp_path / "results"
+    cfg = _full_config(r)
+    assert cfg["target"]["model"].startswith("embedded:")  # a plan of 40 s
+    _snakemake_record(r, os.getpid(), started=time.time() - 300)
+    began = (datetime.now() - timedelta(seconds=25)).strftime("%Y-%m-%d %H:%M:%S,%f")[:23]
+    (r / "logs").mkdir(parents=True)
+    (r / "logs" / "prepare_target.log").write_text(
+        f"{began} INFO eaglet.target: dequantizing the GGUF (about 30 s)\n")
+    shown = status.stage_status(_stage("prepare_target"), r, cfg, set())
+    assert shown["state"] == "running"
+    assert shown["progress"][0]["elapsed_s"] == pytest.approx(25, abs=5)
+    assert shown["estimate_s"] == pytest.approx(40 - 25, abs=5)
+    assert "less the" in shown["estimate_basis"]
+    text = status.render(status.collect(r, cfg, None))
+    assert "> prepare_target  running for " in text and f"pid {os.getpid()}" in text
+    # the Snakemake that ran it is gone: interrupted, not pending
+    _snakemake_record(r, DEAD_PID, started=time.time() - 300)
+    assert status.stage_status(_stage("prepare_target"), r, cfg, set())["state"] == "interrupted"
+    # a log older than the Snakemake now running is an earlier run's: the job has not started
+    _snakemake_record(r, os.getpid())
+    os.utime(r / "logs" / "prepare_target.log", (time.time() - 600, time.time() - 600))
+    assert status.stage_status(_stage("prepare_target"), r, cfg, set())["state"] == "pending"
+    (r / "target").mkdir()
+    (r / "target" / "target.json").write_text(json.dumps({"spec": cfg["target"]["model"]}))
+    assert status.stage_status(_stage("prepare_target"), r, cfg, set())["state"] == "completed"
+
+
+def test_extract_counts_the_shards_its_job_has_packed_beyond_its_progress_file(tmp_path):
+    """One job packs every shard and rewrites its progress file every few seconds at most:
+    a status read 0/31 after the first shard was packed. The shards written since the job
+    started count, besides those an earlier run packed (resumed)."""
+    import time
+    from datetime import datetime, timezone
+
+    r = tmp_path / "results"
+    started = time.time() - 60
+    (r / "progress").mkdir(parents=True)
+    (r / "progress" / "extract_vllm.json").write_text(json.dumps({
+        "stage": "extract", "state": "running", "unit": "samples", "done": 8, "failed": 0,
+        "total": 31, "resumed_from": 8, "pid": os.getpid(), "rate_per_s": None, "eta_s": None,
+        "started_at": datetime.fromtimestamp(started, timezone.utc).isoformat(timespec="seconds")}))
+    staged = r / "hidden" / "vllm" / "shards"
+    for split, samples, when in (("eval", 8, started - 600), ("train", 12, time.time())):
+        (staged / split).mkdir(parents=True)
+        (staged / split / "shard_00000.json").write_text(json.dumps({"num_samples": samples}))
+        os.utime(staged / split / "shard_00000.json", (when, when))
+    cfg = _full_config(r)
+    shown = status.stage_status(_stage("extract"), r, cfg, set())
+    assert shown["state"] == "running" and shown["progress"][0]["done"] == 8 + 12
+    assert "running: 20/31 samples" in status.render(status.collect(r, cfg, None))
+    # a shard job of the hf backend counts its own shard only: its file is read as written
+    (r / "progress" / "extract_vllm.json").rename(r / "progress" / "extract_00001.json")
+    assert status.stage_status(_stage("extract"), r, cfg, set())["progress"][0]["done"] == 8

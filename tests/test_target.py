@@ -123,3 +123,52 @@ def test_a_wrappers_target_json_recorded_without_its_shape_is_still_checked(wrap
     with pytest.raises(TargetError, match="163840 tokens"):
         check_recorded_target(target_json, str(wrapper_dir), 200000, None)
     check_recorded_target(target_json, str(wrapper_dir), 32000, [2, 30, 58])
+
+
+# -- the embedded target's disk check ----------------------------------------------------------
+
+EMBEDDED_SPEC = "embedded:smollm2-135m-instruct"
+
+
+def test_the_embedded_target_checks_the_disk_before_loading_it(tmp_path, monkeypatch):
+    """A 200 MB disk failed mid-save ("No space left on device") after a minute of
+    dequantizing: the weights the GGUF's parameters make at float32 are checked against the
+    free space before anything is loaded or written."""
+    import re
+    import shutil
+
+    import transformers
+
+    from eaglet.target import find_embedded_gguf
+
+    try:
+        find_embedded_gguf(EMBEDDED_SPEC)
+    except TargetError as exc:
+        pytest.skip(str(exc))
+
+    class Loaded(Exception):
+        pass
+
+    def load(*args, **kwargs):
+        raise Loaded
+
+    for auto in (transformers.AutoModelForCausalLM, transformers.AutoTokenizer):
+        monkeypatch.setattr(auto, "from_pretrained", load)
+    free = {"bytes": 200 * 10**6}
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(
+        10**12, 10**12 - free["bytes"], free["bytes"]))
+    with pytest.raises(TargetError) as info:
+        prepare_target(EMBEDDED_SPEC, tmp_path / "target")
+    message = str(info.value)
+    needed = re.search(r"about ([\d.]+) MiB to write \((\d+) parameters dequantized to float32",
+                       message)
+    assert needed, message
+    # SmolLM2-135M: about 135M parameters, 4 bytes each
+    assert 100e6 < int(needed[2]) < 200e6 and float(needed[1]) * 2**20 > 4 * int(needed[2])
+    assert "190.73 MiB free on" in message and "point results_dir at a larger disk" in message
+    assert not (tmp_path / "target" / "target.json").exists()
+    assert not list((tmp_path / "target").glob("*.safetensors"))
+    # room enough: the check lets the dequantization start
+    free["bytes"] = 10**10
+    with pytest.raises(Loaded):
+        prepare_target(EMBEDDED_SPEC, tmp_path / "target")

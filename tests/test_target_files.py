@@ -51,6 +51,16 @@ def test_snapshot_fetches_what_the_tokenizer_and_config_need_and_no_more(asked, 
             "chat_template.jinja", "configuration_kimi_k25.py"} <= fetched
 
 
+def test_the_rehearsal_snapshot_fetches_no_weights(asked, tmp_path):
+    """`eaglet rehearse` builds a miniature from the config and tokenizer files alone:
+    kilobytes, where the weights are 554 GB."""
+    snapshot("moonshotai/Kimi-K2.5", weights=False)
+    fetched = set(filter_repo_objects(REPOSITORY, allow_patterns=asked["allow_patterns"]))
+    assert not any(name.endswith(".safetensors") for name in fetched)
+    assert {"config.json", "tokenization_kimi.py", "tiktoken.model", "tokenizer_config.json",
+            "chat_template.jinja", "generation_config.json"} <= fetched
+
+
 def test_a_hub_failure_names_the_id_and_what_to_do(monkeypatch):
     import huggingface_hub
 

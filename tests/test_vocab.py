@@ -202,3 +202,36 @@ def test_the_targets_own_tokens_come_before_recorded_answers(tmp_path):
     assert t2d.nonzero().squeeze(1).tolist() == [5, 6, 9]
     assert stats["target_coverage"] == 1.0 and stats["target_tokens"] == 3
     assert stats["completion_tokens"] == 154
+
+
+def test_a_draft_vocabulary_below_the_coverage_floor_is_warned_with_the_size_that_reaches_it(
+        tmp_path, caplog):
+    """vocab.draft_vocab_size: 10 trained with 27% coverage and only an INFO line: below
+    COVERAGE_FLOOR it warns, naming the smallest size that covers the floor of this data."""
+    import logging
+
+    from eaglet.vocab import COVERAGE_FLOOR
+
+    # token t appears 100 - 4 * t times: 20 distinct tokens, 1240 tokens in all
+    completion = [t for t in range(20) for _ in range(100 - 4 * t)]
+    records = [record(0, [1], completion)]
+    total = len(completion)
+    covered, reach = 0, None
+    for size, t in enumerate(range(20), start=1):  # the hand count of the floor's size
+        covered += 100 - 4 * t
+        if reach is None and covered >= COVERAGE_FLOOR * total:
+            reach = size
+    with caplog.at_level(logging.INFO, logger="eaglet.vocab"):
+        stats = build_vocab_map(records, 64, 4, tmp_path / "v.safetensors", tmp_path / "s.json")
+    assert stats["coverage"] == pytest.approx((100 + 96 + 92 + 88) / total)
+    assert reach == 16 and stats["draft_vocab_size_for_floor"] == reach
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "vocab.draft_vocab_size 4 covers only 30.32%" in warnings[0]
+    assert f"vocab.draft_vocab_size: {reach} would cover 90%" in warnings[0]
+    # at the floor's size: no warning
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="eaglet.vocab"):
+        stats = build_vocab_map(records, 64, reach, tmp_path / "v.safetensors", tmp_path / "s.json")
+    assert stats["coverage"] >= COVERAGE_FLOOR
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]

@@ -57,10 +57,12 @@ SCALE = {
     "train.epochs": (2, "minutes, not hours"),
     "train.max_tokens_per_batch": (512, "the miniature's data"),
     "train.max_len": (None, "the miniature's data"),
+    "train.lr": (2e-3, "a few dozen steps must teach the drafter something to measure"),
+    "train.warmup_steps": (2, "a few dozen steps"),
     "evaluate.max_prompts": (4, "minutes, not hours"),
     "evaluate.max_tokens": (32, "minutes, not hours"),
     "evaluate.concurrency": ([1, 4], "the sweep's ends, scaled"),
-    "evaluate.rounds": (1, "minutes, not hours"),
+    "evaluate.rounds": (4, "the offline replay compares the answers of concurrency 1"),
     "evaluate.kv_cache_gib": (0.25, "the miniature's KV cache"),
     "evaluate.schedule": (False, "one engine run less (the schedule check is a rerun of the "
                                  "same engine path)"),
@@ -88,6 +90,7 @@ class Report:
     scaled: list[str] = field(default_factory=list)
     times: dict[str, float] = field(default_factory=dict)
     plan: str = ""
+    capture: dict = field(default_factory=dict)
 
     def add(self, stage: str, ok: bool | None, detail: str, fix: str = "") -> None:
         self.checks.append(Check(stage, ok, detail, fix))
@@ -147,18 +150,21 @@ def _set(cfg: dict, dotted: str, value) -> None:
 def rehearsal_config(user: dict, miniature: Path, results: Path) -> tuple[dict, list[str]]:
     """The user's config (as written) with the target swapped for its miniature and the
     sizes scaled to minutes on the CPU; and a line for each scaled value that differs."""
+    from eaglet.config import validate
+
     cfg = copy.deepcopy(user)
+    full = validate(copy.deepcopy(user))  # what the run gets where its config says nothing
     scaled = []
     for dotted, (value, why) in SCALE.items():
-        was = _get(user, dotted)
-        if was != value and not (was is None and dotted.startswith(("server.url", "train.max_len"))):
+        was = _get(full, dotted)
+        if was != value:
             scaled.append(f"{dotted}: {was!r} -> {value!r} ({why})")
         _set(cfg, dotted, value)
-    vocab = _get(user, "vocab.draft_vocab_size")
-    if vocab is None or vocab > DRAFT_VOCAB:
+    vocab = _get(full, "vocab.draft_vocab_size")
+    if vocab > DRAFT_VOCAB:
         _set(cfg, "vocab.draft_vocab_size", DRAFT_VOCAB)
         scaled.append(f"vocab.draft_vocab_size: {vocab!r} -> {DRAFT_VOCAB} (the miniature's data)")
-    ks = _get(user, "evaluate.num_speculative_tokens") or [3]
+    ks = _get(full, "evaluate.num_speculative_tokens")
     if len(ks) > 1:  # each k is one more server; the path a drafter takes is the same
         _set(cfg, "evaluate.num_speculative_tokens", [min(ks)])
         scaled.append(f"evaluate.num_speculative_tokens: {ks} -> {[min(ks)]} (one server per k)")
@@ -301,6 +307,67 @@ def check_results(results: Path, cfg: dict, report: Report) -> None:
         report.add("evaluate", False, "no offline replay in acceptance.json")
 
 
+# Relative error per row the stored states may have against a float32 forward: float32 is
+# the engine's arithmetic against transformers' (6e-7 measured on the embedded target), the
+# others add their storage rounding (bf16 and fp16 keep 8 and 11 significant bits, fp8 e4m3 3)
+CAPTURE_TOLERANCE = {"float32": 1e-3, "float16": 2e-3, "bfloat16": 1e-2, "fp8": 8e-2}
+CAPTURE_SAMPLES = 8
+ARGMAX_MARGIN = 0.01  # logits; closer top-two logits are a tie, left out of the argmax check
+
+
+def check_capture(results: Path, miniature: Path, trust_remote_code: bool,
+                  report: Report) -> None:
+    """The held-out shard's states, as the engine computed and stored them, against a
+    transformers float32 forward of the same weights: relative error per row of every aux
+    layer, and the teacher's argmax at every position."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from eaglet import shards
+
+    path = results / "hidden" / "eval" / "shard_00000.safetensors"
+    if not path.exists():
+        report.add("capture", False, "no held-out shard to compare")
+        return
+    shard = shards.load(path)
+    model = AutoModelForCausalLM.from_pretrained(miniature, dtype=torch.float32,
+                                                 trust_remote_code=trust_remote_code).eval()
+    worst, rows, agree, positions = 0.0, 0, 0, 0
+    offsets = shard.offsets.tolist()
+    with torch.inference_mode():
+        for i in range(min(CAPTURE_SAMPLES, shard.num_samples)):
+            lo, hi = offsets[i], offsets[i + 1]
+            out = model(shard.input_ids[lo:hi][None], output_hidden_states=True)
+            forward = torch.cat([out.hidden_states[a][0] for a in shard.aux_layer_ids], -1)
+            stored = shard.aux_hidden[lo:hi].float()
+            width = forward.shape[-1] // len(shard.aux_layer_ids)
+            for j in range(len(shard.aux_layer_ids)):  # each layer's row on its own scale
+                f, s_ = forward[:, j * width:(j + 1) * width], stored[:, j * width:(j + 1) * width]
+                error = (s_ - f).norm(dim=-1) / f.norm(dim=-1).clamp_min(1e-12)
+                worst = max(worst, float(error.max()))
+            # the teacher's argmax is stored for answer positions (-1 elsewhere); a near-tie
+            # of the top two logits (a miniature taught a pool of answers has them where an
+            # answer starts) flips with the engine's rounding, and says nothing of the capture
+            top = out.logits[0].float().topk(2, dim=-1)
+            teacher = shard.teacher_argmax[lo:hi]
+            decisive = (teacher >= 0) & (top.values[:, 0] - top.values[:, 1] > ARGMAX_MARGIN)
+            agree += int((top.indices[:, 0] == teacher)[decisive].sum())
+            rows += int(decisive.sum())
+            positions += hi - lo
+    tolerance = CAPTURE_TOLERANCE[shard.dtype]
+    share = agree / rows if rows else 0.0
+    ok = worst <= tolerance and share >= 0.99
+    report.capture = {"dtype": shard.dtype, "positions": positions,
+                      "worst_relative_error": worst, "tolerance": tolerance,
+                      "argmax_rows": rows, "argmax_agreement": share}
+    report.add("capture", ok, f"the engine's stored states of {positions} positions against a "
+               f"transformers float32 forward: worst relative error per row {worst:.2e} "
+               f"({shard.dtype} storage, at most {tolerance:g}); the same argmax at {share:.1%} "
+               f"of {rows} answer positions without a near-tie",
+               "" if ok else "the captured layers are not the forward's: check "
+               "extract.aux_layer_ids and the engine's aux-state capture for this model")
+
+
 def _read(path: Path):
     try:
         return read_json(path)
@@ -365,6 +432,8 @@ def rehearse(config_file: str, target_files_dir: str | None, out: Path, cores: i
     report.times.update(stage_times(results))
     from eaglet.config import validate
     check_results(results, validate(copy.deepcopy(cfg)), report)
+    if (results / "hidden" / "manifest.json").exists():
+        check_capture(results, miniature, bool(_get(user, "target.trust_remote_code")), report)
     if code != 0:
         report.add("workflow", False, failed_rule(out / "snakemake.log")
                    or f"snakemake exited {code}", f"see {out / 'snakemake.log'}")
@@ -372,7 +441,7 @@ def rehearse(config_file: str, target_files_dir: str | None, out: Path, cores: i
     write_json(out / "rehearsal.json", {"passed": report.passed,
                                         "checks": [c.__dict__ for c in report.checks],
                                         "scaled": report.scaled, "times_s": report.times,
-                                        "plan": report.plan})
+                                        "capture": report.capture, "plan": report.plan})
     return report
 
 

@@ -3,9 +3,12 @@ and how long that will take. Read-only: it reads the files the stages write.
 
 Each stage leaves behind its outputs, a stats or manifest file with its checks, a log under
 ``logs/`` and, while it runs, ``progress/<stage>.json`` with its pid. A progress file whose
-pid is gone belongs to an interrupted stage. Remaining time comes from the sizes in the
-config and the rates measured by this run, by earlier runs (``eaglet.rates``) or by the
-benchmarks, in that order, and says which one it used.
+pid is gone belongs to an interrupted stage. A stage that writes no progress file runs while
+its log is newer than the start of the Snakemake that runs it (``run/snakemake.json``), and
+a Snakemake that is gone may have left its lock, which status names with the command that
+removes it. Remaining time comes from the sizes in the config and the rates measured by
+this run, by earlier runs (``eaglet.rates``) or by the benchmarks, in that order, and says
+which one it used.
 """
 
 from __future__ import annotations
@@ -143,6 +146,9 @@ def _per_split(counts: tuple[int, int], prompt: float, completion: float, **extr
 
 
 def _projected_totals(r: Path, counts: tuple[int, int]) -> dict | None:
+    """Mean lengths of the answers in generation's partial file, times the prompt counts.
+    Only answers count: a failed request has an ``error`` and a prompt too long to ask is
+    recorded as ``skipped``, neither with token ids."""
     partial = r / "synthetic" / "generate.partial.jsonl"
     if not partial.exists():
         return None
@@ -153,7 +159,9 @@ def _projected_totals(r: Path, counts: tuple[int, int]) -> dict | None:
                 record = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if "error" not in record:
+            if not isinstance(record, dict) or "error" in record or "skipped" in record:
+                continue
+            with contextlib.suppress(KeyError, TypeError):
                 lengths.append((len(record["prompt_token_ids"]), len(record["completion_token_ids"])))
     if not lengths:
         return None
@@ -207,6 +215,35 @@ def _pct(x: float | None) -> str:
     return "?" if x is None else f"{100 * x:.2f}%"
 
 
+def _timestamp(iso: str | None) -> float | None:
+    """Seconds since the epoch of an ISO time a progress file records, or None."""
+    try:
+        return datetime.fromisoformat(iso).timestamp() if iso else None
+    except (TypeError, ValueError):
+        return None
+
+
+# a shard's .json beside its .safetensors: where a job writes them directly (hf backend), and
+# where the vllm backend stages them until every shard is packed (hidden/vllm/shards/<split>)
+SHARD_METAS = ("hidden/shard_*.json", "hidden/eval/shard_*.json",
+               "hidden/vllm/shards/*/shard_*.json")
+
+
+def _packed_samples(r: Path, since: float) -> int:
+    """Samples in the shards written at or after ``since`` (a job's start; older ones are an
+    earlier run's, which the job counts as resumed)."""
+    total = 0
+    for pattern in SHARD_METAS:
+        for path in glob.glob(str(r / pattern)):
+            with contextlib.suppress(OSError):
+                if os.stat(path).st_mtime < since:
+                    continue
+            meta = _read(Path(path))
+            if isinstance(meta, dict) and isinstance(meta.get("num_samples"), int):
+                total += meta["num_samples"]
+    return total
+
+
 # packing states that generation captured (read, teacher check, shard write), 2 CPU cores
 PACK_TOKENS_PER_S = 2000
 
@@ -244,6 +281,10 @@ class Stage:
 
     def facts(self, r: Path) -> dict:
         return {}
+
+    def read_progress(self, r: Path, path: Path) -> dict | None:
+        """One of the stage's progress files, as status shows it."""
+        return _read(path)
 
     def line(self, f: dict) -> str:
         return json.dumps(f)
@@ -364,6 +405,23 @@ class Extract(Stage):
         from_vllm = (cfg["extract"].get("backend") == "vllm"
                      or cfg.get("generate", {}).get("capture_hidden_states"))
         return cfg["server" if from_vllm else "extract"].get("gpus", 0)
+
+    def read_progress(self, r, path):
+        """A job that writes every shard (the vllm backend, captured states, extract.jobs:
+        one) rewrites its progress file every few seconds at most, so the file can lag a
+        whole shard behind (a status read 0/31 after the first shard was packed): the
+        samples of the shards it wrote since it started count as done as well."""
+        record = _read(path)
+        if (not record or record.get("state") != "running"
+                or path.stem not in ("extract_vllm", "extract_all")):
+            return record
+        since = _timestamp(record.get("started_at"))
+        if since is None:
+            return record
+        packed = (record.get("resumed_from") or 0) + _packed_samples(r, since)
+        if record.get("total"):
+            packed = min(packed, record["total"])
+        return {**record, "done": packed} if packed > (record.get("done") or 0) else record
 
     def facts(self, r):
         m = _read(r / "hidden/manifest.json") or {}
@@ -616,17 +674,67 @@ def _took(progresses: list[dict]) -> float | None:
     return (max(ends) - min(starts)).total_seconds()
 
 
+def snakemake_run(r: Path) -> dict | None:
+    """The Snakemake that last started on ``r`` (``run/snakemake.json``, written by the
+    Snakefile's onstart): its record, whether it still runs, and when it started."""
+    path = r / "run" / "snakemake.json"
+    record = _read(path)
+    if not isinstance(record, dict) or not record.get("pid"):
+        return None
+    try:
+        started = path.stat().st_mtime
+    except OSError:
+        return None
+    return {**record, "alive": pid_alive(record["pid"]), "started": started}
+
+
+def _log_started(log: Path) -> float | None:
+    """When a stage's job began logging: the time of its log's first line (``run_stage``
+    opens the log as the job starts)."""
+    try:
+        with open(log, errors="replace") as handle:
+            first = handle.readline()
+        return datetime.strptime(first[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    except (OSError, ValueError):
+        return None
+
+
+def _job_without_progress(stage: Stage, r: Path) -> dict | None:
+    """A record like a progress file's for a stage that writes none (prepare_target,
+    prepare_prompts, vocab_map) while its job runs: its log was written since the run's
+    Snakemake started and its outputs are not all there yet. Without it such a stage read
+    pending for as long as it ran (an embedded target's dequantization: a minute or more).
+    Its state is ``interrupted`` once that Snakemake is gone."""
+    run = snakemake_run(r)
+    log = r / stage.log
+    if run is None or not log.is_file():
+        return None
+    try:
+        if log.stat().st_mtime < run["started"]:
+            return None  # an earlier run's log
+    except OSError:
+        return None
+    began = _log_started(log) or run["started"]
+    return {"stage": stage.name, "state": "running" if run["alive"] else "interrupted",
+            "pid": run["pid"], "snakemake_job": True, "log": str(log),
+            "elapsed_s": max(time.time() - began, 0.0), "eta_s": None,
+            "started_at": datetime.fromtimestamp(began, timezone.utc).isoformat(timespec="seconds")}
+
+
 def stage_status(stage: Stage, r: Path, cfg: dict, outdated: set[str]) -> dict:
     """Where ``stage`` stands; ``outdated``: the rules Snakemake would run now."""
     done = all(glob.glob(str(r / out)) for out in stage.outputs)
     progress_files = sorted(glob.glob(str(r / stage.progress))) if stage.progress else []
-    progresses = [p for p in (_read(Path(f)) for f in progress_files) if p]
+    progresses = [p for p in (stage.read_progress(r, Path(f)) for f in progress_files) if p]
     active = [p for p in progresses if p.get("state") == "running"]
     running = [p for p in active if process_alive(p) is not False]
     stale = [p for p in active if process_alive(p) is False]
     failure = _last_error(r / stage.log) if not running else None
     if failure and done and failure[1] <= _newest_output(r, stage):
         failure = None  # an older failure: the outputs were made after it
+    job = None if done or failure or stage.progress else _job_without_progress(stage, r)
+    if job is not None:
+        (running if job["state"] == "running" else stale).append(job)
     out: dict[str, Any] = {"stage": stage.name}
     if running:
         out["state"] = "running"
@@ -701,18 +809,65 @@ def load_run_config(results: Path, config_path: str | None, workflow: Path) -> d
     return validate((yaml.safe_load(base_path.read_text()) or {}) if base_path.exists() else {})
 
 
+def _names_results(line: str, workdir: str, roots: set[str]) -> bool:
+    """Whether a path in a Snakemake lock file (as the rules name it: relative to the
+    working directory, or absolute) lies in one of ``roots``."""
+    path = os.path.normpath(os.path.join(workdir, line.strip()))
+    return any(path == root or path.startswith(root + os.sep) for root in roots)
+
+
+def stale_lock(workdir: Path, results: Path, config_args: list[str],
+               command: str | None = None) -> dict | None:
+    """The lock a Snakemake left in ``workdir/.snakemake/locks`` when it was killed (it
+    removes the lock only on its way out), if the lock names files of ``results``: the next
+    run on them stops with Snakemake's LockException until ``snakemake --unlock`` (with the
+    run's config, so that the Snakefile reads as it did) removes it. Call it only when the
+    Snakemake that ran ``results`` is gone: a running one holds its lock rightly."""
+    lock_dir = workdir / ".snakemake" / "locks"
+    files = sorted(lock_dir.glob("*.lock")) if lock_dir.is_dir() else []
+    roots = {os.path.abspath(results), os.path.realpath(results)}
+    base = os.path.abspath(workdir)
+    named = False
+    for path in files:
+        with contextlib.suppress(OSError):
+            named = any(_names_results(line, base, roots)
+                        for line in path.read_text(errors="replace").splitlines() if line.strip())
+        if named:
+            break
+    if not named:
+        return None
+    words: list[str] = []
+    with contextlib.suppress(ValueError):  # an unbalanced quote in the recorded command
+        words = shlex.split(command or "")
+    # the Snakemake the run used (.venv/bin/snakemake), as the recorded command names it
+    program = words[0] if words and os.path.basename(words[0]) == "snakemake" else "snakemake"
+    unlock = shlex.join([program, "--unlock", *config_args])
+    if os.path.realpath(workdir) != os.path.realpath(os.getcwd()):
+        unlock = f"cd {shlex.quote(str(workdir))} && {unlock}"
+    return {"lock_dir": str(lock_dir), "files": [p.name for p in files], "unlock": unlock}
+
+
 def collect(results: Path, cfg: dict, workflow: Path | None = None,
-            config_args: list[str] | None = None) -> dict:
+            config_args: list[str] | None = None, workdir: Path | None = None) -> dict:
+    """Everything status shows. ``workdir``: the directory Snakemake runs in, whose
+    ``.snakemake/locks`` a killed run leaves behind (default: ``workflow``, else the
+    current directory)."""
     outdated = snakemake_outdated(workflow, config_args or []) if workflow else None
     stages = [stage_status(s, results, cfg, outdated or set()) for s in STAGES]
     remaining = [s for s in stages if s["state"] not in ("completed",)]
     known = [s["estimate_s"] for s in remaining if s.get("estimate_s") is not None]
     total = sum(known) if known else None
     snake = _read(results / "run" / "snakemake.json") or {}
+    alive = pid_alive(snake.get("pid"))
+    lock = None
+    if snake.get("pid") and not alive:
+        lock = stale_lock(workdir or workflow or Path("."), results,
+                          config_args if config_args is not None
+                          else snakemake_config_args(results, None), snake.get("command"))
     return {
         "results": str(results), "checked_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "snakemake": {"pid": snake.get("pid"), "running": pid_alive(snake.get("pid")),
-                      "command": snake.get("command")},
+        "snakemake": {"pid": snake.get("pid"), "running": alive,
+                      "command": snake.get("command"), "stale_lock": lock},
         "stages": stages,
         "remaining_s": total,
         "remaining_complete": len(known) == len(remaining),
@@ -740,6 +895,10 @@ def render(report: dict) -> str:
     if snake["pid"]:
         lines.append(f"snakemake: {'running' if snake['running'] else 'not running'} "
                      f"(pid {snake['pid']})")
+    unlock = (snake.get("stale_lock") or {}).get("unlock")
+    if unlock:
+        lines.append(f"  it was stopped and left its lock in {snake['stale_lock']['lock_dir']}: "
+                     f"the next run stops with LockException until you run\n    {unlock}")
     by_state: dict[str, list[dict]] = {}
     for s in report["stages"]:
         by_state.setdefault(s["state"], []).append(s)
@@ -762,9 +921,17 @@ def render(report: dict) -> str:
             continue
         for p in s["progress"]:
             rate = f"{p['rate_per_s']:.2f} {p['unit']}/s" if p.get("rate_per_s") else "rate ?"
-            word = "running" if s["state"] == "running" else "INTERRUPTED (process gone; rerun snakemake to resume)"
+            word = "running" if s["state"] == "running" else "INTERRUPTED (process gone; " + (
+                "remove Snakemake's lock as said above, then rerun snakemake to resume)"
+                if unlock else "rerun snakemake to resume)")
             if p.get("phase"):
                 word += f" ({p['phase']})"
+            if p.get("snakemake_job"):  # a stage that counts nothing: Snakemake runs its job
+                since = (f" for {format_duration(p.get('elapsed_s'))}"
+                         if s["state"] == "running" else "")
+                lines.append(f"  > {p['stage']:<16}{word}{since} (Snakemake's job, pid "
+                             f"{p['pid']})\n{'':20}log: {p['log']}")
+                continue
             gpu = f", holds {s['gpus']} GPU(s)" if s.get("gpus") and s["state"] == "running" else ""
             if p.get("host") and p["host"] != socket.gethostname():
                 gpu += f", on host {p['host']}"
@@ -816,7 +983,7 @@ def main(argv: list[str] | None = None) -> int:
     config_args = snakemake_config_args(results, args.config)
     workflow = None if args.no_snakemake else Path(args.workflow)
     while True:
-        report = collect(results, cfg, workflow, config_args)
+        report = collect(results, cfg, workflow, config_args, workdir=Path(args.workflow))
         text = json.dumps(report, indent=2) if args.json else render(report)
         if args.watch:
             print("\033[2J\033[H" + text, flush=True)

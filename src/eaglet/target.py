@@ -53,10 +53,32 @@ def find_embedded_gguf(spec: str) -> Path:
 
 
 def dequantize_gguf(gguf: Path, out_dir: Path, dtype: str = "float32") -> None:
-    """Write a plain HF model directory (config, safetensors, tokenizer) from a GGUF file."""
+    """Write a plain HF model directory (config, safetensors, tokenizer) from a GGUF file.
+
+    The disk is checked first, before the minute of loading: the weights at ``dtype`` (the
+    GGUF's parameter count, which the save writes once, tied embeddings too) and a margin for
+    the tokenizer and config. A 200 MB disk failed mid-save with "No space left on device"."""
+    import shutil
+
     import torch
+    from gguf import GGUFReader
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
+    from eaglet.io import human_size
+
+    params = sum(int(tensor.n_elements) for tensor in GGUFReader(gguf).tensors)
+    weights = params * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    needed = weights + 32 * 2**20  # the tokenizer and config: a few MB
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # a save over an earlier one replaces its weights: their bytes are the save's to reuse
+    reusable = sum(path.stat().st_size for path in out_dir.glob("*.safetensors"))
+    free = shutil.disk_usage(out_dir).free
+    if needed > free + reusable:
+        raise TargetError(
+            f"not enough disk for the embedded target: about {human_size(needed)} to write "
+            f"({params} parameters dequantized to {dtype}, and its tokenizer), "
+            f"{human_size(free + reusable)} free on {out_dir}. Free space, or point results_dir "
+            f"at a larger disk.")
     log.info("dequantizing %s (about 30 s)", gguf)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(
@@ -72,16 +94,19 @@ def dequantize_gguf(gguf: Path, out_dir: Path, dtype: str = "float32") -> None:
     tokenizer.save_pretrained(out_dir)
 
 
-def snapshot(hub_id: str) -> str:
+def snapshot(hub_id: str, weights: bool = True) -> str:
     """Local directory of a hub model (downloaded once into the HF cache). Later stages read
     the target's files directly, so a hub id is resolved to its snapshot here: the weights
     and everything its tokenizer and config need, the code of a model that ships its own
-    (tokenization_*.py, configuration_*.py: Kimi's tiktoken tokenizer) included."""
+    (tokenization_*.py, configuration_*.py: Kimi's tiktoken tokenizer) included.
+    ``weights=False``: the config and tokenizer files alone (kilobytes; `eaglet rehearse`)."""
     from huggingface_hub import snapshot_download
 
-    files = ["*.json", "*.safetensors", "*.jinja", "*.txt",  # config, weights, templates
+    files = ["*.json", "*.jinja", "*.txt",  # config, weight index, templates
              "*.py",  # the model's own code: tokenization_*.py, configuration_*.py
              "*.model", "*.tiktoken"]  # sentencepiece / tiktoken vocabularies (tiktoken.model)
+    if weights:
+        files.append("*.safetensors")
     try:
         return snapshot_download(hub_id, allow_patterns=files)
     except Exception as exc:  # offline, gated, or a typo: say which id and what to do

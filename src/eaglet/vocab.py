@@ -20,6 +20,13 @@ from eaglet.prompts import recorded_answer
 
 log = logging.getLogger("eaglet.vocab")
 
+# Below this share of the completion tokens a draft vocabulary is warned about. A token outside
+# it can never be drafted, so coverage caps every draft position's chance to be accepted; a
+# trained drafter's own acceptance per position is usually under 0.9, so above this floor the
+# drafter, not its vocabulary, limits the acceptance length, and below it the vocabulary
+# starts to (a 3-token draft outlives the vocabulary alone at most 0.9^3 = 73% of the time).
+COVERAGE_FLOOR = 0.9
+
 
 def count_completion_tokens(records: Iterable[dict]) -> Counter:
     counts: Counter = Counter()
@@ -50,6 +57,34 @@ def choose_draft_tokens(counts: Counter, vocab_size: int, draft_vocab_size: int)
             filled += 1
         next_id += 1
     return sorted(chosen), filled
+
+
+def size_for_coverage(ranked: Counter, counts: Counter, share: float) -> int:
+    """The smallest draft vocabulary whose tokens, taken in ``ranked``'s order (as
+    :func:`choose_draft_tokens` takes them), cover ``share`` of the ``counts``."""
+    needed = share * sum(counts.values())
+    covered = 0
+    order = sorted(ranked, key=lambda t: (-ranked[t], t))
+    for size, token in enumerate(order, start=1):
+        covered += counts[token]
+        if covered >= needed - 1e-9:
+            return size
+    return len(order)
+
+
+def warn_low_coverage(stats: dict, size_for_floor: int) -> None:
+    """A warning when the draft vocabulary covers less than COVERAGE_FLOOR of the completion
+    tokens, naming the size that would reach it (from this data's counts)."""
+    if stats["coverage"] >= COVERAGE_FLOOR:
+        return
+    log.warning(
+        "vocab.draft_vocab_size %d covers only %.2f%% of the %d completion tokens (floor "
+        "%.0f%%): the drafter can never propose the other %.2f%%, so its acceptance stops "
+        "there. vocab.draft_vocab_size: %d would cover %.0f%% of this data (of %d distinct "
+        "tokens; the target's vocabulary has %d).", stats["draft_vocab_size"],
+        100 * stats["coverage"], stats["completion_tokens"], 100 * COVERAGE_FLOOR,
+        100 * (1 - stats["coverage"]), size_for_floor, 100 * COVERAGE_FLOOR,
+        stats["distinct_completion_tokens"], stats["target_vocab_size"])
 
 
 def build_maps(draft_ids: list[int], vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,12 +123,15 @@ def build_vocab_map(records: list[dict], vocab_size: int, draft_vocab_size: int,
              "coverage": covered / total, "filled": filled,
              "target_tokens": sum(counts.values()), "target_distinct": len(counts),
              "target_coverage": (sum(counts[t] for t in draft_ids) / sum(counts.values())
-                                 if counts else None)}
+                                 if counts else None),
+             "coverage_floor": COVERAGE_FLOOR,
+             "draft_vocab_size_for_floor": size_for_coverage(ranked, both, COVERAGE_FLOOR)}
     if filled:
         log.info("only %d distinct completion tokens for a draft vocabulary of %d: filled %d "
                  "slots with the lowest unused token ids", len(both), draft_vocab_size, filled)
     log.info("draft vocabulary of %d covers %.2f%% of %d completion tokens (%d distinct)",
              draft_vocab_size, 100 * stats["coverage"], total, len(both))
+    warn_low_coverage(stats, stats["draft_vocab_size_for_floor"])
     with atomic_open(out_path, "wb") as handle:
         handle.write(save({"d2t": d2t, "t2d": t2d},
                           metadata={"draft_vocab_size": str(draft_vocab_size),
