@@ -25,10 +25,10 @@ import torch
 from eaglet import shards
 from eaglet.config import validate
 from eaglet.extract import (AuxCapture, decoder_layers, extract_shard, forward_batch,
-                            load_target, resolve_aux_layer_ids, right_padded, sequence,
-                            token_budget_batches)
-from eaglet.extract_vllm import (capture_layer_ids, capture_server, extract_shards, load_head,
-                                 shard_jobs)
+                            load_target, right_padded, token_budget_batches)
+from eaglet.extract_common import resolve_aux_layer_ids, sequence
+from eaglet.extract_vllm import capture_server, extract_shards, load_head, shard_jobs
+from eaglet.hidden_capture import capture_layer_ids
 from eaglet.io import read_jsonl, write_json
 from eaglet.target import model_identity
 

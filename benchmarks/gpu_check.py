@@ -68,9 +68,9 @@ from safetensors import safe_open  # noqa: E402
 from eaglet import shards  # noqa: E402
 from eaglet.drafter import (DrafterConfig, Eagle3Drafter, count_flops_per_token,  # noqa: E402
                             init_lm_head, num_params)
-from eaglet.extract import (AuxCapture, Target, decoder_layers, default_aux_layer_ids,  # noqa: E402
-                            extract_shard, extract_shards, forward_batch, right_padded,
-                            sequence, token_budget_batches)
+from eaglet.extract import (AuxCapture, decoder_layers, extract_shard, extract_shards,  # noqa: E402
+                            forward_batch, right_padded, token_budget_batches)
+from eaglet.extract_common import Target, default_aux_layer_ids, sequence  # noqa: E402
 from eaglet.io import write_json  # noqa: E402
 from eaglet.plan import PRESETS, Shape  # noqa: E402
 from eaglet.train import Dist, Trainer  # noqa: E402

@@ -20,26 +20,28 @@ from eaglet import shards
 from eaglet.config import validate
 from eaglet.extract import (
     AuxCapture,
-    ExtractionError,
     HostCopies,
     ShardJob,
-    Target,
     build_manifest,
-    check_disk,
     decoder_layers,
-    default_aux_layer_ids,
     extract_shard,
     forward_batch,
     hf_states,
     load_target,
-    predicting_rows,
-    resolve_aux_layer_ids,
     run_shard,
     run_shards,
+    token_budget_batches,
+)
+from eaglet.extract_common import (
+    ExtractionError,
+    Target,
+    check_disk,
+    default_aux_layer_ids,
+    predicting_rows,
+    resolve_aux_layer_ids,
     sequence,
     shard_bounds,
     target_identity,
-    token_budget_batches,
 )
 from eaglet.io import read_json, write_json, write_jsonl
 from eaglet.target import prepare_target
@@ -105,7 +107,7 @@ def test_aux_id_i_is_the_input_of_decoder_layer_i(target):
     ids = [5, 17, 42, 99, 3, 250, 7, 1]
     hidden_states, logits = reference_states(target.model, ids)
     assert len(hidden_states) == LAYERS + 1
-    for layer_ids in ([0, 2, 5], [1, 3, 4]):
+    for layer_ids in ([1, 2, 5], [1, 3, 4]):
         capture = AuxCapture(decoder_layers(target.model), layer_ids)
         try:
             aux, final = forward_batch(target, capture, [ids])
@@ -509,7 +511,7 @@ def test_fp8_shards_are_smaller_and_still_agree(target, greedy, tmp_path):
 
 def test_check_disk_names_both_numbers(tmp_path, monkeypatch):
     free = 3 * 2**30
-    monkeypatch.setattr(extract_mod.shutil, "disk_usage",
+    monkeypatch.setattr(shutil, "disk_usage",
                         lambda path: SimpleNamespace(total=10 * 2**30, used=7 * 2**30, free=free))
     check_disk(tmp_path / "hidden", free)  # exactly enough is enough
     assert (tmp_path / "hidden").is_dir()
@@ -723,16 +725,16 @@ def test_manifest_rebuilds_a_shard_from_another_run(tiny, extracted, hidden_copy
 
 def test_manifest_follows_a_changed_run(tiny, extracted, hidden_copy, extract_calls, tmp_path):
     # other layers asked for: every shard is extracted again with them
-    manifest = manifest_of(tiny, extracted, hidden_copy, cfg=stage_cfg(aux_layer_ids=[0, 2, 5]))
+    manifest = manifest_of(tiny, extracted, hidden_copy, cfg=stage_cfg(aux_layer_ids=[1, 2, 5]))
     assert extract_calls == ["shard_00000.safetensors", "shard_00001.safetensors"]
-    assert manifest["aux_layer_ids"] == [0, 2, 5]
+    assert manifest["aux_layer_ids"] == [1, 2, 5]
     for i in range(2):
-        assert shards.load(shards.shard_path(hidden_copy, i)).aux_layer_ids == [0, 2, 5]
+        assert shards.load(shards.shard_path(hidden_copy, i)).aux_layer_ids == [1, 2, 5]
     # another target identity (new weights behind the same path): extracted again, not mixed in
     extract_calls.clear()
     other = dict(read_json(tiny.target_json), config_sha256="0" * 64)
     write_json(tmp_path / "target.json", other)
-    manifest = manifest_of(tiny, extracted, hidden_copy, cfg=stage_cfg(aux_layer_ids=[0, 2, 5]),
+    manifest = manifest_of(tiny, extracted, hidden_copy, cfg=stage_cfg(aux_layer_ids=[1, 2, 5]),
                            target_json=tmp_path / "target.json")
     assert len(extract_calls) == 2
     assert manifest["target"]["config_sha256"] == "0" * 64
@@ -741,7 +743,7 @@ def test_manifest_follows_a_changed_run(tiny, extracted, hidden_copy, extract_ca
 
 
 def test_run_shard_checks_disk_before_extracting(tiny, extracted, tmp_path, monkeypatch):
-    monkeypatch.setattr(extract_mod.shutil, "disk_usage",
+    monkeypatch.setattr(shutil, "disk_usage",
                         lambda path: SimpleNamespace(total=2**20, used=2**20 - 1000, free=1000))
     hidden = tmp_path / "hidden"
     with pytest.raises(ExtractionError, match="not enough disk"):
@@ -751,7 +753,7 @@ def test_run_shard_checks_disk_before_extracting(tiny, extracted, tmp_path, monk
 
 
 def no_disk(monkeypatch) -> None:
-    monkeypatch.setattr(extract_mod.shutil, "disk_usage",
+    monkeypatch.setattr(shutil, "disk_usage",
                         lambda path: SimpleNamespace(total=2**20, used=2**20 - 1000, free=1000))
     monkeypatch.setattr(extract_mod, "load_target",
                         lambda *a, **k: pytest.fail("loaded the model before checking the disk"))

@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import save_file
 
 from eaglet.config import validate
-from eaglet.extract_vllm import (capture_args, capture_layer_ids, capture_server, load_head,
-                                 read_request, request_path, split_states)
+from eaglet.extract_vllm import capture_server, load_head, read_request, request_path, split_states
+from eaglet.hidden_capture import capture_args, capture_layer_ids
 from tests.tiny_llama import HIDDEN, LAYERS, make_tiny_llama, one_thread
 
 
@@ -106,7 +106,8 @@ def test_server_gets_the_generation_settings_plus_capture(tmp_path):
 def packed_run(tiny, tmp_path):
     """A vLLM-backend run interrupted after packing both shards (packed here with the hf
     backend, which gives the same shard)."""
-    from eaglet.extract import extract_shard, load_target, target_identity
+    from eaglet.extract import extract_shard, load_target
+    from eaglet.extract_common import target_identity
     from eaglet.extract_vllm import shard_jobs
     from eaglet.target import prepare_target
     from tests.tiny_llama import greedy_records
@@ -171,7 +172,7 @@ def test_prefill_retries_a_busy_server_and_names_a_server_without_capture(tmp_pa
 
     import httpx
 
-    from eaglet.extract import ExtractionError
+    from eaglet.extract_common import ExtractionError
     from eaglet.extract_vllm import prefill
 
     answers = [httpx.Response(503, text="busy"),

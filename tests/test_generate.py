@@ -17,9 +17,9 @@ import pytest
 
 from eaglet.io import request_path
 
+from eaglet.engine_client import RequestFailed
 from eaglet.generate import (
     GenerationSettings,
-    RequestFailed,
     Sampling,
     build_messages,
     collect,

@@ -471,3 +471,96 @@ def test_a_fixed_kv_cache_on_gpus_is_warned_about(caplog):
     target_server(validate({"server": {"gpus": 0, "kv_cache_gib": 2}}), "m", "log")
     target_server(validate({"server": {"gpus": 1}}), "m", "log")
     assert caplog.text == ""
+
+
+# -- a server that dies while eaglet uses it -------------------------------------------------
+
+def test_a_killed_server_ends_the_retries_at_once_with_its_signal_and_log(make_server):
+    """kill -9 of a running server: the request's connection error is not retried for many
+    seconds and then reported as a connection error; the engine client's retry loop checks
+    the process and says it was killed, by which signal, with its log's last lines."""
+    import asyncio
+
+    import httpx
+
+    from eaglet.engine_client import post_json, with_retries
+
+    async def request(server: VLLMServer) -> None:
+        async with httpx.AsyncClient(base_url=server.url) as client:
+            await with_retries(lambda: post_json(client, "/v1/completions", {}, timeout=5),
+                               max_retries=6, health_check=server.check_alive)
+
+    with make_server() as server:
+        os.killpg(server.proc.pid, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(ServerError) as info:
+            asyncio.run(request(server))
+        elapsed = time.monotonic() - started
+
+    first, *rest = str(info.value).splitlines()
+    assert "died (killed by SIGKILL)" in first and server.url in first
+    assert "ConnectError" not in first
+    assert "health server for tiny-model listening" in "\n".join(rest)  # the log's tail
+    assert elapsed < 10, f"retried for {elapsed:.0f} s (six retries back off for over a minute)"
+
+
+def test_extraction_stops_when_its_server_exits_during_the_retries(tmp_path):
+    """The vllm extraction backend's prefill requests, to a server process that is alive when
+    the first one fails (nothing answers yet) and exits with code 3 a moment later: the retry
+    after its exit reports the exit code and the log, not a connection error after every
+    retry has run."""
+    from eaglet.extract_vllm import Extractor
+
+    log = tmp_path / "server.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "import time; print('loading the target', flush=True); "
+             "time.sleep(1.5); print('engine core failed: out of memory', flush=True); "
+             "raise SystemExit(3)"],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        cfg = validate({"generate": {"max_retries": 8, "request_timeout_s": 5}})
+        extractor = Extractor(cfg, "/models/t", [1, 2, 4], tmp_path / "work", log, None)
+        extractor.server = VLLMServer(model="/models/t", log_path=log, port=free_port())
+        extractor.server.proc = proc  # stands in for the server eaglet started
+        extractor.started = True
+        started = time.monotonic()
+        with pytest.raises(ServerError) as info:
+            extractor.states(None, [{"id": "s0"}], [[1, 2, 3]], cfg["extract"], [1, 2, 2], None)
+        elapsed = time.monotonic() - started
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+    first, *rest = str(info.value).splitlines()
+    assert f"(pid {proc.pid}) died (exit code 3)" in first
+    assert "engine core failed: out of memory" in "\n".join(rest)
+    assert elapsed < 15, f"retried for {elapsed:.0f} s (eight retries back off for minutes)"
+
+
+def test_generation_leaves_the_recorded_answers_to_extraction_when_its_server_died(
+        tmp_path, caplog):
+    """Prefilling recorded answers on generation's capturing server, which was killed: no
+    minutes of retries, and generation goes on (extraction computes those states) with a
+    warning that says the server was killed."""
+    from eaglet.generate import prefill_recorded
+
+    log = tmp_path / "server.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-c", "import time; print('serving', flush=True); "
+                                 "time.sleep(60)"], stdout=out, start_new_session=True)
+    server = VLLMServer(model="/models/t", log_path=log, port=free_port())
+    server.proc = proc
+    assert wait_until(lambda: "serving" in log.read_text(), 20)
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait()
+    records = [{"id": "r0", "prompt_token_ids": [1, 2], "completion_token_ids": [3]}]
+    cfg = validate({"generate": {"max_retries": 8}})
+    started = time.monotonic()
+    with caplog.at_level("WARNING", logger="eaglet.generate"):
+        saved = prefill_recorded(server.url, records, str(tmp_path / "capture"), cfg,
+                                 health_check=server.check_alive)
+    assert saved == 0 and time.monotonic() - started < 5
+    assert "prefilling the recorded answers failed" in caplog.text
+    assert "died (killed by SIGTERM)" in caplog.text and "serving" in caplog.text

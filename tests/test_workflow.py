@@ -20,7 +20,9 @@ import torch
 
 from eaglet import shards
 from eaglet import status as eaglet_status
-from eaglet.extract import extract_shard, load_target, target_identity
+from eaglet.config import load_run_config
+from eaglet.extract import extract_shard, load_target
+from eaglet.extract_common import target_identity
 from eaglet.io import read_json, read_jsonl
 from eaglet.server import port_is_free
 from eaglet.target import read_target
@@ -43,7 +45,7 @@ def wait_for(predicate, timeout: float, what: str, proc=None, poll_s: float = 0.
 def status(results, config: str | None = str(workflow.TINY)) -> dict[str, dict]:
     """`eaglet status` of the run, stage by stage (Snakemake's view included); with
     ``config=None`` from the config the run recorded, as `eaglet status --results` does."""
-    cfg = eaglet_status.load_run_config(results, config, workflow.REPO)
+    cfg = load_run_config(results, config, workflow.REPO)
     report = eaglet_status.collect(results, cfg, workflow.REPO,
                                    eaglet_status.snakemake_config_args(results, config))
     text = eaglet_status.render(report)  # renders at every point of a run, naming each stage
@@ -169,7 +171,7 @@ def test_hidden_states_reproduce_the_servers_greedy_tokens(results, tmp_path):
     # vLLM's prefill states equal the transformers backend's, row for row (the tiny config
     # stores float32): the captured layers, their order and the final norm are the ones the
     # drafter is trained on
-    cfg = eaglet_status.load_run_config(results, str(workflow.TINY), workflow.REPO)
+    cfg = load_run_config(results, str(workflow.TINY), workflow.REPO)
     info = read_target(results / "target" / "target.json")
     target = load_target(info["path"], "float32", "cpu")
     by_id = {r["id"]: r for r in train}
@@ -313,7 +315,7 @@ def test_states_captured_while_generating_train_a_drafter_like_the_extracted_one
     assert not list((results / "hidden" / "vllm" / "requests").glob("*.safetensors"))
     # packed shards were moved into place: nothing staged is left behind
     assert not list((results / "hidden" / "vllm").rglob("shard_*.safetensors"))
-    facts = eaglet_status.collect(results, eaglet_status.load_run_config(
+    facts = eaglet_status.collect(results, load_run_config(
         results, str(workflow.TINY), workflow.REPO), None)
     train = {s["stage"]: s for s in facts["stages"]}["train"]["facts"]
     assert train["eval_simulated_al"] == pytest.approx(before_train["eval_simulated_al"], abs=0.15)

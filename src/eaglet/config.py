@@ -197,7 +197,8 @@ def lookup(cfg: dict[str, Any], key: str) -> Any:
 # params leave them out at that value, so that a run made before them is not redone.
 ADDED_LATER = {"generate": {"capture_hidden_states": False, "chat_template_kwargs": None},
                "train": {"loss_on_prompt": False, "feature_noise": 0.0, "host_ram_mb": 4096,
-                         "prefetch_batches": None, "attention": "auto"}}
+                         "prefetch_batches": None, "attention": "auto",
+                         "drafter_attention": "llama"}}
 
 
 def stage_params(cfg: dict[str, Any], section: str, drop: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -249,3 +250,23 @@ def _plain(value: Any) -> Any:
 def load(path: str) -> dict[str, Any]:
     with open(path) as handle:
         return validate(yaml.safe_load(handle) or {})
+
+
+def load_run_config(results, config_path: str | None, workflow) -> dict:
+    """A run's validated config, as `eaglet status` and `eaglet plan` read it: the run's own
+    record (``results/run/config.json``), else ``config_path`` over the schema's defaults,
+    else the workflow's config.yaml (as the Snakefile reads config.yaml only when no
+    ``--configfile`` is given)."""
+    import json
+    from pathlib import Path
+
+    try:
+        recorded = json.loads((Path(results) / "run" / "config.json").read_text())
+    except (OSError, ValueError):
+        recorded = None
+    if recorded is not None and config_path is None:
+        return validate(recorded)
+    if config_path:
+        return validate(yaml.safe_load(Path(config_path).read_text()) or {})
+    base_path = Path(workflow) / "config.yaml"
+    return validate((yaml.safe_load(base_path.read_text()) or {}) if base_path.exists() else {})

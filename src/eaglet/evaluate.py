@@ -290,25 +290,14 @@ def _safetensors_tensors(path: Path) -> dict:
 
 
 def config_params(config: dict) -> int | None:
-    """The target's parameter count from its config.json: `eaglet plan`'s count of a dense
-    model (plan.target_params), plus the experts of a mixture of experts (routed and shared,
-    in every layer past ``first_k_dense_replace``); None where the config lacks the shape."""
+    """The target's parameter count from its config.json (`eaglet plan`'s, which counts a
+    mixture of experts' routed and shared experts); None where the config lacks the shape."""
     from eaglet.plan import shape_from_target_config, target_params
 
-    c = config.get("text_config") or config
     try:
-        params = target_params(shape_from_target_config(config, 0, "target"))
+        return target_params(shape_from_target_config(config, 0, "target"))
     except (KeyError, TypeError, ZeroDivisionError):
         return None
-    experts = c.get("n_routed_experts") or c.get("num_experts") or c.get("num_local_experts")
-    if experts:
-        width = c.get("moe_intermediate_size") or c["intermediate_size"]
-        layers = c["num_hidden_layers"] - (c.get("first_k_dense_replace") or 0)
-        # without a width of their own, one expert is the MLP the dense count holds already
-        extra = (experts + (c.get("n_shared_experts") or 0)
-                 - (0 if c.get("moe_intermediate_size") else 1))
-        params += layers * extra * 3 * c["hidden_size"] * width
-    return params
 
 
 def target_size(target_dir: str | os.PathLike, dtype: str) -> TargetSize | None:

@@ -9,64 +9,33 @@ batches sorted by length, and packed into the shard without padding.
 
 Every shard is checked against the server: the teacher's argmax, computed from the stored
 (cast) final state, must reproduce the greedy tokens the server generated.
+
+This module is the ``hf`` backend (the target run by transformers) and the manifest over the
+shards of either backend; the checks and the shard write both backends share are in
+:mod:`eaglet.extract_common`, the ``vllm`` backend in :mod:`eaglet.extract_vllm`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import shutil
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from eaglet import rates, shards
+from eaglet.extract_common import (BACKEND_ENGINES, TORCH_DTYPES, ExtractionError, Target,
+                                   check_disk, enforce_agreement, estimate_bytes, pick_device,
+                                   resolve_aux_layer_ids, shard_problem, shard_records,
+                                   shard_states, target_identity, write_shard)
 from eaglet.io import read_json, read_jsonl, write_json
 from eaglet.progress import Progress
-from eaglet.prompts import recorded_answer
 
 log = logging.getLogger("eaglet.extract")
-
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class ExtractionError(RuntimeError):
-    pass
-
-
-def default_aux_layer_ids(num_layers: int) -> list[int]:
-    """vLLM's default EAGLE-3 aux layers: early, middle and late."""
-    return [2, num_layers // 2, num_layers - 3]
-
-
-def resolve_aux_layer_ids(configured: list[int] | None, num_layers: int) -> list[int]:
-    ids = list(configured) if configured else default_aux_layer_ids(num_layers)
-    if len(ids) != 3:
-        raise ExtractionError(f"extract.aux_layer_ids needs 3 layer ids (EAGLE-3 fuses three), got {ids}")
-    bad = [i for i in ids if not 0 <= i < num_layers]
-    if bad:
-        raise ExtractionError(f"aux layer ids {bad} are outside 0..{num_layers - 1}: id i is the "
-                              f"input of decoder layer i of the target's {num_layers} layers")
-    return ids
-
-
-def shard_bounds(num_samples: int, num_shards: int, index: int) -> tuple[int, int]:
-    """Contiguous, balanced block of sample indices for shard ``index`` of ``num_shards``."""
-    return index * num_samples // num_shards, (index + 1) * num_samples // num_shards
-
-
-def sequence(record: dict, max_len: int) -> tuple[list[int], list[int], bool]:
-    """Token ids and loss mask (1 on completion tokens) of one sample, cut at ``max_len``."""
-    prompt, completion = record["prompt_token_ids"], record["completion_token_ids"]
-    ids = list(prompt) + list(completion)
-    mask = [0] * len(prompt) + [1] * len(completion)
-    truncated = len(ids) > max_len
-    return ids[:max_len], mask[:max_len], truncated
 
 
 def token_budget_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
@@ -118,22 +87,6 @@ class AuxCapture:
     def close(self) -> None:
         for handle in self.handles:
             handle.remove()
-
-
-@dataclass
-class Target:
-    model: Any
-    lm_head: torch.Tensor   # [V, H]
-    device: torch.device
-    num_layers: int
-    hidden_size: int
-    vocab_size: int
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 def load_target(path: str, dtype: str, device: str = "auto",
@@ -220,102 +173,6 @@ def forward_batch(target: Target, capture: AuxCapture, seqs: list[list[int]]):
     packed = forward_packed(target, capture, seqs)
     aux_width = packed.shape[1] - target.hidden_size
     return packed[:, :aux_width], packed[:, aux_width:]
-
-
-def predicting_rows(loss_mask: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Rows whose next token is a completion token of the same sample: the only rows whose
-    teacher training reads and the greedy check compares."""
-    predicted_by = torch.zeros_like(loss_mask, dtype=torch.bool)
-    predicted_by[:-1] = loss_mask[1:].bool()            # position t predicts completion token t+1
-    starts = offsets[1:-1] - 1                           # the last row of a sample predicts nothing
-    predicted_by[starts[starts >= 0]] = False
-    return predicted_by
-
-
-@torch.inference_mode()
-def teacher_from_stored(target: Target, final_stored: torch.Tensor, targets: torch.Tensor,
-                        rows: torch.Tensor, chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
-    """Argmax over the full vocabulary and log-probability of ``targets`` (the next tokens),
-    from the final states as they are stored (after the cast to the shard dtype), at the
-    ``rows`` mask only: -1 and NaN elsewhere. Prompt rows are most of a sample on short answers
-    and the full-vocabulary head is the costliest part of the check, so they are skipped."""
-    argmax = torch.full((final_stored.shape[0],), -1, dtype=torch.int64)
-    logprob = torch.full((final_stored.shape[0],), float("nan"), dtype=torch.float32)
-    index = rows.nonzero().squeeze(1)
-    weight = target.lm_head
-    for start in range(0, index.numel(), chunk):
-        at = index[start:start + chunk]
-        h = final_stored[at].to(weight.device, weight.dtype)  # the lm_head's device when sharded
-        logits = (h @ weight.T).float()
-        argmax[at] = logits.argmax(-1).cpu()
-        nxt = targets[at].to(weight.device)
-        logprob[at] = torch.log_softmax(logits, -1).gather(1, nxt[:, None]).squeeze(1).cpu()
-    return argmax, logprob
-
-
-def agreement(records: list[dict], input_ids: torch.Tensor, predicted_by: torch.Tensor,
-              offsets: torch.Tensor, teacher_argmax: torch.Tensor, next_logprob: torch.Tensor,
-              worst: int = 5) -> dict:
-    """How often the teacher's argmax at t equals the generated token at t+1, over completion
-    tokens (the ``predicted_by`` rows); per sample, the worst ones named."""
-    next_ids = torch.roll(input_ids, -1)
-    hits = (teacher_argmax == next_ids) & predicted_by
-    per_sample = []
-    for s, record in enumerate(records):
-        lo, hi = int(offsets[s]), int(offsets[s + 1])
-        n = int(predicted_by[lo:hi].sum())
-        if n:
-            per_sample.append({"id": record["id"], "positions": n,
-                               "agreement": float(hits[lo:hi].sum()) / n,
-                               "mean_logprob": float(next_logprob[lo:hi][predicted_by[lo:hi]].mean())})
-    total = int(predicted_by.sum())
-    return {
-        "positions": total,
-        "agreement": float(hits.sum()) / total if total else None,
-        "mean_logprob": float(next_logprob[predicted_by].mean()) if total else None,
-        "worst": sorted(per_sample, key=lambda r: r["agreement"])[:worst],
-    }
-
-
-def estimate_bytes(records: list[dict], max_len: int, hidden_size: int, dtype: str) -> int:
-    tokens = sum(min(len(r["prompt_token_ids"]) + len(r["completion_token_ids"]), max_len)
-                 for r in records)
-    return tokens * shards.bytes_per_token(hidden_size, 3, dtype)
-
-
-def check_disk(directory: Path, needed: int) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(directory).free
-    if needed > free:
-        raise ExtractionError(
-            f"not enough disk for the hidden states: about {_size(needed)} still to "
-            f"write, {_size(free)} free on {directory}. Free space, point results_dir "
-            f"at a larger disk, or store fp8 shards (extract.dtype: fp8) to halve the bytes.")
-
-
-def _size(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} bytes"
-
-
-def is_greedy(records: list[dict]) -> bool:
-    """Whether the target answered these samples greedily (recorded answers aside; at least
-    one answered by the target): what the teacher check compares."""
-    generated = [r for r in records if not recorded_answer(r)]
-    return bool(generated) and all((r.get("sampling") or {}).get("temperature", 0.0) == 0.0
-                                   for r in generated)
-
-
-def generated_rows(records: list[dict], offsets: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """``rows`` less those of samples with a recorded answer: the teacher check compares the
-    target with its own answers only (a recorded answer is another writer's)."""
-    keep = rows.clone()
-    for s, record in enumerate(records):
-        if recorded_answer(record):
-            keep[int(offsets[s]):int(offsets[s + 1])] = False
-    return keep
 
 
 class HostCopies:
@@ -430,79 +287,6 @@ def hf_states(target: Target, records: list[dict], seqs: list[list[int]], cfg: d
     return aux_rows, final_rows
 
 
-@dataclass
-class ShardStates:
-    """One shard's sequences and their states on the host, not yet checked nor written."""
-
-    records: list[dict]
-    seqs: list[list[int]]
-    masks: list[list[int]]
-    truncated: int
-    aux_rows: list[torch.Tensor]
-    final_rows: list[torch.Tensor]
-    started: float
-
-
-def shard_states(target: Target, records: list[dict], cfg: dict, aux_layer_ids: list[int],
-                 progress: Progress | None = None, states=hf_states) -> ShardStates:
-    """The sequences of ``records`` (cut at ``max_len``) and their states, by ``states``."""
-    started = time.monotonic()
-    seqs, masks, truncated = [], [], 0
-    for record in records:
-        ids, mask, cut = sequence(record, cfg["max_len"])
-        seqs.append(ids)
-        masks.append(mask)
-        truncated += cut
-    aux_rows, final_rows = states(target, records, seqs, cfg, aux_layer_ids, progress)
-    return ShardStates(records, seqs, masks, truncated, aux_rows, final_rows, started)
-
-
-def write_shard(target: Target, got: ShardStates, cfg: dict, aux_layer_ids: list[int],
-                identity: dict, shard_path: str | os.PathLike, meta_path: str | os.PathLike,
-                backend: str = "hf") -> dict:
-    """Check the teacher of computed states, write the shard and its sidecar JSON; raise below
-    the teacher-agreement threshold."""
-    records, seqs = got.records, got.seqs
-    lengths = [len(s) for s in seqs]
-    input_ids = torch.tensor([t for s in seqs for t in s], dtype=torch.int64)
-    loss_mask = torch.tensor([m for ms in got.masks for m in ms], dtype=torch.uint8)
-    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
-    final_all = torch.cat(got.final_rows)  # the aux states are written from their rows as they are
-
-    # the teacher as training will see it: from the final state after the storage cast
-    stored_final = _round_trip(final_all, cfg["dtype"])
-    rows = predicting_rows(loss_mask, offsets)
-    teacher_argmax, next_logprob = teacher_from_stored(target, stored_final,
-                                                       torch.roll(input_ids, -1), rows)
-    del stored_final
-    generated = generated_rows(records, offsets, rows)
-    check = agreement(records, input_ids, generated, offsets, teacher_argmax, next_logprob)
-    if any(map(recorded_answer, records)):  # how far the recorded answers are from the target
-        other = agreement(records, input_ids, rows & ~generated, offsets, teacher_argmax,
-                          next_logprob, worst=0)
-        check["recorded_answers"] = {k: other[k] for k in ("positions", "agreement",
-                                                           "mean_logprob")}
-
-    written = shards.write(shard_path, input_ids, loss_mask, offsets, teacher_argmax, got.aux_rows,
-                           final_all, sample_ids=[r["id"] for r in records],
-                           aux_layer_ids=aux_layer_ids, dtype=cfg["dtype"], target=identity)
-    elapsed = time.monotonic() - got.started
-    tensor_bytes = input_ids.numel() * shards.bytes_per_token(target.hidden_size, 3, cfg["dtype"])
-    meta = {
-        "file": Path(shard_path).name, "sha256": written.sha256, "bytes": written.bytes,
-        "tensor_bytes": tensor_bytes, "samples": [r["id"] for r in records],
-        "num_samples": len(records), "tokens": int(input_ids.numel()),
-        "loss_tokens": int(loss_mask.sum()), "truncated": got.truncated, "dtype": cfg["dtype"],
-        "aux_layer_ids": aux_layer_ids, "hidden_size": target.hidden_size, "target": identity,
-        "greedy": is_greedy(records), "teacher": check, "backend": backend, "elapsed_s": elapsed,
-        "recorded_answers": sum(map(recorded_answer, records)),
-        "tokens_per_s": input_ids.numel() / elapsed if elapsed else None,
-    }
-    write_json(meta_path, meta)
-    enforce_agreement(meta, cfg["min_teacher_agreement"])
-    return meta
-
-
 def extract_shard(target: Target, records: list[dict], cfg: dict, aux_layer_ids: list[int],
                   identity: dict, shard_path: str | os.PathLike, meta_path: str | os.PathLike,
                   progress: Progress | None = None, states=hf_states,
@@ -516,43 +300,7 @@ def extract_shard(target: Target, records: list[dict], cfg: dict, aux_layer_ids:
     return write_shard(target, got, cfg, aux_layer_ids, identity, shard_path, meta_path, backend)
 
 
-def _round_trip(x: torch.Tensor, dtype: str) -> torch.Tensor:
-    if dtype == "fp8":
-        return shards.dequantize_fp8(*shards.quantize_fp8(x, 1))
-    return x.to(shards.STORAGE_DTYPES[dtype]).float()
-
-
-def enforce_agreement(meta: dict, threshold: float) -> None:
-    check = meta["teacher"]
-    if not meta["greedy"] or check["agreement"] is None:
-        return  # sampled data: the mean log-probability is reported instead
-    if check["agreement"] >= threshold:
-        return
-    worst = "; ".join(f"{w['id']}: {w['agreement']:.2%} of {w['positions']}" for w in check["worst"])
-    raise ExtractionError(
-        f"teacher agreement {check['agreement']:.2%} in {meta['file']} is below "
-        f"extract.min_teacher_agreement={threshold:.2%}: the target run by "
-        f"{BACKEND_NAMES.get(meta.get('backend', 'hf'), meta.get('backend'))} does not "
-        f"reproduce the tokens the server generated greedily. Worst samples: {worst}. Check that "
-        f"the server and extraction use the same weights, dtype (target.dtype) and tokenizer, "
-        f"and that prompt_token_ids came from the server (not re-tokenized).")
-
-
-BACKEND_NAMES = {"hf": "transformers (extract.backend: hf)",
-                 "vllm": "the vLLM server's prefill (extract.backend: vllm)"}
-
-
 # -- the stage -------------------------------------------------------------------------------
-
-def target_identity(target_info: dict) -> dict:
-    keys = ("spec", "path", "hub_id", "source_sha256", "config_sha256")
-    return {k: target_info[k] for k in keys if k in target_info}
-
-
-def shard_records(records: list[dict], num_shards: int, index: int) -> list[dict]:
-    lo, hi = shard_bounds(len(records), num_shards, index)
-    return records[lo:hi]
-
 
 def extract_shards(target: Target, parts: list[tuple[list[dict], str | os.PathLike, str | os.PathLike]],
                    cfg: dict, aux_layer_ids: list[int], identity: dict,
@@ -566,7 +314,7 @@ def extract_shards(target: Target, parts: list[tuple[list[dict], str | os.PathLi
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer") as writer:
         writing = None
         for records, shard_path, meta_path in parts:
-            got = shard_states(target, records, cfg, aux_layer_ids, progress)
+            got = shard_states(target, records, cfg, aux_layer_ids, progress, hf_states)
             if writing is not None:
                 metas.append(writing.result())  # bounded: one shard written at a time
             writing = writer.submit(write_shard, target, got, cfg, aux_layer_ids, identity,
@@ -650,22 +398,6 @@ def hidden_size_of(info: dict) -> int:
     return load_text_config(info["path"])["hidden_size"]
 
 
-def shard_problem(meta_path: Path, shard_file: Path, expected: dict) -> str | None:
-    """Why a finished shard cannot be used as it is, or None when it matches."""
-    if not meta_path.exists() or not shard_file.exists():
-        return "missing"
-    try:
-        meta = read_json(meta_path)
-    except ValueError:
-        return f"its record {meta_path.name} is unreadable"
-    if shards.sha256_path(shard_file) != meta["sha256"]:
-        return "its sha256 does not match the one recorded at extraction (truncated or modified)"
-    for key in ("aux_layer_ids", "dtype", "target"):
-        if meta[key] != expected[key]:
-            return f"it was extracted with {key}={meta[key]!r}, the run now asks for {expected[key]!r}"
-    return None
-
-
 def build_manifest(cfg: dict, target_json: str, data_path: str, num_shards: int,
                    hidden_dir: str, manifest_path: str, eval_data_path: str | None = None) -> dict:
     """Verify every shard (hash, layers, dtype, target), re-extract the ones that fail, and
@@ -715,6 +447,7 @@ def build_manifest(cfg: dict, target_json: str, data_path: str, num_shards: int,
     manifest = summarize(entries[:num_shards], expected, ext)
     if eval_data_path is not None:
         manifest["eval_shards"] = summarize(entries[num_shards:], expected, ext)["shards"]
+    manifest["computed_by"] = computed_by(entries)
     write_json(manifest_path, manifest)
     log.info("manifest: %d shards, %d samples, %d tokens, %.1f MB, teacher agreement %s",
              manifest["num_shards"], manifest["num_samples"], manifest["tokens"], manifest["bytes"] / 1e6,
@@ -738,6 +471,26 @@ def _reextract_with_vllm(cfg: dict, info: dict, bad: list[tuple], records: dict[
             [str(p.with_suffix(".json")) for p in paths], work, split)[index])
     extract_vllm.extract_shards(cfg, info, jobs, work,
                                 Path(hidden_dir).parent / "logs" / "extract" / "manifest.server.log")
+
+
+def computed_by(entries: list[dict]) -> list[dict]:
+    """How the states of the shards (``entries``, held-out ones too) were computed, one item
+    per backend and engine version: ``backend`` (hf or vllm), ``engine`` and
+    ``engine_version`` (transformers' or vLLM's), the ``shards`` and ``samples`` it made, and
+    ``samples_captured_during_generation``: those whose states generation's own forward
+    passes saved (``generate.capture_hidden_states``), the rest computed by extraction. A
+    shard from an eaglet that did not record its engine counts with version None."""
+    groups: dict[tuple, dict] = {}
+    for entry in entries:
+        backend = entry.get("backend", "hf")
+        engine = entry.get("engine") or {"name": BACKEND_ENGINES[backend], "version": None}
+        group = groups.setdefault((backend, engine["name"], engine["version"]), {
+            "backend": backend, "engine": engine["name"], "engine_version": engine["version"],
+            "shards": 0, "samples": 0, "samples_captured_during_generation": 0})
+        group["shards"] += 1
+        group["samples"] += entry["num_samples"]
+        group["samples_captured_during_generation"] += entry.get("captured_during_generation", 0)
+    return list(groups.values())
 
 
 def summarize(entries: list[dict], expected: dict, ext: dict) -> dict:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import time
@@ -32,10 +31,12 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from eaglet import rates
-from eaglet.extract import (TORCH_DTYPES, ExtractionError, Target, check_disk, enforce_agreement,
-                            estimate_bytes, extract_shard, pick_device, resolve_aux_layer_ids,
-                            shard_problem, target_identity)
-from eaglet.generate import RequestFailed, gather_or_cancel, post_json, with_retries
+from eaglet.engine_client import RequestFailed, gather_or_cancel, post_json, with_retries
+from eaglet.extract_common import (TORCH_DTYPES, ExtractionError, Target, check_disk,
+                                   enforce_agreement, estimate_bytes, pick_device,
+                                   resolve_aux_layer_ids, shard_problem, shard_records,
+                                   shard_states, target_identity, write_shard)
+from eaglet.hidden_capture import capture_args, capture_layer_ids
 from eaglet.io import read_json, request_lock, request_path, writer_done
 from eaglet.progress import Progress
 from eaglet.server import VLLMServer, target_server
@@ -44,8 +45,6 @@ from eaglet.target import (EMBEDDING_NAMES, _read_tensor, _weight_files, read_ta
 
 log = logging.getLogger("eaglet.extract_vllm")
 
-CONNECTOR = "EagletHiddenStatesConnector"
-CONNECTOR_MODULE = "eaglet.hidden_connector"
 # the rates `eaglet status` estimates this stage from: sequences sent as prefill requests, or
 # states that generation captured, only packed
 RATE_PREFILL, RATE_PACK = "extract_vllm", "extract_pack"
@@ -55,25 +54,6 @@ LM_HEAD_NAMES = ["lm_head.weight", "model.lm_head.weight", "language_model.lm_he
 
 
 # -- the server ------------------------------------------------------------------------------
-
-def capture_layer_ids(aux_layer_ids: list[int], num_layers: int) -> list[int]:
-    """Layers the server saves: the distinct aux ids, then ``num_layers`` (layer L's output
-    before the final norm, which gives the teacher's final state)."""
-    return [*dict.fromkeys(aux_layer_ids), num_layers]
-
-
-def capture_args(layer_ids: list[int], storage_dir: str | os.PathLike) -> list[str]:
-    """vLLM arguments that make every request save its hidden states under ``storage_dir``."""
-    speculative = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
-                   "draft_model_config": {"hf_config": {
-                       "eagle_aux_hidden_state_layer_ids": list(layer_ids)}}}
-    transfer = {"kv_connector": CONNECTOR, "kv_connector_module_path": CONNECTOR_MODULE,
-                "kv_role": "kv_producer",
-                "kv_connector_extra_config": {"shared_storage_path": str(storage_dir),
-                                              "allow_custom_save_path": True}}
-    return ["--speculative-config", json.dumps(speculative),
-            "--kv-transfer-config", json.dumps(transfer), "--no-enable-prefix-caching"]
-
 
 def capture_server(cfg: dict, model_path: str, layer_ids: list[int], storage_dir: Path,
                    log_path: str | os.PathLike) -> VLLMServer:
@@ -163,13 +143,15 @@ def remove_request(path: Path) -> None:
 
 
 async def prefill(client: httpx.AsyncClient, ids: list[int], path: Path, timeout: float,
-                  max_retries: int) -> None:
-    """One prefill request whose states the connector saves to ``path``."""
+                  max_retries: int, health_check=None) -> None:
+    """One prefill request whose states the connector saves to ``path``; ``health_check`` (the
+    server process's) runs after every failed attempt and ends the retries of a dead server."""
     payload = {"model": "target", "prompt": list(ids), "max_tokens": 1, "temperature": 0.0,
                "kv_transfer_params": {"hidden_states_path": str(path)}}
     try:
         body = await with_retries(
-            lambda: post_json(client, "/v1/completions", payload, timeout), max_retries)
+            lambda: post_json(client, "/v1/completions", payload, timeout), max_retries,
+            health_check=health_check)
     except RequestFailed as exc:
         raise ExtractionError(f"prefill request failed: {exc}") from exc
     saved = (body.get("kv_transfer_params") or {}).get("hidden_states_path")
@@ -183,20 +165,22 @@ async def prefill(client: httpx.AsyncClient, ids: list[int], path: Path, timeout
 
 
 async def prefill_each(url: str, work: list[tuple[list[int], Path]], concurrency: int,
-                       timeout: float, max_retries: int, after, before=None) -> None:
+                       timeout: float, max_retries: int, after, health_check=None) -> None:
     """Send every ``(ids, path)`` of ``work`` as one prefill request to the capturing server
     at ``url``, ``concurrency`` at a time; ``await after(i)`` once the i-th was answered
-    (outside the concurrency gate: reading a file does not hold a request slot back), and
-    ``before()`` ahead of each request. The first failure cancels the rest."""
+    (outside the concurrency gate: reading a file does not hold a request slot back).
+    ``health_check()`` (the server process's, when eaglet started it) runs ahead of each
+    request and after every failed attempt: a server that died stops the stage at once, with
+    its exit named. The first failure cancels the rest."""
     gate = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency)
     async with httpx.AsyncClient(base_url=url, limits=limits) as client:
 
         async def one(i: int, ids: list[int], path: Path) -> None:
             async with gate:
-                if before is not None:
-                    before()
-                await prefill(client, ids, path, timeout, max_retries)
+                if health_check is not None:
+                    health_check()
+                await prefill(client, ids, path, timeout, max_retries, health_check)
             await after(i)
 
         await gather_or_cancel(one(i, ids, path) for i, (ids, path) in enumerate(work))
@@ -241,6 +225,8 @@ class Extractor:
         self.server = capture_server(cfg, model_path, layer_ids, self.requests, server_log)
         self.started = False
         self.norm: FinalNorm | None = None
+        # samples whose states this run sent as prefill requests (not those generation saved)
+        self.prefilled: set[str] = set()
         # what stops the server once it was started (set by the caller)
         self.stack: contextlib.ExitStack | None = None
 
@@ -273,8 +259,16 @@ class Extractor:
             log.info("%d of %d sequences have no saved states: sending them as prefill "
                      "requests", len(missing), len(seqs))
             self.ensure_server()
+            self.prefilled.update(records[i]["id"] for i in missing)
             asyncio.run(self._send(missing, seqs, paths, rows, aux_layer_ids, progress))
         return [r[0] for r in rows], [r[1] for r in rows]
+
+    def captured_during_generation(self, records: list[dict]) -> int:
+        """How many of ``records`` have the states generation's own forward passes saved
+        (``generate.capture_hidden_states`` marks them ``hidden_states: saved``) rather than
+        a prefill request of this run."""
+        return sum(r.get("hidden_states") == "saved" and r["id"] not in self.prefilled
+                   for r in records)
 
     async def _send(self, missing, seqs, paths, rows, aux_layer_ids, progress) -> None:
         gen = self.cfg["generate"]
@@ -292,7 +286,7 @@ class Extractor:
 
         await prefill_each(self.server.url, [(seqs[i], paths[i]) for i in missing],
                            self.cfg["extract"]["concurrency"], gen["request_timeout_s"],
-                           gen["max_retries"], after, before=self.server.check_alive)
+                           gen["max_retries"], after, health_check=self.server.check_alive)
 
 
 def extract_shards(cfg: dict, info: dict, jobs: list[ShardJob], work_dir: Path,
@@ -329,9 +323,12 @@ def extract_shards(cfg: dict, info: dict, jobs: list[ShardJob], work_dir: Path,
                 metas.append(meta)
                 continue
             job.staged_path.parent.mkdir(parents=True, exist_ok=True)
-            meta = extract_shard(target, job.records, ext, aux_ids, identity, job.staged_path,
-                                 job.staged_meta_path, progress, states=extractor.states,
-                                 backend="vllm")
+            got = shard_states(target, job.records, ext, aux_ids, progress, extractor.states)
+            meta = write_shard(target, got, ext, aux_ids, identity, job.staged_path,
+                               job.staged_meta_path, backend="vllm",
+                               captured_during_generation=extractor.captured_during_generation(
+                                   job.records))
+            del got  # the next shard's states take its place
             for record in job.records:  # packed: the per-request files are not needed again
                 remove_request(request_path(extractor.requests, record["id"]))
             log.info("%s: %d samples, %d tokens, %.0f tokens/s, teacher agreement %s",
@@ -369,7 +366,6 @@ def _fmt(value: float | None) -> str:
 def shard_jobs(records: list[dict], num_shards: int, shard_paths: list[str],
                meta_paths: list[str], work_dir: Path, split: str) -> list[ShardJob]:
     """Jobs of one split's shards (contiguous blocks of its records, as the hf backend)."""
-    from eaglet.extract import shard_records
     jobs = []
     for index, (shard, meta) in enumerate(zip(shard_paths, meta_paths)):
         staged = work_dir / "shards" / split / Path(shard).name

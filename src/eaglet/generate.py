@@ -12,7 +12,6 @@ import asyncio
 import json
 import logging
 import os
-import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,23 +21,17 @@ import httpx
 from transformers import AutoTokenizer
 
 from eaglet import rates
+from eaglet.engine_client import RequestFailed, gather_or_cancel, post_json, with_retries
+from eaglet.hidden_capture import capture_args, capture_layer_ids
 from eaglet.io import (atomic_open, read_jsonl, request_path, write_json, write_jsonl,
                        writer_done)
 from eaglet.progress import Progress, now_iso
 from eaglet.prompts import RECORDED_ANSWER
-from eaglet.server import target_server
+from eaglet.server import ServerError, target_server
 from eaglet.target import read_target
 from eaglet.template_check import check_records, enforce
 
 log = logging.getLogger("eaglet.generate")
-
-RETRYABLE_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
-
-
-class RequestFailed(RuntimeError):
-    def __init__(self, message: str, retryable: bool):
-        super().__init__(message)
-        self.retryable = retryable
 
 
 @dataclass(frozen=True)
@@ -328,44 +321,12 @@ async def chat_once(client: httpx.AsyncClient, model: str, messages: list[dict],
     return parse_response(await post_json(client, "/v1/chat/completions", payload, timeout))
 
 
-async def post_json(client: httpx.AsyncClient, path: str, payload: dict, timeout: float) -> dict:
-    """One POST; connection errors, timeouts and the retryable statuses raise a retryable
-    :class:`RequestFailed`, other non-200 answers a permanent one."""
-    try:
-        resp = await client.post(path, json=payload, timeout=timeout)
-    except (httpx.TransportError, httpx.TimeoutException) as exc:
-        raise RequestFailed(f"{type(exc).__name__}: {exc}", retryable=True) from exc
-    if resp.status_code != 200:
-        raise RequestFailed(f"HTTP {resp.status_code}: {resp.text[:500]}",
-                            retryable=resp.status_code in RETRYABLE_STATUS)
-    return resp.json()
-
-
 async def chat_with_retries(client, model, messages, sampling, timeout, max_retries,
                             backoff_s: float = 1.0, health_check=None,
                             extra: dict | None = None) -> dict:
     return await with_retries(
         lambda: chat_once(client, model, messages, sampling, timeout, extra),
         max_retries, backoff_s, health_check)
-
-
-async def with_retries(call, max_retries: int, backoff_s: float = 1.0, health_check=None):
-    """``await call()``, again after a retryable :class:`RequestFailed` (exponential backoff
-    with jitter, at most ``max_retries`` times); ``health_check`` runs after each failure."""
-    attempt = 0
-    while True:
-        try:
-            return await call()
-        except RequestFailed as exc:
-            if health_check is not None:
-                health_check()  # a dead server is the stage's failure, not this request's
-            if not exc.retryable or attempt >= max_retries:
-                raise
-            delay = backoff_s * 2 ** attempt * (1 + random.random())
-            log.warning("request failed (%s); retry %d/%d in %.1f s",
-                        exc, attempt + 1, max_retries, delay)
-            await asyncio.sleep(delay)
-            attempt += 1
 
 
 async def resolve_model_name(client: httpx.AsyncClient, model_name: str | None = None) -> str:
@@ -522,13 +483,16 @@ async def generate_async(prompts: list[dict], settings: GenerationSettings,
     return done
 
 
-def prefill_recorded(url: str, records: list[dict], capture_dir: str, cfg: dict) -> int:
+def prefill_recorded(url: str, records: list[dict], capture_dir: str, cfg: dict,
+                     health_check=None) -> int:
     """generate.capture_hidden_states with recorded answers (``answers: dataset``): each
     recorded sample whose states are not saved yet goes to the capturing server as one
     prefill request, so that extraction packs them with the generated ones instead of
-    loading the target a second time. Returns how many were saved; a failure leaves the rest
-    to extraction (with a warning), it does not fail generation."""
-    from eaglet.extract_vllm import ExtractionError, prefill_each  # torch-heavy, only here
+    loading the target a second time. Returns how many were saved; a failure (the server's
+    death too, which ``health_check`` reports) leaves the rest to extraction (with a
+    warning), it does not fail generation."""
+    from eaglet.extract_common import ExtractionError  # torch-heavy, only here
+    from eaglet.extract_vllm import prefill_each
 
     paths = [request_path(capture_dir, r["id"]) for r in records]
     work = [(r["prompt_token_ids"] + r["completion_token_ids"], path)
@@ -547,8 +511,8 @@ def prefill_recorded(url: str, records: list[dict], capture_dir: str, cfg: dict)
                  len(work), len(records) - len(work))
         try:
             asyncio.run(prefill_each(url, work, gen["concurrency"], gen["request_timeout_s"],
-                                     gen["max_retries"], after))
-        except ExtractionError as exc:
+                                     gen["max_retries"], after, health_check))
+        except (ExtractionError, ServerError) as exc:
             log.warning("prefilling the recorded answers failed (%s): %d of %d saved, "
                         "extraction will compute the rest", exc, saved, len(work))
     return saved
@@ -566,18 +530,6 @@ def wait_for_saved(path: Path, timeout_s: float = SAVE_WAIT_S) -> bool:
             return False
         time.sleep(0.05)
     return True
-
-
-async def gather_or_cancel(coroutines) -> None:
-    """Run the coroutines concurrently; when one fails (or this is cancelled), cancel the
-    rest and wait for them, so that no request outlives the stage that sent it."""
-    tasks = [asyncio.create_task(c) for c in coroutines]
-    try:
-        await asyncio.gather(*tasks)
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def generate(prompts: list[dict], settings: GenerationSettings, partial_path,
@@ -645,8 +597,7 @@ def settings_from_config(cfg: dict[str, Any], base_url: str) -> GenerationSettin
 def capture_options(cfg: dict[str, Any], model_path: str, capture_dir: str) -> list[str]:
     """Server arguments that save every request's hidden states (the aux layers of
     ``extract.aux_layer_ids`` and the last layer's output) under ``capture_dir``."""
-    from eaglet.extract import resolve_aux_layer_ids  # torch-heavy, needed only here
-    from eaglet.extract_vllm import capture_args, capture_layer_ids
+    from eaglet.extract_common import resolve_aux_layer_ids  # torch-heavy, needed only here
     from eaglet.target import read_target_config, text_config
 
     num_layers = text_config(read_target_config(model_path))["num_hidden_layers"]
@@ -664,7 +615,7 @@ def run_stage(cfg: dict[str, Any], target_json: str, prompts: dict[str, str],
     chat-template round trip, and write the records and their stats.
 
     With ``capture_dir`` (``generate.capture_hidden_states``) the server runs with the
-    capture options of the vllm extraction backend and saves the hidden states of every
+    capture options (:mod:`eaglet.hidden_capture`) and saves the hidden states of every
     answer there, named by :func:`eaglet.io.request_path`, for the extraction stage to pack."""
     target = read_target(target_json)
     by_split = {split: read_jsonl(path) for split, path in prompts.items()}
@@ -709,7 +660,8 @@ def run_stage(cfg: dict[str, Any], target_json: str, prompts: dict[str, str],
             if capture_dir and recorded:
                 progress.enter_phase(f"prefilling {len(recorded)} recorded answers for their "
                                      f"hidden states")
-                prefill_recorded(server.url, list(recorded.values()), settings.capture_dir, cfg)
+                prefill_recorded(server.url, list(recorded.values()), settings.capture_dir, cfg,
+                                 health_check=server.check_alive)
                 progress.enter_phase(None)
         rates.record("generate", target["spec"], server_start_s=server.ready_after_s)
     run = progress.report("finished")

@@ -320,15 +320,27 @@ def render(p: dict, store_dtype: str) -> str:
 
 
 def shape_from_target_config(config: dict, draft_vocab: int, name: str) -> Shape:
-    """A dense target's shape from its ``config.json`` (as ``DrafterConfig.from_target``)."""
+    """A target's shape from its ``config.json`` (as ``DrafterConfig.from_target``); a
+    mixture of experts counts its experts in ``target_params``."""
     c = config.get("text_config", config)
     heads = c["num_attention_heads"]
-    return Shape(name, hidden=c["hidden_size"], layers=c["num_hidden_layers"], heads=heads,
-                 kv_heads=c.get("num_key_value_heads") or heads,
-                 head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-                 intermediate=c["intermediate_size"], vocab=c["vocab_size"],
-                 draft_vocab=draft_vocab,
-                 tied_embeddings=bool(c.get("tie_word_embeddings", config.get("tie_word_embeddings", False))))
+    shape = Shape(name, hidden=c["hidden_size"], layers=c["num_hidden_layers"], heads=heads,
+                  kv_heads=c.get("num_key_value_heads") or heads,
+                  head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+                  intermediate=c["intermediate_size"], vocab=c["vocab_size"],
+                  draft_vocab=draft_vocab,
+                  tied_embeddings=bool(c.get("tie_word_embeddings", config.get("tie_word_embeddings", False))))
+    experts = c.get("n_routed_experts") or c.get("num_experts") or c.get("num_local_experts")
+    if experts:
+        width = c.get("moe_intermediate_size") or c["intermediate_size"]
+        layers = c["num_hidden_layers"] - (c.get("first_k_dense_replace") or 0)
+        # without a width of their own, one expert is the MLP the dense count holds already
+        extra = (experts + (c.get("n_shared_experts") or 0)
+                 - (0 if c.get("moe_intermediate_size") else 1))
+        shape.target_params = target_params(shape) + layers * extra * 3 * c["hidden_size"] * width
+        shape.assumptions.append(f"target: {experts} experts of width {width} in {layers} "
+                                 f"layers counted; attention as a dense layer's")
+    return shape
 
 
 def _run_shape(cfg: dict, results: Path) -> Shape | None:
@@ -357,7 +369,7 @@ def _shard_tokens(results: Path) -> int | None:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    from eaglet.status import load_run_config
+    from eaglet.config import load_run_config
     parser = argparse.ArgumentParser(prog="eaglet plan", description=__doc__.splitlines()[0])
     parser.add_argument("--results", default=None, help="results directory (default: the config's)")
     parser.add_argument("--config", default=None,

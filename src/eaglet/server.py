@@ -82,6 +82,17 @@ KNOWN_FAILURES = [
 ]
 
 
+def exit_reason(returncode: int) -> str:
+    """How a process ended, from its return code: ``killed by SIGKILL`` (a negative code is
+    the signal) or ``exit code 3``."""
+    if returncode >= 0:
+        return f"exit code {returncode}"
+    try:
+        return f"killed by {signal.Signals(-returncode).name}"
+    except ValueError:
+        return f"killed by signal {-returncode}"
+
+
 def failure_advice(tail: str) -> str:
     """The fix for a failure the log's tail shows, as a line to append (or nothing)."""
     for marker, advice in KNOWN_FAILURES:
@@ -191,11 +202,19 @@ class VLLMServer:
             return False
 
     def check_alive(self) -> None:
-        """Raise ServerError with the log tail if the server process has died."""
+        """Raise ServerError if the server process has exited: how it ended (its signal or exit
+        code) and the last lines of its log. Callers run it when a request fails, so that a
+        killed server is reported as such, not as the connection error its requests get."""
         if self.proc is not None and self.proc.poll() is not None:
+            tail = log_tail(self.log_path)
+            killed = (" (SIGKILL comes from a person, the job scheduler or the kernel's "
+                      "out-of-memory killer, which `dmesg` names)"
+                      if self.proc.returncode == -signal.SIGKILL else "")
             raise ServerError(
-                f"the vLLM server died (exit code {self.proc.returncode}).\n"
-                f"--- last lines of {self.log_path} ---\n{log_tail(self.log_path)}")
+                f"the vLLM server at {self.url} (pid {self.proc.pid}) died "
+                f"({exit_reason(self.proc.returncode)}) while eaglet was using it{killed}. "
+                f"Finished work is kept: rerun to resume with a new server.\n"
+                f"--- last lines of {self.log_path} ---\n{tail}{failure_advice(tail)}")
 
     def stop(self) -> None:
         """Stop the whole process group: SIGTERM, then SIGKILL once the grace period is over.

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from eaglet import rates
+from eaglet.config import load_run_config
 from eaglet.evaluate import level_prompts, run_plan
 from eaglet.progress import format_duration
 from eaglet.server import pid_alive
@@ -790,23 +791,6 @@ def snakemake_config_args(results: Path, config_path: str | None) -> list[str]:
         config_path = str(recorded.resolve())
     args = ["--config", f"results_dir={results}"]
     return ["--configfile", config_path, *args] if config_path else args
-
-
-def load_run_config(results: Path, config_path: str | None, workflow: Path) -> dict:
-    """The run's own record of its config, else ``config_path`` over the schema's defaults,
-    else the workflow's config.yaml (as the Snakefile reads config.yaml only when no
-    ``--configfile`` is given)."""
-    import yaml
-
-    from eaglet.config import validate
-
-    recorded = _read(results / "run" / "config.json")
-    if recorded is not None and config_path is None:
-        return validate(recorded)
-    if config_path:
-        return validate(yaml.safe_load(Path(config_path).read_text()) or {})
-    base_path = workflow / "config.yaml"
-    return validate((yaml.safe_load(base_path.read_text()) or {}) if base_path.exists() else {})
 
 
 def _names_results(line: str, workdir: str, roots: set[str]) -> bool:
