@@ -19,11 +19,18 @@ the step-0 keys of rows ``<= t`` of its own sample and to its own keys of steps 
 drafter's KV cache at inference after ``k`` drafted tokens. ``ttt_attention`` computes that
 with plain matmuls (``eager``), ``sdpa_ttt_attention`` and ``flex_ttt_attention`` through
 PyTorch's fused kernels, exactly the same softmax (``Eagle3Drafter.attention``).
+
+With ``train.drafter_attention: mla`` the layer's attention is the target's multi-head latent
+attention (``MLAAttention``), the layer vLLM's ``deepseek_eagle3.py`` builds: everything above
+holds, with keys of qk_nope + qk_rope and values of v_head_dim per head, and RoPE (GPT-J
+layout, DeepSeek's YaRN) on the rope part only.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+import re
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -47,21 +54,33 @@ class DrafterConfig:
     draft_vocab_size: int          # rows of lm_head
     target_hidden_size: int
     aux_layer_ids: list[int] = field(default_factory=list)
+    # train.drafter_attention: "llama" (GQA, llama_eagle3) or "mla" (the target's multi-head
+    # latent attention, deepseek_eagle3); the MLA shapes below are the target's, unused by llama
+    attention_kind: str = "llama"
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     @property
     def fc_input_size(self) -> int:
         return self.target_hidden_size * len(self.aux_layer_ids)
 
     @classmethod
-    def from_target(cls, target: dict, draft_vocab_size: int,
-                    aux_layer_ids: list[int]) -> "DrafterConfig":
-        """The drafter's shape from the target's ``config.json`` (dict): every field is read here."""
+    def from_target(cls, target: dict, draft_vocab_size: int, aux_layer_ids: list[int],
+                    attention: str = "llama") -> "DrafterConfig":
+        """The drafter's shape from the target's ``config.json`` (dict): every field is read
+        here. ``attention`` (train.drafter_attention) picks the layer's attention kind."""
         target = target.get("text_config", target)  # multimodal wrappers nest the LM config
+        if attention not in ATTENTION_KINDS:
+            raise ValueError(f"train.drafter_attention {attention!r} is none of "
+                             f"{', '.join(ATTENTION_KINDS)}")
         if target.get("hidden_act", "silu") != "silu":
             raise ValueError(f"the target uses hidden_act {target['hidden_act']!r}; the EAGLE-3 "
-                             f"drafter vLLM loads (llama_eagle3) is a SiLU Llama layer")
+                             f"drafters vLLM loads (llama_eagle3, deepseek_eagle3) have a SiLU MLP")
         heads = target["num_attention_heads"]
-        return cls(
+        config = cls(
             hidden_size=target["hidden_size"],
             intermediate_size=target["intermediate_size"],
             num_attention_heads=heads,
@@ -74,6 +93,7 @@ class DrafterConfig:
             draft_vocab_size=draft_vocab_size,
             target_hidden_size=target["hidden_size"],
             aux_layer_ids=list(aux_layer_ids))
+        return with_mla(config, target) if attention == "mla" else config
 
 
 def rope_parameters(config: dict) -> dict:
@@ -89,8 +109,87 @@ def rope_parameters(config: dict) -> dict:
     return params
 
 
+MLA_FIELDS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def with_mla(config: DrafterConfig, target: dict) -> DrafterConfig:
+    """``config`` with the target's MLA attention shapes (``train.drafter_attention: mla``):
+    the layer vLLM's ``Eagle3DeepseekV2ForCausalLM`` builds from the exported config."""
+    missing = [name for name in MLA_FIELDS if not target.get(name)]
+    if missing:
+        raise ValueError(f"train.drafter_attention: mla needs a target with multi-head latent "
+                         f"attention (DeepSeek-V2/V3, Kimi-K2), whose config.json gives "
+                         f"{', '.join(MLA_FIELDS)}; this one lacks {', '.join(missing)}: "
+                         f"set train.drafter_attention: llama")
+    if not target.get("q_lora_rank"):
+        # deepseek_eagle3's weight mapper renames kv_a_proj_with_mqa into fused_qkv_a_proj,
+        # which vLLM builds only with a q_lora_rank: such a drafter would not load
+        raise ValueError("train.drafter_attention: mla: the target has no q_lora_rank, and vLLM "
+                         "0.32's deepseek_eagle3 loads an MLA drafter only with one (it maps "
+                         "kv_a_proj_with_mqa into fused_qkv_a_proj); set train.drafter_attention: "
+                         "llama (which serves beside an MLA target on GPUs)")
+    rope = config.rope_parameters
+    if rope["rope_type"] != "default":
+        absent = [k for k in ("factor", "original_max_position_embeddings") if k not in rope]
+        if absent:
+            raise ValueError(f"the target's rope_parameters (rope_type {rope['rope_type']!r}) "
+                             f"lack {', '.join(absent)}, which vLLM's MLA attention reads for its "
+                             f"DeepSeek YaRN RoPE: train.drafter_attention: mla cannot match it")
+    nope, rope_dim = target["qk_nope_head_dim"], target["qk_rope_head_dim"]
+    return replace(config, attention_kind="mla", q_lora_rank=target["q_lora_rank"],
+                   kv_lora_rank=target["kv_lora_rank"], qk_nope_head_dim=nope,
+                   qk_rope_head_dim=rope_dim, v_head_dim=target["v_head_dim"],
+                   head_dim=nope + rope_dim,  # the query/key head size
+                   num_key_value_heads=config.num_attention_heads)  # one K/V per query head
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN's magnitude correction for a context stretched ``factor`` times."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def mla_rope_inv_freq(config: DrafterConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [qk_rope_head_dim/2] and cos/sin scale of vLLM's MLA RoPE: plain
+    RoPE for rope_type default, else DeepSeek's YaRN for every scaled type (vLLM's
+    DeepseekV2MLAAttention turns any other rope_type into ``deepseek_yarn``), in float32 as
+    vLLM computes them."""
+    params, dim = config.rope_parameters, config.qk_rope_head_dim
+    base = params["rope_theta"]
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
+    if params["rope_type"] == "default":
+        return 1.0 / pos_freqs, 1.0
+    factor, original = params["factor"], params["original_max_position_embeddings"]
+
+    def correction_dim(rotations: float) -> float:  # the dim that turns ``rotations`` times
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(params.get("beta_fast", 32))), 0)
+    high = min(math.ceil(correction_dim(params.get("beta_slow", 1))), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float) - low) / (high - low)).clamp(0, 1)
+    extrapolate = 1 - ramp  # 1 on the fast dims (kept), 0 on the slow ones (interpolated)
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
+    scale = (yarn_mscale(factor, float(params.get("mscale", 1)))
+             / yarn_mscale(factor, float(params.get("mscale_all_dim", 0))))
+    return inv_freq, float(scale)
+
+
+def mla_softmax_scale(config: DrafterConfig) -> float:
+    """The attention scale of vLLM's MLA: 1/sqrt(qk head size), times mscale(all dims)^2 where
+    the RoPE is DeepSeek's YaRN (not where its attention_factor is 1.0, llama scaling)."""
+    scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+    params = config.rope_parameters
+    if params["rope_type"] != "default" and params.get("attention_factor") != 1.0:
+        mscale = yarn_mscale(params["factor"], float(params.get("mscale_all_dim", False)))
+        scale = scale * mscale * mscale
+    return scale
+
+
 def rope_inv_freq(config: DrafterConfig) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [head_dim/2] and the cos/sin scale of the target's RoPE."""
+    if config.attention_kind == "mla":
+        return mla_rope_inv_freq(config)
     params = config.rope_parameters
     if params["rope_type"] == "default":
         exponents = torch.arange(0, config.head_dim, 2, dtype=torch.float64) / config.head_dim
@@ -126,6 +225,13 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + rotated * sin
 
 
+def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE, GPT-J layout (vLLM's is_neox_style=False, which its DeepSeek MLA uses): each
+    pair (2i, 2i+1) turns by one angle; ``cos``/``sin`` repeat each angle twice."""
+    rotated = torch.stack([-x[..., 1::2], x[..., ::2]], dim=-1).flatten(-2)
+    return x * cos + rotated * sin
+
+
 def ttt_attention(q: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]],
                   mask: torch.Tensor, scale: float) -> torch.Tensor:
     """Attention of step ``k = len(cache) - 1`` over the drafter's KV cache (``eager``).
@@ -134,6 +240,7 @@ def ttt_attention(q: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]
     cache[0] [Hkv, 1, T, D]   step-0 keys/values of every row, seen through ``mask``
     cache[j] [Hkv, 1, T, D]   step-j keys/values (j >= 1), seen only by the same row
     mask     [T, T] bool      query row may see key row: same sample and key row <= query row
+    returns  [Hkv, G, T, Dv]  values may be of another head size than queries and keys (MLA)
 
     One softmax over both key sets, computed as exp(score - rowmax) / sum without ever
     concatenating them: the [T, T] scores are written once, in place, in float32.
@@ -182,6 +289,7 @@ def _sink_problem(q, cache, scale):
     own-key sums D [Hkv, G, n, D] and Z [Hkv, G, n] in float32."""
     (k0, v0), diagonal = cache[0], cache[1:]
     hkv, g, n, d = q.shape
+    dv = v0.shape[-1]  # the value head size: d, or MLA's v_head_dim
     pad = 1 if q.device.type == "cpu" else 8  # CUDA kernels want head dims in multiples of 8
     own = torch.stack([(q * k).sum(-1) for k, _ in diagonal], -1).float() * scale  # [Hkv, G, n, k]
     top = (own.amax(-1).detach() / scale).to(q.dtype)      # c / scale, as the kernel will see it
@@ -194,16 +302,21 @@ def _sink_problem(q, cache, scale):
     query = F.pad(query, (0, 0, 1, 0))                     # dummy row 0 (sees only the sink)
     sink = q.new_zeros(hkv, 1, 1, d + pad)
     sink[..., d] = 1
+    sink_value = sink
+    if dv != d:
+        sink_value = q.new_zeros(hkv, 1, 1, dv + pad)
+        sink_value[..., dv] = 1
     key = torch.cat([sink, F.pad(k0, (0, pad))], -2)     # [Hkv, 1, 1 + n, D + pad]
-    value = torch.cat([sink, F.pad(v0, (0, pad))], -2)
+    value = torch.cat([sink_value, F.pad(v0, (0, pad))], -2)  # [Hkv, 1, 1 + n, Dv + pad]
     heads = hkv * g
     return (query.reshape(1, heads, n + 1, d + pad), key.reshape(1, hkv, n + 1, d + pad),
-            value.reshape(1, hkv, n + 1, d + pad), values, total)
+            value.reshape(1, hkv, n + 1, dv + pad), values, total)
 
 
 def _combine(out, values, total, shape, dtype):
-    """(o + m D) / (1 + m (Z - 1)) from the kernel's output [1, heads, 1 + n, D + pad]."""
-    hkv, g, n, d = shape
+    """(o + m D) / (1 + m (Z - 1)) from the kernel's output [1, heads, 1 + n, Dv + pad]."""
+    hkv, g, n, _ = shape
+    d = values.shape[-1]  # the value head size
     out = out.reshape(hkv, g, n + 1, -1)[..., 1:, :]
     o, m = out[..., :d].float(), out[..., d].float()
     return ((o + m[..., None] * values) / (1 + m * (total - 1))[..., None]).to(dtype)
@@ -215,11 +328,12 @@ def sdpa_ttt_attention(q: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Te
     kernels: no [heads, n, n] scores kept). Shapes as ``ttt_attention``."""
     (k0, v0), diagonal = cache[0], cache[1:]
     hkv, g, n, d = q.shape
+    dv = v0.shape[-1]
     if not diagonal:  # step 0: the step-0 keys alone
         out = F.scaled_dot_product_attention(
-            q.reshape(1, hkv * g, n, d), k0.reshape(1, hkv, n, d), v0.reshape(1, hkv, n, d),
+            q.reshape(1, hkv * g, n, d), k0.reshape(1, hkv, n, d), v0.reshape(1, hkv, n, dv),
             attn_mask=block.mask, is_causal=block.mask is None, scale=scale, enable_gqa=True)
-        return out.reshape(hkv, g, n, d)
+        return out.reshape(hkv, g, n, dv)
     query, key, value, values, total = _sink_problem(q, cache, scale)
     mask = block.sink_mask()
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask,
@@ -262,6 +376,7 @@ def flex_ttt_attention(q: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Te
     flex = _flex()
     (k0, v0), diagonal = cache[0], cache[1:]
     hkv, g, n, d = q.shape
+    dv = v0.shape[-1]
     attend = flex["compiled"] if q.is_cuda else flex["plain"]
     key = "sink" if diagonal else "plain"
     if key not in block._masks:
@@ -271,16 +386,35 @@ def flex_ttt_attention(q: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Te
             device=q.device)
     if not diagonal:
         out = attend(q.reshape(1, hkv * g, n, d), k0.reshape(1, hkv, n, d),
-                     v0.reshape(1, hkv, n, d), block_mask=block._masks[key], scale=scale,
+                     v0.reshape(1, hkv, n, dv), block_mask=block._masks[key], scale=scale,
                      enable_gqa=True)
-        return out.reshape(hkv, g, n, d)
+        return out.reshape(hkv, g, n, dv)
     query, key_, value, values, total = _sink_problem(q, cache, scale)
     out = attend(query, key_, value, block_mask=block._masks[key], scale=scale, enable_gqa=True)
     return _combine(out, values, total, q.shape, v0.dtype)
 
 
+def attend(implementation: str, q: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]],
+           blocks: list["AttentionBlock"], scale: float) -> torch.Tensor:
+    """The TTT attention of ``q`` [Hkv, G, T, D] over ``cache`` (its step's keys and values
+    appended), block by block with ``implementation`` (ATTENTION): [Hkv, G, T, Dv]."""
+    outs = []
+    for block in blocks:
+        a, b = block.start, block.end
+        part = [(ck[..., a:b, :], cv[..., a:b, :]) for ck, cv in cache]
+        if implementation == "eager":
+            outs.append(ttt_attention(q[..., a:b, :], part, block.dense_mask(), scale))
+        elif implementation == "sdpa":
+            outs.append(sdpa_ttt_attention(q[..., a:b, :], part, block, scale))
+        else:
+            outs.append(flex_ttt_attention(q[..., a:b, :], part, block, scale))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
+
+
 class Attention(nn.Module):
     """GQA self-attention whose q/k/v read the 2H-wide [embedding, hidden] input."""
+
+    input_projections = ("q_proj", "k_proj", "v_proj")  # those reading the 2H-wide input
 
     def __init__(self, config: DrafterConfig):
         super().__init__()
@@ -303,18 +437,60 @@ class Attention(nn.Module):
         q = rotate(q, cos, sin)
         cache.append((rotate(k, cos, sin), v))
         scale = self.head_dim ** -0.5
-        outs = []
-        for block in blocks:
-            a, b = block.start, block.end
-            part = [(ck[..., a:b, :], cv[..., a:b, :]) for ck, cv in cache]
-            if self.implementation == "eager":
-                outs.append(ttt_attention(q[..., a:b, :], part, block.dense_mask(), scale))
-            elif self.implementation == "sdpa":
-                outs.append(sdpa_ttt_attention(q[..., a:b, :], part, block, scale))
-            else:
-                outs.append(flex_ttt_attention(q[..., a:b, :], part, block, scale))
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)       # [Hkv, G, T, D]
+        out = attend(self.implementation, q, cache, blocks, scale)          # [Hkv, G, T, D]
         return self.o_proj(out.permute(2, 0, 1, 3).reshape(rows, self.heads * self.head_dim))
+
+
+class MLAAttention(nn.Module):
+    """Multi-head latent attention as vLLM's ``DeepseekV2MLAAttention`` computes it for the
+    EAGLE-3 layer (``input_size`` 2H), with its parameter names::
+
+        q        = q_b_proj(q_a_layernorm(q_a_proj(x)))       [heads, nope + rope]
+        c, k_pe  = kv_a_proj_with_mqa(x)                      latent [kv_lora], k_pe [rope]
+        k_nope, v = kv_b_proj(kv_a_layernorm(c))              [heads, nope], [heads, v_head]
+        k        = [k_nope, rotate(k_pe)] (k_pe shared by all heads), q = [q_nope, rotate(q_pe)]
+
+    RoPE in GPT-J layout on the rope parts only. Every head has its own key and value (vLLM's
+    decode absorbs kv_b_proj into q and the output; the same attention), so the TTT attention
+    runs with G = 1 and value heads of v_head_dim."""
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        h, n = config.hidden_size, config.num_attention_heads
+        self.heads, self.q_lora_rank, self.kv_lora_rank = n, config.q_lora_rank, config.kv_lora_rank
+        self.nope, self.rope, self.v_dim = (config.qk_nope_head_dim, config.qk_rope_head_dim,
+                                            config.v_head_dim)
+        qk = self.nope + self.rope
+        if not self.q_lora_rank:  # DrafterConfig.from_target refuses such a target (with_mla)
+            raise ValueError("an MLA drafter needs a q_lora_rank: vLLM 0.32 loads none without")
+        self.q_a_proj = nn.Linear(2 * h, self.q_lora_rank, bias=False)
+        self.q_a_layernorm = RMSNorm(self.q_lora_rank, config.rms_norm_eps)
+        self.q_b_proj = nn.Linear(self.q_lora_rank, n * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(2 * h, self.kv_lora_rank + self.rope, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, config.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, n * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(n * self.v_dim, h, bias=False)
+        self.input_projections = ("q_a_proj", "kv_a_proj_with_mqa")
+        self.scale = mla_softmax_scale(config)
+        self.implementation = "sdpa"  # ATTENTION: the same math, another kernel
+
+    def forward(self, x, cos, sin, blocks, cache):
+        """x [T, 2H]; cos, sin [T, rope] (GPT-J layout) -> [T, H]; appends this step's
+        keys [heads, 1, T, nope + rope] and values [heads, 1, T, v_head] to ``cache``."""
+        rows = x.shape[0]
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(rows, self.heads, self.nope + self.rope)
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(rows, self.heads,
+                                                              self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        q_pe = rotate_pairs(q[..., self.nope:], cos[:, None], sin[:, None])
+        k_pe = rotate_pairs(k_pe, cos, sin)[:, None].expand(rows, self.heads, self.rope)
+        q = torch.cat([q[..., :self.nope], q_pe], dim=-1).permute(1, 0, 2)[:, None]
+        k = torch.cat([k_nope, k_pe], dim=-1).permute(1, 0, 2)[:, None]  # [heads, 1, T, qk]
+        cache.append((k, v.permute(1, 0, 2)[:, None]))                    # v [heads, 1, T, Dv]
+        out = attend(self.implementation, q, cache, blocks, self.scale)   # [heads, 1, T, Dv]
+        return self.o_proj(out.permute(2, 0, 1, 3).reshape(rows, self.heads * self.v_dim))
 
 
 class MLP(nn.Module):
@@ -330,13 +506,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """vLLM's ``LlamaDecoderLayer`` of llama_eagle3 at layer_idx 0 plus the final residual add."""
+    """vLLM's ``LlamaDecoderLayer`` of llama_eagle3 at layer_idx 0 plus the final residual add;
+    with MLA attention, deepseek_eagle3's ``DeepseekV2Eagle3DecoderLayer`` (the same
+    norms, residuals and dense SiLU MLP around another attention)."""
 
     def __init__(self, config: DrafterConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = MLAAttention(config) if config.attention_kind == "mla" else Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
@@ -351,6 +529,7 @@ class DecoderLayer(nn.Module):
 
 BLOCK_ROWS = 512
 ATTENTION = ("eager", "sdpa", "flex")
+ATTENTION_KINDS = ("llama", "mla")  # train.drafter_attention
 
 
 def resolve_attention(name: str, device: torch.device | str) -> str:
@@ -462,8 +641,13 @@ class Eagle3Drafter(nn.Module):
         self.midlayer.self_attn.implementation = name
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, D] of ``positions``: NeoX layout (halves), or for MLA the GPT-J
+        layout (each angle twice in a row) over the rope part of the head, D = qk_rope_head_dim."""
         angles = positions.float()[:, None] * self.inv_freq[None, :]        # [T, D/2]
-        angles = torch.cat([angles, angles], dim=-1)                       # [T, D]
+        if self.config.attention_kind == "mla":
+            angles = angles.repeat_interleave(2, dim=-1)                   # [T, D]
+        else:
+            angles = torch.cat([angles, angles], dim=-1)                   # [T, D]
         return angles.cos() * self.rope_scale, angles.sin() * self.rope_scale
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
@@ -502,24 +686,192 @@ def init_lm_head(model: Eagle3Drafter, target_lm_head: torch.Tensor) -> None:
         model.lm_head.weight.copy_(target_lm_head.to(model.lm_head.weight.dtype))
 
 
-def init_from_target_layer(model: Eagle3Drafter, weights: dict[str, torch.Tensor]) -> None:
+# -- starting from the target's layer (train.layer_init: target) ----------------------------
+
+# the drafter's layer in two parts, each with the tensors of a target layer it starts from:
+# a part is taken only when the target's module holds exactly these (a Llama-style layer)
+LAYER_PARTS = {
+    "attention": ("input_layernorm.", "self_attn."),
+    "mlp": ("post_attention_layernorm.", "mlp."),
+}
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+IGNORED = ("rotary_emb.inv_freq",)  # a buffer old Llama checkpoints store, not a weight
+
+
+def _is_input_projection(attn: nn.Module, name: str) -> bool:
+    """Whether parameter ``name`` of the attention reads the [embedding, hidden] input."""
+    return name.removesuffix(".weight") in attn.input_projections
+
+
+def target_layer_shapes(model: Eagle3Drafter) -> dict[str, dict[str, tuple[int, ...]]]:
+    """By part, the shape each target tensor must have to start the drafter's layer: the
+    drafter's own shapes, the hidden half [.., H] of the projections that read [embedding,
+    hidden] (q/k/v; MLA's q_a_proj and kv_a_proj_with_mqa)."""
+    h = model.config.hidden_size
+    attn, mlp = model.midlayer.self_attn, model.midlayer.mlp
+    return {
+        "attention": {"input_layernorm.weight": (h,),
+                      **{f"self_attn.{n}": ((p.shape[0], h) if _is_input_projection(attn, n)
+                                            else tuple(p.shape))
+                         for n, p in attn.named_parameters()}},
+        "mlp": {"post_attention_layernorm.weight": (h,),
+                **{f"mlp.{n}.weight": tuple(getattr(mlp, n).weight.shape)
+                   for n in ("gate_proj", "up_proj", "down_proj")}},
+    }
+
+
+def _patterns(names: list[str], limit: int = 4) -> str:
+    """Tensor names with their indices folded (``mlp.experts.N.up_proj.weight x384``), the
+    first ``limit`` of them: an MoE layer's thousands of names in one readable line."""
+    counts: dict[str, int] = {}
+    for name in names:
+        folded = re.sub(r"\.\d+\.", ".N.", name)
+        counts[folded] = counts.get(folded, 0) + 1
+    shown = [f"{n} x{c}" if c > 1 else n for n, c in list(counts.items())[:limit]]
+    more = len(counts) - limit
+    return ", ".join(shown) + (f" and {more} more" if more > 0 else "")
+
+
+def _misfit(expected: dict[str, tuple[int, ...]], meta: dict[str, tuple[tuple[int, ...], str]],
+            own: list[str]) -> str:
+    """Why a target module (its tensors ``own``) does not fit the drafter's ``expected``
+    tensors ('' when it does): what is missing, stored quantized, shaped otherwise, or extra."""
+    problems = []
+    missing = [name for name in expected if name not in meta]
+    for name in missing:  # a quantized layout stores other tensors in the weight's place
+        module = name.removesuffix("weight")
+        stored = [n.removeprefix(module) for n in own if n.startswith(module)]
+        if stored:
+            problems.append(f"{module}weight is stored as {', '.join(stored)} (quantized)")
+    if missing:
+        problems.append(f"no {_patterns(missing)}")
+    for name, shape in expected.items():
+        if name not in meta:
+            continue
+        stored, dtype = meta[name]
+        if dtype not in FLOAT_DTYPES:
+            problems.append(f"{name} is stored as {dtype} (quantized)")
+        elif tuple(stored) != shape:
+            problems.append(f"{name} is {list(stored)} where the drafter needs {list(shape)}")
+    extra = sorted(name for name in own if name not in expected)
+    if extra:
+        problems.append(f"also {_patterns(extra)}, which the drafter's layer lacks")
+    return "; ".join(problems)
+
+
+@dataclass
+class LayerFit:
+    """Which parts of the drafter's layer a target layer can start (``parts``, with the
+    target tensors they read) and why the others cannot (``reasons``: part -> why)."""
+    layer: int | None
+    parts: dict[str, list[str]]
+    reasons: dict[str, str]
+    style: str = "Llama-style"  # the drafter's layer, as the log names it
+
+    @property
+    def names(self) -> list[str]:
+        """The target tensors to read: the fitting parts' and the final norm (when any fits)."""
+        return [n for names in self.parts.values() for n in names] + (["norm"] if self.parts else [])
+
+    def record(self) -> dict:
+        """What the run reports (``train``'s summary): the parts taken and why others were not."""
+        return {"setting": "target", "layer": self.layer, "from_target": list(self.parts),
+                "random": dict(self.reasons)}
+
+    def message(self) -> str:
+        """One log line: what the drafter's layer starts from and, where not all of it is the
+        target's, why and how to silence it."""
+        layer = "the target's last layer" if self.layer is None else f"the target's layer {self.layer}"
+        reasons = set(self.reasons.values())
+        why = (next(iter(reasons)) if len(reasons) == 1 and len(self.reasons) > 1 else
+               "; ".join(f"{part}: {reason}" for part, reason in self.reasons.items()))
+        if not self.reasons:
+            return (f"layer_init target: the drafter's layer starts as {layer} (attention, mlp "
+                    f"and final norm) applied to the deepest aux feature")
+        silence = "train.layer_init: random silences this"
+        if not self.parts:
+            return (f"layer_init target: {layer} does not fit the drafter's {self.style} layer, "
+                    f"which starts random ({why}); {silence}")
+        taken, left = " and ".join(self.parts), " and ".join(self.reasons)
+        return (f"layer_init target: the drafter's {taken} and final norm start from {layer} "
+                f"(fc passes the deepest aux feature through); its {left} starts random "
+                f"({why}); {silence}")
+
+
+def fit_target_layer(model: Eagle3Drafter, meta: dict[str, tuple[tuple[int, ...], str]],
+                     layer: int | None = None) -> LayerFit:
+    """Which parts of the drafter's layer a target layer fits, from its tensors' names,
+    shapes and dtypes (``target_layer_meta``, or ``tensor_meta`` of loaded weights): MLA
+    attention, MoE experts, other shapes and quantized weights do not."""
+    h = model.config.hidden_size
+    style = "MLA" if model.config.attention_kind == "mla" else "Llama-style"
+    names = [n for n in meta if n != "norm" and not n.endswith(IGNORED)]
+    if not names:
+        reason = "the checkpoint holds no tensor of that layer"
+        return LayerFit(layer, {}, {part: reason for part in LAYER_PARTS}, style)
+    norm = ("the checkpoint holds no final norm" if "norm" not in meta
+            else _misfit({"norm": (h,)}, meta, []))
+    if norm:
+        return LayerFit(layer, {}, {part: norm for part in LAYER_PARTS}, style)
+    unclaimed = [n for n in names
+                 if not any(n.startswith(p) for prefixes in LAYER_PARTS.values() for p in prefixes)]
+    parts, reasons = {}, {}
+    for part, expected in target_layer_shapes(model).items():
+        own = [n for n in names if n.startswith(LAYER_PARTS[part])]
+        if part == "mlp":  # what follows attention: an MoE block by another name (Mixtral's
+            own += unclaimed  # block_sparse_moe), extra norms
+        reason = _misfit(expected, meta, own)
+        if reason:
+            reasons[part] = reason
+        else:
+            parts[part] = list(expected)
+    return LayerFit(layer, parts, reasons, style)
+
+
+def tensor_meta(weights: dict[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Shape and dtype (without ``torch.``) of loaded weights, as ``target_layer_meta`` gives them."""
+    return {n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in weights.items()}
+
+
+def init_from_target_layer(model: Eagle3Drafter, weights: dict[str, torch.Tensor],
+                           fit: LayerFit | None = None) -> LayerFit:
     """Start the drafter as the target's layer ``weights`` (``load_target_layer``) applied to
-    the deepest aux feature: ``fc`` passes that feature through, the hidden half of q/k/v,
-    o_proj, the MLP and the norms are the layer's, and the final norm is the target's. The
-    embedding half of q/k/v keeps its random init: the target layer has no such input."""
+    the deepest aux feature: ``fc`` passes that feature through, the hidden half of the input
+    projections (q/k/v, or MLA's), the rest of the attention, the MLP and the norms are the
+    layer's, and the final norm is the target's. The embedding half of the input projections
+    keeps its random init: the target layer has no such input.
+    Only the parts that fit (``fit``, judged from ``weights`` when not given) are copied; a
+    layer of which none fits leaves the drafter as it was (random)."""
+    fit = fit or fit_target_layer(model, tensor_meta(weights))
     h = model.config.hidden_size
     layer = model.midlayer
     with torch.no_grad():
-        for name in ("q_proj", "k_proj", "v_proj"):
-            getattr(layer.self_attn, name).weight[:, h:].copy_(weights[f"self_attn.{name}.weight"])
-        layer.self_attn.o_proj.weight.copy_(weights["self_attn.o_proj.weight"])
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            getattr(layer.mlp, name).weight.copy_(weights[f"mlp.{name}.weight"])
-        layer.hidden_norm.weight.copy_(weights["input_layernorm.weight"])
-        layer.post_attention_layernorm.weight.copy_(weights["post_attention_layernorm.weight"])
-        model.norm.weight.copy_(weights["norm"])
-        model.fc.weight.zero_()
-        model.fc.weight[:, -h:].copy_(torch.eye(h))
+        if "attention" in fit.parts:
+            for name, param in layer.self_attn.named_parameters():
+                own = param[:, h:] if _is_input_projection(layer.self_attn, name) else param
+                own.copy_(weights[f"self_attn.{name}"])
+            layer.hidden_norm.weight.copy_(weights["input_layernorm.weight"])
+        if "mlp" in fit.parts:
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                getattr(layer.mlp, name).weight.copy_(weights[f"mlp.{name}.weight"])
+            layer.post_attention_layernorm.weight.copy_(weights["post_attention_layernorm.weight"])
+        if fit.parts:
+            model.norm.weight.copy_(weights["norm"])
+            model.fc.weight.zero_()
+            model.fc.weight[:, -h:].copy_(torch.eye(h))
+    return fit
+
+
+def init_from_target(model: Eagle3Drafter, target_dir, layer: int) -> LayerFit:
+    """``train.layer_init: target``: judge the target's layer ``layer`` from its checkpoint's
+    headers, then read only the tensors of the parts that fit (an MoE layer's experts are
+    never read) and start the drafter from them (``init_from_target_layer``)."""
+    from eaglet.target import load_target_layer, target_layer_meta
+
+    fit = fit_target_layer(model, target_layer_meta(target_dir, layer), layer)
+    if fit.parts:
+        init_from_target_layer(model, load_target_layer(target_dir, layer, fit.names), fit)
+    return fit
 
 
 def count_flops_per_token(config: DrafterConfig, ttt_steps: int, context: int) -> float:
@@ -529,10 +881,25 @@ def count_flops_per_token(config: DrafterConfig, ttt_steps: int, context: int) -
     layer = (2 * h * (config.num_attention_heads + 2 * config.num_key_value_heads) * d
              + config.num_attention_heads * d * h + 3 * h * config.intermediate_size
              + h * config.draft_vocab_size)
+    per_key = 4 * config.num_attention_heads * d  # q.k and the weighted v, per key seen
+    if config.attention_kind == "mla":
+        layer, per_key = mla_layer_weights(config), 2 * config.num_attention_heads * (
+            config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim)
     forward = 2 * config.fc_input_size * h
     for step in range(ttt_steps):
-        forward += 2 * layer + 4 * config.num_attention_heads * d * (context + step)
+        forward += 2 * layer + per_key * (context + step)
     return 3 * forward + 2 * h * config.draft_vocab_size
+
+
+def mla_layer_weights(config: DrafterConfig) -> int:
+    """Weights a token passes through in the MLA layer (its multiply-adds), lm_head included."""
+    h, n = config.hidden_size, config.num_attention_heads
+    qk = config.qk_nope_head_dim + config.qk_rope_head_dim
+    q = 2 * h * config.q_lora_rank + config.q_lora_rank * n * qk
+    kv = (2 * h * (config.kv_lora_rank + config.qk_rope_head_dim)
+          + config.kv_lora_rank * n * (config.qk_nope_head_dim + config.v_head_dim))
+    return (q + kv + n * config.v_head_dim * h + 3 * h * config.intermediate_size
+            + h * config.draft_vocab_size)
 
 
 def num_params(model: nn.Module) -> int:

@@ -40,14 +40,14 @@ import torch.distributed as dist
 from eaglet import rates
 from eaglet import train_checkpoints as ckpt
 from eaglet.config import ConfigError, validate
-from eaglet.drafter import (DrafterConfig, Eagle3Drafter, init_from_target_layer, init_lm_head,
+from eaglet.drafter import (DrafterConfig, Eagle3Drafter, init_from_target, init_lm_head,
                             num_params, resolve_attention)
 from eaglet.export import export_drafter
 from eaglet.io import atomic_open, human_size, read_json, write_json
 from eaglet.progress import Progress
 from eaglet.shards import sha256_path
-from eaglet.target import (load_target_embedding, load_target_layer, load_target_lm_head,
-                           read_target_config, text_config)
+from eaglet.target import (load_target_embedding, load_target_lm_head, read_target_config,
+                           text_config)
 from eaglet.tracking import Trackers
 from eaglet.train_data import (Batch, Prefetcher, Samples, TrainError, add_feature_noise,
                                check_shards, check_vocab_map, data_memory, index_shard,
@@ -225,18 +225,23 @@ class Trainer:
         eval_data.preload()
 
         torch.manual_seed(cfg["seed"])
-        config = DrafterConfig.from_target(target_config, d2t.numel(), infos[0].aux_layer_ids)
+        config = DrafterConfig.from_target(target_config, d2t.numel(), infos[0].aux_layer_ids,
+                                           cfg["drafter_attention"])
         embed = load_target_embedding(target_dir)
         teacher_head = load_target_lm_head(target_dir, torch.arange(d2t.numel()) + d2t)
         model = Eagle3Drafter(config, embed, d2t, t2d)
         if cfg["lm_head_init"] == "target":
             init_lm_head(model, teacher_head)
-        if cfg["layer_init"] == "target":
-            last = text["num_hidden_layers"] - 1
-            init_from_target_layer(model, load_target_layer(target_dir, last))
+        layer_init = {"setting": cfg["layer_init"]}
+        if cfg["layer_init"] == "target":  # only the parts of the target's layer that fit
+            fit = init_from_target(model, target_dir, text["num_hidden_layers"] - 1)
+            layer_init = fit.record()
+            if dist_.rank == 0:
+                log.log(logging.WARNING if fit.reasons else logging.INFO, "%s", fit.message())
         group = dist_.world * cfg["grad_accum"]
         trainer = cls(cfg, model, teacher_head, train_data, eval_data, checkpoint_dir, device,
                       dist_, ckpt.fingerprint(cfg, infos, group, sha256_path(vocab_map)))
+        trainer.layer_init = layer_init  # in train()'s summary: what the layer started from
         if dist_.rank == 0:
             log.info("drafter: %.1fM trainable parameters, draft vocab %d, aux layers %s, "
                      "%s attention, %d training samples in %d shards, %d held out, %d steps",
@@ -557,6 +562,7 @@ def train(cfg: dict, shard_paths: list[str], eval_shard_paths: list[str], vocab_
         elapsed = time.monotonic() - started
         return {"steps": trainer.step, "resumed_from_step": first_step,
                 "train": last["train"], "eval": last["eval"], "elapsed_s": elapsed,
+                "layer_init": trainer.layer_init,
                 "peak_rss_mb": round(peak_rss_mb(), 1)}
     finally:
         if trainer is not None:
