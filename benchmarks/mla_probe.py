@@ -1,12 +1,19 @@
-"""Probe: does the vLLM CPU engine serve an MLA target (DeepSeek-V3 architecture), and does
-hidden-state capture work for it?
+"""Probe: does the vLLM CPU engine serve an MLA target (DeepSeek-V3 architecture), does
+hidden-state capture work for it, and does it draft with an MLA EAGLE-3 drafter?
 
 Builds a tiny random-weight ``DeepseekV3ForCausalLM`` (MLA attention, MoE layers) with the
-embedded target's tokenizer, then starts vLLM twice: plainly, and with eaglet's capture
-options (``extract.backend: vllm``). Each attempt's outcome (served, or the error from the
-server log) goes to ``benchmarks/results/mla_probe.json``.
+given tokenizer, then starts vLLM three times: plainly, with eaglet's capture options
+(``extract.backend: vllm``), and with an MLA drafter (``train.drafter_attention: mla``,
+exported as ``Eagle3DeepseekV2ForCausalLM``) through ``--speculative-config``. The drafter
+starts as training starts it with ``layer_init: target`` and ``lm_head_init: target``; its
+greedy drafts are counted by vLLM's spec-decode counters and by eaglet's offline replay of
+the same answers (a transformers forward of the target for the features), which agree when
+vLLM computes what eaglet trains. Each attempt's outcome (served, or the error from the
+server log) goes to ``benchmarks/results/mla_probe.json``; ``--only`` reruns some attempts
+and keeps the others' last results there.
 
     .venv/bin/python benchmarks/mla_probe.py --tokenizer results/target
+    .venv/bin/python benchmarks/mla_probe.py --tokenizer results/target --only speculative
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import argparse
 import json
 import shutil
 import tempfile
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -22,11 +30,16 @@ from pathlib import Path
 import torch
 
 from eaglet.config import validate
-from eaglet.extract_vllm import capture_args
-from eaglet.io import write_json
+from eaglet.hidden_capture import capture_args
+from eaglet.io import read_json, write_json
 from eaglet.server import ServerError, VLLMServer, log_tail, server_args
 
 OUT = Path(__file__).parent / "results"
+AUX_LAYERS = [1, 2, 3]  # of the tiny target's 4 layers (vLLM's DeepSeek model refuses 0)
+K = 3
+ATTEMPTS = ("plain", "capture", "speculative")
+KEYS = {"plain": "plain_serving", "capture": "hidden_state_capture",
+        "speculative": "mla_drafter_spec_decode"}
 
 
 def tiny_deepseek_v3(directory: Path, tokenizer_dir: Path) -> None:
@@ -49,41 +62,138 @@ def tiny_deepseek_v3(directory: Path, tokenizer_dir: Path) -> None:
     tokenizer.save_pretrained(directory)
 
 
-def attempt(model: Path, log: Path, extra: list[str]) -> dict:
+def complete(url: str, prompt: list[int], max_tokens: int) -> dict:
+    """One greedy completion of token ids ``prompt``, with the answer's token ids."""
+    body = json.dumps({"model": "target", "prompt": prompt, "max_tokens": max_tokens,
+                       "temperature": 0, "return_token_ids": True}).encode()
+    request = urllib.request.Request(url + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as response:
+        return json.loads(response.read())
+
+
+def attempt(model: Path, log: Path, extra: list[str], use=None) -> dict:
+    """Serve ``model`` with ``extra`` arguments and send one completion; ``use(server)``, when
+    given, does the attempt's work with the running server instead and returns its record."""
     cfg = validate({"target": {"dtype": "float32", "max_model_len": 512},
-                    "server": {"memory_utilization": 0.25, "enforce_eager": True}})
+                    "server": {"memory_utilization": 0.25, "kv_cache_gib": 0.5,
+                               "enforce_eager": True}})
     args = server_args(cfg["target"], cfg["server"], "target") + extra
+    started = time.monotonic()
     try:
         with VLLMServer(str(model), log, args=args, startup_timeout_s=900) as server:
-            body = json.dumps({"model": "target", "prompt": [1, 2, 3, 4], "max_tokens": 4,
-                               "temperature": 0}).encode()
-            request = urllib.request.Request(server.url + "/v1/completions", data=body,
-                                             headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(request, timeout=300) as response:
-                answer = json.loads(response.read())
+            ready = round(time.monotonic() - started)
+            if use is not None:
+                return {"served": True, "ready_after_s": ready, **use(server)}
+            answer = complete(server.url, [1, 2, 3, 4], 4)
         params = answer.get("kv_transfer_params") or {}
         saved = params.get("hidden_states_path")
-        return {"served": True, "hidden_states_file": Path(saved).name if saved else None}
+        return {"served": True, "ready_after_s": ready,
+                "hidden_states_file": Path(saved).name if saved else None}
     except (ServerError, urllib.error.HTTPError) as exc:
         lines = [line for line in log_tail(log, 400).splitlines()
                  if "Error" in line or "error" in line]
         return {"served": False, "error": lines[-3:] or str(exc)[:2000]}
 
 
+def mla_drafter(model: Path, directory: Path) -> dict:
+    """An MLA drafter of the tiny target, exported as eaglet exports it: the full vocabulary,
+    started as training starts it (lm_head and, where they fit, the last layer's attention
+    and the final norm from the target, fc passing the deepest aux feature through)."""
+    from eaglet.drafter import DrafterConfig, Eagle3Drafter, init_from_target, init_lm_head
+    from eaglet.export import export_drafter
+    from eaglet.target import load_target_embedding, load_target_lm_head
+
+    target = read_json(model / "config.json")
+    vocab = target["vocab_size"]
+    config = DrafterConfig.from_target(target, vocab, AUX_LAYERS, "mla")
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(config, load_target_embedding(model),
+                            torch.zeros(vocab, dtype=torch.long), torch.ones(vocab, dtype=torch.bool))
+    init_lm_head(drafter, load_target_lm_head(model, torch.arange(vocab)))
+    fit = init_from_target(drafter, model, target["num_hidden_layers"] - 1)
+    export_drafter(drafter, directory)
+    return {"layer_init": fit.record()}
+
+
+def prompts(vocab: int, count: int = 4, length: int = 12) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(10, vocab, (length,), generator=generator).tolist() for _ in range(count)]
+
+
+def drafting(sent: list[list[int]], max_tokens: int):
+    """The attempt's work on a server drafting with the drafter: greedy answers to ``sent``
+    and vLLM's spec-decode counters over them."""
+    from eaglet.evaluate import acceptance, counter_delta, read_metrics, spec_counters
+
+    def use(server) -> dict:
+        before = spec_counters(read_metrics(server.url))
+        answers = [complete(server.url, prompt, max_tokens)["choices"][0] for prompt in sent]
+        served = acceptance(counter_delta(before, spec_counters(read_metrics(server.url))), K)
+        return {"drafted": served["drafts"] > 0, "vllm": served,
+                "answers": [answer["token_ids"] for answer in answers]}
+    return use
+
+
+def summarized(record: dict) -> dict:
+    """The attempt's record as the results file keeps it: the answers' length, not their ids."""
+    answers = record.pop("answers", None)
+    return {**record, "answer_tokens": sum(map(len, answers))} if answers else record
+
+
+def replay(model: Path, drafter: Path, sent: list[list[int]], answers: list[list[int]],
+           served: dict) -> dict:
+    """eaglet's offline replay of the served answers (the target's features from a float32
+    transformers forward), and whether it counts what vLLM counted."""
+    from transformers import AutoModelForCausalLM
+
+    from eaglet.export import load_drafter
+    from eaglet.offline_eval import offline_acceptance
+
+    target = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    replayed = offline_acceptance(target, load_drafter(drafter, model),
+                                  list(zip(sent, answers)), K)
+    keys = ("drafts", "draft_tokens", "accepted", "per_position")
+    vllm = [served["drafts"], served["draft_tokens"], served["accepted_tokens"],
+            [round(p * served["drafts"]) for p in served["per_position_rate"]]]
+    return {"offline_replay": {k: replayed[k] for k in ("acceptance_length", *keys)},
+            "vllm_equals_offline_replay": vllm == [replayed[k] for k in keys]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokenizer", required=True, help="a model dir with a tokenizer")
+    parser.add_argument("--only", nargs="+", choices=ATTEMPTS, default=list(ATTEMPTS),
+                        help="attempts to run (the others keep their last results)")
     args = parser.parse_args()
+    path = OUT / "mla_probe.json"
+    result = read_json(path) if path.exists() and len(args.only) < len(ATTEMPTS) else {}
+    result["architecture"] = "DeepseekV3ForCausalLM (tiny, random weights)"
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(tmp) / "dsv3"
         tiny_deepseek_v3(model, Path(args.tokenizer))
-        plain = attempt(model, OUT / "mla_probe.plain.log", [])
-        captured = attempt(model, OUT / "mla_probe.capture.log",
-                           capture_args([1, 2, 4], Path(tmp) / "requests"))
-        shutil.rmtree(Path(tmp) / "requests", ignore_errors=True)
-    result = {"architecture": "DeepseekV3ForCausalLM (tiny, random weights)",
-              "plain_serving": plain, "hidden_state_capture": captured}
-    write_json(OUT / "mla_probe.json", result)
+        if "plain" in args.only:
+            result[KEYS["plain"]] = attempt(model, OUT / "mla_probe.plain.log", [])
+        if "capture" in args.only:
+            result[KEYS["capture"]] = attempt(model, OUT / "mla_probe.capture.log",
+                                              capture_args([1, 2, 4], Path(tmp) / "requests"))
+            shutil.rmtree(Path(tmp) / "requests", ignore_errors=True)
+        if "speculative" in args.only:
+            started = time.monotonic()
+            drafter = Path(tmp) / "drafter"
+            made = mla_drafter(model, drafter)
+            spec = json.dumps({"method": "eagle3", "model": str(drafter),
+                               "num_speculative_tokens": K})
+            sent = prompts(read_json(model / "config.json")["vocab_size"])
+            record = attempt(model, OUT / "mla_probe.speculative.log",
+                             ["--speculative-config", spec], drafting(sent, 24))
+            if record.get("drafted"):
+                record.update(replay(model, drafter, sent, record["answers"], record["vllm"]))
+            record["drafter"] = {
+                "architectures": read_json(drafter / "config.json")["architectures"], **made}
+            record["wall_s"] = round(time.monotonic() - started)
+            result[KEYS["speculative"]] = summarized(record)
+    write_json(path, result)
     print(json.dumps(result, indent=2))
 
 

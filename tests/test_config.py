@@ -375,7 +375,7 @@ def test_settings_added_later_leave_the_params_of_earlier_runs_unchanged():
     cfg = validate({"train": {"gpus": 2}})
     before = {k: v for k, v in cfg["train"].items()
               if k not in ("gpus", "loss_on_prompt", "feature_noise", "host_ram_mb",
-                           "prefetch_batches", "attention")}
+                           "prefetch_batches", "attention", "drafter_attention")}
     assert stage_params(cfg, "train", drop=("gpus",)) == before
     assert "capture_hidden_states" not in stage_params(cfg, "generate")
     cfg = validate({"train": {"loss_on_prompt": True, "feature_noise": 0.2, "attention": "eager"},

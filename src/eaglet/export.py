@@ -8,18 +8,23 @@ with ``model.``, renames ``d2t`` to ``draft_id_to_target_id``, drops ``t2d``, an
 ``gate_up_proj``. No ``embed_tokens`` is written, so vLLM shares the target's embedding
 (``_maybe_share_embeddings``: ``has_own_embed_tokens`` stays False); ``lm_head`` is written, so
 the drafter keeps its own (``process_eagle_weight`` sets ``has_own_lm_head``).
+
+A drafter with MLA attention (``train.drafter_attention: mla``) is written as
+``Eagle3DeepseekV2ForCausalLM`` (``deepseek_eagle3.py``, model_type ``deepseek_v2``) under the
+same naming rules, its attention tensors named as the target's MLA (``mla_tensors``).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save
 
-from eaglet.drafter import DrafterConfig, Eagle3Drafter, rope_parameters
+from eaglet.drafter import MLA_FIELDS, DrafterConfig, Eagle3Drafter, rope_parameters
 from eaglet.io import atomic_open, read_json, write_json
 from eaglet.shards import STORAGE_DTYPES
 from eaglet.target import load_target_embedding
@@ -27,6 +32,8 @@ from eaglet.target import load_target_embedding
 
 def vllm_tensors(config: DrafterConfig) -> dict[str, tuple[tuple[int, ...], str]]:
     """Every tensor of the checkpoint: name -> (shape, the vLLM parameter that receives it)."""
+    if config.attention_kind == "mla":
+        return mla_tensors(config)
     h, d = config.hidden_size, config.head_dim
     q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
     i, vd = config.intermediate_size, config.draft_vocab_size
@@ -64,8 +71,55 @@ def vllm_tensors(config: DrafterConfig) -> dict[str, tuple[tuple[int, ...], str]
     return tensors
 
 
+def mla_tensors(config: DrafterConfig) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The MLA drafter's tensors as ``Eagle3DeepseekV2ForCausalLM.load_weights`` reads them:
+    names un-prefixed as the Llama drafter's (it prefixes ``model.`` but to lm_head/d2t, its
+    model's mapper turns ``midlayer.`` into ``layers.0.`` and stacks q_a_proj and
+    kv_a_proj_with_mqa into ``fused_qkv_a_proj``, gate/up into ``gate_up_proj``)."""
+    h, n, i, vd = (config.hidden_size, config.num_attention_heads, config.intermediate_size,
+                   config.draft_vocab_size)
+    qk, rope = config.qk_nope_head_dim + config.qk_rope_head_dim, config.qk_rope_head_dim
+    lora, kv_lora = config.q_lora_rank, config.kv_lora_rank
+    layer = "model.layers.0."
+    tensors = {
+        # DeepseekV2Eagle3Model.fc: ReplicatedLinear(target_hidden_size * num aux, hidden)
+        "fc.weight": ((h, config.fc_input_size), "model.fc.weight"),
+        # DeepseekV2Eagle3DecoderLayer at layer_idx 0: input_layernorm(embeds), hidden_norm(hidden)
+        "midlayer.input_layernorm.weight": ((h,), layer + "input_layernorm.weight"),
+        "midlayer.hidden_norm.weight": ((h,), layer + "hidden_norm.weight"),
+        # DeepseekV2MLAAttention(input_size=2 * hidden): DeepSeekV2FusedQkvAProjLinear of
+        # [q_lora_rank, kv_lora_rank + qk_rope_head_dim], shards 0 and 1
+        "midlayer.self_attn.q_a_proj.weight": ((lora, 2 * h), layer + "self_attn.fused_qkv_a_proj[0]"),
+        "midlayer.self_attn.q_a_layernorm.weight": ((lora,), layer + "self_attn.q_a_layernorm.weight"),
+        "midlayer.self_attn.q_b_proj.weight": ((n * qk, lora), layer + "self_attn.q_b_proj.weight"),
+        "midlayer.self_attn.kv_a_proj_with_mqa.weight":
+            ((kv_lora + rope, 2 * h), layer + "self_attn.fused_qkv_a_proj[1]"),
+        "midlayer.self_attn.kv_a_layernorm.weight": ((kv_lora,), layer + "self_attn.kv_a_layernorm.weight"),
+        # per head [qk_nope_head_dim keys, v_head_dim values]
+        "midlayer.self_attn.kv_b_proj.weight":
+            ((n * (config.qk_nope_head_dim + config.v_head_dim), kv_lora),
+             layer + "self_attn.kv_b_proj.weight"),
+        "midlayer.self_attn.o_proj.weight": ((h, n * config.v_head_dim), layer + "self_attn.o_proj.weight"),
+        "midlayer.post_attention_layernorm.weight": ((h,), layer + "post_attention_layernorm.weight"),
+        # DeepseekV2MLP (dense, never MoE here): gate_up_proj shards 0 (gate) and 1 (up)
+        "midlayer.mlp.gate_proj.weight": ((i, h), layer + "mlp.gate_up_proj[0]"),
+        "midlayer.mlp.up_proj.weight": ((i, h), layer + "mlp.gate_up_proj[1]"),
+        "midlayer.mlp.down_proj.weight": ((h, i), layer + "mlp.down_proj.weight"),
+        "norm.weight": ((h,), "model.norm.weight"),
+        "lm_head.weight": ((vd, h), "lm_head.weight"),
+        # as the Llama drafter's: present only with a reduced draft vocabulary
+        "d2t": ((vd,), "draft_id_to_target_id"),
+        "t2d": ((config.vocab_size,), "(not loaded by vLLM)"),
+    }
+    if vd == config.vocab_size:
+        del tensors["d2t"]
+    return tensors
+
+
 def vllm_config(config: DrafterConfig, dtype: str) -> dict:
     """``config.json``: the target's layer shape, one layer, and the EAGLE-3 fields."""
+    if config.attention_kind == "mla":
+        return mla_config(config, dtype)
     rope = dict(config.rope_parameters)
     out = {
         "architectures": ["LlamaForCausalLMEagle3"],
@@ -89,6 +143,48 @@ def vllm_config(config: DrafterConfig, dtype: str) -> dict:
         "tie_word_embeddings": False,
         "attention_bias": False,
         "mlp_bias": False,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(config.aux_layer_ids),
+                         "use_aux_hidden_state": True},
+        "dtype": dtype,
+        "torch_dtype": dtype,
+    }
+    if rope["rope_type"] != "default":
+        out["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    return out
+
+
+def mla_config(config: DrafterConfig, dtype: str) -> dict:
+    """``config.json`` of the MLA drafter, read by vLLM as a ``DeepseekV2Config``: the
+    architecture ``Eagle3DeepseekV2ForCausalLM`` (deepseek_eagle3.py) and model_type
+    ``deepseek_v2``. Not ``deepseek_v3``: vLLM's speculative config rewrites a draft config of
+    that type into its DeepSeek MTP model. ``q_lora_rank`` is always written (DeepseekV2Config
+    defaults it to 1536), and so is ``norm_before_residual`` false (the residual stream starts
+    at the un-normed hidden state, as in the Llama drafter)."""
+    rope = dict(config.rope_parameters)
+    out = {
+        "architectures": ["Eagle3DeepseekV2ForCausalLM"],
+        "model_type": "deepseek_v2",
+        "num_hidden_layers": 1,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_attention_heads,
+        "q_lora_rank": config.q_lora_rank,
+        "kv_lora_rank": config.kv_lora_rank,
+        "qk_nope_head_dim": config.qk_nope_head_dim,
+        "qk_rope_head_dim": config.qk_rope_head_dim,
+        "v_head_dim": config.v_head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_parameters": rope,
+        "rope_theta": rope["rope_theta"],
+        "max_position_embeddings": config.max_position_embeddings,
+        "vocab_size": config.vocab_size,
+        "draft_vocab_size": config.draft_vocab_size,
+        "target_hidden_size": config.target_hidden_size,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "norm_before_residual": False,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(config.aux_layer_ids),
                          "use_aux_hidden_state": True},
         "dtype": dtype,
@@ -167,9 +263,15 @@ def export_speculators(drafter_dir: str | Path, out_dir: str | Path, verifier: s
     ``model.safetensors`` linked or copied), so ``vllm serve out_dir`` needs no
     ``--speculative-config``; ``drafter_dir`` itself is left as it is."""
     drafter_dir, out_dir = Path(drafter_dir), Path(out_dir)
+    drafter = read_json(drafter_dir / "config.json")
+    if drafter.get("model_type", "llama") != "llama":
+        raise ValueError(f"the drafter in {drafter_dir} has {drafter['model_type']} (MLA) "
+                         f"attention, which vLLM 0.32's speculators format does not take (its "
+                         f"Eagle-3 speculators are Llama or Qwen3 layers): serve it with "
+                         f"--speculative-config and \"method\": \"eagle3\" instead")
     local = Path(verifier) / "config.json"  # else a Hugging Face id: a Llama target assumed
     architectures = (read_json(local).get("architectures") if local.exists() else None)
-    config = speculators_config(read_json(drafter_dir / "config.json"), str(verifier),
+    config = speculators_config(drafter, str(verifier),
                                 architectures or ["LlamaForCausalLM"], num_speculative_tokens)
     out_dir.mkdir(parents=True, exist_ok=True)
     weights = out_dir / "model.safetensors"
@@ -183,16 +285,23 @@ def export_speculators(drafter_dir: str | Path, out_dir: str | Path, verifier: s
 
 
 def config_from_vllm(config: dict) -> DrafterConfig:
-    """The ``DrafterConfig`` of an exported ``config.json``."""
-    return DrafterConfig(
+    """The ``DrafterConfig`` of an exported ``config.json`` (either attention kind)."""
+    mla = config.get("model_type") == "deepseek_v2"
+    drafter = DrafterConfig(
         hidden_size=config["hidden_size"], intermediate_size=config["intermediate_size"],
         num_attention_heads=config["num_attention_heads"],
-        num_key_value_heads=config["num_key_value_heads"], head_dim=config["head_dim"],
+        num_key_value_heads=config["num_key_value_heads"],
+        head_dim=(config["qk_nope_head_dim"] + config["qk_rope_head_dim"] if mla
+                  else config["head_dim"]),
         rms_norm_eps=config["rms_norm_eps"], rope_parameters=rope_parameters(config),
         max_position_embeddings=config["max_position_embeddings"],
         vocab_size=config["vocab_size"], draft_vocab_size=config["draft_vocab_size"],
         target_hidden_size=config["target_hidden_size"],
         aux_layer_ids=config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+    if mla:
+        drafter = replace(drafter, attention_kind="mla", q_lora_rank=config["q_lora_rank"],
+                          **{name: config[name] for name in MLA_FIELDS})
+    return drafter
 
 
 def load_drafter(drafter_dir: str | Path, target_dir: str | Path,
