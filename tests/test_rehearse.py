@@ -48,7 +48,8 @@ def test_the_miniature_keeps_grouped_query_attention_and_the_head_size():
 
 def test_the_rehearsal_config_keeps_the_runs_settings_and_lists_what_it_scales(tmp_path):
     user = yaml.safe_load((REPO / "configs" / "kimi-k2.5.yaml").read_text())
-    cfg, scaled = rehearse.rehearsal_config(user, tmp_path / "mini", tmp_path / "results")
+    text = json.loads((STANDINS / "kimi-k2.5" / "config.json").read_text())["text_config"]
+    cfg, scaled = rehearse.rehearsal_config(user, tmp_path / "mini", tmp_path / "results", text)
     for dotted in ("target.trust_remote_code", "server.reasoning_parser",
                    "generate.chat_template_kwargs", "generate.temperature",
                    "generate.capture_hidden_states", "extract.backend", "extract.dtype",
@@ -59,6 +60,11 @@ def test_the_rehearsal_config_keeps_the_runs_settings_and_lists_what_it_scales(t
     assert cfg["server"]["tensor_parallel_size"] == 1 and cfg["server"]["gpus"] == 0
     assert any(line.startswith("server.tensor_parallel_size: 8 -> 1") for line in scaled)
     assert not any(line.startswith("server.url") for line in scaled)  # unset, and stays so
+    # an MLA target on the CPU engine: only an MLA drafter serves beside it
+    assert cfg["train"]["drafter_attention"] == "mla"
+    qwen = json.loads((STANDINS / "qwen3-8b" / "config.json").read_text())
+    cfg, _ = rehearse.rehearsal_config(user, tmp_path / "mini", tmp_path / "results", qwen)
+    assert "drafter_attention" not in cfg["train"]
     assert any(line.startswith("vocab.draft_vocab_size: 32000 -> ") for line in scaled)
     from eaglet.config import validate
     validate(cfg)  # the rehearsal's own config is valid

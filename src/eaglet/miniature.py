@@ -154,7 +154,7 @@ def format_samples(tokenizer, template_kwargs: dict, reasoning: bool,
     from eaglet.prompts import load_source
     from eaglet.template_check import render_conversation_ids, render_ids
 
-    records, _ = load_source({"type": "sharegpt", "limit": 4 * n, "max_prompt_chars": 160})
+    records, _ = load_source({"type": "sharegpt", "limit": 4 * n, "max_prompt_chars": 100})
     out = []
     for i, record in enumerate(records[:n]):
         # as generation records an answer; rendered as the template check renders it (a
@@ -175,26 +175,35 @@ def teach(model, sequences: list[tuple[list[int], int]], seconds: float,
     """Train ``model`` on the answers of ``sequences`` (prompt tokens are context only) for
     about ``seconds``; return the steps, epochs and the first and last loss.
 
-    The softmax runs over the answers' own tokens only: a target's vocabulary (160K rows)
-    on every answer row was most of a step's time, and the tokens left out keep the near-zero
-    logits of their random rows, far below what the taught ones reach, so greedy decoding
-    never picks them."""
+    Every token outside the answers' own shares one output row, ``other``, in the softmax
+    (with the log of their count added to its logit), and gets that row afterwards: the
+    softmax is then the whole vocabulary's, exactly, at the cost of the taught tokens' rows
+    alone (a target's 160K rows in every step made it ten times slower). Its mass is trained
+    down with the rest, so a run that samples (temperature 1) stays within the taught
+    tokens; random rows left in place would hold most of it, and a stand-in tokenizer's
+    vocabulary has holes there that decode to nothing. Tied embeddings share the rows, so
+    their prompt tokens outside the answers all read ``other`` as input too."""
     import torch
 
     taught = torch.tensor(sorted({t for ids, start in sequences for t in ids[start:]}))
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
-    column = torch.full((embed.weight.shape[0],), -1, dtype=torch.long)
+    vocab = head.weight.shape[0]
+    column = torch.full((max(vocab, embed.weight.shape[0]),), -1, dtype=torch.long)
     column[taught] = torch.arange(taught.numel())
-    # the taught tokens' rows train apart from the vocabulary's (a target's 160K rows in
-    # the optimizer made a step ten times slower) and are written back after; tied
-    # embeddings share one set of rows
     tied = head.weight.data_ptr() == embed.weight.data_ptr()
     out_rows = torch.nn.Parameter(head.weight.detach()[taught].clone())
+    other = torch.nn.Parameter(head.weight.detach().mean(0))
+    others = math.log(max(1, vocab - taught.numel()))
     in_rows = out_rows if tied else torch.nn.Parameter(embed.weight.detach()[taught].clone())
     embed.weight.requires_grad_(False)
     head.weight.requires_grad_(False)
+    threads = torch.get_num_threads()
+    # one thread: the toy model's matrices are too small to share, and two threads spinning
+    # beside a busy core ran a step ten times slower (110 steps in 90 s on one, 7 on two)
+    torch.set_num_threads(1)
     model.train()
-    params = [p for p in model.parameters() if p.requires_grad] + [out_rows] + ([] if tied else [in_rows])
+    params = ([p for p in model.parameters() if p.requires_grad] + [out_rows, other]
+              + ([] if tied else [in_rows]))
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     started, step, losses = time.monotonic(), 0, []
     order = list(range(len(sequences)))
@@ -212,11 +221,12 @@ def teach(model, sequences: list[tuple[list[int], int]], seconds: float,
             labels[row, start:len(seq)] = torch.tensor(seq[start:])
             mask[row, :len(seq)] = 1
         where = column[ids]
-        inputs = torch.where((where >= 0)[..., None], in_rows[where.clamp(min=0)],
-                             embed.weight.detach()[ids])
+        rest = other.expand(*ids.shape, -1) if tied else embed.weight.detach()[ids]
+        inputs = torch.where((where >= 0)[..., None], in_rows[where.clamp(min=0)], rest)
         hidden = model.get_decoder()(inputs_embeds=inputs, attention_mask=mask).last_hidden_state
         rows = labels[:, 1:] != -100
-        logits = hidden[:, :-1][rows] @ out_rows.T
+        states = hidden[:, :-1][rows]
+        logits = torch.cat([states @ out_rows.T, (states @ other + others)[:, None]], dim=1)
         loss = torch.nn.functional.cross_entropy(logits.float(), column[labels[:, 1:][rows]])
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -224,15 +234,18 @@ def teach(model, sequences: list[tuple[list[int], int]], seconds: float,
         losses.append(loss.item())
         step += 1
         if len(losses) >= LEARNED_STEPS and max(losses[-LEARNED_STEPS:]) < LEARNED_LOSS:
-            break  # the answers are learned: greedy decoding follows them to the end of turn
+            break  # learned: decoding, sampled or greedy, follows them to the end of turn
         if step % 20 == 0:
             log.info("teaching step %d: loss %.3f (%.0f s)", step, losses[-1],
                      time.monotonic() - started)
     with torch.no_grad():
-        embed.weight[taught] = in_rows.detach()
+        head.weight[:] = other.detach()
         head.weight[taught] = out_rows.detach()
+        if not tied:
+            embed.weight[taught] = in_rows.detach()
     embed.weight.requires_grad_(True)
     head.weight.requires_grad_(True)
+    torch.set_num_threads(threads)
     model.eval()
     log.info("taught the chat format: %d steps in %.0f s, loss %.2f -> %.2f", step,
              time.monotonic() - started, losses[0], losses[-1])

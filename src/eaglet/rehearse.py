@@ -147,9 +147,12 @@ def _set(cfg: dict, dotted: str, value) -> None:
     node[last] = value
 
 
-def rehearsal_config(user: dict, miniature: Path, results: Path) -> tuple[dict, list[str]]:
+def rehearsal_config(user: dict, miniature: Path, results: Path,
+                     target_text: dict | None = None) -> tuple[dict, list[str]]:
     """The user's config (as written) with the target swapped for its miniature and the
-    sizes scaled to minutes on the CPU; and a line for each scaled value that differs."""
+    sizes scaled to minutes on the CPU; and a line for each scaled value that differs.
+    ``target_text``: the target's (language model) config, whose attention decides the
+    drafter kind the CPU engine can serve beside it."""
     from eaglet.config import validate
 
     cfg = copy.deepcopy(user)
@@ -164,6 +167,12 @@ def rehearsal_config(user: dict, miniature: Path, results: Path) -> tuple[dict, 
     if vocab > DRAFT_VOCAB:
         _set(cfg, "vocab.draft_vocab_size", DRAFT_VOCAB)
         scaled.append(f"vocab.draft_vocab_size: {vocab!r} -> {DRAFT_VOCAB} (the miniature's data)")
+    if (target_text or {}).get("kv_lora_rank") and _get(full, "train.drafter_attention") != "mla":
+        # vLLM's CPU engine finds no KV block size common to its MLA and its attention backends
+        _set(cfg, "train.drafter_attention", "mla")
+        scaled.append(f"train.drafter_attention: {_get(full, 'train.drafter_attention')!r} -> "
+                      "'mla' (vLLM's CPU engine serves only an MLA drafter beside an MLA target: "
+                      "no KV block size common to both backends; GPUs serve either)")
     ks = _get(full, "evaluate.num_speculative_tokens")
     if len(ks) > 1:  # each k is one more server; the path a drafter takes is the same
         _set(cfg, "evaluate.num_speculative_tokens", [min(ks)])
@@ -425,7 +434,9 @@ def rehearse(config_file: str, target_files_dir: str | None, out: Path, cores: i
                    "CPU engine cannot load a multimodal wrapper's processors")
 
     results = out / "results"
-    cfg, report.scaled = rehearsal_config(user, miniature, results)
+    from eaglet.target import text_config
+    cfg, report.scaled = rehearsal_config(
+        user, miniature, results, text_config(json.loads((files / "config.json").read_text())))
     config_path = out / "rehearsal.yaml"
     config_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     code = run_workflow(config_path, results, cores, out / "snakemake.log")
