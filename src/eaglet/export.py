@@ -117,19 +117,15 @@ def mla_tensors(config: DrafterConfig) -> dict[str, tuple[tuple[int, ...], str]]
 
 
 def vllm_config(config: DrafterConfig, dtype: str) -> dict:
-    """``config.json``: the target's layer shape, one layer, and the EAGLE-3 fields."""
-    if config.attention_kind == "mla":
-        return mla_config(config, dtype)
+    """``config.json``: the target's layer shape, one layer, and the EAGLE-3 fields; the
+    attention's own fields from :func:`llama_fields` or :func:`mla_fields`."""
     rope = dict(config.rope_parameters)
     out = {
-        "architectures": ["LlamaForCausalLMEagle3"],
-        "model_type": "llama",
+        **(mla_fields(config) if config.attention_kind == "mla" else llama_fields(config)),
         "num_hidden_layers": 1,
         "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size,
         "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": config.head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": config.rms_norm_eps,
         # transformers 5 reads rope_parameters; transformers 4 readers (vLLM on GPU images)
@@ -142,7 +138,6 @@ def vllm_config(config: DrafterConfig, dtype: str) -> dict:
         "target_hidden_size": config.target_hidden_size,
         "tie_word_embeddings": False,
         "attention_bias": False,
-        "mlp_bias": False,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(config.aux_layer_ids),
                          "use_aux_hidden_state": True},
         "dtype": dtype,
@@ -153,46 +148,26 @@ def vllm_config(config: DrafterConfig, dtype: str) -> dict:
     return out
 
 
-def mla_config(config: DrafterConfig, dtype: str) -> dict:
-    """``config.json`` of the MLA drafter, read by vLLM as a ``DeepseekV2Config``: the
-    architecture ``Eagle3DeepseekV2ForCausalLM`` (deepseek_eagle3.py) and model_type
-    ``deepseek_v2``. Not ``deepseek_v3``: vLLM's speculative config rewrites a draft config of
-    that type into its DeepSeek MTP model. ``q_lora_rank`` is always written (DeepseekV2Config
-    defaults it to 1536), and so is ``norm_before_residual`` false (the residual stream starts
-    at the un-normed hidden state, as in the Llama drafter)."""
-    rope = dict(config.rope_parameters)
-    out = {
-        "architectures": ["Eagle3DeepseekV2ForCausalLM"],
-        "model_type": "deepseek_v2",
-        "num_hidden_layers": 1,
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_attention_heads,
-        "q_lora_rank": config.q_lora_rank,
-        "kv_lora_rank": config.kv_lora_rank,
-        "qk_nope_head_dim": config.qk_nope_head_dim,
-        "qk_rope_head_dim": config.qk_rope_head_dim,
-        "v_head_dim": config.v_head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": config.rms_norm_eps,
-        "rope_parameters": rope,
-        "rope_theta": rope["rope_theta"],
-        "max_position_embeddings": config.max_position_embeddings,
-        "vocab_size": config.vocab_size,
-        "draft_vocab_size": config.draft_vocab_size,
-        "target_hidden_size": config.target_hidden_size,
-        "tie_word_embeddings": False,
-        "attention_bias": False,
-        "norm_before_residual": False,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(config.aux_layer_ids),
-                         "use_aux_hidden_state": True},
-        "dtype": dtype,
-        "torch_dtype": dtype,
-    }
-    if rope["rope_type"] != "default":
-        out["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
-    return out
+def llama_fields(config: DrafterConfig) -> dict:
+    """The Llama drafter's own fields: vLLM's ``LlamaForCausalLMEagle3`` (llama_eagle3.py)."""
+    return {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+            "num_key_value_heads": config.num_key_value_heads, "head_dim": config.head_dim,
+            "mlp_bias": False}
+
+
+def mla_fields(config: DrafterConfig) -> dict:
+    """The MLA drafter's own fields, read by vLLM as a ``DeepseekV2Config``: the architecture
+    ``Eagle3DeepseekV2ForCausalLM`` (deepseek_eagle3.py) and model_type ``deepseek_v2``. Not
+    ``deepseek_v3``: vLLM's speculative config rewrites a draft config of that type into its
+    DeepSeek MTP model. ``q_lora_rank`` is always written (DeepseekV2Config defaults it to
+    1536), and so is ``norm_before_residual`` false (the residual stream starts at the
+    un-normed hidden state, as in the Llama drafter)."""
+    return {"architectures": ["Eagle3DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+            "num_key_value_heads": config.num_attention_heads,
+            "q_lora_rank": config.q_lora_rank, "kv_lora_rank": config.kv_lora_rank,
+            "qk_nope_head_dim": config.qk_nope_head_dim,
+            "qk_rope_head_dim": config.qk_rope_head_dim, "v_head_dim": config.v_head_dim,
+            "norm_before_residual": False}
 
 
 def export_drafter(model: Eagle3Drafter, out_dir: str | Path, dtype: str = "float32") -> dict:
