@@ -73,6 +73,7 @@ class ScriptedChat(BaseHTTPRequestHandler):
             status = statuses.pop(0)
             return self._send(status, {"error": f"scripted {status}"})
         assert request["return_token_ids"] is True
+        assert request["spaces_between_special_tokens"] is False  # the text as the ids spell it
         self._send(200, {
             "prompt_token_ids": [1, 2, len(text)],
             "choices": [{"message": {"content": text.upper(), "reasoning": None},

@@ -316,7 +316,13 @@ async def chat_once(client: httpx.AsyncClient, model: str, messages: list[dict],
         "model": model, "messages": messages,
         "temperature": sampling.temperature, "top_p": sampling.top_p,
         "max_tokens": sampling.max_tokens, "seed": sampling.seed,
-        "return_token_ids": True, **(extra or {}),
+        "return_token_ids": True,
+        # the text exactly as the ids spell it: vLLM's detokenizer otherwise puts a space
+        # between an added token and the text beside it for tokenizers that are not
+        # `tokenizers`-backed (Kimi's tiktoken one): the reasoning after the prompt's
+        # <think> came back as " The", every sample then failed the template check
+        "spaces_between_special_tokens": False,
+        **(extra or {}),
     }
     return parse_response(await post_json(client, "/v1/chat/completions", payload, timeout))
 
