@@ -11,7 +11,7 @@ the drafter keeps its own (``process_eagle_weight`` sets ``has_own_lm_head``).
 
 A drafter with MLA attention (``train.drafter_attention: mla``) is written as
 ``Eagle3DeepseekV2ForCausalLM`` (``deepseek_eagle3.py``, model_type ``deepseek_v2``) under the
-same naming rules, its attention tensors named as the target's MLA (``mla_tensors``).
+same naming rules, its attention tensors named as the target's MLA (``mla_attention``).
 """
 
 from __future__ import annotations
@@ -30,34 +30,31 @@ from eaglet.shards import STORAGE_DTYPES
 from eaglet.target import load_target_embedding
 
 
+LAYER = "model.layers.0."  # vLLM's drafter models map ``midlayer.`` to their layer 0
+
+
 def vllm_tensors(config: DrafterConfig) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Every tensor of the checkpoint: name -> (shape, the vLLM parameter that receives it)."""
-    if config.attention_kind == "mla":
-        return mla_tensors(config)
-    h, d = config.hidden_size, config.head_dim
-    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
-    i, vd = config.intermediate_size, config.draft_vocab_size
+    """Every tensor of the checkpoint: name -> (shape, the vLLM parameter that receives it).
+    Both drafter kinds share all but the attention (``llama_attention``, ``mla_attention``):
+    vLLM's LlamaForCausalLMEagle3 and Eagle3DeepseekV2ForCausalLM read the same names."""
+    h, i, vd = config.hidden_size, config.intermediate_size, config.draft_vocab_size
+    attention = mla_attention if config.attention_kind == "mla" else llama_attention
     tensors = {
-        # LlamaModel.fc = ReplicatedLinear(fc_input_size = target_hidden_size * num aux, hidden)
+        # the model's fc = ReplicatedLinear(fc_input_size = target_hidden_size * num aux, hidden)
         "fc.weight": ((h, config.fc_input_size), "model.fc.weight"),
-        # LlamaDecoderLayer.forward (layer_idx 0): input_layernorm(embeds)
-        "midlayer.input_layernorm.weight": ((h,), "model.layers.0.input_layernorm.weight"),
+        # the decoder layer at layer_idx 0: input_layernorm(embeds) ...
+        "midlayer.input_layernorm.weight": ((h,), LAYER + "input_layernorm.weight"),
         # ... hidden_norm(hidden_states), the residual being the un-normed hidden state
-        "midlayer.hidden_norm.weight": ((h,), "model.layers.0.hidden_norm.weight"),
-        # qkv_proj = QKVParallelLinear(2 * hidden_size, ...): stacked shards "q", "k", "v"
-        "midlayer.self_attn.q_proj.weight": ((q, 2 * h), "model.layers.0.self_attn.qkv_proj[q]"),
-        "midlayer.self_attn.k_proj.weight": ((kv, 2 * h), "model.layers.0.self_attn.qkv_proj[k]"),
-        "midlayer.self_attn.v_proj.weight": ((kv, 2 * h), "model.layers.0.self_attn.qkv_proj[v]"),
-        "midlayer.self_attn.o_proj.weight": ((h, q), "model.layers.0.self_attn.o_proj.weight"),
-        "midlayer.post_attention_layernorm.weight":
-            ((h,), "model.layers.0.post_attention_layernorm.weight"),
-        # LlamaMLP: gate_up_proj stacked shards 0 (gate) and 1 (up)
-        "midlayer.mlp.gate_proj.weight": ((i, h), "model.layers.0.mlp.gate_up_proj[0]"),
-        "midlayer.mlp.up_proj.weight": ((i, h), "model.layers.0.mlp.gate_up_proj[1]"),
-        "midlayer.mlp.down_proj.weight": ((h, i), "model.layers.0.mlp.down_proj.weight"),
-        # LlamaModel.norm: its residual input is the pre-norm hidden state fed back
+        "midlayer.hidden_norm.weight": ((h,), LAYER + "hidden_norm.weight"),
+        **attention(config),
+        "midlayer.post_attention_layernorm.weight": ((h,), LAYER + "post_attention_layernorm.weight"),
+        # a dense MLP (LlamaMLP, DeepseekV2MLP): gate_up_proj stacked shards 0 (gate) and 1 (up)
+        "midlayer.mlp.gate_proj.weight": ((i, h), LAYER + "mlp.gate_up_proj[0]"),
+        "midlayer.mlp.up_proj.weight": ((i, h), LAYER + "mlp.gate_up_proj[1]"),
+        "midlayer.mlp.down_proj.weight": ((h, i), LAYER + "mlp.down_proj.weight"),
+        # the model's norm: its residual input is the pre-norm hidden state fed back
         "norm.weight": ((h,), "model.norm.weight"),
-        # Eagle3LlamaForCausalLM.lm_head = ParallelLMHead(draft_vocab_size, hidden_size)
+        # lm_head = ParallelLMHead(draft_vocab_size, hidden_size)
         "lm_head.weight": ((vd, h), "lm_head.weight"),
         # "d2t" -> draft_id_to_target_id; compute_logits scatters draft logit i to target id
         # i + d2t[i]. The parameter exists only when draft_vocab_size != vocab_size: with the full
@@ -71,49 +68,40 @@ def vllm_tensors(config: DrafterConfig) -> dict[str, tuple[tuple[int, ...], str]
     return tensors
 
 
-def mla_tensors(config: DrafterConfig) -> dict[str, tuple[tuple[int, ...], str]]:
-    """The MLA drafter's tensors as ``Eagle3DeepseekV2ForCausalLM.load_weights`` reads them:
-    names un-prefixed as the Llama drafter's (it prefixes ``model.`` but to lm_head/d2t, its
-    model's mapper turns ``midlayer.`` into ``layers.0.`` and stacks q_a_proj and
-    kv_a_proj_with_mqa into ``fused_qkv_a_proj``, gate/up into ``gate_up_proj``)."""
-    h, n, i, vd = (config.hidden_size, config.num_attention_heads, config.intermediate_size,
-                   config.draft_vocab_size)
+def llama_attention(config: DrafterConfig) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The Llama drafter's attention: qkv_proj = QKVParallelLinear(2 * hidden_size, ...),
+    stacked shards "q", "k", "v"."""
+    h, d = config.hidden_size, config.head_dim
+    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
+    return {
+        "midlayer.self_attn.q_proj.weight": ((q, 2 * h), LAYER + "self_attn.qkv_proj[q]"),
+        "midlayer.self_attn.k_proj.weight": ((kv, 2 * h), LAYER + "self_attn.qkv_proj[k]"),
+        "midlayer.self_attn.v_proj.weight": ((kv, 2 * h), LAYER + "self_attn.qkv_proj[v]"),
+        "midlayer.self_attn.o_proj.weight": ((h, q), LAYER + "self_attn.o_proj.weight"),
+    }
+
+
+def mla_attention(config: DrafterConfig) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The MLA drafter's attention as ``Eagle3DeepseekV2ForCausalLM.load_weights`` reads it:
+    DeepseekV2MLAAttention(input_size=2 * hidden), whose DeepSeekV2FusedQkvAProjLinear stacks
+    q_a_proj and kv_a_proj_with_mqa ([q_lora_rank, kv_lora_rank + qk_rope_head_dim], shards 0
+    and 1) into ``fused_qkv_a_proj``."""
+    h, n = config.hidden_size, config.num_attention_heads
     qk, rope = config.qk_nope_head_dim + config.qk_rope_head_dim, config.qk_rope_head_dim
     lora, kv_lora = config.q_lora_rank, config.kv_lora_rank
-    layer = "model.layers.0."
-    tensors = {
-        # DeepseekV2Eagle3Model.fc: ReplicatedLinear(target_hidden_size * num aux, hidden)
-        "fc.weight": ((h, config.fc_input_size), "model.fc.weight"),
-        # DeepseekV2Eagle3DecoderLayer at layer_idx 0: input_layernorm(embeds), hidden_norm(hidden)
-        "midlayer.input_layernorm.weight": ((h,), layer + "input_layernorm.weight"),
-        "midlayer.hidden_norm.weight": ((h,), layer + "hidden_norm.weight"),
-        # DeepseekV2MLAAttention(input_size=2 * hidden): DeepSeekV2FusedQkvAProjLinear of
-        # [q_lora_rank, kv_lora_rank + qk_rope_head_dim], shards 0 and 1
-        "midlayer.self_attn.q_a_proj.weight": ((lora, 2 * h), layer + "self_attn.fused_qkv_a_proj[0]"),
-        "midlayer.self_attn.q_a_layernorm.weight": ((lora,), layer + "self_attn.q_a_layernorm.weight"),
-        "midlayer.self_attn.q_b_proj.weight": ((n * qk, lora), layer + "self_attn.q_b_proj.weight"),
+    attn = LAYER + "self_attn."
+    return {
+        "midlayer.self_attn.q_a_proj.weight": ((lora, 2 * h), attn + "fused_qkv_a_proj[0]"),
+        "midlayer.self_attn.q_a_layernorm.weight": ((lora,), attn + "q_a_layernorm.weight"),
+        "midlayer.self_attn.q_b_proj.weight": ((n * qk, lora), attn + "q_b_proj.weight"),
         "midlayer.self_attn.kv_a_proj_with_mqa.weight":
-            ((kv_lora + rope, 2 * h), layer + "self_attn.fused_qkv_a_proj[1]"),
-        "midlayer.self_attn.kv_a_layernorm.weight": ((kv_lora,), layer + "self_attn.kv_a_layernorm.weight"),
+            ((kv_lora + rope, 2 * h), attn + "fused_qkv_a_proj[1]"),
+        "midlayer.self_attn.kv_a_layernorm.weight": ((kv_lora,), attn + "kv_a_layernorm.weight"),
         # per head [qk_nope_head_dim keys, v_head_dim values]
         "midlayer.self_attn.kv_b_proj.weight":
-            ((n * (config.qk_nope_head_dim + config.v_head_dim), kv_lora),
-             layer + "self_attn.kv_b_proj.weight"),
-        "midlayer.self_attn.o_proj.weight": ((h, n * config.v_head_dim), layer + "self_attn.o_proj.weight"),
-        "midlayer.post_attention_layernorm.weight": ((h,), layer + "post_attention_layernorm.weight"),
-        # DeepseekV2MLP (dense, never MoE here): gate_up_proj shards 0 (gate) and 1 (up)
-        "midlayer.mlp.gate_proj.weight": ((i, h), layer + "mlp.gate_up_proj[0]"),
-        "midlayer.mlp.up_proj.weight": ((i, h), layer + "mlp.gate_up_proj[1]"),
-        "midlayer.mlp.down_proj.weight": ((h, i), layer + "mlp.down_proj.weight"),
-        "norm.weight": ((h,), "model.norm.weight"),
-        "lm_head.weight": ((vd, h), "lm_head.weight"),
-        # as the Llama drafter's: present only with a reduced draft vocabulary
-        "d2t": ((vd,), "draft_id_to_target_id"),
-        "t2d": ((config.vocab_size,), "(not loaded by vLLM)"),
+            ((n * (config.qk_nope_head_dim + config.v_head_dim), kv_lora), attn + "kv_b_proj.weight"),
+        "midlayer.self_attn.o_proj.weight": ((h, n * config.v_head_dim), attn + "o_proj.weight"),
     }
-    if vd == config.vocab_size:
-        del tensors["d2t"]
-    return tensors
 
 
 def vllm_config(config: DrafterConfig, dtype: str) -> dict:
