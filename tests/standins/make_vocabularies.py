@@ -30,22 +30,18 @@ HERE = Path(__file__).resolve().parent
 MERGES = 3000  # learned merges per vocabulary: files of tens of kilobytes
 CORPUS_BYTES = 6_000_000  # the head of the ShareGPT file read for text
 
-# Kimi's tiktoken split (public, in the hub's tokenization_kimi.py): runs of Han
-# characters; words (a capitalised run, then a lower-case run, each excluding Han, with
-# English contractions); numbers of up to three digits; punctuation runs; newlines; spaces.
-_NOT_HAN_UPPER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
-_NOT_HAN_LOWER = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
-_CONTRACTION = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-KIMI_SPLIT = "|".join([
-    r"[\p{Han}]+",
-    rf"[^\r\n\p{{L}}\p{{N}}]?{_NOT_HAN_UPPER}*{_NOT_HAN_LOWER}+{_CONTRACTION}",
-    rf"[^\r\n\p{{L}}\p{{N}}]?{_NOT_HAN_UPPER}+{_NOT_HAN_LOWER}*{_CONTRACTION}",
-    r"\p{N}{1,3}",
-    r" ?[^\s\p{L}\p{N}]+[\r\n]*",
-    r"\s*[\r\n]+",
-    r"\s+(?!\S)",
-    r"\s+",
-])
+
+def kimi_split() -> str:
+    """Kimi's tiktoken split, from the stand-in tokenizer itself (a hub file, so it stands
+    alone): the ranks must be learned on the pieces that tokenizer splits text into."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "tokenization_kimi", HERE / "kimi-k2.5" / "tokenization_kimi.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.SPLIT_PATTERN
+
 
 # Qwen2/Qwen3's split (public, in its tokenizer.json and transformers' Qwen2Tokenizer):
 # contractions, letter runs with one leading non-letter, single digits, punctuation runs,
@@ -183,7 +179,7 @@ def write_qwen(pairs: list[tuple[str, str]], folder: Path) -> None:
 def main() -> None:
     """Learn both vocabularies and write their files beside this script."""
     texts = corpus_texts()
-    write_tiktoken(ranks_from_merges(learn_merges(texts, KIMI_SPLIT, MERGES)),
+    write_tiktoken(ranks_from_merges(learn_merges(texts, kimi_split(), MERGES)),
                    HERE / "kimi-k2.5" / "tiktoken.model")
     write_qwen(learn_merges(texts, QWEN_SPLIT, MERGES), HERE / "qwen3-8b")
     print(f"wrote {HERE / 'kimi-k2.5' / 'tiktoken.model'} and {HERE / 'qwen3-8b'}/"
