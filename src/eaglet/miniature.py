@@ -97,9 +97,10 @@ def shrink(text: dict) -> tuple[dict, list[str]]:
 
 def tokenizer_files(source: Path) -> list[Path]:
     """The files of ``source`` a tokenizer and its chat template need (no weights)."""
-    keep = {".json", ".py", ".model", ".tiktoken", ".jinja", ".txt"}
+    from eaglet.target import CONFIG_FILE_SUFFIXES
+
     return [p for p in sorted(source.iterdir())
-            if p.is_file() and p.suffix in keep and p.name != "config.json"
+            if p.is_file() and p.suffix in CONFIG_FILE_SUFFIXES and p.name != "config.json"
             and not p.name.endswith(".index.json")]
 
 

@@ -94,6 +94,12 @@ def dequantize_gguf(gguf: Path, out_dir: Path, dtype: str = "float32") -> None:
     tokenizer.save_pretrained(out_dir)
 
 
+# The files a target's config, tokenizer and chat template are made of (no weights): config,
+# weight index and templates; the model's own code (tokenization_*.py, configuration_*.py);
+# sentencepiece and tiktoken vocabularies (tiktoken.model)
+CONFIG_FILE_SUFFIXES = (".json", ".jinja", ".txt", ".py", ".model", ".tiktoken")
+
+
 def snapshot(hub_id: str, weights: bool = True) -> str:
     """Local directory of a hub model (downloaded once into the HF cache). Later stages read
     the target's files directly, so a hub id is resolved to its snapshot here: the weights
@@ -102,9 +108,7 @@ def snapshot(hub_id: str, weights: bool = True) -> str:
     ``weights=False``: the config and tokenizer files alone (kilobytes; `eaglet rehearse`)."""
     from huggingface_hub import snapshot_download
 
-    files = ["*.json", "*.jinja", "*.txt",  # config, weight index, templates
-             "*.py",  # the model's own code: tokenization_*.py, configuration_*.py
-             "*.model", "*.tiktoken"]  # sentencepiece / tiktoken vocabularies (tiktoken.model)
+    files = [f"*{suffix}" for suffix in CONFIG_FILE_SUFFIXES]
     if weights:
         files.append("*.safetensors")
     try:
