@@ -1,8 +1,9 @@
 """Held-out simulated AL per CPU-minute: which data and training recipe buys the most.
 
 Trains one drafter per variant on the shards of a finished run and tabulates, for each, the
-held-out simulated acceptance length (the drafter's top-1 agreement with the target chained
-over the TTT steps, on the run's held-out samples) against the CPU time it cost: training
+held-out simulated acceptance length of the drafter training ships (its best held-out
+evaluation: the drafter's top-1 agreement with the target chained over the TTT steps, on the
+run's held-out samples) against the CPU time it cost: training
 measured here, generation and extraction of its share of the data charged at the rates the
 run itself measured (``synthetic/stats.json``, ``progress/extract_*.json``).
 
@@ -51,11 +52,28 @@ def data_cost_s(results: Path, shards: int, total_shards: int) -> dict:
     return {"generate_s": generate_s, "extract_s": extract_s}
 
 
-def _last_rows(training_log: Path) -> dict:
+def _log_rows(training_log: Path) -> list[dict]:
     with open(training_log, newline="") as handle:
-        rows = list(csv.DictReader(handle))
+        return list(csv.DictReader(handle))
+
+
+def _last_rows(training_log: Path) -> dict:
+    rows = _log_rows(training_log)
     return {split: next(r for r in reversed(rows) if r["split"] == split)
             for split in ("train", "eval")}
+
+
+def shipped_held_out(metrics: dict, training_log: Path) -> dict:
+    """The held-out ``acc_0`` and ``sim_al`` of the drafter training shipped: the best
+    held-out evaluation's (``metrics["shipped"]``, as stats.json holds it), which need not
+    be the last, so scoring the last would understate a recipe whose held-out curve turned.
+    A training without ``shipped`` (trained before training chose) gives its last evaluation."""
+    shipped = metrics.get("shipped") or {}
+    if shipped.get("heldout_al") is None:
+        return metrics["eval"]
+    row = next((r for r in _log_rows(training_log)
+                if r["split"] == "eval" and int(r["step"]) == shipped["step"]), metrics["eval"])
+    return {**row, "sim_al": shipped["heldout_al"]}
 
 
 def training_shards(results: Path) -> list[str]:
@@ -79,8 +97,10 @@ def run_variant(results: Path, variant: dict, base_train: dict, out_root: Path,
         extra = training_shards(other)
     if variant.get("from_run"):
         progress = read_json(results / "progress" / "train.json")
-        metrics = {**_last_rows(results / "drafter" / "training_log.csv"),
-                   "steps": progress["done"]}
+        training_log = results / "drafter" / "training_log.csv"
+        stats = results / "drafter" / "stats.json"
+        metrics = {**_last_rows(training_log), "steps": progress["done"],
+                   "shipped": read_json(stats).get("shipped") if stats.exists() else None}
         train_s = progress["elapsed_s"]
     else:
         cfg = {**base_train, **variant.get("train", {}), "resume": False}
@@ -91,15 +111,18 @@ def run_variant(results: Path, variant: dict, base_train: dict, out_root: Path,
                         str(results / "target"), str(run_dir / "drafter"),
                         str(run_dir / "checkpoints"), None, None)
         train_s = time.perf_counter() - start
+        training_log = run_dir / "drafter" / "training_log.csv"
     cost = data_cost_s(results, len(used), len(shards))
     if extra:
         more = data_cost_s(other, len(extra), len(extra))
         cost = {key: cost[key] + more[key] for key in cost}
-    held_out = metrics["eval"]
+    held_out = shipped_held_out(metrics, training_log)
+    shipped = metrics.get("shipped") or {}
     total_s = train_s + cost["generate_s"] + cost["extract_s"]
     return {"name": variant["name"],
             "shards": f"{len(used)}/{len(shards)}" + (f" + {len(extra)} other" if extra else ""),
             "train": variant.get("train", {}), "steps": metrics["steps"],
+            "shipped": shipped.get("choice", "last"), "shipped_epoch": shipped.get("epoch"),
             "train_min": train_s / 60, "data_min": (cost["generate_s"] + cost["extract_s"]) / 60,
             "total_min": total_s / 60,
             "held_out_acc_0": float(held_out["acc_0"]),

@@ -653,3 +653,73 @@ def test_extract_counts_the_shards_its_job_has_packed_beyond_its_progress_file(t
     # a shard job of the hf backend counts its own shard only: its file is read as written
     (r / "progress" / "extract_vllm.json").rename(r / "progress" / "extract_00001.json")
     assert status.stage_status(_stage("extract"), r, cfg, set())["progress"][0]["done"] == 8
+
+
+def _trained(r, shipped=None):
+    """A finished train stage: the drafter, its log (evaluations at epochs 1, 2 and 3, the
+    held-out AL peaking at epoch 2) and, unless ``shipped`` is None, its stats.json."""
+    drafter = r / "drafter"
+    drafter.mkdir(parents=True)
+    (drafter / "model.safetensors").write_bytes(b"")
+    rows = [(10, 1, "eval", 0.30, 1.40), (20, 2, "eval", 0.42, 1.60), (30, 3, "train", 0.55, 1.90),
+            (30, 3, "eval", 0.35, 1.30)]
+    (drafter / "training_log.csv").write_text("step,epoch,split,acc_0,sim_al\n" + "".join(
+        f"{step},{epoch},{split},{acc},{al}\n" for step, epoch, split, acc, al in rows))
+    if shipped is not None:
+        (drafter / "stats.json").write_text(json.dumps({"steps": 30, "shipped": shipped}))
+
+
+BEST_SHIPPED = {"choice": "best", "step": 20, "epoch": 2.0, "heldout_al": 1.6, "best_step": 20,
+                "best_epoch": 2.0, "best_heldout_al": 1.6, "last_epoch": 3.0,
+                "last_epoch_al": 1.3, "chosen_from_step": 0,
+                "note": "the best held-out weights ship (epoch 2, step 20)"}
+
+
+def test_train_shows_the_shipped_epoch_and_its_held_out_al_not_the_last(tmp_path, capsys):
+    r = tmp_path / "results"
+    _trained(r, BEST_SHIPPED)
+    train = status.stage_status(_stage("train"), r, _full_config(r), set())
+    assert train["state"] == "completed"
+    assert train["facts"]["shipped"]["choice"] == "best"
+    assert train["facts"]["shipped"]["heldout_al"] == pytest.approx(1.6)
+    assert train["facts"]["shipped"]["epoch"] == 2.0
+    assert train["facts"]["shipped"]["last_epoch_al"] == pytest.approx(1.3)
+    line = status.render(status.collect(r, _full_config(r), None))
+    shown = next(x for x in line.splitlines() if x.strip().startswith("+ train"))
+    assert "ships epoch 2 (held-out AL 1.60; last epoch 3 had 1.30)" in shown
+    assert "simulated AL 1.30" not in shown  # the last evaluation is not the drafter's
+    assert status.main(["--results", str(r), "--no-snakemake", "--workflow", str(tmp_path),
+                        "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    facts = {s["stage"]: s for s in report["stages"]}["train"]["facts"]
+    assert facts["shipped"]["epoch"] == 2.0 and facts["shipped"]["heldout_al"] == 1.6
+    assert facts["shipped"]["choice"] == "best"
+
+
+@pytest.mark.parametrize("shipped, says", [
+    ({**BEST_SHIPPED, "choice": "last", "step": 30, "epoch": 3.0, "heldout_al": 1.7,
+      "best_step": 30, "best_epoch": 3.0, "best_heldout_al": 1.7, "last_epoch_al": 1.7},
+     "ships the last epoch 3 (held-out AL 1.70, the best)"),
+    ({**BEST_SHIPPED, "choice": "last", "step": 30, "epoch": 3.0, "heldout_al": 1.3,
+      "best_step": None, "best_epoch": None, "best_heldout_al": None},
+     "ships the last epoch 3 (held-out AL 1.30)"),
+    ({**BEST_SHIPPED, "choice": "last", "step": 30, "epoch": 3.0, "heldout_al": None,
+      "best_step": None, "best_epoch": None, "best_heldout_al": None, "last_epoch_al": None},
+     "ships the last epoch 3 (no held-out split to choose by)"),
+], ids=["last is best", "best weights gone", "no held-out split"])
+def test_train_says_when_the_last_epoch_ships(tmp_path, shipped, says):
+    r = tmp_path / "results"
+    _trained(r, shipped)
+    facts = status.stage_status(_stage("train"), r, _full_config(r), set())["facts"]
+    line = _stage("train").line(facts)
+    assert line.endswith(says)
+    assert "ships epoch" not in line
+
+
+def test_train_trained_before_stats_json_shows_the_last_evaluation(tmp_path):
+    r = tmp_path / "results"
+    _trained(r)
+    facts = status.stage_status(_stage("train"), r, _full_config(r), set())["facts"]
+    assert "shipped" not in facts
+    assert _stage("train").line(facts) == ("step 30; train acc_0 0.550, simulated AL 1.90; "
+                                           "eval acc_0 0.350, simulated AL 1.30")

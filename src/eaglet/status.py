@@ -470,6 +470,31 @@ class Extract(Stage):
                         + _guessed(totals))
 
 
+# what status keeps of drafter/stats.json's ``shipped`` (train.py's ``Trainer.ship``)
+SHIPPED_KEYS = ("choice", "step", "epoch", "heldout_al", "best_epoch", "best_heldout_al",
+                "last_epoch", "last_epoch_al", "note")
+
+
+def _epoch(value: Any) -> str:
+    return "?" if value is None else f"{value:g}"
+
+
+def _shipped_line(s: dict) -> str:
+    """Which epoch's weights the drafter ships and their held-out simulated AL: training
+    ships the best held-out evaluation, which on small data is often not the last, so the
+    last evaluation's AL alone would misstate the drafter that evaluate serves."""
+    if s.get("heldout_al") is None:
+        return f"ships the last epoch {_epoch(s.get('epoch'))} (no held-out split to choose by)"
+    if s.get("choice") == "best":
+        last = ("" if s.get("last_epoch_al") is None else
+                f"; last epoch {_epoch(s.get('last_epoch'))} had {s['last_epoch_al']:.2f}")
+        return f"ships epoch {_epoch(s.get('epoch'))} (held-out AL {s['heldout_al']:.2f}{last})"
+    best = s.get("best_heldout_al")
+    which = ", the best" if best is not None and best <= s["heldout_al"] else ""
+    return (f"ships the last epoch {_epoch(s.get('epoch'))} "
+            f"(held-out AL {s['heldout_al']:.2f}{which})")
+
+
 class Train(Stage):
     name = "train"
     outputs = ("drafter/model.safetensors",)
@@ -486,14 +511,21 @@ class Train(Stage):
                 out[f"{split}_simulated_al"] = float(last[-1]["sim_al"])
         if rows:
             out["steps"] = int(rows[-1]["step"])
+        shipped = (_read(r / "drafter/stats.json") or {}).get("shipped")
+        if isinstance(shipped, dict):
+            out["shipped"] = {key: shipped.get(key) for key in SHIPPED_KEYS}
         return out
 
     def line(self, f):
         parts = [f"step {f.get('steps')}"]
-        for split in ("train", "eval"):
+        # the eval row is the last evaluation's; the shipped drafter's is said instead
+        splits = ("train",) if f.get("shipped") else ("train", "eval")
+        for split in splits:
             if f"{split}_acc_0" in f:
                 parts.append(f"{split} acc_0 {f[f'{split}_acc_0']:.3f}, simulated AL "
                              f"{f[f'{split}_simulated_al']:.2f}")
+        if f.get("shipped"):
+            parts.append(_shipped_line(f["shipped"]))
         return "; ".join(parts)
 
     def estimate(self, r, cfg, progress):

@@ -15,8 +15,15 @@ draft vocabulary. ``loss = sum_k ttt_decay**k * mean cross-entropy_k``.
 Files: checkpoints ``checkpoint_dir/step_XXXXXXXX/`` (weights, optimizer, schedule, RNG and the
 data position, each directory renamed into place whole); ``training_log.csv`` rewritten
 atomically at every logged step (live copy in ``checkpoint_dir``, final copy in ``out_dir``);
-the drafter in vLLM's format in ``out_dir`` (``eaglet.export``). A rerun continues from the
-newest checkpoint and ends with the weights an uninterrupted run would have.
+the drafter in vLLM's format in ``out_dir`` (``eaglet.export``) and ``out_dir/stats.json``
+(the run's summary). A rerun continues from the newest checkpoint and ends with the weights an
+uninterrupted run would have.
+
+The drafter that ships is the one of the best held-out evaluation (highest simulated AL; a tie
+goes to the later one), not necessarily the last: on small data the held-out curve flattens or
+turns while the training loss still falls. Its weights are kept beside the checkpoints
+(``train_checkpoints.save_best``) so that a resumed run ships it too. Without a held-out split
+there is nothing to choose by, and the last weights ship; the log and stats.json say which.
 """
 
 from __future__ import annotations
@@ -194,6 +201,10 @@ class Trainer:
                         + ["sim_al", "lr", "tokens_per_s", "peak_rss_mb"])
         self.rows: list[dict] = []
         self.step, self.epoch, self.next_in_epoch = 0, 0, 0
+        # the best held-out evaluation whose weights are kept (step, epoch, sim_al), and the
+        # first step whose evaluations compete (later than 0 when a resumed run lost the best)
+        self.best: dict | None = None
+        self.best_since = 0
         self.wrapped = self.model
         if dist_.world > 1:
             from torch.nn.parallel import DistributedDataParallel as DDP
@@ -324,14 +335,19 @@ class Trainer:
         state = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
         params = sum(p.numel() * p.element_size() for p in self.model.parameters())
         per_checkpoint = state + 2 * params  # weights, and AdamW's two moments
-        to_write = max(self.cfg["keep_checkpoints"] + 1 - len(ckpt.checkpoints(self.checkpoint_dir)), 1)
-        needed = to_write * per_checkpoint + state
+        keep = self.cfg["keep_checkpoints"]
+        to_write = max(keep + 1 - len(ckpt.checkpoints(self.checkpoint_dir)), 1)
+        # the best held-out weights: one named by each kept checkpoint, one newer than them
+        bests = (max(keep + 1 - len(ckpt.bests(self.checkpoint_dir)), 0)
+                 if len(self.eval_data) else 0)
+        needed = to_write * per_checkpoint + bests * state + state
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(self.checkpoint_dir).free
         if needed > free:
             raise TrainError(
                 f"not enough disk for training: about {human_size(needed)} still to write "
-                f"({to_write} checkpoints of {human_size(per_checkpoint)} and the drafter), "
+                f"({to_write} checkpoints of {human_size(per_checkpoint)}, {bests} copies of "
+                f"the best held-out weights and the drafter), "
                 f"{human_size(free)} free on {self.checkpoint_dir}. Free space, lower "
                 f"train.keep_checkpoints, or point results_dir at a larger disk.")
 
@@ -341,7 +357,8 @@ class Trainer:
         ckpt.save(self.checkpoint_dir, self.step, self.model, self.optimizer, self.scheduler, {
             "step": self.step, "epoch": self.epoch, "next_in_epoch": self.next_in_epoch,
             "epoch_plan": self.plan(self.epoch), "total_steps": self.total_steps,
-            "fingerprint": self.fingerprint, "log": self.rows}, self.cfg["keep_checkpoints"])
+            "fingerprint": self.fingerprint, "log": self.rows, "best": self.best,
+            "best_since": self.best_since}, self.cfg["keep_checkpoints"])
 
     def resume(self) -> Path | None:
         path = ckpt.to_resume(self.checkpoint_dir, self.fingerprint, self.cfg["resume"],
@@ -353,8 +370,26 @@ class Trainer:
                                                      state["next_in_epoch"])
         self.plans = {self.epoch: state["epoch_plan"]}
         self.rows = state["log"]
+        self.restore_best(state)
         log.info("resumed from %s (step %d/%d)", path, self.step, self.total_steps)
         return path
+
+    def restore_best(self, state: dict) -> None:
+        """The best held-out evaluation the checkpoint names, if its kept weights are still
+        there; otherwise only the evaluations from here on compete, and the log says so."""
+        self.best, self.best_since = state.get("best"), state.get("best_since", 0)
+        evaluated = any(row["split"] == "eval" for row in self.rows)
+        if self.best is not None and ckpt.best_path(self.checkpoint_dir, self.best,
+                                                    self.fingerprint) is not None:
+            return
+        if self.best is None and not evaluated:
+            return
+        lost = (f"step {self.best['step']}, simulated AL {self.best['sim_al']:.3f}"
+                if self.best else "the checkpoint predates kept best weights")
+        log.warning("the weights of the best held-out evaluation before step %d (%s) are not in "
+                    "%s: the drafter is chosen among the held-out evaluations from step %d on",
+                    self.step, lost, self.checkpoint_dir, self.step)
+        self.best, self.best_since = None, self.step
 
     # -- one optimizer step --
 
@@ -437,20 +472,75 @@ class Trainer:
 
     # -- the loop --
 
-    def log_row(self, split: str, metrics: dict, **extra) -> None:
+    def log_row(self, split: str, metrics: dict, **extra) -> dict:
         plan_len = steps_in(self.plan(self.epoch), self.group)
         row = {"step": self.step, "epoch": round(self.epoch + self.next_in_epoch / plan_len, 4),
                "split": split, **{k: round(v, 6) for k, v in metrics.items()}, "lr": "",
                "tokens_per_s": "", "peak_rss_mb": "", **extra}
         self.rows.append(row)
         if self.dist.rank != 0:
-            return
+            return row
         self.trackers.log(row)
         accs = " ".join(f"{metrics[f'acc_{k}']:.3f}" for k in range(self.cfg["ttt_steps"]))
         rss = f" peak RSS {row['peak_rss_mb']:.0f} MiB" if row["peak_rss_mb"] != "" else ""
         log.info("%s step %d/%d epoch %.2f: loss %.4f acc %s sim_al %.3f%s", split, self.step,
                  self.total_steps, row["epoch"], metrics["loss"], accs, metrics["sim_al"], rss)
         write_csv(self.checkpoint_dir / "training_log.csv", self.rows, self.columns)
+        return row
+
+    def consider(self, row: dict) -> None:
+        """Keep this held-out evaluation's weights if its simulated AL (as logged) is the best
+        so far; a tie goes to the later one. Every rank keeps the record (the metrics are
+        all-reduced), rank 0 the weights."""
+        if self.best is not None and row["sim_al"] < self.best["sim_al"]:
+            return
+        self.best = {"step": row["step"], "epoch": row["epoch"], "sim_al": row["sim_al"]}
+        if self.dist.rank == 0:
+            ckpt.save_best(self.checkpoint_dir, self.best, self.model, self.fingerprint)
+
+    def ship(self) -> dict:
+        """Put the weights to export in the model: the best held-out evaluation's, else the
+        last; returns what was chosen and against what, and logs it."""
+        evals = [row for row in self.rows if row["split"] == "eval"]
+        last = evals[-1] if evals else (self.rows[-1] if self.rows else {"epoch": 0})
+        best = self.best
+        choice = {"choice": "last", "step": self.step, "epoch": last["epoch"],
+                  "heldout_al": evals[-1]["sim_al"] if evals else None,
+                  "best_step": best and best["step"], "best_epoch": best and best["epoch"],
+                  "best_heldout_al": best and best["sim_al"], "last_epoch": last["epoch"],
+                  "last_epoch_al": evals[-1]["sim_al"] if evals else None,
+                  "chosen_from_step": self.best_since}
+        if not evals:
+            note = ("no held-out split, so no held-out simulated AL to choose by: the last "
+                    f"weights ship ({where(choice)})")
+        elif best is None:  # resumed at the end, the best's weights gone
+            note = (f"the best held-out weights before step {self.best_since} are gone: the "
+                    f"last weights ship ({where(choice)}, held-out simulated AL "
+                    f"{last['sim_al']:.3f})")
+        elif best["step"] == self.step:
+            note = (f"the last weights ship ({where(choice)}): their held-out simulated AL "
+                    f"{last['sim_al']:.3f} is the best")
+        else:
+            self.model.load_state_dict(ckpt.load_best(self.best_weights()))
+            choice.update(choice="best", step=best["step"], epoch=best["epoch"],
+                          heldout_al=best["sim_al"])
+            note = (f"the best held-out weights ship ({where(choice)}): held-out simulated AL "
+                    f"{best['sim_al']:.3f}, against {last['sim_al']:.3f} at the last "
+                    f"evaluation ({where(last)})")
+        if self.best_since and best is not None:
+            note += f"; chosen among the evaluations from step {self.best_since} on"
+        choice["note"] = note
+        log.info("%s", note)
+        return choice
+
+    def best_weights(self) -> Path:
+        path = ckpt.best_path(self.checkpoint_dir, self.best, self.fingerprint)
+        if path is None:
+            raise TrainError(
+                f"the weights of the best held-out evaluation (step {self.best['step']}) are "
+                f"missing from {self.checkpoint_dir} or are of another training: rerun with "
+                f"train.resume: false to train again")
+        return path
 
     def run(self, progress: Progress | None, stop_after_steps: int | None = None) -> bool:
         """Train to the end (True), or until ``stop_after_steps`` (False: as if killed)."""
@@ -497,12 +587,17 @@ class Trainer:
             epoch_end = self.next_in_epoch == steps
             due = (self.step % cfg["eval_every"] == 0) if cfg["eval_every"] else epoch_end
             if len(self.eval_data) and (due or last):
-                self.log_row("eval", self.evaluate())
+                self.consider(self.log_row("eval", self.evaluate()))
             if self.step % cfg["checkpoint_every"] == 0 or last:
                 self.save_checkpoint()
             if stop_after_steps is not None and self.step >= stop_after_steps and not last:
                 return False
         return True
+
+
+def where(row: dict) -> str:
+    """A logged row's (or a choice's) place in training, as the log names it."""
+    return f"epoch {row['epoch']:g}, step {row['step']}"
 
 
 def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -517,7 +612,8 @@ def train(cfg: dict, shard_paths: list[str], eval_shard_paths: list[str], vocab_
           target_dir: str, out_dir: str, checkpoint_dir: str, progress_path: str | None,
           log_path: str | None, *, rate_key: str | None = None,
           stop_after_steps: int | None = None, manifest: str | None = None) -> dict:
-    """Train a drafter and write ``out_dir/{config.json, model.safetensors, training_log.csv}``.
+    """Train a drafter and write ``out_dir/{config.json, model.safetensors, training_log.csv,
+    stats.json}``: the weights of the best held-out evaluation (see the module's docstring).
 
     Runs data-parallel when launched by ``torchrun`` (WORLD_SIZE > 1): each rank takes its
     share of every step's micro-batches and only rank 0 writes files. ``stop_after_steps``
@@ -526,7 +622,10 @@ def train(cfg: dict, shard_paths: list[str], eval_shard_paths: list[str], vocab_
     shard is hashed as it is read, and a damaged one is moved aside and named in the error.
     ``rate_key`` (the target's spec) records the measured tokens/s in the rates history that
     `eaglet status` estimates later runs from; None (benchmarks, tests) records nothing.
-    Returns the final metrics (last training and held-out rows, throughput).
+    Returns the run's summary, as stats.json holds it: the last training and held-out rows,
+    throughput, and (rank 0) ``shipped``: which weights were exported (``choice`` best or
+    last, their ``step``, ``epoch`` and ``heldout_al``) against ``best_epoch``/
+    ``best_heldout_al`` and ``last_epoch``/``last_epoch_al``, with a ``note`` saying so.
     """
     cfg = settings(cfg)
     device = resolve_device(cfg["device"])
@@ -548,7 +647,13 @@ def train(cfg: dict, shard_paths: list[str], eval_shard_paths: list[str], vocab_
         finished = trainer.run(progress, stop_after_steps)
         if not finished:
             return {"stopped_at_step": trainer.step}
+        last = {split: next((r for r in reversed(trainer.rows) if r["split"] == split), None)
+                for split in ("train", "eval")}
+        summary = {"steps": trainer.step, "resumed_from_step": first_step,
+                   "train": last["train"], "eval": last["eval"],
+                   "layer_init": trainer.layer_init}
         if dist_.rank == 0:
+            summary["shipped"] = trainer.ship()
             export_drafter(trainer.model, out_dir, cfg["export_dtype"])
             write_csv(Path(out_dir) / "training_log.csv", trainer.rows, trainer.columns)
             run = progress.report("finished")
@@ -557,13 +662,10 @@ def train(cfg: dict, shard_paths: list[str], eval_shard_paths: list[str], vocab_
                              ttt_steps=cfg["ttt_steps"])
         if dist_.world > 1:
             dist.barrier()
-        last = {split: next((r for r in reversed(trainer.rows) if r["split"] == split), None)
-                for split in ("train", "eval")}
-        elapsed = time.monotonic() - started
-        return {"steps": trainer.step, "resumed_from_step": first_step,
-                "train": last["train"], "eval": last["eval"], "elapsed_s": elapsed,
-                "layer_init": trainer.layer_init,
-                "peak_rss_mb": round(peak_rss_mb(), 1)}
+        summary.update(elapsed_s=time.monotonic() - started, peak_rss_mb=round(peak_rss_mb(), 1))
+        if dist_.rank == 0:
+            write_json(Path(out_dir) / "stats.json", summary)
+        return summary
     finally:
         if trainer is not None:
             trainer.trackers.close()

@@ -5,6 +5,12 @@ continues from the newest checkpoint of the same settings and data (its fingerpr
 with the weights an uninterrupted run would have. Checkpoints trained on other inputs (other
 shard contents, aux layers or vocabulary map) are never resumed: they are moved aside to
 ``checkpoint_dir/set_aside/`` with one line saying why.
+
+Beside them, ``checkpoint_dir/best_step_XXXXXXXX/`` holds the weights of the best held-out
+evaluation so far (the drafter that ships; ``state.json``: its step, epoch, simulated AL and
+the fingerprint of the training that made it). A checkpoint's state names the best it knew, so
+a resumed run ships what an uninterrupted one would; a best is kept while a kept checkpoint
+names it or while it is newer than the newest checkpoint (then a rerun would compute it again).
 """
 
 from __future__ import annotations
@@ -34,8 +40,21 @@ RESUME_FREE = {"log_every", "eval_every", "checkpoint_every", "keep_checkpoints"
                "prefetch_batches", "attention"}
 
 
+BEST = "best_step_"
+
+
 def checkpoints(directory: Path) -> list[Path]:
     return sorted(p for p in directory.glob("step_*") if p.is_dir() and p.name[5:].isdigit())
+
+
+def bests(directory: Path) -> list[Path]:
+    """The kept weights of best held-out evaluations, oldest first."""
+    return sorted(p for p in directory.glob(BEST + "*")
+                  if p.is_dir() and p.name[len(BEST):].isdigit())
+
+
+def _step_of(path: Path) -> int:
+    return int(path.name.rsplit("_", 1)[1])
 
 
 def _fsync_dir(path: Path) -> None:
@@ -73,6 +92,14 @@ def _shard_identity(info: ShardInfo) -> str:
     return f"size {stat.st_size} mtime_ns {stat.st_mtime_ns}"
 
 
+def same_training(was: dict | None, now: dict | None) -> bool:
+    """Whether weights of fingerprint ``was`` belong to the training of fingerprint ``now``
+    (a Trainer built without one, as benchmarks do, matches only another without one)."""
+    if was is None or now is None:
+        return was == now
+    return not input_differences(was, now) and not fingerprint_differences(was, now)
+
+
 def fingerprint(cfg: dict, infos: list[ShardInfo], group: int, vocab_map_sha256: str) -> dict:
     """What a checkpoint must share with the run that resumes it: the settings, the data's
     order, and (``inputs``) every input the weights depend on: each shard's contents, the aux
@@ -94,9 +121,7 @@ def save(directory: Path, step: int, model: torch.nn.Module, optimizer, schedule
     tmp = directory / f".step_{step:08d}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    with atomic_open(tmp / "model.safetensors", "wb") as handle:
-        handle.write(save_safetensors({k: v.detach().cpu().contiguous()
-                                       for k, v in model.state_dict().items()}))
+    _write_weights(tmp / "model.safetensors", model)
     with atomic_open(tmp / "trainer.pt", "wb") as handle:
         torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                     "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
@@ -108,6 +133,66 @@ def save(directory: Path, step: int, model: torch.nn.Module, optimizer, schedule
     _fsync_dir(directory)
     for old in checkpoints(directory)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
+    _prune_bests(directory)
+
+
+def _write_weights(path: Path, model: torch.nn.Module) -> None:
+    with atomic_open(path, "wb") as handle:
+        handle.write(save_safetensors({k: v.detach().cpu().contiguous()
+                                       for k, v in model.state_dict().items()}))
+
+
+def _prune_bests(directory: Path) -> None:
+    """Drop the best weights no kept checkpoint names, except one newer than the newest
+    checkpoint (the best since it, which the next checkpoint will name)."""
+    kept = checkpoints(directory)
+    newest = _step_of(kept[-1]) if kept else -1
+    named = {(read_json(p / "state.json").get("best") or {}).get("step") for p in kept}
+    for path in bests(directory):
+        if _step_of(path) not in named and _step_of(path) <= newest:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def save_best(directory: Path, record: dict, model: torch.nn.Module, fingerprint: dict | None
+              ) -> Path:
+    """Keep ``model``'s weights as the best held-out evaluation ``record`` (step, epoch,
+    sim_al) names. A best newer than the newest checkpoint is replaced (no checkpoint names
+    it; were this write lost, the rerun from that checkpoint would compute it again)."""
+    kept = checkpoints(directory)
+    newest = _step_of(kept[-1]) if kept else -1
+    for old in bests(directory):
+        if _step_of(old) > newest:
+            shutil.rmtree(old, ignore_errors=True)
+    final = directory / f"{BEST}{record['step']:08d}"
+    tmp = directory / f".{final.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    _write_weights(tmp / "model.safetensors", model)
+    write_json(tmp / "state.json", {**record, "fingerprint": fingerprint})
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    _fsync_dir(directory)
+    return final
+
+
+def best_path(directory: Path, record: dict, now: dict | None) -> Path | None:
+    """The kept weights of the best held-out evaluation ``record`` names, or None when they
+    are gone or are not of this training (other step or AL, other settings or inputs)."""
+    path = directory / f"{BEST}{record['step']:08d}"
+    try:
+        state = read_json(path / "state.json")
+    except (OSError, ValueError):
+        return None
+    if (state.get("step"), state.get("sim_al")) != (record["step"], record["sim_al"]):
+        return None
+    if not (path / "model.safetensors").is_file():
+        return None
+    return path if same_training(state.get("fingerprint"), now) else None
+
+
+def load_best(path: Path) -> dict[str, torch.Tensor]:
+    with open(path / "model.safetensors", "rb") as handle:
+        return load_safetensors(handle.read())
 
 
 def to_resume(directory: Path, now: dict, resume: bool, rank: int) -> Path | None:
@@ -118,9 +203,10 @@ def to_resume(directory: Path, now: dict, resume: bool, rank: int) -> Path | Non
     if found and not resume:  # start over: an old step number must not win later
         log.warning("train.resume is false: deleting %d old checkpoints in %s", len(found),
                     directory)
-        _delete(found, rank)
+        _delete(found + bests(directory), rank)
         return None
-    if not found:
+    if not found:  # best weights without a checkpoint: of a training that starts over
+        _delete(bests(directory), rank)
         return None
     path = found[-1]
     state = read_json(path / "state.json")
@@ -135,13 +221,15 @@ def to_resume(directory: Path, now: dict, resume: bool, rank: int) -> Path | Non
         log.warning("the checkpoints in %s are of a finished training with other settings "
                     "or data (%s differ): deleting them and starting over",
                     directory, ", ".join(what))
-        _delete(found, rank)
+        _delete(found + bests(directory), rank)
         return None
     if what:
         raise TrainError(f"the checkpoint {path} of an unfinished training (step "
                          f"{state['step']}) belongs to other settings or data "
                          f"({', '.join(what)} differ): restore them to resume it, or delete "
                          f"{directory} (or set train.resume: false) to start over")
+    # best weights newer than the checkpoint belong to steps this run trains again
+    _delete([p for p in bests(directory) if _step_of(p) > state["step"]], rank)
     return path
 
 
@@ -169,7 +257,7 @@ def _set_aside(found: list[Path], directory: Path, inputs: list[str], rank: int)
         return
     shutil.rmtree(aside, ignore_errors=True)
     aside.mkdir()
-    for old in found:
+    for old in found + bests(directory):
         os.replace(old, aside / old.name)
 
 
