@@ -3,21 +3,30 @@ verdict, on recorded numbers."""
 
 from __future__ import annotations
 
+import csv
+import statistics
+
 import pytest
 
 from eaglet.evaluate import (
     MAX_BATCH,
+    NO_DIFFERENCE,
+    _public,
+    _spec_counts,
     acceptance,
     add_speedups,
     best_k_by_concurrency,
     counter_delta,
+    drafted_k,
     level_prompts,
     parse_metrics,
+    per_request_acceptance,
     schedule_ranges,
     schedule_run,
     serve_recommendation,
     spec_counters,
     speculative_config,
+    t_quantile,
     verdict,
 )
 
@@ -73,15 +82,86 @@ def test_no_drafts_gives_no_acceptance_instead_of_dividing_by_zero():
     assert result["acceptance_length"] is None and result["drafts"] == 0
 
 
+# -- acceptance length pooled and per request ------------------------------------------------
+
+# an answer's body as vLLM 0.32 returns it with --per-request-spec-decode-metrics summary
+# (trimmed)
+RESPONSE = {"choices": [{"message": {"content": "Paris."}, "token_ids": [9, 8]}],
+            "usage": {"completion_tokens": 35},
+            "metrics": {"speculative_decoding": {
+                "mean_acceptance_length": 1.2325581395348837,
+                "draft_acceptance_rate": 0.07751937984496124,
+                "acceptance_histogram": [39, 1, 0, 3], "num_spec_steps": 43,
+                "num_accepted_draft_tokens": 10, "num_draft_tokens": 129, "num_spec_tokens": 3}}}
+
+
+def test_each_answer_keeps_its_own_spec_decode_counts():
+    counts = _spec_counts(RESPONSE)
+    assert counts == {"drafts": 43, "draft_tokens": 129, "accepted": 10}
+    # the acceptance length vLLM reports for the request is what its counts give
+    assert per_request_acceptance([counts], 3)["acceptance_length_per_request"] == \
+        pytest.approx(RESPONSE["metrics"]["speculative_decoding"]["mean_acceptance_length"])
+    # the target alone's answers carry none
+    assert _spec_counts({"choices": [], "usage": {}}) is None
+
+
+def test_acceptance_length_per_request_weighs_every_request_alike():
+    long = {"drafts": 30, "draft_tokens": 90, "accepted": 60}   # AL 3.0 over 30 steps
+    short = {"drafts": 2, "draft_tokens": 6, "accepted": 0}     # AL 1.0 over 2 steps
+    never = {"drafts": 0, "draft_tokens": 0, "accepted": 0}     # answered in one token
+    got = per_request_acceptance([long, short, never], 3)
+    assert got == {"acceptance_length_per_request": pytest.approx(2.0), "requests_drafted": 2}
+    # pooled, the long answer's steps outweigh the short one's
+    pooled = acceptance({"drafts": 32, "draft_tokens": 96, "accepted": 60,
+                         "per_position": [30, 20, 10]}, 3)
+    assert pooled["acceptance_length"] == pytest.approx(1 + 60 / 32)
+    # no per-request counts came back (the target alone; a vLLM without the flag)
+    assert per_request_acceptance([None, None], None) == {
+        "acceptance_length_per_request": None, "requests_drafted": None}
+
+
+def test_speculative_servers_are_asked_for_each_answers_own_counts(monkeypatch, tmp_path):
+    import contextlib
+    from pathlib import Path
+
+    from eaglet import evaluate
+    from eaglet.config import validate
+
+    args = {}
+
+    class Server:
+        url = "http://server"
+
+    def server(cfg, model, log_path, extra_args=()):
+        args[Path(log_path).name.split(".")[1]] = list(extra_args)
+        return Server()
+
+    monkeypatch.setattr(evaluate, "target_server", server)
+    monkeypatch.setattr(evaluate, "start_together", lambda servers: None)
+    with contextlib.ExitStack() as stack:
+        evaluate._start(validate({}), "target", [(stack, run) for run in RUNS], str(tmp_path))
+    # vLLM refuses the flag without a speculative config
+    assert args["baseline"] == []
+    assert args["eagle3_k3"][0] == "--speculative-config"
+    assert args["eagle3_k3"][2:] == ["--per-request-spec-decode-metrics", "summary"]
+
+
 SWEEP = [1, 16]
 
 
-def run(name, method, tokens_per_s, al=None, rate=None, k=None, set_al=None):
+def run(name, method, tokens_per_s, al=None, rate=None, k=None, set_al=None, rounds=None):
     """A finished engine run from recorded numbers: ``tokens_per_s`` maps (set, concurrency)
-    to the measured output tokens/s; ``set_al`` the acceptance length per set (default al)."""
-    levels = [{"set": s, "concurrency": c, "output_tokens": tps * 10, "wall_s": 10.0,
-               "output_tokens_per_s": tps, "mean_latency_s": 1.0}
-              for (s, c), tps in tokens_per_s.items()]
+    to the measured output tokens/s; ``set_al`` the acceptance length per set (default al);
+    ``rounds`` a level's tokens/s round by round, 10 s each (default: one round, so no
+    interval); its tokens/s is then theirs pooled."""
+    levels = []
+    for (s, c), tps in tokens_per_s.items():
+        by_round = [{"output_tokens": t * 10, "wall_s": 10.0}
+                    for t in (rounds or {}).get((s, c), [tps])]
+        tokens, wall = sum(r["output_tokens"] for r in by_round), 10.0 * len(by_round)
+        levels.append({"set": s, "concurrency": c, "output_tokens": tokens, "wall_s": wall,
+                       "output_tokens_per_s": tokens / wall, "mean_latency_s": 1.0,
+                       "by_round": by_round})
     sets = {s: {"acceptance_length": (set_al or {}).get(s, al), "per_position_rate": []}
             for s, _ in tokens_per_s}
     spec = {"method": method, "num_speculative_tokens": k} if method != "baseline" else None
@@ -109,9 +189,11 @@ def test_speedups_are_per_set_and_concurrency_and_pooled():
     speedups = {(lv["set"], lv["concurrency"]): lv["speedup"] for lv in drafter["levels"]}
     assert speedups == {("heldout", 1): 1.5, ("chat", 1): 1.2, ("heldout", 16): 0.5,
                         ("chat", 16): 1.0}
-    # pooled: (400 + 400) tokens in 20 s against (800 + 400) tokens in 20 s
+    # pooled: (400 + 400) tokens in 20 s against (800 + 400) tokens in 20 s; one round
+    # each, so no interval
     assert drafter["by_concurrency"][1] == {"concurrency": 16, "output_tokens_per_s": 40.0,
-                                            "speedup": pytest.approx(40 / 60)}
+                                            "speedup": pytest.approx(40 / 60),
+                                            "speedup_low": None, "speedup_high": None}
 
 
 def test_verdict_of_a_drafter_that_helps_at_every_concurrency():
@@ -236,10 +318,19 @@ def test_each_level_sends_rounds_times_its_concurrency():
 
 # -- interleaved measurement on a machine whose speed drifts ---------------------------------
 
+def drafted(prompt: dict) -> dict:
+    """One answer's own spec-decode counts, as vLLM returns them with it: even prompts draft
+    6 times and get 2 tokens accepted (AL 1.33), odd ones 2 times and 6 (AL 4.0); together
+    AL 2.0 pooled, 2.67 per request."""
+    steps, accepted = (6, 2) if int(prompt["id"][1:]) % 2 == 0 else (2, 6)
+    return {"drafts": steps, "draft_tokens": 3 * steps, "accepted": accepted}
+
+
 class DriftingMachine:
     """Stands in for vLLM servers on a machine that slows down as it works: each request's
     answer of 10 tokens takes ``cost[run] * clock`` seconds, where the clock grows by a half
-    per minute of machine time. Records the order the servers were asked in."""
+    per minute of machine time. Records the order the servers were asked in. A speculative
+    run's counters add up its answers' own counts (:func:`drafted`)."""
 
     def __init__(self, cost: dict[str, float]):
         self.cost, self.clock_s, self.calls = cost, 0.0, []
@@ -254,31 +345,35 @@ class DriftingMachine:
         slowdown = 1.0 + 0.5 * self.clock_s / 60
         wall = self.cost[url] * slowdown * len(prompts) / concurrency
         self.clock_s += wall
+        own = [None if url == "baseline" else drafted(p) for p in prompts]
         answers = [{"id": p["id"], "latency_s": wall, "completion_tokens": 10,
-                    "token_ids": [7] * 10} for p in prompts]
-        drafts = 0 if url == "baseline" else 4 * len(prompts)
-        delta = {"drafts": drafts, "draft_tokens": 3 * drafts, "accepted": drafts,
-                 "per_position": [drafts / 2, drafts / 4, drafts / 4]}
+                    "token_ids": [7] * 10, "spec_decoding": counts}
+                   for p, counts in zip(prompts, own)]
+        drafts = sum(c["drafts"] for c in own if c)
+        accepted = sum(c["accepted"] for c in own if c)
+        delta = {"drafts": drafts, "draft_tokens": 3 * drafts, "accepted": accepted,
+                 "per_position": [accepted / 2, accepted / 4, accepted / 4]}
         return {"concurrency": concurrency, "requests": len(prompts),
                 "output_tokens": 10 * len(prompts), "wall_s": wall,
                 "output_tokens_per_s": 10 * len(prompts) / wall,
                 "mean_latency_s": wall, "_delta": delta, "_answers": answers}
 
 
-def _measured(machine, monkeypatch, runs, interleave):
+def _measured(machine, monkeypatch, runs, interleave, concurrency=(1,)):
     from eaglet import evaluate
     from eaglet.config import validate
 
     monkeypatch.setattr(evaluate, "_start", machine.start)
     monkeypatch.setattr(evaluate, "_measure", machine.measure)
-    cfg = validate({"evaluate": {"concurrency": [1], "rounds": 6, "interleave": interleave,
+    cfg = validate({"evaluate": {"concurrency": list(concurrency), "rounds": 6,
+                                 "interleave": interleave,
                                  "memory_utilization": 0.1, "kv_cache_gib": 0.25},
                     "server": {"memory_utilization": 0.3, "kv_cache_gib": 2, "port": 8000}})
     prompt_sets = {"heldout": [{"id": f"p{i}", "messages": []} for i in range(6)]}
     groups = [runs] if interleave else [[r] for r in runs]
     measured = [m for group in groups
                 for m in evaluate.engine_runs(cfg, "target", group, prompt_sets, "logs")]
-    add_speedups(measured, [1])
+    add_speedups(measured, list(concurrency))
     machine.runs = measured
     return {m["name"]: m["by_concurrency"][0]["speedup"] for m in measured}
 
@@ -309,10 +404,12 @@ def test_interleaved_runs_see_the_same_drift_and_measure_the_true_speedup(monkey
                                      "memory_utilization": 0.1, "kv_cache_gib": 0.25}] * 2
 
 
-def test_one_run_alone_sends_each_level_at_once_on_its_own_port(monkeypatch):
+def test_one_run_alone_sends_each_level_round_by_round_on_its_own_port(monkeypatch):
     machine = DriftingMachine({"baseline": 6.0})
     _measured(machine, monkeypatch, RUNS[:1], interleave=False)
-    assert [c[1] for c in machine.calls] == [tuple(f"p{i}" for i in range(6))]
+    # the rounds its speedups' intervals come from, the same prompts as any other run's
+    assert [c[1] for c in machine.calls] == [(f"p{i}",) for i in range(6)]
+    assert len(machine.runs[0]["levels"][0]["by_round"]) == 6
     assert machine.started_with[0]["port"] == 8000
     assert machine.started_with[0]["memory_utilization"] == 0.1
     assert machine.started_with[0]["kv_cache_gib"] == 0.25
@@ -375,6 +472,12 @@ def test_the_schedule_is_checked_beside_the_target_alone_kept_up(monkeypatch, tm
         assert lv["speedup"] == pytest.approx(
             lv["output_tokens_per_s"] / ref["output_tokens_per_s"])
     assert "baseline_levels" not in result["runs"][2]
+    # at 16 the schedule drafts k 0: no acceptance there, though its counters hold drafts
+    at16 = next(lv for lv in checked["levels"] if lv["concurrency"] == 16)
+    assert at16["k"] == 0 and at16["drafts"] and at16["acceptance_length"] is None
+    # two rounds at 1 give an interval; 16 prompts at 16 are one round, and give none
+    assert serve["by_concurrency"][0]["speedup_low"] < speedups[1]
+    assert serve["by_concurrency"][1]["speedup_low"] is None
 
 
 def test_a_drafter_vllm_refuses_is_named_and_every_server_started_with_it_stops(
@@ -540,10 +643,262 @@ def test_ngram_that_proposes_nothing_is_reported_but_a_drafter_that_drafts_nothi
 
     nothing = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_position": []}
     level = {"set": "heldout", "concurrency": 1, "output_tokens": 32, "wall_s": 1.0,
-             "output_tokens_per_s": 32.0, "_delta": nothing, **acceptance(nothing, 3)}
+             "output_tokens_per_s": 32.0, "_delta": nothing, "_answers": [],
+             **acceptance(nothing, 3)}
     ngram = _run_result({"name": "ngram_k3", "method": "ngram", "k": 3}, [level],
                         {"heldout": []}, "ngram.log")
     assert ngram["drafts"] == 0 and ngram["acceptance_length"] is None
     with pytest.raises(EvaluationError, match="eagle3_k3: vLLM served without drafting"):
         _run_result({"name": "eagle3_k3", "method": "eagle3", "k": 3, "drafter": "d"}, [level],
                     {"heldout": []}, "eagle3.log")
+
+
+def test_acceptance_length_is_reported_pooled_and_per_request_side_by_side(monkeypatch,
+                                                                            tmp_path):
+    from eaglet.plots import write_results_table
+
+    machine = DriftingMachine({"baseline": 6.0, "eagle3_k3": 5.0})
+    _measured(machine, monkeypatch, RUNS, interleave=True)
+    base, drafter = machine.runs
+    # even prompts AL 1.33, odd ones 4.0 (drafted()): pooled 2.0, per request their mean
+    per_request = (1 + 2 / 6 + 1 + 6 / 2) / 2
+    for where in (drafter["levels"][0], drafter["sets"]["heldout"], drafter):
+        assert where["acceptance_length"] == pytest.approx(2.0)
+        assert where["acceptance_length_per_request"] == pytest.approx(per_request)
+        assert where["requests_drafted"] == 6
+    assert base["levels"][0]["acceptance_length_per_request"] is None
+    assert base["levels"][0]["requests_drafted"] is None
+    v = verdict([base, {**drafter, "method": "eagle3"}], [1])
+    assert v["acceptance_length_per_request"] == pytest.approx(per_request)
+    assert f"AL 2.00 ({per_request:.2f} per request)" in v["summary"]
+    # and in the results table, with the speedup's interval from its six rounds
+    write_results_table({"runs": [_public(r) for r in machine.runs]}, tmp_path / "summary.csv")
+    with open(tmp_path / "summary.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert float(rows[1]["acceptance length"]) == 2.0
+    assert float(rows[1]["acceptance length per request"]) == pytest.approx(per_request,
+                                                                           abs=1e-3)
+    assert rows[0]["acceptance length per request"] == ""
+    low, high = float(rows[1]["speedup low"]), float(rows[1]["speedup high"])
+    assert low < float(rows[1]["speedup"]) < high
+
+
+def test_the_offline_replay_reports_per_request_beside_vllm(monkeypatch):
+    """Each replayed sequence's counts are kept, so the replay's acceptance length per
+    request stands beside vLLM's per answer, as the pooled ones do."""
+    from eaglet import offline_eval
+    from eaglet.evaluate import _compare
+
+    def counts(drafter, aux, prompt, answer, k):
+        ids = prompt + answer
+        oracle = lambda p, n: ids[p + 2:p + 2 + n]  # noqa: E731  (the target's own tokens)
+        return offline_eval.replay(oracle if aux == "oracle" else lambda p, n: [-1] * n, ids,
+                                   len(prompt), k)
+
+    monkeypatch.setattr(offline_eval, "replay_counts", counts)
+    sequences = [([1, 2], list(range(3, 12))), ([1, 2], [5, 6, 7, 8, 9])]
+    got = offline_eval.replay_sequences(
+        None, sequences, [3],
+        lambda prompt, answer: ("stored", "oracle" if len(answer) > 5 else "wrong", "stored"))
+    right, wrong = got["per_sequence"][3]
+    assert (right["drafts"], right["accepted"]) == (2, 6)     # AL 4.0
+    assert (wrong["drafts"], wrong["accepted"]) == (4, 0)     # AL 1.0
+    assert got["counts"][3]["drafts"] == 6 and got["counts"][3]["accepted"] == 6
+    # vLLM measured the same two answers alike
+    run = {"name": "eagle3_k3", "k": 3, "levels": [{
+        "set": "heldout", "concurrency": 1,
+        "_delta": {"drafts": 6, "draft_tokens": 18, "accepted": 6, "per_position": [2, 2, 2]},
+        "_answers": [{"spec_decoding": {"drafts": 2, "draft_tokens": 6, "accepted": 6}},
+                     {"spec_decoding": {"drafts": 4, "draft_tokens": 12, "accepted": 0}}]}]}
+    out = _compare(run, {"heldout": got})
+    assert out["acceptance_length"] == pytest.approx(2.0)                # 6 over 6 steps
+    assert out["acceptance_length_per_request"] == pytest.approx(2.5)    # (4 + 1) / 2
+    assert out["vllm_acceptance_length"] == pytest.approx(2.0)
+    assert out["vllm_acceptance_length_per_request"] == pytest.approx(2.5)
+    assert out["sets"]["heldout"]["acceptance_length_per_request"] == pytest.approx(2.5)
+    assert out["sets"]["heldout"]["vllm_acceptance_length_per_request"] == pytest.approx(2.5)
+
+
+# -- every speedup with its interval from the rounds -----------------------------------------
+
+def test_t_quantiles_are_the_tables():
+    assert [round(t_quantile(df), 3) for df in (1, 2, 3, 4, 10, 30)] == [
+        12.706, 4.303, 3.182, 2.776, 2.228, 2.042]
+    assert t_quantile(1000) == pytest.approx(1.962, abs=1e-3)
+
+
+def test_every_speedup_has_its_95_percent_interval_from_the_rounds():
+    base = run("baseline", "baseline", same(10.0, 80.0, ("heldout", "chat")),
+               rounds={("heldout", 1): [10.0] * 4, ("chat", 1): [20.0] * 4})
+    drafter = run("eagle3_k3", "eagle3", same(12.0, 40.0, ("heldout", "chat")), 2.0, 0.4, 3,
+                  rounds={("heldout", 1): [12.0, 11.0, 13.0, 12.0],
+                          ("chat", 1): [20.0, 22.0, 18.0, 20.0]})
+    judged(base, drafter)
+    level = {(lv["set"], lv["concurrency"]): lv for lv in drafter["levels"]}[("heldout", 1)]
+    ratios = [1.2, 1.1, 1.3, 1.2]        # each round over the target alone's same round
+    half = t_quantile(3) * statistics.stdev(ratios) / 2
+    assert level["speedup"] == pytest.approx(1.2)
+    assert (level["speedup_low"], level["speedup_high"]) == (pytest.approx(1.2 - half),
+                                                             pytest.approx(1.2 + half))
+    # over both sets: round r of each pooled, as the speedup itself is
+    pooled = [(12 + 20) / 30, (11 + 22) / 30, (13 + 18) / 30, (12 + 20) / 30]
+    half = t_quantile(3) * statistics.stdev(pooled) / 2
+    entry = drafter["by_concurrency"][0]
+    assert entry["speedup"] == pytest.approx(128 / 120)
+    assert (entry["speedup_low"], entry["speedup_high"]) == (pytest.approx(128 / 120 - half),
+                                                             pytest.approx(128 / 120 + half))
+    # one round (the set held no more prompts than the concurrency): no interval
+    assert drafter["by_concurrency"][1]["speedup_low"] is None
+    assert all(lv["speedup_high"] is None for lv in drafter["levels"] if lv["concurrency"] == 16)
+
+
+def four_rounds(factors, **tokens_per_s):
+    """Rounds of the (heldout, concurrency) levels: each level's tokens/s times ``factors``."""
+    return {("heldout", int(c[1:])): [tps * f for f in factors]
+            for c, tps in tokens_per_s.items()}
+
+
+NOISY, STEADY = (0.9, 1.1, 0.95, 1.05), (0.99, 1.01, 1.0, 1.0)
+
+
+def judged_in_rounds(factors, tps_1, tps_16, ngram=None):
+    base = run("baseline", "baseline", same(10.0, 100.0),
+               rounds=four_rounds((1.0,) * 4, c1=10.0, c16=100.0))
+    runs = [base, run("eagle3_k3", "eagle3", same(tps_1, tps_16), 2.0, 0.35, 3,
+                      rounds=four_rounds(factors, c1=tps_1, c16=tps_16))]
+    if ngram:
+        factors_n, n_1, n_16 = ngram
+        runs.insert(1, run("ngram_k3", "ngram", same(n_1, n_16), 2.2, 0.4, 3,
+                           rounds=four_rounds(factors_n, c1=n_1, c16=n_16)))
+    return judged(*runs)
+
+
+def test_a_speedup_whose_interval_holds_one_is_no_measurable_difference():
+    # 1.05x at 1 and 0.95x at 16, but the rounds scatter by up to 10% either way
+    runs = judged_in_rounds(NOISY, 10.5, 95.0)
+    choice = best_k_by_concurrency(runs, SWEEP)
+    serve = serve_recommendation(choice, runs, "d")
+    assert serve["by_concurrency"][1]["speedup_low"] < 1.0 < serve["by_concurrency"][1][
+        "speedup_high"]
+    assert serve["never_slower_than_target"]       # not measurably slower anywhere
+    v = verdict(runs, SWEEP, serve)
+    assert v["difference_by_concurrency"] == {"1": NO_DIFFERENCE, "16": NO_DIFFERENCE}
+    assert v["speeds_up_serving"] == {"1": False, "16": False}
+    assert v["speedup_low_by_concurrency"]["1"] < 1.0 < v["speedup_high_by_concurrency"]["1"]
+    # neither a win nor a loss
+    assert not any("SLOWER THAN NO DRAFTER" in w for w in v["warnings"])
+    assert "slower than no drafter" not in v["summary"]
+    assert ("at concurrency 16: eagle3_k3 0.95x [0.81, 1.09], no measurable difference from "
+            "no drafter (serve.json drafts none there)") in v["summary"]
+    assert ("at concurrency 1: eagle3_k3 1.05x [0.90, 1.20], no measurable difference from "
+            "no drafter;") in v["summary"]
+    assert v["summary"].endswith(
+        "It makes no measurable difference to serving at any measured concurrency.")
+
+    # the same speedups measured steadily: a win at 1, a loss at 16, each with its interval
+    runs = judged_in_rounds(STEADY, 10.5, 95.0)
+    choice = best_k_by_concurrency(runs, SWEEP)
+    serve = serve_recommendation(choice, runs, "d")
+    v = verdict(runs, SWEEP, serve)
+    assert v["difference_by_concurrency"] == {"1": "faster", "16": "slower"}
+    assert v["speeds_up_serving"] == {"1": True, "16": False}
+    assert v["summary"].endswith("It speeds serving up only at concurrency 1.")
+    assert ("at concurrency 16: eagle3_k3 0.95x [0.94, 0.96], slower than no drafter"
+            in v["summary"])
+    [slower] = [w for w in v["warnings"] if w.startswith("SLOWER THAN NO DRAFTER")]
+    assert "0.95x [0.94, 0.96] at concurrency 16 (heldout 0.95x [0.94, 0.96])" in slower
+    [served] = [w for w in v["warnings"] if w.startswith("SERVE CONFIG SLOWER")]
+    assert "measured 0.95x [0.94, 0.96] at concurrency 16" in served
+
+
+def test_the_verdict_ending_names_wins_and_ties_apart():
+    # steady at 1 (a win), scattered at 16 (1.02x: no measurable difference)
+    base = run("baseline", "baseline", same(10.0, 100.0),
+               rounds=four_rounds((1.0,) * 4, c1=10.0, c16=100.0))
+    drafter = run("eagle3_k3", "eagle3", same(12.0, 102.0), 2.0, 0.35, 3,
+                  rounds={**four_rounds(STEADY, c1=12.0), **four_rounds(NOISY, c16=102.0)})
+    v = verdict(judged(base, drafter), SWEEP)
+    assert v["difference_by_concurrency"] == {"1": "faster", "16": NO_DIFFERENCE}
+    assert v["summary"].endswith("It speeds serving up only at concurrency 1 (no measurable "
+                                 "difference at concurrency 16).")
+
+
+def test_two_methods_whose_intervals_overlap_are_no_measurable_difference():
+    # EAGLE-3 steady, ngram scattered: at 1 1.20x against 1.15x (the intervals overlap), at
+    # 16 1.10x against 0.80x (apart, scatter and all)
+    runs = judged_in_rounds(STEADY, 12.0, 110.0, ngram=(NOISY, 11.5, 80.0))
+    v = verdict(runs, SWEEP)
+    assert v["against_ngram_by_concurrency"] == {"1": NO_DIFFERENCE, "16": "faster"}
+    assert "(ngram 1.15x [0.98, 1.32]: no measurable difference from ngram)" in v["summary"]
+    assert "(ngram 0.80x [0.68, 0.92]: measurably faster than ngram)" in v["summary"]
+    assert v["ngram_speedup_low_by_concurrency"]["1"] < 1.15
+    # without intervals the two speedups stand side by side, unjudged, as before
+    plain = verdict(judged(run("baseline", "baseline", same(10.0, 100.0)),
+                           run("ngram_k3", "ngram", same(11.5, 80.0), 2.2, 0.4, 3),
+                           run("eagle3_k3", "eagle3", same(12.0, 110.0), 2.0, 0.35, 3)), SWEEP)
+    assert "(ngram 1.15x)" in plain["summary"]
+
+
+def test_prompt_sets_whose_speedups_overlap_do_not_disagree():
+    sets = ("heldout", "everyday")
+    base = run("baseline", "baseline", same(10.0, 100.0, sets),
+               rounds={(s, c): [t] * 4 for s in sets for c, t in ((1, 10.0), (16, 100.0))})
+
+    def drafter(factors):
+        # 1.02x on the held-out split and 0.98x on everyday prompts at 16; the same AL
+        rounds = {(s, c): [t * f for f in factors] for (s, c), t in
+                  {("heldout", 1): 12.0, ("everyday", 1): 12.0, ("heldout", 16): 102.0,
+                   ("everyday", 16): 98.0}.items()}
+        return run("eagle3_k3", "eagle3", same(12.0, 100.0, sets), 2.0, 0.4, 3,
+                   set_al={"heldout": 2.0, "everyday": 1.95}, rounds=rounds)
+
+    noisy = verdict(judged(base, drafter(NOISY)), SWEEP)
+    assert not any(w.startswith("IN-DOMAIN") for w in noisy["warnings"])
+    [steady] = [w for w in verdict(judged(base, drafter(STEADY)), SWEEP)["warnings"]
+                if w.startswith("IN-DOMAIN")]
+    assert "pays on one but not the other at concurrency 16" in steady
+
+
+# -- a schedule level that drafts k 0 --------------------------------------------------------
+
+def test_a_schedule_level_that_drafts_k0_has_no_acceptance(monkeypatch, tmp_path):
+    """The schedule drafts 3 tokens up to batch 4 and none beyond: at concurrency 16 its
+    counters still hold the drafts of the round's last requests (the batch shrank into the
+    range that drafts), which are no acceptance of the level's. The table leaves it empty,
+    and the figures and the verdict pass over it."""
+    from eaglet import plots
+
+    ranges = [[1, 4, 3], [5, MAX_BATCH, 0]]
+    schedule = {"name": "eagle3_schedule", "method": "eagle3", "k": 3, "drafter": "d",
+                "schedule": True, "extra": {"num_speculative_tokens_per_batch_size": ranges}}
+    assert [drafted_k(schedule, c) for c in (1, 4, 5, 16)] == [3, 3, 0, 0]
+    assert drafted_k({"name": "eagle3_k2", "k": 2}, 16) == 2
+    assert drafted_k({"name": "baseline"}, 16) is None
+
+    runs = [RUNS[0], {"name": "eagle3_k3", "method": "eagle3", "k": 3, "drafter": "d"},
+            schedule]
+    machine = DriftingMachine({"baseline": 6.0, "eagle3_k3": 5.0, "eagle3_schedule": 5.5})
+    _measured(machine, monkeypatch, runs, interleave=True, concurrency=(1, 16))
+    checked = machine.runs[2]
+    at = {lv["concurrency"]: lv for lv in checked["levels"]}
+    assert at[16]["drafts"] > 0 and at[16]["k"] == 0       # counted, as the counters hold
+    assert at[16]["acceptance_length"] is None and at[16]["acceptance_rate"] is None
+    assert at[16]["acceptance_length_per_request"] is None
+    assert at[16]["per_position_rate"] == []
+    assert at[1]["k"] == 3 and at[1]["acceptance_length"] == pytest.approx(2.0)
+
+    acceptance_json = {"prompt_sets": {"heldout": {}}, "concurrency": [1, 16],
+                       "runs": [_public(r) for r in machine.runs]}
+    plots.write_results_table(acceptance_json, tmp_path / "summary.csv")
+    with open(tmp_path / "summary.csv", newline="") as handle:
+        rows = [r for r in csv.DictReader(handle) if r["run"] == "eagle3_schedule"]
+    row = next(r for r in rows if r["concurrency"] == "16")
+    assert (row["k"], row["acceptance length"], row["acceptance rate"],
+            row["acceptance length per request"]) == ("0", "", "", "")
+    assert float(next(r for r in rows if r["concurrency"] == "1")["acceptance length"]) == 2.0
+    plots.per_position(acceptance_json, tmp_path / "per_position.png")
+    plots.acceptance_length(acceptance_json, tmp_path / "acceptance_length.png")
+    plots.speedup(acceptance_json, tmp_path / "speedup.png")
+    choice = best_k_by_concurrency(machine.runs, [1, 16])
+    v = verdict(machine.runs, [1, 16], serve_recommendation(choice, machine.runs, "d"))
+    assert v["best"] == "eagle3_k3" and "summary" in v

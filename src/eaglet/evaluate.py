@@ -6,7 +6,14 @@ EAGLE-3 drafter at every ``num_speculative_tokens`` k), start vLLM once and, for
 concurrency of the sweep and every prompt set (the held-out split and the configured sets of
 their own), send the prompts greedily and read the spec-decode Prometheus counters before and
 after (``/metrics`` deltas). Acceptance length is ``1 + accepted/drafts``, acceptance rate
-``accepted/draft_tokens``, per-position rate ``per_pos[i]/drafts``.
+``accepted/draft_tokens``, per-position rate ``per_pos[i]/drafts``: pooled, every drafting
+step of every request alike. Beside it, the acceptance length per request: the mean over
+requests of each one's own ``1 + accepted/drafts``, from the counts vLLM returns with each
+answer (:func:`per_request_acceptance`).
+
+Every level is sent in ``rounds`` rounds; each speedup comes with a 95% interval from the
+rounds' own speedups (:func:`speedup_interval`), and the verdict calls a speedup whose interval
+holds 1.0 no measurable difference.
 
 From the sweep comes a batch-size schedule of k (vLLM's
 ``num_speculative_tokens_per_batch_size``: the best k at each measured concurrency, 0 where
@@ -89,11 +96,16 @@ def counter_delta(before: dict, after: dict) -> dict:
 
 
 def acceptance(delta: dict, k: int | None) -> dict:
-    """Acceptance length, rate and per-position rates from counter deltas."""
+    """Acceptance length, rate and per-position rates from counter deltas, pooled over every
+    drafting step. None where nothing was drafted, and at k 0: a level where the schedule
+    drafts nothing has no acceptance to report, though its counters may hold a few drafts from
+    the moments its batch shrank into a range that drafts (the last requests of a round); they
+    are kept as counted."""
     drafts, draft_tokens, accepted = delta["drafts"], delta["draft_tokens"], delta["accepted"]
-    if not drafts:
-        return {"k": k, "drafts": 0, "draft_tokens": 0, "accepted_tokens": 0,
-                "acceptance_length": None, "acceptance_rate": None, "per_position_rate": []}
+    if not drafts or k == 0:
+        return {"k": k, "drafts": int(drafts), "draft_tokens": int(draft_tokens),
+                "accepted_tokens": int(accepted), "acceptance_length": None,
+                "acceptance_rate": None, "per_position_rate": []}
     return {
         "k": k, "drafts": int(drafts), "draft_tokens": int(draft_tokens),
         "accepted_tokens": int(accepted),
@@ -101,6 +113,40 @@ def acceptance(delta: dict, k: int | None) -> dict:
         "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
         "per_position_rate": [p / drafts for p in delta["per_position"]],
     }
+
+
+def per_request_acceptance(counts: list[dict | None], k: int | None) -> dict:
+    """Acceptance length per request: the mean over requests of each request's own
+    ``1 + accepted/drafts``, over the requests that drafted at least once, with how many those
+    were (``requests_drafted``). ``counts``: each request's own counts, as vLLM returns them
+    with its answer (:data:`PER_REQUEST_METRICS`, :func:`_spec_counts`) or as the offline
+    replay counts one sequence; None for a request that came without.
+
+    The pooled acceptance length weighs every drafting step alike, so long answers dominate
+    it; this weighs every request alike. None at k 0 (:func:`acceptance`), where no request
+    drafted, and where the server returned no per-request counts (the target alone, or a vLLM
+    without the flag: ``requests_drafted`` is then None too)."""
+    counted = [c for c in counts if c]
+    drafted = [c for c in counted if c["drafts"]]
+    mean = (sum(1 + c["accepted"] / c["drafts"] for c in drafted) / len(drafted)
+            if drafted and k != 0 else None)
+    return {"acceptance_length_per_request": mean,
+            "requests_drafted": len(drafted) if counted else None}
+
+
+def _answer_counts(level: dict) -> list[dict | None]:
+    """Each answer's own spec-decode counts at one level (None where it came without)."""
+    return [a.get("spec_decoding") for a in level["_answers"]]
+
+
+def _spec_counts(body: dict) -> dict | None:
+    """One answer's own spec-decode counts from the response's ``metrics`` (vLLM's
+    ``metrics.speculative_decoding``), named as the counters are; None where it has none."""
+    spec = (body.get("metrics") or {}).get("speculative_decoding")
+    if not spec:
+        return None
+    return {"drafts": spec["num_spec_steps"], "draft_tokens": spec["num_draft_tokens"],
+            "accepted": spec["num_accepted_draft_tokens"]}
 
 
 def read_metrics(url: str) -> str:
@@ -127,7 +173,8 @@ async def _run_prompts(url: str, prompts: list[dict], max_tokens: int, concurren
                 return {"id": prompt["id"], "latency_s": time.perf_counter() - start,
                         "completion_tokens": body["usage"]["completion_tokens"],
                         "prompt_token_ids": body.get("prompt_token_ids"),
-                        "token_ids": body["choices"][0].get("token_ids")}
+                        "token_ids": body["choices"][0].get("token_ids"),
+                        "spec_decoding": _spec_counts(body)}
         return await asyncio.gather(*(one(p) for p in prompts))
 
 
@@ -135,6 +182,9 @@ async def _run_prompts(url: str, prompts: list[dict], max_tokens: int, concurren
 
 HELD_OUT = "heldout"
 MAX_BATCH = 1 << 16   # the last schedule range runs to here; vLLM caps it at max_num_seqs
+# every answer of a speculative run carries its own spec-decode counts (vLLM's
+# metrics.speculative_decoding; vLLM refuses the flag without a speculative config)
+PER_REQUEST_METRICS = ["--per-request-spec-decode-metrics", "summary"]
 
 
 def load_prompt_sets(ev: dict, held_out_path: str, train_path: str | None) -> tuple[dict, dict]:
@@ -169,6 +219,16 @@ def level_prompts(prompts: list[dict], concurrency: int, rounds: int) -> list[di
     """What one concurrency level sends: ``rounds`` times as many prompts as it keeps in flight
     (the set's first ones), so every level runs at its concurrency for most of its time."""
     return prompts[:rounds * concurrency]
+
+
+def drafted_k(run: dict, concurrency: int) -> int | None:
+    """The k a run drafts at ``concurrency`` requests in flight: a schedule's k for that batch
+    size (``num_speculative_tokens_per_batch_size``; 0 where it drafts nothing), else the
+    run's own k (None for the target alone)."""
+    ranges = (run.get("extra") or {}).get("num_speculative_tokens_per_batch_size")
+    if not ranges:
+        return run.get("k")
+    return next((k for start, end, k in ranges if start <= concurrency <= end), ranges[-1][2])
 
 
 def speculative_config(run: dict) -> dict | None:
@@ -213,7 +273,8 @@ def _start(cfg: dict, target_path: str, placed: list[tuple[contextlib.ExitStack,
                  json.dumps(spec) if spec else "no speculation")
         servers.append((stack, target_server(
             cfg, target_path, server_log(log_dir, run),
-            ["--speculative-config", json.dumps(spec)] if spec is not None else [])))
+            ["--speculative-config", json.dumps(spec), *PER_REQUEST_METRICS]
+            if spec is not None else [])))
     try:
         start_together(servers)
     except ServerError as exc:
@@ -414,11 +475,14 @@ def recorded_target_dir(results: str | os.PathLike, spec: str) -> str | None:
 
 
 def _merge(parts: list[dict]) -> dict:
-    """One level's measurement from the measurements of its rounds."""
+    """One level's measurement from the measurements of its rounds, each round's tokens and
+    wall time kept (``by_round``: the speedup's interval comes from them)."""
     answers = [a for p in parts for a in p["_answers"]]
     tokens, wall = sum(p["output_tokens"] for p in parts), sum(p["wall_s"] for p in parts)
     return {"concurrency": parts[0]["concurrency"], "requests": len(answers),
             "output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall,
+            "by_round": [{"output_tokens": p["output_tokens"], "wall_s": p["wall_s"]}
+                         for p in parts],
             "mean_latency_s": sum(a["latency_s"] for a in answers) / len(answers),
             "_delta": _sum_deltas([p["_delta"] for p in parts]), "_answers": answers}
 
@@ -444,10 +508,11 @@ def measure_runs(cfg: dict, urls: dict[str, str], runs: list[dict],
     """Every prompt set at every concurrency of the sweep through each run's server (``urls``
     by run name); the measurements per level and in all.
 
-    One run: each level sent at once. Several: each level sent round by round
-    (``concurrency`` prompts a round) to every server in turn, the first server of each round
-    rotating: a machine whose speed drifts while they run slows every run alike, so their
-    speedups compare like with like."""
+    Each level is sent round by round (``concurrency`` prompts a round), so that every
+    speedup has rounds to take its interval from (:func:`speedup_interval`): round r of every
+    run sends the same prompts. Several runs: each round goes to every server in turn, the
+    first server of each round rotating: a machine whose speed drifts while they run slows
+    every run alike, so their speedups compare like with like."""
     ev = cfg["evaluate"]
     template_kwargs = cfg.get("generate", {}).get("chat_template_kwargs")
     names = " and ".join(run["name"] for run in runs)
@@ -457,8 +522,7 @@ def measure_runs(cfg: dict, urls: dict[str, str], runs: list[dict],
             if progress is not None:
                 progress.enter_phase(f"{names} in vLLM: {set_name} at concurrency {concurrency}")
             sent = level_prompts(prompts, concurrency, ev["rounds"])
-            rounds = ([sent[i:i + concurrency] for i in range(0, len(sent), concurrency)]
-                      if len(runs) > 1 else [sent])
+            rounds = [sent[i:i + concurrency] for i in range(0, len(sent), concurrency)]
             parts: dict[str, list[dict]] = {name: [] for name in levels}
             for r, chunk in enumerate(rounds):
                 order = list(levels)[r % len(levels):] + list(levels)[:r % len(levels)]
@@ -468,22 +532,26 @@ def measure_runs(cfg: dict, urls: dict[str, str], runs: list[dict],
                                                 template_kwargs))
             for run in runs:
                 level = _merge(parts[run["name"]])
+                k = drafted_k(run, concurrency)
                 levels[run["name"]].append({"set": set_name, **level,
-                                            **acceptance(level["_delta"], run.get("k"))})
+                                            **acceptance(level["_delta"], k),
+                                            **per_request_acceptance(_answer_counts(level), k)})
     return [_run_result(run, levels[run["name"]], prompt_sets, server_log(log_dir, run))
             for run in runs]
 
 
 def _run_result(run: dict, levels: list[dict], prompt_sets: dict, log_path: str) -> dict:
     name, spec = run["name"], speculative_config(run)
-    total = _sum_deltas([lv["_delta"] for lv in levels])
+
+    def pooled(chosen: list[dict]) -> dict:
+        return {**acceptance(_sum_deltas([lv["_delta"] for lv in chosen]), run.get("k")),
+                **per_request_acceptance([c for lv in chosen for c in _answer_counts(lv)],
+                                         run.get("k"))}
+
     result = {"name": name, "method": run["method"], "k": run.get("k"),
               "schedule": bool(run.get("schedule")), "speculative_config": spec, "levels": levels,
-              "sets": {s: acceptance(_sum_deltas([lv["_delta"] for lv in levels
-                                                  if lv["set"] == s]), run.get("k"))
-                       for s in prompt_sets},
-              "output_tokens": sum(lv["output_tokens"] for lv in levels),
-              **acceptance(total, run.get("k"))}
+              "sets": {s: pooled([lv for lv in levels if lv["set"] == s]) for s in prompt_sets},
+              "output_tokens": sum(lv["output_tokens"] for lv in levels), **pooled(levels)}
     if spec is not None and not result["drafts"]:
         if run["method"] == "ngram":  # proposes only where an n-gram of the context recurs
             log.warning("%s: ngram proposed no draft on these prompts (no n-gram of a prompt "
@@ -492,23 +560,100 @@ def _run_result(run: dict, levels: list[dict], prompt_sets: dict, log_path: str)
             raise EvaluationError(
                 f"{name}: vLLM served without drafting anything (no spec-decode drafts in "
                 f"/metrics): the speculative config was not applied. Server log: {log_path}")
+    if spec is not None and result["drafts"] and result["requests_drafted"] is None:
+        log.warning("%s: vLLM returned no per-request spec-decode counts (its answers have no "
+                    "metrics.speculative_decoding; %s needs a vLLM that knows it, as 0.32 "
+                    "does): the acceptance length per request is left empty", name,
+                    PER_REQUEST_METRICS[0])
     for lv in levels:
-        log.info("%s: %s at concurrency %d: %d tokens in %.1f s (%.1f tok/s)%s", name,
+        log.info("%s: %s at concurrency %d: %d tokens in %.1f s (%.1f tok/s)%s%s", name,
                  lv["set"], lv["concurrency"], lv["output_tokens"], lv["wall_s"],
                  lv["output_tokens_per_s"],
-                 f", AL {lv['acceptance_length']:.3f}" if lv["acceptance_length"] else "")
+                 f", AL {lv['acceptance_length']:.3f}" if lv["acceptance_length"] else "",
+                 f" ({lv['acceptance_length_per_request']:.3f} per request)"
+                 if lv.get("acceptance_length_per_request") else "")
     return result
+
+
+# two-sided 95%: the share of Student's t distribution within +-t
+CONFIDENCE = 0.95
+
+
+def _t_within(t: float, df: int) -> float:
+    """P(|T| < t) for Student's t with ``df`` degrees of freedom, in closed form for whole df
+    (Abramowitz and Stegun 26.7.3 and 26.7.4)."""
+    theta = math.atan(t / math.sqrt(df))
+    cos2 = math.cos(theta) ** 2
+    if df % 2 == 0:
+        term = total = 1.0
+        for j in range(2, df - 1, 2):
+            term *= cos2 * (j - 1) / j
+            total += term
+        return math.sin(theta) * total
+    if df == 1:
+        return 2 * theta / math.pi
+    term = total = math.cos(theta)
+    for j in range(3, df - 1, 2):
+        term *= cos2 * (j - 1) / j
+        total += term
+    return 2 / math.pi * (theta + math.sin(theta) * total)
+
+
+def t_quantile(df: int, confidence: float = CONFIDENCE) -> float:
+    """The t with ``confidence`` of Student's t distribution (``df`` degrees of freedom)
+    within +-t: 12.71 at df 1, 2.78 at 4, 1.96 as df grows."""
+    low, high = 0.0, 1e4
+    for _ in range(100):
+        mid = (low + high) / 2
+        low, high = (mid, high) if _t_within(mid, df) < confidence else (low, mid)
+    return (low + high) / 2
+
+
+def speedup_interval(speedup: float, ratios: list[float]) -> dict:
+    """``speedup_low`` and ``speedup_high`` of a speedup measured in rounds: the speedup
+    (pooled tokens/s over the target alone's) +- t(0.975, n-1) s/sqrt(n), with s the standard
+    deviation of the n rounds' own speedups (each round's tokens/s over the target alone's in
+    the same round, on the same prompts): a 95% interval, taking the rounds as independent
+    repeats. Side by side, a round's two runs share the machine's state at that time; one at a
+    time they share the prompts only, so a machine that drifts between the runs moves every
+    round's ratio alike, which no interval shows. None with fewer than two rounds (a level of
+    one round: the prompt set held no more than ``concurrency`` prompts)."""
+    n = len(ratios)
+    if n < 2:
+        return {"speedup_low": None, "speedup_high": None}
+    mean = sum(ratios) / n
+    sd = math.sqrt(sum((r - mean) ** 2 for r in ratios) / (n - 1))
+    half = t_quantile(n - 1) * sd / math.sqrt(n)
+    return {"speedup_low": speedup - half, "speedup_high": speedup + half}
+
+
+def _round_ratios(levels: list[dict], refs: list[dict]) -> list[float]:
+    """The speedup round by round of ``levels`` (one, or every set's at one concurrency)
+    over the target alone's same rounds ``refs``: round r's tokens over its wall time, pooled
+    over the levels as the speedup itself is, against the target alone's round r."""
+    def per_round(chosen: list[dict]) -> list[float]:
+        tokens: dict[int, float] = defaultdict(float)
+        wall: dict[int, float] = defaultdict(float)
+        for lv in chosen:
+            for r, part in enumerate(lv.get("by_round") or []):
+                tokens[r] += part["output_tokens"]
+                wall[r] += part["wall_s"]
+        return [tokens[r] / wall[r] for r in sorted(wall)]
+    return [mine / theirs for mine, theirs in zip(per_round(levels), per_round(refs))]
 
 
 def add_speedups(runs: list[dict], concurrencies: list[int], base: dict | None = None) -> None:
     """Speedup of every level over the baseline's same set and concurrency, and per
-    concurrency over all sets together (tokens over wall time, pooled). ``base``: the
-    baseline measured beside these runs (default: the first run). A baseline other than the
-    first run is kept in each run (``baseline_levels``), so its speedups can be read back."""
+    concurrency over all sets together (tokens over wall time, pooled), each with its 95%
+    interval from the rounds (:func:`speedup_interval`; per concurrency, round r of every set
+    pooled). ``base``: the baseline measured beside these runs (default: the first run). A
+    baseline other than the first run is kept in each run (``baseline_levels``), so its
+    speedups can be read back."""
     kept = None
     if base is not None:
         kept = [{k: lv[k] for k in ("set", "concurrency", "output_tokens", "wall_s",
-                                    "output_tokens_per_s", "mean_latency_s")}
+                                    "output_tokens_per_s", "by_round", "mean_latency_s")
+                 if k in lv}
                 for lv in base["levels"]]
     base = base or runs[0]
     ref_levels = {(lv["set"], lv["concurrency"]): lv for lv in base["levels"]}
@@ -519,10 +664,15 @@ def add_speedups(runs: list[dict], concurrencies: list[int], base: dict | None =
         for lv in run["levels"]:
             ref = ref_levels[(lv["set"], lv["concurrency"])]
             lv["speedup"] = lv["output_tokens_per_s"] / ref["output_tokens_per_s"]
+            lv.update(speedup_interval(lv["speedup"], _round_ratios([lv], [ref])))
             lv["latency_ratio"] = lv["mean_latency_s"] / ref["mean_latency_s"]
-        run["by_concurrency"] = [
-            {"concurrency": c, "output_tokens_per_s": tps, "speedup": tps / base_pooled[c]}
-            for c, tps in _pooled(run, concurrencies).items()]
+        run["by_concurrency"] = []
+        for c, tps in _pooled(run, concurrencies).items():
+            mine = [lv for lv in run["levels"] if lv["concurrency"] == c]
+            refs = [ref_levels[(lv["set"], c)] for lv in mine]
+            run["by_concurrency"].append(
+                {"concurrency": c, "output_tokens_per_s": tps, "speedup": tps / base_pooled[c],
+                 **speedup_interval(tps / base_pooled[c], _round_ratios(mine, refs))})
 
 
 def _pooled(run: dict, concurrencies: list[int]) -> dict[int, float]:
@@ -533,8 +683,49 @@ def _pooled(run: dict, concurrencies: list[int]) -> dict[int, float]:
     return out
 
 
+def at_concurrency(run: dict, concurrency: int) -> dict:
+    """A run's ``by_concurrency`` entry: its speedup over all sets there, with the interval."""
+    return next(e for e in run["by_concurrency"] if e["concurrency"] == concurrency)
+
+
 def speedup_at(run: dict, concurrency: int) -> float:
-    return next(e["speedup"] for e in run["by_concurrency"] if e["concurrency"] == concurrency)
+    return at_concurrency(run, concurrency)["speedup"]
+
+
+FASTER, SLOWER, NO_DIFFERENCE = "faster", "slower", "no measurable difference"
+
+
+def _interval(entry: dict) -> tuple[float, float]:
+    """A speedup's interval; the speedup alone where the rounds gave none (one round)."""
+    low, high = entry.get("speedup_low"), entry.get("speedup_high")
+    if low is None or high is None:
+        return entry["speedup"], entry["speedup"]
+    return low, high
+
+
+def _order(a: tuple[float, float], b: tuple[float, float]) -> str:
+    return FASTER if a[0] > b[1] else SLOWER if a[1] < b[0] else NO_DIFFERENCE
+
+
+def against_target(entry: dict) -> str:
+    """Whether a speedup (a level or a ``by_concurrency`` entry) is measurably faster or
+    slower than the target alone, or no measurable difference: its interval holds 1.0.
+    Without an interval the speedup alone decides, as before intervals were measured."""
+    return _order(_interval(entry), (1.0, 1.0))
+
+
+def against_each_other(a: dict, b: dict) -> str:
+    """Whether ``a`` serves measurably faster or slower than ``b`` (two speedups at the same
+    concurrency), or no measurable difference: their intervals overlap."""
+    return _order(_interval(a), _interval(b))
+
+
+def _speed(entry: dict) -> str:
+    """A speedup in words, with its interval where the rounds gave one: 1.14x [1.05, 1.23]."""
+    text = f"{entry['speedup']:.2f}x"
+    if entry.get("speedup_low") is not None and entry.get("speedup_high") is not None:
+        text += f" [{entry['speedup_low']:.2f}, {entry['speedup_high']:.2f}]"
+    return text
 
 
 # -- the k schedule --------------------------------------------------------------------------
@@ -585,21 +776,27 @@ def schedule_run(choice: list[dict], drafter_dir: str) -> dict | None:
 
 def serve_recommendation(choice: list[dict], runs: list[dict], drafter_dir: str) -> dict:
     """What ``serve.json`` holds: the speculative config to serve with, where it comes from,
-    and how it did at every concurrency against the target alone."""
+    and how it did at every concurrency against the target alone (with the interval from the
+    rounds); ``never_slower_than_target``: measurably slower nowhere (:func:`against_target`).
+    Served without speculation, nothing was measured: speedup 1.0, no interval."""
     ranges = schedule_ranges(choice)
     checked = next((r for r in runs if r.get("schedule")), None)
     if checked is None and ranges[0][2]:
         checked = next(r for r in runs if r["method"] == "eagle3" and r["k"] == ranges[0][2]
                        and not r.get("schedule"))
     spec = checked["speculative_config"] if checked else None
-    by_c = [{"concurrency": e["concurrency"], "k": e["k"],
-             "speedup": speedup_at(checked, e["concurrency"]) if checked else 1.0}
-            for e in choice]
+    by_c = []
+    for e in choice:
+        measured = (at_concurrency(checked, e["concurrency"]) if checked
+                    else {"speedup": 1.0, "speedup_low": None, "speedup_high": None})
+        by_c.append({"concurrency": e["concurrency"], "k": e["k"],
+                     **{key: measured.get(key) for key in ("speedup", "speedup_low",
+                                                           "speedup_high")}})
     out = {"speculative_config": spec,
            "vllm_args": ["--speculative-config", json.dumps(spec)] if spec else [],
            "checked_by": checked["name"] if checked else "baseline",
            "by_concurrency": by_c,
-           "never_slower_than_target": all(e["speedup"] >= 1.0 for e in by_c)}
+           "never_slower_than_target": all(against_target(e) != SLOWER for e in by_c)}
     if spec is None:
         out["note"] = ("no draft length was faster than the target alone at any measured "
                        "concurrency: serve without speculation")
@@ -627,7 +824,13 @@ DISAGREEMENT = 0.15    # relative AL gap between the held-out split and another 
 
 
 def verdict(runs: list[dict], concurrencies: list[int], serve: dict | None = None) -> dict:
-    """Whether the drafter speeds serving up here, per concurrency and prompt set."""
+    """Whether the drafter speeds serving up here, per concurrency and prompt set.
+
+    A speedup whose interval holds 1.0 is no measurable difference, neither a win nor a loss
+    (:func:`against_target`), and two runs whose intervals overlap serve alike
+    (:func:`against_each_other`): ``speeds_up_serving`` is true where the best k is measurably
+    faster than the target alone, ``difference_by_concurrency`` says which of the three each
+    concurrency is, and the warnings name only what was measurably slower."""
     ngram = next((r for r in runs if r["method"] == "ngram"), None)
     drafts = [r for r in runs if r["method"] == "eagle3" and not r.get("schedule")]
     warnings = [w for r in drafts for w in _run_warnings(r, drafts, concurrencies)]
@@ -637,27 +840,33 @@ def verdict(runs: list[dict], concurrencies: list[int], serve: dict | None = Non
         return out
     choice = best_k_by_concurrency(runs, concurrencies)
     best = max(drafts, key=lambda r: r["acceptance_length"] or 0)
+    measured = {str(e["concurrency"]): at_concurrency(
+        next(r for r in drafts if r["name"] == e["best_run"]), e["concurrency"]) for e in choice}
+    difference = {c: against_target(entry) for c, entry in measured.items()}
     out.update({
         "best_k_by_concurrency": choice,
-        "speeds_up_serving": {str(e["concurrency"]): e["k"] > 0 for e in choice},
-        "acceptance_length": best["acceptance_length"], "best": best["name"],
-        "ceiling": best["k"] + 1,
+        "speeds_up_serving": {c: d == FASTER for c, d in difference.items()},
+        "difference_by_concurrency": difference,
+        "acceptance_length": best["acceptance_length"],
+        "acceptance_length_per_request": best.get("acceptance_length_per_request"),
+        "best": best["name"], "ceiling": best["k"] + 1,
         "share_of_ceiling": (best["acceptance_length"] or 1) / (best["k"] + 1),
-        "speedup_by_concurrency": {str(c): speedup_at(
-            next(r for r in drafts if r["name"] == e["best_run"]), c)
-            for c, e in zip(concurrencies, choice)},
+        **_by_concurrency(measured),
     })
     if ngram is not None and ngram["acceptance_length"]:
         out["ngram_acceptance_length"] = ngram["acceptance_length"]
+        out["ngram_acceptance_length_per_request"] = ngram.get("acceptance_length_per_request")
         out["beats_ngram"] = (best["acceptance_length"] or 1) > ngram["acceptance_length"]
-        out["ngram_speedup_by_concurrency"] = {str(c): speedup_at(ngram, c)
-                                               for c in concurrencies}
+        ngram_measured = {str(c): at_concurrency(ngram, c) for c in concurrencies}
+        out.update({f"ngram_{key}": value
+                    for key, value in _by_concurrency(ngram_measured).items()})
+        out["against_ngram_by_concurrency"] = {
+            c: against_each_other(measured[c], ngram_measured[c]) for c in measured}
     if serve is not None:
         out["serve_never_slower_than_target"] = serve["never_slower_than_target"]
         if not serve["never_slower_than_target"]:
-            slower = [e for e in serve["by_concurrency"] if e["speedup"] < 1.0]
-            slow = ", ".join(f"{e['speedup']:.2f}x at concurrency {e['concurrency']}"
-                             for e in slower)
+            slower = [e for e in serve["by_concurrency"] if against_target(e) == SLOWER]
+            slow = ", ".join(f"{_speed(e)} at concurrency {e['concurrency']}" for e in slower)
             text = (f"SERVE CONFIG SLOWER THAN NO DRAFTER: {serve['checked_by']} (serve.json) "
                     f"measured {slow}.")
             if any(e["k"] == 0 for e in slower):
@@ -667,17 +876,23 @@ def verdict(runs: list[dict], concurrencies: list[int], serve: dict | None = Non
                          "step. Where this concurrency is what you serve, serve without "
                          "--speculative-config.")
             warnings.append(text)
-    out["summary"] = _summary(best, choice, ngram, concurrencies)
+    out["summary"] = _summary(best, choice, measured, ngram)
     return out
+
+
+def _by_concurrency(measured: dict[str, dict]) -> dict:
+    """Speedups and their intervals by concurrency, as the verdict keeps them."""
+    return {f"{key}_by_concurrency": {c: entry.get(key) for c, entry in measured.items()}
+            for key in ("speedup", "speedup_low", "speedup_high")}
 
 
 def _run_warnings(run: dict, drafts: list[dict], concurrencies: list[int]) -> list[str]:
     warnings = []
-    slow = [e for e in run["by_concurrency"] if e["speedup"] < 1.0]
+    slow = [e for e in run["by_concurrency"] if against_target(e) == SLOWER]
     if slow:
         where = "; ".join(
-            f"{e['speedup']:.2f}x at concurrency {e['concurrency']} ("
-            + ", ".join(f"{lv['set']} {lv['speedup']:.2f}x" for lv in run["levels"]
+            f"{_speed(e)} at concurrency {e['concurrency']} ("
+            + ", ".join(f"{lv['set']} {_speed(lv)}" for lv in run["levels"]
                         if lv["concurrency"] == e["concurrency"]) + ")" for e in slow)
         warnings.append(
             f"SLOWER THAN NO DRAFTER: {run['name']} serves {where} of the target alone's "
@@ -698,17 +913,21 @@ def _run_warnings(run: dict, drafts: list[dict], concurrencies: list[int]) -> li
 
 def _disagreements(drafts: list[dict], concurrencies: list[int]) -> list[str]:
     """Warn where the held-out split (the training distribution) flatters the drafter
-    against the other prompt sets."""
+    against the other prompt sets: their acceptance lengths differ, or the drafter pays on
+    one and not the other at some concurrency, measurably (their speedups' intervals apart)."""
     warnings = []
     for run in drafts:
         ref = run["sets"].get(HELD_OUT, {}).get("acceptance_length")
+        levels = {(lv["set"], lv["concurrency"]): lv for lv in run["levels"]}
         for name, acc in run["sets"].items():
             other = acc.get("acceptance_length")
             if name == HELD_OUT or not ref or not other:
                 continue
-            pays = {s: {lv["concurrency"]: lv["speedup"] >= 1.0 for lv in run["levels"]
-                        if lv["set"] == s} for s in (HELD_OUT, name)}
-            flips = [c for c in concurrencies if pays[HELD_OUT][c] != pays[name][c]]
+            flips = [c for c in concurrencies
+                     if (levels[(HELD_OUT, c)]["speedup"] >= 1.0)
+                     != (levels[(name, c)]["speedup"] >= 1.0)
+                     and against_each_other(levels[(HELD_OUT, c)], levels[(name, c)])
+                     != NO_DIFFERENCE]
             if abs(ref - other) > DISAGREEMENT * ref or flips:
                 text = (f"IN-DOMAIN AND OTHER PROMPTS DISAGREE: {run['name']} reaches AL "
                         f"{ref:.2f} on the held-out split but {other:.2f} on {name!r}")
@@ -719,27 +938,59 @@ def _disagreements(drafts: list[dict], concurrencies: list[int]) -> list[str]:
     return warnings
 
 
-def _summary(best: dict, choice: list[dict], ngram: dict | None,
-             concurrencies: list[int]) -> str:
-    parts = []
+def _summary(best: dict, choice: list[dict], measured: dict[str, dict],
+             ngram: dict | None) -> str:
+    parts, difference = [], {}
     for e in choice:
         c = e["concurrency"]
-        text = (f"at concurrency {c}: {e['best_run']} {e['best_speedup']:.2f}x"
-                + (f" (ngram {speedup_at(ngram, c):.2f}x)" if ngram else ""))
-        if not e["k"]:
+        entry = measured[str(c)]
+        difference[c] = against_target(entry)
+        text = f"at concurrency {c}: {e['best_run']} {_speed(entry)}"
+        if ngram:
+            other = at_concurrency(ngram, c)
+            text += f" (ngram {_speed(other)}{_versus_ngram(entry, other)})"
+        if difference[c] == NO_DIFFERENCE:
+            text += ", no measurable difference from no drafter" + (
+                "" if e["k"] else " (serve.json drafts none there)")
+        elif not e["k"]:
             text += ", slower than no drafter: serve without speculation there"
         parts.append(text)
     sets = ", ".join(f"{s} {a['acceptance_length']:.2f}" for s, a in best["sets"].items()
                      if a["acceptance_length"])
     ngram_al = (f"; ngram AL {ngram['acceptance_length']:.2f}"
                 if ngram and ngram["acceptance_length"] else "")
-    pays = [e["concurrency"] for e in choice if e["k"]]
-    ending = ("It speeds serving up at every measured concurrency." if len(pays) == len(choice)
-              else "It does NOT speed serving up at any measured concurrency." if not pays
-              else f"It speeds serving up only at concurrency {', '.join(map(str, pays))}.")
-    return (f"EAGLE-3 ({best['name']}) reaches AL {best['acceptance_length']:.2f} of a "
-            f"possible {best['k'] + 1} ({sets}){ngram_al}. Speedup over the target alone "
-            + "; ".join(parts) + ". " + ending)
+    per_request = best.get("acceptance_length_per_request")
+    al = f"AL {best['acceptance_length']:.2f}" + (f" ({per_request:.2f} per request)"
+                                                  if per_request else "")
+    return (f"EAGLE-3 ({best['name']}) reaches {al} of a possible {best['k'] + 1} "
+            f"({sets}){ngram_al}. Speedup over the target alone " + "; ".join(parts) + ". "
+            + _ending(difference))
+
+
+def _versus_ngram(entry: dict, other: dict) -> str:
+    """The best k against ngram at one concurrency, where both speedups have intervals to
+    decide it (else the two speedups stand side by side, unjudged)."""
+    if None in (entry.get("speedup_low"), other.get("speedup_low")):
+        return ""
+    versus = against_each_other(entry, other)
+    return (": no measurable difference from ngram" if versus == NO_DIFFERENCE
+            else f": measurably {versus} than ngram")
+
+
+def _ending(difference: dict[int, str]) -> str:
+    """The summary's last sentence: where the drafter measurably speeds serving up."""
+    def listed(kind):
+        return ", ".join(str(c) for c, d in difference.items() if d == kind)
+
+    wins, ties = listed(FASTER), listed(NO_DIFFERENCE)
+    if all(d == FASTER for d in difference.values()):
+        return "It speeds serving up at every measured concurrency."
+    if all(d == NO_DIFFERENCE for d in difference.values()):
+        return "It makes no measurable difference to serving at any measured concurrency."
+    tied = f" (no measurable difference at concurrency {ties})" if ties else ""
+    if not wins:
+        return f"It does NOT speed serving up at any measured concurrency{tied}."
+    return f"It speeds serving up only at concurrency {wins}{tied}."
 
 
 def _pct(rate: float | None) -> str:
@@ -978,23 +1229,35 @@ def _log_sources(name: str, sources: dict) -> None:
     (log.warning if sources["left_out"] else log.info)(text)
 
 
+def _per_request_al(counts: list[dict | None], k: int) -> float | None:
+    return per_request_acceptance(counts, k)["acceptance_length_per_request"]
+
+
 def _compare(run: dict, replayed: dict) -> dict:
     """One run's offline acceptance beside vLLM's, per set and over the sets replayed
-    (vLLM's counters of those sets' requests at the lowest concurrency)."""
+    (vLLM's counters of those sets' requests at the lowest concurrency), pooled and per
+    request (the replay's per sequence beside vLLM's per answer)."""
     from eaglet.offline_eval import add_counts, empty_counts, summarize
 
     k = run["k"]
-    total, deltas, sets, partial = empty_counts(k), [], {}, False
+    total, deltas, sequences, answers, sets, partial = empty_counts(k), [], [], [], {}, False
     for name, got in replayed.items():
-        mine = [lv["_delta"] for lv in _replayed_levels(run) if lv["set"] == name]
+        levels = [lv for lv in _replayed_levels(run) if lv["set"] == name]
+        mine = [lv["_delta"] for lv in levels]
+        theirs = [c for lv in levels for c in _answer_counts(lv)]
         offline = summarize(got["counts"][k], k)
         vllm = acceptance(_sum_deltas(mine), k)["acceptance_length"] if mine else None
         sets[name] = {"acceptance_length": offline["acceptance_length"],
+                      "acceptance_length_per_request": _per_request_al(
+                          got["per_sequence"][k], k),
                       "drafts": offline["drafts"], "vllm_acceptance_length": vllm,
+                      "vllm_acceptance_length_per_request": _per_request_al(theirs, k),
                       "ratio_offline_over_vllm": _ratio(offline["acceptance_length"], vllm)}
         if got["sources"]["stored"] + got["sources"]["forward"]:
             add_counts(total, got["counts"][k])
             deltas += mine
+            sequences += got["per_sequence"][k]
+            answers += theirs
             partial = partial or bool(got["sources"]["left_out"])
     offline = summarize(total, k)
     vllm = acceptance(_sum_deltas(deltas), k)["acceptance_length"] if deltas else None
@@ -1007,7 +1270,10 @@ def _compare(run: dict, replayed: dict) -> dict:
                     100 * abs(ratio - 1),
                     " (some answers were left out of the replay; vLLM's counters hold them)"
                     if partial else "")
-    return {**offline, "vllm_acceptance_length": vllm, "ratio_offline_over_vllm": ratio,
+    return {**offline, "acceptance_length_per_request": _per_request_al(sequences, k),
+            "vllm_acceptance_length": vllm,
+            "vllm_acceptance_length_per_request": _per_request_al(answers, k),
+            "ratio_offline_over_vllm": ratio,
             "sets_compared": [name for name, got in replayed.items()
                               if got["sources"]["stored"] + got["sources"]["forward"]],
             "every_request_replayed": not partial, "sets": sets}

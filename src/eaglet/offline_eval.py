@@ -253,10 +253,13 @@ class Features:
 def replay_sequences(drafter: Eagle3Drafter, sequences: list[tuple[list[int], list[int]]],
                      ks: list[int], features: Features) -> dict:
     """Every sequence replayed at every k from the states ``features`` gives it (each
-    sequence's states got once for all k); the counts per k and where the states came from:
-    ``stored``, ``forward``, ``left_out``, and per way a sequence missed the stored states
-    (``differs``, ``longer_than_stored``, ``not_stored``) how many did."""
+    sequence's states got once for all k); the counts per k, summed (``counts``) and per
+    sequence replayed (``per_sequence``: the acceptance length per request comes from them),
+    and where the states came from: ``stored``, ``forward``, ``left_out``, and per way a
+    sequence missed the stored states (``differs``, ``longer_than_stored``, ``not_stored``)
+    how many did."""
     totals = {k: empty_counts(k) for k in ks}
+    per_sequence: dict[int, list[dict]] = {k: [] for k in ks}
     sources: dict[str, int] = {"sequences": len(sequences), "stored": 0, "forward": 0,
                                "left_out": 0}
     for prompt_ids, completion_ids in sequences:
@@ -268,8 +271,10 @@ def replay_sequences(drafter: Eagle3Drafter, sequences: list[tuple[list[int], li
             continue
         sources[source] += 1
         for k in ks:
-            add_counts(totals[k], replay_counts(drafter, aux, prompt_ids, completion_ids, k))
-    return {"counts": totals, "sources": sources}
+            counts = replay_counts(drafter, aux, prompt_ids, completion_ids, k)
+            per_sequence[k].append(counts)
+            add_counts(totals[k], counts)
+    return {"counts": totals, "per_sequence": per_sequence, "sources": sources}
 
 
 @torch.inference_mode()

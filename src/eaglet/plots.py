@@ -76,15 +76,28 @@ def acceptance_length(acceptance: dict, path) -> None:
     _save(fig, path)
 
 
+def _error_bars(points: list[dict]) -> list[list[float]] | None:
+    """Each speedup's 95% interval from the rounds as matplotlib's error bars (below, above);
+    None where no point has one, 0 for a point without (a level of one round)."""
+    if all(p.get("speedup_low") is None for p in points):
+        return None
+    return [[p["speedup"] - p["speedup_low"] if p.get("speedup_low") is not None else 0.0
+             for p in points],
+            [p["speedup_high"] - p["speedup"] if p.get("speedup_high") is not None else 0.0
+             for p in points]]
+
+
 def speedup(acceptance: dict, path) -> None:
-    """Output tokens/s over the target alone's against concurrency, one line per run."""
+    """Output tokens/s over the target alone's against concurrency, one line per run, each
+    point with its 95% interval from the rounds where it has one."""
     fig, ax = plt.subplots(figsize=(6, 4))
     for run in acceptance["runs"]:
         if run["method"] == "baseline":
             continue
         points = run["by_concurrency"]
-        ax.plot([p["concurrency"] for p in points], [p["speedup"] for p in points], marker="o",
-                linestyle=":" if run["method"] == "ngram" else "-", label=run["name"])
+        ax.errorbar([p["concurrency"] for p in points], [p["speedup"] for p in points],
+                    yerr=_error_bars(points), marker="o", capsize=3,
+                    linestyle=":" if run["method"] == "ngram" else "-", label=run["name"])
     ax.axhline(1.0, color="black", linewidth=0.8, label="target alone")
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_locator(matplotlib.ticker.FixedLocator(acceptance["concurrency"]))
@@ -122,13 +135,18 @@ def training_curves(rows: list[dict], path) -> None:
 
 TABLE_COLUMNS = {"name": "run", "method": "method", "k": "k", "set": "prompt set",
                  "concurrency": "concurrency", "acceptance_length": "acceptance length",
+                 "acceptance_length_per_request": "acceptance length per request",
                  "acceptance_rate": "acceptance rate", "output_tokens_per_s": "output tokens/s",
-                 "speedup": "speedup", "mean_latency_s": "mean latency s"}
+                 "speedup": "speedup", "speedup_low": "speedup low",
+                 "speedup_high": "speedup high", "mean_latency_s": "mean latency s"}
 
 
 def results_table(acceptance: dict):
     """One row per engine run, prompt set and concurrency: the numbers the figures show (a
-    pandas DataFrame, 3 decimals)."""
+    pandas DataFrame, 3 decimals). The acceptance length pooled (accepted tokens over drafts)
+    and per request (the mean of each request's own); the speedup with its 95% interval from
+    the rounds. Empty where there is none: the target alone, a level the schedule drafts k 0
+    at (its k column says 0), a level of one round."""
     import pandas as pd
 
     rows = [{**{key: run.get(key) for key in ("name", "method", "k")}, **lv}
