@@ -15,11 +15,18 @@ report: "report/workflow.rst"
 include: "rules/common.smk"
 
 
+# The report's first page and captions, written from this run's results: Snakemake renders
+# report/*.rst with the config as all they get of the run (eaglet.report_page).
+from eaglet.report_page import REPORT_KEY, report_texts
+
+config[REPORT_KEY] = report_texts(R)
+
+
 onstart:
     # what `eaglet status` reads: the validated config of this run and who runs it
     from eaglet.io import write_json
     import os, sys
-    write_json(f"{R}/run/config.json", config)
+    write_json(f"{R}/run/config.json", {k: v for k, v in config.items() if k != REPORT_KEY})
     write_json(f"{R}/run/snakemake.json", {"pid": os.getpid(), "command": " ".join(sys.argv)})
 
 

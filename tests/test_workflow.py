@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import signal
 import time
+from html import unescape
 
 import pytest
 import torch
@@ -197,6 +200,16 @@ def test_hidden_states_reproduce_the_servers_greedy_tokens(results, tmp_path):
     assert after["train"]["state"] == "pending"
 
 
+def report_first_page(page: str) -> str:
+    """The text of a Snakemake report's first page: the workflow description, which the
+    report keeps rendered to HTML in a JSON string of its script (``var workflow_desc =
+    "...";``), tags dropped, entities decoded (docutils writes ``"`` as ``&quot;``) and
+    whitespace collapsed."""
+    match = re.search(r"var workflow_desc = (.*?);\n", page)
+    assert match, "the report has no first page (workflow_desc)"
+    return " ".join(unescape(re.sub(r"<[^>]+>", " ", json.loads(match.group(1)))).split())
+
+
 def test_trained_drafter_is_measured_in_vllm_and_reported(results, tmp_path):
     workflow.run(results, "eval/acceptance.json", "eval/training_curves.png")
     manifest = read_json(results / "hidden" / "manifest.json")
@@ -281,6 +294,15 @@ def test_trained_drafter_is_measured_in_vllm_and_reported(results, tmp_path):
     workflow.run(results, extra=("--report", str(report)))
     html = report.read_text(errors="replace")
     assert "acceptance.json" in html and "training_curves.png" in html
+    # the first page opens on this run's verdict, word for word, and holds the command that
+    # serves the drafter as serve.json says (eaglet.report_page)
+    first_page = report_first_page(html)
+    assert first_page.startswith("Verdict on the drafter for "), first_page[:300]
+    for sentence in [verdict["summary"], *verdict["warnings"]]:
+        assert " ".join(sentence.split()) in first_page, (sentence, first_page[:3000])
+    served = shlex.join(["--model", read_target(results / "target" / "target.json")["path"],
+                         *serve["vllm_args"]])
+    assert served in first_page, (served, first_page[:3000])
 
 
 def test_states_captured_while_generating_train_a_drafter_like_the_extracted_ones(results, tmp_path):
