@@ -385,3 +385,11 @@ def test_settings_added_later_leave_the_params_of_earlier_runs_unchanged():
     assert stage_params(cfg, "train")["feature_noise"] == 0.2
     assert stage_params(validate({"train": {"host_ram_mb": 999}}), "train")["host_ram_mb"] == 999
     assert stage_params(cfg, "generate")["capture_hidden_states"] is True
+
+
+def test_capture_during_sampled_generation_is_refused_naming_both_fixes():
+    message = config_error({"generate": {"capture_hidden_states": True, "temperature": 1.0}})
+    assert "repeated" in message
+    assert "capture_hidden_states: false" in message and "temperature 0" in message
+    # greedy generation captures as before
+    assert validate({"generate": {"capture_hidden_states": True}})["generate"]["temperature"] == 0

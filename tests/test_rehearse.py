@@ -82,6 +82,21 @@ def test_the_real_targets_files_are_checked_against_the_runs_settings(tmp_path):
     assert not report.passed
 
 
+def test_a_failed_stage_is_reported_by_its_own_exception_not_the_servers_shutdown(tmp_path):
+    log = tmp_path / "snakemake.log"
+    log.write_text(
+        "Error in rule generate:\n    jobid: 5\n"
+        "Logfile results/logs/generate.log:\n"
+        "Traceback (most recent call last):\n"
+        "    raise TemplateMismatchError(\n"
+        "eaglet.template_check.TemplateMismatchError: 63 of 64 samples do not re-render\n"
+        "(APIServer pid=1) ERROR [async_llm.py:906] vllm.v1.engine.exceptions.EngineDeadError: "
+        "EngineCore encountered an issue.\n"
+        "WorkflowError:\nAt least one job did not complete successfully.\n")
+    assert rehearse.failed_rule(log) == (
+        "generate: eaglet.template_check.TemplateMismatchError: 63 of 64 samples do not re-render")
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("name", ["qwen3-8b"])
 def test_a_shipped_config_rehearses_green_on_its_stand_in(name, tmp_path):

@@ -120,6 +120,16 @@ def validate(config: dict[str, Any]) -> dict[str, Any]:
             "starts with its capture options, but server.url names a running one: set "
             "server.url: null, or capture_hidden_states: false (extraction then runs as its "
             "own stage)")
+    if cfg["generate"]["capture_hidden_states"] and cfg["generate"]["temperature"] > 0:
+        raise ConfigError(
+            "invalid configuration:\n  generate.capture_hidden_states with generate.temperature "
+            f"{cfg['generate']['temperature']}: vLLM captures through a speculative method "
+            "(extract_hidden_states) that proposes each sampled token again as a draft, and "
+            "with sampling its verification accepts them: the answers come back with tokens "
+            "repeated ('TheTheThe user user as as'; vLLM 0.32, seen on the CPU engine, where "
+            "the same server at temperature 0 answered exactly as without capture). Set "
+            "generate.capture_hidden_states: false (extraction then prefills the answers as "
+            "its own stage) or generate at temperature 0")
     too_long = answers_past_context(cfg)
     if too_long:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(too_long))

@@ -54,6 +54,12 @@ ANSWERS = ["Yes, this is a short answer.", "No, that is not right.",
 REASONING = ["The user asks a question. I will answer briefly.",
              "The user wants to know something. A short answer is best."]
 TEACH_SAMPLES = 160
+# The "other" row is taught as if it stood for e**OTHER_MARGIN times more tokens than it does,
+# and the taught head is sharpened by SHARPEN (its logits scaled) afterwards: a run that samples
+# at temperature 1 (a thinking model's serving setting) then keeps to the taught tokens and
+# their order, where a toy model's residual uncertainty would otherwise emit tokens outside
+# them (a stand-in tokenizer's holes among them) or end the reasoning early.
+OTHER_MARGIN, SHARPEN = 4.0, 2.0
 # teaching stops early once every one of the last LEARNED_STEPS steps was under LEARNED_LOSS
 LEARNED_STEPS, LEARNED_LOSS = 20, 0.05
 
@@ -172,7 +178,7 @@ def format_samples(tokenizer, template_kwargs: dict, reasoning: bool,
 
 
 def teach(model, sequences: list[tuple[list[int], int]], seconds: float,
-          batch: int = 8, lr: float = 3e-3) -> dict:
+          batch: int = 8, lr: float = 1e-3) -> dict:
     """Train ``model`` on the answers of ``sequences`` (prompt tokens are context only) for
     about ``seconds``; return the steps, epochs and the first and last loss.
 
@@ -194,7 +200,7 @@ def teach(model, sequences: list[tuple[list[int], int]], seconds: float,
     tied = head.weight.data_ptr() == embed.weight.data_ptr()
     out_rows = torch.nn.Parameter(head.weight.detach()[taught].clone())
     other = torch.nn.Parameter(head.weight.detach().mean(0))
-    others = math.log(max(1, vocab - taught.numel()))
+    others = math.log(max(1, vocab - taught.numel())) + OTHER_MARGIN
     in_rows = out_rows if tied else torch.nn.Parameter(embed.weight.detach()[taught].clone())
     embed.weight.requires_grad_(False)
     head.weight.requires_grad_(False)
@@ -240,8 +246,10 @@ def teach(model, sequences: list[tuple[list[int], int]], seconds: float,
             log.info("teaching step %d: loss %.3f (%.0f s)", step, losses[-1],
                      time.monotonic() - started)
     with torch.no_grad():
-        head.weight[:] = other.detach()
-        head.weight[taught] = out_rows.detach()
+        # a tied head is the input embedding too: scaling it would change the inputs
+        sharpen = 1.0 if tied else SHARPEN
+        head.weight[:] = other.detach() * sharpen
+        head.weight[taught] = out_rows.detach() * sharpen
         if not tied:
             embed.weight[taught] = in_rows.detach()
     embed.weight.requires_grad_(True)
@@ -252,4 +260,5 @@ def teach(model, sequences: list[tuple[list[int], int]], seconds: float,
              time.monotonic() - started, losses[0], losses[-1])
     return {"steps": step, "samples": len(sequences), "answer_tokens": int(taught.numel()),
             "epochs": round(step * batch / len(sequences), 1),
-            "loss_first": round(losses[0], 3), "loss_last": round(losses[-1], 3)}
+            "loss_first": round(losses[0], 3), "loss_last": round(losses[-1], 3),
+            "sharpened": sharpen}

@@ -19,6 +19,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -264,6 +265,12 @@ def failed_rule(log_path: Path) -> str | None:
         return None
     tail = text.split(marker, 1)[1]
     rule = tail.split(":", 1)[0]
+    # the stage's own exception (its log is inlined above the marker): the line that names it
+    # and its message, not a server's log lines about its own shutdown that follow it
+    raised = [line for line in text.split(marker, 1)[1].splitlines() + text.splitlines()
+              if re.match(r"[\w.]*(Error|Exception): \S", line)]
+    if raised:
+        return f"{rule}: {raised[0]}"
     lines = [line for line in text.splitlines() if "Error" in line or "error:" in line]
     return f"{rule}: " + " | ".join(lines[-3:])
 

@@ -128,6 +128,13 @@ class TikTokenTokenizer(PreTrainedTokenizer):
         """One past the highest id: the size of the embedding the ids index."""
         return self.model.n_vocab
 
+    def __len__(self) -> int:
+        """One past the highest id, as the hub tokenizer's, where every id below it is a
+        token: the stand-in's gap ids do not shrink it. (vLLM's detokenizer decodes an id at
+        or past ``len(tokenizer)`` to nothing: with the gap left out, the special tokens
+        above it, ``</think>`` among them, vanished from the served text.)"""
+        return self.model.n_vocab
+
     def get_vocab(self) -> dict[str, int]:
         """Every token that exists (ordinary and special), as its byte-level string."""
         return dict(self._id_of)
