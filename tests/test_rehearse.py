@@ -98,7 +98,7 @@ def test_a_failed_stage_is_reported_by_its_own_exception_not_the_servers_shutdow
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("name", ["qwen3-8b"])
+@pytest.mark.parametrize("name", ["kimi-k2.5", "qwen3-8b"])
 def test_a_shipped_config_rehearses_green_on_its_stand_in(name, tmp_path):
     out = tmp_path / name
     code = rehearse.main(["--configfile", str(REPO / "configs" / f"{name}.yaml"),
