@@ -723,3 +723,155 @@ def test_train_trained_before_stats_json_shows_the_last_evaluation(tmp_path):
     assert "shipped" not in facts
     assert _stage("train").line(facts) == ("step 30; train acc_0 0.550, simulated AL 1.90; "
                                            "eval acc_0 0.350, simulated AL 1.30")
+
+
+# -- this machine's speed, measured by this run --------------------------------------------------
+
+def _worked(r, name, tokens_per_s, elapsed_s=200.0, state="finished", resumed_from=0, **fields):
+    """A progress file as a stage of this run leaves it after ``elapsed_s`` seconds of work at
+    ``tokens_per_s`` (started that long ago, so the rates it records come after its start)."""
+    from datetime import datetime, timedelta, timezone
+
+    started = datetime.now(timezone.utc) - timedelta(seconds=elapsed_s + 30)
+    (r / "progress").mkdir(parents=True, exist_ok=True)
+    (r / "progress" / f"{name}.json").write_text(json.dumps({
+        "stage": name, "state": state, "unit": "samples", "done": 40, "failed": 0, "total": 40,
+        "resumed_from": resumed_from, "tokens": tokens_per_s * elapsed_s,
+        "tokens_per_s": tokens_per_s, "elapsed_s": elapsed_s, "pid": DEAD_PID,
+        "started_at": started.isoformat(timespec="seconds"), **fields}))
+
+
+def _generated(r):
+    """A results dir whose generation finished: 30 train and 10 held-out prompts answered,
+    12000 tokens (the size of every later stage)."""
+    _prompts(r, 30, 10)
+    (r / "synthetic").mkdir(parents=True)
+    for split in ("train", "eval"):
+        (r / "synthetic" / f"{split}.jsonl").write_text("")
+    (r / "synthetic" / "stats.json").write_text(json.dumps({"splits": {
+        split: {"samples": n, "prompt_tokens": 100 * n, "completion_tokens": 200 * n,
+                "failed": 0, "truncated": 0} for split, n in (("train", 30), ("eval", 10))}}))
+    cfg = _full_config(r)
+    # one server after another, no check run, no replay: the plan is starts + decoding
+    cfg["evaluate"] = {**cfg["evaluate"], "interleave": False, "schedule": False,
+                       "offline": False}
+    return cfg
+
+
+def _decoding(estimate, r, cfg):
+    """An evaluation plan less its server starts (one per engine run)."""
+    runs = len(status.run_plan(cfg["evaluate"])[0])
+    return estimate.seconds - runs * status._server_start("generate", cfg["target"]["model"])
+
+
+def _extract_benchmark():
+    return json.loads((status.BENCHMARKS / "extract.json").read_text())["vllm_backend_tokens_per_s"]
+
+
+def test_a_generation_twice_as_fast_as_its_benchmark_halves_the_plans_after_it(tmp_path, history):
+    """Plans rest on rates of other days and machines: a fresh demo on a faster machine read
+    every stage not yet started 1.3-1.7x too long. Generation's rate over the one its plan
+    assumed is this machine's speed: extraction and training (other kinds of work) are
+    planned at it, evaluation decodes at generation's own rate."""
+    r = tmp_path / "results"
+    cfg = _generated(r)
+    target = cfg["target"]["model"]
+    planned = {name: status.estimate(name, r, cfg, None)
+               for name in ("extract", "train", "evaluate")}
+    assert all(e.seconds and e.speed is None for e in planned.values())
+    benchmark = status._bench_generate(cfg["generate"]["concurrency"])
+    _worked(r, "generate", 2 * benchmark)
+    # the finished stage records its rate, as generate does: not the rate its plan assumed
+    rates.record("generate", target, completion_tokens_per_s=2 * benchmark)
+    now = {name: status.estimate(name, r, cfg, None) for name in planned}
+    start = status._server_start("extract_vllm", target)
+    assert now["extract"].seconds - start == pytest.approx((planned["extract"].seconds - start) / 2)
+    assert now["train"].seconds == pytest.approx(planned["train"].seconds / 2)
+    assert _decoding(now["evaluate"], r, cfg) == pytest.approx(
+        _decoding(planned["evaluate"], r, cfg) / 2)
+    for name in ("extract", "train"):
+        assert "x2.00 this machine's speed from generate's decode" in now[name].basis
+    assert f"decode {2 * benchmark:.0f} tok/s at concurrency {cfg['generate']['concurrency']}, " \
+           "measured by generate (x2.00 its plan)" in now["evaluate"].basis
+    shown = {s["stage"]: s for s in status.collect(r, cfg, None)["stages"]}
+    assert shown["generate"]["state"] == "completed"
+    for name in planned:
+        assert shown[name]["speed_from"] == "generate" and shown[name]["speed_kind"] == "decode"
+        assert shown[name]["speed_factor"] == pytest.approx(2.0)
+        assert shown[name]["estimate_s"] == pytest.approx(now[name].seconds)
+
+
+def test_a_kind_measured_directly_beats_another_kinds_speed(tmp_path, history):
+    """Evaluation decodes like generation, even where extraction measured a different speed
+    over more time; training, a kind no stage measured, takes the speed measured longest; a
+    generation to do again is planned at the decode speed evaluation measured."""
+    r = tmp_path / "results"
+    cfg = _generated(r)
+    gen_bench = status._bench_generate(cfg["generate"]["concurrency"])
+    train_plan = status.estimate("train", r, cfg, None).seconds
+    _worked(r, "generate", 2 * gen_bench, elapsed_s=120.0)
+    _worked(r, "extract_vllm", 3 * _extract_benchmark(), elapsed_s=600.0)
+    evaluation = status.estimate("evaluate", r, cfg, None)
+    assert evaluation.speed.stage == "generate" and "measured by generate" in evaluation.basis
+    train = status.estimate("train", r, cfg, None)
+    assert train.speed.stage == "extract" and train.seconds == pytest.approx(train_plan / 3)
+    assert "x3.00 this machine's speed from extract's prefill" in train.basis
+    # an evaluation finished at 4x its plan's rate (the benchmark at its first concurrency)
+    first = cfg["evaluate"]["concurrency"][0]
+    rate = 4 * status._bench_generate(first)
+    (r / "eval").mkdir()
+    (r / "eval" / "acceptance.json").write_text(json.dumps({
+        "concurrency": cfg["evaluate"]["concurrency"], "runs": [{"levels": [
+            {"set": "held-out", "concurrency": first, "output_tokens": rate * 30, "wall_s": 30.0},
+            {"set": "held-out", "concurrency": 16, "output_tokens": 10.0, "wall_s": 30.0}]}]}))
+    # generation to do again: its own measurement does not plan it, evaluation's decode does
+    again = status.estimate("generate", r, cfg, None)
+    assert again.speed.stage == "evaluate" and again.speed.factor == pytest.approx(4.0)
+    assert "x4.00 this machine's decode speed measured by evaluate" in again.basis
+    per_sample = cfg["generate"]["max_tokens"] * status.COMPLETION_FILL_GUESS
+    assert again.seconds == pytest.approx(
+        status._server_start("generate", cfg["target"]["model"])
+        + 40 * per_sample / (4 * gen_bench))
+
+
+def test_a_stage_at_work_for_less_than_a_minute_does_not_measure_the_machine(tmp_path, history):
+    """Its first requests or steps are warm-up: the plans keep their rates until a minute of
+    work (or the stage's end), and a stage that only resumed an earlier run's work measured
+    nothing."""
+    r = tmp_path / "results"
+    cfg = _generated(r)
+    planned = status.estimate("train", r, cfg, None)
+    benchmark = status._bench_generate(cfg["generate"]["concurrency"])
+    _worked(r, "generate", 2 * benchmark, elapsed_s=50.0, state="running", done=10)
+    assert status.estimate("train", r, cfg, None) == planned
+    _worked(r, "generate", 2 * benchmark, elapsed_s=61.0, state="running", done=10)
+    assert status.estimate("train", r, cfg, None).seconds == pytest.approx(planned.seconds / 2)
+    _worked(r, "generate", 2 * benchmark, elapsed_s=200.0, resumed_from=40)
+    assert status.estimate("train", r, cfg, None) == planned
+
+
+def test_without_a_measurement_of_this_run_the_plans_are_as_before(tmp_path, history):
+    """No stage of this run has worked a minute: every plan rests on the rates history and the
+    benchmarks as it did, and says no speed of this machine."""
+    r = tmp_path / "results"
+    cfg = _generated(r)
+    target, train = cfg["target"]["model"], cfg["train"]
+    rates.record("train", target, tokens_per_s=500.0, ttt_steps=train["ttt_steps"])
+    rates.record("evaluate", target, baseline_tokens_per_s=20.0)
+    expected = {
+        "train": (train["epochs"] * 9000 / 500.0,
+                  f"{train['epochs']} epochs x 9000 tokens at 500 tok/s (an earlier run)"),
+        "extract": (status._server_start("extract_vllm", target) + 12000 / _extract_benchmark(),
+                    f"server start + 12000 tokens of prefill at {_extract_benchmark():.0f} tok/s "
+                    "(benchmarks/results)")}
+    evaluation = status.estimate("evaluate", r, cfg, None)
+    assert "decode 20 tok/s at concurrency 1 (an earlier run)" in evaluation.basis
+    _worked(r, "prepare_prompts", 100.0)  # no model's work
+    _worked(r, "generate", 100.0, elapsed_s=30.0, state="running", done=5)
+    _worked(r, "train", 900.0, resumed_from=40)
+    for name, (seconds, basis) in expected.items():
+        got = status.estimate(name, r, cfg, None)
+        assert got == status.Estimate(pytest.approx(seconds), basis)
+    assert status.estimate("evaluate", r, cfg, None) == evaluation
+    shown = status.collect(r, cfg, None)["stages"]
+    assert not any(s.get("speed_factor") or s.get("speed_from") for s in shown)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+from datetime import datetime
 from pathlib import Path
 
 from eaglet.progress import now_iso
@@ -54,14 +55,26 @@ def record(stage: str, target: str, **values: float | None) -> None:
         pass
 
 
-def lookup(stage: str, key: str, target: str | None = None) -> float | None:
+def lookup(stage: str, key: str, target: str | None = None,
+           before: str | None = None) -> float | None:
     """Latest recorded ``key`` of ``stage``: same target and device first, then same device,
-    then anything."""
-    entry = lookup_entry(stage, key, target)
+    then anything. ``before`` (an ISO time): only what was recorded before it."""
+    entry = lookup_entry(stage, key, target, before)
     return None if entry is None else float(entry[key])
 
 
-def lookup_entry(stage: str, key: str, target: str | None = None) -> dict | None:
+def _recorded_before(entry: dict, before: str | None) -> bool:
+    """Whether ``entry`` was recorded before ``before`` (an entry without a time is old)."""
+    if before is None or not entry.get("at"):
+        return True
+    try:
+        return datetime.fromisoformat(entry["at"]) < datetime.fromisoformat(before)
+    except (TypeError, ValueError):
+        return True
+
+
+def lookup_entry(stage: str, key: str, target: str | None = None,
+                 before: str | None = None) -> dict | None:
     """The whole entry :func:`lookup` reads ``key`` from (with the settings it was measured
     at, where the stage recorded them)."""
     path = history_path()
@@ -73,7 +86,8 @@ def lookup_entry(stage: str, key: str, target: str | None = None) -> dict | None
             entry = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if entry.get("stage") == stage and _measured(entry.get(key)):
+        if (entry.get("stage") == stage and _measured(entry.get(key))
+                and _recorded_before(entry, before)):
             entries.append(entry)
     here = device_kind()
     for match in (lambda e: e["target"] == target and e["device"] == here,

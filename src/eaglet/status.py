@@ -8,7 +8,10 @@ its log is newer than the start of the Snakemake that runs it (``run/snakemake.j
 a Snakemake that is gone may have left its lock, which status names with the command that
 removes it. Remaining time comes from the sizes in the config and the rates measured by
 this run, by earlier runs (``eaglet.rates``) or by the benchmarks, in that order, and says
-which one it used.
+which one it used. Those rates come from other days and machines: once a model stage of this
+run has worked for a minute (or finished), its measured rate over the rate its plan assumed is
+this machine's speed for that kind of work, and the plans of the other stages are scaled by it
+(by their own kind's where measured, else by another kind's).
 """
 
 from __future__ import annotations
@@ -66,13 +69,16 @@ def process_alive(record: dict) -> bool | None:
 class Estimate:
     seconds: float | None
     basis: str
+    speed: Speed | None = None   # this run's measurement the plan rests on, if any
 
 
 def _rate(stage: str, key: str, target: str | None, measured: float | None = None,
-          benchmark: Callable[[], float | None] | None = None) -> tuple[float | None, str]:
+          benchmark: Callable[[], float | None] | None = None,
+          before: str | None = None) -> tuple[float | None, str]:
+    """``before``: the rates history as it was then (see :func:`_at_machine_speed`)."""
     if measured:
         return measured, "this run"
-    earlier = rates.lookup(stage, key, target)
+    earlier = rates.lookup(stage, key, target, before)
     if earlier:
         return earlier, "an earlier run"
     if benchmark is not None:
@@ -82,13 +88,13 @@ def _rate(stage: str, key: str, target: str | None, measured: float | None = Non
     return None, "no rate measured yet"
 
 
-def _train_rate(target: str, ttt_steps: int, max_len: int | None = None
-                ) -> tuple[float | None, str]:
+def _train_rate(target: str, ttt_steps: int, max_len: int | None = None,
+                before: str | None = None) -> tuple[float | None, str]:
     """An earlier run's training tokens/s, else ``benchmarks/results/train.json``'s for this
     target's shape (the row whose sample length is nearest ``max_len``), scaled to this run's
     TTT steps: each step runs the drafter layer and its lm_head once more, so the cost per
     token grows about linearly."""
-    entry, source = rates.lookup_entry("train", "tokens_per_s", target), "an earlier run"
+    entry, source = rates.lookup_entry("train", "tokens_per_s", target, before), "an earlier run"
     if entry is None:
         rows = [row for row in (_read(BENCHMARKS / "train.json") or {}).values()
                 if row.get("shape") and row["shape"] in target and row.get("tokens_per_s")]
@@ -249,6 +255,126 @@ def _packed_samples(r: Path, since: float) -> int:
 PACK_TOKENS_PER_S = 2000
 
 
+# -- this machine's speed --------------------------------------------------------------------
+
+# a running stage's rate speaks for the machine once it has worked this long (before, it is
+# its first requests or steps: warm-up, the first batch still in flight)
+MEASURED_AFTER_S = 60.0
+
+
+@dataclass
+class Measurement:
+    """A stage's tokens/s in this run, the seconds of work it was measured over, and when the
+    stage started (None where its files do not say)."""
+
+    rate: float
+    elapsed_s: float
+    started_at: str | None
+
+
+@dataclass
+class Speed:
+    """One kind of work (``decode``, ``prefill``, ``training``) as a stage of this run did it:
+    its measured tokens/s beside the rate its plan assumed (None where it had none)."""
+
+    stage: str
+    kind: str
+    rate: float
+    planned: float | None
+    elapsed_s: float
+
+    @property
+    def factor(self) -> float | None:
+        """How much faster this machine did the work than the plans assume."""
+        return self.rate / self.planned if self.planned else None
+
+    def says(self, kind: str) -> str:
+        """How a plan of ``kind`` work scaled by this speed names it."""
+        if kind == self.kind:
+            return f"x{self.factor:.2f} this machine's {kind} speed measured by {self.stage}"
+        return f"x{self.factor:.2f} this machine's speed from {self.stage}'s {self.kind}"
+
+
+@dataclass
+class Machine:
+    """What this run measured of the machine it runs on. ``since``: when the first measured
+    stage started; a plan scaled by a speed reads the rates history as it was then, the
+    history its speed was measured against (a finished stage records its own rate there,
+    which would otherwise read as an earlier run's)."""
+
+    speeds: list[Speed]
+    since: str | None
+
+    def measured_by(self, stage: str) -> Speed | None:
+        return next((s for s in self.speeds if s.stage == stage), None)
+
+    def speed(self, kind: str, planned_by: str) -> Speed | None:
+        """The speed a plan of ``kind`` work by stage ``planned_by`` is scaled by: measured by
+        another stage (a running stage's own rate is its ETA once settled), of the same kind
+        where one was measured, else of any kind; of those, the one measured over the most
+        time."""
+        known = [s for s in self.speeds if s.factor and s.stage != planned_by]
+        same = [s for s in known if s.kind == kind]
+        return max(same or known, key=lambda s: s.elapsed_s, default=None)
+
+
+def _measured_record(record: Any) -> bool:
+    """Whether a progress record measured a rate of this machine: new work done (not only
+    resumed), tokens counted, and finished or at it for MEASURED_AFTER_S."""
+    if not isinstance(record, dict) or record.get("state") not in ("running", "finished"):
+        return False
+    try:
+        new = int(record.get("done") or 0) - int(record.get("resumed_from") or 0)
+        tokens, elapsed = float(record.get("tokens") or 0), float(record.get("elapsed_s") or 0)
+    except (TypeError, ValueError):
+        return False
+    return (new > 0 and tokens > 0 and elapsed > 0
+            and (record["state"] == "finished" or elapsed >= MEASURED_AFTER_S))
+
+
+def measured_from_progress(paths: list[str]) -> Measurement | None:
+    """The tokens/s of the progress files ``paths`` that measured one (the mean over their
+    jobs, weighted by time, as each job records its own rate)."""
+    records = [p for p in (_read(Path(path)) for path in paths) if _measured_record(p)]
+    if not records:
+        return None
+    elapsed = sum(float(p["elapsed_s"]) for p in records)
+    starts = [p["started_at"] for p in records if _timestamp(p.get("started_at")) is not None]
+    return Measurement(sum(float(p["tokens"]) for p in records) / elapsed, elapsed,
+                       min(starts, key=_timestamp) if starts else None)
+
+
+def machine_speed(r: Path, cfg: dict) -> Machine:
+    """This run's measurements of the machine, each beside the rate its plan assumed."""
+    measured = []
+    for stage in STAGES:
+        kind = stage.kind(cfg)
+        found = stage.measured(r, cfg) if kind else None
+        if found is not None:
+            measured.append((stage, kind, found))
+    starts = [m.started_at for _, _, m in measured if m.started_at]
+    since = min(starts, key=_timestamp) if starts else None
+    return Machine([Speed(stage.name, kind, m.rate, stage.planned_rate(cfg, since)[0],
+                          m.elapsed_s) for stage, kind, m in measured], since)
+
+
+def _at_machine_speed(stage: Stage, kind: str, r: Path, cfg: dict,
+                      lookup: Callable[[str | None], tuple[float | None, str]]
+                      ) -> tuple[float | None, str, Speed | None]:
+    """The rate a plan of ``kind`` work by ``stage`` rests on, its basis and the speed that
+    scaled it: ``lookup(before)`` (the rates history before ``before``, else the benchmarks)
+    times this machine's speed where another stage of this run measured one, else
+    ``lookup(None)`` as it is."""
+    machine = machine_speed(r, cfg)
+    speed = machine.speed(kind, stage.name)
+    if speed is not None:
+        rate, basis = lookup(machine.since)
+        if rate is not None:
+            return rate * speed.factor, f"{basis}, {speed.says(kind)}", speed
+    rate, basis = lookup(None)
+    return rate, basis, None
+
+
 # -- the stages ------------------------------------------------------------------------------
 
 class Stage:
@@ -293,6 +419,23 @@ class Stage:
     def estimate(self, r: Path, cfg: dict, progress: dict | None) -> Estimate:
         """Time left when the stage is not running (a running one has its own ETA)."""
         return Estimate(self.typical_s, "typical")
+
+    def kind(self, cfg: dict) -> str | None:
+        """The kind of model work its rate measures (None: no model's)."""
+        return None
+
+    def planned_rate(self, cfg: dict, before: str | None = None) -> tuple[float | None, str]:
+        """The tokens/s its plan rests on and where it comes from; ``before``: the rates
+        history as it was then."""
+        return None, "no rate"
+
+    def rate_files(self, r: Path, cfg: dict) -> list[str]:
+        """The progress files that measure its rate."""
+        return sorted(glob.glob(str(r / self.progress))) if self.progress else []
+
+    def measured(self, r: Path, cfg: dict) -> Measurement | None:
+        """Its rate in this run, where it has worked a minute or finished."""
+        return measured_from_progress(self.rate_files(r, cfg))
 
 
 class PrepareTarget(Stage):
@@ -350,6 +493,14 @@ class Generate(Stage):
                 f"{f['completion_tokens']} completion tokens; template check "
                 f"{f['template_mismatched']}/{f['template_checked']} mismatched")
 
+    def kind(self, cfg):
+        return "decode"
+
+    def planned_rate(self, cfg, before=None):
+        return _rate("generate", "completion_tokens_per_s", cfg["target"]["model"],
+                     benchmark=lambda: _bench_generate(cfg["generate"]["concurrency"]),
+                     before=before)
+
     def estimate(self, r, cfg, progress):
         target, gen = cfg["target"]["model"], cfg["generate"]
         n_train, n_eval = _prompt_counts(r)
@@ -358,8 +509,8 @@ class Generate(Stage):
         # prompts with recorded answers (answers: dataset) are not asked
         recorded = (_read(r / "prompts/stats.json") or {}).get("n_train_recorded_answers", 0)
         remaining = n_train - recorded + n_eval - (progress or {}).get("done", 0)
-        rate, basis = _rate("generate", "completion_tokens_per_s", target,
-                            benchmark=lambda: _bench_generate(gen["concurrency"]))
+        rate, basis, speed = _at_machine_speed(self, "decode", r, cfg,
+                                               lambda before: self.planned_rate(cfg, before))
         if rate is None:
             return Estimate(None, basis)
         per_sample = gen["max_tokens"] * COMPLETION_FILL_GUESS
@@ -367,11 +518,14 @@ class Generate(Stage):
         text = f"{remaining} samples x ~{per_sample:.0f} tokens at {rate:.0f} tok/s ({basis})"
         if gen.get("capture_hidden_states") and recorded:
             # the capturing server prefills the recorded answers for their states as well
-            prefill, _ = _rate("extract_vllm", "tokens_per_s", target)
+            prefill, _, scaled = _at_machine_speed(
+                self, "prefill", r, cfg,
+                lambda before: _rate("extract_vllm", "tokens_per_s", target, before=before))
             if prefill:
                 seconds += recorded * per_sample / prefill
                 text += f", then {recorded} recorded answers prefilled at {prefill:.0f} tok/s"
-        return Estimate(seconds, text)
+                text += f" ({scaled.says('prefill')})" if scaled else ""
+        return Estimate(seconds, text, speed)
 
 
 class VocabMap(Stage):
@@ -438,6 +592,24 @@ class Extract(Stage):
                 f"{gib:.2f} GiB {f['dtype']}, layers {f['aux_layer_ids']}; teacher agreement "
                 f"{_pct(f['teacher_agreement'])}")
 
+    def kind(self, cfg):
+        # packing captured states reads and writes files: no model's work
+        return None if cfg["generate"].get("capture_hidden_states") else "prefill"
+
+    def planned_rate(self, cfg, before=None):
+        target = cfg["target"]["model"]
+        if cfg["extract"]["backend"] == "vllm":
+            return _rate("extract_vllm", "tokens_per_s", target, before=before,
+                         benchmark=lambda: (_read(BENCHMARKS / "extract.json") or {}).get(
+                             "vllm_backend_tokens_per_s"))
+        return _rate("extract", "tokens_per_s", target, before=before)
+
+    def rate_files(self, r, cfg):
+        vllm = str(r / "progress" / "extract_vllm.json")
+        files = super().rate_files(r, cfg)
+        return ([f for f in files if f == vllm] if cfg["extract"]["backend"] == "vllm"
+                else [f for f in files if f != vllm])
+
     def estimate(self, r, cfg, progress):
         target, totals = cfg["target"]["model"], _token_totals(r, cfg)
         tokens = sum(t["tokens"] for t in totals.values()) if totals is not None else None
@@ -451,23 +623,19 @@ class Extract(Stage):
             return Estimate(tokens / rate,
                             f"packing {tokens} captured tokens at {rate:.0f} tok/s ({basis})"
                             + _guessed(totals))
-        if cfg["extract"]["backend"] == "vllm":
-            # one capture server; every sequence (train and held-out) is a prefill request
-            rate, basis = _rate("extract_vllm", "tokens_per_s", target,
-                                benchmark=lambda: (_read(BENCHMARKS / "extract.json") or {}).get(
-                                    "vllm_backend_tokens_per_s"))
-            if tokens is None or rate is None:
-                return Estimate(None, basis if totals else NO_TOKENS)
-            return Estimate(_server_start("extract_vllm", target) + tokens / rate,
-                            f"server start + {tokens} tokens of prefill at {rate:.0f} tok/s "
-                            f"({basis})" + _guessed(totals))
-        rate, basis = _rate("extract", "tokens_per_s", target)
+        rate, basis, speed = _at_machine_speed(self, "prefill", r, cfg,
+                                               lambda before: self.planned_rate(cfg, before))
         if tokens is None or rate is None:
             return Estimate(None, basis if totals else NO_TOKENS)
+        if cfg["extract"]["backend"] == "vllm":
+            # one capture server; every sequence (train and held-out) is a prefill request
+            return Estimate(_server_start("extract_vllm", target) + tokens / rate,
+                            f"server start + {tokens} tokens of prefill at {rate:.0f} tok/s "
+                            f"({basis})" + _guessed(totals), speed)
         done = len(glob.glob(str(r / "hidden/shard_*.safetensors")))
         left = tokens * (1 - done / max(cfg["extract"]["num_shards"], 1))
         return Estimate(left / rate, f"{left:.0f} tokens at {rate:.0f} tok/s ({basis})"
-                        + _guessed(totals))
+                        + _guessed(totals), speed)
 
 
 # what status keeps of drafter/stats.json's ``shipped`` (train.py's ``Trainer.ship``)
@@ -528,10 +696,18 @@ class Train(Stage):
             parts.append(_shipped_line(f["shipped"]))
         return "; ".join(parts)
 
+    def kind(self, cfg):
+        return "training"
+
+    def planned_rate(self, cfg, before=None):
+        train = cfg["train"]
+        return _train_rate(cfg["target"]["model"], train["ttt_steps"],
+                           train["max_len"] or train["max_tokens_per_batch"], before)
+
     def estimate(self, r, cfg, progress):
         totals, epochs = _token_totals(r, cfg), cfg["train"]["epochs"]
-        rate, basis = _train_rate(cfg["target"]["model"], cfg["train"]["ttt_steps"],
-                                  cfg["train"]["max_len"] or cfg["train"]["max_tokens_per_batch"])
+        rate, basis, speed = _at_machine_speed(self, "training", r, cfg,
+                                               lambda before: self.planned_rate(cfg, before))
         if totals is None or rate is None:
             return Estimate(None, basis if totals else NO_TOKENS)
         tokens = totals["train"]["tokens"] * epochs
@@ -540,7 +716,7 @@ class Train(Stage):
         if step:  # a rerun continues from the newest checkpoint
             tokens *= max(steps - step, 0) / steps
             text += f", resuming from the checkpoint at step {step}/{steps}"
-        return Estimate(tokens / rate, f"{text} at {rate:.0f} tok/s ({basis})")
+        return Estimate(tokens / rate, f"{text} at {rate:.0f} tok/s ({basis})", speed)
 
 
 class Evaluate(Stage):
@@ -574,6 +750,55 @@ class Evaluate(Stage):
             text += "; serve.json slower than the target alone somewhere"
         return text
 
+    def kind(self, cfg):
+        return "decode"
+
+    def planned_rate(self, cfg, before=None):
+        first = cfg["evaluate"]["concurrency"][0]
+        return _rate("evaluate", "baseline_tokens_per_s", cfg["target"]["model"],
+                     benchmark=lambda: _bench_generate(first), before=before)
+
+    def measured(self, r, cfg):
+        """The target alone's decode rate at the first concurrency, as a finished evaluation
+        measured it (its progress counts whole engine runs, server starts and all)."""
+        result = _read(r / "eval/acceptance.json") or {}
+        first = (result.get("concurrency") or [None])[0]
+        with contextlib.suppress(LookupError, TypeError, ValueError, ZeroDivisionError):
+            levels = [lv for lv in result["runs"][0]["levels"] if lv["concurrency"] == first]
+            wall = sum(float(lv["wall_s"]) for lv in levels)
+            rate = sum(float(lv["output_tokens"]) for lv in levels) / wall
+            if rate > 0:
+                started = (_read(r / "progress/evaluate.json") or {}).get("started_at")
+                return Measurement(rate, wall, started if _timestamp(started) else None)
+        return None
+
+    def decode_rates(self, r, cfg) -> tuple[Callable[[int], float] | None, str, Speed | None]:
+        """The target's decode tokens/s at each concurrency of the sweep, what it rests on,
+        and the measurement of this run it rests on: generation's rate where it has worked
+        a minute or finished (the same engine and target on this machine), else an earlier
+        evaluation's or the benchmark's at the first level, at this machine's speed where a
+        stage measured one. The benchmark's server rates scale it to the other levels (how
+        decode grows with more requests in flight)."""
+        generated = machine_speed(r, cfg).measured_by("generate")
+        if generated is not None:
+            at, rate, speed = cfg["generate"]["concurrency"], generated.rate, generated
+            basis = (f"decode {rate:.0f} tok/s at concurrency {at}, measured by generate"
+                     + (f" (x{speed.factor:.2f} its plan)" if speed.factor else ""))
+        else:
+            at = cfg["evaluate"]["concurrency"][0]
+            rate, source, speed = _at_machine_speed(self, "decode", r, cfg,
+                                                    lambda before: self.planned_rate(cfg, before))
+            if rate is None:
+                return None, source, None
+            basis = f"decode {rate:.0f} tok/s at concurrency {at} ({source})"
+        base = _bench_generate(at)
+
+        def rate_at(concurrency: int) -> float:
+            level = _bench_generate(concurrency)
+            return rate * (level / base if level and base else 1.0)
+
+        return rate_at, basis, speed
+
     def estimate(self, r, cfg, progress):
         ev, target = cfg["evaluate"], cfg["target"]["model"]
         plan, replays = run_plan(ev)
@@ -582,20 +807,13 @@ class Evaluate(Stage):
             return Estimate(None, "prompt count unknown")
         # the sets of their own are read by the stage itself: assume the held-out split's size
         sizes = [min(n_eval, ev["max_prompts"] or n_eval)] * (1 + len(ev["prompt_sets"]))
-        first = ev["concurrency"][0]
-        rate, basis = _rate("evaluate", "baseline_tokens_per_s", target,
-                            benchmark=lambda: _bench_generate(first))
-        if rate is None:
+        rate_at, basis, speed = self.decode_rates(r, cfg)
+        if rate_at is None:
             return Estimate(None, basis)
         start, measure = _server_start("generate", target), 0.0
-        base = _bench_generate(first)
         for c in ev["concurrency"]:
-            # the rate was measured at the first concurrency; the benchmark's server rates
-            # say how it grows with more requests in flight
-            at_c = _bench_generate(c)
-            scale = at_c / base if at_c and base else 1.0
             requests = sum(len(level_prompts(range(n), c, ev["rounds"])) for n in sizes)
-            measure += requests * ev["max_tokens"] * COMPLETION_FILL_GUESS / (rate * scale)
+            measure += requests * ev["max_tokens"] * COMPLETION_FILL_GUESS / rate_at(c)
         # the derived k schedule gets a run of its own unless it is one fixed k (with several
         # concurrency levels it mostly is not): counted, or the last minutes read near zero
         # (interleaved, it is measured beside the target alone once more: two runs)
@@ -612,9 +830,8 @@ class Evaluate(Stage):
         seconds = starts + runs * measure + OFFLINE_REPLAY_SHARE * replays * (start + measure)
         return Estimate(seconds,
                         f"{runs} vLLM runs {'side by side' if together else 'one at a time'} "
-                        f"x {len(sizes)} prompt sets at concurrency "
-                        f"{ev['concurrency']} ({basis})" + (f", {replays} offline replays"
-                                                             if replays else ""))
+                        f"x {len(sizes)} prompt sets at concurrency {ev['concurrency']}, "
+                        f"{basis}" + (f", {replays} offline replays" if replays else ""), speed)
 
 
 def _together_start(target: str, servers: int, start: float) -> float:
@@ -652,7 +869,7 @@ def estimate(stage: str, r: Path, cfg: dict, progress: dict | None) -> Estimate:
         elapsed = progress.get("elapsed_s") or 0.0
         return Estimate(max(planned.seconds - elapsed, 0.0),
                         f"{planned.basis}, less the {format_duration(elapsed)} it has run "
-                        f"({done}/{total} done: its own rate is not settled)")
+                        f"({done}/{total} done: its own rate is not settled)", planned.speed)
     if spec is None:
         return Estimate(None, "unknown stage")
     planned = spec.estimate(r, cfg, progress)
@@ -661,7 +878,8 @@ def estimate(stage: str, r: Path, cfg: dict, progress: dict | None) -> Estimate:
         # that finishes its runs together): the plan, less the time it has run
         elapsed = progress.get("elapsed_s") or 0.0
         return Estimate(max(planned.seconds - elapsed, 0.0),
-                        f"{planned.basis}, less the {format_duration(elapsed)} it has run")
+                        f"{planned.basis}, less the {format_duration(elapsed)} it has run",
+                        planned.speed)
     return planned
 
 
@@ -790,6 +1008,11 @@ def stage_status(stage: Stage, r: Path, cfg: dict, outdated: set[str]) -> dict:
         first = (out.get("progress") or [None])[0]
         est = estimate(stage.name, r, cfg, first if out["state"] == "running" else None)
         out["estimate_s"], out["estimate_basis"] = est.seconds, est.basis
+        # the measurement of this run the plan rests on: this machine's speed for a kind of
+        # work (the factor over the plan's rate), and the stage that measured it
+        out["speed_factor"] = est.speed.factor if est.speed else None
+        out["speed_kind"] = est.speed.kind if est.speed else None
+        out["speed_from"] = est.speed.stage if est.speed else None
     out["log"] = str(r / stage.log)
     return out
 
