@@ -34,7 +34,9 @@ def test_rate_lookup_prefers_the_same_target(history):
     rates.record("train", "embedded:b", tokens_per_s=900.0, ttt_steps=3)
     assert rates.lookup("train", "tokens_per_s", "embedded:a") == pytest.approx(100.0)
     assert rates.lookup_entry("train", "tokens_per_s", "embedded:b")["ttt_steps"] == 3
-    assert status._train_rate("nothing-recorded", 3)[0] == pytest.approx(900.0)  # same device
+    # another target's rate is no rate for this one (a miniature's, rehearsed before the run)
+    assert rates.lookup("train", "tokens_per_s", "nothing-recorded") is None
+    assert status._train_rate("nothing-recorded", 3) == (None, "no rate measured yet")
 
 
 def test_a_rate_of_no_work_is_not_recorded_and_an_old_one_is_ignored(history):
@@ -350,8 +352,11 @@ def test_a_stage_just_started_is_estimated_by_its_plan_less_the_time_it_has_run(
     assert got.seconds == pytest.approx(plan - 60.0) and "not settled" in got.basis
     settled = {**early, "done": 10, "eta_s": 300.0}
     assert status.estimate("generate", r, cfg, settled) == status.Estimate(300.0, "this run's progress")
-    later = {**early, "eta_s": 18000.0, "elapsed_s": plan + 100}  # past its plan: nothing left
-    assert status.estimate("generate", r, cfg, later).seconds == 0.0
+    # past its plan and still going: the plan was wrong, the stage's own rate is all there is
+    # (not "nothing left": a demo's training read 0 s left for two minutes of eight)
+    later = {**early, "eta_s": 1800.0, "elapsed_s": plan + 100}
+    got = status.estimate("generate", r, cfg, later)
+    assert got.seconds == 1800.0 and "spent" in got.basis
     rates.record("evaluate", cfg["target"]["model"], baseline_tokens_per_s=20.0, server_start_s=30.0)
     evaluate_plan = status.estimate("evaluate", r, cfg, None).seconds
     assert evaluate_plan
@@ -875,3 +880,34 @@ def test_without_a_measurement_of_this_run_the_plans_are_as_before(tmp_path, his
     assert status.estimate("evaluate", r, cfg, None) == evaluation
     shown = status.collect(r, cfg, None)["stages"]
     assert not any(s.get("speed_factor") or s.get("speed_from") for s in shown)
+
+
+def test_a_running_training_is_not_planned_from_its_own_new_checkpoint(tmp_path, history):
+    """A demo's training wrote its checkpoint at step 100 of 705 and status planned it as a
+    rerun resuming there (with a plan already spent: 0 s left while 8 minutes remained)."""
+    import os
+    r = tmp_path / "results"
+    (r / "drafter_checkpoints/step_00000100").mkdir(parents=True)
+    (r / "drafter_checkpoints/step_00000100/state.json").write_text(
+        json.dumps({"step": 100, "total_steps": 705}))
+    (r / "progress").mkdir()
+    record = {"stage": "train", "state": "running", "unit": "steps", "done": 120, "total": 705,
+              "resumed_from": 0, "eta_s": 450.0, "elapsed_s": 90.0, "pid": os.getpid(),
+              "host": status.socket.gethostname()}
+    (r / "progress/train.json").write_text(json.dumps(record))
+    (r / "synthetic").mkdir()
+    (r / "synthetic/stats.json").write_text(json.dumps({"splits": {
+        "train": {"samples": 10, "prompt_tokens": 1000, "completion_tokens": 3000},
+        "eval": {"samples": 2, "prompt_tokens": 200, "completion_tokens": 600}}}))
+    cfg = _full_config(r)
+    rates.record("train", cfg["target"]["model"], tokens_per_s=1e6,  # a plan far too short
+                 ttt_steps=cfg["train"]["ttt_steps"])
+    train = status._BY_NAME["train"]
+    planned = train.estimate(r, cfg, None)
+    assert "resuming" not in planned.basis
+    left = status.estimate("train", r, cfg, record)
+    # the plan (16K tokens at 1M tok/s) is spent after 90 s: the stage's own ETA, not 0
+    assert left.seconds == pytest.approx(450.0) and "spent" in left.basis
+    record["pid"] = 2 ** 22 + 12345  # a dead run: its rerun resumes from the checkpoint
+    (r / "progress/train.json").write_text(json.dumps(record))
+    assert "resuming from the checkpoint at step 100/705" in train.estimate(r, cfg, None).basis

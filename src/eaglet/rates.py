@@ -57,8 +57,8 @@ def record(stage: str, target: str, **values: float | None) -> None:
 
 def lookup(stage: str, key: str, target: str | None = None,
            before: str | None = None) -> float | None:
-    """Latest recorded ``key`` of ``stage``: same target and device first, then same device,
-    then anything. ``before`` (an ISO time): only what was recorded before it."""
+    """Latest recorded ``key`` of ``stage`` for ``target``: on this device first, then on any.
+    ``before`` (an ISO time): only what was recorded before it."""
     entry = lookup_entry(stage, key, target, before)
     return None if entry is None else float(entry[key])
 
@@ -89,9 +89,13 @@ def lookup_entry(stage: str, key: str, target: str | None = None,
         if (entry.get("stage") == stage and _measured(entry.get(key))
                 and _recorded_before(entry, before)):
             entries.append(entry)
+    # Only this target's own rates: another target's (a rehearsal's miniature before the real
+    # run, most often) is no rate for this one: the Kimi miniature trained at 4x SmolLM2's
+    # tokens/s and the demo after it was planned at that. Without one, the benchmarks for this
+    # target's shape, else this run's own first minute, plan the stage.
     here = device_kind()
-    for match in (lambda e: e["target"] == target and e["device"] == here,
-                  lambda e: e["device"] == here, lambda e: True):
+    for match in (lambda e: e.get("target") == target and e.get("device") == here,
+                  lambda e: e.get("target") == target):
         found = [e for e in entries if match(e)]
         if found:
             return found[-1]

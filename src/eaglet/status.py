@@ -713,6 +713,12 @@ class Train(Stage):
         tokens = totals["train"]["tokens"] * epochs
         text = f"{epochs} epochs x {totals['train']['tokens']} tokens" + _guessed(totals)
         step, steps = _checkpointed_steps(r)
+        running = _read(r / self.progress) or {}
+        if (running.get("state") == "running" and running.get("resumed_from") is not None
+                and process_alive(running) is not False):
+            # a training under way resumed from where its progress says, not from the
+            # checkpoints it has written since
+            step = int(running["resumed_from"])
         if step:  # a rerun continues from the newest checkpoint
             tokens *= max(steps - step, 0) / steps
             text += f", resuming from the checkpoint at step {step}/{steps}"
@@ -814,6 +820,7 @@ class Evaluate(Stage):
         for c in ev["concurrency"]:
             requests = sum(len(level_prompts(range(n), c, ev["rounds"])) for n in sizes)
             measure += requests * ev["max_tokens"] * COMPLETION_FILL_GUESS / rate_at(c)
+        measure *= len(ev.get("temperature") or [0])   # every level at each temperature
         # the derived k schedule gets a run of its own unless it is one fixed k (with several
         # concurrency levels it mostly is not): counted, or the last minutes read near zero
         # (interleaved, it is measured beside the target alone once more: two runs)
@@ -844,13 +851,52 @@ def _together_start(target: str, servers: int, start: float) -> float:
     return float(entry["sweep_start_s"]) * servers / float(entry.get("sweep_servers") or servers)
 
 
+class Scaling(Stage):
+    """Optional (scaling.enabled): the drafter trained again on nested subsets of the samples
+    and the fit that predicts the data a target AL needs (eaglet.scaling)."""
+    name = "scaling"
+    rules = ("scaling_train", "scaling")
+    outputs = ("eval/scaling.json",)
+    progress = "progress/scaling_*.json"
+    log = "logs/scaling"
+    gpu_key = ("train", "gpus")
+
+    def enabled(self, cfg: dict) -> bool:
+        return bool(cfg.get("scaling", {}).get("enabled"))
+
+    def facts(self, r):
+        s = _read(r / "eval/scaling.json") or {}
+        return {"sentence": s.get("sentence"), "check": s.get("check")}
+
+    def line(self, f):
+        return f.get("sentence") or "no prediction"
+
+    def estimate(self, r, cfg, progress):
+        # the subsets not trained yet, each its share of the full training
+        left = sum(f for f in cfg["scaling"]["fractions"]
+                   if not (r / "scaling" / f"{f:g}" / "stats.json").exists())
+        totals, train = _token_totals(r, cfg), cfg["train"]
+        rate, basis, speed = _at_machine_speed(
+            self, "training", r, cfg, lambda before: _train_rate(
+                cfg["target"]["model"], train["ttt_steps"],
+                train["max_len"] or train["max_tokens_per_batch"], before))
+        if totals is None or rate is None:
+            return Estimate(None, basis if totals else NO_TOKENS)
+        epochs = train["epochs"]
+        tokens = totals["train"]["tokens"] * epochs * left
+        return Estimate(tokens / rate, f"{left:g} x {epochs} epochs x {totals['train']['tokens']} "
+                        f"tokens at {rate:.0f} tok/s ({basis})", speed)
+
+
 # The stages in the workflow's order. Status also reads a results dir without Snakemake
 # (--no-snakemake, a copied results dir, no workflow at hand), so their order, rules and
 # outputs are listed here, in one place; tests/test_status.py checks them against the jobs
 # of a Snakemake dry run.
 STAGES: list[Stage] = [PrepareTarget(), PreparePrompts(), Generate(), VocabMap(), Extract(),
                        Train(), Evaluate()]
-_BY_NAME = {s.name: s for s in STAGES}
+# stages a config turns on (``enabled(cfg)``), after all of the above
+OPTIONAL_STAGES: list[Stage] = [Scaling()]
+_BY_NAME = {s.name: s for s in STAGES + OPTIONAL_STAGES}
 
 
 def estimate(stage: str, r: Path, cfg: dict, progress: dict | None) -> Estimate:
@@ -867,7 +913,10 @@ def estimate(stage: str, r: Path, cfg: dict, progress: dict | None) -> Estimate:
         if planned.seconds is None:
             return Estimate(own, "this run's progress")
         elapsed = progress.get("elapsed_s") or 0.0
-        return Estimate(max(planned.seconds - elapsed, 0.0),
+        if planned.seconds <= elapsed:  # the plan is spent and the stage goes on: the plan was
+            return Estimate(own, f"this run's progress ({done}/{total} done; its plan of "  # wrong
+                                 f"{format_duration(planned.seconds)} is spent)")
+        return Estimate(planned.seconds - elapsed,
                         f"{planned.basis}, less the {format_duration(elapsed)} it has run "
                         f"({done}/{total} done: its own rate is not settled)", planned.speed)
     if spec is None:
@@ -1092,7 +1141,8 @@ def collect(results: Path, cfg: dict, workflow: Path | None = None,
     ``.snakemake/locks`` a killed run leaves behind (default: ``workflow``, else the
     current directory)."""
     outdated = snakemake_outdated(workflow, config_args or []) if workflow else None
-    stages = [stage_status(s, results, cfg, outdated or set()) for s in STAGES]
+    stages = [stage_status(s, results, cfg, outdated or set())
+              for s in STAGES + [o for o in OPTIONAL_STAGES if o.enabled(cfg)]]
     remaining = [s for s in stages if s["state"] not in ("completed",)]
     known = [s["estimate_s"] for s in remaining if s.get("estimate_s") is not None]
     total = sum(known) if known else None
