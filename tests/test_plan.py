@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -27,13 +28,28 @@ def tiny_shape(**over) -> plan.Shape:
     return plan.Shape("tiny", **fields)
 
 
+# a tiny target with multi-head latent attention; v_head_dim = qk_nope + qk_rope, so that
+# PyTorch's fused CPU kernel takes it (with unequal head sizes it computes the plain math)
+TINY_MLA = dict(q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                v_head_dim=24)
+
+
+def tiny_mla_shape(**over) -> plan.Shape:
+    return tiny_shape(kv_heads=6, **{**TINY_MLA, "drafter_attention": "mla", **over})
+
+
 def build(s: plan.Shape, seed: int = 0) -> Eagle3Drafter:
+    mla = {}
+    if s.mla:
+        mla = dict(attention_kind="mla", q_lora_rank=s.q_lora_rank, kv_lora_rank=s.kv_lora_rank,
+                   qk_nope_head_dim=s.qk_nope_head_dim, qk_rope_head_dim=s.qk_rope_head_dim,
+                   v_head_dim=s.v_head_dim)
     config = DrafterConfig(
         hidden_size=s.hidden, intermediate_size=s.d_intermediate,
-        num_attention_heads=s.d_heads, num_key_value_heads=s.d_kv_heads, head_dim=s.head_dim,
+        num_attention_heads=s.d_heads, num_key_value_heads=s.d_kv_heads, head_dim=s.d_qk_dim,
         rms_norm_eps=1e-6, rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
         max_position_embeddings=4096, vocab_size=s.vocab, draft_vocab_size=s.draft_vocab,
-        target_hidden_size=s.hidden, aux_layer_ids=[1, 2, 3])
+        target_hidden_size=s.hidden, aux_layer_ids=[1, 2, 3], **mla)
     torch.manual_seed(seed)
     keep = torch.sort(torch.randperm(s.vocab)[:s.draft_vocab]).values
     t2d = torch.zeros(s.vocab, dtype=torch.bool)
@@ -59,6 +75,30 @@ def test_preset_parameter_counts():
     assert plan.drafter_params(kimi) == (3 * 7168 ** 2 + 7 * 7168 ** 2 + 3 * 7168 * 18432
                                          + 4 * 7168 + 7168 * 32000) == 1_139_568_640
     assert kimi.assumptions  # the numbers that are not from a checkpoint are said
+    # with train.drafter_attention mla: q_a from 2H to 1536, its norm, q_b to 64 heads of
+    # 128 + 64; kv_a from 2H to 512 + 64, its norm, kv_b to 64 x (128 + 128); o_proj 64 x 128
+    h = 7168
+    mla = (2 * h * 1536 + 1536 + 1536 * 64 * 192 + 2 * h * 576 + 512 + 512 * 64 * 256
+           + 64 * 128 * h)
+    assert plan.drafter_params(plan.with_drafter(kimi, "mla")) == (
+        3 * h * h + mla + 3 * h * 18432 + 4 * h + h * 32000)
+    # the target: embedding and lm_head; 61 MLA layers (q_a, q_b, kv_a, kv_b, o_proj and
+    # their norms) with two norms each; one dense MLP; 60 MoE layers of 384 routed and one
+    # shared expert of width 2048 and a router; the final norm
+    attention = (h * 1536 + 1536 + 1536 * 64 * 192 + h * 576 + 512 + 512 * 64 * 256
+                 + 64 * 128 * h)
+    routed = 60 * 384 * 3 * h * 2048
+    total = (2 * 163840 * h + 61 * (attention + 2 * h) + 3 * h * 18432
+             + 60 * (3 * h * 2048 + 384 * h) + routed + h)
+    assert plan.target_params(kimi) == total
+    assert 1.0e12 < total < 1.05e12  # "1T parameters"
+    # served: INT4 experts (half a byte a weight and a bfloat16 scale a group of 32), the rest
+    # in bfloat16: the hub checkpoint's 554 GiB (594 GB)
+    split, whole = plan.serving_weights(kimi, "bfloat16")
+    assert split + whole == routed // 2 + routed // 32 * 2 + 2 * (total - routed)
+    assert round((split + whole) / GIB) == 553 and round((split + whole) / 1e9) == 594
+    # every rank holds MLA's q_a/kv_a projections, the routers and the norms whole
+    assert whole == 2 * (61 * (h * 1536 + 1536 + h * 576 + 512 + 2 * h) + 60 * 384 * h + h)
 
 
 def saved_bytes(s: plan.Shape, tokens: int, steps: int, bf16: bool, attention: str) -> int:
@@ -85,8 +125,10 @@ def saved_bytes(s: plan.Shape, tokens: int, steps: int, bf16: bool, attention: s
 
 @pytest.mark.parametrize("bf16", [False, True])
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
-def test_activation_estimate_matches_what_autograd_keeps(bf16, attention):
-    s, tokens, steps = tiny_shape(), 384, 3
+@pytest.mark.parametrize("kind", ["llama", "mla"])
+def test_activation_estimate_matches_what_autograd_keeps(bf16, attention, kind):
+    # MLA's projections keep more a row: more rows, so that the eager scores dominate again
+    s, tokens, steps = (tiny_shape(), 384, 3) if kind == "llama" else (tiny_mla_shape(), 640, 3)
     # the drafter pads the fused kernel's head dim by 1 on CPU (8 on CUDA, what plan assumes)
     device = plan.training(s, tokens, tokens, steps, "bfloat16" if bf16 else "float32",
                            attention=attention, sink_pad=1)["device"]
@@ -140,14 +182,155 @@ def test_llama_8b_numbers():
 
 
 def test_cli_prints_presets(capsys):
-    assert cli_main(["plan", "--preset", "kimi-k2.5", "--tokens", "8192"]) == 0
+    assert cli_main(["plan", "--preset", "kimi-k2.5", "--max-tokens-per-batch", "8192"]) == 0
     out = capsys.readouterr().out
-    assert "assumed: drafter layer: 64 heads" in out
-    assert "1869.5 GiB  total: does NOT fit one 141 GB GPU" in out        # the 1T target
+    assert "assumed: drafter layer, train.drafter_attention llama: 64 heads" in out
+    kimi = plan.PRESETS["kimi-k2.5"]
+    # the hf backend holds the whole target in bfloat16: more than one GPU
+    weights = 2 * plan.target_params(kimi)
+    assert f"{plan.gib(weights):>11}  target weights" in out
+    assert "total: does NOT fit one 141 GB GPU" in out
     assert "training (one rank, train.attention sdpa)" in out
     assert "68.8 GiB  total: fits one 141 GB GPU" in out                  # training, fused
     assert "255.5 GiB  with eager attention instead" in out
     assert "57,361 bytes per token (bfloat16)" in out
+    # the drafter eaglet builds for train.drafter_attention llama, and the MLA one beside it
+    assert (f"drafter {plan.drafter_params(kimi) / 1e6:.1f}M trainable (train.drafter_attention "
+            f"llama)") in out
+    mla = plan.drafter_params(plan.with_drafter(kimi, "mla"))
+    assert f"with train.drafter_attention mla instead: drafter {mla / 1e6:.1f}M" in out
+    assert "--tokens N for N training tokens" in out                      # no dataset named
+    assert "one H200" in out and "one B200" in out
+    assert cli_main(["plan", "--preset", "kimi-k2.5", "--drafter-attention", "mla",
+                     "--max-tokens-per-batch", "2048"]) == 0
+    out = capsys.readouterr().out
+    assert f"drafter {mla / 1e6:.1f}M trainable (train.drafter_attention mla)" in out
+    assert cli_main(["plan", "--preset", "llama-3.1-8b", "--drafter-attention", "mla"]) == 2
+    assert "--drafter-attention llama" in capsys.readouterr().err       # no MLA to take
+
+
+def test_issue_command_prints_the_disk_of_each_training_data_mode(capsys):
+    """`eaglet plan --preset kimi-k2.5 --tokens 100000000`: 100M training tokens at the
+    schema's defaults (bf16 shards, 4 shards, a tenth of the samples held out)."""
+    assert cli_main(["plan", "--preset", "kimi-k2.5", "--tokens", "100000000", "--json"]) == 0
+    plans = json.loads(capsys.readouterr().out)
+    assert [p["tokens_per_batch"] for p in plans] == [2048, 8192]
+    h, train, heldout = 7168, 100_000_000, round(100_000_000 * 0.1 / 0.9)
+    shard = 8 + 1 + 8 + 4 * h * 2            # ids, mask, argmax, 3 aux + final states in bf16
+    request = 4 * h * 2 + 8                  # the capture file: 4 layers in bf16, an int64 id
+    for p in plans:
+        disk = p["disk"]
+        assert (disk["train_tokens"], disk["heldout_tokens"]) == (train, heldout)
+        # shards: all shards, and the request files of the shard being packed and of the
+        # next (25M tokens each)
+        assert disk["shards"]["peak"] == (train + heldout) * shard + 2 * train // 4 * request
+        # stream: the held-out shard, and its request files (more than the window's)
+        window = 4 * 8 * p["tokens_per_batch"]
+        assert disk["window_tokens"] == window < heldout
+        assert disk["stream"]["peak"] == heldout * shard + heldout * request
+        assert p["colocation"]["ranks"] == 8
+        assert set(p["colocation"]["devices"]) == {"H200", "B200"}
+    assert round(plans[0]["disk"]["shards"]["stored"] * train / (train + heldout) / 1e12, 1) == 5.7
+    assert cli_main(["plan", "--preset", "kimi-k2.5", "--tokens", "100000000"]) == 0
+    out = capsys.readouterr().out
+    shards_peak = plans[1]["disk"]["shards"]["peak"]
+    assert f"train.data shards {plan.size(shards_peak):>24} at the peak" in out
+    assert "train.data stream" in out and "of shards mode" in out
+    assert "capture server and trainer on the same 8 GPUs" in out
+
+
+def test_dataset_disk_of_both_modes():
+    s = tiny_shape(hidden=40)
+    train, heldout, shards, window = 10_000, 900, 4, 3 * 2 * 256
+    bf16 = 8 + 1 + 8 + 4 * 40 * 2             # a shard's token: ids, mask, argmax, 4 states
+    fp8 = 8 + 1 + 8 + 4 * 40 + 4 * 4           # fp8 states and a float32 scale each
+    request = 4 * 40 * 4 + 8                   # served in float32: 4 layers, an int64 id
+    d = plan.dataset_disk(s, train_tokens=train, heldout_tokens=heldout, store_dtype="bfloat16",
+                          serving_dtype="float32", num_shards=shards,
+                          capture_during_generation=False, window_tokens=window)
+    assert d["shards"]["stored"] == (train + heldout) * bf16
+    # packed shard by shard, the server a shard ahead: two shards' (2,500 tokens each)
+    # request files on top
+    assert d["shards"]["peak"] == (train + heldout) * bf16 + 2 * 2500 * request
+    # stream: the held-out shard, and the larger of its request files and the window
+    assert d["stream"]["peak"] == heldout * bf16 + max(heldout, window) * request
+    # generation captured every sample: all request files wait, the first shard beside them
+    c = plan.dataset_disk(s, train_tokens=train, heldout_tokens=heldout, store_dtype="fp8",
+                          serving_dtype="float32", num_shards=shards,
+                          capture_during_generation=True, window_tokens=window)
+    assert c["shards"]["peak"] == (train + heldout) * request + 2500 * fp8
+    assert c["shards"]["stored"] == (train + heldout) * fp8
+
+
+def test_request_file_bytes_are_what_the_connector_writes(tmp_path):
+    """A capture request file holds request_bytes_per_token a token, beside its header."""
+    from eaglet.hidden_connector import write_states
+    s, tokens = tiny_shape(hidden=40), 37
+    path = tmp_path / "r.safetensors"
+    # as vLLM hands them over: the cache's [tokens, layers, H] and torch.tensor(prompt ids)
+    write_states(torch.zeros(tokens, 4, 40, dtype=torch.bfloat16),
+                 torch.tensor(list(range(tokens))), str(path))
+    data = path.read_bytes()
+    header = 8 + int.from_bytes(data[:8], "little")
+    assert len(data) - header == tokens * plan.request_bytes_per_token(s, "bfloat16")
+
+
+def test_server_and_trainer_fit_together_where_the_gpu_holds_both():
+    # MLA and 8 experts of INT4 (a bfloat16 scale a group of 16) in 3 of 4 layers
+    s = tiny_mla_shape(hidden=64, layers=4, vocab=500, draft_vocab=100, experts=8,
+                       expert_intermediate=32, shared_experts=1, dense_layers=1, expert_bits=4,
+                       expert_group=16, drafter_attention="llama")
+    h, ranks = 64, 4
+    routed = 3 * 8 * 3 * h * 32
+    q_a, kv_a = h * 24 + 24, h * (32 + 8) + 32          # replicated, with their norms
+    attention = q_a + kv_a + 24 * 6 * 24 + 32 * 6 * (16 + 24) + 6 * 24 * h
+    total = (2 * 500 * h + 4 * (attention + 2 * h) + 3 * h * 112 + 3 * (h * 32 * 3 + 8 * h)
+             + routed + h)
+    assert plan.target_params(s) == total
+    whole = 2 * (4 * (q_a + kv_a + 2 * h) + 3 * 8 * h + h)
+    split = 2 * (total - routed) - whole + routed // 2 + routed // 16 * 2
+    p = plan.plan(s, tokens=256, max_len=256, steps=3, batch_tokens=1024, extract_max_len=256,
+                  target_dtype="bfloat16", store_dtype="bfloat16", shard_tokens=10_000,
+                  ranks=ranks, kv_tokens=2 * 256)
+    c = p["colocation"]
+    assert c["server"]["weights"] == split // ranks + whole
+    # a token's cache: MLA's latent and rope key of 4 layers, and 4 captured states
+    assert c["server"]["kv_cache"] == 2 * 256 * (4 * (32 + 8) * 2 + 4 * h * 2)
+    server = split // ranks + whole + c["server"]["kv_cache"] + plan.SERVER_ALLOWANCE
+    assert c["total"] == server + p["training_device"]
+    # the verdict turns where a GPU's usable share (95%) holds both, and not a byte before
+    edge = math.ceil(c["total"] / plan.GPU_USABLE)
+    verdicts = plan.colocation(server, p["training_device"], {"less": edge - 2, "enough": edge + 1})
+    assert not verdicts["less"]["fits"] and verdicts["enough"]["fits"]
+    # a configured KV cache size replaces the tokens' count
+    sized = plan.plan(s, tokens=256, max_len=256, steps=3, batch_tokens=1024,
+                      extract_max_len=256, target_dtype="bfloat16", store_dtype="bfloat16",
+                      shard_tokens=10_000, ranks=ranks, kv_cache_bytes=3 * GIB)
+    assert sized["colocation"]["server"]["kv_cache"] == 3 * GIB
+
+
+def test_mla_drafter_size_is_the_model_drafter_py_builds():
+    """For an MLA target with train.drafter_attention mla, the plan counts the drafter that
+    ``DrafterConfig.from_target`` and ``Eagle3Drafter`` build for it."""
+    target = {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+              "num_key_value_heads": 4, "intermediate_size": 128, "vocab_size": 500,
+              "q_lora_rank": 16, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+              "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 4,
+              "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1,
+              "quantization_config": {"quant_method": "compressed-tensors", "config_groups": {
+                  "group_0": {"weights": {"type": "int", "num_bits": 4, "group_size": 32}}}}}
+    config = DrafterConfig.from_target(target, 100, [1, 2, 3], attention="mla")
+    keep = torch.arange(100)
+    t2d = torch.zeros(500, dtype=torch.bool)
+    t2d[keep] = True
+    model = Eagle3Drafter(config, torch.randn(500, 64), keep - keep, t2d)
+    s = plan.shape_from_target_config(target, 100, "tiny", drafter_attention="mla")
+    assert plan.drafter_params(s) == sum(p.numel() for p in model.parameters())
+    assert (s.expert_bits, s.expert_group) == (4, 32)
+    llama = plan.shape_from_target_config(target, 100, "tiny")
+    assert plan.drafter_params(llama) == sum(p.numel() for p in build(llama).parameters())
+    with pytest.raises(ValueError, match="drafter-attention llama"):
+        plan.shape_from_target_config({**target, "kv_lora_rank": None}, 100, "t", "mla")
 
 
 def test_plan_of_a_run_reads_its_target(tmp_path, capsys):
@@ -162,7 +345,8 @@ def test_plan_of_a_run_reads_its_target(tmp_path, capsys):
     (results / "target" / "target.json").write_text(json.dumps({"path": str(target_dir)}))
     config = tmp_path / "my.yaml"
     config.write_text(f"results_dir: {results}\nvocab: {{draft_vocab_size: 100}}\n"
-                      "train: {max_tokens_per_batch: 256, ttt_steps: 2}\n")
+                      "train: {max_tokens_per_batch: 256, ttt_steps: 2}\n"
+                      "target: {dtype: float32}\n")
     assert plan.main(["--config", str(config), "--workflow", str(REPO), "--json"]) == 0
     [p] = json.loads(capsys.readouterr().out)
     s = tiny_shape(hidden=64, layers=4, heads=4, kv_heads=2, head_dim=16, intermediate=128,
@@ -172,6 +356,20 @@ def test_plan_of_a_run_reads_its_target(tmp_path, capsys):
     assert p["target_params"] == 500 * 64 + 4 * (64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128 + 128) + 64
     assert p["tokens_per_batch"] == 256 and p["ttt_steps"] == 2
     assert p["attention"] == "sdpa" and p["training_device"] == p["training_device_fused_attention"]
+    assert "disk" not in p                       # nothing generated, no --tokens: no dataset
+    # once generated, the dataset is the run's samples (synthetic/stats.json)
+    (results / "synthetic").mkdir()
+    (results / "synthetic" / "stats.json").write_text(json.dumps({"splits": {
+        "train": {"prompt_tokens": 3000, "completion_tokens": 9000},
+        "eval": {"prompt_tokens": 100, "completion_tokens": 400}}}))
+    assert plan.main(["--config", str(config), "--workflow", str(REPO), "--json"]) == 0
+    [p] = json.loads(capsys.readouterr().out)
+    # the config's float32 target: 4 float32 states a token and its id
+    request = 4 * 64 * 4 + 8
+    assert p["disk"]["request_bytes_per_token"] == request
+    assert (p["disk"]["train_tokens"], p["disk"]["heldout_tokens"]) == (12_000, 500)
+    shard = p["shard_bytes_per_token"]
+    assert p["disk"]["shards"]["peak"] == 12_500 * shard + 2 * 12_000 // 4 * request
     config.write_text(config.read_text().replace("ttt_steps: 2", "ttt_steps: 2, attention: eager"))
     assert plan.main(["--config", str(config), "--workflow", str(REPO)]) == 0
     out = capsys.readouterr().out

@@ -23,14 +23,24 @@ Stages:
   the sink column, ``drafter.sdpa_ttt_attention``), its output, a float32 log-sum-exp per
   head and the float32 [heads, head_dim] terms that fold the later steps' own keys in. The
   total is of the path ``train.attention`` selects; the other one is printed beside it.
-* disk: ``shards.bytes_per_token`` per stored token.
+* disk: ``shards.bytes_per_token`` per stored token; for a dataset of ``--tokens`` training
+  tokens, the peak of each ``train.data`` mode (``dataset_disk``): ``shards`` keeps every
+  shard, plus the capture server's request files of a shard not packed yet; ``stream``
+  keeps the held-out shard and a bounded window of request files.
+* co-location (``train.data: stream``): one rank of the capture server (its share of the
+  target's weights as vLLM loads them, quantized experts as they are packed; a KV cache for
+  the tokens in flight with the captured states; an allowance for the rest) beside one
+  training rank, on each of the node's GPUs, against an H200 and a B200.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
+import struct
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from eaglet import shards
@@ -64,21 +74,71 @@ class Shape:
     drafter_heads: int | None = None
     drafter_kv_heads: int | None = None
     drafter_intermediate: int | None = None
-    # the target's parameter count when the dense-Llama formula does not hold (MoE, MLA)
+    # the target's parameter count when the shape's formula does not hold
     target_params: int | None = None
     assumptions: list[str] = field(default_factory=list)
+    # multi-head latent attention (DeepSeek-V2/V3, Kimi-K2); kv_lora_rank 0: none
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # a mixture of experts (experts 0: dense): routed experts of width expert_intermediate and
+    # shared_experts of the same width in every layer after the first dense_layers
+    experts: int = 0
+    expert_intermediate: int = 0
+    shared_experts: int = 0
+    dense_layers: int = 0
+    # the routed experts as the server loads them: bits a weight plus one bfloat16 scale a
+    # group of expert_group weights (compressed-tensors pack-quantized); None: target.dtype
+    expert_bits: int | None = None
+    expert_group: int = 32
+    # train.drafter_attention: llama (GQA of heads x head_dim) or mla (the target's MLA)
+    drafter_attention: str = "llama"
+
+    @property
+    def mla(self) -> bool:
+        """Whether the drafter's attention is MLA (``drafter.with_mla``)."""
+        return self.drafter_attention == "mla"
 
     @property
     def d_heads(self) -> int:
-        return self.drafter_heads or self.heads
+        return self.heads if self.mla else self.drafter_heads or self.heads
 
     @property
     def d_kv_heads(self) -> int:
-        return self.drafter_kv_heads or self.kv_heads
+        # MLA: a key and a value a head
+        return self.heads if self.mla else self.drafter_kv_heads or self.kv_heads
+
+    @property
+    def d_qk_dim(self) -> int:
+        """The drafter's query/key head size."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.mla else self.head_dim
+
+    @property
+    def d_v_dim(self) -> int:
+        """The drafter's value head size."""
+        return self.v_head_dim if self.mla else self.head_dim
 
     @property
     def d_intermediate(self) -> int:
         return self.drafter_intermediate or self.intermediate
+
+    @property
+    def moe_layers(self) -> int:
+        return self.layers - self.dense_layers if self.experts else 0
+
+
+def with_drafter(s: Shape, attention: str) -> Shape:
+    """``s`` with the drafter ``train.drafter_attention`` builds; refuses as
+    ``drafter.with_mla`` does where the target has no MLA that the drafter can take."""
+    if attention not in ("llama", "mla"):
+        raise ValueError(f"train.drafter_attention {attention!r} is none of llama, mla")
+    if attention == "mla" and not (s.kv_lora_rank and s.q_lora_rank):
+        raise ValueError(f"train.drafter_attention: mla needs a target with multi-head latent "
+                         f"attention and a q_lora_rank (DeepSeek-V2/V3, Kimi-K2); {s.name} has "
+                         f"none: plan with --drafter-attention llama")
+    return replace(s, drafter_attention=attention)
 
 
 PRESETS = {
@@ -88,12 +148,18 @@ PRESETS = {
     "kimi-k2.5": Shape(
         "Kimi-K2.5", hidden=7168, layers=61, heads=64, kv_heads=64, head_dim=112,
         intermediate=18432, vocab=163840, draft_vocab=32000,
-        target_params=1_000_000_000_000,
+        q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, experts=384, expert_intermediate=2048, shared_experts=1,
+        dense_layers=1, expert_bits=4, expert_group=32,
         assumptions=[
-            "drafter layer: 64 heads and 64 KV heads (no GQA) of head_dim 112 = 7168/64, "
-            "intermediate 18432 (the target's dense MLP width)",
-            "target: about 1.0e12 parameters (MoE with MLA, 61 layers) at 2 bytes each; its "
-            "quantized experts would need less, but the hf backend loads them in target.dtype",
+            "target: the text_config of moonshotai/Kimi-K2.5 (MLA, 384 routed experts of "
+            "width 2048 and one shared in 60 layers, a dense first layer; the vision tower "
+            "left out); the server loads the routed experts as INT4 with a bfloat16 scale a "
+            "group of 32 (compressed-tensors, as on the hub), the rest in target.dtype; the hf "
+            "backend loads every weight in target.dtype",
+            "drafter layer, train.drafter_attention llama: 64 heads and 64 KV heads (no GQA) "
+            "of head_dim 112 = 7168/64 (the config gives no head_dim), intermediate 18432 "
+            "(the target's dense MLP width); mla: the target's MLA shapes",
             "extraction activations as for a dense layer of intermediate 18432 (one MoE layer's "
             "routed experts per token are narrower)"]),
 }
@@ -101,23 +167,83 @@ PRESETS = {
 
 # -- parameter counts ------------------------------------------------------------------------
 
+def _mla_params(s: Shape, input_size: int) -> tuple[int, int]:
+    """(parameters, of them those vLLM replicates on every tensor-parallel rank) of an MLA
+    attention reading ``input_size``: q_a_proj and kv_a_proj_with_mqa (one fused, replicated
+    matrix in vLLM) with their norms, q_b_proj (or q_proj without a q_lora_rank), kv_b_proj,
+    o_proj."""
+    heads, qk = s.heads, s.qk_nope_head_dim + s.qk_rope_head_dim
+    a_proj = input_size * (s.kv_lora_rank + s.qk_rope_head_dim) + s.kv_lora_rank
+    if s.q_lora_rank:
+        a_proj += input_size * s.q_lora_rank + s.q_lora_rank
+        q = s.q_lora_rank * heads * qk
+    else:
+        q = input_size * heads * qk
+    rest = (q + s.kv_lora_rank * heads * (s.qk_nope_head_dim + s.v_head_dim)
+            + heads * s.v_head_dim * s.hidden)
+    return a_proj + rest, a_proj
+
+
+def _target_parts(s: Shape) -> dict[str, int]:
+    """The target's parameters by part: embedding and lm_head, attention, dense MLPs, routed
+    experts, shared experts, routers, norms (and of them, what vLLM replicates per rank)."""
+    h = s.hidden
+    if s.kv_lora_rank:
+        attention, replicated = _mla_params(s, h)
+    else:
+        attention, replicated = h * s.heads * s.head_dim * 2 + h * s.kv_heads * s.head_dim * 2, 0
+    moe = s.moe_layers
+    routed = moe * s.experts * 3 * h * s.expert_intermediate
+    return {"embedding and lm_head": (1 if s.tied_embeddings else 2) * s.vocab * h,
+            "attention": s.layers * attention,
+            "dense MLPs": (s.layers - moe) * 3 * h * s.intermediate,
+            "routed experts": routed,
+            "shared experts": moe * s.shared_experts * 3 * h * s.expert_intermediate,
+            "routers": moe * s.experts * h,
+            "norms": s.layers * 2 * h + h,
+            "replicated": s.layers * replicated + moe * s.experts * h + s.layers * 2 * h + h}
+
+
 def target_params(s: Shape) -> int:
-    """A dense Llama: embedding, layers (attention, SwiGLU MLP, two norms), final norm, lm_head."""
+    """Embedding and lm_head, the layers (attention: GQA or MLA; a SwiGLU MLP, or routed and
+    shared experts and a router; two norms), the final norm."""
     if s.target_params is not None:
         return s.target_params
-    layer = (s.hidden * s.heads * s.head_dim * 2 + s.hidden * s.kv_heads * s.head_dim * 2
-             + 3 * s.hidden * s.intermediate + 2 * s.hidden)
-    heads = 1 if s.tied_embeddings else 2
-    return heads * s.vocab * s.hidden + s.layers * layer + s.hidden
+    parts = _target_parts(s)
+    return sum(n for name, n in parts.items() if name != "replicated")
+
+
+def serving_weights(s: Shape, dtype: str) -> tuple[int, int]:
+    """Bytes of the target's weights as vLLM holds them with tensor parallelism: (the bytes
+    split over the ranks, the bytes every rank holds whole: MLA's q_a/kv_a projections, the
+    routers, the norms). Routed experts of ``expert_bits`` weigh bits/8 a weight plus a
+    bfloat16 scale a group; everything else is in ``dtype``."""
+    a = DTYPE_BYTES[dtype]
+    if s.target_params is not None:  # a count without its parts: all of it split
+        return s.target_params * a, 0
+    parts = _target_parts(s)
+    replicated = parts["replicated"] * a
+    routed = parts["routed experts"]
+    routed_bytes = (routed * s.expert_bits // 8 + routed // s.expert_group * 2
+                    if s.expert_bits else routed * a)
+    return (target_params(s) - routed - parts["replicated"]) * a + routed_bytes, replicated
+
+
+def drafter_attention_params(s: Shape) -> int:
+    """The drafter's attention: q/k/v from 2H and o_proj, or MLA's projections from 2H."""
+    h = s.hidden
+    if s.mla:
+        return _mla_params(s, 2 * h)[0]
+    return 2 * h * (s.d_heads + 2 * s.d_kv_heads) * s.head_dim + s.d_heads * s.head_dim * h
 
 
 def drafter_params(s: Shape) -> int:
-    """Trainable parameters of ``drafter.Eagle3Drafter``: fc [3Ht -> H], q/k/v from 2H, o_proj,
-    the MLP, four RMSNorms (input, hidden, post-attention, final) and lm_head [H -> Vd]."""
-    h, d = s.hidden, s.head_dim
+    """Trainable parameters of ``drafter.Eagle3Drafter``: fc [3Ht -> H], the attention
+    (:func:`drafter_attention_params`), the MLP, four RMSNorms (input, hidden,
+    post-attention, final) and lm_head [H -> Vd]."""
+    h = s.hidden
     return (NUM_AUX * h * h
-            + 2 * h * (s.d_heads + 2 * s.d_kv_heads) * d
-            + s.d_heads * d * h
+            + drafter_attention_params(s)
             + 3 * h * s.d_intermediate
             + 4 * h
             + h * s.draft_vocab)
@@ -167,22 +293,24 @@ def resolve_attention(name: str) -> str:
 def ttt_attention_bytes(s: Shape, rows: int, block: int, steps: int, act: int,
                         fused: bool = False, pad: int = SINK_PAD) -> int:
     """What the attention of all TTT steps keeps for backward, beyond the projections."""
-    heads, kv, d = s.d_heads, s.d_kv_heads, s.head_dim
+    heads, kv, d, dv = s.d_heads, s.d_kv_heads, s.d_qk_dim, s.d_v_dim
     if fused:
         # step 0: the kernel's q, k, v (contiguous copies) and output in act, its float32
         # log-sum-exp per head
-        first = 2 * heads * d * act + 2 * kv * d * act + 4 * heads
+        first = (heads + kv) * (d + dv) * act + 4 * heads
+        if s.mla:  # the kernel reads views of q, k and kv_b_proj's output (ttt_rows_bytes')
+            first = heads * dv * act + 4 * heads
         # later steps: q, k, v and output with the sink column, the log-sum-exp, float32
         # per-head terms (the sink's weight, the denominator, the own keys' weights) and
-        # float32 [heads, d] sums of the own keys' values, the numerator and its input
-        later = (2 * heads * (d + pad) * act + 2 * kv * (d + pad) * act + 4 * heads
-                 + 3 * 4 * heads + 3 * 4 * heads * d)
+        # float32 [heads, dv] sums of the own keys' values, the numerator and its input
+        later = ((heads + kv) * (d + dv + 2 * pad) * act + 4 * heads
+                 + 3 * 4 * heads + 3 * 4 * heads * dv)
         return rows * (first + (steps - 1) * later)
     blocks = rows // block
     square = heads * block * block
     per_step = blocks * square * (4 + (act if act != 4 else 0))  # exp'd scores (+ bf16 copy)
     per_step += blocks * block * block                          # the block's bool mask (shared)
-    per_step += rows * heads * s.head_dim * 4                   # float32 output before the cast
+    per_step += rows * heads * dv * 4                           # float32 output before the cast
     return steps * per_step
 
 
@@ -193,10 +321,21 @@ def ttt_rows_bytes(s: Shape, rows: int, steps: int, act: int) -> int:
     cast = act != 4  # under autocast the float32 copies are extra tensors
     norms = h * (act                         # input_layernorm: normalized embedding
                  + (f if cast else 0) + act  # hidden_norm: float32 input, normalized
-                 + 2 * act                   # cat([e, h]) for q/k/v
+                 + 2 * act                   # cat([e, h]) for the input projections
                  + (f if cast else 0) + 2 * act  # post_attention_layernorm and its output
                  + f + 2 * act)              # final norm: float32 input, normalized, output
-    attn = (3 * s.d_heads + 4 * s.d_kv_heads) * d * act + s.d_heads * d * act  # rope, o_proj in
+    if s.mla:
+        heads, qk, rope = s.d_heads, s.d_qk_dim, s.qk_rope_head_dim
+        q_lora, kv_lora = s.q_lora_rank or 0, s.kv_lora_rank
+        attn = (q_lora * (f + 2 * act)                 # q_a_layernorm: input, normalized
+                + heads * (qk + rope) * act            # q_b_proj's output and its rope part
+                + (kv_lora + rope) * act + (kv_lora * f if cast else 0)  # kv_a_proj_with_mqa
+                + kv_lora * 2 * act + rope * act       # kv_a_layernorm, the rotated k_pe
+                + heads * (s.qk_nope_head_dim + s.v_head_dim) * act  # kv_b_proj: k_nope, v
+                + heads * 2 * qk * act                 # q and k with their rope parts
+                + heads * s.v_head_dim * act)          # o_proj's input
+    else:
+        attn = (3 * s.d_heads + 4 * s.d_kv_heads) * d * act + s.d_heads * d * act  # rope, o_proj in
     mlp = 4 * i * act
     logits = 2 * f * s.draft_vocab           # float32 logits and the teacher's rows of them
     return steps * rows * (norms + attn + mlp + logits)
@@ -243,21 +382,128 @@ def fits(device_bytes: int) -> bool:
     return device_bytes <= GPU_USABLE * GPU_BYTES
 
 
+# -- the dataset on disk, by train.data mode -------------------------------------------------
+
+TOKEN_ID_BYTES = 8  # a request file's token_ids are int64
+# micro-batches a rank's stream window holds beyond train.prefetch_batches (null: 2 on a
+# GPU): the one training and the one whose prefill requests are in flight
+STREAM_AHEAD = 2
+
+
+def request_bytes_per_token(s: Shape, dtype: str) -> int:
+    """One token of a capture server's request file (``eaglet.hidden_connector``): the aux
+    layers' and layer L's states in the server's dtype, and the token's id."""
+    return (NUM_AUX + 1) * s.hidden * DTYPE_BYTES[dtype] + TOKEN_ID_BYTES
+
+
+def dataset_disk(s: Shape, *, train_tokens: int, heldout_tokens: int, store_dtype: str,
+                 serving_dtype: str, num_shards: int, capture_during_generation: bool,
+                 window_tokens: int) -> dict:
+    """Peak disk of a dataset's hidden states in each ``train.data`` mode, with the bytes
+    stored and the request files at the peak.
+
+    shards: every shard, training and held-out, is kept. The vllm backend writes each
+    sample's request file first, packs a shard from them and then deletes them; its request
+    window runs at most one shard ahead of the shard being packed (``extract_vllm``): the
+    peak is all shards and the request files of the two largest. With
+    ``generate.capture_hidden_states`` generation writes every sample's request file before
+    any is packed: the peak is the larger of all request files and the first shard, or all
+    shards and the request files of the two largest.
+
+    stream: only the held-out split is stored (extracted and packed as in shards mode); the
+    training samples' request files live from the server's write to the trainer's read, at
+    most ``window_tokens`` of them."""
+    shard = bytes_per_token(s.hidden, NUM_AUX, store_dtype)
+    request = request_bytes_per_token(s, serving_dtype)
+    every = train_tokens + heldout_tokens
+    sizes = sorted([-(-train_tokens // max(num_shards, 1))] * num_shards + [heldout_tokens])
+    largest, unpacked = sizes[-1], sum(sizes[-2:])  # the shard being packed, the next one
+    at_end = (every * shard, unpacked * request)
+    peaks = [at_end]
+    if capture_during_generation:
+        peaks.append((largest * shard, every * request))
+    stored, requests = max(peaks, key=sum)
+    held = heldout_tokens * shard
+    in_flight = max(heldout_tokens, window_tokens) * request
+    return {
+        "train_tokens": train_tokens, "heldout_tokens": heldout_tokens,
+        "shard_bytes_per_token": shard, "request_bytes_per_token": request,
+        "unpacked_tokens": unpacked, "window_tokens": window_tokens,
+        "shards": {"stored": every * shard, "peak_shards": stored, "peak_requests": requests,
+                   "peak": stored + requests},
+        "stream": {"stored": held, "peak_shards": held, "peak_requests": in_flight,
+                   "peak": held + in_flight},
+    }
+
+
+# -- the capture server and the trainer on the same GPUs (train.data: stream) ---------------
+
+# nvidia-smi's totals of an H200 ("141 GB") and a B200 ("192 GB")
+DEVICES = {"H200": 143_771 * 2 ** 20, "B200": 183_359 * 2 ** 20}
+# a server rank's memory beyond its weights and KV cache, allowed for and not counted: the
+# activations of a prefill chunk (vLLM's max_num_batched_tokens), CUDA graphs, NCCL buffers
+SERVER_ALLOWANCE = 4 * GiB
+
+
+def kv_bytes_per_token(s: Shape, ranks: int, dtype: str) -> int:
+    """A token's cache on one rank of the capture server: MLA's latent and rope key (whole on
+    every rank), or K and V of the rank's share of KV heads; plus the captured states
+    (the capture's cache layer, [aux layers + 1, H] a token, whole on every rank)."""
+    a = DTYPE_BYTES[dtype]
+    if s.kv_lora_rank:
+        attention = s.layers * (s.kv_lora_rank + s.qk_rope_head_dim) * a
+    else:
+        attention = s.layers * 2 * -(-s.kv_heads // ranks) * s.head_dim * a
+    return attention + (NUM_AUX + 1) * s.hidden * a
+
+
+def capture_server(s: Shape, *, ranks: int, dtype: str, kv_tokens: int,
+                   kv_cache_bytes: int | None = None, served_bytes: int | None = None) -> dict:
+    """One rank of the capture server with tensor parallelism over ``ranks``: its share of
+    the weights, a KV cache of ``kv_tokens`` (or the configured ``kv_cache_bytes``) and
+    SERVER_ALLOWANCE. ``served_bytes``: the weights as the target's files give them, in
+    place of the shape's count."""
+    split, whole = serving_weights(s, dtype)
+    if served_bytes is not None:
+        split = max(served_bytes - whole, 0)
+    kv = kv_cache_bytes if kv_cache_bytes is not None else kv_tokens * kv_bytes_per_token(
+        s, ranks, dtype)
+    return {"weights": split // ranks + whole, "kv_cache": kv, "allowance": SERVER_ALLOWANCE,
+            "weights_all_ranks": split + whole, "replicated_weights": whole}
+
+
+def colocation(server: int, trainer: int, devices: dict[str, int] | None = None) -> dict:
+    """Whether a server rank of ``server`` bytes and a training rank of ``trainer`` bytes fit
+    on one GPU of each of ``devices`` (name: bytes), GPU_USABLE of it."""
+    total = server + trainer
+    return {name: {"device_bytes": size, "usable": int(GPU_USABLE * size),
+                   "fits": total <= GPU_USABLE * size}
+            for name, size in (devices or DEVICES).items()}
+
+
 # -- the plan for a run or a preset ----------------------------------------------------------
 
 def plan(s: Shape, *, tokens: int, max_len: int | None, steps: int, batch_tokens: int,
          extract_max_len: int, target_dtype: str, store_dtype: str, shard_tokens: int,
-         precision: str = "bfloat16", attention: str = "auto") -> dict:
+         precision: str = "bfloat16", attention: str = "auto",
+         train_tokens: int | None = None, heldout_tokens: int = 0, num_shards: int = 1,
+         capture_during_generation: bool = False, window_batches: int = 2 + STREAM_AHEAD,
+         ranks: int = 8, kv_tokens: int | None = None, kv_cache_bytes: int | None = None,
+         served_bytes: int | None = None) -> dict:
+    """Every stage's memory for ``s`` at ``tokens`` rows a micro-batch; with
+    ``train_tokens`` also the dataset's disk in each train.data mode (a stream window of
+    ``window_batches`` micro-batches on each of ``ranks`` training ranks); and the capture
+    server (a KV cache of ``kv_tokens``, default one longest sample) and a training rank
+    on each of ``ranks`` GPUs together."""
     ext = extraction(s, batch_tokens, extract_max_len, target_dtype, store_dtype, shard_tokens)
-    tr = training(s, tokens, max_len, steps, precision,
-                  embed_dtype=target_dtype if target_dtype != "auto" else "bfloat16",
-                  attention=attention)
+    embed = target_dtype if target_dtype != "auto" else "bfloat16"
+    tr = training(s, tokens, max_len, steps, precision, embed_dtype=embed, attention=attention)
     train_total = sum(tr["device"].values())
     fused = tr["attention"] in FUSED
     rest = train_total - (tr["fused_attention"] if fused else tr["unfused_attention"])
-    return {
+    out = {
         "shape": asdict(s), "tokens_per_batch": tokens, "ttt_steps": steps,
-        "attention": tr["attention"],
+        "attention": tr["attention"], "drafter_attention": s.drafter_attention,
         "target_dtype": target_dtype, "precision": precision, "extract_batch_tokens": batch_tokens,
         "extract_max_len": extract_max_len,
         "target_params": target_params(s), "drafter_params": drafter_params(s),
@@ -270,6 +516,32 @@ def plan(s: Shape, *, tokens: int, max_len: int | None, steps: int, batch_tokens
         "shard_tokens": shard_tokens,
         "shard_bytes": shard_tokens * bytes_per_token(s.hidden, NUM_AUX, store_dtype),
     }
+    if s.kv_lora_rank and s.q_lora_rank:  # the drafter of the other train.drafter_attention
+        other = with_drafter(s, "llama" if s.mla else "mla")
+        other_tr = training(other, tokens, max_len, steps, precision, embed_dtype=embed,
+                            attention=attention)
+        out["other_drafter"] = {"drafter_attention": other.drafter_attention,
+                                "drafter_params": drafter_params(other),
+                                "training_device": sum(other_tr["device"].values())}
+    if train_tokens is not None:
+        out["disk"] = dataset_disk(
+            s, train_tokens=train_tokens, heldout_tokens=heldout_tokens, store_dtype=store_dtype,
+            serving_dtype=target_dtype, num_shards=num_shards,
+            capture_during_generation=capture_during_generation,
+            window_tokens=window_batches * ranks * tokens)
+        out["disk"].update(window_batches=window_batches, ranks=ranks, num_shards=num_shards,
+                           capture_during_generation=capture_during_generation)
+    kv_tokens = extract_max_len if kv_tokens is None else kv_tokens
+    server = capture_server(s, ranks=ranks, dtype=target_dtype, kv_tokens=kv_tokens,
+                            kv_cache_bytes=kv_cache_bytes, served_bytes=served_bytes)
+    server_total = server["weights"] + server["kv_cache"] + server["allowance"]
+    out["colocation"] = {
+        "ranks": ranks, "kv_tokens": None if kv_cache_bytes is not None else kv_tokens,
+        "kv_bytes_per_token": kv_bytes_per_token(s, ranks, target_dtype),
+        "expert_bits": s.expert_bits, "server": server, "server_total": server_total,
+        "trainer": train_total, "total": server_total + train_total,
+        "devices": colocation(server_total, train_total)}
+    return out
 
 
 def gib(n: float) -> str:
@@ -291,7 +563,13 @@ def render(p: dict, store_dtype: str) -> str:
              f"batches of {p['extract_batch_tokens']} padded tokens, samples up to "
              f"{p['extract_max_len']} tokens, training in {p['precision']}",
              f"   target {p['target_params'] / 1e9:.2f}B parameters, drafter "
-             f"{p['drafter_params'] / 1e6:.1f}M trainable"]
+             f"{p['drafter_params'] / 1e6:.1f}M trainable (train.drafter_attention "
+             f"{p['drafter_attention']})"]
+    if "other_drafter" in p:
+        o = p["other_drafter"]
+        lines.append(f"   with train.drafter_attention {o['drafter_attention']} instead: drafter "
+                     f"{o['drafter_params'] / 1e6:.1f}M trainable, training "
+                     f"{gib(o['training_device'])} a rank")
     for note in s["assumptions"]:
         lines.append(f"   assumed: {note}")
     lines.append("extraction (hf backend, one job)")
@@ -316,12 +594,71 @@ def render(p: dict, store_dtype: str) -> str:
                      f"[heads, n, n] scores kept): {_fit_line(other)}")
     lines.append(f"disk: {p['shard_bytes_per_token']:,} bytes per token ({store_dtype}), "
                  f"{gib(p['shard_bytes'])} per {p['shard_tokens']:,}-token shard")
+    if "disk" in p:
+        lines.extend(_disk_lines(p["disk"]))
+    lines.extend(_colocation_lines(p["colocation"], p["target_dtype"]))
     return "\n".join(lines)
 
 
-def shape_from_target_config(config: dict, draft_vocab: int, name: str) -> Shape:
-    """A target's shape from its ``config.json`` (as ``DrafterConfig.from_target``); a
-    mixture of experts counts its experts in ``target_params``."""
+def size(n: float) -> str:
+    """GiB, and decimal TB (as disks are sold) from 1 TB up."""
+    return f"{n / GiB:,.1f} GiB" + (f" ({n / 1e12:.2f} TB)" if n >= 1e12 else "")
+
+
+def _disk_lines(d: dict) -> list[str]:
+    shards, stream = d["shards"], d["stream"]
+    done = ("" if shards["peak_shards"] == shards["stored"] else
+            f" ({size(shards['stored'])} when all are packed)")
+    captured = (", generation having captured every sample's"
+                if d["capture_during_generation"] else "")
+    return [
+        f"   dataset: {d['train_tokens']:,} training tokens, {d['heldout_tokens']:,} held-out "
+        f"(one shard); capture request files of {d['request_bytes_per_token']:,} bytes a token",
+        f"   train.data shards {size(shards['peak']):>24} at the peak: "
+        f"{size(shards['peak_shards'])} of shards{done} and {size(shards['peak_requests'])} of "
+        f"request files not packed yet ({d['unpacked_tokens']:,} tokens: the two largest "
+        f"shards', the one being packed and the next, extract.num_shards {d['num_shards']}"
+        f"{captured})",
+        f"   train.data stream {size(stream['peak']):>24} at the peak, "
+        f"{stream['peak'] / shards['peak']:.1%} of shards mode: {size(stream['stored'])} of "
+        f"held-out shards and {size(stream['peak_requests'])} of request files: the held-out "
+        f"split's before it is packed, or a window of {d['window_tokens']:,} training tokens "
+        f"(assumed: {d['window_batches']} micro-batches on each of {d['ranks']} ranks; "
+        f"--stream-window sets it)"]
+
+
+def _colocation_lines(c: dict, dtype: str) -> list[str]:
+    server, ranks = c["server"], c["ranks"]
+    experts = (f"routed experts INT{c['expert_bits']}, the rest {dtype}" if c["expert_bits"]
+               else dtype)
+    kv = ("KV cache as server.kv_cache_gib sets it" if c["kv_tokens"] is None else
+          f"KV cache and captured states of {c['kv_tokens']:,} tokens (extract.concurrency "
+          f"longest samples, at least the context length), {c['kv_bytes_per_token']:,} bytes "
+          f"a token")
+    lines = [f"capture server and trainer on the same {ranks} GPUs (train.data: stream; the "
+             f"server tensor parallel over them, a training rank on each), one GPU:",
+             f"   server  {gib(server['weights']):>11}  target weights: "
+             f"{gib(server['weights_all_ranks'])} ({server['weights_all_ranks'] / 1e9:.1f} GB; "
+             f"{experts}), {gib(server['replicated_weights'])} of it whole on every rank, the "
+             f"rest split {ranks} ways",
+             f"   server  {gib(server['kv_cache']):>11}  {kv}",
+             f"   server  {gib(server['allowance']):>11}  allowed for: a prefill chunk's "
+             f"activations, CUDA graphs, NCCL buffers",
+             f"   trainer {gib(c['trainer']):>11}  training, one rank (above)"]
+    verdicts = [f"{'fits' if d['fits'] else 'does NOT fit'} one {name} ({gib(d['usable'])} "
+                f"usable of {gib(d['device_bytes'])})" for name, d in c["devices"].items()]
+    lines.append(f"   total   {gib(c['total']):>11}  {'; '.join(verdicts)}")
+    lines.append(f"   size the server's KV cache (server.kv_cache_gib: "
+                 f"{server['kv_cache'] / GiB:.1f}): memory_utilization takes a share of each "
+                 f"GPU for the server alone")
+    return lines
+
+
+def shape_from_target_config(config: dict, draft_vocab: int, name: str,
+                             drafter_attention: str = "llama") -> Shape:
+    """A target's shape from its ``config.json`` (as ``DrafterConfig.from_target``): its
+    multi-head latent attention and experts where it has them, with the drafter
+    ``drafter_attention`` (train.drafter_attention) builds for it."""
     c = config.get("text_config", config)
     heads = c["num_attention_heads"]
     shape = Shape(name, hidden=c["hidden_size"], layers=c["num_hidden_layers"], heads=heads,
@@ -330,29 +667,55 @@ def shape_from_target_config(config: dict, draft_vocab: int, name: str) -> Shape
                   intermediate=c["intermediate_size"], vocab=c["vocab_size"],
                   draft_vocab=draft_vocab,
                   tied_embeddings=bool(c.get("tie_word_embeddings", config.get("tie_word_embeddings", False))))
+    if c.get("kv_lora_rank"):
+        shape = replace(shape, q_lora_rank=c.get("q_lora_rank"), kv_lora_rank=c["kv_lora_rank"],
+                        qk_nope_head_dim=c["qk_nope_head_dim"],
+                        qk_rope_head_dim=c["qk_rope_head_dim"], v_head_dim=c["v_head_dim"])
     experts = c.get("n_routed_experts") or c.get("num_experts") or c.get("num_local_experts")
     if experts:
         width = c.get("moe_intermediate_size") or c["intermediate_size"]
-        layers = c["num_hidden_layers"] - (c.get("first_k_dense_replace") or 0)
-        # without a width of their own, one expert is the MLP the dense count holds already
-        extra = (experts + (c.get("n_shared_experts") or 0)
-                 - (0 if c.get("moe_intermediate_size") else 1))
-        shape.target_params = target_params(shape) + layers * extra * 3 * c["hidden_size"] * width
-        shape.assumptions.append(f"target: {experts} experts of width {width} in {layers} "
-                                 f"layers counted; attention as a dense layer's")
-    return shape
+        dense = c.get("first_k_dense_replace") or 0
+        shape = replace(shape, experts=experts, expert_intermediate=width, dense_layers=dense,
+                        shared_experts=c.get("n_shared_experts") or 0,
+                        **_quantized_experts(config))
+        shape.assumptions.append(f"target: {experts} experts of width {width} in "
+                                 f"{shape.moe_layers} layers counted")
+    return with_drafter(shape, drafter_attention)
 
 
-def _run_shape(cfg: dict, results: Path) -> Shape | None:
+def _quantized_experts(config: dict) -> dict:
+    """``expert_bits`` and ``expert_group`` of a compressed-tensors checkpoint with integer
+    weights, taken to be its experts' (as Kimi-K2's INT4 ones); empty otherwise."""
+    q = (config.get("quantization_config")
+         or config.get("text_config", {}).get("quantization_config"))
+    if not q or q.get("quant_method") != "compressed-tensors":
+        return {}
+    for group in (q.get("config_groups") or {}).values():
+        weights = group.get("weights") or {}
+        if weights.get("type") == "int" and weights.get("num_bits"):
+            return {"expert_bits": int(weights["num_bits"]),
+                    "expert_group": int(weights.get("group_size") or Shape.expert_group)}
+    return {}
+
+
+def _run_target(cfg: dict, results: Path) -> tuple[dict, Path] | None:
+    """The run's target: its config.json and directory, once prepare_target has run."""
     from eaglet.io import read_json
     target_json = results / "target" / "target.json"
     if not target_json.exists():
         return None
-    config_path = Path(read_json(target_json)["path"]) / "config.json"
+    directory = Path(read_json(target_json)["path"])
+    config_path = directory / "config.json"
     if not config_path.exists():
         return None
-    return shape_from_target_config(json.loads(config_path.read_text()),
-                                    cfg["vocab"]["draft_vocab_size"], cfg["target"]["model"])
+    return json.loads(config_path.read_text()), directory
+
+
+def _served_bytes(directory: Path, dtype: str) -> int | None:
+    """The target's weights as the server loads them, from its safetensors headers (quantized
+    weights as they are packed); None without weight files."""
+    found = target_size(directory, dtype)
+    return found.served if found is not None and "safetensors" in found.source else None
 
 
 def _shard_tokens(results: Path) -> int | None:
@@ -364,6 +727,17 @@ def _shard_tokens(results: Path) -> int | None:
         except (OSError, ValueError, KeyError):
             continue
     return max(tokens) if tokens else None
+
+
+def _generated_tokens(results: Path) -> tuple[int, int] | None:
+    """(training, held-out) tokens of the run's generated samples (synthetic/stats.json),
+    before extract.max_len cuts them; None before generation."""
+    try:
+        splits = json.loads((results / "synthetic" / "stats.json").read_text())["splits"]
+        return tuple(splits[name]["prompt_tokens"] + splits[name]["completion_tokens"]
+                     for name in ("train", "eval"))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -378,9 +752,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", action="append", choices=sorted(PRESETS), default=[],
                         help="plan for a named target shape instead of the run's target "
                              "(repeatable)")
-    parser.add_argument("--tokens", type=int, action="append", default=[],
-                        help="tokens per training batch (and longest sample); repeatable "
-                             "(default: the config's; for presets 2048 and 8192)")
+    parser.add_argument("--tokens", type=int, default=None,
+                        help="training tokens of the dataset: the disk each train.data mode "
+                             "needs for them (default: the run's generated samples, if any)")
+    parser.add_argument("--max-tokens-per-batch", type=int, action="append", default=[],
+                        help="rows of one training micro-batch (train.max_tokens_per_batch), "
+                             "and the longest sample; repeatable (default: the config's; for "
+                             "presets 2048 and 8192)")
+    parser.add_argument("--drafter-attention", choices=("llama", "mla"), default=None,
+                        help="the drafter's attention (default: the config's "
+                             "train.drafter_attention)")
+    parser.add_argument("--gpus", type=int, default=None,
+                        help="GPUs the capture server and the trainer share (default: the "
+                             "config's server.gpus, else 8)")
+    parser.add_argument("--stream-window", type=int, default=None,
+                        help="micro-batches a training rank's stream window holds (default: "
+                             f"train.prefetch_batches, 2 on a GPU, plus {STREAM_AHEAD})")
     parser.add_argument("--shard-tokens", type=int, default=None,
                         help="tokens in one shard (default: the largest shard written so far, "
                              "else 1,000,000)")
@@ -394,32 +781,60 @@ def main(argv: list[str] | None = None) -> int:
     else:
         cfg = load_run_config(results_hint or Path("results"), args.config, Path(args.workflow))
     results = results_hint or Path(cfg["results_dir"])
-    ext, train = cfg["extract"], cfg["train"]
+    ext, train, server = cfg["extract"], cfg["train"], cfg["server"]
     shard_tokens = args.shard_tokens or _shard_tokens(results) or 1_000_000
     precision = train["precision"] if train["precision"] != "auto" else "bfloat16"
-    if args.preset:
-        shapes = [PRESETS[name] for name in args.preset]
-        tokens = args.tokens or [2048, 8192]
+    attention_kind = args.drafter_attention or train["drafter_attention"]
+    served = None
+    try:
+        if args.preset:
+            shapes = [with_drafter(PRESETS[name], attention_kind) for name in args.preset]
+            batches = args.max_tokens_per_batch or [2048, 8192]
+        else:
+            target = _run_target(cfg, results)
+            if target is None:
+                print(f"eaglet plan: the target of {results} is not prepared yet (no "
+                      f"{results}/target/target.json with its config.json); run `snakemake "
+                      f"{results}/target/target.json` first, or plan for a named shape: "
+                      f"--preset {' --preset '.join(sorted(PRESETS))}", file=sys.stderr)
+                return 2
+            shapes = [shape_from_target_config(target[0], cfg["vocab"]["draft_vocab_size"],
+                                               cfg["target"]["model"], attention_kind)]
+            served = _served_bytes(target[1], cfg["target"]["dtype"])
+            batches = args.max_tokens_per_batch or [train["max_tokens_per_batch"]]
+    except ValueError as error:
+        print(f"eaglet plan: {error}", file=sys.stderr)
+        return 2
+    if args.tokens is not None:
+        f = cfg["data"]["eval_fraction"]
+        dataset = (args.tokens, round(args.tokens * f / (1 - f)))
     else:
-        shape = _run_shape(cfg, results)
-        if shape is None:
-            print(f"eaglet plan: the target of {results} is not prepared yet (no "
-                  f"{results}/target/target.json with its config.json); run `snakemake "
-                  f"{results}/target/target.json` first, or plan for a named shape: "
-                  f"--preset {' --preset '.join(sorted(PRESETS))}", file=sys.stderr)
-            return 2
-        shapes = [shape]
-        tokens = args.tokens or [train["max_tokens_per_batch"]]
+        dataset = None if args.preset else _generated_tokens(results)
+    gpus = args.gpus or (server["gpus"] if server["gpus"] > 1 else 8)
+    prefetch = train["prefetch_batches"]
+    window = args.stream_window or (2 if prefetch is None else prefetch) + STREAM_AHEAD
+    kv_gib = server.get("kv_cache_gib")
     plans, texts = [], []
     for shape in shapes:
-        for t in tokens:
-            named = bool(args.tokens or args.preset)  # t is also the longest sample
+        for t in batches:
+            named = bool(args.max_tokens_per_batch or args.preset)  # t is also the longest sample
+            longest = t if named else ext["max_len"]
             p = plan(shape, tokens=t, max_len=t if named else (train["max_len"] or t),
                      steps=train["ttt_steps"], batch_tokens=ext["batch_tokens"],
-                     extract_max_len=t if named else ext["max_len"],
+                     extract_max_len=longest,
                      target_dtype=cfg["target"]["dtype"], store_dtype=ext["dtype"],
                      shard_tokens=shard_tokens, precision=precision,
-                     attention=train["attention"])
+                     attention=train["attention"],
+                     train_tokens=dataset[0] if dataset else None,
+                     heldout_tokens=dataset[1] if dataset else 0,
+                     num_shards=ext["num_shards"],
+                     capture_during_generation=cfg["generate"]["capture_hidden_states"],
+                     window_batches=window, ranks=gpus,
+                     # vLLM starts only with room for one sequence of its context length
+                     kv_tokens=max(ext["concurrency"] * longest, longest + 1,
+                                   cfg["target"]["max_model_len"]),
+                     kv_cache_bytes=None if kv_gib is None else int(kv_gib * GiB),
+                     served_bytes=served)
             plans.append(p)
             texts.append(render(p, ext["dtype"]))
     if args.json:
@@ -428,8 +843,80 @@ def main(argv: list[str] | None = None) -> int:
         print("\n\n".join(texts))
         print("\nEstimates from shapes: tensors the code keeps at its peak; add about 0.5 GiB "
               "of CUDA context. Training's worst case: one sample fills the batch.")
+        if dataset is None:
+            print("The disk of a dataset in each train.data mode (shards, stream): --tokens N "
+                  "for N training tokens.")
     return 0
 
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+
+# -- the target's size, as a server holds it (evaluate's placement reads it too) ----------
+
+SERVED_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# safetensors dtypes: bytes per element; the float ones are cast to the serving dtype
+_FLOATS = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+_ELEMENT_BYTES = {**_FLOATS, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "U64": 8, "I32": 4, "U32": 4,
+                  "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+@dataclass
+class TargetSize:
+    """The target's weights as a vLLM server holds them (float tensors in the serving dtype,
+    quantized ones as stored) and as a float32 transformers forward would (the offline
+    replay's), and what they were read from."""
+
+    served: int
+    float32: int
+    source: str
+
+
+def _safetensors_tensors(path: Path) -> dict:
+    """A safetensors file's tensor entries (dtype, shape), read from its header alone."""
+    with open(path, "rb") as handle:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        header = json.loads(handle.read(length))
+    header.pop("__metadata__", None)
+    return header
+
+
+def config_params(config: dict) -> int | None:
+    """The target's parameter count from its config.json (`eaglet plan`'s, which counts a
+    mixture of experts' routed and shared experts); None where the config lacks the shape."""
+    try:
+        return target_params(shape_from_target_config(config, 0, "target"))
+    except (KeyError, TypeError, ZeroDivisionError):
+        return None
+
+
+def target_size(target_dir: str | os.PathLike, dtype: str) -> TargetSize | None:
+    """The target's size: from its safetensors headers (every tensor's dtype and shape; no
+    weight is read), else from its config.json's parameter count; None where neither is
+    there. ``dtype`` is target.dtype, the dtype the server casts float weights to."""
+    directory = Path(target_dir)
+    files = sorted(directory.glob("*.safetensors")) if directory.is_dir() else []
+    if files:
+        served = params = packed = 0
+        for file in files:
+            for entry in _safetensors_tensors(file).values():
+                kind, numel = entry["dtype"], math.prod(entry["shape"])
+                stored = numel * _ELEMENT_BYTES.get(kind, 1)
+                cast = kind in _FLOATS and dtype in SERVED_BYTES
+                served += numel * SERVED_BYTES[dtype] if cast else stored
+                if kind in _FLOATS or kind.startswith("F8"):
+                    params += numel
+                else:
+                    packed += stored
+        # integer tensors are packed quantized weights (INT4 experts: 2 a byte), which a
+        # transformers forward dequantizes
+        return TargetSize(served, 4 * (params + 2 * packed),
+                          f"its safetensors headers ({len(files)} files)")
+    config = directory / "config.json"
+    params = config_params(json.loads(config.read_text())) if config.is_file() else None
+    if params is None:
+        return None
+    return TargetSize(params * SERVED_BYTES.get(dtype, 2), params * 4,
+                      f"the parameter count of its config.json ({params / 1e9:.1f}B)")
