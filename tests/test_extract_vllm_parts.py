@@ -195,3 +195,230 @@ def test_prefill_retries_a_busy_server_and_names_a_server_without_capture(tmp_pa
     assert sent[1]["kv_transfer_params"] == {"hidden_states_path": str(tmp_path / "a.safetensors")}
     with pytest.raises(ExtractionError, match="without eaglet's capture options"):
         asyncio.run(run(tmp_path / "b.safetensors"))
+
+
+# -- the packing pipeline: one request window, shards packed while the server computes -------
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "fp8"])
+def test_the_teacher_of_a_shard_fed_a_sequence_at_a_time_equals_the_whole_shard(dtype):
+    """ShardTeacher (sequences as their states come in, chunks computed as they fill) gives
+    the argmax and log-probabilities of teacher_from_stored over the whole shard, bit for
+    bit, with chunks that span sequences."""
+    from eaglet.extract_common import (ShardTeacher, Target, TeacherHead, _round_trip,
+                                       predicting_rows, teacher_from_stored)
+
+    gen = torch.Generator().manual_seed(0)
+    lm_head = torch.randn(50, 16, generator=gen)
+    lengths = [5, 1, 9, 4, 12]
+    seqs = [torch.randint(0, 50, (n,), generator=gen).tolist() for n in lengths]
+    masks = [[0] * (n // 2) + [1] * (n - n // 2) for n in lengths]
+    finals = [torch.randn(n, 16, generator=gen) * 3 for n in lengths]
+    target = Target(None, lm_head, torch.device("cpu"), 2, 16, 50)
+    input_ids = torch.tensor([t for s in seqs for t in s])
+    loss_mask = torch.tensor([m for ms in masks for m in ms], dtype=torch.uint8)
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    rows = predicting_rows(loss_mask, offsets)
+    whole = teacher_from_stored(target, _round_trip(torch.cat(finals), dtype),
+                                torch.roll(input_ids, -1), rows, chunk=4)
+    teacher = ShardTeacher(TeacherHead(lm_head), dtype, sum(lengths), chunk=4)
+    for final, ids, mask in zip(finals, seqs, masks):
+        teacher.add(final, ids, mask)
+    argmax, logprob = teacher.finish()
+    assert int((argmax >= 0).sum()) == int(rows.sum()) > 8  # several chunks
+    assert torch.equal(argmax, whole[0])
+    torch.testing.assert_close(logprob, whole[1], rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """A tiny target as extraction reads it, and greedy samples of it."""
+    from eaglet.target import prepare_target
+    from tests.tiny_llama import greedy_records
+
+    root = tmp_path_factory.mktemp("served")
+    with one_thread():
+        model = make_tiny_llama(root / "model", seed=5)
+        records = greedy_records(model, n=7, seed=2)
+    info = prepare_target(str(root / "model"), root / "target")
+    return model, info, records
+
+
+@torch.inference_mode()
+def connector_file(model, path, ids: list[int]) -> None:
+    """The request file the capture connector writes for ``ids``: the aux layers' inputs and
+    the last layer's output before the final norm, [tokens, layers, H]."""
+    captured = {}
+    hook = model.model.layers[-1].register_forward_hook(
+        lambda m, a, o: captured.__setitem__("L", o[0] if isinstance(o, tuple) else o))
+    try:
+        with one_thread():
+            out = model.model(input_ids=torch.tensor([ids]), output_hidden_states=True)
+    finally:
+        hook.remove()
+    states = torch.stack([out.hidden_states[1][0], out.hidden_states[3][0],
+                          out.hidden_states[4][0], captured["L"][0]], dim=1)
+    save_file({"hidden_states": states, "token_ids": torch.tensor(ids)}, str(path))
+
+
+def pipeline_run(served, tmp_path, monkeypatch, num_shards: int, dtype: str = "float32",
+                 answer=None, **extract):
+    """extract_shards with a stand-in server: each prefill request is answered by writing
+    its file as the connector does (``answer(i, ids, path)`` may do otherwise); returns the
+    metas, the jobs, and for each request the shards already written when it was sent."""
+    from eaglet import extract_vllm
+    from eaglet.extract_vllm import shard_jobs
+
+    model, info, records = served
+    cfg = validate({"extract": {"backend": "vllm", "device": "cpu", "dtype": dtype,
+                                "max_len": 64, "aux_layer_ids": [1, 3, 4], **extract},
+                    "target": {"dtype": "float32"}})
+    work, hidden = tmp_path / "work", tmp_path / "hidden"
+    jobs = shard_jobs(records, num_shards,
+                      [str(hidden / f"shard_{i:05d}.safetensors") for i in range(num_shards)],
+                      [str(hidden / f"shard_{i:05d}.json") for i in range(num_shards)],
+                      work, "train")
+    written_when_sent = []
+
+    async def prefill_each(url, work_items, concurrency, timeout, max_retries, after,
+                           health_check=None, before=None):
+        for i, (ids, path) in enumerate(work_items):
+            if before is not None:
+                await before(i)
+            written_when_sent.append(sum(j.staged_meta_path.exists() for j in jobs))
+            (answer or (lambda i, ids, path: connector_file(model, path, ids)))(i, ids, path)
+            await after(i)
+
+    monkeypatch.setattr(extract_vllm, "prefill_each", prefill_each)
+    monkeypatch.setattr(extract_vllm.Extractor, "ensure_server", lambda self: None)
+    with one_thread():
+        metas = extract_vllm.extract_shards(cfg, info, jobs, work, tmp_path / "server.log")
+    return metas, jobs, written_when_sent
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "fp8"])
+def test_pipelined_shards_are_those_written_one_shard_at_a_time(served, tmp_path, monkeypatch,
+                                                                dtype):
+    """The same request files packed shard by shard (write_shard computing the teacher of
+    the whole shard) give the same shard files, byte for byte, and the same teacher check,
+    with teacher chunks that span sequences."""
+    from eaglet import extract_common, shards
+    from eaglet.extract_common import shard_states, target_identity, write_shard
+    from eaglet.extract_vllm import read_request
+
+    monkeypatch.setattr(extract_common, "TEACHER_CHUNK_ROWS", 16)
+    model, info, records = served
+    # the storage cast flips a near-tie of the tiny target's logits: not what this compares
+    metas, jobs, _ = pipeline_run(served, tmp_path, monkeypatch, 3, dtype,
+                                  min_teacher_agreement=0.0)
+    target, norm = load_head(info["path"], "float32", "cpu")
+    cfg = validate({"extract": {"dtype": dtype, "max_len": 64,
+                                "min_teacher_agreement": 0.0}})["extract"]
+    layer_ids = capture_layer_ids([1, 3, 4], LAYERS)
+
+    def from_files(target, records, seqs, cfg, aux_layer_ids, progress):
+        rows = []
+        for ids in seqs:
+            path = tmp_path / "again.safetensors"
+            connector_file(model, path, ids)
+            rows.append(split_states(read_request(path, ids), layer_ids, aux_layer_ids, norm))
+        return [r[0] for r in rows], [r[1] for r in rows]
+
+    assert sum(m["teacher"]["positions"] for m in metas) > 2 * 16
+    for job, meta in zip(jobs, metas):
+        got = shard_states(target, job.records, cfg, [1, 3, 4], None, from_files)
+        reference = write_shard(target, got, cfg, [1, 3, 4], target_identity(info),
+                                tmp_path / "ref.safetensors", tmp_path / "ref.json",
+                                backend="vllm")
+        assert shards.sha256_path(job.shard_path) == meta["sha256"] == reference["sha256"]
+        assert meta["teacher"] == reference["teacher"]
+        if dtype == "float32":  # the served states are the target's
+            assert meta["teacher"]["agreement"] == 1.0
+    assert not list((tmp_path / "work" / "requests").glob("*.safetensors"))  # all packed
+
+
+def test_the_request_window_runs_at_most_one_shard_ahead_of_the_packing(served, tmp_path,
+                                                                        monkeypatch):
+    """Requests of shard j are sent only once shard j-2 is written, however slow the packing
+    (here slower than the server): the request files on disk stay within two shards."""
+    import time
+
+    from eaglet.extract_common import shard_records
+    from eaglet.extract_vllm import ShardPacker
+
+    _, _, records = served
+    add = ShardPacker.add
+
+    def slow_add(self, states, times):
+        time.sleep(0.1)
+        add(self, states, times)
+
+    monkeypatch.setattr(ShardPacker, "add", slow_add)
+    _, jobs, written_when_sent = pipeline_run(served, tmp_path, monkeypatch, 4)
+    shard_of = [j for j in range(4) for _ in shard_records(records, 4, j)]
+    assert len(written_when_sent) == len(records)
+    assert all(written >= shard - 1 for written, shard in zip(written_when_sent, shard_of))
+    assert all(job.shard_path.exists() for job in jobs)
+
+
+def test_a_request_without_states_stops_the_stage_and_keeps_what_was_packed(served, tmp_path,
+                                                                            monkeypatch):
+    from eaglet.extract_common import ExtractionError
+
+    model, _, records = served
+
+    def answer(i, ids, path):
+        if i < 4:  # the last request's states are never saved
+            connector_file(model, path, ids)
+
+    with pytest.raises(ExtractionError, match="saved no states"):
+        pipeline_run(served, tmp_path, monkeypatch, 2, answer=answer)
+    staged = sorted(p.name for p in (tmp_path / "work" / "shards" / "train").glob("*.safetensors"))
+    assert staged == ["shard_00000.safetensors"]  # the first shard was whole: it is kept
+    assert not (tmp_path / "hidden").exists()
+
+
+def test_the_progress_clock_starts_when_the_server_is_up(served, tmp_path, monkeypatch):
+    """Generation saved the states of two samples; the rest are prefill requests. The
+    progress (whose rate `eaglet status` learns) starts its clock once the server is up and
+    counts the requested sequences only, the saved ones as done already."""
+    import time
+
+    from eaglet import extract_vllm
+    from eaglet.extract_common import sequence
+    from eaglet.extract_vllm import shard_jobs
+    from eaglet.progress import Progress
+
+    model, info, records = served
+    records = [{**r, "hidden_states": "saved"} for r in records]
+    work = tmp_path / "work"
+    (work / "requests").mkdir(parents=True)
+    for record in records[:2]:
+        connector_file(model, request_path(work / "requests", record["id"]),
+                       sequence(record, 64)[0])
+    ready = []
+
+    def start_server(self):
+        time.sleep(0.5)  # the server's start, which the prefill rate leaves out
+        ready.append(time.monotonic())
+
+    async def prefill_each(url, work_items, concurrency, timeout, max_retries, after,
+                           health_check=None, before=None):
+        for i, (ids, path) in enumerate(work_items):
+            connector_file(model, path, ids)
+            await after(i)
+
+    monkeypatch.setattr(extract_vllm, "prefill_each", prefill_each)
+    monkeypatch.setattr(extract_vllm.Extractor, "ensure_server", start_server)
+    cfg = validate({"extract": {"backend": "vllm", "device": "cpu", "dtype": "float32",
+                                "max_len": 64, "aux_layer_ids": [1, 3, 4]},
+                    "target": {"dtype": "float32"}})
+    jobs = shard_jobs(records, 2, [str(tmp_path / f"s{i}.safetensors") for i in range(2)],
+                      [str(tmp_path / f"s{i}.json") for i in range(2)], work, "train")
+    progress = Progress("extract", total=len(records))
+    with one_thread():
+        metas = extract_vllm.extract_shards(cfg, info, jobs, work, tmp_path / "server.log",
+                                            progress)
+    assert progress.started >= ready[0]
+    assert progress.already_done == 2 and progress.done == len(records)
+    assert progress.tokens == sum(len(sequence(r, 64)[0]) for r in records[2:])
+    assert [m["captured_during_generation"] for m in metas] == [2, 0]

@@ -89,9 +89,44 @@ def predicting_rows(loss_mask: torch.Tensor, offsets: torch.Tensor) -> torch.Ten
     return predicted_by
 
 
-@torch.inference_mode()
+# rows of the full-vocabulary head product at a time: a [rows, V] float32 logits buffer
+TEACHER_CHUNK_ROWS = 1024
+
+
+class TeacherHead:
+    """The target's full-vocabulary head on chunks of stored final states: the argmax and the
+    log-probability of the next token of each row. The [rows, V] logits and log-probabilities
+    go to buffers kept from one chunk to the next: fresh ones cost the kernel's page faults
+    and zeroing on every chunk (two 200 MB tensors per 1024 rows of a 49K vocabulary)."""
+
+    def __init__(self, lm_head: torch.Tensor):
+        self.weight = lm_head
+        self._logits: torch.Tensor | None = None
+        self._logprobs: torch.Tensor | None = None
+
+    def _buffers(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._logits is None or self._logits.shape[0] < rows:
+            shape = (rows, self.weight.shape[0])
+            self._logits = torch.empty(shape, dtype=self.weight.dtype, device=self.weight.device)
+            self._logprobs = torch.empty(shape, dtype=torch.float32, device=self.weight.device)
+        return self._logits[:rows], self._logprobs[:rows]
+
+    @torch.inference_mode()
+    def __call__(self, final_stored: torch.Tensor, next_ids: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        weight = self.weight
+        logits_buf, logprobs_buf = self._buffers(final_stored.shape[0])
+        h = final_stored.to(weight.device, weight.dtype)  # the lm_head's device when sharded
+        logits = torch.matmul(h, weight.T, out=logits_buf).float()
+        argmax = logits.argmax(-1).cpu()
+        logprobs = torch.log_softmax(logits, -1, out=logprobs_buf)
+        nxt = next_ids.to(weight.device)
+        return argmax, logprobs.gather(1, nxt[:, None]).squeeze(1).cpu()
+
+
 def teacher_from_stored(target: Target, final_stored: torch.Tensor, targets: torch.Tensor,
-                        rows: torch.Tensor, chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+                        rows: torch.Tensor, chunk: int | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Argmax over the full vocabulary and log-probability of ``targets`` (the next tokens),
     from the final states as they are stored (after the cast to the shard dtype), at the
     ``rows`` mask only: -1 and NaN elsewhere. Prompt rows are most of a sample on short answers
@@ -99,15 +134,55 @@ def teacher_from_stored(target: Target, final_stored: torch.Tensor, targets: tor
     argmax = torch.full((final_stored.shape[0],), -1, dtype=torch.int64)
     logprob = torch.full((final_stored.shape[0],), float("nan"), dtype=torch.float32)
     index = rows.nonzero().squeeze(1)
-    weight = target.lm_head
+    head = TeacherHead(target.lm_head)
+    chunk = chunk or TEACHER_CHUNK_ROWS
     for start in range(0, index.numel(), chunk):
         at = index[start:start + chunk]
-        h = final_stored[at].to(weight.device, weight.dtype)  # the lm_head's device when sharded
-        logits = (h @ weight.T).float()
-        argmax[at] = logits.argmax(-1).cpu()
-        nxt = targets[at].to(weight.device)
-        logprob[at] = torch.log_softmax(logits, -1).gather(1, nxt[:, None]).squeeze(1).cpu()
+        argmax[at], logprob[at] = head(final_stored[at], targets[at])
     return argmax, logprob
+
+
+class ShardTeacher:
+    """:func:`teacher_from_stored` over a shard whose sequences come one at a time, in shard
+    order (extraction from the serving engine, whose requests finish over the whole stage):
+    each chunk of the shard's predicting rows is computed as soon as its rows are there, so
+    the work is spread over the stage, and the chunks are those of the whole shard at once,
+    with the same results bit for bit (the storage cast is per row)."""
+
+    def __init__(self, head: TeacherHead, dtype: str, num_rows: int, chunk: int | None = None):
+        self.head, self.dtype, self.chunk = head, dtype, chunk or TEACHER_CHUNK_ROWS
+        self.argmax = torch.full((num_rows,), -1, dtype=torch.int64)
+        self.logprob = torch.full((num_rows,), float("nan"), dtype=torch.float32)
+        self._rows: list[torch.Tensor] = []    # pending: shard rows, stored states, next ids
+        self._states: list[torch.Tensor] = []
+        self._next: list[torch.Tensor] = []
+        self._pending = 0
+        self._offset = 0                       # the shard row of the next sequence's first
+
+    def add(self, final: torch.Tensor, ids: list[int], mask: list[int]) -> None:
+        """The next sequence: its final states [len(ids), H], token ids and loss mask."""
+        local = torch.tensor(mask[1:], dtype=torch.bool).nonzero().squeeze(1)  # t predicts t+1
+        if local.numel():
+            self._rows.append(local + self._offset)
+            self._states.append(_round_trip(final[local], self.dtype))
+            self._next.append(torch.tensor(ids, dtype=torch.int64)[local + 1])
+            self._pending += local.numel()
+        self._offset += len(ids)
+        while self._pending >= self.chunk:
+            self._run(self.chunk)
+
+    def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The shard's teacher argmax [N] and next-token log-probability [N]."""
+        if self._pending:
+            self._run(self._pending)
+        return self.argmax, self.logprob
+
+    def _run(self, n: int) -> None:
+        rows, states, nxt = (torch.cat(x) for x in (self._rows, self._states, self._next))
+        self.argmax[rows[:n]], self.logprob[rows[:n]] = self.head(states[:n], nxt[:n])
+        self._pending -= n
+        self._rows, self._states, self._next = (
+            [x[n:]] if self._pending else [] for x in (rows, states, nxt))
 
 
 def agreement(records: list[dict], input_ids: torch.Tensor, predicted_by: torch.Tensor,
@@ -205,24 +280,25 @@ def shard_states(target: Target, records: list[dict], cfg: dict, aux_layer_ids: 
 
 def write_shard(target: Target, got: ShardStates, cfg: dict, aux_layer_ids: list[int],
                 identity: dict, shard_path: str | os.PathLike, meta_path: str | os.PathLike,
-                backend: str = "hf", captured_during_generation: int = 0) -> dict:
+                backend: str = "hf", captured_during_generation: int = 0,
+                teacher: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict:
     """Check the teacher of computed states, write the shard and its sidecar JSON; raise below
     the teacher-agreement threshold. The sidecar says how the states were computed:
     ``backend``, its engine and version, and how many samples' states generation's own
-    forward passes saved (``captured_during_generation``, vllm backend only)."""
+    forward passes saved (``captured_during_generation``, vllm backend only). ``teacher``:
+    the shard's teacher argmax and log-probabilities as :class:`ShardTeacher` computed them
+    while the states came in; None: computed here."""
     records, seqs = got.records, got.seqs
     lengths = [len(s) for s in seqs]
     input_ids = torch.tensor([t for s in seqs for t in s], dtype=torch.int64)
     loss_mask = torch.tensor([m for ms in got.masks for m in ms], dtype=torch.uint8)
     offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
-    final_all = torch.cat(got.final_rows)  # the aux states are written from their rows as they are
-
-    # the teacher as training will see it: from the final state after the storage cast
-    stored_final = _round_trip(final_all, cfg["dtype"])
     rows = predicting_rows(loss_mask, offsets)
-    teacher_argmax, next_logprob = teacher_from_stored(target, stored_final,
-                                                       torch.roll(input_ids, -1), rows)
-    del stored_final
+    if teacher is None:  # the teacher as training will see it: after the storage cast
+        stored_final = _round_trip(torch.cat(got.final_rows), cfg["dtype"])
+        teacher = teacher_from_stored(target, stored_final, torch.roll(input_ids, -1), rows)
+        del stored_final
+    teacher_argmax, next_logprob = teacher
     generated = generated_rows(records, offsets, rows)
     check = agreement(records, input_ids, generated, offsets, teacher_argmax, next_logprob)
     if any(map(recorded_answer, records)):  # how far the recorded answers are from the target
@@ -231,8 +307,9 @@ def write_shard(target: Target, got: ShardStates, cfg: dict, aux_layer_ids: list
         check["recorded_answers"] = {k: other[k] for k in ("positions", "agreement",
                                                            "mean_logprob")}
 
+    # the states are written from their rows as they are (no concatenated copy)
     written = shards.write(shard_path, input_ids, loss_mask, offsets, teacher_argmax, got.aux_rows,
-                           final_all, sample_ids=[r["id"] for r in records],
+                           got.final_rows, sample_ids=[r["id"] for r in records],
                            aux_layer_ids=aux_layer_ids, dtype=cfg["dtype"], target=identity)
     elapsed = time.monotonic() - got.started
     tensor_bytes = input_ids.numel() * shards.bytes_per_token(target.hidden_size, 3, cfg["dtype"])

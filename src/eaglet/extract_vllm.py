@@ -10,6 +10,12 @@ the target's final RMSNorm applied to layer L, with the norm's weight read from 
 checkpoint, so the shards and the teacher-agreement check are those of the ``hf`` backend,
 computed by the serving numerics.
 
+The requests of every shard go out in one window (``extract.concurrency`` in flight); a
+packing thread reads the answered requests' files in order, runs the teacher check a chunk at
+a time and writes each shard as soon as its last sequence is in, while the server computes the
+next ones. The window runs at most one shard ahead of the shard being packed: the request
+files on disk stay within two shards, the states in memory within one.
+
 Resume: a request whose file exists (and holds the same token ids) is not sent again; a shard
 is packed into ``<work>/shards/`` and its request files are removed; the packed shards are
 moved to their final names when all are done, so a failed run keeps everything it finished.
@@ -19,23 +25,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
+import threading
 import time
-from dataclasses import dataclass
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from eaglet import rates
 from eaglet.engine_client import RequestFailed, gather_or_cancel, post_json, with_retries
-from eaglet.extract_common import (TORCH_DTYPES, ExtractionError, Target, check_disk,
-                                   enforce_agreement, estimate_bytes, pick_device,
-                                   resolve_aux_layer_ids, shard_problem, shard_records,
-                                   shard_states, target_identity, write_shard)
+from eaglet.extract_common import (TORCH_DTYPES, ExtractionError, ShardStates, ShardTeacher,
+                                   Target, TeacherHead, check_disk, enforce_agreement,
+                                   estimate_bytes, pick_device, resolve_aux_layer_ids, sequence,
+                                   shard_problem, shard_records, target_identity, write_shard)
 from eaglet.hidden_capture import capture_args, capture_layer_ids
 from eaglet.io import read_json, request_lock, request_path, writer_done
 from eaglet.progress import Progress
@@ -126,13 +136,46 @@ def read_request(path: Path, ids: list[int]) -> torch.Tensor | None:
         return None
     token_ids = data.get("token_ids")
     states = data.get("hidden_states")
-    saved, ids = ([] if token_ids is None else token_ids.tolist()), list(ids)
-    if states is not None and saved[:len(ids)] == ids:
+    match = None if states is None else _match(token_ids, ids)
+    if match == "same":
         return states[:len(ids)]
-    if states is not None and len(saved) == len(ids) - 1 and saved == ids[:-1]:
+    if match == "one short":
         return torch.cat([states, states.new_zeros((1, *states.shape[1:]))])
     log.warning("discarding %s: it holds the states of another sequence", path.name)
     remove_request(path)
+    return None
+
+
+def holds_states(path: Path, ids: list[int]) -> bool:
+    """Whether ``path`` holds the states :func:`read_request` would return for ``ids``, read
+    from its token ids alone (the states stay on disk until they are packed); a file that
+    cannot be used is removed, as :func:`read_request` does."""
+    try:
+        writer_done(path)
+        if not path.exists():
+            return False
+        with safe_open(str(path), framework="pt") as handle:
+            token_ids = handle.get_tensor("token_ids") if "token_ids" in handle.keys() else None
+            has_states = "hidden_states" in handle.keys()
+    except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
+        log.warning("discarding the unreadable request file %s (%s)", path.name, exc)
+        remove_request(path)
+        return False
+    if has_states and _match(token_ids, ids) is not None:
+        return True
+    log.warning("discarding %s: it holds the states of another sequence", path.name)
+    remove_request(path)
+    return False
+
+
+def _match(token_ids: torch.Tensor | None, ids: list[int]) -> str | None:
+    """How a request file's saved ``token_ids`` cover ``ids``: "same" (the sequence, or a
+    longer one it was cut from), "one short" (saved while generating) or None."""
+    saved, ids = ([] if token_ids is None else token_ids.tolist()), list(ids)
+    if saved[:len(ids)] == ids:
+        return "same"
+    if len(saved) == len(ids) - 1 and saved == ids[:-1]:
+        return "one short"
     return None
 
 
@@ -165,18 +208,23 @@ async def prefill(client: httpx.AsyncClient, ids: list[int], path: Path, timeout
 
 
 async def prefill_each(url: str, work: list[tuple[list[int], Path]], concurrency: int,
-                       timeout: float, max_retries: int, after, health_check=None) -> None:
+                       timeout: float, max_retries: int, after, health_check=None,
+                       before=None) -> None:
     """Send every ``(ids, path)`` of ``work`` as one prefill request to the capturing server
-    at ``url``, ``concurrency`` at a time; ``await after(i)`` once the i-th was answered
-    (outside the concurrency gate: reading a file does not hold a request slot back).
-    ``health_check()`` (the server process's, when eaglet started it) runs ahead of each
-    request and after every failed attempt: a server that died stops the stage at once, with
-    its exit named. The first failure cancels the rest."""
+    at ``url``, ``concurrency`` at a time, in order; ``await after(i)`` once the i-th was
+    answered (outside the concurrency gate: reading a file does not hold a request slot back)
+    and ``await before(i)`` ahead of the i-th (outside the gate too: it holds back the
+    requests that may not run ahead yet, not those in flight). ``health_check()`` (the
+    server process's, when eaglet started it) runs ahead of each request and after every
+    failed attempt: a server that died stops the stage at once, with its exit named. The
+    first failure cancels the rest."""
     gate = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency)
     async with httpx.AsyncClient(base_url=url, limits=limits) as client:
 
         async def one(i: int, ids: list[int], path: Path) -> None:
+            if before is not None:
+                await before(i)
             async with gate:
                 if health_check is not None:
                     health_check()
@@ -214,8 +262,84 @@ class ShardJob:
     staged_meta_path: Path
 
 
+class PartTimes:
+    """Wall seconds the packing thread spends per part (reading the request files, the
+    states, the teacher check, writing, waiting for the server): the stage's log says which
+    side waited for which."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    @contextlib.contextmanager
+    def part(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - start
+
+    def summary(self) -> str:
+        return ", ".join(f"{name} {s:.1f} s" for name, s in
+                         sorted(self.seconds.items(), key=lambda kv: -kv[1]))
+
+
+@dataclass
+class ShardPacker:
+    """One shard's states as its sequences come in, in order: split and normed, the teacher
+    check's chunks computed as soon as their rows are there; :meth:`finish` writes it."""
+    job: ShardJob
+    target: Target
+    ext: dict
+    aux_layer_ids: list[int]
+    layer_ids: list[int]
+    norm: FinalNorm
+    identity: dict
+    head: TeacherHead
+    got: ShardStates = field(init=False)
+    teacher: ShardTeacher = field(init=False)
+
+    def __post_init__(self) -> None:
+        seqs, masks, truncated = [], [], 0
+        for record in self.job.records:
+            ids, mask, cut = sequence(record, self.ext["max_len"])
+            seqs.append(ids)
+            masks.append(mask)
+            truncated += cut
+        self.got = ShardStates(self.job.records, seqs, masks, truncated, [], [], time.monotonic())
+        self.teacher = ShardTeacher(self.head, self.ext["dtype"], sum(map(len, seqs)))
+
+    @property
+    def complete(self) -> bool:
+        return len(self.got.aux_rows) == len(self.got.seqs)
+
+    def add(self, states: torch.Tensor, times: PartTimes) -> None:
+        """The next sequence's saved states [n, layers, H]."""
+        k = len(self.got.aux_rows)
+        with times.part("states"):
+            aux, final = split_states(states, self.layer_ids, self.aux_layer_ids, self.norm)
+        self.got.aux_rows.append(aux)
+        self.got.final_rows.append(final)
+        with times.part("teacher"):
+            self.teacher.add(final, self.got.seqs[k], self.got.masks[k])
+
+    def finish(self, captured_during_generation: int, times: PartTimes) -> dict:
+        """Write the shard and its sidecar to their staging paths; raise below the teacher
+        agreement threshold (as :func:`write_shard`)."""
+        with times.part("teacher"):
+            teacher = self.teacher.finish()
+        self.job.staged_path.parent.mkdir(parents=True, exist_ok=True)
+        with times.part("writing"):
+            return write_shard(self.target, self.got, self.ext, self.aux_layer_ids,
+                               self.identity, self.job.staged_path, self.job.staged_meta_path,
+                               backend="vllm", teacher=teacher,
+                               captured_during_generation=captured_during_generation)
+
+
 class Extractor:
     """Serves the target with capture on first use and computes the states of sequences."""
+
+    # the packing thread yields the CPU to the server's (see _yield_cpu)
+    low_priority = True
 
     def __init__(self, cfg: dict, model_path: str, layer_ids: list[int], work_dir: Path,
                  server_log: str | os.PathLike, progress: Progress | None):
@@ -229,6 +353,7 @@ class Extractor:
         self.prefilled: set[str] = set()
         # what stops the server once it was started (set by the caller)
         self.stack: contextlib.ExitStack | None = None
+        self.times = PartTimes()
 
     def ensure_server(self) -> None:
         """Start the server on first need: states saved by generation need none."""
@@ -239,29 +364,158 @@ class Extractor:
         assert self.stack is not None, "Extractor.stack is not set"
         self.stack.enter_context(self.server)
         self.started = True
-        if self.progress is not None:
-            self.progress.enter_phase(None)
 
     def states(self, target, records, seqs, cfg, aux_layer_ids, progress):
         """``extract_shard``'s ``states``: one prefill request per sequence not saved yet."""
-        paths = [request_path(self.requests, r["id"]) for r in records]
         rows: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(seqs)
-        missing = []
-        for i, (path, ids) in enumerate(zip(paths, seqs)):
-            saved = read_request(path, ids)
-            if saved is None:
-                missing.append(i)
-            else:
-                rows[i] = split_states(saved, self.layer_ids, aux_layer_ids, self.norm)
-                if progress is not None:
-                    progress.advance(done=1, tokens=len(ids))
+
+        def keep(i: int, saved: torch.Tensor) -> None:
+            rows[i] = split_states(saved, self.layer_ids, aux_layer_ids, self.norm)
+
+        self.stream([r["id"] for r in records], seqs,
+                    [request_path(self.requests, r["id"]) for r in records], keep, progress)
+        return [r[0] for r in rows], [r[1] for r in rows]
+
+    def pack(self, jobs: list[ShardJob], target: Target, ext: dict, aux_layer_ids: list[int],
+             identity: dict, progress: Progress | None) -> list[dict]:
+        """Write the shards of ``jobs`` to their staging paths: the sequences of all of them
+        streamed in order through one request window (:meth:`stream`), each shard checked
+        and written by the packing thread as soon as its last sequence is in, its request
+        files then removed; the sidecars' records, in ``jobs`` order."""
+        if not jobs:
+            return []
+        head = TeacherHead(target.lm_head)
+        packers = [ShardPacker(job, target, ext, aux_layer_ids, self.layer_ids, self.norm,
+                               identity, head) for job in jobs]
+        owner = [p for p in packers for _ in p.got.seqs]
+        # request i of shard j waits until shard j-2 is written: the window runs at most one
+        # shard ahead of the shard being packed
+        ends = [0, *itertools.accumulate(len(p.got.seqs) for p in packers)]
+        ahead = [ends[max(j - 1, 0)] for j, p in enumerate(packers) for _ in p.got.seqs]
+        metas: list[dict] = []
+        last = [time.monotonic()]  # when the previous shard was written
+
+        def consume(i: int, states: torch.Tensor) -> None:
+            packer = owner[i]
+            if not packer.got.aux_rows:  # a shard's time runs from the end of the one before
+                packer.got.started = last[0]
+            packer.add(states, self.times)
+            if not packer.complete:
+                return
+            job = packer.job
+            meta = packer.finish(self.captured_during_generation(job.records), self.times)
+            packer.got = None  # the states of the next shard take its place
+            for record in job.records:  # packed: the per-request files are not needed again
+                remove_request(request_path(self.requests, record["id"]))
+            log.info("%s: %d samples, %d tokens, %.0f tokens/s, teacher agreement %s",
+                     job.label, meta["num_samples"], meta["tokens"], meta["tokens_per_s"] or 0,
+                     _fmt(meta["teacher"]["agreement"]))
+            metas.append(meta)
+            last[0] = time.monotonic()
+
+        records = [r for job in jobs for r in job.records]
+        self.stream([r["id"] for r in records], [s for p in packers for s in p.got.seqs],
+                    [request_path(self.requests, r["id"]) for r in records], consume, progress,
+                    ahead)
+        return metas
+
+    def stream(self, sample_ids: list[str], seqs: list[list[int]], paths: list[Path],
+               consume, progress: Progress | None, ahead: list[int] | None = None) -> None:
+        """``consume(i, states)`` for every sequence, in order, in a packing thread (states
+        as :func:`read_request` returns them): those saved already (by an earlier run, or by
+        generation) read as they are, the others sent as prefill requests through one
+        window while the thread consumes what is answered. ``ahead[i]``: how many sequences
+        the thread must have consumed before request i may be sent (None: no bound).
+
+        With requests to send, the progress clock restarts once the server is up and counts
+        only the requested sequences (the saved ones are counted as done): the rate that
+        ``eaglet status`` learns is the prefill's, without the server's start."""
+        saved = [holds_states(path, ids) for path, ids in zip(paths, seqs)]
+        missing = [i for i, ok in enumerate(saved) if not ok]
         if missing:
             log.info("%d of %d sequences have no saved states: sending them as prefill "
                      "requests", len(missing), len(seqs))
             self.ensure_server()
-            self.prefilled.update(records[i]["id"] for i in missing)
-            asyncio.run(self._send(missing, seqs, paths, rows, aux_layer_ids, progress))
-        return [r[0] for r in rows], [r[1] for r in rows]
+            self.prefilled.update(sample_ids[i] for i in missing)
+            if progress is not None:
+                progress.restart(already_done=progress.done + len(seqs) - len(missing))
+                progress.enter_phase(None)
+        asyncio.run(self._pipeline(seqs, paths, saved, missing, consume, progress, ahead))
+
+    async def _pipeline(self, seqs, paths, saved, missing, consume, progress, ahead) -> None:
+        loop = asyncio.get_running_loop()
+        answered = [threading.Event() for _ in seqs]
+        for event, ok in zip(answered, saved):
+            if ok:
+                event.set()
+        stop = threading.Event()
+        # how many sequences consumed let the requests that wait on that number go
+        consumed = {n: asyncio.Event() for n in set(ahead or ()) if n > 0}
+        counted = set(missing) if missing else None  # what the progress counts
+
+        def pack() -> None:
+            self._yield_cpu()
+            for i, (ids, path) in enumerate(zip(seqs, paths)):
+                with self.times.part("waiting for the server"):
+                    while not answered[i].wait(0.1):
+                        if stop.is_set():
+                            return
+                with self.times.part("reading"):
+                    states = read_request(path, ids)
+                if states is None:
+                    raise ExtractionError(
+                        f"the server saved no states of {len(ids)} tokens to {path}: see the "
+                        f"server log {self.server.log_path}")
+                consume(i, states)
+                del states
+                if progress is not None and (counted is None or i in counted):
+                    progress.advance(done=1, tokens=len(ids))
+                if i + 1 in consumed:
+                    loop.call_soon_threadsafe(consumed[i + 1].set)
+
+        async def after(j: int) -> None:
+            answered[missing[j]].set()
+
+        async def before(j: int) -> None:
+            if ahead[missing[j]] in consumed:
+                await consumed[ahead[missing[j]]].wait()
+
+        gen = self.cfg["generate"]
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-packer") as thread:
+            tasks = [loop.run_in_executor(thread, pack)]
+            if missing:
+                hooks = {"before": before} if consumed else {}
+                tasks.append(asyncio.ensure_future(prefill_each(
+                    self.server.url, [(seqs[i], paths[i]) for i in missing],
+                    self.cfg["extract"]["concurrency"], gen["request_timeout_s"],
+                    gen["max_retries"], after, health_check=self.server.check_alive, **hooks)))
+            try:
+                pending = set(tasks)
+                while pending:  # the first failure ends both sides
+                    done, pending = await asyncio.wait(pending,
+                                                       return_when=asyncio.FIRST_EXCEPTION)
+                    for task in done:
+                        task.result()
+            finally:
+                stop.set()
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _yield_cpu(self) -> None:
+        """On the CPU engine (``server.gpus`` 0) the server computes on the cores this
+        process runs on, and each of its forward passes waits for its slowest thread: the
+        packing thread (and the threads its torch calls start, which inherit it) runs at the
+        lowest priority (nice 19, per thread on Linux), mostly on the CPU time the server
+        leaves, and at full speed once the server has nothing left to compute. Not the idle
+        scheduling class: another busy process would starve the packing, and the requests
+        wait on it."""
+        if not (self.low_priority and self.started) or self.cfg["server"]["gpus"]:
+            return
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (AttributeError, OSError) as exc:  # not Linux, or not allowed
+            log.debug("the packing thread keeps its priority (%s)", exc)
 
     def captured_during_generation(self, records: list[dict]) -> int:
         """How many of ``records`` have the states generation's own forward passes saved
@@ -270,24 +524,6 @@ class Extractor:
         return sum(r.get("hidden_states") == "saved" and r["id"] not in self.prefilled
                    for r in records)
 
-    async def _send(self, missing, seqs, paths, rows, aux_layer_ids, progress) -> None:
-        gen = self.cfg["generate"]
-
-        async def after(j: int) -> None:
-            i = missing[j]
-            saved = await asyncio.to_thread(read_request, paths[i], seqs[i])
-            if saved is None:
-                raise ExtractionError(
-                    f"the server saved no states of {len(seqs[i])} tokens to {paths[i]}: "
-                    f"see the server log {self.server.log_path}")
-            rows[i] = split_states(saved, self.layer_ids, aux_layer_ids, self.norm)
-            if progress is not None:
-                progress.advance(done=1, tokens=len(seqs[i]))
-
-        await prefill_each(self.server.url, [(seqs[i], paths[i]) for i in missing],
-                           self.cfg["extract"]["concurrency"], gen["request_timeout_s"],
-                           gen["max_retries"], after, health_check=self.server.check_alive)
-
 
 def extract_shards(cfg: dict, info: dict, jobs: list[ShardJob], work_dir: Path,
                    server_log: str | os.PathLike, progress: Progress | None = None,
@@ -295,7 +531,8 @@ def extract_shards(cfg: dict, info: dict, jobs: list[ShardJob], work_dir: Path,
     """Write every shard of ``jobs`` with one server (started only if some shard needs it,
     unless a running ``server`` with the capture options of :func:`capture_server` for
     ``<work_dir>/requests`` is given) and move them to their final names; returns the
-    shards' records."""
+    shards' records. ``stats`` gets whether the server was started and the packing
+    thread's seconds per part."""
     ext = cfg["extract"]
     target, norm = load_head(info["path"], cfg["target"]["dtype"], ext["device"])
     aux_ids = resolve_aux_layer_ids(ext["aux_layer_ids"], target.num_layers)
@@ -312,38 +549,28 @@ def extract_shards(cfg: dict, info: dict, jobs: list[ShardJob], work_dir: Path,
     extractor.norm = norm
     if server is not None:
         extractor.server, extractor.started = server, True
-    metas = []
+    metas: dict[int, dict] = {}
+    for index, job in enumerate(jobs):
+        if job not in todo:
+            log.info("%s: packed by an earlier run, kept", job.label)
+            metas[index] = read_json(job.staged_meta_path)
+            enforce_agreement(metas[index], ext["min_teacher_agreement"])
     with contextlib.ExitStack() as stack:
         extractor.stack = stack
-        for job in jobs:
-            if job not in todo:
-                log.info("%s: packed by an earlier run, kept", job.label)
-                meta = read_json(job.staged_meta_path)
-                enforce_agreement(meta, ext["min_teacher_agreement"])
-                metas.append(meta)
-                continue
-            job.staged_path.parent.mkdir(parents=True, exist_ok=True)
-            got = shard_states(target, job.records, ext, aux_ids, progress, extractor.states)
-            meta = write_shard(target, got, ext, aux_ids, identity, job.staged_path,
-                               job.staged_meta_path, backend="vllm",
-                               captured_during_generation=extractor.captured_during_generation(
-                                   job.records))
-            del got  # the next shard's states take its place
-            for record in job.records:  # packed: the per-request files are not needed again
-                remove_request(request_path(extractor.requests, record["id"]))
-            log.info("%s: %d samples, %d tokens, %.0f tokens/s, teacher agreement %s",
-                     job.label, meta["num_samples"], meta["tokens"], meta["tokens_per_s"] or 0,
-                     _fmt(meta["teacher"]["agreement"]))
-            metas.append(meta)
+        written = extractor.pack(todo, target, ext, aux_ids, identity, progress)
+    metas.update(zip([i for i, job in enumerate(jobs) if job in todo], written))
+    if extractor.times.seconds:
+        log.info("packing thread: %s", extractor.times.summary())
     if extractor.started and server is None:
         rates.record(RATE_PREFILL, info["spec"], server_start_s=extractor.server.ready_after_s)
     if stats is not None:
         stats["server_started"] = extractor.started
+        stats["parts_s"] = dict(extractor.times.seconds)
     for job in jobs:  # all shards are good: give them their final names
         job.shard_path.parent.mkdir(parents=True, exist_ok=True)
         os.replace(job.staged_path, job.shard_path)
         os.replace(job.staged_meta_path, job.meta_path)
-    return metas
+    return [metas[i] for i in range(len(jobs))]
 
 
 def staged_problem(job: ShardJob, expected: dict, max_len: int) -> str | None:
