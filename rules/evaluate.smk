@@ -1,8 +1,10 @@
 rule evaluate:
     """Serve the target with vLLM: alone, with ngram speculation, and with the drafter at
-    every k, each run at every concurrency of the sweep on every prompt set; measure
-    acceptance from the /metrics counters and the speedups; derive, write and check the
-    batch-size schedule of k (serve.json)."""
+    every k, each run at every concurrency of the sweep on every prompt set, at every
+    temperature of evaluate.temperature; measure acceptance from the /metrics counters and
+    the speedups; derive (at the last temperature, the served one), write and check the
+    batch-size schedule of k (serve.json); replay the drafter offline (exactly at 0, its
+    expected acceptance above)."""
     input:
         target=f"{R}/target/target.json",
         drafter=f"{R}/drafter/model.safetensors",

@@ -340,8 +340,9 @@ class DriftingMachine:
         self.started_with = getattr(self, "started_with", []) + [cfg["server"]] * len(runs)
         return {run["name"]: run["name"] for run in runs}
 
-    def measure(self, url, prompts, ev, concurrency, template_kwargs=None):
+    def measure(self, url, prompts, ev, concurrency, template_kwargs=None, temperature=0.0):
         self.calls.append((url, tuple(p["id"] for p in prompts)))
+        self.temperatures = getattr(self, "temperatures", []) + [temperature]
         slowdown = 1.0 + 0.5 * self.clock_s / 60
         wall = self.cost[url] * slowdown * len(prompts) / concurrency
         self.clock_s += wall
@@ -426,9 +427,9 @@ def test_the_schedule_is_checked_beside_the_target_alone_kept_up(monkeypatch, tm
                  "eagle3_k3": {1: 5.0, 16: 1.5}, "eagle3_schedule": {1: 5.0, 16: 1.1}}
 
     class Machine(DriftingMachine):
-        def measure(self, url, prompts, ev, concurrency, template_kwargs=None):
+        def measure(self, url, prompts, ev, concurrency, template_kwargs=None, temperature=0.0):
             self.cost = {name: costs[concurrency] for name, costs in per_token.items()}
-            return super().measure(url, prompts, ev, concurrency, template_kwargs)
+            return super().measure(url, prompts, ev, concurrency, template_kwargs, temperature)
 
         def start(self, cfg, target_path, placed, log_dir):
             self.started = getattr(self, "started", []) + [[run["name"] for _, run in placed]]
@@ -633,6 +634,10 @@ def test_status_plans_the_evaluation_as_the_stage_places_its_servers(tmp_path, m
         runs = len(evaluate.run_plan(cfg["evaluate"])[0])
         assert plans[name].basis.startswith(f"{runs + (2 if name == 'small' else 1)} vLLM runs")
     assert "side by side" in plans["small"].basis and "one at a time" in plans["large"].basis
+    # each temperature sends every level's requests again
+    two = validate({"results_dir": str(r), "evaluate": {"kv_cache_gib": 0.5, "offline": False,
+                                                        "temperature": [0, 1.0]}})
+    assert status.estimate("evaluate", r, two, None).seconds > plans["large"].seconds
 
 
 def test_ngram_that_proposes_nothing_is_reported_but_a_drafter_that_drafts_nothing_fails():
@@ -902,3 +907,164 @@ def test_a_schedule_level_that_drafts_k0_has_no_acceptance(monkeypatch, tmp_path
     choice = best_k_by_concurrency(machine.runs, [1, 16])
     v = verdict(machine.runs, [1, 16], serve_recommendation(choice, machine.runs, "d"))
     assert v["best"] == "eagle3_k3" and "summary" in v
+
+
+# -- every level at each temperature ---------------------------------------------------------
+
+def test_requests_pin_the_plain_distribution_at_their_temperature(monkeypatch):
+    """Sampling fields the server would otherwise take from the target's
+    generation_config.json are pinned off; greedy requests keep their seed, sampled ones go
+    unseeded, as production sends them."""
+    import asyncio
+    import json
+
+    import httpx
+
+    from eaglet import evaluate
+
+    bodies = []
+
+    def answer(request):
+        bodies.append(json.loads(request.content))
+        return httpx.Response(200, json=RESPONSE)
+
+    client = httpx.AsyncClient
+    monkeypatch.setattr(httpx, "AsyncClient", lambda **kw: client(
+        transport=httpx.MockTransport(answer), **kw))
+    prompts = [{"id": "p0", "messages": [{"role": "user", "content": "Capital of France?"}]}]
+    for t in (0.0, 1.0):
+        asyncio.run(evaluate._run_prompts("http://server", prompts, 8, 1, 10.0, None, t))
+    greedy, sampled = bodies
+    assert (greedy["temperature"], greedy["seed"]) == (0.0, 0)
+    assert sampled["temperature"] == 1.0 and "seed" not in sampled
+    for body in bodies:
+        assert {key: body[key] for key in ("top_p", "top_k", "min_p", "repetition_penalty",
+                                           "presence_penalty", "frequency_penalty")} == {
+            "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+            "presence_penalty": 0.0, "frequency_penalty": 0.0}
+
+
+def test_each_temperature_is_measured_and_judged_apart_the_last_one_served(monkeypatch,
+                                                                           tmp_path):
+    """Greedy, the drafter pays at every concurrency; sampled at 1.0 (the temperature listed
+    last, the one served) only at 1. Every level goes to every server at both temperatures;
+    each run is reported per temperature, its speedups over the target alone at the same
+    temperature; the schedule and serve.json come from 1.0, and so does the verdict."""
+    from eaglet import evaluate, plots
+    from eaglet.config import validate
+    from eaglet.io import read_json, write_json
+
+    per_token = {0.0: {"baseline": {1: 6.0, 16: 1.0}, "eagle3_k3": {1: 5.0, 16: 0.8},
+                       "eagle3_schedule": {1: 5.0, 16: 0.8}},
+                 1.0: {"baseline": {1: 6.0, 16: 1.0}, "eagle3_k3": {1: 5.0, 16: 1.5},
+                       "eagle3_schedule": {1: 5.0, 16: 1.1}}}
+
+    class Machine(DriftingMachine):
+        def measure(self, url, prompts, ev, concurrency, template_kwargs=None, temperature=0.0):
+            self.cost = {name: costs[concurrency]
+                         for name, costs in per_token[temperature].items()}
+            return super().measure(url, prompts, ev, concurrency, template_kwargs, temperature)
+
+    machine = Machine({})
+    monkeypatch.setattr(evaluate, "_start", machine.start)
+    monkeypatch.setattr(evaluate, "_measure", machine.measure)
+    cfg = validate({"evaluate": {"concurrency": [1, 16], "rounds": 2, "interleave": True,
+                                 "offline": False, "ngram": False, "temperature": [0, 1.0]},
+                    "server": {"memory_utilization": 0.3, "port": 8000}})
+    write_json(tmp_path / "target.json", {"path": "target", "spec": "t"})
+    (tmp_path / "eval.jsonl").write_text("".join(
+        f'{{"id": "p{i}", "messages": [{{"role": "user", "content": "q{i}"}}]}}\n'
+        for i in range(16)))
+    result = evaluate.run_stage(cfg, str(tmp_path / "target.json"), "drafter",
+                                str(tmp_path / "eval.jsonl"), str(tmp_path / "acceptance.json"),
+                                str(tmp_path), serve_path=str(tmp_path / "serve.json"))
+    assert [(r["name"], r["temperature"]) for r in result["runs"]] == [
+        ("baseline", 0.0), ("eagle3_k3", 0.0), ("eagle3_schedule", 0.0),
+        ("baseline_T1", 1.0), ("eagle3_k3_T1", 1.0), ("eagle3_schedule_T1", 1.0)]
+    # the same requests at each temperature, through the same servers
+    assert machine.temperatures.count(0.0) == machine.temperatures.count(1.0)
+    assert all(lv["temperature"] == r["temperature"] for r in result["runs"]
+               for lv in r["levels"])
+    speedups = {r["name"]: {e["concurrency"]: e["speedup"] for e in r["by_concurrency"]}
+                for r in result["runs"]}
+    assert speedups["eagle3_k3"][16] == pytest.approx(1 / 0.8, abs=0.05)
+    assert speedups["eagle3_k3_T1"][16] == pytest.approx(1 / 1.5, abs=0.05)
+    # the schedule comes from 1.0, where the drafter pays at 1 only (greedy, it pays at both)
+    serve = read_json(tmp_path / "serve.json")
+    assert serve["temperature"] == 1.0 and serve["checked_by"] == "eagle3_schedule_T1"
+    assert [e["k"] for e in serve["by_concurrency"]] == [3, 0]
+    v, by_t = result["verdict"], result["verdict_by_temperature"]
+    assert v is by_t["1"] and v["temperature"] == 1.0
+    assert v["summary"].startswith("At temperature 1: EAGLE-3 (eagle3_k3_T1)")
+    assert [e["k"] for e in by_t["0"]["best_k_by_concurrency"]] == [3, 3]
+    assert [e["k"] for e in v["best_k_by_concurrency"]] == [3, 0]
+    # greedy answers are compared with the target alone's; sampled ones are not
+    assert set(result["outputs_differ_from_baseline"]) == {"eagle3_k3", "eagle3_schedule"}
+    # the table has a row per run, temperature, set and concurrency, the temperature with it
+    plots.write_results_table(result, tmp_path / "summary.csv")
+    with open(tmp_path / "summary.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert {(r["run"], float(r["temperature"])) for r in rows} == {
+        (r["name"], r["temperature"]) for r in result["runs"]}
+    plots.acceptance_length(result, tmp_path / "acceptance_length.png")
+    # each temperature an offline replay of its own
+    assert evaluate.run_plan({**cfg["evaluate"], "offline": True})[1] == 2
+
+
+def test_a_sampled_run_that_disagrees_with_its_expected_acceptance_is_explained():
+    from eaglet.evaluate import EXPECTED_TOLERANCE, expected_warnings
+
+    def entry(vllm, expected, matched):
+        return {"temperature": 1.0, "vllm_acceptance_length": vllm,
+                "acceptance_length": expected, "matched_acceptance_length": matched,
+                "ratio_offline_over_vllm": expected / vllm, "drafts": 400,
+                "tolerance": EXPECTED_TOLERANCE,
+                "agrees": abs(expected / vllm - 1) <= EXPECTED_TOLERANCE}
+
+    cpu, gpu = {"server": {"gpus": 0}}, {"server": {"gpus": 1}}
+    greedy_agrees = {"eagle3_k3": {"agrees": True}}
+    assert expected_warnings({"eagle3_k3_T1": entry(1.5, 1.52, 1.5)}, greedy_agrees, cpu) == []
+    # vLLM's answers took the drafts as often as it counted: it sampled from elsewhere
+    [elsewhere] = expected_warnings({"eagle3_k3_T1": entry(1.02, 1.3, 1.02)}, None, cpu)
+    assert elsewhere.startswith("SAMPLED ACCEPTANCE DISAGREES: eagle3_k3_T1")
+    assert "another distribution than softmax(logits / 1)" in elsewhere
+    assert "CPU engine" in elsewhere
+    assert "CPU engine" not in expected_warnings({"eagle3_k3_T1": entry(1.02, 1.3, 1.02)},
+                                                 None, gpu)[0]
+    # the drafts are right (greedy agrees) but its answers took them more often than it
+    # counted accepting them: the sampler
+    [sampler] = expected_warnings({"eagle3_k3_T1": entry(1.14, 1.23, 1.48)}, greedy_agrees, cpu)
+    assert "rejection sampler did not verify as it should" in sampler and "CPU engine" in sampler
+    # neither: the export, or too few prompts
+    [drafts] = expected_warnings({"eagle3_k3_T1": entry(1.5, 1.3, 1.3)},
+                                 {"eagle3_k3": {"agrees": False}}, cpu)
+    assert "check the export" in drafts and "400 drafting steps" in drafts
+    assert "CPU engine" not in drafts
+
+
+def test_the_temperatures_are_a_list_of_at_least_one_unique_non_negative_value():
+    from eaglet.config import ConfigError, validate
+
+    assert validate({})["evaluate"]["temperature"] == [0]
+    assert validate({"evaluate": {"temperature": [0, 1.0]}})["evaluate"]["temperature"] == [0, 1.0]
+    for bad, why in (([], "non-empty"), ([0, -0.5], "minimum of 0"), ([1.0, 1.0], "non-unique"),
+                     (0.6, "not of type array")):
+        with pytest.raises(ConfigError, match=why):
+            validate({"evaluate": {"temperature": bad}})
+
+
+def test_a_rehearsal_evaluates_at_0_and_the_served_temperature_only():
+    from pathlib import Path
+
+    from eaglet.rehearse import rehearsal_config
+
+    def rehearsed(temps):
+        cfg, scaled = rehearsal_config({"target": {"model": "org/model"},
+                                        "evaluate": {"temperature": temps}},
+                                       Path("mini"), Path("results"))
+        return cfg["evaluate"]["temperature"], [s for s in scaled if "temperature" in s]
+
+    assert rehearsed([0, 0.6, 1.0]) == ([0, 1.0], [
+        "evaluate.temperature: [0, 0.6, 1.0] -> [0, 1.0] (0 and the served temperature)"])
+    assert rehearsed([0, 1.0]) == ([0, 1.0], [])   # the shipped configs' lists, as they are
+    assert rehearsed([0.6])[0] == [0, 0.6]         # the exact greedy check is rehearsed too

@@ -3,6 +3,9 @@ chain on the drafter's own TTT forward, and end to end on a tiny target."""
 
 from __future__ import annotations
 
+import math
+import statistics
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -121,20 +124,24 @@ def prompts_of(n: int, seed: int = 1) -> list[list[int]]:
                           generator=g).tolist() for _ in range(n)]
 
 
-def write_held_out(path, target, samples: list[tuple[list, list]], dtype: str) -> None:
+def write_held_out(path, target, samples: list[tuple[list, list]], dtype: str,
+                   final: bool = False) -> None:
     """A held-out shard as extraction writes it: each sample's prompt + answer with the
-    target's aux states of every row (the final states and teacher are not read here)."""
+    target's aux states of every row (the final states too with ``final``, else zeros; the
+    teacher is not read here)."""
     from eaglet import shards
 
-    ids, mask, offsets, aux = [], [], [0], []
+    ids, mask, offsets, aux, last = [], [], [0], [], []
     for prompt, answer in samples:
         ids += prompt + answer
         mask += [0] * len(prompt) + [1] * len(answer)
         offsets.append(len(ids))
-        aux.append(target_features(target, LAYERS, prompt + answer))
+        states, normed = target_features(target, LAYERS, prompt + answer, final=True)
+        aux.append(states)
+        last.append(normed if final else torch.zeros_like(normed))
     n = len(ids)
     shards.write(path, torch.tensor(ids), torch.tensor(mask), torch.tensor(offsets),
-                 torch.full((n,), -1), torch.cat(aux), torch.zeros(n, H),
+                 torch.full((n,), -1), torch.cat(aux), torch.cat(last),
                  sample_ids=[f"s{i}" for i in range(len(samples))], aux_layer_ids=LAYERS,
                  dtype=dtype, target={})
 
@@ -381,3 +388,264 @@ def test_the_stage_replays_held_out_answers_from_stored_states_and_others_from_a
     assert replayed["stored_dtype"] == "bfloat16" and replayed["served_dtype"] == "float32"
     assert replayed["sets"]["heldout"]["states"] == "forward"
     assert out["eagle3_k3"]["ratio_offline_over_vllm"] == 1.0
+
+
+# -- at a temperature: the expected acceptance against vLLM's rejection sampling -------------
+#
+# A toy target whose next-token distribution depends on the last token only (a bigram table of
+# logits, TOY_V tokens) and a toy drafter that chains greedily on its own noisy copy of the
+# table, as EAGLE drafts on its own proposals. Rows of a sequence map as in the replay: the
+# target's distribution right after row r is the table's row of token r.
+
+TOY_V = 5
+
+
+def toy(seed: int = 0, noise: float = 1.0):
+    g = torch.Generator().manual_seed(seed)
+    target = 2.0 * torch.randn(TOY_V, TOY_V, generator=g)
+    drafter = target + noise * torch.randn(TOY_V, TOY_V, generator=g)
+    return target, drafter
+
+
+def toy_probs(target: torch.Tensor, temperature: float) -> list[list[float]]:
+    """p(next | last) at ``temperature``, as vLLM's sampler computes it (token_probability)."""
+    from eaglet.offline_eval import token_probability
+
+    return [[token_probability(target[a], b, temperature) for b in range(TOY_V)]
+            for a in range(TOY_V)]
+
+
+def toy_chain(drafter: torch.Tensor, last: int, k: int) -> list[int]:
+    out = []
+    for _ in range(k):
+        last = int(drafter[last].argmax())
+        out.append(last)
+    return out
+
+
+def chain_expectation(p: list[list[float]], last: int, drafts: list[int]) -> list[float]:
+    """The closed form: P(drafts 1..i all accepted) = prod_{j<=i} p(x_j | x_{j-1}) for each
+    i, the target's probabilities given the drafts themselves as context."""
+    out, reach = [], 1.0
+    for x in drafts:
+        reach *= p[last][x]
+        out.append(reach)
+        last = x
+    return out
+
+
+def simulate_vllm(p: list[list[float]], drafter: torch.Tensor, first: int, k: int, n: int,
+                  rng) -> tuple[list[int], list[tuple[int, int]]]:
+    """vLLM 0.32's verification of greedy drafts at a temperature (rejection_sampler.py with
+    no draft probabilities): draft x is accepted where a uniform u <= p(x); a rejection
+    emits a recovered token sampled from p with x taken out; all k accepted, a bonus token
+    from p after the last. Returns the answer (``first`` then ``n`` more tokens) and each
+    drafting round's (start, accepted), its start the index of the answer's last token."""
+    def sample(weights):
+        return rng.choices(range(TOY_V), weights=weights)[0]
+
+    tokens, rounds = [first], []
+    while len(tokens) < n + 1:
+        start, accepted = len(tokens) - 1, 0
+        for x in toy_chain(drafter, tokens[-1], k):
+            dist = p[tokens[-1]]
+            if rng.random() <= dist[x]:
+                tokens.append(x)
+                accepted += 1
+                continue
+            tokens.append(sample([0.0 if t == x else w for t, w in enumerate(dist)]))
+            break
+        else:
+            tokens.append(sample(p[tokens[-1]]))
+        rounds.append((start, accepted))
+    return tokens[:n + 1], rounds
+
+
+def toy_replay(p, drafter, ids: list[int], k: int, first_round_only: bool = False) -> dict:
+    """The replay of one toy answer (prompt = its first token) with the toy's drafts and
+    probabilities; ``first_round_only``: later rounds draft nothing anyone accepts."""
+    from eaglet.offline_eval import expected_replay
+
+    def draft(row, n):
+        return toy_chain(drafter, ids[row + 1], n) if row == 0 or not first_round_only \
+            else [-1] * n
+
+    return expected_replay(draft, lambda row, x: p[ids[row]][x] if x >= 0 else 0.0, ids, 1, k)
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_the_expected_acceptance_of_a_round_is_the_closed_form_over_every_answer(temperature):
+    """Over every answer the target can give after a context (weighted by its probability),
+    the replay's expected acceptance of the first round is the closed form: the chain's
+    probability position by position, the target's distribution given the drafts."""
+    import itertools
+
+    target, drafter = toy(seed=3)
+    p = toy_probs(target, temperature)
+    k, first = 3, 2
+    drafts = toy_chain(drafter, first, k)
+    closed = chain_expectation(p, first, drafts)
+    accepted, per_position = 0.0, [0.0] * k
+    for answer in itertools.product(range(TOY_V), repeat=k):
+        weight = math.prod(p[a][b] for a, b in zip((first,) + answer, answer))
+        counts = toy_replay(p, drafter, [0, first, *answer], k, first_round_only=True)
+        accepted += weight * counts["accepted"]
+        per_position = [s + weight * c for s, c in zip(per_position, counts["per_position"])]
+    # exact but for the float32 softmax's rounding (its probabilities sum to 1 within 1e-7)
+    assert per_position == pytest.approx(closed, rel=1e-6)
+    assert accepted == pytest.approx(sum(closed), rel=1e-6)
+    assert 0.05 < closed[0] < 0.95   # neither certain nor hopeless: the test can tell
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_the_expected_acceptance_is_vllms_rejection_sampling_on_average(temperature):
+    """vLLM's rejection sampling simulated over many answers with a seeded generator: its
+    acceptance is the closed form's from each round's start; the replay's matches on its
+    answers are its counts exactly; and the replay's expected acceptance, on its answers or
+    on answers sampled from the target with no drafter at all, is its acceptance length.
+    Random quantities agree within four standard errors."""
+    import random
+
+    target, drafter = toy(seed=1)
+    p = toy_probs(target, temperature)
+    k, n, trials = 3, 24, 2000
+    rng = random.Random(0)
+    closed_gap, on_vllm, on_target = [], [], []
+    for _ in range(trials):
+        first = rng.randrange(TOY_V)
+        tokens, rounds = simulate_vllm(p, drafter, first, k, n, rng)
+        # brute force against the closed form, round by round
+        closed_gap += [accepted - sum(chain_expectation(p, tokens[s], toy_chain(drafter,
+                                                                                tokens[s], k)))
+                       for s, accepted in rounds]
+        counts = toy_replay(p, drafter, [0, *tokens], k)
+        # a greedy draft is accepted exactly where the answer took it: vLLM's own counts
+        # (the last round's cut where the answer ends)
+        assert counts["drafts"] == len(rounds)
+        assert counts["matched"] == sum(min(a, n - s) for s, a in rounds)
+        on_vllm.append(counts)
+        answer = [first]   # the target's own answer, sampled token by token
+        while len(answer) < n + 1:
+            answer.append(rng.choices(range(TOY_V), weights=p[answer[-1]])[0])
+        on_target.append(toy_replay(p, drafter, [0, *answer], k))
+
+    def within(gaps):   # a mean of differences with mean 0, within four standard errors
+        error = statistics.stdev(gaps) / math.sqrt(len(gaps))
+        assert abs(statistics.mean(gaps)) < 4 * error, (statistics.mean(gaps), error)
+
+    within(closed_gap)
+    vllm_al = 1 + sum(c["matched"] for c in on_vllm) / sum(c["drafts"] for c in on_vllm)
+    # on vLLM's answers: each answer's expected against its counted acceptances
+    within([c["accepted"] - c["matched"] for c in on_vllm])
+    # on the target's own answers: the acceptance length against vLLM's, each answer's
+    # deviation from it per drafting round (the ratio's first-order error), both samples
+    deviations = [c["accepted"] - (vllm_al - 1) * c["drafts"] for c in on_target] + [
+        -(c["matched"] - (vllm_al - 1) * c["drafts"]) for c in on_vllm]
+    within(deviations)
+    expected_al = 1 + sum(c["accepted"] for c in on_target) / sum(c["drafts"] for c in on_target)
+    assert expected_al == pytest.approx(vllm_al, rel=0.03)   # evaluate's tolerance, here too
+    assert 1.3 < vllm_al < k   # drafts are accepted, but not all: the test can tell
+
+
+# -- the expected acceptance on a tiny target ------------------------------------------------
+
+@torch.inference_mode()
+def sampled(target, prompts: list[list[int]], max_new_tokens: int, temperature: float,
+            seed: int = 0) -> list[tuple[list, list]]:
+    torch.manual_seed(seed)
+    return [(p, target.generate(torch.tensor([p]), do_sample=True, temperature=temperature,
+                                top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
+                                pad_token_id=0)[0, len(p):].tolist()) for p in prompts]
+
+
+def test_the_final_states_give_the_targets_own_next_token_distribution(world):
+    from eaglet.offline_eval import token_probability
+
+    target, _, answers, _ = world
+    prompt, answer = answers[0]
+    ids = prompt + answer
+    aux, final = target_features(target, LAYERS, ids, final=True)
+    torch.testing.assert_close(aux, target_features(target, LAYERS, ids))
+    with torch.no_grad():
+        logits = target(torch.tensor([ids])).logits[0]
+    head = target.get_output_embeddings().weight.detach()
+    torch.testing.assert_close(final @ head.T, logits, rtol=1e-5, atol=1e-5)
+    row, token = len(prompt), answer[1]
+    assert token_probability(final[row] @ head.T, token, 0.7) == pytest.approx(
+        float(torch.softmax(logits[row] / 0.7, -1)[token]), rel=1e-5)
+    assert token_probability(logits[row], int(logits[row].argmax()), 0) == 1.0
+    assert token_probability(logits[row], int(logits[row].argmin()), 0) == 0.0
+
+
+def test_the_expected_replay_at_temperature_0_is_the_greedy_replay(world):
+    from eaglet.offline_eval import expected_counts, replay_counts
+
+    target, _, answers, drafter = world
+    head = target.get_output_embeddings().weight.detach()
+    for prompt, answer in answers:
+        states = target_features(target, LAYERS, prompt + answer, final=True)
+        for k in (1, 3):
+            greedy_counts = replay_counts(drafter, states[0], prompt, answer, k)
+            expected = expected_counts(drafter, states, head, prompt, answer, k, 0.0)
+            assert expected["accepted"] == expected["matched"] == greedy_counts["accepted"]
+            assert expected["per_position"] == greedy_counts["per_position"]
+            assert expected["drafts"] == greedy_counts["drafts"]
+
+
+def test_sampled_answers_replay_alike_from_stored_final_states_and_from_a_forward(world,
+                                                                                 tmp_path):
+    from eaglet.offline_eval import Features, StoredStates, replay_sequences
+
+    target, _, _, drafter = world
+    answers = sampled(target, prompts_of(6, seed=5), 16, temperature=0.5)
+    write_held_out(tmp_path / "shard.safetensors", target, answers, "float32", final=True)
+    head = target.get_output_embeddings().weight.detach()
+    stored = replay_sequences(drafter, answers, [3], Features(
+        LAYERS, StoredStates([tmp_path / "shard.safetensors"]), None, final=True), 0.5, head)
+    forward = replay_sequences(drafter, answers, [3], Features(LAYERS, None, lambda: target,
+                                                               final=True), 0.5, head)
+    assert stored["sources"]["stored"] == 6 and forward["sources"]["forward"] == 6
+    mine, theirs = stored["counts"][3], forward["counts"][3]
+    assert mine["drafts"] == theirs["drafts"] and mine["matched"] == theirs["matched"]
+    assert mine["accepted"] == pytest.approx(theirs["accepted"], rel=1e-4)
+    assert 0 < mine["accepted"] < mine["draft_tokens"]
+    with pytest.raises(ValueError, match="needs the target's lm_head"):
+        replay_sequences(drafter, answers, [3], Features(LAYERS, None, lambda: target), 0.5)
+
+
+def test_the_stage_compares_sampled_runs_by_their_expected_acceptance(world, tmp_path,
+                                                                     monkeypatch):
+    """evaluate's check at a temperature: each run's own sampled answers replayed for their
+    expected acceptance beside vLLM's counters. Here vLLM's counters are what vLLM counts
+    with greedy drafts (the drafts its answers took), so the replay's matches equal them."""
+    from eaglet import evaluate, export
+    from eaglet.config import validate
+    from eaglet.offline_eval import replay_counts
+
+    target, _, _, drafter = world
+    target_dir = tmp_path / "target"
+    target.save_pretrained(target_dir)
+    monkeypatch.setattr(export, "load_drafter", lambda *args, **kw: drafter)
+    answers = sampled(target, prompts_of(6, seed=9), 16, temperature=0.5)
+    own = [replay_counts(drafter, target_features(target, LAYERS, p + a), p, a, 3)
+           for p, a in answers]
+    delta = {key: float(sum(c[key] for c in own)) for key in ("drafts", "draft_tokens",
+                                                                "accepted")} | {
+        "per_position": [float(sum(c["per_position"][j] for c in own)) for j in range(3)]}
+    run = {"name": "eagle3_k3_T0.5", "method": "eagle3", "k": 3, "temperature": 0.5,
+           "levels": [{"set": "heldout", "concurrency": 1, "_delta": delta, "_answers": [
+               {"id": f"p{i}", "prompt_token_ids": p, "token_ids": a,
+                "spec_decoding": {key: c[key] for key in ("drafts", "draft_tokens", "accepted")}}
+               for i, ((p, a), c) in enumerate(zip(answers, own))]}]}
+    cfg = validate({"target": {"dtype": "float32"}})
+    out = evaluate.expected_check(cfg, str(target_dir), "drafter",
+                                  [{"name": "baseline_T0.5", "method": "baseline"}, run],
+                                  _Progress())
+    entry = out["eagle3_k3_T0.5"]
+    vllm_al = 1 + delta["accepted"] / delta["drafts"]
+    assert entry["vllm_acceptance_length"] == pytest.approx(vllm_al)
+    assert entry["matched_acceptance_length"] == pytest.approx(vllm_al)
+    assert entry["temperature"] == 0.5 and entry["tolerance"] == evaluate.EXPECTED_TOLERANCE
+    assert entry["agrees"] == (abs(entry["ratio_offline_over_vllm"] - 1) <= 0.03)
+    assert entry["states"]["heldout"]["states"] == "forward"
+    assert entry["acceptance_length"] != entry["matched_acceptance_length"]  # an expectation

@@ -15,6 +15,12 @@ Every level is sent in ``rounds`` rounds; each speedup comes with a 95% interval
 rounds' own speedups (:func:`speedup_interval`), and the verdict calls a speedup whose interval
 holds 1.0 no measurable difference.
 
+Every level is measured at each temperature of ``evaluate.temperature`` through the same
+servers (vLLM verifies by rejection sampling above 0), and reported per temperature: a run
+measured at T > 0 is named with it (``eagle3_k3_T1``). The last temperature listed is the one
+served: the verdict, the k schedule and ``serve.json`` are taken there. The offline replay
+checks the greedy runs exactly and the sampled ones by their expected acceptance.
+
 From the sweep comes a batch-size schedule of k (vLLM's
 ``num_speculative_tokens_per_batch_size``: the best k at each measured concurrency, 0 where
 speculation slows serving down), written ready to serve in ``serve.json`` and checked in one
@@ -43,6 +49,8 @@ import httpx
 from eaglet import rates
 from eaglet.io import human_size, read_json, read_jsonl, write_json
 from eaglet.progress import Progress
+from eaglet.plan import (SERVED_BYTES, TargetSize, config_params,  # noqa: F401 (re-exported)
+                         target_size)
 from eaglet.server import ServerError, start_together, target_server
 
 log = logging.getLogger("eaglet.evaluate")
@@ -154,8 +162,23 @@ def read_metrics(url: str) -> str:
         return resp.read().decode()
 
 
+# Sampling pinned to the plain softmax at the request's temperature: without these, vLLM
+# fills them from the target's generation_config.json (Qwen3's top_k 20 and top_p 0.95, say),
+# and the offline replay's target distribution would not be the one vLLM verified against.
+PLAIN_SAMPLING = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+                  "presence_penalty": 0.0, "frequency_penalty": 0.0}
+
+
+def sampling(temperature: float) -> dict:
+    """The sampling fields of one evaluation request at ``temperature``. Greedy requests keep
+    a seed (their answers are the same either way); sampled ones are unseeded, as production
+    sends them (a seed sends a request down vLLM's per-request generator path)."""
+    return {"temperature": temperature, **PLAIN_SAMPLING, **({} if temperature else {"seed": 0})}
+
+
 async def _run_prompts(url: str, prompts: list[dict], max_tokens: int, concurrency: int,
-                       timeout: float, template_kwargs: dict | None = None) -> list[dict]:
+                       timeout: float, template_kwargs: dict | None = None,
+                       temperature: float = 0.0) -> list[dict]:
     extra = {"chat_template_kwargs": template_kwargs} if template_kwargs else {}
     gate = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=timeout,
@@ -164,8 +187,8 @@ async def _run_prompts(url: str, prompts: list[dict], max_tokens: int, concurren
             async with gate:
                 start = time.perf_counter()
                 resp = await client.post("/v1/chat/completions", json={
-                    "model": "target", "messages": prompt["messages"], "temperature": 0.0,
-                    "max_tokens": max_tokens, "seed": 0, "return_token_ids": True, **extra})
+                    "model": "target", "messages": prompt["messages"], **sampling(temperature),
+                    "max_tokens": max_tokens, "return_token_ids": True, **extra})
                 if resp.status_code != 200:
                     raise EvaluationError(f"request for {prompt['id']} failed: HTTP "
                                           f"{resp.status_code}: {resp.text[:300]}")
@@ -241,11 +264,11 @@ def speculative_config(run: dict) -> dict | None:
 
 
 def _measure(url: str, prompts: list[dict], ev: dict, concurrency: int,
-             template_kwargs: dict | None = None) -> dict:
+             template_kwargs: dict | None = None, temperature: float = 0.0) -> dict:
     before = spec_counters(read_metrics(url))
     start = time.perf_counter()
     answers = asyncio.run(_run_prompts(url, prompts, ev["max_tokens"], concurrency,
-                                       ev["request_timeout_s"], template_kwargs))
+                                       ev["request_timeout_s"], template_kwargs, temperature))
     wall = time.perf_counter() - start
     delta = counter_delta(before, spec_counters(read_metrics(url)))
     tokens = sum(a["completion_tokens"] for a in answers)
@@ -314,22 +337,6 @@ SERVER_OVERHEAD = 1 << 30
 # the rest is the stage's own process, the OS and its page cache
 HOST_USABLE = 0.8
 VLLM_MEMORY_UTILIZATION = 0.9   # vLLM's default --gpu-memory-utilization
-SERVED_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-# safetensors dtypes: bytes per element; the float ones are cast to the serving dtype
-_FLOATS = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
-_ELEMENT_BYTES = {**_FLOATS, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "U64": 8, "I32": 4, "U32": 4,
-                  "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1}
-
-
-@dataclass
-class TargetSize:
-    """The target's weights as a vLLM server holds them (float tensors in the serving dtype,
-    quantized ones as stored) and as a float32 transformers forward would (the offline
-    replay's), and what they were read from."""
-
-    served: int
-    float32: int
-    source: str
 
 
 @dataclass
@@ -339,56 +346,6 @@ class Placement:
     together: bool
     reason: str
     fits: bool | None = None     # what the sizes say (None: unknown)
-
-
-def _safetensors_tensors(path: Path) -> dict:
-    """A safetensors file's tensor entries (dtype, shape), read from its header alone."""
-    with open(path, "rb") as handle:
-        (length,) = struct.unpack("<Q", handle.read(8))
-        header = json.loads(handle.read(length))
-    header.pop("__metadata__", None)
-    return header
-
-
-def config_params(config: dict) -> int | None:
-    """The target's parameter count from its config.json (`eaglet plan`'s, which counts a
-    mixture of experts' routed and shared experts); None where the config lacks the shape."""
-    from eaglet.plan import shape_from_target_config, target_params
-
-    try:
-        return target_params(shape_from_target_config(config, 0, "target"))
-    except (KeyError, TypeError, ZeroDivisionError):
-        return None
-
-
-def target_size(target_dir: str | os.PathLike, dtype: str) -> TargetSize | None:
-    """The target's size: from its safetensors headers (every tensor's dtype and shape; no
-    weight is read), else from its config.json's parameter count; None where neither is
-    there. ``dtype`` is target.dtype, the dtype the server casts float weights to."""
-    directory = Path(target_dir)
-    files = sorted(directory.glob("*.safetensors")) if directory.is_dir() else []
-    if files:
-        served = params = packed = 0
-        for file in files:
-            for entry in _safetensors_tensors(file).values():
-                kind, numel = entry["dtype"], math.prod(entry["shape"])
-                stored = numel * _ELEMENT_BYTES.get(kind, 1)
-                cast = kind in _FLOATS and dtype in SERVED_BYTES
-                served += numel * SERVED_BYTES[dtype] if cast else stored
-                if kind in _FLOATS or kind.startswith("F8"):
-                    params += numel
-                else:
-                    packed += stored
-        # integer tensors are packed quantized weights (INT4 experts: 2 a byte), which a
-        # transformers forward dequantizes
-        return TargetSize(served, 4 * (params + 2 * packed),
-                          f"its safetensors headers ({len(files)} files)")
-    config = directory / "config.json"
-    params = config_params(json.loads(config.read_text())) if config.is_file() else None
-    if params is None:
-        return None
-    return TargetSize(params * SERVED_BYTES.get(dtype, 2), params * 4,
-                      f"the parameter count of its config.json ({params / 1e9:.1f}B)")
 
 
 def host_memory_bytes() -> int:
@@ -494,8 +451,8 @@ def server_log(log_dir: str, run: dict) -> str:
 def engine_runs(cfg: dict, target_path: str, runs: list[dict], prompt_sets: dict[str, list[dict]],
                 log_dir: str, progress: Progress | None = None) -> list[dict]:
     """Serve each of ``runs`` with its speculation and send every prompt set at every
-    concurrency of the sweep through that one server (:func:`measure_runs`; several runs:
-    their servers side by side)."""
+    concurrency of the sweep and every temperature through that one server
+    (:func:`measure_runs`; several runs: their servers side by side)."""
     served = serving(cfg, side_by_side=len(runs) > 1)
     with contextlib.ExitStack() as stack:
         urls = _start(served, target_path, [(stack, run) for run in runs], log_dir)
@@ -505,8 +462,9 @@ def engine_runs(cfg: dict, target_path: str, runs: list[dict], prompt_sets: dict
 def measure_runs(cfg: dict, urls: dict[str, str], runs: list[dict],
                  prompt_sets: dict[str, list[dict]], log_dir: str,
                  progress: Progress | None = None) -> list[dict]:
-    """Every prompt set at every concurrency of the sweep through each run's server (``urls``
-    by run name); the measurements per level and in all.
+    """Every prompt set at every concurrency of the sweep and every temperature through each
+    run's server (``urls`` by run name); the measurements per level and in all, one result per
+    run and temperature (:func:`at_temperature`), temperature by temperature.
 
     Each level is sent round by round (``concurrency`` prompts a round), so that every
     speedup has rounds to take its interval from (:func:`speedup_interval`): round r of every
@@ -516,28 +474,49 @@ def measure_runs(cfg: dict, urls: dict[str, str], runs: list[dict],
     ev = cfg["evaluate"]
     template_kwargs = cfg.get("generate", {}).get("chat_template_kwargs")
     names = " and ".join(run["name"] for run in runs)
-    levels: dict[str, list[dict]] = {run["name"]: [] for run in runs}
-    for concurrency in ev["concurrency"]:
-        for set_name, prompts in prompt_sets.items():
-            if progress is not None:
-                progress.enter_phase(f"{names} in vLLM: {set_name} at concurrency {concurrency}")
-            sent = level_prompts(prompts, concurrency, ev["rounds"])
-            rounds = [sent[i:i + concurrency] for i in range(0, len(sent), concurrency)]
-            parts: dict[str, list[dict]] = {name: [] for name in levels}
-            for r, chunk in enumerate(rounds):
-                order = list(levels)[r % len(levels):] + list(levels)[:r % len(levels)]
-                for name in order:
-                    # the chat template renders prompts as it did for the training data
-                    parts[name].append(_measure(urls[name], chunk, ev, concurrency,
-                                                template_kwargs))
-            for run in runs:
-                level = _merge(parts[run["name"]])
-                k = drafted_k(run, concurrency)
-                levels[run["name"]].append({"set": set_name, **level,
-                                            **acceptance(level["_delta"], k),
-                                            **per_request_acceptance(_answer_counts(level), k)})
-    return [_run_result(run, levels[run["name"]], prompt_sets, server_log(log_dir, run))
-            for run in runs]
+    temps = temperatures(ev)
+    order_of = [run["name"] for run in runs]
+    levels: dict[tuple[str, float], list[dict]] = {(run["name"], t): [] for t in temps
+                                                   for run in runs}
+    for t in temps:
+        at = f", temperature {t:g}" if len(temps) > 1 or t else ""
+        for concurrency in ev["concurrency"]:
+            for set_name, prompts in prompt_sets.items():
+                if progress is not None:
+                    progress.enter_phase(f"{names} in vLLM: {set_name} at concurrency "
+                                         f"{concurrency}{at}")
+                sent = level_prompts(prompts, concurrency, ev["rounds"])
+                rounds = [sent[i:i + concurrency] for i in range(0, len(sent), concurrency)]
+                parts: dict[str, list[dict]] = {name: [] for name in order_of}
+                for r, chunk in enumerate(rounds):
+                    order = order_of[r % len(order_of):] + order_of[:r % len(order_of)]
+                    for name in order:
+                        # the chat template renders prompts as it did for the training data
+                        parts[name].append(_measure(urls[name], chunk, ev, concurrency,
+                                                    template_kwargs, t))
+                for run in runs:
+                    level = _merge(parts[run["name"]])
+                    k = drafted_k(run, concurrency)
+                    levels[(run["name"], t)].append(
+                        {"set": set_name, "temperature": t, **level,
+                         **acceptance(level["_delta"], k),
+                         **per_request_acceptance(_answer_counts(level), k)})
+    return [_run_result(at_temperature(run, t), levels[(run["name"], t)], prompt_sets,
+                        server_log(log_dir, run)) for t in temps for run in runs]
+
+
+def temperatures(ev: dict) -> list[float]:
+    """The temperatures every level is measured at (evaluate.temperature); the last is the
+    one served."""
+    return [float(t) for t in ev.get("temperature") or [0.0]]
+
+
+def at_temperature(run: dict, temperature: float) -> dict:
+    """An engine run as measured at ``temperature``: above 0 its name says it
+    (``eagle3_k3_T1``), so each (run, temperature) has a name of its own in
+    acceptance.json, summary.csv and the figures; at 0 the name is the run's."""
+    name = f"{run['name']}_T{temperature:g}" if temperature else run["name"]
+    return {**run, "name": name, "temperature": temperature}
 
 
 def _run_result(run: dict, levels: list[dict], prompt_sets: dict, log_path: str) -> dict:
@@ -549,6 +528,7 @@ def _run_result(run: dict, levels: list[dict], prompt_sets: dict, log_path: str)
                                          run.get("k"))}
 
     result = {"name": name, "method": run["method"], "k": run.get("k"),
+              "temperature": run.get("temperature", 0.0),
               "schedule": bool(run.get("schedule")), "speculative_config": spec, "levels": levels,
               "sets": {s: pooled([lv for lv in levels if lv["set"] == s]) for s in prompt_sets},
               "output_tokens": sum(lv["output_tokens"] for lv in levels), **pooled(levels)}
@@ -805,15 +785,17 @@ def serve_recommendation(choice: list[dict], runs: list[dict], drafter_dir: str)
 
 def run_plan(ev: dict, drafter_dir: str | None = None) -> tuple[list[dict], int]:
     """The stage's engine runs in order (the baseline first, which the others are measured
-    against) and how many offline replays follow them (one per fixed-k EAGLE-3 run). A run
-    serving the derived k schedule may follow these, once the sweep has chosen it."""
+    against) and how many offline replays follow them (one per fixed-k EAGLE-3 run and
+    temperature). A run serving the derived k schedule may follow these, once the sweep has
+    chosen it."""
     plan = [{"name": "baseline", "method": "baseline"}]
     if ev["ngram"]:
         plan.append({"name": f"ngram_k{ev['ngram_k']}", "method": "ngram", "k": ev["ngram_k"],
                      "extra": ev["ngram_config"]})
     plan += [{"name": f"eagle3_k{k}", "method": "eagle3", "k": k, "drafter": drafter_dir}
              for k in ev["num_speculative_tokens"]]
-    replays = sum(run["method"] == "eagle3" for run in plan) if ev["offline"] else 0
+    replays = (sum(run["method"] == "eagle3" for run in plan) * len(temperatures(ev))
+               if ev["offline"] else 0)
     return plan, replays
 
 
@@ -835,7 +817,9 @@ def verdict(runs: list[dict], concurrencies: list[int], serve: dict | None = Non
     drafts = [r for r in runs if r["method"] == "eagle3" and not r.get("schedule")]
     warnings = [w for r in drafts for w in _run_warnings(r, drafts, concurrencies)]
     warnings += _disagreements(drafts, concurrencies)
-    out: dict[str, Any] = {"concurrency": concurrencies, "warnings": warnings}
+    temperature = runs[0].get("temperature", 0.0) if runs else 0.0
+    out: dict[str, Any] = {"concurrency": concurrencies, "temperature": temperature,
+                           "warnings": warnings}
     if not drafts:
         return out
     choice = best_k_by_concurrency(runs, concurrencies)
@@ -876,7 +860,8 @@ def verdict(runs: list[dict], concurrencies: list[int], serve: dict | None = Non
                          "step. Where this concurrency is what you serve, serve without "
                          "--speculative-config.")
             warnings.append(text)
-    out["summary"] = _summary(best, choice, measured, ngram)
+    out["summary"] = (f"At temperature {temperature:g}: " if temperature else "") + _summary(
+        best, choice, measured, ngram)
     return out
 
 
@@ -1022,8 +1007,13 @@ def run_stage(cfg: dict, target_json: str, drafter_dir: str, prompts_path: str,
                         log_path=log_path, unit="runs", interval_s=0.0)
     concurrencies = ev["concurrency"]
 
+    temps = temperatures(ev)
+    served_at = temps[-1]   # the verdict, the schedule and serve.json are taken there
+
     def advanced(measured: list[dict]) -> list[dict]:
-        progress.advance(done=len(measured), tokens=sum(r["output_tokens"] for r in measured))
+        # a unit is one engine run (its server), whatever the temperatures it was measured at
+        progress.advance(done=len(measured) // len(temps),
+                         tokens=sum(r["output_tokens"] for r in measured))
         return measured
 
     with contextlib.ExitStack() as baseline:
@@ -1037,12 +1027,16 @@ def run_stage(cfg: dict, target_json: str, drafter_dir: str, prompts_path: str,
                 # for status: how long this many servers took to start up together here
                 rates.record("evaluate", target["spec"], sweep_servers=len(plan),
                              sweep_start_s=time.monotonic() - started)
-                runs = advanced(measure_runs(cfg, urls, plan, prompt_sets, log_dir, progress))
+                measured = advanced(measure_runs(cfg, urls, plan, prompt_sets, log_dir,
+                                                 progress))
         else:
-            runs = [advanced(engine_runs(cfg, target["path"], [run], prompt_sets, log_dir,
-                                         progress))[0] for run in plan]
-        add_speedups(runs, concurrencies)
-        choice = best_k_by_concurrency(runs, concurrencies)
+            measured = [r for run in plan for r in advanced(
+                engine_runs(cfg, target["path"], [run], prompt_sets, log_dir, progress))]
+        # each temperature's runs apart, the target alone first, as the plan orders them
+        runs_at = {t: [r for r in measured if r["temperature"] == t] for t in temps}
+        for group in runs_at.values():
+            add_speedups(group, concurrencies)
+        choice = best_k_by_concurrency(runs_at[served_at], concurrencies)
         extra = schedule_run(choice, drafter_dir) if ev["schedule"] else None
         if extra is not None:
             progress.total += 1
@@ -1050,30 +1044,51 @@ def run_stage(cfg: dict, target_json: str, drafter_dir: str, prompts_path: str,
                 # measured beside the target alone once more, like the sweep
                 with contextlib.ExitStack() as check:
                     urls.update(_start(served, target["path"], [(check, extra)], log_dir))
-                    base, checked = measure_runs(cfg, urls, [plan[0], extra], prompt_sets,
-                                                 log_dir, progress)
-                progress.advance(done=1, tokens=checked["output_tokens"])
+                    again = measure_runs(cfg, urls, [plan[0], extra], prompt_sets, log_dir,
+                                         progress)
+                progress.advance(done=1, tokens=sum(r["output_tokens"] for r in again
+                                                    if r.get("schedule")))
+                bases = {r["temperature"]: r for r in again if not r.get("schedule")}
+                checks = [r for r in again if r.get("schedule")]
             else:
-                base, = runs[:1]
-                checked, = advanced(engine_runs(cfg, target["path"], [extra], prompt_sets,
-                                                log_dir, progress))
-            add_speedups([checked], concurrencies, base)
-            runs.append(checked)
+                bases = {t: group[0] for t, group in runs_at.items()}
+                checks = advanced(engine_runs(cfg, target["path"], [extra], prompt_sets,
+                                              log_dir, progress))
+            for checked in checks:
+                add_speedups([checked], concurrencies, bases[checked["temperature"]])
+                runs_at[checked["temperature"]].append(checked)
+    runs = [r for t in temps for r in runs_at[t]]
     rates.record("evaluate", target["spec"],
                  baseline_tokens_per_s=_pooled(runs[0], concurrencies)[concurrencies[0]])
-    mismatched = _greedy_divergence(runs)
-    offline, replayed = (offline_check(cfg, target["path"], drafter_dir, runs, progress,
-                                       held_out_paths or []) if ev["offline"] else (None, None))
+    # greedy speculative decoding reproduces the target's answers; sampled answers differ
+    mismatched = _greedy_divergence(runs_at[0.0]) if 0.0 in runs_at else {}
+    offline = replayed = expected = None
+    if ev["offline"]:
+        if 0.0 in runs_at:
+            offline, replayed = offline_check(cfg, target["path"], drafter_dir, runs_at[0.0],
+                                              progress, held_out_paths or [])
+        expected = {name: entry for t in temps if t
+                    for name, entry in expected_check(cfg, target["path"], drafter_dir,
+                                                      runs_at[t], progress,
+                                                      held_out_paths or []).items()}
     progress.report("finished")
-    recommendation = serve_recommendation(choice, runs, drafter_dir)
+    recommendation = {**serve_recommendation(choice, runs_at[served_at], drafter_dir),
+                      "temperature": served_at}
+    verdicts = {t: verdict(runs_at[t], concurrencies,
+                           recommendation if t == served_at else None) for t in temps}
+    verdicts[served_at]["warnings"] += expected_warnings(expected or {}, offline, cfg)
     result = {"prompt_sets": about, "max_tokens": ev["max_tokens"], "rounds": ev["rounds"],
-              "concurrency": concurrencies, "target": target["path"], "drafter": drafter_dir,
+              "concurrency": concurrencies, "temperature": temps,
+              "target": target["path"], "drafter": drafter_dir,
               "runs": [_public(r) for r in runs],
               "outputs_differ_from_baseline": mismatched, "offline": offline,
               "offline_replay": replayed,
+              **({"offline_expected": expected} if expected else {}),
               "servers": {"side_by_side": place.together, "why": place.reason},
               "serve": recommendation,
-              "verdict": verdict(runs, concurrencies, recommendation)}
+              "verdict": verdicts[served_at],
+              **({"verdict_by_temperature": {f"{t:g}": v for t, v in verdicts.items()}}
+                 if len(temps) > 1 else {})}
     if serve_path:
         write_json(serve_path, recommendation)
     write_json(out_path, result)
@@ -1181,18 +1196,12 @@ def offline_check(cfg: dict, target_path: str, drafter_dir: str, runs: list[dict
 
     Returns the comparison per run (acceptance.json ``offline``) and where each set's states
     came from (``offline_replay``)."""
-    from eaglet.export import load_drafter
-    from eaglet.offline_eval import Features, coarser, replay_sequences
+    from eaglet.offline_eval import coarser, replay_sequences
 
     fixed = [run for run in runs if run["method"] == "eagle3" and not run.get("schedule")]
     ks = sorted({run["k"] for run in fixed})
-    drafter = load_drafter(drafter_dir, target_path)
-    layer_ids = drafter.config.aux_layer_ids
-    stored, no_stored = stored_states(list(held_out_paths), layer_ids)
-    load, no_forward = target_loader(cfg, target_path)
-    served = served_dtype(cfg, target_path)
-    prefer_forward = stored is not None and coarser(stored.dtype, served)
-    features = Features(layer_ids, stored, load, prefer_forward, no_forward)
+    drafter, features, stored, no_stored, served = _replay_inputs(cfg, target_path, drafter_dir,
+                                                                  held_out_paths)
     by_set: dict[str, list] = defaultdict(list)
     for lv in _replayed_levels(runs[0]):
         by_set[lv["set"]] += [(a["prompt_token_ids"], a["token_ids"]) for a in lv["_answers"]
@@ -1219,6 +1228,130 @@ def offline_check(cfg: dict, target_path: str, drafter_dir: str, runs: list[dict
     return out, report
 
 
+def _replay_inputs(cfg: dict, target_path: str, drafter_dir: str, held_out_paths,
+                   final: bool = False):
+    """What an offline replay reads: the drafter, where each answer's states come from
+    (:class:`eaglet.offline_eval.Features`; ``final``: the final-norm states too), the stored
+    states or why there are none, and the dtype vLLM serves in."""
+    from eaglet.export import load_drafter
+    from eaglet.offline_eval import Features, coarser
+
+    drafter = load_drafter(drafter_dir, target_path)
+    layer_ids = drafter.config.aux_layer_ids
+    stored, no_stored = stored_states(list(held_out_paths), layer_ids)
+    load, no_forward = target_loader(cfg, target_path)
+    served = served_dtype(cfg, target_path)
+    prefer_forward = stored is not None and coarser(stored.dtype, served)
+    features = Features(layer_ids, stored, load, prefer_forward, no_forward, final=final)
+    return drafter, features, stored, no_stored, served
+
+
+# the offline replay agrees with vLLM within: greedy, where it replays vLLM's answers exactly;
+# sampled, where it gives the expected acceptance of answers vLLM sampled
+GREEDY_TOLERANCE = 0.01
+EXPECTED_TOLERANCE = 0.03
+
+
+def expected_check(cfg: dict, target_path: str, drafter_dir: str, runs: list[dict],
+                   progress: Progress, held_out_paths: list[str] = ()) -> dict:
+    """The offline check of runs measured at one temperature above 0 (``runs``): each
+    fixed-k EAGLE-3 run's own sampled answers at the lowest concurrency, every prompt set,
+    replayed for their expected acceptance at that temperature
+    (:func:`eaglet.offline_eval.expected_replay`) and compared with vLLM's counters of the
+    same requests (agreement: within EXPECTED_TOLERANCE). ``matched_acceptance_length``
+    beside it: the drafts their tokens took, which is vLLM's own count wherever it sampled
+    as the replay assumes. States come as for the greedy check (:func:`offline_check`), the
+    final-norm ones with them; a sampled answer is rarely the one stored, so the replay
+    mostly needs the target's forward. Returns the comparison per run (acceptance.json
+    ``offline_expected``); {} where the target's lm_head cannot be read."""
+    import torch
+
+    from eaglet.offline_eval import replay_sequences
+    from eaglet.target import TargetError, load_target_lm_head
+
+    fixed = [run for run in runs if run["method"] == "eagle3" and not run.get("schedule")]
+    if not fixed:
+        return {}
+    drafter, features, *_ = _replay_inputs(cfg, target_path, drafter_dir, held_out_paths,
+                                           final=True)
+    try:
+        # the target's next-token distribution: its final-norm state through its lm_head
+        head = load_target_lm_head(target_path,
+                                   torch.arange(drafter.config.vocab_size)).float()
+    except (TargetError, OSError, KeyError) as exc:
+        log.warning("no expected acceptance at temperature %g: the target's lm_head cannot be "
+                    "read (%s)", fixed[0]["temperature"], exc)
+        progress.advance(done=len(fixed))
+        return {}
+    out = {}
+    for run in fixed:
+        t, k = run["temperature"], run["k"]
+        by_set: dict[str, list] = defaultdict(list)
+        for lv in _replayed_levels(run):
+            by_set[lv["set"]] += [(a["prompt_token_ids"], a["token_ids"])
+                                  for a in lv["_answers"]
+                                  if a["prompt_token_ids"] and a["token_ids"]]
+        replayed = {}
+        for name, sequences in by_set.items():
+            progress.enter_phase(f"expected acceptance of {run['name']} on {name}: "
+                                 f"{len(sequences)} answers sampled at temperature {t:g}")
+            replayed[name] = got = replay_sequences(drafter, sequences, [k], features, t, head)
+            _log_sources(f"{name} ({run['name']})", got["sources"])
+        out[run["name"]] = {**_compare(run, replayed, EXPECTED_TOLERANCE),
+                            "states": {name: {"states": _states_label(got["sources"]),
+                                              **got["sources"]}
+                                       for name, got in replayed.items()}}
+        progress.advance(done=1)
+    return out
+
+
+def expected_warnings(expected: dict, offline: dict | None, cfg: dict) -> list[str]:
+    """The verdict's warnings where a sampled run's acceptance in vLLM is not the expected
+    one (:func:`expected_check`), with what the replay of vLLM's own answers and the greedy
+    check (``offline``) say about why."""
+    warnings = []
+    for name, entry in expected.items():
+        if entry.get("agrees") is not False:
+            continue
+        t, vllm, mine = entry["temperature"], entry["vllm_acceptance_length"], \
+            entry["acceptance_length"]
+        matched = entry.get("matched_acceptance_length")
+        greedy = (offline or {}).get(name.rsplit("_T", 1)[0], {}).get("agrees")
+        text = (f"SAMPLED ACCEPTANCE DISAGREES: {name}: vLLM counted AL {vllm:.3f} at "
+                f"temperature {t:g}, where the target's distribution at that temperature and "
+                f"the drafter's drafts give {mine:.3f} in expectation (ratio "
+                f"{entry['ratio_offline_over_vllm']:.3f}, beyond {entry['tolerance']:.0%})")
+        sampler = False
+        if matched and abs(matched / vllm - 1) <= GREEDY_TOLERANCE:
+            # the drafts are the replay's and vLLM's answers took them as often as it
+            # counted: what differs is the distribution the answers were sampled from
+            sampler = True
+            text += (f". vLLM's own answers took the replay's drafts as often as it counted "
+                     f"(AL {matched:.3f}): the drafts are right, and vLLM sampled from "
+                     f"another distribution than softmax(logits / {t:g})")
+        elif matched and greedy:
+            # greedy drafts: a draft is accepted exactly where the emitted token is the draft
+            sampler = True
+            text += (f". The greedy replay agrees with vLLM, so the drafts are right, but "
+                     f"vLLM's answers took them at AL {matched:.3f} while it counted "
+                     f"{vllm:.3f}: with greedy drafts these are one event (a rejected "
+                     f"draft is never the token emitted), so vLLM's rejection sampler did "
+                     f"not verify as it should")
+        else:
+            text += (f"; on vLLM's own answers the replay's drafts were taken at AL "
+                     f"{matched:.3f}" if matched else "") + (
+                ": check the export (the greedy replay's agreement) or measure more prompts "
+                f"({entry['drafts']} drafting steps replayed)")
+        if sampler and not cfg["server"].get("gpus"):
+            text += (". vLLM's CPU engine 0.32 does so: the CPU fallback of its rejection "
+                     "sampler's expand (vllm/utils/cpu_triton_utils.py) writes the per-token "
+                     "temperatures into a copy, so verification divides the logits by "
+                     "uninitialized memory; its acceptance at temperature > 0 is not the "
+                     "model's. Measure sampled acceptance on a GPU engine")
+        warnings.append(text + ".")
+    return warnings
+
+
 def _log_sources(name: str, sources: dict) -> None:
     missed = ", ".join(f"{sources[key]} {key.replace('_', ' ')}" for key in
                        ("differs", "longer_than_stored", "not_stored") if sources.get(key))
@@ -1233,10 +1366,11 @@ def _per_request_al(counts: list[dict | None], k: int) -> float | None:
     return per_request_acceptance(counts, k)["acceptance_length_per_request"]
 
 
-def _compare(run: dict, replayed: dict) -> dict:
+def _compare(run: dict, replayed: dict, tolerance: float = GREEDY_TOLERANCE) -> dict:
     """One run's offline acceptance beside vLLM's, per set and over the sets replayed
     (vLLM's counters of those sets' requests at the lowest concurrency), pooled and per
-    request (the replay's per sequence beside vLLM's per answer)."""
+    request (the replay's per sequence beside vLLM's per answer); ``agrees``: their ratio
+    within ``tolerance`` of 1."""
     from eaglet.offline_eval import add_counts, empty_counts, summarize
 
     k = run["k"]
@@ -1248,6 +1382,8 @@ def _compare(run: dict, replayed: dict) -> dict:
         offline = summarize(got["counts"][k], k)
         vllm = acceptance(_sum_deltas(mine), k)["acceptance_length"] if mine else None
         sets[name] = {"acceptance_length": offline["acceptance_length"],
+                      **({"matched_acceptance_length": offline["matched_acceptance_length"]}
+                         if "matched_acceptance_length" in offline else {}),
                       "acceptance_length_per_request": _per_request_al(
                           got["per_sequence"][k], k),
                       "drafts": offline["drafts"], "vllm_acceptance_length": vllm,
@@ -1262,9 +1398,11 @@ def _compare(run: dict, replayed: dict) -> dict:
     offline = summarize(total, k)
     vllm = acceptance(_sum_deltas(deltas), k)["acceptance_length"] if deltas else None
     ratio = _ratio(offline["acceptance_length"], vllm)
-    log.info("%s: offline AL %.3f, vLLM AL %.3f (ratio %.3f)", run["name"],
-             offline["acceptance_length"] or 0, vllm or 0, ratio or 0)
-    if ratio is not None and abs(ratio - 1) > 0.05:
+    log.info("%s: offline AL %.3f%s, vLLM AL %.3f (ratio %.3f)", run["name"],
+             offline["acceptance_length"] or 0,
+             f" expected (the answers' own tokens took {offline['matched_acceptance_length']:.3f})"
+             if offline.get("matched_acceptance_length") else "", vllm or 0, ratio or 0)
+    if ratio is not None and abs(ratio - 1) > 0.05 and not run.get("temperature"):
         log.warning("%s: offline and vLLM acceptance lengths differ by %.1f%%: check the "
                     "exported layer ids, the d2t map and the dtype%s", run["name"],
                     100 * abs(ratio - 1),
@@ -1273,7 +1411,9 @@ def _compare(run: dict, replayed: dict) -> dict:
     return {**offline, "acceptance_length_per_request": _per_request_al(sequences, k),
             "vllm_acceptance_length": vllm,
             "vllm_acceptance_length_per_request": _per_request_al(answers, k),
-            "ratio_offline_over_vllm": ratio,
+            "ratio_offline_over_vllm": ratio, "temperature": run.get("temperature", 0.0),
+            "tolerance": tolerance,
+            "agrees": None if ratio is None else abs(ratio - 1) <= tolerance,
             "sets_compared": [name for name, got in replayed.items()
                               if got["sources"]["stored"] + got["sources"]["forward"]],
             "every_request_replayed": not partial, "sets": sets}

@@ -13,6 +13,9 @@ so the next round starts at ``p + accepted + 1``. Counts are kept the way vLLM's
 them (drafts, draft tokens, accepted tokens, accepted per position), so the acceptance length
 compares one to one with the `evaluate` stage's and proves the export, the aux layer ids and
 the d2t mapping end to end; it also evaluates a drafter where no vLLM is available.
+
+At a temperature above 0 the answers are sampled, and the replay gives the expected
+acceptance from the target's distribution at that temperature (:func:`expected_replay`).
 """
 
 from __future__ import annotations
@@ -32,12 +35,14 @@ log = logging.getLogger("eaglet.offline_eval")
 
 
 @torch.inference_mode()
-def target_features(model, layer_ids: list[int], ids: list[int]) -> torch.Tensor:
-    """Aux features [N, 3H] of one sequence."""
+def target_features(model, layer_ids: list[int], ids: list[int], final: bool = False):
+    """Aux features [N, 3H] of one sequence; with ``final``, also the final-norm output
+    [N, H] that the target's lm_head reads (its next-token logits), as a pair."""
     capture = AuxCapture(decoder_layers(model), layer_ids)
     try:
-        model.get_decoder()(input_ids=torch.tensor([ids]), use_cache=False)
-        return torch.cat(capture.take(), dim=-1)[0]
+        out = model.get_decoder()(input_ids=torch.tensor([ids]), use_cache=False)
+        aux = torch.cat(capture.take(), dim=-1)[0]
+        return (aux, out.last_hidden_state[0]) if final else aux
     finally:
         capture.close()
 
@@ -49,15 +54,15 @@ def draft_chain(drafter: Eagle3Drafter, aux: torch.Tensor, ids: torch.Tensor, p:
     rows = p + 1
     positions = torch.arange(rows)
     blocks = attention_blocks(torch.zeros(rows, dtype=torch.long))  # one sample: causal
-    hidden = drafter.fc(aux[:rows])                               # [rows, H]
+    hidden = drafter.combine(aux[:rows])                          # [rows, H]
     step_ids = ids[1:rows + 1].clone()                            # row t embeds token t+1
     cache: list[tuple[torch.Tensor, torch.Tensor]] = []
     drafts = []
     for step in range(k):
         cos, sin = drafter.rope(positions + step)
         embeds = drafter.embed_tokens[step_ids].to(hidden.dtype)
-        hidden = drafter.midlayer(embeds, hidden, cos, sin, blocks, cache)
-        draft = int(drafter.to_target_ids(drafter.lm_head(drafter.norm(hidden[p])).argmax()))
+        normed, hidden = drafter.draft_step(embeds, hidden, cos, sin, blocks, cache, p)
+        draft = int(drafter.to_target_ids(drafter.lm_head(normed).argmax()))
         drafts.append(draft)
         step_ids = step_ids.clone()
         step_ids[p] = draft  # only row p's chain matters after step 0
@@ -92,22 +97,29 @@ def empty_counts(k: int) -> dict:
 
 
 def add_counts(total: dict, counts: dict) -> dict:
-    """``counts`` added into ``total`` (both as :func:`replay` keeps them); returns ``total``."""
+    """``counts`` added into ``total`` (both as :func:`replay` or :func:`expected_replay`
+    keeps them); returns ``total``."""
     for key in ("drafts", "draft_tokens", "accepted"):
         total[key] += counts[key]
+    if "matched" in counts:
+        total["matched"] = total.get("matched", 0) + counts["matched"]
     total["per_position"] = [a + b for a, b in zip(total["per_position"], counts["per_position"])]
     return total
 
 
 def summarize(total: dict, k: int) -> dict:
-    """Acceptance length and rates from summed counts, as vLLM's metrics give them."""
+    """Acceptance length and rates from summed counts, as vLLM's metrics give them (and, for
+    an expected replay, the acceptance length its answers' own tokens give: ``matched``)."""
     drafts = total["drafts"]
-    return {
+    out = {
         "k": k, **total,
         "acceptance_length": 1 + total["accepted"] / drafts if drafts else None,
         "acceptance_rate": total["accepted"] / total["draft_tokens"] if drafts else None,
         "per_position_rate": [c / drafts for c in total["per_position"]] if drafts else [],
     }
+    if "matched" in total:
+        out["matched_acceptance_length"] = 1 + total["matched"] / drafts if drafts else None
+    return out
 
 
 def replay_counts(drafter: Eagle3Drafter, aux: torch.Tensor, prompt_ids: list[int],
@@ -173,13 +185,14 @@ class StoredStates:
                 answer = next((t for t in range(start, end) if mask[t]), end)
                 self.by_prompt.setdefault(tuple(ids[start:answer]), []).append((i, s))
 
-    def find(self, prompt_ids: list[int],
-             completion_ids: list[int]) -> tuple[torch.Tensor | None, str]:
-        """The stored aux rows of ``prompt + completion`` in float32 and ``"stored"``; or None
-        and why not: ``"not_stored"`` (no stored sample of this prompt), ``"differs"`` (the
-        stored answers are other tokens: sampled generation, batch-dependent numerics, a
-        recorded answer), ``"longer_than_stored"`` (the stored answer is a beginning of this
-        one, cut by extract.max_len or generate.max_tokens)."""
+    def find(self, prompt_ids: list[int], completion_ids: list[int],
+             final: bool = False) -> tuple[Any, str]:
+        """The stored aux rows of ``prompt + completion`` in float32 (with ``final``: and
+        their final-norm rows, as a pair) and ``"stored"``; or None and why not:
+        ``"not_stored"`` (no stored sample of this prompt), ``"differs"`` (the stored answers
+        are other tokens: sampled generation, batch-dependent numerics, a recorded answer),
+        ``"longer_than_stored"`` (the stored answer is a beginning of this one, cut by
+        extract.max_len or generate.max_tokens)."""
         found = self.by_prompt.get(tuple(prompt_ids))
         if not found:
             return None, "not_stored"
@@ -195,7 +208,11 @@ class StoredStates:
                 continue
             rows = slice(span.start, begin + n)
             scale = shard.aux_scale[rows] if shard.aux_scale is not None else None
-            return shards.to_float(shard.aux_hidden[rows], scale), "stored"
+            aux = shards.to_float(shard.aux_hidden[rows], scale)
+            if not final:
+                return aux, "stored"
+            scale = shard.final_scale[rows] if shard.final_scale is not None else None
+            return (aux, shards.to_float(shard.final_hidden[rows], scale)), "stored"
         return None, why
 
 
@@ -209,12 +226,15 @@ class Features:
     the replay reads what vLLM's drafter reads; the stored states serve where it cannot be.
     ``load_target`` loads the target (float32 transformers model) on first need; None where
     it cannot be loaded (``no_forward`` says why). A load or forward that fails is reported
-    once and the forward is not tried again."""
+    once and the forward is not tried again. ``final``: each sequence's states come as a pair,
+    the aux states and the final-norm ones (the target's next-token logits: an expected
+    replay at a temperature needs them)."""
 
     def __init__(self, layer_ids: list[int], stored: StoredStates | None,
                  load_target: Callable[[], Any] | None, prefer_forward: bool = False,
-                 no_forward: str | None = None):
+                 no_forward: str | None = None, final: bool = False):
         self.layer_ids, self.stored, self.prefer_forward = layer_ids, stored, prefer_forward
+        self.final = final
         self._load, self._model = load_target, None
         self.no_forward = no_forward if load_target is None else None
 
@@ -223,13 +243,13 @@ class Features:
         """Whether the target was loaded (some sequence needed its forward)."""
         return self._model is not None
 
-    def forward(self, ids: list[int]) -> torch.Tensor | None:
+    def forward(self, ids: list[int]):
         if self._load is None:
             return None
         try:
             if self._model is None:
                 self._model = self._load()
-            return target_features(self._model, self.layer_ids, ids)
+            return target_features(self._model, self.layer_ids, ids, self.final)
         except Exception as exc:  # noqa: BLE001  (any failure leaves the stored states to replay)
             self.no_forward = f"the target's forward failed: {type(exc).__name__}: {exc}"
             log.warning("offline replay: %s; replaying from stored states only", self.no_forward)
@@ -237,11 +257,12 @@ class Features:
             return None
 
     def __call__(self, prompt_ids: list[int], completion_ids: list[int]
-                 ) -> tuple[str | None, torch.Tensor | None, str]:
+                 ) -> tuple[str | None, Any, str]:
         """``(source, aux, match)``: source ``"stored"``, ``"forward"`` or None (left out),
-        and how the sequence compared with the stored ones (:meth:`StoredStates.find`)."""
-        aux, match = (self.stored.find(prompt_ids, completion_ids) if self.stored is not None
-                      else (None, "not_stored"))
+        the states (with ``final``: a pair), and how the sequence compared with the stored
+        ones (:meth:`StoredStates.find`)."""
+        aux, match = (self.stored.find(prompt_ids, completion_ids, self.final)
+                      if self.stored is not None else (None, "not_stored"))
         if aux is not None and not self.prefer_forward:
             return "stored", aux, match
         forward = self.forward(list(prompt_ids) + list(completion_ids))
@@ -251,13 +272,21 @@ class Features:
 
 
 def replay_sequences(drafter: Eagle3Drafter, sequences: list[tuple[list[int], list[int]]],
-                     ks: list[int], features: Features) -> dict:
+                     ks: list[int], features: Features, temperature: float = 0.0,
+                     head: torch.Tensor | None = None) -> dict:
     """Every sequence replayed at every k from the states ``features`` gives it (each
     sequence's states got once for all k); the counts per k, summed (``counts``) and per
     sequence replayed (``per_sequence``: the acceptance length per request comes from them),
     and where the states came from: ``stored``, ``forward``, ``left_out``, and per way a
     sequence missed the stored states (``differs``, ``longer_than_stored``, ``not_stored``)
-    how many did."""
+    how many did.
+
+    At ``temperature`` 0 the greedy replay counts; above it, the expected acceptance of
+    answers sampled at that temperature (:func:`expected_replay`), from ``features`` that
+    give the final-norm states too (``Features(final=True)``) and the target's lm_head
+    ``head`` [V, H]."""
+    if temperature and head is None:
+        raise ValueError("an expected replay at a temperature needs the target's lm_head")
     totals = {k: empty_counts(k) for k in ks}
     per_sequence: dict[int, list[dict]] = {k: [] for k in ks}
     sources: dict[str, int] = {"sequences": len(sequences), "stored": 0, "forward": 0,
@@ -271,10 +300,100 @@ def replay_sequences(drafter: Eagle3Drafter, sequences: list[tuple[list[int], li
             continue
         sources[source] += 1
         for k in ks:
-            counts = replay_counts(drafter, aux, prompt_ids, completion_ids, k)
+            counts = (expected_counts(drafter, aux, head, prompt_ids, completion_ids, k,
+                                      temperature) if temperature
+                      else replay_counts(drafter, aux, prompt_ids, completion_ids, k))
             per_sequence[k].append(counts)
             add_counts(totals[k], counts)
     return {"counts": totals, "per_sequence": per_sequence, "sources": sources}
+
+
+# -- at a temperature: the expected acceptance -----------------------------------------------
+#
+# What vLLM 0.32 does at T > 0 (read in v1/sample/rejection_sampler.py,
+# v1/spec_decode/llm_base_proposer.py and config/speculative.py): the EAGLE proposer drafts
+# greedily at every temperature (draft_sample_method "greedy", the default: the argmax of the
+# draft logits, mapped to target ids through d2t, and no draft probabilities for the sampler).
+# The rejection sampler then takes the draft distribution q as one-hot: it accepts draft x
+# where a uniform u <= p(x) / 1, with p the target's softmax(logits / T) in float32 after
+# top-k/top-p (which evaluation's requests turn off, so p is the plain softmax at T), and on
+# a rejection samples the recovered token from p with x taken out. The acceptance
+# probability of a position, sum_x min(p(x), q(x)), is therefore p(x) at the drafted token.
+# (With draft_sample_method "probabilistic", which eaglet does not serve, q would be the
+# drafter's softmax at T through d2t, zero outside the draft vocabulary.)
+#
+# Two things follow. A draft is accepted exactly where the answer's token is the draft (a
+# recovered token is never the rejected one): on vLLM's own answers, counting the matches
+# reproduces its counters (``matched``). And a round from row p accepts in expectation
+# sum_i P(drafts 1..i accepted) = sum_i prod_{j<=i} a_j, with a_j = p_j(x_j) given drafts
+# 1..j-1 as context. An answer shows the target's distribution along its own tokens only, so
+# a_i is known where the answer took drafts 1..i-1 (its context is then the drafts'). The
+# replay adds a_i at each position while the answer has taken every earlier draft and stops
+# at the first it did not: the 0/1 "took every earlier draft" estimates prod_{j<i} a_j
+# without bias (answers sampled from the target at T take draft j with probability a_j), so
+# no value of the target's distribution off the answer is assumed, and the drafter's later
+# positions are its own chain, conditioned on its own earlier drafts, as in vLLM. Averaged
+# over answers sampled at T this is vLLM's expected acceptance, with less noise than the
+# matches (each round's last factor is a probability, not a 0/1 outcome); at T 0 p is one-hot
+# at the target's greedy token and it is the greedy replay's count.
+
+def token_probability(logits: torch.Tensor, token: int, temperature: float) -> float:
+    """The probability that vLLM's sampler, at ``temperature``, takes ``token`` after
+    ``logits`` [V]: softmax(logits / T) in float32; at T 0, 1 for the greedy token (the
+    argmax) and 0 for any other."""
+    if temperature == 0:
+        return float(int(logits.argmax()) == token)
+    return float(torch.softmax(logits.float() / temperature, dim=-1)[token])
+
+
+def expected_replay(draft, prob, ids: list[int], prompt_len: int, k: int) -> dict:
+    """vLLM's counters for one answer sampled at a temperature, in expectation (see the
+    comment above): ``accepted`` and ``per_position`` sum the expected acceptances (floats),
+    ``matched`` counts the drafts the answer's own tokens took (vLLM's count where the answer
+    is its own). Rounds advance as the answer's tokens took the drafts, as vLLM's did.
+    ``draft(p, k)``: the k draft tokens proposed from row ``p``; ``prob(row, token)``: the
+    target's probability, at the temperature, of ``token`` right after row ``row``."""
+    n = len(ids)
+    counts = {"drafts": 0, "draft_tokens": 0, "accepted": 0.0, "per_position": [0.0] * k,
+              "matched": 0}
+    p = prompt_len - 1           # after prefill the target has produced token prompt_len
+    while p + 2 < n:             # at least one token left to draft for
+        taken = 0
+        for j, token in enumerate(draft(p, k)):
+            if p + 2 + j >= n:   # the answer ended: nothing to accept (as the greedy replay)
+                break
+            chance = prob(p + 1 + j, token)
+            counts["accepted"] += chance
+            counts["per_position"][j] += chance
+            if token != ids[p + 2 + j]:
+                break
+            taken += 1
+        counts["drafts"] += 1
+        counts["draft_tokens"] += k
+        counts["matched"] += taken
+        p += taken + 1
+    return counts
+
+
+@torch.inference_mode()
+def expected_counts(drafter: Eagle3Drafter, states: tuple[torch.Tensor, torch.Tensor],
+                    head: torch.Tensor, prompt_ids: list[int], completion_ids: list[int],
+                    k: int, temperature: float) -> dict:
+    """:func:`expected_replay` of one answer sampled at ``temperature``, drafted from its aux
+    states and verified against the target's distribution from its final-norm states
+    (``states``: both, [at least len(prompt) + len(completion) rows, ...]) through the
+    target's lm_head ``head`` [V, H]."""
+    aux, final = states
+    ids = list(prompt_ids) + list(completion_ids)
+    aux = aux.to(drafter.fc.weight.dtype)
+    seq = torch.tensor(ids)
+    final, head = final.float(), head.float()
+
+    def prob(row: int, token: int) -> float:
+        return token_probability(final[row] @ head.T, token, temperature)
+
+    return expected_replay(lambda p, n: draft_chain(drafter, aux, seq, p, n), prob, ids,
+                           len(prompt_ids), k)
 
 
 @torch.inference_mode()

@@ -51,21 +51,28 @@ def per_position(acceptance: dict, path) -> None:
 
 
 def acceptance_length(acceptance: dict, path) -> None:
-    """EAGLE-3's acceptance length against k per prompt set, ngram's beside it."""
+    """EAGLE-3's acceptance length against k per prompt set (and temperature, each its own
+    line style), ngram's beside it."""
     fig, ax = plt.subplots(figsize=(6, 4))
-    eagle = sorted((r for r in acceptance["runs"]
-                    if r["method"] == "eagle3" and r["name"].startswith("eagle3_k")),
-                   key=lambda r: r["k"])
-    ks = [r["k"] for r in eagle]
+    fixed = [r for r in acceptance["runs"] if r["method"] == "eagle3" and not r.get("schedule")]
+    temperatures = sorted({r.get("temperature", 0) for r in fixed})
+    ks = sorted({r["k"] for r in fixed})
     for i, name in enumerate(_sets(acceptance)):
         color = f"C{i}"
-        ax.plot(ks, [r["sets"][name]["acceptance_length"] for r in eagle], marker="o",
-                color=color, label=f"EAGLE-3, {name}")
+        for j, t in enumerate(temperatures):
+            eagle = sorted((r for r in fixed if r.get("temperature", 0) == t),
+                           key=lambda r: r["k"])
+            ax.plot([r["k"] for r in eagle], [r["sets"][name]["acceptance_length"]
+                                              for r in eagle], marker="o", color=color,
+                    linestyle=("-", "--", ":", "-.")[j % 4],
+                    label=f"EAGLE-3, {name}" + (f", T={t:g}" if t else ""))
         for run in acceptance["runs"]:
             al = run["sets"][name]["acceptance_length"] if run["method"] == "ngram" else None
             if al:
-                ax.scatter([run["k"]], [al], marker="s", color=color, zorder=3,
-                           label=f"ngram (k={run['k']}), {name}")
+                t = run.get("temperature", 0)
+                ax.scatter([run["k"]], [al], marker="s" if not t else "D", color=color,
+                           zorder=3, label=f"ngram (k={run['k']}), {name}"
+                           + (f", T={t:g}" if t else ""))
     if ks:
         span = range(1, max(ks) + 1)
         ax.plot(span, [k + 1 for k in span], linestyle="--", color="gray", label="ceiling k+1")
@@ -133,8 +140,9 @@ def training_curves(rows: list[dict], path) -> None:
     _save(fig, path)
 
 
-TABLE_COLUMNS = {"name": "run", "method": "method", "k": "k", "set": "prompt set",
-                 "concurrency": "concurrency", "acceptance_length": "acceptance length",
+TABLE_COLUMNS = {"name": "run", "method": "method", "k": "k", "temperature": "temperature",
+                 "set": "prompt set", "concurrency": "concurrency",
+                 "acceptance_length": "acceptance length",
                  "acceptance_length_per_request": "acceptance length per request",
                  "acceptance_rate": "acceptance rate", "output_tokens_per_s": "output tokens/s",
                  "speedup": "speedup", "speedup_low": "speedup low",
@@ -142,14 +150,15 @@ TABLE_COLUMNS = {"name": "run", "method": "method", "k": "k", "set": "prompt set
 
 
 def results_table(acceptance: dict):
-    """One row per engine run, prompt set and concurrency: the numbers the figures show (a
-    pandas DataFrame, 3 decimals). The acceptance length pooled (accepted tokens over drafts)
-    and per request (the mean of each request's own); the speedup with its 95% interval from
-    the rounds. Empty where there is none: the target alone, a level the schedule drafts k 0
-    at (its k column says 0), a level of one round."""
+    """One row per engine run, temperature, prompt set and concurrency: the numbers the
+    figures show (a pandas DataFrame, 3 decimals). The acceptance length pooled (accepted
+    tokens over drafts) and per request (the mean of each request's own); the speedup with
+    its 95% interval from the rounds. Empty where there is none: the target alone, a level
+    the schedule drafts k 0 at (its k column says 0), a level of one round."""
     import pandas as pd
 
-    rows = [{**{key: run.get(key) for key in ("name", "method", "k")}, **lv}
+    rows = [{**{key: run.get(key) for key in ("name", "method", "k")},
+             "temperature": run.get("temperature", 0.0), **lv}
             for run in acceptance["runs"] for lv in run["levels"]]
     table = pd.DataFrame(rows, columns=list(TABLE_COLUMNS)).astype({"k": "Int64"})
     return table.rename(columns=TABLE_COLUMNS).round(3)

@@ -178,6 +178,11 @@ def rehearsal_config(user: dict, miniature: Path, results: Path,
     if len(ks) > 1:  # each k is one more server; the path a drafter takes is the same
         _set(cfg, "evaluate.num_speculative_tokens", [min(ks)])
         scaled.append(f"evaluate.num_speculative_tokens: {ks} -> {[min(ks)]} (one server per k)")
+    temps = _get(full, "evaluate.temperature")
+    kept = [0] + [t for t in temps[-1:] if t]   # 0 (the exact check) and the served one
+    if temps != kept:  # each temperature repeats every level's requests
+        _set(cfg, "evaluate.temperature", kept)
+        scaled.append(f"evaluate.temperature: {temps} -> {kept} (0 and the served temperature)")
     turns = max((s.get("max_turns", 1) for s in _get(user, "data.sources") or []), default=1)
     # ShareGPT first turns answered by the miniature (the user's sources may need the network
     # or be large); a later turn where the run asks for them, so the template's history is
