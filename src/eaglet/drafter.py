@@ -24,6 +24,19 @@ With ``train.drafter_attention: mla`` the layer's attention is the target's mult
 attention (``MLAAttention``), the layer vLLM's ``deepseek_eagle3.py`` builds: everything above
 holds, with keys of qk_nope + qk_rope and values of v_head_dim per head, and RoPE (GPT-J
 layout, DeepSeek's YaRN) on the rope part only.
+
+``train.drafter_variant: eagle3.1`` (``DRAFTER_VARIANTS``) switches on the flags vLLM reads from
+a drafter's config.json, each applied where vLLM's forward applies it:
+
+    fc_norm               aux = cat(fc_norm.i(aux_i)): one RMSNorm per aux feature, before fc
+    norm_output           the next step reads norm(r), not r (lm_head reads norm(r) either way)
+    norm_before_fc        aux = input_norm(aux): one RMSNorm over all [3H], before fc
+    norm_before_residual  r starts at hidden_norm(h) instead of h
+
+EAGLE-3.1 (its paper, SpecForge, TorchSpec) is fc_norm + norm_output: the aux features enter
+fc at one scale whatever their layer's, and the state fed back keeps the scale of the target's
+final-normed features over the steps. vLLM's MLA drafter (deepseek_eagle3) has no
+``norm_before_fc``; the other three it applies as the Llama drafter does.
 """
 
 from __future__ import annotations
@@ -62,20 +75,40 @@ class DrafterConfig:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # the norms vLLM reads from config.json (NORM_FLAGS; train.drafter_variant sets them)
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_output: bool = False
+    norm_before_residual: bool = False
+
+    def __post_init__(self):
+        if self.attention_kind == "mla" and self.norm_before_fc:
+            raise ValueError("norm_before_fc with train.drafter_attention: mla: vLLM 0.32's MLA "
+                             "drafter (deepseek_eagle3) has no input_norm before fc and would not "
+                             "load it; use fc_norm (train.drafter_variant: eagle3.1) or llama "
+                             "attention")
 
     @property
     def fc_input_size(self) -> int:
         return self.target_hidden_size * len(self.aux_layer_ids)
 
+    @property
+    def norm_flags(self) -> dict[str, bool]:
+        return {name: getattr(self, name) for name in NORM_FLAGS}
+
     @classmethod
     def from_target(cls, target: dict, draft_vocab_size: int, aux_layer_ids: list[int],
-                    attention: str = "llama") -> "DrafterConfig":
+                    attention: str = "llama", variant: str = "eagle3") -> "DrafterConfig":
         """The drafter's shape from the target's ``config.json`` (dict): every field is read
-        here. ``attention`` (train.drafter_attention) picks the layer's attention kind."""
+        here. ``attention`` (train.drafter_attention) picks the layer's attention kind,
+        ``variant`` (train.drafter_variant) its norms (DRAFTER_VARIANTS)."""
         target = target.get("text_config", target)  # multimodal wrappers nest the LM config
         if attention not in ATTENTION_KINDS:
             raise ValueError(f"train.drafter_attention {attention!r} is none of "
                              f"{', '.join(ATTENTION_KINDS)}")
+        if variant not in DRAFTER_VARIANTS:
+            raise ValueError(f"train.drafter_variant {variant!r} is none of "
+                             f"{', '.join(DRAFTER_VARIANTS)}")
         if target.get("hidden_act", "silu") != "silu":
             raise ValueError(f"the target uses hidden_act {target['hidden_act']!r}; the EAGLE-3 "
                              f"drafters vLLM loads (llama_eagle3, deepseek_eagle3) have a SiLU MLP")
@@ -93,7 +126,15 @@ class DrafterConfig:
             draft_vocab_size=draft_vocab_size,
             target_hidden_size=target["hidden_size"],
             aux_layer_ids=list(aux_layer_ids))
-        return with_mla(config, target) if attention == "mla" else config
+        config = with_mla(config, target) if attention == "mla" else config
+        return replace(config, **DRAFTER_VARIANTS[variant])
+
+
+# the config.json keys vLLM 0.32's EAGLE-3 drafters read (llama_eagle3.py; deepseek_eagle3.py
+# all but norm_before_fc), each false when absent from a plain (non-speculators) config
+NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+# train.drafter_variant: the flags each variant sets (the rest stay false)
+DRAFTER_VARIANTS = {"eagle3": {}, "eagle3.1": {"fc_norm": True, "norm_output": True}}
 
 
 def rope_parameters(config: dict) -> dict:
@@ -517,11 +558,14 @@ class DecoderLayer(nn.Module):
         self.self_attn = MLAAttention(config) if config.attention_kind == "mla" else Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
+        self.norm_before_residual = config.norm_before_residual
 
     def forward(self, embeds, hidden, cos, sin, blocks, cache):
         """embeds, hidden [T, H] -> the pre-norm hidden state [T, H]."""
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [T, 2H]
-        residual = hidden + self.self_attn(x, cos, sin, blocks, cache)
+        normed = self.hidden_norm(hidden)
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)              # [T, 2H]
+        residual = normed if self.norm_before_residual else hidden
+        residual = residual + self.self_attn(x, cos, sin, blocks, cache)
         return residual + self.mlp(self.post_attention_layernorm(residual))
 
 
@@ -616,6 +660,11 @@ class Eagle3Drafter(nn.Module):
         self.config = config
         h = config.hidden_size
         self.register_buffer("embed_tokens", embed_tokens, persistent=False)   # [V, H], frozen
+        if config.norm_before_fc:  # vLLM's input_norm: one norm over the concatenated [A*Ht]
+            self.input_norm = RMSNorm(config.fc_input_size, config.rms_norm_eps)
+        if config.fc_norm:  # one norm per aux feature [Ht], vLLM's fc_norm.i
+            self.fc_norm = nn.ModuleList(RMSNorm(config.target_hidden_size, config.rms_norm_eps)
+                                         for _ in config.aux_layer_ids)
         self.fc = nn.Linear(config.fc_input_size, h, bias=False)
         self.midlayer = DecoderLayer(config)
         self.norm = RMSNorm(h, config.rms_norm_eps)
@@ -653,6 +702,28 @@ class Eagle3Drafter(nn.Module):
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 
+    def combine(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        """The step-0 hidden state [T, H] from the aux features [T, A*Ht], as vLLM's
+        ``combine_hidden_states``: input_norm (norm_before_fc), then fc_norm, then fc."""
+        if self.config.norm_before_fc:
+            aux_hidden = self.input_norm(aux_hidden)
+        if self.config.fc_norm:
+            chunks = aux_hidden.chunk(len(self.fc_norm), dim=-1)
+            aux_hidden = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks)], dim=-1)
+        return self.fc(aux_hidden)
+
+    def draft_step(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, blocks: list[AttentionBlock], cache: list,
+                   rows: torch.Tensor | int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One drafting step over all rows: (the final-normed state lm_head reads, of
+        ``rows`` only when given; the state [T, H] the next step reads: the pre-norm one, or
+        with norm_output the normed one, as vLLM's forward returns them)."""
+        out = self.midlayer(embeds, hidden, cos, sin, blocks, cache)           # pre-norm
+        if self.config.norm_output:
+            normed = self.norm(out)
+            return (normed if rows is None else normed[rows]), normed
+        return self.norm(out if rows is None else out[rows]), out
+
     def forward(self, aux_hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
                 segments: torch.Tensor, logit_rows: list[torch.Tensor] | None = None
                 ) -> list[torch.Tensor]:
@@ -668,15 +739,15 @@ class Eagle3Drafter(nn.Module):
         # flex attention skips other samples' tiles itself: one block for the whole batch
         blocks = attention_blocks(segments, len(segments) if self.attention == "flex"
                                   else BLOCK_ROWS)
-        hidden = self.fc(aux_hidden)                                             # [T, H]
+        hidden = self.combine(aux_hidden)                                        # [T, H]
         cache: list[tuple[torch.Tensor, torch.Tensor]] = []
         logits = []
         for step, ids in enumerate(input_ids):
             cos, sin = self.rope(positions + step)
             embeds = self.embed_tokens[ids].to(hidden.dtype)
-            hidden = self.midlayer(embeds, hidden, cos, sin, blocks, cache)      # pre-norm
-            picked = hidden if logit_rows is None else hidden[logit_rows[step]]
-            logits.append(self.lm_head(self.norm(picked)))
+            normed, hidden = self.draft_step(embeds, hidden, cos, sin, blocks, cache,
+                                             None if logit_rows is None else logit_rows[step])
+            logits.append(self.lm_head(normed))
         return logits
 
 
@@ -841,7 +912,8 @@ def init_from_target_layer(model: Eagle3Drafter, weights: dict[str, torch.Tensor
     layer's, and the final norm is the target's. The embedding half of the input projections
     keeps its random init: the target layer has no such input.
     Only the parts that fit (``fit``, judged from ``weights`` when not given) are copied; a
-    layer of which none fits leaves the drafter as it was (random)."""
+    layer of which none fits leaves the drafter as it was (random). With the EAGLE-3.1 norms
+    (fc_norm, norm_before_fc) fc passes the normed feature through: a start, not the layer."""
     fit = fit or fit_target_layer(model, tensor_meta(weights))
     h = model.config.hidden_size
     layer = model.midlayer

@@ -12,6 +12,11 @@ the drafter keeps its own (``process_eagle_weight`` sets ``has_own_lm_head``).
 A drafter with MLA attention (``train.drafter_attention: mla``) is written as
 ``Eagle3DeepseekV2ForCausalLM`` (``deepseek_eagle3.py``, model_type ``deepseek_v2``) under the
 same naming rules, its attention tensors named as the target's MLA (``mla_attention``).
+
+The norm flags (``drafter.NORM_FLAGS``; ``train.drafter_variant`` sets them) are written as the
+top-level config.json keys vLLM reads, all four once any is set (a plain EAGLE-3 export keeps
+today's keys), and their weights as vLLM names them: ``fc_norm.{i}.weight`` and
+``input_norm.weight``, under ``model.`` like fc.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save
 
-from eaglet.drafter import MLA_FIELDS, DrafterConfig, Eagle3Drafter, rope_parameters
+from eaglet.drafter import (MLA_FIELDS, NORM_FLAGS, DrafterConfig, Eagle3Drafter,
+                            rope_parameters)
 from eaglet.io import atomic_open, read_json, write_json
 from eaglet.shards import STORAGE_DTYPES
 from eaglet.target import load_target_embedding
@@ -65,6 +71,21 @@ def vllm_tensors(config: DrafterConfig) -> dict[str, tuple[tuple[int, ...], str]
     }
     if vd == config.vocab_size:
         del tensors["d2t"]
+    return {**norm_tensors(config), **tensors}
+
+
+def norm_tensors(config: DrafterConfig) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The norms before fc that the norm flags add (``combine_hidden_states``):
+    norm_before_fc's RMSNorm(fc_input_size) ``input_norm`` (the Llama drafter only; vLLM's
+    load_weights drops it unless the flag is on) and fc_norm's ModuleList of one
+    RMSNorm(target_hidden_size) per aux layer."""
+    tensors = {}
+    if config.norm_before_fc:
+        tensors["input_norm.weight"] = ((config.fc_input_size,), "model.input_norm.weight")
+    if config.fc_norm:
+        for i in range(len(config.aux_layer_ids)):
+            tensors[f"fc_norm.{i}.weight"] = ((config.target_hidden_size,),
+                                              f"model.fc_norm.{i}.weight")
     return tensors
 
 
@@ -133,6 +154,8 @@ def vllm_config(config: DrafterConfig, dtype: str) -> dict:
     }
     if rope["rope_type"] != "default":
         out["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    if any(config.norm_flags.values()):  # vLLM reads each with getattr(config, flag, False)
+        out.update(config.norm_flags)
     return out
 
 
@@ -198,18 +221,19 @@ def speculators_config(config: dict, verifier: str, verifier_architectures: list
     as speculators' ``Eagle3SpeculatorConfig`` writes them. ``norm_before_residual`` is
     stated: vLLM assumes true for a speculators config that omits it, while this drafter adds
     the un-normed hidden state to the attention output (vLLM's default for plain EAGLE-3
-    checkpoints). The weights keep their names: vLLM maps ``midlayer.`` to ``layers.0.``."""
+    checkpoints); so are the other EAGLE-3.1 flags, at the top where vLLM's ``update_eagle3``
+    reads them. The weights keep their names: vLLM maps ``midlayer.`` to ``layers.0.``."""
     return {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",
         "speculators_version": SPECULATORS_VERSION,
-        "transformer_layer_config": {k: v for k, v in config.items() if k not in EAGLE_KEYS},
+        "transformer_layer_config": {k: v for k, v in config.items()
+                                     if k not in EAGLE_KEYS + NORM_FLAGS},
         "draft_vocab_size": config["draft_vocab_size"],
         "target_hidden_size": config["target_hidden_size"],
         "eagle_aux_hidden_state_layer_ids":
             config["eagle_config"]["eagle_aux_hidden_state_layer_ids"],
-        "norm_before_residual": False, "norm_before_fc": False, "fc_norm": False,
-        "norm_output": False,
+        **{flag: bool(config.get(flag, False)) for flag in NORM_FLAGS},
         "speculators_config": {
             "algorithm": "eagle3",
             "proposal_methods": [{"proposal_type": "greedy",
@@ -260,11 +284,21 @@ def config_from_vllm(config: dict) -> DrafterConfig:
         max_position_embeddings=config["max_position_embeddings"],
         vocab_size=config["vocab_size"], draft_vocab_size=config["draft_vocab_size"],
         target_hidden_size=config["target_hidden_size"],
-        aux_layer_ids=config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+        aux_layer_ids=config["eagle_config"]["eagle_aux_hidden_state_layer_ids"],
+        **norm_flags(config))
     if mla:
         drafter = replace(drafter, attention_kind="mla", q_lora_rank=config["q_lora_rank"],
                           **{name: config[name] for name in MLA_FIELDS})
     return drafter
+
+
+def norm_flags(config: dict) -> dict[str, bool]:
+    """The norm flags of an exported ``config.json`` as vLLM reads them: false when
+    absent, and norm_before_fc from ``eagle_config`` first (llama_eagle3.py)."""
+    flags = {flag: bool(config.get(flag, False)) for flag in NORM_FLAGS}
+    if "norm_before_fc" in (config.get("eagle_config") or {}):
+        flags["norm_before_fc"] = bool(config["eagle_config"]["norm_before_fc"])
+    return flags
 
 
 def load_drafter(drafter_dir: str | Path, target_dir: str | Path,

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import hashlib
+import json
 import logging
 import math
 import os
@@ -44,12 +46,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from eaglet import rates
+from eaglet import peagle, rates
 from eaglet import train_checkpoints as ckpt
 from eaglet.config import ConfigError, validate
 from eaglet.drafter import (DrafterConfig, Eagle3Drafter, init_from_target, init_lm_head,
                             num_params, resolve_attention)
-from eaglet.export import export_drafter
 from eaglet.io import atomic_open, human_size, read_json, write_json
 from eaglet.progress import Progress
 from eaglet.shards import sha256_path
@@ -166,8 +167,10 @@ class Trainer:
 
     def __init__(self, cfg: dict, model: Eagle3Drafter, teacher_head: torch.Tensor,
                  train_data: Samples, eval_data: Samples, checkpoint_dir: str | Path,
-                 device: torch.device, dist_: Dist, fingerprint: dict | None = None):
+                 device: torch.device, dist_: Dist, fingerprint: dict | None = None,
+                 subset: set[int] | None = None):
         self.cfg, self.dist, self.device = cfg, dist_, device
+        self.subset = subset  # the training samples trained on (global indices); None: all
         self.checkpoint_dir = Path(checkpoint_dir)
         self.trackers = Trackers([], self.checkpoint_dir / "tracking", cfg)  # train() opens them
         self.group = dist_.world * cfg["grad_accum"]
@@ -187,7 +190,7 @@ class Trainer:
             [{"params": decay, "weight_decay": cfg["weight_decay"]},
              {"params": no_decay, "weight_decay": 0.0}],
             lr=cfg["lr"], betas=tuple(cfg["betas"]))
-        self.plans = {0: plan_epoch(self.train_data, 0, cfg)}
+        self.plans = {0: self.epoch_plan(0)}
         self.total_steps = self.count_steps()
         warmup = (cfg["warmup_steps"] if cfg["warmup_steps"] is not None
                   else math.ceil(cfg["warmup_ratio"] * self.total_steps))
@@ -215,9 +218,11 @@ class Trainer:
     @classmethod
     def from_files(cls, cfg: dict, shard_paths, eval_shard_paths, vocab_map: str,
                    target_dir: str, checkpoint_dir: str, device: torch.device, dist_: Dist,
-                   manifest: str | None = None) -> "Trainer":
+                   manifest: str | None = None,
+                   train_samples: list[str] | None = None) -> "Trainer":
         """Check the shards and the vocabulary map against the target, and build the drafter
-        from the target's embedding (and lm_head rows and last layer, as configured)."""
+        from the target's embedding (and lm_head rows and last layer, as configured).
+        ``train_samples``: the ids of the shards' samples to train on (None: all)."""
         if not shard_paths:
             raise TrainError("no training shards: the extract stage produced none")
         target_config = read_target_config(target_dir)
@@ -237,10 +242,10 @@ class Trainer:
 
         torch.manual_seed(cfg["seed"])
         config = DrafterConfig.from_target(target_config, d2t.numel(), infos[0].aux_layer_ids,
-                                           cfg["drafter_attention"])
+                                           cfg["drafter_attention"], cfg["drafter_variant"])
         embed = load_target_embedding(target_dir)
         teacher_head = load_target_lm_head(target_dir, torch.arange(d2t.numel()) + d2t)
-        model = Eagle3Drafter(config, embed, d2t, t2d)
+        model = peagle.make_drafter(cfg["method"], target_config, config, embed, d2t, t2d)
         if cfg["lm_head_init"] == "target":
             init_lm_head(model, teacher_head)
         layer_init = {"setting": cfg["layer_init"]}
@@ -250,25 +255,48 @@ class Trainer:
             if dist_.rank == 0:
                 log.log(logging.WARNING if fit.reasons else logging.INFO, "%s", fit.message())
         group = dist_.world * cfg["grad_accum"]
+        fingerprint = ckpt.fingerprint(cfg, infos, group, sha256_path(vocab_map))
+        subset = None
+        if train_samples is not None:
+            index = {sid: i for i, sid in enumerate(s for info in infos for s in info.sample_ids)}
+            missing = [sid for sid in train_samples if sid not in index]
+            if missing or not train_samples:
+                raise TrainError(f"{len(missing)} of the {len(train_samples)} samples to train on "
+                                 f"are in no training shard (first: {missing[:1]}): name at least "
+                                 "one, each from this run's hidden/manifest.json")
+            subset = {index[sid] for sid in train_samples}
+            # a checkpoint of another subset of the same shards must not resume this one
+            fingerprint["sample_ids_sha256"] = hashlib.sha256(json.dumps(
+                [fingerprint["sample_ids_sha256"], sorted(train_samples)]).encode()).hexdigest()
         trainer = cls(cfg, model, teacher_head, train_data, eval_data, checkpoint_dir, device,
-                      dist_, ckpt.fingerprint(cfg, infos, group, sha256_path(vocab_map)))
+                      dist_, fingerprint, subset)
         trainer.layer_init = layer_init  # in train()'s summary: what the layer started from
         if dist_.rank == 0:
             log.info("drafter: %.1fM trainable parameters, draft vocab %d, aux layers %s, "
                      "%s attention, %d training samples in %d shards, %d held out, %d steps",
                      num_params(model) / 1e6, d2t.numel(), config.aux_layer_ids, model.attention,
-                     len(train_data), len(infos), len(eval_data), trainer.total_steps)
+                     len(subset or train_data), len(infos), len(eval_data), trainer.total_steps)
         return trainer
 
     # -- schedule and data position --
 
     def plan(self, epoch: int) -> list[list[int]]:
         if epoch not in self.plans:
-            self.plans = {epoch: plan_epoch(self.train_data, epoch, self.cfg)}
+            self.plans = {epoch: self.epoch_plan(epoch)}
         return self.plans[epoch]
 
+    def epoch_plan(self, epoch: int) -> list[list[int]]:
+        """The epoch's micro-batches; with a subset, its samples in the epoch's shuffled order,
+        packed again (the same settings over less data: ``eaglet.scaling``)."""
+        plan = plan_epoch(self.train_data, epoch, self.cfg)
+        if self.subset is None:
+            return plan
+        lengths = [min(n, self.cfg["max_len"]) for n in self.train_data.lengths]
+        return pack([i for batch in plan for i in batch if i in self.subset], lengths,
+                    self.cfg["max_tokens_per_batch"])
+
     def count_steps(self) -> int:
-        total = sum(steps_in(plan_epoch(self.train_data, e, self.cfg), self.group)
+        total = sum(steps_in(self.epoch_plan(e), self.group)
                     for e in range(self.cfg["epochs"]))
         return min(total, self.cfg["max_steps"] or total)
 
@@ -315,7 +343,7 @@ class Trainer:
         while step < self.total_steps and epoch < cfg["epochs"]:
             if at >= steps_in(plan, self.group):
                 epoch, at = epoch + 1, 0
-                plan = plan_epoch(self.train_data, epoch, cfg) if epoch < cfg["epochs"] else []
+                plan = self.epoch_plan(epoch) if epoch < cfg["epochs"] else []
                 continue
             for i, indices in enumerate(self.share(step_micro_batches(plan, at, self.group))):
                 yield (epoch, at, i), indices
@@ -611,7 +639,8 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
 def train(cfg: dict, shard_paths: list[str], eval_shard_paths: list[str], vocab_map: str,
           target_dir: str, out_dir: str, checkpoint_dir: str, progress_path: str | None,
           log_path: str | None, *, rate_key: str | None = None,
-          stop_after_steps: int | None = None, manifest: str | None = None) -> dict:
+          stop_after_steps: int | None = None, manifest: str | None = None,
+          train_samples: list[str] | None = None) -> dict:
     """Train a drafter and write ``out_dir/{config.json, model.safetensors, training_log.csv,
     stats.json}``: the weights of the best held-out evaluation (see the module's docstring).
 
@@ -622,6 +651,7 @@ def train(cfg: dict, shard_paths: list[str], eval_shard_paths: list[str], vocab_
     shard is hashed as it is read, and a damaged one is moved aside and named in the error.
     ``rate_key`` (the target's spec) records the measured tokens/s in the rates history that
     `eaglet status` estimates later runs from; None (benchmarks, tests) records nothing.
+    ``train_samples``: the ids of the samples to train on, a subset of the shards' (None: all).
     Returns the run's summary, as stats.json holds it: the last training and held-out rows,
     throughput, and (rank 0) ``shipped``: which weights were exported (``choice`` best or
     last, their ``step``, ``epoch`` and ``heldout_al``) against ``best_epoch``/
@@ -635,7 +665,7 @@ def train(cfg: dict, shard_paths: list[str], eval_shard_paths: list[str], vocab_
     try:
         trainer = Trainer.from_files(cfg, list(shard_paths), list(eval_shard_paths), vocab_map,
                                      target_dir,
-                          checkpoint_dir, device, dist_, manifest)
+                          checkpoint_dir, device, dist_, manifest, train_samples)
         trainer.resume()
         if dist_.rank == 0:
             trainer.check_disk()
@@ -654,7 +684,7 @@ def train(cfg: dict, shard_paths: list[str], eval_shard_paths: list[str], vocab_
                    "layer_init": trainer.layer_init}
         if dist_.rank == 0:
             summary["shipped"] = trainer.ship()
-            export_drafter(trainer.model, out_dir, cfg["export_dtype"])
+            peagle.export(trainer.model, out_dir, cfg["export_dtype"])  # either method
             write_csv(Path(out_dir) / "training_log.csv", trainer.rows, trainer.columns)
             run = progress.report("finished")
             if rate_key is not None and trainer.step > first_step:  # a rate of work done
