@@ -37,6 +37,7 @@ include: "rules/vocab.smk"
 include: "rules/extract.smk"
 include: "rules/train.smk"
 include: "rules/evaluate.smk"
+include: "rules/scaling.smk"
 
 
 rule all:
@@ -47,3 +48,4 @@ rule all:
         f"{R}/eval/acceptance_length.png",
         f"{R}/eval/speedup.png",
         f"{R}/eval/training_curves.png",
+        *OPTIONAL_TARGETS,

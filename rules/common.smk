@@ -30,6 +30,9 @@ MODEL_ENV = (
 TRAIN_SHARDS = [f"{i:05d}" for i in range(config["extract"]["num_shards"])]
 EVAL_SHARDS = ["00000"]
 
+# Outputs `all` asks for beyond the verdict's, each only when its stage is enabled.
+OPTIONAL_TARGETS = [f"{R}/eval/scaling.json"] if config["scaling"]["enabled"] else []
+
 
 def hidden_files(split: str, suffix: str) -> list[str]:
     """Every shard file (``suffix`` .safetensors or .json) of ``split`` (train or eval)."""

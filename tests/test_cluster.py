@@ -43,7 +43,7 @@ GPU_RULES = {
 # read from the rule files themselves
 MODEL_RULES = {name for path in (REPO / "rules").glob("*.smk")
                for name in re.findall(r"^\s*rule (\w+):", path.read_text(), re.MULTILINE)
-               } - CPU_RULES
+               } - CPU_RULES - {"scaling"}  # the scaling stage's fit is CPU work
 # Distinct values, so each request can be traced to its config key. `--config
 # server.gpus=1` is no valid Snakemake config entry (and `--config 'server={gpus: 1}'` reads
 # 1 as a string), so nested overrides go in a second config file.
@@ -268,7 +268,8 @@ def test_profile_takes_partition_account_and_gpu_model_from_the_environment(monk
     split = _render(monkeypatch, EAGLET_SLURM_PARTITION="cpu", EAGLET_SLURM_GPU_PARTITION="gpu",
                     EAGLET_SLURM_GPU_MODEL="h100")
     assert "slurm_partition='cpu'" in split["default-resources"]
-    assert MODEL_RULES == set(GPU_RULES) | {"extract_vllm", "extract_all"}
+    # scaling_train: the scaling stage's subset trainings (scaling.enabled; not in this DAG)
+    assert MODEL_RULES == set(GPU_RULES) | {"extract_vllm", "extract_all", "scaling_train"}
     assert set(split["set-resources"]) == {
         f"{rule}:{key}" for rule in MODEL_RULES
         for key in ("slurm_partition='gpu'", "gpu_model='h100'")}

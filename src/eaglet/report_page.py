@@ -29,7 +29,7 @@ from typing import Any, Callable
 from eaglet.io import human_size
 from eaglet.progress import format_duration
 from eaglet.server import SERVER_MODULE
-from eaglet.status import STAGES, _took
+from eaglet.status import OPTIONAL_STAGES, STAGES, _took
 
 # the config entry the Snakefile fills and report/*.rst print; not a setting, so it never
 # reaches the run's recorded config (results/run/config.json)
@@ -173,6 +173,10 @@ def verdict_lines(acceptance: dict) -> list[str]:
     summary = verdict.get("summary")
     lines = [text(summary) if summary else
              "No EAGLE-3 run was measured, so there is no verdict on a drafter.", ""]
+    # measured at several temperatures: the verdict above is the served (last) one's
+    others = [v["summary"] for v in (acceptance.get("verdict_by_temperature") or {}).values()
+              if v.get("summary") and v.get("summary") != summary]
+    lines += [line for other in others for line in (text(other), "")]
     warnings = verdict.get("warnings") or []
     if not warnings:
         return lines + ["The evaluation raised no warning.", ""]
@@ -230,7 +234,7 @@ def serve_section(run: Results) -> list[str]:
 
 def run_section(run: Results) -> list[str]:
     items = [_target_item(run), _data_item(run), _vocab_item(run), _hidden_item(run),
-             _training_item(run), _times_item(run)]
+             _training_item(run), _scaling_item(run), _times_item(run)]
     return heading("The run", "-") + [f"- {item}" for item in items if item] + [""]
 
 
@@ -303,11 +307,17 @@ def _training_item(run: Results) -> str | None:
                 f"{end}" + (f"; {shipped}" if shipped else "") + ".")
 
 
+def _scaling_item(run: Results) -> str | None:
+    # the optional stage's prediction (scaling.enabled), its sentence word for word
+    scaling = _read(run.dir / "eval" / "scaling.json")
+    return text(f"What more data buys (eval/scaling.json): {scaling['sentence']}") if scaling else None
+
+
 def stage_times(results: Path) -> list[tuple[str, float]]:
     """Wall time of each finished stage that records its progress (``progress/*.json``),
     as `eaglet status` reads it."""
     out = []
-    for stage in STAGES:
+    for stage in STAGES + OPTIONAL_STAGES:
         if not stage.progress:
             continue
         records = [_read(Path(p)) for p in sorted(glob.glob(str(results / stage.progress)))]

@@ -1,0 +1,65 @@
+# scaling.enabled: what more data buys, predicted (eaglet.scaling); the Snakefile asks for
+# eval/scaling.json only then.
+import re
+
+from eaglet.scaling import fraction_name
+
+SCALING = config["scaling"]
+SCALING_FRACTIONS = [fraction_name(f) for f in SCALING["fractions"]]
+
+
+rule scaling_train:
+    """Train the drafter on a nested subset of the training samples (scaling.fractions) with
+    the full run's train settings, under scaling/<fraction>/ (eaglet.scaling)."""
+    input:
+        target=f"{R}/target/target.json",
+        manifest=f"{R}/hidden/manifest.json",
+        shards=hidden_files("train", ".safetensors"),
+        eval_shards=hidden_files("eval", ".safetensors"),
+        vocab=f"{R}/vocab/vocab_map.safetensors",
+    output:
+        stats=f"{R}/scaling/{{fraction}}/stats.json",
+        subset=f"{R}/scaling/{{fraction}}/subset.json",
+    wildcard_constraints:
+        fraction="|".join(re.escape(f) for f in SCALING_FRACTIONS) or "(?!)",
+    params:
+        train=stage_params(config, "train", drop=("gpus",)),
+        checkpoints=lambda w: f"{R}/scaling/{w.fraction}/checkpoints",
+        progress=lambda w: f"{R}/progress/scaling_{w.fraction}.json",
+    threads: MODEL_THREADS
+    # after the stages the verdict needs: the subsets only add the prediction
+    priority: -1
+    resources:
+        **job_resources("train", config["train"]["gpus"]),
+    log:
+        f"{R}/logs/scaling/train_{{fraction}}.log",
+    conda:
+        MODEL_ENV
+    script:
+        "../scripts/scaling.py"
+
+
+rule scaling:
+    """Fit held-out simulated AL against ln(training tokens) over the subsets and the full
+    run, and predict the training tokens scaling.target_al needs (eval/scaling.json)."""
+    input:
+        subsets=expand(f"{R}/scaling/{{fraction}}/stats.json", fraction=SCALING_FRACTIONS),
+        records=expand(f"{R}/scaling/{{fraction}}/subset.json", fraction=SCALING_FRACTIONS),
+        # the full run's point: drafter/stats.json, written beside its weights
+        full=f"{R}/drafter/model.safetensors",
+        target=f"{R}/target/target.json",
+        synthetic=f"{R}/synthetic/stats.json",
+        shards=hidden_files("train", ".safetensors"),
+    output:
+        f"{R}/eval/scaling.json",
+    params:
+        max_len=config["train"]["max_len"] or config["train"]["max_tokens_per_batch"],
+        target_al=SCALING["target_al"],
+        # generation's GPUs: the prediction's hours are GPU-hours where it held any
+        gpus=config["server"]["gpus"],
+    log:
+        f"{R}/logs/scaling/fit.log",
+    conda:
+        CPU_ENV
+    script:
+        "../scripts/scaling.py"
