@@ -89,7 +89,7 @@ def test_the_prediction_says_the_tokens_and_the_generation_time():
     assert generation["unit"] == "hours on this machine"
     sentence = out["sentence"]
     assert sentence.startswith(f"AL 2 would need about {scaling.count(needed)} training tokens")
-    assert "hours on this machine of generation at this run's rate" in sentence
+    assert "hours of generation on this machine at this run's rate" in sentence
     # the subsets alone predict the full run exactly on exact points
     assert out["check"]["fit_on"] == [0.25, 0.5]
     assert out["check"]["error"] == pytest.approx(0, abs=1e-9)

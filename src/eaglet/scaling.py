@@ -228,8 +228,9 @@ def predict(points: list[dict], target_al: float, rate: float | None = None,
                 f"{result['al_per_doubling']:+.3f} AL per doubling)")
     if generation:
         whose = "this run's" if rate_source == THIS_RUN else "the measured"
-        sentence += (f", about {_hours(generation['hours'])} {unit} of generation at {whose} "
-                     f"rate ({rate:,.0f} answer tokens/s)")
+        hours = (f"{_hours(generation['hours'])} GPU-hours of generation" if gpus else
+                 f"{_hours(generation['hours'])} hours of generation on this machine")
+        sentence += f", about {hours} at {whose} rate ({rate:,.0f} answer tokens/s)"
     else:
         sentence += "; no generation rate was measured to say how long generating them takes"
     out["sentence"] = sentence + "."
