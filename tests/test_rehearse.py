@@ -5,6 +5,7 @@ to end) a shipped run config rehearses green on its target's stand-in files."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -97,8 +98,16 @@ def test_a_failed_stage_is_reported_by_its_own_exception_not_the_servers_shutdow
         "generate: eaglet.template_check.TemplateMismatchError: 63 of 64 samples do not re-render")
 
 
+# `make test` rehearses the founding user's target (MLA, MoE, the multimodal wrapper, a
+# tokenizer as code); the other shipped configs rehearse with `make test-rehearsals`
+# (EAGLET_REHEARSE_ALL=1), each about 6.5 minutes on 2 cores.
+OTHER_CONFIGS = pytest.mark.skipif(
+    not os.environ.get("EAGLET_REHEARSE_ALL"),
+    reason="rehearsed by `make test-rehearsals` (EAGLET_REHEARSE_ALL=1)")
+
+
 @pytest.mark.e2e
-@pytest.mark.parametrize("name", ["kimi-k2.5", "qwen3-8b"])
+@pytest.mark.parametrize("name", ["kimi-k2.5", pytest.param("qwen3-8b", marks=OTHER_CONFIGS)])
 def test_a_shipped_config_rehearses_green_on_its_stand_in(name, tmp_path):
     out = tmp_path / name
     code = rehearse.main(["--configfile", str(REPO / "configs" / f"{name}.yaml"),
