@@ -13,7 +13,8 @@ import torch
 
 from eaglet import plan
 from eaglet.cli import main as cli_main
-from eaglet.drafter import DrafterConfig, Eagle3Drafter, num_params
+from eaglet.drafter import DRAFTER_VARIANTS, DrafterConfig, Eagle3Drafter, num_params
+from eaglet.peagle import METHODS, make_drafter
 from eaglet.train import batch_sums
 from eaglet.train_data import make_batch
 
@@ -196,7 +197,7 @@ def test_cli_prints_presets(capsys):
     assert "57,361 bytes per token (bfloat16)" in out
     # the drafter eaglet builds for train.drafter_attention llama, and the MLA one beside it
     assert (f"drafter {plan.drafter_params(kimi) / 1e6:.1f}M trainable (train.drafter_attention "
-            f"llama)") in out
+            f"llama, drafter_variant eagle3, method eagle3)") in out
     mla = plan.drafter_params(plan.with_drafter(kimi, "mla"))
     assert f"with train.drafter_attention mla instead: drafter {mla / 1e6:.1f}M" in out
     assert "--tokens N for N training tokens" in out                      # no dataset named
@@ -204,7 +205,7 @@ def test_cli_prints_presets(capsys):
     assert cli_main(["plan", "--preset", "kimi-k2.5", "--drafter-attention", "mla",
                      "--max-tokens-per-batch", "2048"]) == 0
     out = capsys.readouterr().out
-    assert f"drafter {mla / 1e6:.1f}M trainable (train.drafter_attention mla)" in out
+    assert f"drafter {mla / 1e6:.1f}M trainable (train.drafter_attention mla," in out
     assert cli_main(["plan", "--preset", "llama-3.1-8b", "--drafter-attention", "mla"]) == 2
     assert "--drafter-attention llama" in capsys.readouterr().err       # no MLA to take
 
@@ -331,6 +332,49 @@ def test_mla_drafter_size_is_the_model_drafter_py_builds():
     assert plan.drafter_params(llama) == sum(p.numel() for p in build(llama).parameters())
     with pytest.raises(ValueError, match="drafter-attention llama"):
         plan.shape_from_target_config({**target, "kv_lora_rank": None}, 100, "t", "mla")
+
+
+KINDS = [(attention, variant, method) for attention in ("llama", "mla")
+         for variant in DRAFTER_VARIANTS for method in METHODS
+         if not (attention == "mla" and method == "peagle")]
+
+
+@pytest.mark.parametrize("attention,variant,method", KINDS)
+def test_drafter_size_counts_every_weight_of_each_method_and_variant(attention, variant, method):
+    """The plan counts the parameters of the drafter train.py builds (``from_target`` and
+    ``make_drafter``) for each train.drafter_attention, drafter_variant and method: EAGLE-3.1's
+    fc_norm and P-EAGLE's mask_hidden included."""
+    target = {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 500,
+              "bos_token_id": 1, "q_lora_rank": 16, "kv_lora_rank": 32,
+              "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16}
+    config = DrafterConfig.from_target(target, 100, [1, 2, 3], attention, variant)
+    keep = torch.arange(100)
+    t2d = torch.zeros(500, dtype=torch.bool)
+    t2d[keep] = True
+    model = make_drafter(method, target, config, torch.randn(500, 64), keep - keep, t2d)
+    s = plan.shape_from_target_config(target, 100, "tiny", attention, variant, method)
+    assert plan.drafter_params(s) == num_params(model)
+    extra = plan.drafter_extra_params(s)
+    assert ("fc_norm" in extra) == config.fc_norm
+    assert ("mask_hidden" in extra) == (method == "peagle")
+    named = {name: p.numel() for name, p in model.named_parameters()}
+    assert extra.get("mask_hidden", 0) == named.get("mask_hidden", 0)
+    assert extra.get("fc_norm", 0) == sum(n for k, n in named.items() if k.startswith("fc_norm."))
+    # what the plan reports a run of those settings trains
+    p = plan.plan(s, tokens=64, max_len=64, steps=2, batch_tokens=256, extract_max_len=64,
+                  target_dtype="float32", store_dtype="float32", shard_tokens=1000)
+    assert p["drafter_params"] == num_params(model)
+    assert p["training"]["AdamW states (2 x float32)"] == 8 * num_params(model)
+    assert (p["drafter_variant"], p["method"]) == (variant, method)
+
+
+def test_the_plan_knows_the_settings_the_drafter_knows():
+    assert plan.METHODS == METHODS  # plan keeps its own copy (peagle imports the engine's)
+    with pytest.raises(ValueError, match="train.drafter_attention: llama"):
+        plan.with_drafter(plan.PRESETS["kimi-k2.5"], "mla", method="peagle")
+    with pytest.raises(ValueError, match="drafter_variant"):
+        plan.with_drafter(plan.PRESETS["kimi-k2.5"], "llama", variant="eagle4")
 
 
 def test_plan_of_a_run_reads_its_target(tmp_path, capsys):

@@ -83,6 +83,39 @@ def test_the_real_targets_files_are_checked_against_the_runs_settings(tmp_path):
     assert not report.passed
 
 
+def test_the_drafters_attention_is_checked_against_the_targets(tmp_path):
+    """train.drafter_attention: mla on a target without multi-head latent attention fails
+    the rehearsal's first checks, naming the setting and its fix; llama and mla both hold on
+    an MLA target, and P-EAGLE needs llama."""
+    user = yaml.safe_load((REPO / "configs" / "qwen3-8b.yaml").read_text())
+    user["train"]["drafter_attention"] = "mla"
+    report = rehearse.Report()
+    rehearse.check_target(STANDINS / "qwen3-8b", user, report)
+    [drafter] = [c for c in report.checks if c.stage == "drafter"]
+    assert drafter.ok is False and not report.passed
+    assert "train.drafter_attention mla" in drafter.detail and "kv_lora_rank" in drafter.detail
+    assert "train.drafter_attention: llama" in drafter.fix
+    # the memory plan still reads the target, for the drafter that can be built
+    assert [c.ok for c in report.checks if c.stage == "plan"] == [True]
+    user["train"]["drafter_attention"] = "llama"
+    report = rehearse.Report()
+    rehearse.check_target(STANDINS / "qwen3-8b", user, report)
+    assert report.passed, report.checks
+    kimi = yaml.safe_load((REPO / "configs" / "kimi-k2.5.yaml").read_text())
+    for attention in ("llama", "mla"):
+        kimi["train"]["drafter_attention"] = attention
+        report = rehearse.Report()
+        rehearse.check_target(STANDINS / "kimi-k2.5", kimi, report)
+        assert report.passed, report.checks
+        assert any(c.stage == "drafter" and f"drafter_attention {attention}" in c.detail
+                   for c in report.checks)
+    kimi["train"]["method"] = "peagle"
+    report = rehearse.Report()
+    rehearse.check_target(STANDINS / "kimi-k2.5", kimi, report)
+    [drafter] = [c for c in report.checks if c.stage == "drafter"]
+    assert drafter.ok is False and "train.drafter_attention: llama" in drafter.fix
+
+
 def test_a_failed_stage_is_reported_by_its_own_exception_not_the_servers_shutdown(tmp_path):
     log = tmp_path / "snakemake.log"
     log.write_text(

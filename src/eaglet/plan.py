@@ -44,6 +44,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from eaglet import shards
+from eaglet.drafter import DRAFTER_VARIANTS
 from eaglet.shards import bytes_per_token
 
 GiB = 2 ** 30
@@ -54,6 +55,8 @@ GPU_BYTES = 143_771 * 2 ** 20
 GPU_USABLE = 0.95
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "auto": 2}
 NUM_AUX = 3
+# train.method (peagle.METHODS; not imported: peagle pulls in the engine's modules)
+METHODS = ("eagle3", "peagle")
 TEACHER_CHUNK = 1024  # rows of extraction's teacher check at a time (extract.teacher_from_stored)
 
 
@@ -95,6 +98,9 @@ class Shape:
     expert_group: int = 32
     # train.drafter_attention: llama (GQA of heads x head_dim) or mla (the target's MLA)
     drafter_attention: str = "llama"
+    # train.drafter_variant (its norms, drafter.DRAFTER_VARIANTS) and train.method
+    drafter_variant: str = "eagle3"
+    method: str = "eagle3"
 
     @property
     def mla(self) -> bool:
@@ -129,16 +135,30 @@ class Shape:
         return self.layers - self.dense_layers if self.experts else 0
 
 
-def with_drafter(s: Shape, attention: str) -> Shape:
-    """``s`` with the drafter ``train.drafter_attention`` builds; refuses as
-    ``drafter.with_mla`` does where the target has no MLA that the drafter can take."""
+def with_drafter(s: Shape, attention: str, variant: str | None = None,
+                 method: str | None = None) -> Shape:
+    """``s`` with the drafter ``train.drafter_attention``, ``train.drafter_variant`` and
+    ``train.method`` build (None: ``s``'s own); refuses as ``drafter.with_mla`` and
+    ``peagle.make_drafter`` do where the target has no MLA that the drafter can take, or
+    P-EAGLE meets MLA."""
+    variant = s.drafter_variant if variant is None else variant
+    method = s.method if method is None else method
     if attention not in ("llama", "mla"):
         raise ValueError(f"train.drafter_attention {attention!r} is none of llama, mla")
+    if variant not in DRAFTER_VARIANTS:
+        raise ValueError(f"train.drafter_variant {variant!r} is none of "
+                         f"{', '.join(DRAFTER_VARIANTS)}")
+    if method not in METHODS:
+        raise ValueError(f"train.method {method!r} is none of {', '.join(METHODS)}")
     if attention == "mla" and not (s.kv_lora_rank and s.q_lora_rank):
         raise ValueError(f"train.drafter_attention: mla needs a target with multi-head latent "
                          f"attention and a q_lora_rank (DeepSeek-V2/V3, Kimi-K2); {s.name} has "
                          f"none: plan with --drafter-attention llama")
-    return replace(s, drafter_attention=attention)
+    if attention == "mla" and method == "peagle":
+        raise ValueError("train.method: peagle needs train.drafter_attention: llama (vLLM 0.32 "
+                         "keeps mask_hidden only in its Llama EAGLE-3 drafter): plan with "
+                         "--drafter-attention llama or --method eagle3")
+    return replace(s, drafter_attention=attention, drafter_variant=variant, method=method)
 
 
 PRESETS = {
@@ -237,16 +257,32 @@ def drafter_attention_params(s: Shape) -> int:
     return 2 * h * (s.d_heads + 2 * s.d_kv_heads) * s.head_dim + s.d_heads * s.head_dim * h
 
 
+def drafter_extra_params(s: Shape) -> dict[str, int]:
+    """The weights ``train.drafter_variant`` and ``train.method`` add to the EAGLE-3 layer,
+    each of the aux features' width [3Ht]: the per-feature RMSNorms before fc (fc_norm,
+    eagle3.1; norm_output has no weights), the one norm over all of them (norm_before_fc,
+    which no variant sets yet) and P-EAGLE's mask_hidden."""
+    flags = DRAFTER_VARIANTS[s.drafter_variant]
+    width = NUM_AUX * s.hidden  # target_hidden_size = hidden (DrafterConfig.from_target)
+    extra = {"fc_norm": width if flags.get("fc_norm") else 0,
+             "input_norm": width if flags.get("norm_before_fc") else 0,
+             "mask_hidden": width if s.method == "peagle" else 0}
+    return {name: n for name, n in extra.items() if n}
+
+
 def drafter_params(s: Shape) -> int:
-    """Trainable parameters of ``drafter.Eagle3Drafter``: fc [3Ht -> H], the attention
+    """Trainable parameters of the drafter ``train.method`` trains (``drafter.Eagle3Drafter``
+    or ``peagle.PEagleDrafter``): fc [3Ht -> H], the attention
     (:func:`drafter_attention_params`), the MLP, four RMSNorms (input, hidden,
-    post-attention, final) and lm_head [H -> Vd]."""
+    post-attention, final), lm_head [H -> Vd] and :func:`drafter_extra_params`; the
+    exported checkpoint holds all of them (and the d2t/t2d maps beside)."""
     h = s.hidden
     return (NUM_AUX * h * h
             + drafter_attention_params(s)
             + 3 * h * s.d_intermediate
             + 4 * h
-            + h * s.draft_vocab)
+            + h * s.draft_vocab
+            + sum(drafter_extra_params(s).values()))
 
 
 # -- extraction ------------------------------------------------------------------------------
@@ -504,9 +540,11 @@ def plan(s: Shape, *, tokens: int, max_len: int | None, steps: int, batch_tokens
     out = {
         "shape": asdict(s), "tokens_per_batch": tokens, "ttt_steps": steps,
         "attention": tr["attention"], "drafter_attention": s.drafter_attention,
+        "drafter_variant": s.drafter_variant, "method": s.method,
         "target_dtype": target_dtype, "precision": precision, "extract_batch_tokens": batch_tokens,
         "extract_max_len": extract_max_len,
         "target_params": target_params(s), "drafter_params": drafter_params(s),
+        "drafter_extra_params": drafter_extra_params(s),
         "extraction": ext, "extraction_device": sum(ext["device"].values()),
         "extraction_host": sum(ext["host"].values()),
         "training": tr["device"], "training_device": train_total,
@@ -516,7 +554,8 @@ def plan(s: Shape, *, tokens: int, max_len: int | None, steps: int, batch_tokens
         "shard_tokens": shard_tokens,
         "shard_bytes": shard_tokens * bytes_per_token(s.hidden, NUM_AUX, store_dtype),
     }
-    if s.kv_lora_rank and s.q_lora_rank:  # the drafter of the other train.drafter_attention
+    # the drafter of the other train.drafter_attention, where it can be built (P-EAGLE: llama)
+    if s.kv_lora_rank and s.q_lora_rank and s.method != "peagle":
         other = with_drafter(s, "llama" if s.mla else "mla")
         other_tr = training(other, tokens, max_len, steps, precision, embed_dtype=embed,
                             attention=attention)
@@ -564,7 +603,8 @@ def render(p: dict, store_dtype: str) -> str:
              f"{p['extract_max_len']} tokens, training in {p['precision']}",
              f"   target {p['target_params'] / 1e9:.2f}B parameters, drafter "
              f"{p['drafter_params'] / 1e6:.1f}M trainable (train.drafter_attention "
-             f"{p['drafter_attention']})"]
+             f"{p['drafter_attention']}, drafter_variant {p['drafter_variant']}, method "
+             f"{p['method']}{_extra_text(p['drafter_extra_params'])})"]
     if "other_drafter" in p:
         o = p["other_drafter"]
         lines.append(f"   with train.drafter_attention {o['drafter_attention']} instead: drafter "
@@ -598,6 +638,10 @@ def render(p: dict, store_dtype: str) -> str:
         lines.extend(_disk_lines(p["disk"]))
     lines.extend(_colocation_lines(p["colocation"], p["target_dtype"]))
     return "\n".join(lines)
+
+
+def _extra_text(extra: dict[str, int]) -> str:
+    return "".join(f"; {name} {n:,}" for name, n in extra.items())
 
 
 def size(n: float) -> str:
@@ -655,10 +699,11 @@ def _colocation_lines(c: dict, dtype: str) -> list[str]:
 
 
 def shape_from_target_config(config: dict, draft_vocab: int, name: str,
-                             drafter_attention: str = "llama") -> Shape:
+                             drafter_attention: str = "llama", drafter_variant: str = "eagle3",
+                             method: str = "eagle3") -> Shape:
     """A target's shape from its ``config.json`` (as ``DrafterConfig.from_target``): its
     multi-head latent attention and experts where it has them, with the drafter
-    ``drafter_attention`` (train.drafter_attention) builds for it."""
+    ``drafter_attention``, ``drafter_variant`` and ``method`` (train.*) build for it."""
     c = config.get("text_config", config)
     heads = c["num_attention_heads"]
     shape = Shape(name, hidden=c["hidden_size"], layers=c["num_hidden_layers"], heads=heads,
@@ -680,7 +725,7 @@ def shape_from_target_config(config: dict, draft_vocab: int, name: str,
                         **_quantized_experts(config))
         shape.assumptions.append(f"target: {experts} experts of width {width} in "
                                  f"{shape.moe_layers} layers counted")
-    return with_drafter(shape, drafter_attention)
+    return with_drafter(shape, drafter_attention, drafter_variant, method)
 
 
 def _quantized_experts(config: dict) -> dict:
@@ -740,10 +785,10 @@ def _generated_tokens(results: Path) -> tuple[int, int] | None:
         return None
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser():
+    """`eaglet plan`'s arguments (the top-level `eaglet --help` lists them from here)."""
     import argparse
 
-    from eaglet.config import load_run_config
     parser = argparse.ArgumentParser(prog="eaglet plan", description=__doc__.splitlines()[0])
     parser.add_argument("--results", default=None, help="results directory (default: the config's)")
     parser.add_argument("--config", default=None,
@@ -762,6 +807,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--drafter-attention", choices=("llama", "mla"), default=None,
                         help="the drafter's attention (default: the config's "
                              "train.drafter_attention)")
+    parser.add_argument("--drafter-variant", choices=sorted(DRAFTER_VARIANTS), default=None,
+                        help="the drafter's norms (default: the config's train.drafter_variant)")
+    parser.add_argument("--method", choices=METHODS, default=None,
+                        help="eagle3 or peagle (default: the config's train.method)")
     parser.add_argument("--gpus", type=int, default=None,
                         help="GPUs the capture server and the trainer share (default: the "
                              "config's server.gpus, else 8)")
@@ -772,7 +821,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="tokens in one shard (default: the largest shard written so far, "
                              "else 1,000,000)")
     parser.add_argument("--json", action="store_true", help="print JSON")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from eaglet.config import load_run_config
+    args = build_parser().parse_args(argv)
 
     results_hint = Path(args.results) if args.results else None
     if args.preset and not args.config:  # a GPU run at the schema's defaults
@@ -785,10 +839,13 @@ def main(argv: list[str] | None = None) -> int:
     shard_tokens = args.shard_tokens or _shard_tokens(results) or 1_000_000
     precision = train["precision"] if train["precision"] != "auto" else "bfloat16"
     attention_kind = args.drafter_attention or train["drafter_attention"]
+    variant = args.drafter_variant or train["drafter_variant"]
+    method = args.method or train["method"]
     served = None
     try:
         if args.preset:
-            shapes = [with_drafter(PRESETS[name], attention_kind) for name in args.preset]
+            shapes = [with_drafter(PRESETS[name], attention_kind, variant, method)
+                      for name in args.preset]
             batches = args.max_tokens_per_batch or [2048, 8192]
         else:
             target = _run_target(cfg, results)
@@ -799,7 +856,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"--preset {' --preset '.join(sorted(PRESETS))}", file=sys.stderr)
                 return 2
             shapes = [shape_from_target_config(target[0], cfg["vocab"]["draft_vocab_size"],
-                                               cfg["target"]["model"], attention_kind)]
+                                               cfg["target"]["model"], attention_kind,
+                                               variant, method)]
             served = _served_bytes(target[1], cfg["target"]["dtype"])
             batches = args.max_tokens_per_batch or [train["max_tokens_per_batch"]]
     except ValueError as error:

@@ -199,9 +199,51 @@ def rehearsal_config(user: dict, miniature: Path, results: Path,
 
 # -- checks on the target's own files ---------------------------------------------------------
 
+def check_drafter(config: dict, cfg: dict, report: Report) -> bool:
+    """Whether the drafter the run's train settings name can be built for the target as
+    train.py builds it (``DrafterConfig.from_target``, ``peagle.make_drafter``) and so served
+    by vLLM: ``drafter_attention: mla`` is the target's own MLA (deepseek_eagle3 reads its
+    kv_lora_rank, qk_nope/qk_rope/v_head_dim and loads the drafter only with a q_lora_rank);
+    a target without it cannot have one, while ``llama`` fits any target (GPUs serve it
+    beside an MLA one)."""
+    from eaglet.drafter import DrafterConfig
+    from eaglet.extract_common import default_aux_layer_ids
+    from eaglet.target import text_config
+
+    tr = cfg["train"]
+    attention, variant, method = tr["drafter_attention"], tr["drafter_variant"], tr["method"]
+    settings = (f"train.drafter_attention {attention}, drafter_variant {variant}, "
+                f"method {method}")
+    fix = ("set train.drafter_attention: llama" if attention == "mla"
+           else "see the setting it names")
+    try:
+        aux = (cfg["extract"]["aux_layer_ids"]  # only their count shapes the drafter
+               or default_aux_layer_ids(text_config(config)["num_hidden_layers"]))
+        DrafterConfig.from_target(config, cfg["vocab"]["draft_vocab_size"], aux, attention,
+                                  variant)
+    except ValueError as error:
+        report.add("drafter", False, f"{settings}: {error}", fix)
+        return False
+    except KeyError as error:
+        report.add("drafter", False, f"{settings}: the target's config.json gives no {error}, "
+                   f"which the drafter's shape is read from", "pass the target's own config.json")
+        return False
+    if method == "peagle" and attention != "llama":
+        report.add("drafter", False, f"{settings}: P-EAGLE needs Llama attention: vLLM 0.32 keeps "
+                   f"the parallel-drafting mask_hidden only in its Llama EAGLE-3 drafter "
+                   f"(llama_eagle3.py)", "set train.drafter_attention: llama, or train.method: "
+                   "eagle3")
+        return False
+    kind = ("the target's multi-head latent attention (Eagle3DeepseekV2ForCausalLM)"
+            if attention == "mla" else "Llama attention (LlamaForCausalLMEagle3)")
+    report.add("drafter", True, f"{settings}: a drafter with {kind} can be built for this target")
+    return True
+
+
 def check_target(files: Path, user: dict, report: Report) -> None:
     """What the real target's config says about the run: draft vocabulary and aux layers
-    that fit it, and the memory plan of its real shape."""
+    that fit it, a drafter of the run's kind (:func:`check_drafter`), and the memory plan of
+    its real shape."""
     from eaglet.plan import plan, render, shape_from_target_config
     from eaglet.target import TargetError, check_run_fits, text_config
 
@@ -220,9 +262,13 @@ def check_target(files: Path, user: dict, report: Report) -> None:
     from eaglet.config import validate
     cfg = validate(copy.deepcopy(user))
     ext, tr = cfg["extract"], cfg["train"]
+    buildable = check_drafter(config, cfg, report)
     try:
+        # the run's drafter; where it cannot be built (reported above), a Llama-attention one
         shape = shape_from_target_config(config, cfg["vocab"]["draft_vocab_size"],
-                                         str(cfg["target"]["model"]))
+                                         str(cfg["target"]["model"]),
+                                         tr["drafter_attention"] if buildable else "llama",
+                                         tr["drafter_variant"], tr["method"])
         tokens = tr["max_tokens_per_batch"]
         numbers = plan(shape, tokens=tokens, max_len=tr["max_len"] or tokens,
                        steps=tr["ttt_steps"], batch_tokens=ext["batch_tokens"],
