@@ -360,7 +360,7 @@ def test_a_stage_just_started_is_estimated_by_its_plan_less_the_time_it_has_run(
     rates.record("evaluate", cfg["target"]["model"], baseline_tokens_per_s=20.0, server_start_s=30.0)
     evaluate_plan = status.estimate("evaluate", r, cfg, None).seconds
     assert evaluate_plan
-    nearly = {"state": "running", "done": 3, "total": 4, "eta_s": 900.0, "elapsed_s": 50.0}
+    nearly = {"state": "running", "done": 2, "total": 4, "eta_s": 900.0, "elapsed_s": 50.0}
     assert status.estimate("evaluate", r, cfg, nearly).seconds == pytest.approx(evaluate_plan - 50.0)
     # interleaved, the runs finish together: nothing done, no rate, for most of the stage
     # (a fresh demo's status read the same 12.6 minutes for 5 minutes of evaluation)
@@ -911,3 +911,29 @@ def test_a_running_training_is_not_planned_from_its_own_new_checkpoint(tmp_path,
     record["pid"] = 2 ** 22 + 12345  # a dead run: its rerun resumes from the checkpoint
     (r / "progress/train.json").write_text(json.dumps(record))
     assert "resuming from the checkpoint at step 100/705" in train.estimate(r, cfg, None).basis
+
+
+def test_a_running_evaluation_drops_the_schedule_check_its_sweep_did_not_choose(tmp_path, history):
+    """A fresh demo whose drafter paid at no concurrency ran no schedule check, and its status
+    counted one to the end (4.5 minutes said, 2.3 left): the sweep done with the progress
+    total as planned means no check; a total grown past the plan means one."""
+    r = tmp_path / "results"
+    _prompts(r, 30, 10)
+    cfg = _full_config(r)
+    rates.record("evaluate", cfg["target"]["model"], baseline_tokens_per_s=20.0, server_start_s=30.0)
+    from eaglet.evaluate import run_plan
+    plan, replays = run_plan(cfg["evaluate"])
+    units = len(plan) + replays
+    with_check = status.estimate("evaluate", r, cfg, None).seconds
+    cfg_without = {**cfg, "evaluate": {**cfg["evaluate"], "schedule": False}}
+    without_check = status.estimate("evaluate", r, cfg_without, None).seconds
+    assert with_check > without_check
+    sweeping = {"state": "running", "done": 0, "total": units, "eta_s": None, "elapsed_s": 60.0}
+    assert status.estimate("evaluate", r, cfg, sweeping).seconds == pytest.approx(with_check - 60)
+    swept = {"state": "running", "done": len(plan), "total": units, "eta_s": 120.0,
+             "elapsed_s": 60.0}
+    got = status.estimate("evaluate", r, cfg, swept)
+    assert got.seconds == pytest.approx(without_check - 60) and "chose no schedule" in got.basis
+    checking = {**swept, "total": units + 1}
+    got = status.estimate("evaluate", r, cfg, checking)
+    assert got.seconds == pytest.approx(with_check - 60) and "chose a schedule" in got.basis

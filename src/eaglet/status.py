@@ -394,6 +394,9 @@ class Stage:
     # share of its units done before a running stage's own ETA is trusted over its plan less
     # the time it has run (until then its rate carries the server start and the first units)
     settles_at: float = 0.25
+    # whether the plan of a running stage reads its progress (what the stage has decided
+    # while it runs), not only the time it has run
+    plans_from_progress: bool = False
 
     def __init__(self) -> None:
         self.rules = self.rules or (self.name,)
@@ -734,6 +737,7 @@ class Evaluate(Stage):
     # its units are whole engine runs of very different lengths (the target alone is the
     # fastest, the drafter at concurrency 16 the slowest): a rate per run predicts nothing
     settles_at = 1.0
+    plans_from_progress = True   # whether the sweep chose a schedule to check
 
     def facts(self, r):
         v = (_read(r / "eval/acceptance.json") or {}).get("verdict", {})
@@ -821,10 +825,15 @@ class Evaluate(Stage):
             requests = sum(len(level_prompts(range(n), c, ev["rounds"])) for n in sizes)
             measure += requests * ev["max_tokens"] * COMPLETION_FILL_GUESS / rate_at(c)
         measure *= len(ev.get("temperature") or [0])   # every level at each temperature
-        # the derived k schedule gets a run of its own unless it is one fixed k (with several
-        # concurrency levels it mostly is not): counted, or the last minutes read near zero
-        # (interleaved, it is measured beside the target alone once more: two runs)
+        # the derived k schedule gets a run of its own unless it is one fixed k or k 0
+        # everywhere (nothing to check): counted until the sweep has chosen, or the last
+        # minutes read near zero (interleaved, it is measured beside the target alone once
+        # more: two runs); a running evaluation's progress says whether it chose one (its
+        # total grows by the check)
         check = ev["schedule"] and len(ev["concurrency"]) > 1
+        decided = _schedule_check_decided(progress, len(plan), replays)
+        if decided is not None:
+            check = check and decided
         # side by side or one at a time, as the stage itself decides (evaluate.interleave)
         from eaglet.evaluate import placement, recorded_target_dir
         together = placement(cfg, recorded_target_dir(r, target), len(plan)).together
@@ -835,10 +844,31 @@ class Evaluate(Stage):
         else:
             starts = runs * start
         seconds = starts + runs * measure + OFFLINE_REPLAY_SHARE * replays * (start + measure)
+        schedule = ("" if not (ev["schedule"] and len(ev["concurrency"]) > 1) else
+                    " (the schedule's check counted until the sweep has chosen)"
+                    if decided is None else " (the sweep chose a schedule to check)" if check
+                    else " (the sweep chose no schedule to check)")
         return Estimate(seconds,
-                        f"{runs} vLLM runs {'side by side' if together else 'one at a time'} "
-                        f"x {len(sizes)} prompt sets at concurrency {ev['concurrency']}, "
-                        f"{basis}" + (f", {replays} offline replays" if replays else ""), speed)
+                        f"{runs} vLLM runs {'side by side' if together else 'one at a time'}"
+                        f"{schedule} x {len(sizes)} prompt sets at concurrency "
+                        f"{ev['concurrency']}, {basis}"
+                        + (f", {replays} offline replays" if replays else ""), speed)
+
+
+def _schedule_check_decided(progress: dict | None, runs: int, replays: int) -> bool | None:
+    """Whether a running evaluation checks a derived k schedule in a run of its own: True once
+    its progress counts that run (the total grew past its ``runs`` engine runs and
+    ``replays`` offline replays), False once its sweep has finished without it (all ``runs``
+    done, the total as planned), None before (or without progress)."""
+    if not progress or progress.get("state") not in ("running", "finished"):
+        return None
+    try:
+        done, total = int(progress.get("done") or 0), int(progress.get("total") or 0)
+    except (TypeError, ValueError):
+        return None
+    if total > runs + replays:
+        return True
+    return False if total == runs + replays and done >= runs else None
 
 
 def _together_start(target: str, servers: int, start: float) -> float:
@@ -909,7 +939,7 @@ def estimate(stage: str, r: Path, cfg: dict, progress: dict | None) -> Estimate:
         done, total = progress.get("done"), progress.get("total")
         if spec is None or not total or done is None or done / total >= spec.settles_at:
             return Estimate(own, "this run's progress")
-        planned = spec.estimate(r, cfg, None)
+        planned = spec.estimate(r, cfg, progress if spec.plans_from_progress else None)
         if planned.seconds is None:
             return Estimate(own, "this run's progress")
         elapsed = progress.get("elapsed_s") or 0.0
