@@ -2,7 +2,7 @@
 concurrency they serve?
 
 For each engine run (the target alone, vLLM's ``ngram`` speculation, and the trained
-EAGLE-3 drafter at every ``num_speculative_tokens`` k), start vLLM once and, for every
+drafter at every ``num_speculative_tokens`` k), start vLLM once and, for every
 concurrency of the sweep and every prompt set (the held-out split and the configured sets of
 their own), send the prompts greedily and read the spec-decode Prometheus counters before and
 after (``/metrics`` deltas). Acceptance length is ``1 + accepted/drafts``, acceptance rate
@@ -25,6 +25,11 @@ From the sweep comes a batch-size schedule of k (vLLM's
 ``num_speculative_tokens_per_batch_size``: the best k at each measured concurrency, 0 where
 speculation slows serving down), written ready to serve in ``serve.json`` and checked in one
 more vLLM run at every concurrency.
+
+The drafter runs are named and served by the method it was trained with (``train.method``,
+read from its exported config.json: :func:`drafter_method`): EAGLE-3's ``eagle3_k3``, or
+P-EAGLE's ``peagle_k3`` served with ``"parallel_drafting": true`` (:mod:`eaglet.peagle`) and
+replayed offline with its one parallel forward per round.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from typing import Any, NamedTuple
 
 import httpx
 
-from eaglet import rates
+from eaglet import peagle, rates
 from eaglet.io import human_size, read_json, read_jsonl, write_json
 from eaglet.progress import Progress
 from eaglet.plan import (SERVED_BYTES, TargetSize, config_params,  # noqa: F401 (re-exported)
@@ -254,9 +259,28 @@ def drafted_k(run: dict, concurrency: int) -> int | None:
     return next((k for start, end, k in ranges if start <= concurrency <= end), ranges[-1][2])
 
 
+def drafter_method(drafter_dir: str | os.PathLike | None) -> str:
+    """The method the drafter in ``drafter_dir`` was trained with (``train.method``), as its
+    exported config.json says: a P-EAGLE export carries ``parallel_drafting``
+    (:func:`eaglet.peagle.export_peagle`). EAGLE-3 where no config.json is there yet (the
+    plan of a run not trained yet)."""
+    if drafter_dir is None or not (Path(drafter_dir) / "config.json").is_file():
+        return "eagle3"
+    return "peagle" if peagle.is_parallel(drafter_dir) else "eagle3"
+
+
+def is_drafter(run: dict) -> bool:
+    """Whether ``run`` serves the trained drafter (any method), not vLLM's own speculation or
+    the target alone."""
+    return run["method"] in peagle.METHOD_NAMES
+
+
 def speculative_config(run: dict) -> dict | None:
     if run["method"] == "baseline":
         return None
+    if run["method"] == "peagle":
+        # vLLM serves it as eagle3, with parallel_drafting in the speculative config itself
+        return {**peagle.speculative_config(run["drafter"], run["k"]), **run.get("extra", {})}
     spec = {"method": run["method"], "num_speculative_tokens": run["k"]}
     if run["method"] == "eagle3":
         spec["model"] = run["drafter"]
@@ -304,7 +328,7 @@ def _start(cfg: dict, target_path: str, placed: list[tuple[contextlib.ExitStack,
         # waited for in order: the first without a ready time is the one that failed
         run = next(run for (_, run), (_, server) in zip(placed, servers)
                    if server.ready_after_s is None)
-        what = "vLLM refused the drafter" if run["method"] == "eagle3" else "vLLM did not start"
+        what = "vLLM refused the drafter" if is_drafter(run) else "vLLM did not start"
         raise EvaluationError(f"{run['name']}: {what}.\n{exc}") from None
     return {run["name"]: server.url for (_, run), (_, server) in zip(placed, servers)}
 
@@ -710,10 +734,15 @@ def _speed(entry: dict) -> str:
 
 # -- the k schedule --------------------------------------------------------------------------
 
+def fixed_k_runs(runs: list[dict]) -> list[dict]:
+    """The runs of the drafter at one fixed k each (not the schedule), whatever its method."""
+    return [r for r in runs if is_drafter(r) and not r.get("schedule")]
+
+
 def best_k_by_concurrency(runs: list[dict], concurrencies: list[int]) -> list[dict]:
-    """Per concurrency, the fixed-k EAGLE-3 run that served fastest, or k 0 (no speculation)
+    """Per concurrency, the fixed-k drafter run that served fastest, or k 0 (no speculation)
     where none was faster than the target alone."""
-    fixed = [r for r in runs if r["method"] == "eagle3" and not r.get("schedule")]
+    fixed = fixed_k_runs(runs)
     choice = []
     for c in concurrencies:
         best = max(fixed, key=lambda r: speedup_at(r, c))
@@ -750,7 +779,8 @@ def schedule_run(choice: list[dict], drafter_dir: str) -> dict | None:
     if len(ranges) == 1:
         return None
     k = max(r[2] for r in ranges)
-    return {"name": "eagle3_schedule", "method": "eagle3", "k": k, "drafter": drafter_dir,
+    method = drafter_method(drafter_dir)
+    return {"name": f"{method}_schedule", "method": method, "k": k, "drafter": drafter_dir,
             "schedule": True, "extra": {"num_speculative_tokens_per_batch_size": ranges}}
 
 
@@ -760,10 +790,10 @@ def serve_recommendation(choice: list[dict], runs: list[dict], drafter_dir: str)
     rounds); ``never_slower_than_target``: measurably slower nowhere (:func:`against_target`).
     Served without speculation, nothing was measured: speedup 1.0, no interval."""
     ranges = schedule_ranges(choice)
+    fixed = fixed_k_runs(runs)
     checked = next((r for r in runs if r.get("schedule")), None)
     if checked is None and ranges[0][2]:
-        checked = next(r for r in runs if r["method"] == "eagle3" and r["k"] == ranges[0][2]
-                       and not r.get("schedule"))
+        checked = next(r for r in fixed if r["k"] == ranges[0][2])
     spec = checked["speculative_config"] if checked else None
     by_c = []
     for e in choice:
@@ -774,6 +804,8 @@ def serve_recommendation(choice: list[dict], runs: list[dict], drafter_dir: str)
                                                            "speedup_high")}})
     out = {"speculative_config": spec,
            "vllm_args": ["--speculative-config", json.dumps(spec)] if spec else [],
+           # the drafter's method (train.method): a P-EAGLE spec says parallel_drafting
+           "method": fixed[0]["method"] if fixed else None,
            "checked_by": checked["name"] if checked else "baseline",
            "by_concurrency": by_c,
            "never_slower_than_target": all(against_target(e) != SLOWER for e in by_c)}
@@ -785,17 +817,18 @@ def serve_recommendation(choice: list[dict], runs: list[dict], drafter_dir: str)
 
 def run_plan(ev: dict, drafter_dir: str | None = None) -> tuple[list[dict], int]:
     """The stage's engine runs in order (the baseline first, which the others are measured
-    against) and how many offline replays follow them (one per fixed-k EAGLE-3 run and
-    temperature). A run serving the derived k schedule may follow these, once the sweep has
-    chosen it."""
+    against) and how many offline replays follow them (one per fixed-k drafter run and
+    temperature). The drafter's runs are named by its method (:func:`drafter_method`:
+    ``eagle3_k3``, ``peagle_k3``). A run serving the derived k schedule may follow these, once
+    the sweep has chosen it."""
     plan = [{"name": "baseline", "method": "baseline"}]
     if ev["ngram"]:
         plan.append({"name": f"ngram_k{ev['ngram_k']}", "method": "ngram", "k": ev["ngram_k"],
                      "extra": ev["ngram_config"]})
-    plan += [{"name": f"eagle3_k{k}", "method": "eagle3", "k": k, "drafter": drafter_dir}
+    method = drafter_method(drafter_dir)
+    plan += [{"name": f"{method}_k{k}", "method": method, "k": k, "drafter": drafter_dir}
              for k in ev["num_speculative_tokens"]]
-    replays = (sum(run["method"] == "eagle3" for run in plan) * len(temperatures(ev))
-               if ev["offline"] else 0)
+    replays = (sum(map(is_drafter, plan)) * len(temperatures(ev)) if ev["offline"] else 0)
     return plan, replays
 
 
@@ -814,7 +847,7 @@ def verdict(runs: list[dict], concurrencies: list[int], serve: dict | None = Non
     faster than the target alone, ``difference_by_concurrency`` says which of the three each
     concurrency is, and the warnings name only what was measurably slower."""
     ngram = next((r for r in runs if r["method"] == "ngram"), None)
-    drafts = [r for r in runs if r["method"] == "eagle3" and not r.get("schedule")]
+    drafts = fixed_k_runs(runs)
     warnings = [w for r in drafts for w in _run_warnings(r, drafts, concurrencies)]
     warnings += _disagreements(drafts, concurrencies)
     temperature = runs[0].get("temperature", 0.0) if runs else 0.0
@@ -828,6 +861,7 @@ def verdict(runs: list[dict], concurrencies: list[int], serve: dict | None = Non
         next(r for r in drafts if r["name"] == e["best_run"]), e["concurrency"]) for e in choice}
     difference = {c: against_target(entry) for c, entry in measured.items()}
     out.update({
+        "method": best["method"],
         "best_k_by_concurrency": choice,
         "speeds_up_serving": {c: d == FASTER for c, d in difference.items()},
         "difference_by_concurrency": difference,
@@ -947,9 +981,9 @@ def _summary(best: dict, choice: list[dict], measured: dict[str, dict],
     per_request = best.get("acceptance_length_per_request")
     al = f"AL {best['acceptance_length']:.2f}" + (f" ({per_request:.2f} per request)"
                                                   if per_request else "")
-    return (f"EAGLE-3 ({best['name']}) reaches {al} of a possible {best['k'] + 1} "
-            f"({sets}){ngram_al}. Speedup over the target alone " + "; ".join(parts) + ". "
-            + _ending(difference))
+    return (f"{peagle.METHOD_NAMES[best['method']]} ({best['name']}) reaches {al} of a "
+            f"possible {best['k'] + 1} ({sets}){ngram_al}. Speedup over the target alone "
+            + "; ".join(parts) + ". " + _ending(difference))
 
 
 def _versus_ngram(entry: dict, other: dict) -> str:
@@ -1184,7 +1218,7 @@ def _states_label(sources: dict) -> str:
 
 def offline_check(cfg: dict, target_path: str, drafter_dir: str, runs: list[dict],
                   progress: Progress, held_out_paths: list[str] = ()) -> tuple[dict, dict]:
-    """Replay each fixed-k EAGLE-3 run offline on the baseline's greedy answers at the lowest
+    """Replay each fixed-k drafter run offline on the baseline's greedy answers at the lowest
     concurrency, every prompt set, and compare the acceptance lengths with vLLM's on the same
     requests, per set and over the sets replayed.
 
@@ -1196,9 +1230,9 @@ def offline_check(cfg: dict, target_path: str, drafter_dir: str, runs: list[dict
 
     Returns the comparison per run (acceptance.json ``offline``) and where each set's states
     came from (``offline_replay``)."""
-    from eaglet.offline_eval import coarser, replay_sequences
+    from eaglet.offline_eval import coarser
 
-    fixed = [run for run in runs if run["method"] == "eagle3" and not run.get("schedule")]
+    fixed = fixed_k_runs(runs)
     ks = sorted({run["k"] for run in fixed})
     drafter, features, stored, no_stored, served = _replay_inputs(cfg, target_path, drafter_dir,
                                                                   held_out_paths)
@@ -1233,10 +1267,9 @@ def _replay_inputs(cfg: dict, target_path: str, drafter_dir: str, held_out_paths
     """What an offline replay reads: the drafter, where each answer's states come from
     (:class:`eaglet.offline_eval.Features`; ``final``: the final-norm states too), the stored
     states or why there are none, and the dtype vLLM serves in."""
-    from eaglet.export import load_drafter
     from eaglet.offline_eval import Features, coarser
 
-    drafter = load_drafter(drafter_dir, target_path)
+    drafter = load_for_replay(drafter_dir, target_path)
     layer_ids = drafter.config.aux_layer_ids
     stored, no_stored = stored_states(list(held_out_paths), layer_ids)
     load, no_forward = target_loader(cfg, target_path)
@@ -1244,6 +1277,49 @@ def _replay_inputs(cfg: dict, target_path: str, drafter_dir: str, held_out_paths
     prefer_forward = stored is not None and coarser(stored.dtype, served)
     features = Features(layer_ids, stored, load, prefer_forward, no_forward, final=final)
     return drafter, features, stored, no_stored, served
+
+
+def load_for_replay(drafter_dir: str, target_path: str):
+    """The exported drafter, ready to replay as vLLM drafts with it: EAGLE-3's chain
+    (:func:`eaglet.export.load_drafter`) or P-EAGLE's parallel forward
+    (:func:`eaglet.peagle.load_peagle`), by :func:`drafter_method`."""
+    if drafter_method(drafter_dir) == "peagle":
+        return peagle.load_peagle(drafter_dir, target_path)
+    from eaglet.export import load_drafter
+    return load_drafter(drafter_dir, target_path)
+
+
+def replay_sequences(drafter, sequences: list[tuple[list[int], list[int]]], ks: list[int],
+                     features, temperature: float = 0.0, head=None) -> dict:
+    """:func:`eaglet.offline_eval.replay_sequences` with the drafts the drafter makes in
+    vLLM: EAGLE-3's chain of k forwards, or a P-EAGLE drafter's one parallel forward per
+    round (:func:`eaglet.peagle.replay_counts`, :func:`eaglet.peagle.expected_counts`), with
+    the same counts, per-sequence counts and sources."""
+    from eaglet import offline_eval
+
+    if not isinstance(drafter, peagle.PEagleDrafter):
+        return offline_eval.replay_sequences(drafter, sequences, ks, features, temperature, head)
+    if temperature and head is None:
+        raise ValueError("an expected replay at a temperature needs the target's lm_head")
+    totals = {k: offline_eval.empty_counts(k) for k in ks}
+    per_sequence: dict[int, list[dict]] = {k: [] for k in ks}
+    sources: dict[str, int] = {"sequences": len(sequences), "stored": 0, "forward": 0,
+                               "left_out": 0}
+    for prompt_ids, completion_ids in sequences:
+        source, states, match = features(prompt_ids, completion_ids)
+        if match != "stored":
+            sources[match] = sources.get(match, 0) + 1
+        if states is None:
+            sources["left_out"] += 1
+            continue
+        sources[source] += 1
+        for k in ks:
+            counts = (peagle.expected_counts(drafter, states, head, prompt_ids, completion_ids,
+                                             k, temperature) if temperature
+                      else peagle.replay_counts(drafter, states, prompt_ids, completion_ids, k))
+            per_sequence[k].append(counts)
+            offline_eval.add_counts(totals[k], counts)
+    return {"counts": totals, "per_sequence": per_sequence, "sources": sources}
 
 
 # the offline replay agrees with vLLM within: greedy, where it replays vLLM's answers exactly;
@@ -1255,7 +1331,7 @@ EXPECTED_TOLERANCE = 0.03
 def expected_check(cfg: dict, target_path: str, drafter_dir: str, runs: list[dict],
                    progress: Progress, held_out_paths: list[str] = ()) -> dict:
     """The offline check of runs measured at one temperature above 0 (``runs``): each
-    fixed-k EAGLE-3 run's own sampled answers at the lowest concurrency, every prompt set,
+    fixed-k drafter run's own sampled answers at the lowest concurrency, every prompt set,
     replayed for their expected acceptance at that temperature
     (:func:`eaglet.offline_eval.expected_replay`) and compared with vLLM's counters of the
     same requests (agreement: within EXPECTED_TOLERANCE). ``matched_acceptance_length``
@@ -1266,10 +1342,9 @@ def expected_check(cfg: dict, target_path: str, drafter_dir: str, runs: list[dic
     ``offline_expected``); {} where the target's lm_head cannot be read."""
     import torch
 
-    from eaglet.offline_eval import replay_sequences
     from eaglet.target import TargetError, load_target_lm_head
 
-    fixed = [run for run in runs if run["method"] == "eagle3" and not run.get("schedule")]
+    fixed = fixed_k_runs(runs)
     if not fixed:
         return {}
     drafter, features, *_ = _replay_inputs(cfg, target_path, drafter_dir, held_out_paths,
@@ -1343,11 +1418,11 @@ def expected_warnings(expected: dict, offline: dict | None, cfg: dict) -> list[s
                 ": check the export (the greedy replay's agreement) or measure more prompts "
                 f"({entry['drafts']} drafting steps replayed)")
         if sampler and not cfg["server"].get("gpus"):
-            text += (". vLLM's CPU engine 0.32 does so: the CPU fallback of its rejection "
-                     "sampler's expand (vllm/utils/cpu_triton_utils.py) writes the per-token "
-                     "temperatures into a copy, so verification divides the logits by "
-                     "uninitialized memory; its acceptance at temperature > 0 is not the "
-                     "model's. Measure sampled acceptance on a GPU engine")
+            text += (". vLLM's CPU engine 0.32 does so unless eaglet's vLLM plugin fixed its "
+                     "rejection sampler's expand (its CPU fallback leaves the per-token "
+                     "temperatures uninitialized): the server log says 'eaglet: replaced' "
+                     "where it did; without that line reinstall eaglet (pip install -e .), "
+                     "with it this disagreement has another cause")
         warnings.append(text + ".")
     return warnings
 

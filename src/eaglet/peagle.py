@@ -46,11 +46,13 @@ from torch import nn
 from eaglet.drafter import BLOCK_ROWS, DrafterConfig, Eagle3Drafter, attention_blocks
 from eaglet.export import config_from_vllm, export_drafter
 from eaglet.io import atomic_open, read_json, write_json
-from eaglet.offline_eval import add_counts, empty_counts, replay, summarize, target_features
+from eaglet.offline_eval import (add_counts, empty_counts, expected_replay, replay, summarize,
+                                 target_features, token_probability)
 from eaglet.shards import STORAGE_DTYPES
 from eaglet.target import load_target_embedding
 
 METHODS = ("eagle3", "peagle")  # train.method
+METHOD_NAMES = {"eagle3": "EAGLE-3", "peagle": "P-EAGLE"}  # each of METHODS in words
 
 
 def mask_token_id(target_config: dict) -> int:
@@ -224,6 +226,23 @@ def replay_counts(drafter: PEagleDrafter, aux: torch.Tensor, prompt_ids: list[in
     aux = aux.to(drafter.fc.weight.dtype)
     seq = torch.tensor(ids)
     return replay(lambda p, n: draft_parallel(drafter, aux, seq, p, n), ids, len(prompt_ids), k)
+
+
+@torch.inference_mode()
+def expected_counts(drafter: PEagleDrafter, states: tuple[torch.Tensor, torch.Tensor],
+                    head: torch.Tensor, prompt_ids: list[int], completion_ids: list[int],
+                    k: int, temperature: float) -> dict:
+    """``offline_eval.expected_counts`` (the expected acceptance of one answer sampled at
+    ``temperature``) with the drafts of each round from one parallel forward."""
+    aux, final = states
+    ids = list(prompt_ids) + list(completion_ids)
+    aux = aux.to(drafter.fc.weight.dtype)
+    seq = torch.tensor(ids)
+    final, head = final.float(), head.float()
+    return expected_replay(lambda p, n: draft_parallel(drafter, aux, seq, p, n),
+                           lambda row, token: token_probability(final[row] @ head.T, token,
+                                                                temperature),
+                           ids, len(prompt_ids), k)
 
 
 def offline_acceptance(target_model, drafter: PEagleDrafter,

@@ -51,21 +51,24 @@ def per_position(acceptance: dict, path) -> None:
 
 
 def acceptance_length(acceptance: dict, path) -> None:
-    """EAGLE-3's acceptance length against k per prompt set (and temperature, each its own
-    line style), ngram's beside it."""
+    """The drafter's acceptance length against k per prompt set (and method and temperature,
+    each its own line style), ngram's beside it."""
+    from eaglet.evaluate import fixed_k_runs
+    from eaglet.peagle import METHOD_NAMES
+
     fig, ax = plt.subplots(figsize=(6, 4))
-    fixed = [r for r in acceptance["runs"] if r["method"] == "eagle3" and not r.get("schedule")]
-    temperatures = sorted({r.get("temperature", 0) for r in fixed})
+    fixed = fixed_k_runs(acceptance["runs"])
+    lines = sorted({(r["method"], r.get("temperature", 0)) for r in fixed})
     ks = sorted({r["k"] for r in fixed})
     for i, name in enumerate(_sets(acceptance)):
         color = f"C{i}"
-        for j, t in enumerate(temperatures):
-            eagle = sorted((r for r in fixed if r.get("temperature", 0) == t),
-                           key=lambda r: r["k"])
+        for j, (method, t) in enumerate(lines):
+            eagle = sorted((r for r in fixed if r["method"] == method
+                            and r.get("temperature", 0) == t), key=lambda r: r["k"])
             ax.plot([r["k"] for r in eagle], [r["sets"][name]["acceptance_length"]
                                               for r in eagle], marker="o", color=color,
                     linestyle=("-", "--", ":", "-.")[j % 4],
-                    label=f"EAGLE-3, {name}" + (f", T={t:g}" if t else ""))
+                    label=f"{METHOD_NAMES[method]}, {name}" + (f", T={t:g}" if t else ""))
         for run in acceptance["runs"]:
             al = run["sets"][name]["acceptance_length"] if run["method"] == "ngram" else None
             if al:

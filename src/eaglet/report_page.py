@@ -26,7 +26,9 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable
 
+from eaglet.evaluate import is_drafter
 from eaglet.io import human_size
+from eaglet.peagle import METHOD_NAMES
 from eaglet.progress import format_duration
 from eaglet.server import SERVER_MODULE
 from eaglet.status import OPTIONAL_STAGES, STAGES, _took
@@ -134,9 +136,10 @@ def _pct(value: float | None) -> str:
 
 
 def _speculative_runs(acceptance: dict) -> list[dict]:
-    """The runs that draft: EAGLE-3's first (each k, then the schedule), ngram beside them."""
+    """The runs that draft: the drafter's first (each k, then the schedule), ngram beside
+    them."""
     runs = [r for r in acceptance["runs"] if r["method"] != "baseline"]
-    return sorted(runs, key=lambda r: r["method"] != "eagle3")
+    return sorted(runs, key=lambda r: not is_drafter(r))
 
 
 def _served_name(run: dict, serve: dict | None) -> str:
@@ -172,7 +175,7 @@ def verdict_lines(acceptance: dict) -> list[str]:
     verdict = acceptance.get("verdict") or {}
     summary = verdict.get("summary")
     lines = [text(summary) if summary else
-             "No EAGLE-3 run was measured, so there is no verdict on a drafter.", ""]
+             "No run of the drafter was measured, so there is no verdict on it.", ""]
     # measured at several temperatures: the verdict above is the served (last) one's
     others = [v["summary"] for v in (acceptance.get("verdict_by_temperature") or {}).values()
               if v.get("summary") and v.get("summary") != summary]
@@ -355,7 +358,7 @@ def per_position_caption(run: Results) -> str:
 def acceptance_length_caption(run: Results) -> str:
     def al(acc):
         return None if acc.get("acceptance_length") is None else f"{acc['acceptance_length']:.2f}"
-    parts = [f"{'EAGLE-3' if r['method'] == 'eagle3' else r['method']} k={r['k']}: "
+    parts = [f"{METHOD_NAMES.get(r['method'], r['method'])} k={r['k']}: "
              f"{_sets_of(r, al) or 'no drafts'} (ceiling {r['k'] + 1})"
              for r in _speculative_runs(run.acceptance) if not r.get("schedule")]
     return text("In this run: " + "; ".join(parts) + ".") if parts else ""
@@ -394,7 +397,7 @@ def summary_caption(run: Results) -> str:
 def acceptance_caption(run: Results) -> str:
     verdict = run.acceptance.get("verdict") or {}
     if not verdict.get("summary"):
-        return "In this run no EAGLE-3 run was measured: there is no verdict."
+        return "In this run no run of the drafter was measured: there is no verdict."
     warned = len(verdict.get("warnings") or [])
     return text(f"This run's verdict: {verdict['summary']}"
                 + (f" ({warned} warnings: see the first page.)" if warned else ""))
