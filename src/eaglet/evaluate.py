@@ -1299,27 +1299,9 @@ def replay_sequences(drafter, sequences: list[tuple[list[int], list[int]]], ks: 
 
     if not isinstance(drafter, peagle.PEagleDrafter):
         return offline_eval.replay_sequences(drafter, sequences, ks, features, temperature, head)
-    if temperature and head is None:
-        raise ValueError("an expected replay at a temperature needs the target's lm_head")
-    totals = {k: offline_eval.empty_counts(k) for k in ks}
-    per_sequence: dict[int, list[dict]] = {k: [] for k in ks}
-    sources: dict[str, int] = {"sequences": len(sequences), "stored": 0, "forward": 0,
-                               "left_out": 0}
-    for prompt_ids, completion_ids in sequences:
-        source, states, match = features(prompt_ids, completion_ids)
-        if match != "stored":
-            sources[match] = sources.get(match, 0) + 1
-        if states is None:
-            sources["left_out"] += 1
-            continue
-        sources[source] += 1
-        for k in ks:
-            counts = (peagle.expected_counts(drafter, states, head, prompt_ids, completion_ids,
-                                             k, temperature) if temperature
-                      else peagle.replay_counts(drafter, states, prompt_ids, completion_ids, k))
-            per_sequence[k].append(counts)
-            offline_eval.add_counts(totals[k], counts)
-    return {"counts": totals, "per_sequence": per_sequence, "sources": sources}
+    return offline_eval.replay_sequences(drafter, sequences, ks, features, temperature, head,
+                                         greedy_counts=peagle.replay_counts,
+                                         sampled_counts=peagle.expected_counts)
 
 
 # the offline replay agrees with vLLM within: greedy, where it replays vLLM's answers exactly;

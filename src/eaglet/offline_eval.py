@@ -273,7 +273,8 @@ class Features:
 
 def replay_sequences(drafter: Eagle3Drafter, sequences: list[tuple[list[int], list[int]]],
                      ks: list[int], features: Features, temperature: float = 0.0,
-                     head: torch.Tensor | None = None) -> dict:
+                     head: torch.Tensor | None = None, greedy_counts=None,
+                     sampled_counts=None) -> dict:
     """Every sequence replayed at every k from the states ``features`` gives it (each
     sequence's states got once for all k); the counts per k, summed (``counts``) and per
     sequence replayed (``per_sequence``: the acceptance length per request comes from them),
@@ -284,9 +285,12 @@ def replay_sequences(drafter: Eagle3Drafter, sequences: list[tuple[list[int], li
     At ``temperature`` 0 the greedy replay counts; above it, the expected acceptance of
     answers sampled at that temperature (:func:`expected_replay`), from ``features`` that
     give the final-norm states too (``Features(final=True)``) and the target's lm_head
-    ``head`` [V, H]."""
+    ``head`` [V, H]. ``greedy_counts`` and ``sampled_counts`` count one sequence the way
+    another kind of drafter drafts (P-EAGLE's one parallel forward); by default EAGLE-3's
+    chain of k forwards (:func:`replay_counts`, :func:`expected_counts`)."""
     if temperature and head is None:
         raise ValueError("an expected replay at a temperature needs the target's lm_head")
+    greedy_counts, sampled_counts = greedy_counts or replay_counts, sampled_counts or expected_counts
     totals = {k: empty_counts(k) for k in ks}
     per_sequence: dict[int, list[dict]] = {k: [] for k in ks}
     sources: dict[str, int] = {"sequences": len(sequences), "stored": 0, "forward": 0,
@@ -300,9 +304,9 @@ def replay_sequences(drafter: Eagle3Drafter, sequences: list[tuple[list[int], li
             continue
         sources[source] += 1
         for k in ks:
-            counts = (expected_counts(drafter, aux, head, prompt_ids, completion_ids, k,
-                                      temperature) if temperature
-                      else replay_counts(drafter, aux, prompt_ids, completion_ids, k))
+            counts = (sampled_counts(drafter, aux, head, prompt_ids, completion_ids, k,
+                                     temperature) if temperature
+                      else greedy_counts(drafter, aux, prompt_ids, completion_ids, k))
             per_sequence[k].append(counts)
             add_counts(totals[k], counts)
     return {"counts": totals, "per_sequence": per_sequence, "sources": sources}
