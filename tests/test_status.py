@@ -39,6 +39,36 @@ def test_rate_lookup_prefers_the_same_target(history):
     assert status._train_rate("nothing-recorded", 3) == (None, "no rate measured yet")
 
 
+def test_a_rate_measured_at_other_settings_plans_nothing(history, tmp_path):
+    """A tiny test run generated at concurrency 4 (19 tok/s) after a demo at 32 (155 tok/s):
+    the next demo's status planned generation at 19 tok/s (12 minutes, truly 2) and then read
+    its machine as 8 times faster than planned. A rate is read at the settings it was
+    measured at; one that does not say counts only where none measured at them."""
+    r = tmp_path / "results"
+    _prompts(r, 30, 10)
+    cfg = _full_config(r)
+    target = cfg["target"]["model"]
+    demo = {**cfg["generate"], "concurrency": 32}
+    tiny = {**cfg["generate"], "concurrency": 4}
+    history.write_text(json.dumps({"stage": "generate", "target": target,
+                                   "device": rates.device_kind(),
+                                   "completion_tokens_per_s": 120.0}) + "\n")
+    assert status.Generate().planned_rate({**cfg, "generate": demo}) == (120.0, "an earlier run")
+    rates.record("generate", target, settings=rates.generate_settings({"generate": demo}),
+                 completion_tokens_per_s=155.0)
+    rates.record("generate", target, settings=rates.generate_settings({"generate": tiny}),
+                 completion_tokens_per_s=19.0)
+    assert status.Generate().planned_rate({**cfg, "generate": demo})[0] == pytest.approx(155.0)
+    assert status.Generate().planned_rate({**cfg, "generate": tiny})[0] == pytest.approx(19.0)
+    # at settings nothing was measured at: the entry that does not say, never another's
+    other = {**cfg["generate"], "concurrency": 8}
+    assert status.Generate().planned_rate({**cfg, "generate": other})[0] == pytest.approx(120.0)
+    history.write_text("\n".join(line for line in history.read_text().splitlines()
+                                 if "settings" in line) + "\n")
+    rate, basis = status.Generate().planned_rate({**cfg, "generate": other})
+    assert basis == "benchmarks/results" or rate is None
+
+
 def test_a_rate_of_no_work_is_not_recorded_and_an_old_one_is_ignored(history):
     """A training resumed at its last step measured 0 tokens/s: recorded, every later
     training estimate divided by it (ZeroDivisionError in every status)."""

@@ -1092,7 +1092,7 @@ def run_stage(cfg: dict, target_json: str, drafter_dir: str, prompts_path: str,
                 add_speedups([checked], concurrencies, bases[checked["temperature"]])
                 runs_at[checked["temperature"]].append(checked)
     runs = [r for t in temps for r in runs_at[t]]
-    rates.record("evaluate", target["spec"],
+    rates.record("evaluate", target["spec"], settings=rates.evaluate_settings(cfg),
                  baseline_tokens_per_s=_pooled(runs[0], concurrencies)[concurrencies[0]])
     # greedy speculative decoding reproduces the target's answers; sampled answers differ
     mismatched = _greedy_divergence(runs_at[0.0]) if 0.0 in runs_at else {}

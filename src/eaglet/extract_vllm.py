@@ -627,6 +627,7 @@ def run_stage(cfg: dict, target_json: str, splits: dict[str, dict], work_dir: st
     run = progress.report("finished")
     if run["done"] > run["resumed_from"]:  # prefill and packing run at rates of their own
         rates.record(RATE_PREFILL if stats["server_started"] else RATE_PACK, info["spec"],
+                     settings=rates.prefill_settings(cfg) if stats["server_started"] else None,
                      tokens_per_s=run["tokens_per_s"])
     log.info("%d shards, %d samples, %d tokens in %.0f s", len(metas),
              sum(m["num_samples"] for m in metas), sum(m["tokens"] for m in metas),

@@ -672,7 +672,8 @@ def run_stage(cfg: dict[str, Any], target_json: str, prompts: dict[str, str],
         rates.record("generate", target["spec"], server_start_s=server.ready_after_s)
     run = progress.report("finished")
     if run["done"] > run["resumed_from"]:
-        rates.record("generate", target["spec"], completion_tokens_per_s=run["tokens_per_s"])
+        rates.record("generate", target["spec"], settings=rates.generate_settings(cfg),
+                     completion_tokens_per_s=run["tokens_per_s"])
 
     records = {**records, **recorded}
     kept = {}

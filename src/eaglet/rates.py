@@ -30,6 +30,30 @@ def device_kind() -> str:
     return f"cpu:{platform.machine()}:{os.cpu_count()}"
 
 
+# The settings a stage's rate depends on, recorded beside it and matched when it is read: the
+# engine's throughput grows with the requests it has in flight.
+def generate_settings(cfg: dict) -> dict:
+    """Generation's decode tokens/s: at ``generate.concurrency``."""
+    return {"concurrency": cfg["generate"]["concurrency"]}
+
+
+def prefill_settings(cfg: dict) -> dict:
+    """vLLM extraction's prefill tokens/s: at ``extract.concurrency``."""
+    return {"concurrency": cfg["extract"]["concurrency"]}
+
+
+def evaluate_settings(cfg: dict) -> dict:
+    """The evaluation's target-alone decode tokens/s: at its first concurrency level."""
+    return {"concurrency": cfg["evaluate"]["concurrency"][0]}
+
+
+def train_settings(train: dict) -> dict:
+    """Training tokens/s (``train``: the config's train section): at its micro-batch size and
+    method (the TTT steps are scaled for, not matched)."""
+    return {"max_tokens_per_batch": train["max_tokens_per_batch"],
+            "method": train.get("method", "eagle3")}
+
+
 def _measured(value) -> bool:
     """A rate or time that measured something: a number above zero (a stage that did no work
     measures 0, which no estimate can divide by)."""
@@ -39,13 +63,17 @@ def _measured(value) -> bool:
         return False
 
 
-def record(stage: str, target: str, **values: float | None) -> None:
-    """Append one measurement (values that measured nothing are left out); never fails the
-    stage that measured it."""
+def record(stage: str, target: str, settings: dict | None = None,
+           **values: float | None) -> None:
+    """Append one measurement (values that measured nothing are left out), with the
+    ``settings`` it was measured at (a decode rate at concurrency 4 is no rate for
+    concurrency 32); never fails the stage that measured it."""
     kept = {k: v for k, v in values.items() if _measured(v)}
     if not kept:
         return
     entry = {"stage": stage, "target": target, "device": device_kind(), "at": now_iso(), **kept}
+    if settings:
+        entry["settings"] = settings
     try:
         path = history_path()
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -56,10 +84,11 @@ def record(stage: str, target: str, **values: float | None) -> None:
 
 
 def lookup(stage: str, key: str, target: str | None = None,
-           before: str | None = None) -> float | None:
+           before: str | None = None, settings: dict | None = None) -> float | None:
     """Latest recorded ``key`` of ``stage`` for ``target``: on this device first, then on any.
-    ``before`` (an ISO time): only what was recorded before it."""
-    entry = lookup_entry(stage, key, target, before)
+    ``before`` (an ISO time): only what was recorded before it. ``settings``: only what was
+    measured at them (see :func:`lookup_entry`)."""
+    entry = lookup_entry(stage, key, target, before, settings)
     return None if entry is None else float(entry[key])
 
 
@@ -73,10 +102,23 @@ def _recorded_before(entry: dict, before: str | None) -> bool:
         return True
 
 
+def _measured_at(entry: dict, settings: dict | None) -> bool | None:
+    """Whether ``entry`` was measured at ``settings``: True, False, or None where it does
+    not say (recorded before stages kept their settings)."""
+    if not settings:
+        return True
+    recorded = entry.get("settings")
+    if not isinstance(recorded, dict):
+        return None
+    return all(recorded.get(k) == v for k, v in settings.items())
+
+
 def lookup_entry(stage: str, key: str, target: str | None = None,
-                 before: str | None = None) -> dict | None:
+                 before: str | None = None, settings: dict | None = None) -> dict | None:
     """The whole entry :func:`lookup` reads ``key`` from (with the settings it was measured
-    at, where the stage recorded them)."""
+    at, where the stage recorded them). ``settings``: an entry measured at other settings is
+    never used (a test run at concurrency 4 planned a demo at 32 eight times too slow); one
+    that does not say is used only where none measured at them."""
     path = history_path()
     if not path.exists():
         return None
@@ -94,9 +136,11 @@ def lookup_entry(stage: str, key: str, target: str | None = None,
     # tokens/s and the demo after it was planned at that. Without one, the benchmarks for this
     # target's shape, else this run's own first minute, plan the stage.
     here = device_kind()
+    entries = [e for e in entries if _measured_at(e, settings) is not False]
     for match in (lambda e: e.get("target") == target and e.get("device") == here,
                   lambda e: e.get("target") == target):
         found = [e for e in entries if match(e)]
         if found:
-            return found[-1]
+            same = [e for e in found if _measured_at(e, settings)]
+            return (same or found)[-1]
     return None

@@ -74,11 +74,12 @@ class Estimate:
 
 def _rate(stage: str, key: str, target: str | None, measured: float | None = None,
           benchmark: Callable[[], float | None] | None = None,
-          before: str | None = None) -> tuple[float | None, str]:
-    """``before``: the rates history as it was then (see :func:`_at_machine_speed`)."""
+          before: str | None = None, settings: dict | None = None) -> tuple[float | None, str]:
+    """``before``: the rates history as it was then (see :func:`_at_machine_speed`);
+    ``settings``: only rates measured at them (:func:`eaglet.rates.lookup_entry`)."""
     if measured:
         return measured, "this run"
-    earlier = rates.lookup(stage, key, target, before)
+    earlier = rates.lookup(stage, key, target, before, settings)
     if earlier:
         return earlier, "an earlier run"
     if benchmark is not None:
@@ -89,12 +90,14 @@ def _rate(stage: str, key: str, target: str | None, measured: float | None = Non
 
 
 def _train_rate(target: str, ttt_steps: int, max_len: int | None = None,
-                before: str | None = None) -> tuple[float | None, str]:
+                before: str | None = None, settings: dict | None = None
+                ) -> tuple[float | None, str]:
     """An earlier run's training tokens/s, else ``benchmarks/results/train.json``'s for this
     target's shape (the row whose sample length is nearest ``max_len``), scaled to this run's
     TTT steps: each step runs the drafter layer and its lm_head once more, so the cost per
     token grows about linearly."""
-    entry, source = rates.lookup_entry("train", "tokens_per_s", target, before), "an earlier run"
+    entry = rates.lookup_entry("train", "tokens_per_s", target, before, settings)
+    source = "an earlier run"
     if entry is None:
         rows = [row for row in (_read(BENCHMARKS / "train.json") or {}).values()
                 if row.get("shape") and row["shape"] in target and row.get("tokens_per_s")]
@@ -502,7 +505,7 @@ class Generate(Stage):
     def planned_rate(self, cfg, before=None):
         return _rate("generate", "completion_tokens_per_s", cfg["target"]["model"],
                      benchmark=lambda: _bench_generate(cfg["generate"]["concurrency"]),
-                     before=before)
+                     before=before, settings=rates.generate_settings(cfg))
 
     def estimate(self, r, cfg, progress):
         target, gen = cfg["target"]["model"], cfg["generate"]
@@ -523,7 +526,8 @@ class Generate(Stage):
             # the capturing server prefills the recorded answers for their states as well
             prefill, _, scaled = _at_machine_speed(
                 self, "prefill", r, cfg,
-                lambda before: _rate("extract_vllm", "tokens_per_s", target, before=before))
+                lambda before: _rate("extract_vllm", "tokens_per_s", target, before=before,
+                                     settings=rates.prefill_settings(cfg)))
             if prefill:
                 seconds += recorded * per_sample / prefill
                 text += f", then {recorded} recorded answers prefilled at {prefill:.0f} tok/s"
@@ -604,7 +608,7 @@ class Extract(Stage):
         if cfg["extract"]["backend"] == "vllm":
             return _rate("extract_vllm", "tokens_per_s", target, before=before,
                          benchmark=lambda: (_read(BENCHMARKS / "extract.json") or {}).get(
-                             "vllm_backend_tokens_per_s"))
+                             "vllm_backend_tokens_per_s"), settings=rates.prefill_settings(cfg))
         return _rate("extract", "tokens_per_s", target, before=before)
 
     def rate_files(self, r, cfg):
@@ -705,7 +709,8 @@ class Train(Stage):
     def planned_rate(self, cfg, before=None):
         train = cfg["train"]
         return _train_rate(cfg["target"]["model"], train["ttt_steps"],
-                           train["max_len"] or train["max_tokens_per_batch"], before)
+                           train["max_len"] or train["max_tokens_per_batch"], before,
+                           rates.train_settings(train))
 
     def estimate(self, r, cfg, progress):
         totals, epochs = _token_totals(r, cfg), cfg["train"]["epochs"]
@@ -766,7 +771,8 @@ class Evaluate(Stage):
     def planned_rate(self, cfg, before=None):
         first = cfg["evaluate"]["concurrency"][0]
         return _rate("evaluate", "baseline_tokens_per_s", cfg["target"]["model"],
-                     benchmark=lambda: _bench_generate(first), before=before)
+                     benchmark=lambda: _bench_generate(first), before=before,
+                     settings=rates.evaluate_settings(cfg))
 
     def measured(self, r, cfg):
         """The target alone's decode rate at the first concurrency, as a finished evaluation
@@ -907,9 +913,7 @@ class Scaling(Stage):
                    if not (r / "scaling" / f"{f:g}" / "stats.json").exists())
         totals, train = _token_totals(r, cfg), cfg["train"]
         rate, basis, speed = _at_machine_speed(
-            self, "training", r, cfg, lambda before: _train_rate(
-                cfg["target"]["model"], train["ttt_steps"],
-                train["max_len"] or train["max_tokens_per_batch"], before))
+            self, "training", r, cfg, lambda before: Train().planned_rate(cfg, before))
         if totals is None or rate is None:
             return Estimate(None, basis if totals else NO_TOKENS)
         epochs = train["epochs"]

@@ -688,8 +688,8 @@ def train(cfg: dict, shard_paths: list[str], eval_shard_paths: list[str], vocab_
             write_csv(Path(out_dir) / "training_log.csv", trainer.rows, trainer.columns)
             run = progress.report("finished")
             if rate_key is not None and trainer.step > first_step:  # a rate of work done
-                rates.record("train", rate_key, tokens_per_s=run["tokens_per_s"],
-                             ttt_steps=cfg["ttt_steps"])
+                rates.record("train", rate_key, settings=rates.train_settings(cfg),
+                             tokens_per_s=run["tokens_per_s"], ttt_steps=cfg["ttt_steps"])
         if dist_.world > 1:
             dist.barrier()
         summary.update(elapsed_s=time.monotonic() - started, peak_rss_mb=round(peak_rss_mb(), 1))
