@@ -967,3 +967,33 @@ def test_a_running_evaluation_drops_the_schedule_check_its_sweep_did_not_choose(
     checking = {**swept, "total": units + 1}
     got = status.estimate("evaluate", r, cfg, checking)
     assert got.seconds == pytest.approx(with_check - 60) and "chose a schedule" in got.basis
+
+
+def test_an_earlier_evaluation_at_these_settings_plans_the_decoding_at_this_machines_speed(
+        tmp_path, history):
+    """Generation's rate at its concurrency, carried to the sweep's levels by the benchmark's
+    curve, put a quiet demo's evaluation at 7.3 minutes (truly 9.7): the sweep's short answers
+    decode slower per request. An earlier evaluation's own rate at these settings, at the
+    speed this run's generation measured, plans it; one at other settings does not."""
+    r = tmp_path / "results"
+    cfg = _generated(r)
+    target = cfg["target"]["model"]
+    first = cfg["evaluate"]["concurrency"][0]
+    benchmark = status._bench_generate(cfg["generate"]["concurrency"])
+    other = {**cfg, "evaluate": {**cfg["evaluate"], "concurrency": [first + 3]}}
+
+    def earlier(stage, settings, **values):  # recorded by a run before this one
+        entry = {"stage": stage, "target": target, "device": rates.device_kind(),
+                 "at": "2026-01-01T00:00:00+00:00", "settings": settings, **values}
+        with open(history, "a") as handle:
+            handle.write(json.dumps(entry) + "\n")
+
+    earlier("generate", rates.generate_settings(cfg), completion_tokens_per_s=benchmark)
+    earlier("evaluate", rates.evaluate_settings(other), baseline_tokens_per_s=99.0)
+    _worked(r, "generate", 1.5 * benchmark)
+    without = status.estimate("evaluate", r, cfg, None)
+    assert "measured by generate" in without.basis and "earlier evaluation" not in without.basis
+    earlier("evaluate", rates.evaluate_settings(cfg), baseline_tokens_per_s=10.0)
+    got = status.estimate("evaluate", r, cfg, None)
+    assert f"decode 15 tok/s at concurrency {first} (an earlier evaluation's, x1.50" in got.basis
+    assert got.speed.stage == "generate" and got.seconds != without.seconds

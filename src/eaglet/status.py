@@ -795,8 +795,19 @@ class Evaluate(Stage):
         evaluation's or the benchmark's at the first level, at this machine's speed where a
         stage measured one. The benchmark's server rates scale it to the other levels (how
         decode grows with more requests in flight)."""
-        generated = machine_speed(r, cfg).measured_by("generate")
-        if generated is not None:
+        machine = machine_speed(r, cfg)
+        generated = machine.measured_by("generate")
+        earlier = _earlier_evaluation(cfg, machine.since)
+        if earlier is not None and generated is not None and generated.factor:
+            # an earlier evaluation's own rate at these settings, at this machine's speed:
+            # generation's long answers at its concurrency decode faster per request than
+            # the sweep's short ones (the benchmark's curve put a demo's c=1 at 18 tok/s
+            # where its evaluation measured 13.5)
+            at, speed = cfg["evaluate"]["concurrency"][0], generated
+            rate = float(earlier["baseline_tokens_per_s"]) * speed.factor
+            basis = (f"decode {rate:.0f} tok/s at concurrency {at} (an earlier evaluation's, "
+                     f"{speed.says('decode')})")
+        elif generated is not None:
             at, rate, speed = cfg["generate"]["concurrency"], generated.rate, generated
             basis = (f"decode {rate:.0f} tok/s at concurrency {at}, measured by generate"
                      + (f" (x{speed.factor:.2f} its plan)" if speed.factor else ""))
@@ -875,6 +886,15 @@ def _schedule_check_decided(progress: dict | None, runs: int, replays: int) -> b
     if total > runs + replays:
         return True
     return False if total == runs + replays and done >= runs else None
+
+
+def _earlier_evaluation(cfg: dict, before: str | None) -> dict | None:
+    """The rates entry of an earlier evaluation of this target measured at this run's
+    evaluation settings (none that does not say which), recorded before ``before``."""
+    settings = rates.evaluate_settings(cfg)
+    entry = rates.lookup_entry("evaluate", "baseline_tokens_per_s", cfg["target"]["model"],
+                               before, settings)
+    return entry if entry is not None and entry.get("settings") == settings else None
 
 
 def _together_start(target: str, servers: int, start: float) -> float:
