@@ -360,6 +360,27 @@ class DriftingMachine:
                 "mean_latency_s": wall, "_delta": delta, "_answers": answers}
 
 
+def priced_machine(monkeypatch, per_token: dict) -> "DriftingMachine":
+    """A DriftingMachine patched in as the evaluation's servers, each run's cost per token
+    set by the concurrency it is measured at (``per_token``: run name -> {concurrency: cost});
+    ``started`` lists the runs of each server start."""
+    from eaglet import evaluate
+
+    class Machine(DriftingMachine):
+        def measure(self, url, prompts, ev, concurrency, template_kwargs=None, temperature=0.0):
+            self.cost = {name: costs[concurrency] for name, costs in per_token.items()}
+            return super().measure(url, prompts, ev, concurrency, template_kwargs, temperature)
+
+        def start(self, cfg, target_path, placed, log_dir):
+            self.started = getattr(self, "started", []) + [[run["name"] for _, run in placed]]
+            return super().start(cfg, target_path, placed, log_dir)
+
+    machine = Machine({})
+    monkeypatch.setattr(evaluate, "_start", machine.start)
+    monkeypatch.setattr(evaluate, "_measure", machine.measure)
+    return machine
+
+
 def _measured(machine, monkeypatch, runs, interleave, concurrency=(1,)):
     from eaglet import evaluate
     from eaglet.config import validate
@@ -423,21 +444,9 @@ def test_the_schedule_is_checked_beside_the_target_alone_kept_up(monkeypatch, tm
     from eaglet.config import validate
     from eaglet.io import read_json, write_json
 
-    per_token = {"baseline": {1: 6.0, 16: 1.0}, "ngram_k3": {1: 7.0, 16: 2.0},
-                 "eagle3_k3": {1: 5.0, 16: 1.5}, "eagle3_schedule": {1: 5.0, 16: 1.1}}
-
-    class Machine(DriftingMachine):
-        def measure(self, url, prompts, ev, concurrency, template_kwargs=None, temperature=0.0):
-            self.cost = {name: costs[concurrency] for name, costs in per_token.items()}
-            return super().measure(url, prompts, ev, concurrency, template_kwargs, temperature)
-
-        def start(self, cfg, target_path, placed, log_dir):
-            self.started = getattr(self, "started", []) + [[run["name"] for _, run in placed]]
-            return super().start(cfg, target_path, placed, log_dir)
-
-    machine = Machine({})
-    monkeypatch.setattr(evaluate, "_start", machine.start)
-    monkeypatch.setattr(evaluate, "_measure", machine.measure)
+    machine = priced_machine(monkeypatch, {
+        "baseline": {1: 6.0, 16: 1.0}, "ngram_k3": {1: 7.0, 16: 2.0},
+        "eagle3_k3": {1: 5.0, 16: 1.5}, "eagle3_schedule": {1: 5.0, 16: 1.1}})
     cfg = validate({"evaluate": {"concurrency": [1, 16], "rounds": 2, "interleave": True,
                                  "offline": False},
                     "server": {"memory_utilization": 0.3, "port": 8000}})

@@ -15,7 +15,7 @@ import torch
 from eaglet import evaluate, peagle
 from eaglet.drafter import DrafterConfig
 from eaglet.offline_eval import target_features
-from tests.test_evaluate import SWEEP, DriftingMachine, judged, run, same
+from tests.test_evaluate import SWEEP, judged, priced_machine, run, same
 from tests.tiny_llama import LAYERS, VOCAB, make_tiny_llama, one_thread
 
 K = 3
@@ -176,21 +176,9 @@ def test_the_stage_names_serves_and_judges_a_peagle_drafter(drafters, monkeypatc
     from eaglet.config import validate
     from eaglet.io import read_json, write_json
 
-    per_token = {"baseline": {1: 6.0, 16: 1.0}, "ngram_k3": {1: 7.0, 16: 2.0},
-                 f"peagle_k{K}": {1: 5.0, 16: 1.5}, "peagle_schedule": {1: 5.0, 16: 1.1}}
-
-    class Machine(DriftingMachine):
-        def measure(self, url, prompts, ev, concurrency, template_kwargs=None, temperature=0.0):
-            self.cost = {name: costs[concurrency] for name, costs in per_token.items()}
-            return super().measure(url, prompts, ev, concurrency, template_kwargs, temperature)
-
-        def start(self, cfg, target_path, placed, log_dir):
-            self.started = getattr(self, "started", []) + [[r["name"] for _, r in placed]]
-            return super().start(cfg, target_path, placed, log_dir)
-
-    machine = Machine({})
-    monkeypatch.setattr(evaluate, "_start", machine.start)
-    monkeypatch.setattr(evaluate, "_measure", machine.measure)
+    machine = priced_machine(monkeypatch, {
+        "baseline": {1: 6.0, 16: 1.0}, "ngram_k3": {1: 7.0, 16: 2.0},
+        f"peagle_k{K}": {1: 5.0, 16: 1.5}, "peagle_schedule": {1: 5.0, 16: 1.1}})
     cfg = validate({"evaluate": {"concurrency": [1, 16], "rounds": 2, "interleave": True,
                                  "offline": False, "num_speculative_tokens": [K]},
                     "server": {"memory_utilization": 0.3, "port": 8000}})
