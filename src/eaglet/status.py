@@ -72,16 +72,34 @@ class Estimate:
     speed: Speed | None = None   # this run's measurement the plan rests on, if any
 
 
+# ``before`` of a plan read from the benchmarks alone, never the rates history: the rate a
+# speed factor is measured against (:func:`machine_speed`)
+BENCHMARKS_ONLY = "benchmarks only"
+EARLIER_RUN = "an earlier run"   # the source of a plan read from this machine's rates history
+
+
+def _earlier_source(entry: dict) -> str:
+    """Where a plan read from the rates history comes from: this machine (EARLIER_RUN), or
+    another kind of machine, which is planned as the benchmarks are (scaled by this machine's
+    speed)."""
+    device = entry.get("device")
+    if device in (None, rates.device_kind()):
+        return EARLIER_RUN
+    return f"an earlier run on another machine ({device})"
+
+
 def _rate(stage: str, key: str, target: str | None, measured: float | None = None,
           benchmark: Callable[[], float | None] | None = None,
           before: str | None = None, settings: dict | None = None) -> tuple[float | None, str]:
-    """``before``: the rates history as it was then (see :func:`_at_machine_speed`);
-    ``settings``: only rates measured at them (:func:`eaglet.rates.lookup_entry`)."""
+    """``before``: the rates history as it was then (see :func:`_at_machine_speed`), or
+    BENCHMARKS_ONLY; ``settings``: only rates measured at them
+    (:func:`eaglet.rates.lookup_entry`)."""
     if measured:
         return measured, "this run"
-    earlier = rates.lookup(stage, key, target, before, settings)
-    if earlier:
-        return earlier, "an earlier run"
+    entry = (None if before == BENCHMARKS_ONLY
+             else rates.lookup_entry(stage, key, target, before, settings))
+    if entry is not None:
+        return float(entry[key]), _earlier_source(entry)
     if benchmark is not None:
         value = benchmark()
         if value:
@@ -96,8 +114,9 @@ def _train_rate(target: str, ttt_steps: int, max_len: int | None = None,
     target's shape (the row whose sample length is nearest ``max_len``), scaled to this run's
     TTT steps: each step runs the drafter layer and its lm_head once more, so the cost per
     token grows about linearly."""
-    entry = rates.lookup_entry("train", "tokens_per_s", target, before, settings)
-    source = "an earlier run"
+    entry = (None if before == BENCHMARKS_ONLY
+             else rates.lookup_entry("train", "tokens_per_s", target, before, settings))
+    source = _earlier_source(entry) if entry is not None else ""
     if entry is None:
         rows = [row for row in (_read(BENCHMARKS / "train.json") or {}).values()
                 if row.get("shape") and row["shape"] in target and row.get("tokens_per_s")]
@@ -278,7 +297,13 @@ class Measurement:
 @dataclass
 class Speed:
     """One kind of work (``decode``, ``prefill``, ``training``) as a stage of this run did it:
-    its measured tokens/s beside the rate its plan assumed (None where it had none)."""
+    its measured tokens/s beside the rate the benchmarks give it (``planned``; None where
+    they give none). The benchmarks were measured on other machines, each at its stage's
+    own workload, so the ratio is this machine against theirs: it scales the plans read from
+    the benchmarks. A rate from this machine's rates history is no such yardstick: a
+    measurement against it mixes the day's speed with how the earlier run's workload
+    differed (a tiny test run's generation planned the next demo's at 0.7x its rate, and
+    training, planned right by an earlier demo, was then planned 1.4x too fast)."""
 
     stage: str
     kind: str
@@ -288,7 +313,7 @@ class Speed:
 
     @property
     def factor(self) -> float | None:
-        """How much faster this machine did the work than the plans assume."""
+        """How much faster this machine did the work than the benchmarks' machine."""
         return self.rate / self.planned if self.planned else None
 
     def says(self, kind: str) -> str:
@@ -357,7 +382,7 @@ def machine_speed(r: Path, cfg: dict) -> Machine:
             measured.append((stage, kind, found))
     starts = [m.started_at for _, _, m in measured if m.started_at]
     since = min(starts, key=_timestamp) if starts else None
-    return Machine([Speed(stage.name, kind, m.rate, stage.planned_rate(cfg, since)[0],
+    return Machine([Speed(stage.name, kind, m.rate, stage.planned_rate(cfg, BENCHMARKS_ONLY)[0],
                           m.elapsed_s) for stage, kind, m in measured], since)
 
 
@@ -365,15 +390,18 @@ def _at_machine_speed(stage: Stage, kind: str, r: Path, cfg: dict,
                       lookup: Callable[[str | None], tuple[float | None, str]]
                       ) -> tuple[float | None, str, Speed | None]:
     """The rate a plan of ``kind`` work by ``stage`` rests on, its basis and the speed that
-    scaled it: ``lookup(before)`` (the rates history before ``before``, else the benchmarks)
-    times this machine's speed where another stage of this run measured one, else
-    ``lookup(None)`` as it is."""
+    scaled it: ``lookup(before)``, an earlier run's rate on this machine (the rates history
+    before ``before``) as it is; else the benchmarks' times this machine's speed where
+    another stage of this run measured one (:class:`Speed`); else ``lookup(None)`` as it
+    is."""
     machine = machine_speed(r, cfg)
+    rate, basis = lookup(machine.since)
+    if rate is not None and basis.split(" at ")[0] == EARLIER_RUN:
+        # this machine already: scaled by nothing
+        return rate, basis, None
     speed = machine.speed(kind, stage.name)
-    if speed is not None:
-        rate, basis = lookup(machine.since)
-        if rate is not None:
-            return rate * speed.factor, f"{basis}, {speed.says(kind)}", speed
+    if speed is not None and rate is not None:
+        return rate * speed.factor, f"{basis}, {speed.says(kind)}", speed
     rate, basis = lookup(None)
     return rate, basis, None
 
@@ -797,22 +825,20 @@ class Evaluate(Stage):
         decode grows with more requests in flight)."""
         machine = machine_speed(r, cfg)
         generated = machine.measured_by("generate")
-        earlier = _earlier_evaluation(cfg, machine.since)
-        if earlier is not None and generated is not None and generated.factor:
-            # an earlier evaluation's own rate at these settings, at this machine's speed:
-            # generation's long answers at its concurrency decode faster per request than
-            # the sweep's short ones (the benchmark's curve put a demo's c=1 at 18 tok/s
-            # where its evaluation measured 13.5)
-            at, speed = cfg["evaluate"]["concurrency"][0], generated
-            rate = float(earlier["baseline_tokens_per_s"]) * speed.factor
-            basis = (f"decode {rate:.0f} tok/s at concurrency {at} (an earlier evaluation's, "
-                     f"{speed.says('decode')})")
+        at = cfg["evaluate"]["concurrency"][0]
+        earlier, source = self.planned_rate(cfg, machine.since)
+        if earlier is not None and source == EARLIER_RUN:
+            # an earlier evaluation's own rate on this machine: generation's long answers
+            # at its concurrency decode faster per request than the sweep's short ones (the
+            # benchmark's curve put a demo's c=1 at 18 tok/s where its evaluation measured
+            # 13.5, and generation's 72 tok/s at 32 planned one 1.3x long)
+            rate, speed = earlier, None
+            basis = f"decode {rate:.0f} tok/s at concurrency {at} (an earlier evaluation)"
         elif generated is not None:
             at, rate, speed = cfg["generate"]["concurrency"], generated.rate, generated
             basis = (f"decode {rate:.0f} tok/s at concurrency {at}, measured by generate"
-                     + (f" (x{speed.factor:.2f} its plan)" if speed.factor else ""))
+                     + (f" (x{speed.factor:.2f} the benchmark's)" if speed.factor else ""))
         else:
-            at = cfg["evaluate"]["concurrency"][0]
             rate, source, speed = _at_machine_speed(self, "decode", r, cfg,
                                                     lambda before: self.planned_rate(cfg, before))
             if rate is None:
@@ -886,15 +912,6 @@ def _schedule_check_decided(progress: dict | None, runs: int, replays: int) -> b
     if total > runs + replays:
         return True
     return False if total == runs + replays and done >= runs else None
-
-
-def _earlier_evaluation(cfg: dict, before: str | None) -> dict | None:
-    """The rates entry of an earlier evaluation of this target measured at this run's
-    evaluation settings (none that does not say which), recorded before ``before``."""
-    settings = rates.evaluate_settings(cfg)
-    entry = rates.lookup_entry("evaluate", "baseline_tokens_per_s", cfg["target"]["model"],
-                               before, settings)
-    return entry if entry is not None and entry.get("settings") == settings else None
 
 
 def _together_start(target: str, servers: int, start: float) -> float:
