@@ -16,6 +16,8 @@ rule evaluate:
         # the offline replay reads the target's states of the held-out answers from here
         **({"held_out": hidden_files("eval", ".safetensors")} if config["evaluate"]["offline"]
            else {}),
+        # drafters served beside this run's for comparison: a new export reruns the sweep
+        compared=[f"{d}/model.safetensors" for d in config["evaluate"]["compare_drafters"]],
     output:
         acceptance=report(
             f"{R}/eval/acceptance.json",
@@ -24,7 +26,7 @@ rule evaluate:
         ),
         serve=f"{R}/eval/serve.json",
     params:
-        evaluate=config["evaluate"],
+        evaluate=stage_params(config, "evaluate"),
         target=config["target"],
         # prompts render through the chat template as generation rendered them
         **({"chat_template_kwargs": config["generate"]["chat_template_kwargs"]}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -279,3 +280,85 @@ def test_the_stages_offline_check_replays_a_peagle_drafter_against_vllms_counts(
     assert entry["acceptance_length"] == entry["vllm_acceptance_length"] == K + 1
     assert entry["agrees"] and entry["ratio_offline_over_vllm"] == 1.0
     assert report["forward"] == "loaded"
+
+
+# -- drafters side by side -------------------------------------------------------------------
+
+def test_compared_drafters_are_named_by_their_method_and_never_judged(drafters, tmp_path):
+    ev = {"num_speculative_tokens": [1, K], "ngram": False, "offline": True,
+          "compare_drafters": [drafters["peagle"], drafters["eagle3"]], "temperature": [0]}
+    plan, replays = evaluate.run_plan(ev, drafters["eagle3"])
+    assert [r["name"] for r in plan] == ["baseline", "eagle3_k1", f"eagle3_k{K}", "peagle_k1",
+                                         f"peagle_k{K}", "eagle3_3_k1", f"eagle3_3_k{K}"]
+    assert [r["drafter"] for r in plan if r.get("compare")] == [drafters["peagle"]] * 2 + [
+        drafters["eagle3"]] * 2
+    # the offline replay checks this run's drafter only
+    assert replays == 2
+    assert evaluate.speculative_config(plan[3])["parallel_drafting"] is True
+    assert [r["kind"] for r in plan[3::2]] == ["P-EAGLE", "EAGLE-3"]
+    # an EAGLE-3.1 export (its config.json carries fc_norm and norm_output) is named so
+    variant = tmp_path / "eagle31"
+    shutil.copytree(drafters["eagle3"], variant)
+    config = json.loads((variant / "config.json").read_text())
+    (variant / "config.json").write_text(json.dumps({**config, "fc_norm": True,
+                                                     "norm_output": True}))
+    assert evaluate.drafter_kind(variant) == ("eagle31", "EAGLE-3.1")
+    assert [r["name"] for r in evaluate.compare_runs({**ev, "compare_drafters": [variant]})] == [
+        "eagle31_k1", f"eagle31_k{K}"]
+    # a directory that holds no exported drafter is refused before any server starts
+    with pytest.raises(evaluate.EvaluationError, match="no config.json or model.safetensors"):
+        evaluate.check_compare_drafters({"compare_drafters": [str(tmp_path)]})
+
+
+def test_the_stage_serves_a_compared_drafter_beside_its_own_and_tables_both(
+        drafters, monkeypatch, tmp_path):
+    """An EAGLE-3 run with a P-EAGLE drafter compared: both at k in the same sweep, round by
+    round beside the target alone; the P-EAGLE drafter serves faster everywhere, yet the
+    verdict, the schedule and serve.json are the run's own drafter's; the methods table has
+    both, with the time per step the costs imply."""
+    from eaglet.config import validate
+    from eaglet.io import read_json, write_json
+    from eaglet.report_page import Results, methods_section
+
+    machine = priced_machine(monkeypatch, {
+        "baseline": {1: 6.0, 16: 1.0}, f"eagle3_k{K}": {1: 5.0, 16: 1.5},
+        f"peagle_k{K}": {1: 4.0, 16: 0.8}, "eagle3_schedule": {1: 5.0, 16: 1.1}})
+    cfg = validate({"evaluate": {"concurrency": [1, 16], "rounds": 2, "interleave": True,
+                                 "offline": False, "ngram": False,
+                                 "num_speculative_tokens": [K],
+                                 "compare_drafters": [drafters["peagle"]]},
+                    "server": {"memory_utilization": 0.3, "port": 8000}})
+    write_json(tmp_path / "target.json", {"path": "target", "spec": "t"})
+    (tmp_path / "eval.jsonl").write_text("".join(
+        f'{{"id": "p{i}", "messages": [{{"role": "user", "content": "q{i}"}}]}}\n'
+        for i in range(16)))
+    (Path(drafters["peagle"]) / "stats.json").write_text('{"elapsed_s": 90}')
+    out = tmp_path / "eval"
+    out.mkdir()
+    result = evaluate.run_stage(cfg, str(tmp_path / "target.json"), drafters["eagle3"],
+                                str(tmp_path / "eval.jsonl"), str(out / "acceptance.json"),
+                                str(tmp_path), serve_path=str(out / "serve.json"))
+    assert machine.started == [["baseline", f"eagle3_k{K}", f"peagle_k{K}"],
+                               ["eagle3_schedule"]]
+    verdict = result["verdict"]
+    assert verdict["best"] == f"eagle3_k{K}" and verdict["method"] == "eagle3"
+    assert all(e["best_run"] == f"eagle3_k{K}" for e in verdict["best_k_by_concurrency"])
+    assert read_json(out / "serve.json")["method"] == "eagle3"
+    rows = {row["name"]: row for row in result["methods"]}
+    assert set(rows) == {f"eagle3_k{K}", f"peagle_k{K}"}
+    assert (rows[f"peagle_k{K}"]["compared"], rows[f"eagle3_k{K}"]["compared"]) == (True, False)
+    assert rows[f"peagle_k{K}"]["training_minutes"] == pytest.approx(1.5)
+    at_1 = {name: row["by_concurrency"][0] for name, row in rows.items()}
+    assert at_1[f"peagle_k{K}"]["speedup"] == pytest.approx(6 / 4, rel=0.1)
+    # 10 tokens per answer, 4 drafting steps on average (tests.test_evaluate.drafted): the
+    # target alone's step costs 6/10 of an answer's time, the drafters' 5/4 and 4/4
+    mine, other = at_1[f"eagle3_k{K}"], at_1[f"peagle_k{K}"]
+    assert mine["target_step_ms"] / mine["step_ms"] == pytest.approx(0.6 / 1.25, rel=0.1)
+    assert other["step_ms"] / mine["step_ms"] == pytest.approx(1.0 / 1.25, rel=0.1)
+    assert other["step_over_target_ms"] == pytest.approx(
+        other["step_ms"] - other["target_step_ms"])
+    # the report's first page tables them side by side
+    (tmp_path / "eval" / "acceptance.json").write_text(json.dumps(result))
+    page = "\n".join(methods_section(Results(tmp_path))).replace("\\", "")
+    assert "Methods side by side" in page and f"peagle_k{K} (compared)" in page
+    assert "P-EAGLE" in page and "EAGLE-3" in page

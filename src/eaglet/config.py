@@ -209,7 +209,8 @@ ADDED_LATER = {"generate": {"capture_hidden_states": False, "chat_template_kwarg
                "train": {"loss_on_prompt": False, "feature_noise": 0.0, "host_ram_mb": 4096,
                          "prefetch_batches": None, "attention": "auto",
                          "drafter_attention": "llama", "method": "eagle3",
-                         "drafter_variant": "eagle3"}}
+                         "drafter_variant": "eagle3"},
+               "evaluate": {"compare_drafters": []}}
 
 
 def stage_params(cfg: dict[str, Any], section: str, drop: tuple[str, ...] = ()) -> dict[str, Any]:

@@ -269,6 +269,21 @@ def drafter_method(drafter_dir: str | os.PathLike | None) -> str:
     return "peagle" if peagle.is_parallel(drafter_dir) else "eagle3"
 
 
+def drafter_kind(drafter_dir: str | os.PathLike) -> tuple[str, str]:
+    """The exported drafter's method and variant as a run-name label and in words:
+    ``("peagle", "P-EAGLE")``, ``("eagle31", "EAGLE-3.1")`` where its config.json carries the
+    norms of train.drafter_variant eagle3.1, else ``("eagle3", "EAGLE-3")``."""
+    from eaglet.drafter import DRAFTER_VARIANTS
+    from eaglet.export import norm_flags
+
+    method = drafter_method(drafter_dir)
+    if method == "eagle3" and Path(drafter_dir, "config.json").is_file():
+        flags = norm_flags(read_json(Path(drafter_dir, "config.json")))
+        if all(flags[f] == v for f, v in DRAFTER_VARIANTS["eagle3.1"].items()):
+            return "eagle31", "EAGLE-3.1"
+    return method, peagle.METHOD_NAMES[method]
+
+
 def is_drafter(run: dict) -> bool:
     """Whether ``run`` serves the trained drafter (any method), not vLLM's own speculation or
     the target alone."""
@@ -555,7 +570,10 @@ def _run_result(run: dict, levels: list[dict], prompt_sets: dict, log_path: str)
               "temperature": run.get("temperature", 0.0),
               "schedule": bool(run.get("schedule")), "speculative_config": spec, "levels": levels,
               "sets": {s: pooled([lv for lv in levels if lv["set"] == s]) for s in prompt_sets},
-              "output_tokens": sum(lv["output_tokens"] for lv in levels), **pooled(levels)}
+              "output_tokens": sum(lv["output_tokens"] for lv in levels), **pooled(levels),
+              **({"drafter": run["drafter"]} if run.get("drafter") else {}),
+              # served beside this run's drafter for comparison only (compare_runs)
+              **({"compare": True, "kind": run["kind"]} if run.get("compare") else {})}
     if spec is not None and not result["drafts"]:
         if run["method"] == "ngram":  # proposes only where an n-gram of the context recurs
             log.warning("%s: ngram proposed no draft on these prompts (no n-gram of a prompt "
@@ -679,6 +697,56 @@ def add_speedups(runs: list[dict], concurrencies: list[int], base: dict | None =
                  **speedup_interval(tps / base_pooled[c], _round_ratios(mine, refs))})
 
 
+def step_ms(levels: list[dict]) -> float | None:
+    """Milliseconds per decoding step of one request, over ``levels`` at one concurrency:
+    wall time over the steps each request in flight took. A step of a drafting run is one
+    draft and its verification (vLLM's drafts counter counts one per request and step); the
+    target alone's step is one token. Prefill is spread over the steps, alike in every run.
+    Beside the target alone's at the same concurrency, the difference is what drafting and
+    verifying k tokens costs per step on this machine."""
+    steps = sum((lv.get("drafts") or lv["output_tokens"]) / lv["concurrency"] for lv in levels)
+    return 1000 * sum(lv["wall_s"] for lv in levels) / steps if steps else None
+
+
+def methods_table(runs: list[dict], concurrencies: list[int]) -> list[dict]:
+    """Every drafter served at one fixed k, this run's and those compared with it
+    (:func:`compare_runs`), side by side from one temperature's runs (the target alone first,
+    their speedups added): acceptance length pooled and per request, acceptance per position,
+    and at each concurrency the speedup with its interval and the time per step beside the
+    target alone's; the minutes its training took where its directory says
+    (``stats.json``)."""
+    base = runs[0]
+    rows = []
+    for run in runs:
+        if not is_drafter(run) or run.get("schedule"):
+            continue
+        by_c = []
+        for c in concurrencies:
+            entry = at_concurrency(run, c) if run.get("by_concurrency") else {}
+            mine = step_ms([lv for lv in run["levels"] if lv["concurrency"] == c])
+            alone = step_ms([lv for lv in base["levels"] if lv["concurrency"] == c])
+            by_c.append({"concurrency": c,
+                         **{key: entry.get(key) for key in ("speedup", "speedup_low",
+                                                              "speedup_high")},
+                         "step_ms": mine, "target_step_ms": alone,
+                         "step_over_target_ms": (mine - alone) if mine and alone else None})
+        stats = Path(run.get("drafter") or ".", "stats.json")
+        elapsed = read_json(stats).get("elapsed_s") if stats.is_file() else None
+        rows.append({"name": run["name"], "method": run["method"],
+                     "kind": run.get("kind") or (drafter_kind(run["drafter"])[1]
+                                                 if run.get("drafter")
+                                                 else peagle.METHOD_NAMES[run["method"]]),
+                     "drafter": run.get("drafter"),
+                     "compared": bool(run.get("compare")), "k": run["k"],
+                     "temperature": run.get("temperature", 0.0),
+                     "acceptance_length": run["acceptance_length"],
+                     "acceptance_length_per_request": run.get("acceptance_length_per_request"),
+                     "per_position_rate": run["per_position_rate"],
+                     "by_concurrency": by_c,
+                     "training_minutes": elapsed / 60 if elapsed else None})
+    return rows
+
+
 def _pooled(run: dict, concurrencies: list[int]) -> dict[int, float]:
     out = {}
     for c in concurrencies:
@@ -735,8 +803,9 @@ def _speed(entry: dict) -> str:
 # -- the k schedule --------------------------------------------------------------------------
 
 def fixed_k_runs(runs: list[dict]) -> list[dict]:
-    """The runs of the drafter at one fixed k each (not the schedule), whatever its method."""
-    return [r for r in runs if is_drafter(r) and not r.get("schedule")]
+    """The runs of this run's drafter at one fixed k each (not the schedule, not a drafter
+    served only for comparison: :func:`compare_runs`), whatever its method."""
+    return [r for r in runs if is_drafter(r) and not r.get("schedule") and not r.get("compare")]
 
 
 def best_k_by_concurrency(runs: list[dict], concurrencies: list[int]) -> list[dict]:
@@ -828,8 +897,40 @@ def run_plan(ev: dict, drafter_dir: str | None = None) -> tuple[list[dict], int]
     method = drafter_method(drafter_dir)
     plan += [{"name": f"{method}_k{k}", "method": method, "k": k, "drafter": drafter_dir}
              for k in ev["num_speculative_tokens"]]
-    replays = (sum(map(is_drafter, plan)) * len(temperatures(ev)) if ev["offline"] else 0)
+    plan += compare_runs(ev, method)
+    replays = len(fixed_k_runs(plan)) * len(temperatures(ev)) if ev["offline"] else 0
     return plan, replays
+
+
+def compare_runs(ev: dict, own_method: str = "eagle3") -> list[dict]:
+    """The engine runs of the drafters named in ``evaluate.compare_drafters`` (exported drafter
+    directories, such as another run's ``drafter/``), each at every k of the sweep beside this
+    run's drafter, so that two methods or recipes are measured on the same prompts, the same
+    rounds and the same machine moments. Each is named by its method, numbered where two
+    drafters share one (``peagle_k3`` and ``eagle31_k3`` (EAGLE-3.1) beside ``eagle3_k3``;
+    ``eagle3_2_k3`` for a second EAGLE-3). They
+    are measured and tabled (acceptance.json ``methods``), never chosen: the verdict, the k
+    schedule and serve.json judge this run's drafter only."""
+    dirs = [str(d) for d in ev.get("compare_drafters") or []]
+    kinds = [drafter_kind(d) for d in dirs]
+    taken = [own_method] + [label for label, _ in kinds]
+    runs = []
+    for i, (d, (label, words)) in enumerate(zip(dirs, kinds)):
+        name = label if taken.count(label) == 1 else f"{label}_{i + 2}"
+        runs += [{"name": f"{name}_k{k}", "method": drafter_method(d), "k": k, "drafter": d,
+                  "compare": True, "kind": words} for k in ev["num_speculative_tokens"]]
+    return runs
+
+
+def check_compare_drafters(ev: dict) -> None:
+    """Refuse, before any server starts, a comparison drafter that is not an exported drafter
+    directory."""
+    for d in ev.get("compare_drafters") or []:
+        missing = [f for f in ("config.json", "model.safetensors") if not Path(d, f).is_file()]
+        if missing:
+            raise EvaluationError(
+                f"evaluate.compare_drafters: {d} has no {' or '.join(missing)}: name an exported "
+                f"drafter directory (another run's results/drafter), or remove it from the list")
 
 
 # -- the verdict -----------------------------------------------------------------------------
@@ -1012,6 +1113,10 @@ def _ending(difference: dict[int, str]) -> str:
     return f"It speeds serving up only at concurrency {wins}{tied}."
 
 
+def _al_text(value: float | None) -> str:
+    return "none" if value is None else f"{value:.3f}"
+
+
 def _pct(rate: float | None) -> str:
     return "?" if rate is None else f"{rate:.0%}"
 
@@ -1030,6 +1135,7 @@ def run_stage(cfg: dict, target_json: str, drafter_dir: str, prompts_path: str,
     ev = cfg["evaluate"]
     target = read_target(target_json)
     prompt_sets, about = load_prompt_sets(ev, prompts_path, train_prompts_path)
+    check_compare_drafters(ev)
     plan, replays = run_plan(ev, drafter_dir)
     place = placement(cfg, target["path"], len(plan))
     log.info("evaluation servers %s: %s", "side by side" if place.together else "one at a time",
@@ -1074,6 +1180,9 @@ def run_stage(cfg: dict, target_json: str, drafter_dir: str, prompts_path: str,
         extra = schedule_run(choice, drafter_dir) if ev["schedule"] else None
         if extra is not None:
             progress.total += 1
+            # said at once: until the total grows, the progress file reads as a sweep that
+            # finished with no check to run (`eaglet status` would plan none)
+            progress.enter_phase(f"{extra['name']}: starting vLLM to check the k schedule")
             if place.together:
                 # measured beside the target alone once more, like the sweep
                 with contextlib.ExitStack() as check:
@@ -1115,6 +1224,8 @@ def run_stage(cfg: dict, target_json: str, drafter_dir: str, prompts_path: str,
               "concurrency": concurrencies, "temperature": temps,
               "target": target["path"], "drafter": drafter_dir,
               "runs": [_public(r) for r in runs],
+              "methods": [row for t in temps for row in methods_table(runs_at[t],
+                                                                      concurrencies)],
               "outputs_differ_from_baseline": mismatched, "offline": offline,
               "offline_replay": replayed,
               **({"offline_expected": expected} if expected else {}),
@@ -1126,6 +1237,15 @@ def run_stage(cfg: dict, target_json: str, drafter_dir: str, prompts_path: str,
     if serve_path:
         write_json(serve_path, recommendation)
     write_json(out_path, result)
+    for row in result["methods"]:
+        if any(r["compared"] for r in result["methods"]):
+            log.info("side by side: %s at temperature %g: AL %s; %s", row["name"],
+                     row["temperature"], _al_text(row["acceptance_length"]), "; ".join(
+                         f"concurrency {e['concurrency']}: "
+                         + (_speed(e) if e["speedup"] is not None else "?")
+                         + (f", {e['step_ms']:.1f} ms/step ({e['step_over_target_ms']:+.1f})"
+                            if e["step_over_target_ms"] is not None else "")
+                         for e in row["by_concurrency"]))
     for warning in result["verdict"]["warnings"]:
         log.warning(warning)
     if "summary" in result["verdict"]:

@@ -166,7 +166,8 @@ def first_page(results: str | os.PathLike | Results) -> str:
         return "\n".join(lines + run_section(run))
     spec = (run.target or {}).get("spec")
     lines = heading(f"Verdict on the drafter for {spec}" if spec else "Verdict", "=")
-    lines += verdict_lines(run.acceptance) + headline_section(run) + serve_section(run)
+    lines += (verdict_lines(run.acceptance) + headline_section(run) + methods_section(run)
+              + serve_section(run))
     return "\n".join(lines + run_section(run))
 
 
@@ -203,6 +204,47 @@ def headline_section(run: Results) -> list[str]:
              "all prompt sets together, with its spread (low-high) where the evaluation "
              "measured one.")
     return heading("Headline numbers", "-") + [about, ""] + list_table(rows)
+
+
+def methods_section(run: Results) -> list[str]:
+    """The drafters side by side (acceptance.json ``methods``), one table per temperature,
+    where the evaluation served more than one drafter (evaluate.compare_drafters)."""
+    rows_of = run.acceptance.get("methods") or []
+    if len({row["drafter"] for row in rows_of}) < 2:
+        return []
+    concurrencies = run.acceptance.get("concurrency") or []
+    about = ("Each drafter at each k on the same prompts, rounds and machine moments. AL "
+             "pooled over drafting steps and per request (the mean of each request's AL); "
+             "acceptance per draft position; at each concurrency the speedup with its spread "
+             "and the milliseconds per decoding step of one request beside the target "
+             "alone's (+: what drafting and verifying cost per step). Only this run's drafter "
+             "(not marked compared) is judged by the verdict.")
+    lines = heading("Methods side by side", "-") + [about, ""]
+    for t in sorted({row["temperature"] for row in rows_of}):
+        rows = [["run", "method", "training min", "AL pooled", "AL per request",
+                 "accepted per position",
+                 *(f"speedup at {c}" for c in concurrencies),
+                 *(f"ms/step at {c}" for c in concurrencies)]]
+        for row in (r for r in rows_of if r["temperature"] == t):
+            by_c = {e["concurrency"]: e for e in row["by_concurrency"]}
+            rows.append([
+                row["name"] + (" (compared)" if row["compared"] else ""),
+                row.get("kind") or METHOD_NAMES.get(row["method"], row["method"]),
+                "?" if row["training_minutes"] is None else f"{row['training_minutes']:.1f}",
+                _al(row["acceptance_length"]), _al(row["acceptance_length_per_request"]),
+                " ".join(f"{p:.2f}" for p in row["per_position_rate"]) or "none",
+                *(speedup(by_c[c]) if by_c.get(c, {}).get("speedup") else "not measured"
+                  for c in concurrencies),
+                *(_step(by_c.get(c, {})) for c in concurrencies)])
+        lines += [f"At temperature {t:g}:", ""] + list_table(rows)
+    return lines
+
+
+def _step(entry: dict) -> str:
+    mine, over = entry.get("step_ms"), entry.get("step_over_target_ms")
+    if mine is None:
+        return "?"
+    return f"{mine:.1f}" + ("" if over is None else f" ({over:+.1f})")
 
 
 def serve_command(serve: dict, model: str) -> str:
