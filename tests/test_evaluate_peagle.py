@@ -280,6 +280,15 @@ def test_the_stages_offline_check_replays_a_peagle_drafter_against_vllms_counts(
     assert entry["acceptance_length"] == entry["vllm_acceptance_length"] == K + 1
     assert entry["agrees"] and entry["ratio_offline_over_vllm"] == 1.0
     assert report["forward"] == "loaded"
+    # served beside an EAGLE-3 run's own drafter for comparison, it is replayed the same way
+    # (and the run's own drafter's check leaves it alone)
+    runs[1].update(compare=True, name=f"peagle_k{K}")
+    with one_thread():
+        compared, _ = evaluate.offline_check(cfg, drafters["target_dir"], drafters["peagle"],
+                                             runs, Progress("evaluate", total=1), compared=True)
+        own, _ = evaluate.offline_check(cfg, drafters["target_dir"], drafters["eagle3"], runs,
+                                        Progress("evaluate", total=1))
+    assert compared == out and own == {}
 
 
 # -- drafters side by side -------------------------------------------------------------------
@@ -292,8 +301,11 @@ def test_compared_drafters_are_named_by_their_method_and_never_judged(drafters, 
                                          f"peagle_k{K}", "eagle3_3_k1", f"eagle3_3_k{K}"]
     assert [r["drafter"] for r in plan if r.get("compare")] == [drafters["peagle"]] * 2 + [
         drafters["eagle3"]] * 2
-    # the offline replay checks this run's drafter only
-    assert replays == 2
+    # the offline replay checks every drafter: this run's at each temperature, the compared
+    # ones greedy
+    assert replays == 2 + 4
+    assert evaluate.run_plan({**ev, "temperature": [0, 1]}, drafters["eagle3"])[1] == 4 + 4
+    assert evaluate.run_plan({**ev, "temperature": [1]}, drafters["eagle3"])[1] == 2
     assert evaluate.speculative_config(plan[3])["parallel_drafting"] is True
     assert [r["kind"] for r in plan[3::2]] == ["P-EAGLE", "EAGLE-3"]
     # an EAGLE-3.1 export (its config.json carries fc_norm and norm_output) is named so

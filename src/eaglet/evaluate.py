@@ -898,7 +898,10 @@ def run_plan(ev: dict, drafter_dir: str | None = None) -> tuple[list[dict], int]
     plan += [{"name": f"{method}_k{k}", "method": method, "k": k, "drafter": drafter_dir}
              for k in ev["num_speculative_tokens"]]
     plan += compare_runs(ev, method)
-    replays = len(fixed_k_runs(plan)) * len(temperatures(ev)) if ev["offline"] else 0
+    # each drafter's fixed-k runs at every temperature; a compared one's greedy runs only
+    replays = ((len(fixed_k_runs(plan)) * len(temperatures(ev))
+                + sum(1 for r in plan if r.get("compare")) * (0.0 in temperatures(ev)))
+               if ev["offline"] else 0)
     return plan, replays
 
 
@@ -1210,6 +1213,10 @@ def run_stage(cfg: dict, target_json: str, drafter_dir: str, prompts_path: str,
         if 0.0 in runs_at:
             offline, replayed = offline_check(cfg, target["path"], drafter_dir, runs_at[0.0],
                                               progress, held_out_paths or [])
+            # each drafter served beside it, replayed on the same answers as its own
+            for other in dict.fromkeys(r["drafter"] for r in plan if r.get("compare")):
+                offline.update(offline_check(cfg, target["path"], other, runs_at[0.0],
+                                             progress, held_out_paths or [], compared=True)[0])
         expected = {name: entry for t in temps if t
                     for name, entry in expected_check(cfg, target["path"], drafter_dir,
                                                       runs_at[t], progress,
@@ -1234,6 +1241,11 @@ def run_stage(cfg: dict, target_json: str, drafter_dir: str, prompts_path: str,
               "verdict": verdicts[served_at],
               **({"verdict_by_temperature": {f"{t:g}": v for t, v in verdicts.items()}}
                  if len(temps) > 1 else {})}
+    for row in result["methods"]:
+        check = (offline or {}).get(row["name"])
+        if check:   # greedy: the offline replay's AL on the same answers, and whether it agrees
+            row.update(offline_acceptance_length=check["acceptance_length"],
+                       offline_agrees=check["agrees"])
     if serve_path:
         write_json(serve_path, recommendation)
     write_json(out_path, result)
@@ -1337,7 +1349,8 @@ def _states_label(sources: dict) -> str:
 
 
 def offline_check(cfg: dict, target_path: str, drafter_dir: str, runs: list[dict],
-                  progress: Progress, held_out_paths: list[str] = ()) -> tuple[dict, dict]:
+                  progress: Progress, held_out_paths: list[str] = (),
+                  compared: bool = False) -> tuple[dict, dict]:
     """Replay each fixed-k drafter run offline on the baseline's greedy answers at the lowest
     concurrency, every prompt set, and compare the acceptance lengths with vLLM's on the same
     requests, per set and over the sets replayed.
@@ -1349,10 +1362,12 @@ def offline_check(cfg: dict, target_path: str, drafter_dir: str, runs: list[dict
     the server does (bfloat16 or fp8 beside float32) a loadable target is run instead.
 
     Returns the comparison per run (acceptance.json ``offline``) and where each set's states
-    came from (``offline_replay``)."""
+    came from (``offline_replay``). ``compared``: replay the runs of ``drafter_dir`` served
+    for comparison (:func:`compare_runs`) instead of this run's drafter's."""
     from eaglet.offline_eval import coarser
 
-    fixed = fixed_k_runs(runs)
+    fixed = (fixed_k_runs(runs) if not compared else
+             [r for r in runs if r.get("compare") and r.get("drafter") == drafter_dir])
     ks = sorted({run["k"] for run in fixed})
     drafter, features, stored, no_stored, served = _replay_inputs(cfg, target_path, drafter_dir,
                                                                   held_out_paths)
