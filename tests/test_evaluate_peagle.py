@@ -301,11 +301,11 @@ def test_compared_drafters_are_named_by_their_method_and_never_judged(drafters, 
                                          f"peagle_k{K}", "eagle3_3_k1", f"eagle3_3_k{K}"]
     assert [r["drafter"] for r in plan if r.get("compare")] == [drafters["peagle"]] * 2 + [
         drafters["eagle3"]] * 2
-    # the offline replay checks every drafter: this run's at each temperature, the compared
-    # ones greedy
+    # the offline replay checks every drafter at each temperature, this run's and the
+    # compared ones
     assert replays == 2 + 4
-    assert evaluate.run_plan({**ev, "temperature": [0, 1]}, drafters["eagle3"])[1] == 4 + 4
-    assert evaluate.run_plan({**ev, "temperature": [1]}, drafters["eagle3"])[1] == 2
+    assert evaluate.run_plan({**ev, "temperature": [0, 1]}, drafters["eagle3"])[1] == 2 * (2 + 4)
+    assert evaluate.run_plan({**ev, "temperature": [1]}, drafters["eagle3"])[1] == 2 + 4
     assert evaluate.speculative_config(plan[3])["parallel_drafting"] is True
     assert [r["kind"] for r in plan[3::2]] == ["P-EAGLE", "EAGLE-3"]
     # an EAGLE-3.1 export (its config.json carries fc_norm and norm_output) is named so
@@ -314,7 +314,7 @@ def test_compared_drafters_are_named_by_their_method_and_never_judged(drafters, 
     config = json.loads((variant / "config.json").read_text())
     (variant / "config.json").write_text(json.dumps({**config, "fc_norm": True,
                                                      "norm_output": True}))
-    assert evaluate.drafter_kind(variant) == ("eagle31", "EAGLE-3.1")
+    assert evaluate.drafter_kind(variant) == ("eagle3", "eagle31", "EAGLE-3.1")
     assert [r["name"] for r in evaluate.compare_runs({**ev, "compare_drafters": [variant]})] == [
         "eagle31_k1", f"eagle31_k{K}"]
     # a directory that holds no exported drafter is refused before any server starts

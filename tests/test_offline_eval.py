@@ -649,3 +649,10 @@ def test_the_stage_compares_sampled_runs_by_their_expected_acceptance(world, tmp
     assert entry["agrees"] == (abs(entry["ratio_offline_over_vllm"] - 1) <= 0.03)
     assert entry["states"]["heldout"]["states"] == "forward"
     assert entry["acceptance_length"] != entry["matched_acceptance_length"]  # an expectation
+    # a drafter served beside the run's own for comparison is checked alike, by its own
+    # directory, and the run's own drafter's check leaves it alone
+    compared = {**run, "compare": True, "drafter": "other"}
+    runs = [{"name": "baseline_T0.5", "method": "baseline"}, compared]
+    assert evaluate.expected_check(cfg, str(target_dir), "other", runs, _Progress(),
+                                   compared=True) == out
+    assert evaluate.expected_check(cfg, str(target_dir), "drafter", runs, _Progress()) == {}

@@ -269,10 +269,11 @@ def drafter_method(drafter_dir: str | os.PathLike | None) -> str:
     return "peagle" if peagle.is_parallel(drafter_dir) else "eagle3"
 
 
-def drafter_kind(drafter_dir: str | os.PathLike) -> tuple[str, str]:
-    """The exported drafter's method and variant as a run-name label and in words:
-    ``("peagle", "P-EAGLE")``, ``("eagle31", "EAGLE-3.1")`` where its config.json carries the
-    norms of train.drafter_variant eagle3.1, else ``("eagle3", "EAGLE-3")``."""
+def drafter_kind(drafter_dir: str | os.PathLike) -> tuple[str, str, str]:
+    """The exported drafter's method, and its method and variant as a run-name label and in
+    words: ``("peagle", "peagle", "P-EAGLE")``, ``("eagle3", "eagle31", "EAGLE-3.1")`` where
+    its config.json carries the norms of train.drafter_variant eagle3.1, else
+    ``("eagle3", "eagle3", "EAGLE-3")``."""
     from eaglet.drafter import DRAFTER_VARIANTS
     from eaglet.export import norm_flags
 
@@ -280,8 +281,8 @@ def drafter_kind(drafter_dir: str | os.PathLike) -> tuple[str, str]:
     if method == "eagle3" and Path(drafter_dir, "config.json").is_file():
         flags = norm_flags(read_json(Path(drafter_dir, "config.json")))
         if all(flags[f] == v for f, v in DRAFTER_VARIANTS["eagle3.1"].items()):
-            return "eagle31", "EAGLE-3.1"
-    return method, peagle.METHOD_NAMES[method]
+            return method, "eagle31", "EAGLE-3.1"
+    return method, method, peagle.METHOD_NAMES[method]
 
 
 def is_drafter(run: dict) -> bool:
@@ -716,6 +717,8 @@ def methods_table(runs: list[dict], concurrencies: list[int]) -> list[dict]:
     target alone's; the minutes its training took where its directory says
     (``stats.json``)."""
     base = runs[0]
+    alone = {c: step_ms([lv for lv in base["levels"] if lv["concurrency"] == c])
+             for c in concurrencies}
     rows = []
     for run in runs:
         if not is_drafter(run) or run.get("schedule"):
@@ -724,16 +727,16 @@ def methods_table(runs: list[dict], concurrencies: list[int]) -> list[dict]:
         for c in concurrencies:
             entry = at_concurrency(run, c) if run.get("by_concurrency") else {}
             mine = step_ms([lv for lv in run["levels"] if lv["concurrency"] == c])
-            alone = step_ms([lv for lv in base["levels"] if lv["concurrency"] == c])
             by_c.append({"concurrency": c,
                          **{key: entry.get(key) for key in ("speedup", "speedup_low",
                                                               "speedup_high")},
-                         "step_ms": mine, "target_step_ms": alone,
-                         "step_over_target_ms": (mine - alone) if mine and alone else None})
+                         "step_ms": mine, "target_step_ms": alone[c],
+                         "step_over_target_ms": (mine - alone[c]) if mine and alone[c]
+                         else None})
         stats = Path(run.get("drafter") or ".", "stats.json")
         elapsed = read_json(stats).get("elapsed_s") if stats.is_file() else None
         rows.append({"name": run["name"], "method": run["method"],
-                     "kind": run.get("kind") or (drafter_kind(run["drafter"])[1]
+                     "kind": run.get("kind") or (drafter_kind(run["drafter"])[2]
                                                  if run.get("drafter")
                                                  else peagle.METHOD_NAMES[run["method"]]),
                      "drafter": run.get("drafter"),
@@ -898,10 +901,9 @@ def run_plan(ev: dict, drafter_dir: str | None = None) -> tuple[list[dict], int]
     plan += [{"name": f"{method}_k{k}", "method": method, "k": k, "drafter": drafter_dir}
              for k in ev["num_speculative_tokens"]]
     plan += compare_runs(ev, method)
-    # each drafter's fixed-k runs at every temperature; a compared one's greedy runs only
-    replays = ((len(fixed_k_runs(plan)) * len(temperatures(ev))
-                + sum(1 for r in plan if r.get("compare")) * (0.0 in temperatures(ev)))
-               if ev["offline"] else 0)
+    # every drafter's fixed-k runs at every temperature, this run's and the compared ones
+    replays = (len(fixed_k_runs(plan) + [r for r in plan if r.get("compare")])
+               * len(temperatures(ev)) if ev["offline"] else 0)
     return plan, replays
 
 
@@ -916,11 +918,11 @@ def compare_runs(ev: dict, own_method: str = "eagle3") -> list[dict]:
     schedule and serve.json judge this run's drafter only."""
     dirs = [str(d) for d in ev.get("compare_drafters") or []]
     kinds = [drafter_kind(d) for d in dirs]
-    taken = [own_method] + [label for label, _ in kinds]
+    taken = [own_method] + [label for _, label, _ in kinds]
     runs = []
-    for i, (d, (label, words)) in enumerate(zip(dirs, kinds)):
+    for i, (d, (method, label, words)) in enumerate(zip(dirs, kinds)):
         name = label if taken.count(label) == 1 else f"{label}_{i + 2}"
-        runs += [{"name": f"{name}_k{k}", "method": drafter_method(d), "k": k, "drafter": d,
+        runs += [{"name": f"{name}_k{k}", "method": method, "k": k, "drafter": d,
                   "compare": True, "kind": words} for k in ev["num_speculative_tokens"]]
     return runs
 
@@ -1209,18 +1211,25 @@ def run_stage(cfg: dict, target_json: str, drafter_dir: str, prompts_path: str,
     # greedy speculative decoding reproduces the target's answers; sampled answers differ
     mismatched = _greedy_divergence(runs_at[0.0]) if 0.0 in runs_at else {}
     offline = replayed = expected = None
+    expected_compared: dict = {}
     if ev["offline"]:
+        others = list(dict.fromkeys(r["drafter"] for r in plan if r.get("compare")))
         if 0.0 in runs_at:
             offline, replayed = offline_check(cfg, target["path"], drafter_dir, runs_at[0.0],
                                               progress, held_out_paths or [])
             # each drafter served beside it, replayed on the same answers as its own
-            for other in dict.fromkeys(r["drafter"] for r in plan if r.get("compare")):
+            for other in others:
                 offline.update(offline_check(cfg, target["path"], other, runs_at[0.0],
                                              progress, held_out_paths or [], compared=True)[0])
         expected = {name: entry for t in temps if t
                     for name, entry in expected_check(cfg, target["path"], drafter_dir,
                                                       runs_at[t], progress,
                                                       held_out_paths or []).items()}
+        # the compared drafters' sampled runs are checked alike, and tabled, never judged
+        expected_compared = {name: entry for t in temps if t for other in others
+                             for name, entry in expected_check(
+                                 cfg, target["path"], other, runs_at[t], progress,
+                                 held_out_paths or [], compared=True).items()}
     progress.report("finished")
     recommendation = {**serve_recommendation(choice, runs_at[served_at], drafter_dir),
                       "temperature": served_at}
@@ -1235,29 +1244,33 @@ def run_stage(cfg: dict, target_json: str, drafter_dir: str, prompts_path: str,
                                                                       concurrencies)],
               "outputs_differ_from_baseline": mismatched, "offline": offline,
               "offline_replay": replayed,
-              **({"offline_expected": expected} if expected else {}),
+              **({"offline_expected": {**expected, **expected_compared}}
+                 if expected or expected_compared else {}),
               "servers": {"side_by_side": place.together, "why": place.reason},
               "serve": recommendation,
               "verdict": verdicts[served_at],
               **({"verdict_by_temperature": {f"{t:g}": v for t, v in verdicts.items()}}
                  if len(temps) > 1 else {})}
     for row in result["methods"]:
-        check = (offline or {}).get(row["name"])
-        if check:   # greedy: the offline replay's AL on the same answers, and whether it agrees
+        # greedy: the replay's AL on the same answers; sampled: the expected AL of the run's
+        # own answers; and whether vLLM's agrees
+        check = ((offline or {}).get(row["name"])
+                 or result.get("offline_expected", {}).get(row["name"]))
+        if check:
             row.update(offline_acceptance_length=check["acceptance_length"],
                        offline_agrees=check["agrees"])
     if serve_path:
         write_json(serve_path, recommendation)
     write_json(out_path, result)
-    for row in result["methods"]:
-        if any(r["compared"] for r in result["methods"]):
-            log.info("side by side: %s at temperature %g: AL %s; %s", row["name"],
-                     row["temperature"], _al_text(row["acceptance_length"]), "; ".join(
-                         f"concurrency {e['concurrency']}: "
-                         + (_speed(e) if e["speedup"] is not None else "?")
-                         + (f", {e['step_ms']:.1f} ms/step ({e['step_over_target_ms']:+.1f})"
-                            if e["step_over_target_ms"] is not None else "")
-                         for e in row["by_concurrency"]))
+    side_by_side = any(r["compared"] for r in result["methods"])
+    for row in result["methods"] if side_by_side else ():
+        log.info("side by side: %s at temperature %g: AL %s; %s", row["name"],
+                 row["temperature"], _al_text(row["acceptance_length"]), "; ".join(
+                     f"concurrency {e['concurrency']}: "
+                     + (_speed(e) if e["speedup"] is not None else "?")
+                     + (f", {e['step_ms']:.1f} ms/step ({e['step_over_target_ms']:+.1f})"
+                        if e["step_over_target_ms"] is not None else "")
+                     for e in row["by_concurrency"]))
     for warning in result["verdict"]["warnings"]:
         log.warning(warning)
     if "summary" in result["verdict"]:
@@ -1366,8 +1379,7 @@ def offline_check(cfg: dict, target_path: str, drafter_dir: str, runs: list[dict
     for comparison (:func:`compare_runs`) instead of this run's drafter's."""
     from eaglet.offline_eval import coarser
 
-    fixed = (fixed_k_runs(runs) if not compared else
-             [r for r in runs if r.get("compare") and r.get("drafter") == drafter_dir])
+    fixed = _checked_runs(runs, drafter_dir, compared)
     ks = sorted({run["k"] for run in fixed})
     drafter, features, stored, no_stored, served = _replay_inputs(cfg, target_path, drafter_dir,
                                                                   held_out_paths)
@@ -1445,8 +1457,17 @@ GREEDY_TOLERANCE = 0.01
 EXPECTED_TOLERANCE = 0.03
 
 
+def _checked_runs(runs: list[dict], drafter_dir: str, compared: bool) -> list[dict]:
+    """The runs an offline check replays: this run's drafter's fixed-k runs, or (``compared``)
+    those of ``drafter_dir`` served beside it for comparison."""
+    if not compared:
+        return fixed_k_runs(runs)
+    return [r for r in runs if r.get("compare") and r.get("drafter") == drafter_dir]
+
+
 def expected_check(cfg: dict, target_path: str, drafter_dir: str, runs: list[dict],
-                   progress: Progress, held_out_paths: list[str] = ()) -> dict:
+                   progress: Progress, held_out_paths: list[str] = (),
+                   compared: bool = False) -> dict:
     """The offline check of runs measured at one temperature above 0 (``runs``): each
     fixed-k drafter run's own sampled answers at the lowest concurrency, every prompt set,
     replayed for their expected acceptance at that temperature
@@ -1456,12 +1477,14 @@ def expected_check(cfg: dict, target_path: str, drafter_dir: str, runs: list[dic
     as the replay assumes. States come as for the greedy check (:func:`offline_check`), the
     final-norm ones with them; a sampled answer is rarely the one stored, so the replay
     mostly needs the target's forward. Returns the comparison per run (acceptance.json
-    ``offline_expected``); {} where the target's lm_head cannot be read."""
+    ``offline_expected``); {} where the target's lm_head cannot be read. ``compared``: check
+    the runs of ``drafter_dir`` served for comparison (:func:`compare_runs`) instead of this
+    run's drafter's, as :func:`offline_check` does."""
     import torch
 
     from eaglet.target import TargetError, load_target_lm_head
 
-    fixed = fixed_k_runs(runs)
+    fixed = _checked_runs(runs, drafter_dir, compared)
     if not fixed:
         return {}
     drafter, features, *_ = _replay_inputs(cfg, target_path, drafter_dir, held_out_paths,

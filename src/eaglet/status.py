@@ -78,14 +78,26 @@ BENCHMARKS_ONLY = "benchmarks only"
 EARLIER_RUN = "an earlier run"   # the source of a plan read from this machine's rates history
 
 
-def _earlier_source(entry: dict) -> str:
+class Basis(str):
+    """What a plan's rate rests on, in words, and whether it was measured on this kind of
+    machine (``here``): such a rate is used as it is, never scaled by a speed factor."""
+
+    here: bool
+
+    def __new__(cls, text: str, here: bool = False) -> "Basis":
+        basis = super().__new__(cls, text)
+        basis.here = here
+        return basis
+
+
+def _earlier_source(entry: dict) -> Basis:
     """Where a plan read from the rates history comes from: this machine (EARLIER_RUN), or
     another kind of machine, which is planned as the benchmarks are (scaled by this machine's
     speed)."""
     device = entry.get("device")
     if device in (None, rates.device_kind()):
-        return EARLIER_RUN
-    return f"an earlier run on another machine ({device})"
+        return Basis(EARLIER_RUN, here=True)
+    return Basis(f"an earlier run on another machine ({device})")
 
 
 def _rate(stage: str, key: str, target: str | None, measured: float | None = None,
@@ -116,19 +128,20 @@ def _train_rate(target: str, ttt_steps: int, max_len: int | None = None,
     token grows about linearly."""
     entry = (None if before == BENCHMARKS_ONLY
              else rates.lookup_entry("train", "tokens_per_s", target, before, settings))
-    source = _earlier_source(entry) if entry is not None else ""
+    source = _earlier_source(entry) if entry is not None else Basis("")
     if entry is None:
         rows = [row for row in (_read(BENCHMARKS / "train.json") or {}).values()
                 if row.get("shape") and row["shape"] in target and row.get("tokens_per_s")]
         if not rows:
             return None, "no rate measured yet"
         entry = min(rows, key=lambda row: abs(math.log(row["sample_len"] / (max_len or row["sample_len"]))))
-        source = f"benchmarks/results, {entry['sample_len']}-token samples"
+        source = Basis(f"benchmarks/results, {entry['sample_len']}-token samples")
     measured_at = int(entry.get("ttt_steps") or ttt_steps)
     rate = float(entry["tokens_per_s"]) * measured_at / ttt_steps
     if measured_at == ttt_steps:
         return rate, source
-    return rate, f"{source} at {measured_at} TTT steps, scaled to {ttt_steps}"
+    return rate, Basis(f"{source} at {measured_at} TTT steps, scaled to {ttt_steps}",
+                       here=source.here)
 
 
 def _bench_generate(concurrency: int) -> float | None:
@@ -396,7 +409,7 @@ def _at_machine_speed(stage: Stage, kind: str, r: Path, cfg: dict,
     is."""
     machine = machine_speed(r, cfg)
     rate, basis = lookup(machine.since)
-    if rate is not None and basis.split(" at ")[0] == EARLIER_RUN:
+    if rate is not None and getattr(basis, "here", False):
         # this machine already: scaled by nothing
         return rate, basis, None
     speed = machine.speed(kind, stage.name)
@@ -827,7 +840,7 @@ class Evaluate(Stage):
         generated = machine.measured_by("generate")
         at = cfg["evaluate"]["concurrency"][0]
         earlier, source = self.planned_rate(cfg, machine.since)
-        if earlier is not None and source == EARLIER_RUN:
+        if earlier is not None and getattr(source, "here", False):
             # an earlier evaluation's own rate on this machine: generation's long answers
             # at its concurrency decode faster per request than the sweep's short ones (the
             # benchmark's curve put a demo's c=1 at 18 tok/s where its evaluation measured
