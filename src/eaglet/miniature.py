@@ -60,7 +60,16 @@ TEACH_SAMPLES = 160
 # their order, where a toy model's residual uncertainty would otherwise emit tokens outside
 # them (a stand-in tokenizer's holes among them) or end the reasoning early.
 OTHER_MARGIN, SHARPEN = 4.0, 2.0
-# teaching stops early once every one of the last LEARNED_STEPS steps was under LEARNED_LOSS
+# Teaching takes TEACH_STEPS steps of TEACH_BATCH sequences (the same miniature on any machine),
+# within the rehearsal's time budget, and stops early once every one of the last LEARNED_STEPS
+# steps was under LEARNED_LOSS. Small batches teach more per second: the target's attention
+# shapes are kept, so a step's cost grows with its tokens, and the loss falls with the number of
+# steps more than with their size (Kimi-K2.5's miniature, one thread, 60 s: batches of 8 reached
+# loss 3.1 in 62 steps, of 4 0.95 in 117, of 2 0.40 in 195, of 1 0.42 in 269; batches of 2
+# reached 0.08 in 470 steps, where the budget of 150 s with batches of 8 ended at 0.1 to 0.3).
+# 300 steps (loss 0.45) were too few: one of 64 answers sampled at temperature 1 closed the
+# turn inside the reasoning, which the template check rightly refused.
+TEACH_STEPS, TEACH_BATCH = 450, 2
 LEARNED_STEPS, LEARNED_LOSS = 20, 0.05
 
 
@@ -178,9 +187,10 @@ def format_samples(tokenizer, template_kwargs: dict, reasoning: bool,
 
 
 def teach(model, sequences: list[tuple[list[int], int]], seconds: float,
-          batch: int = 8, lr: float = 1e-3) -> dict:
+          steps: int = TEACH_STEPS, batch: int = TEACH_BATCH, lr: float = 1e-3) -> dict:
     """Train ``model`` on the answers of ``sequences`` (prompt tokens are context only) for
-    about ``seconds``; return the steps, epochs and the first and last loss.
+    ``steps`` steps, or about ``seconds`` if that ends first; return the steps, epochs and the
+    first and last loss.
 
     Every token outside the answers' own shares one output row, ``other``, in the softmax
     (with the log of their count added to its logit), and gets that row afterwards: the
@@ -215,7 +225,7 @@ def teach(model, sequences: list[tuple[list[int], int]], seconds: float,
     started, step, losses = time.monotonic(), 0, []
     order = list(range(len(sequences)))
     rng = random.Random(0)
-    while time.monotonic() - started < seconds:
+    while step < steps and time.monotonic() - started < seconds:
         if step % math.ceil(len(order) / batch) == 0:
             rng.shuffle(order)
         chosen = [sequences[i] for i in order[(step * batch) % len(order):][:batch]]

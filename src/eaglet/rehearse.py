@@ -463,7 +463,7 @@ def render_report(report: Report) -> str:
 
 def rehearse(config_file: str, target_files_dir: str | None, out: Path, cores: int,
              teach_seconds: float) -> Report:
-    from eaglet.miniature import build
+    from eaglet.miniature import TEACH_BATCH, TEACH_STEPS, build
 
     started = time.monotonic()
     user = yaml.safe_load(Path(config_file).read_text()) or {}
@@ -474,6 +474,7 @@ def rehearse(config_file: str, target_files_dir: str | None, out: Path, cores: i
 
     miniature = out / "miniature"
     stamp = {"files_sha256": _sha(files), "teach_seconds": teach_seconds,
+             "teach_steps": [TEACH_STEPS, TEACH_BATCH],
              "template_kwargs": _get(user, "generate.chat_template_kwargs") or {},
              "reasoning": bool(_get(user, "server.reasoning_parser"))}
     if _read(miniature / "built.json") != stamp:
