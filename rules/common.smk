@@ -27,7 +27,10 @@ MODEL_ENV = (
 )
 
 # Hidden-state shards: extract.num_shards for the training samples, one for the held-out ones.
-TRAIN_SHARDS = [f"{i:05d}" for i in range(config["extract"]["num_shards"])]
+# train.data stream: the training samples' states go from the server to the trainer and are
+# never stored; only the held-out shard is extracted.
+STREAM = config["train"]["data"] == "stream"
+TRAIN_SHARDS = [] if STREAM else [f"{i:05d}" for i in range(config["extract"]["num_shards"])]
 EVAL_SHARDS = ["00000"]
 
 # Outputs `all` asks for beyond the verdict's, each only when its stage is enabled.

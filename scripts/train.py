@@ -17,9 +17,17 @@ args = {"cfg": dict(smk.params.train), "shard_paths": list(smk.input.shards),
         "out_dir": str(Path(smk.output.weights).parent), "checkpoint_dir": smk.params.checkpoints,
         "progress_path": smk.params.progress, "log_path": smk.log[0],
         "manifest": smk.input.manifest}
+stream = smk.params.get("stream")
+if stream is not None:  # train.data stream (eaglet.train_stream)
+    cfg = {"extract": {**smk.config["extract"], **stream["extract"]}, "target": stream["target"],
+           "server": smk.config["server"], "generate": smk.config["generate"]}
+    args["stream"] = {"cfg": cfg, "target_json": smk.input.target, "data": smk.input.data,
+                      "work_dir": stream["work"], "server_log": smk.log.server}
 gpus = int(smk.resources.get("gpu", 0))
+# processes of the training: its own GPUs (a streaming job's resource counts the server's too)
+nproc = gpus if stream is None else 1
 
 
 run_stage("train", smk.log[0],
-          (lambda: launch_torchrun(args, gpus)) if gpus > 1 else lambda: train(**args),
+          (lambda: launch_torchrun(args, nproc)) if nproc > 1 else lambda: train(**args),
           gpus=gpus)

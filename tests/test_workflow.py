@@ -305,6 +305,54 @@ def test_trained_drafter_is_measured_in_vllm_and_reported(results, tmp_path):
     assert served in first_page, (served, first_page[:3000])
 
 
+def test_streamed_states_from_the_server_train_the_drafter_of_the_shards(results, tmp_path):
+    """train.data stream: the real capture server computes the training samples' states as
+    training reads them (cached after the first epoch here), none stored as a shard; the
+    drafter equals the one trained on the shards up to the engine's float rounding (its
+    batches differ from the extraction's), and the workflow plans it without training
+    shards."""
+    from eaglet.config import stage_params
+    from eaglet.target import read_target
+    from eaglet.train import train
+
+    workflow.run(results, "drafter/model.safetensors")  # shard mode's (trained already)
+    overlay = tmp_path / "stream.yaml"
+    overlay.write_text("train:\n  data: stream\n")
+    planned = workflow.run(results, "drafter/model.safetensors",
+                           extra=("-n", "--forcerun", "train"), configs=(overlay,))
+    plan = planned.stdout + planned.stderr
+    assert "rule train" in plan and "rule extract_vllm" not in plan, plan[-3000:]
+    cfg = load_run_config(results, str(workflow.TINY), workflow.REPO)
+    train_cfg = {**stage_params(cfg, "train", drop=("gpus",)), "data": "stream",
+                 "stream_cache_gib": 1}
+    manifest = results / "hidden" / "manifest.json"
+    work = tmp_path / "vllm"
+    summary = train(train_cfg, [], [str(results / "hidden" / "eval" / "shard_00000.safetensors")],
+                    str(results / "vocab" / "vocab_map.safetensors"),
+                    read_target(results / "target" / "target.json")["path"],
+                    out_dir=str(tmp_path / "drafter"), checkpoint_dir=str(tmp_path / "ckpt"),
+                    progress_path=None, log_path=None, manifest=str(manifest),
+                    stream={"cfg": cfg, "target_json": str(results / "target" / "target.json"),
+                            "data": str(results / "synthetic" / "train.jsonl"),
+                            "work_dir": str(work), "server_log": str(tmp_path / "server.log")})
+    stream = summary["stream"]
+    n = len(read_jsonl(results / "synthetic" / "train.jsonl"))
+    epochs = cfg["train"]["epochs"]
+    assert stream["server_started"] and stream["requests"] == n
+    assert stream["cache_reads"] == (epochs - 1) * n and stream["samples"] == epochs * n
+    assert stream["teacher_agreement"] >= 0.99  # the engine's states against its own answers
+    assert not list((work / "requests").glob("*.safetensors"))  # none kept after training
+    shard_stats = read_json(results / "drafter" / "stats.json")
+    assert summary["steps"] == shard_stats["steps"]
+    ours, theirs = summary["eval"], shard_stats["eval"]
+    assert float(ours["sim_al"]) == pytest.approx(float(theirs["sim_al"]), abs=0.02)
+    assert float(summary["train"]["loss"]) == pytest.approx(float(shard_stats["train"]["loss"]),
+                                                            rel=0.05)
+    print(f"held-out simulated AL: shards {float(theirs['sim_al']):.4f}, stream "
+          f"{float(ours['sim_al']):.4f}; trainer waited {stream['trainer_wait_s']} s "
+          f"(server start {stream['server_start_s']:.0f} s)")
+
+
 def test_states_captured_while_generating_train_a_drafter_like_the_extracted_ones(results, tmp_path):
     """generate.capture_hidden_states: generation runs again on a server with the capture
     options (the recorded answers, never generated, sent to it as prefill requests), and the

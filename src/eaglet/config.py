@@ -130,6 +130,8 @@ def validate(config: dict[str, Any]) -> dict[str, Any]:
             "the same server at temperature 0 answered exactly as without capture). Set "
             "generate.capture_hidden_states: false (extraction then prefills the answers as "
             "its own stage) or generate at temperature 0")
+    if cfg["train"]["data"] == "stream":
+        stream_refusals(cfg)
     too_long = answers_past_context(cfg)
     if too_long:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(too_long))
@@ -209,8 +211,28 @@ ADDED_LATER = {"generate": {"capture_hidden_states": False, "chat_template_kwarg
                "train": {"loss_on_prompt": False, "feature_noise": 0.0, "host_ram_mb": 4096,
                          "prefetch_batches": None, "attention": "auto",
                          "drafter_attention": "llama", "method": "eagle3",
-                         "drafter_variant": "eagle3"},
+                         "drafter_variant": "eagle3", "data": "shards",
+                         "stream_cache_gib": 0, "stream_ahead": None},
                "evaluate": {"compare_drafters": []}}
+
+
+def stream_refusals(cfg: dict[str, Any]) -> None:
+    """``train.data: stream`` with settings it cannot serve."""
+    problems = []
+    if cfg["extract"]["backend"] != "vllm":
+        problems.append("train.data stream takes the states from the capture server of "
+                        f"extract.backend vllm, but extract.backend is "
+                        f"{cfg['extract']['backend']!r}: set extract.backend: vllm")
+    if cfg["train"]["gpus"] > 1:
+        problems.append(f"train.data stream trains in one process, but train.gpus is "
+                        f"{cfg['train']['gpus']}: set train.gpus to 1 (the drafter's one "
+                        "layer trains on one GPU beside the server), or train.data: shards")
+    if cfg["scaling"]["enabled"]:
+        problems.append("scaling.enabled trains again on nested parts of the training shards, "
+                        "which train.data stream does not write: set scaling.enabled: false, "
+                        "or train.data: shards")
+    if problems:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
 
 
 def stage_params(cfg: dict[str, Any], section: str, drop: tuple[str, ...] = ()) -> dict[str, Any]:

@@ -421,9 +421,6 @@ def fits(device_bytes: int) -> bool:
 # -- the dataset on disk, by train.data mode -------------------------------------------------
 
 TOKEN_ID_BYTES = 8  # a request file's token_ids are int64
-# micro-batches a rank's stream window holds beyond train.prefetch_batches (null: 2 on a
-# GPU): the one training and the one whose prefill requests are in flight
-STREAM_AHEAD = 2
 
 
 def request_bytes_per_token(s: Shape, dtype: str) -> int:
@@ -523,12 +520,12 @@ def plan(s: Shape, *, tokens: int, max_len: int | None, steps: int, batch_tokens
          extract_max_len: int, target_dtype: str, store_dtype: str, shard_tokens: int,
          precision: str = "bfloat16", attention: str = "auto",
          train_tokens: int | None = None, heldout_tokens: int = 0, num_shards: int = 1,
-         capture_during_generation: bool = False, window_batches: int = 2 + STREAM_AHEAD,
+         capture_during_generation: bool = False, window_samples: int = 32,
          ranks: int = 8, kv_tokens: int | None = None, kv_cache_bytes: int | None = None,
          served_bytes: int | None = None) -> dict:
     """Every stage's memory for ``s`` at ``tokens`` rows a micro-batch; with
     ``train_tokens`` also the dataset's disk in each train.data mode (a stream window of
-    ``window_batches`` micro-batches on each of ``ranks`` training ranks); and the capture
+    ``window_samples`` samples of up to ``extract_max_len`` tokens); and the capture
     server (a KV cache of ``kv_tokens``, default one longest sample) and a training rank
     on each of ``ranks`` GPUs together."""
     ext = extraction(s, batch_tokens, extract_max_len, target_dtype, store_dtype, shard_tokens)
@@ -567,8 +564,8 @@ def plan(s: Shape, *, tokens: int, max_len: int | None, steps: int, batch_tokens
             s, train_tokens=train_tokens, heldout_tokens=heldout_tokens, store_dtype=store_dtype,
             serving_dtype=target_dtype, num_shards=num_shards,
             capture_during_generation=capture_during_generation,
-            window_tokens=window_batches * ranks * tokens)
-        out["disk"].update(window_batches=window_batches, ranks=ranks, num_shards=num_shards,
+            window_tokens=window_samples * extract_max_len)
+        out["disk"].update(window_samples=window_samples, num_shards=num_shards,
                            capture_during_generation=capture_during_generation)
     kv_tokens = extract_max_len if kv_tokens is None else kv_tokens
     server = capture_server(s, ranks=ranks, dtype=target_dtype, kv_tokens=kv_tokens,
@@ -667,8 +664,9 @@ def _disk_lines(d: dict) -> list[str]:
         f"{stream['peak'] / shards['peak']:.1%} of shards mode: {size(stream['stored'])} of "
         f"held-out shards and {size(stream['peak_requests'])} of request files: the held-out "
         f"split's before it is packed, or a window of {d['window_tokens']:,} training tokens "
-        f"(assumed: {d['window_batches']} micro-batches on each of {d['ranks']} ranks; "
-        f"--stream-window sets it)"]
+        f"({d['window_samples']} samples ahead of the trainer, train.stream_ahead or "
+        f"--stream-window, of up to {d['window_tokens'] // max(d['window_samples'], 1):,} "
+        f"tokens), plus train.stream_cache_gib if set"]
 
 
 def _colocation_lines(c: dict, dtype: str) -> list[str]:
@@ -815,8 +813,8 @@ def build_parser():
                         help="GPUs the capture server and the trainer share (default: the "
                              "config's server.gpus, else 8)")
     parser.add_argument("--stream-window", type=int, default=None,
-                        help="micro-batches a training rank's stream window holds (default: "
-                             f"train.prefetch_batches, 2 on a GPU, plus {STREAM_AHEAD})")
+                        help="samples the stream feed holds ahead of the trainer (default: "
+                             "train.stream_ahead, else twice extract.concurrency)")
     parser.add_argument("--shard-tokens", type=int, default=None,
                         help="tokens in one shard (default: the largest shard written so far, "
                              "else 1,000,000)")
@@ -869,8 +867,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         dataset = None if args.preset else _generated_tokens(results)
     gpus = args.gpus or (server["gpus"] if server["gpus"] > 1 else 8)
-    prefetch = train["prefetch_batches"]
-    window = args.stream_window or (2 if prefetch is None else prefetch) + STREAM_AHEAD
+    window = args.stream_window or train["stream_ahead"] or 2 * ext["concurrency"]
     kv_gib = server.get("kv_cache_gib")
     plans, texts = [], []
     for shape in shapes:
@@ -887,7 +884,7 @@ def main(argv: list[str] | None = None) -> int:
                      heldout_tokens=dataset[1] if dataset else 0,
                      num_shards=ext["num_shards"],
                      capture_during_generation=cfg["generate"]["capture_hidden_states"],
-                     window_batches=window, ranks=gpus,
+                     window_samples=window, ranks=gpus,
                      # vLLM starts only with room for one sequence of its context length
                      kv_tokens=max(ext["concurrency"] * longest, longest + 1,
                                    cfg["target"]["max_model_len"]),

@@ -35,6 +35,7 @@ from typing import Any, Callable
 
 from eaglet import rates
 from eaglet.config import load_run_config
+from eaglet.io import human_size
 from eaglet.evaluate import level_prompts, run_plan
 from eaglet.progress import format_duration
 from eaglet.server import pid_alive
@@ -711,6 +712,26 @@ def _shipped_line(s: dict) -> str:
             f"(held-out AL {s['heldout_al']:.2f}{which})")
 
 
+# what status keeps of drafter/stats.json's ``stream`` (train_stream.StateFeed.summary)
+STREAM_KEYS = ("requests", "saved_files", "cache_reads", "cache_files", "cache_bytes",
+               "trainer_wait_s", "feed_wait_s", "server_idle_s", "server_start_s")
+
+
+def _stream_line(s: dict, elapsed_s: float | None) -> str:
+    """How a streamed training got its states, and which side waited for the other: the
+    trainer for the server's states, or the feed (its window full) for the trainer."""
+    got = (f"states streamed: {s.get('requests') or 0} prefill requests, "
+           f"{s.get('saved_files') or 0} saved by generation or an earlier run, "
+           f"{s.get('cache_reads') or 0} read from the cache "
+           f"({s.get('cache_files') or 0} files, {human_size(s.get('cache_bytes') or 0)})")
+    start = s.get("server_start_s") or 0.0
+    waited = max((s.get("trainer_wait_s") or 0.0) - start, 0.0)
+    whole = f" of {elapsed_s:.0f} s" if elapsed_s else ""
+    return (f"{got}; the trainer waited {waited:.0f} s{whole} for states (besides "
+            f"{start:.0f} s of server start), the server {s.get('server_idle_s') or 0:.0f} s "
+            f"with no request (the feed {s.get('feed_wait_s') or 0:.0f} s for the trainer)")
+
+
 class Train(Stage):
     name = "train"
     outputs = ("drafter/model.safetensors",)
@@ -727,9 +748,13 @@ class Train(Stage):
                 out[f"{split}_simulated_al"] = float(last[-1]["sim_al"])
         if rows:
             out["steps"] = int(rows[-1]["step"])
-        shipped = (_read(r / "drafter/stats.json") or {}).get("shipped")
+        stats = _read(r / "drafter/stats.json") or {}
+        shipped = stats.get("shipped")
         if isinstance(shipped, dict):
             out["shipped"] = {key: shipped.get(key) for key in SHIPPED_KEYS}
+        if isinstance(stats.get("stream"), dict):  # train.data stream
+            out["stream"] = {key: stats["stream"].get(key) for key in STREAM_KEYS}
+            out["elapsed_s"] = stats.get("elapsed_s")
         return out
 
     def line(self, f):
@@ -742,6 +767,8 @@ class Train(Stage):
                              f"{f[f'{split}_simulated_al']:.2f}")
         if f.get("shipped"):
             parts.append(_shipped_line(f["shipped"]))
+        if f.get("stream"):
+            parts.append(_stream_line(f["stream"], f.get("elapsed_s")))
         return "; ".join(parts)
 
     def kind(self, cfg):

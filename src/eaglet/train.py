@@ -219,23 +219,36 @@ class Trainer:
     def from_files(cls, cfg: dict, shard_paths, eval_shard_paths, vocab_map: str,
                    target_dir: str, checkpoint_dir: str, device: torch.device, dist_: Dist,
                    manifest: str | None = None,
-                   train_samples: list[str] | None = None) -> "Trainer":
+                   train_samples: list[str] | None = None,
+                   stream: dict | None = None) -> "Trainer":
         """Check the shards and the vocabulary map against the target, and build the drafter
         from the target's embedding (and lm_head rows and last layer, as configured).
-        ``train_samples``: the ids of the shards' samples to train on (None: all)."""
-        if not shard_paths:
+        ``train_samples``: the ids of the shards' samples to train on (None: all).
+        ``stream``: the training samples' states come from the capture server as training
+        reads them (``train.data: stream``, :func:`eaglet.train_stream.open_stream`'s
+        argument), not from ``shard_paths``."""
+        if not shard_paths and stream is None:
             raise TrainError("no training shards: the extract stage produced none")
         target_config = read_target_config(target_dir)
         text = text_config(target_config)
         d2t, t2d = load_vocab_map(vocab_map)
         check_vocab_map(text, d2t, t2d)
         hashes = manifest_hashes(manifest, shard_paths + eval_shard_paths) if manifest else {}
-        infos = [index_shard(p, t2d.numel(), hashes.get(p)) for p in shard_paths]
         eval_infos = [index_shard(p, t2d.numel(), hashes.get(p)) for p in eval_shard_paths]
+        streamed = None
+        if stream is not None:
+            from eaglet.train_stream import open_stream
+            if dist_.world > 1:
+                raise TrainError("train.data: stream trains in one process (its states come "
+                                 "from one feed): set train.gpus to 1, or train.data: shards")
+            streamed = open_stream(stream, cfg)
+            infos = streamed.infos
+        else:
+            infos = [index_shard(p, t2d.numel(), hashes.get(p)) for p in shard_paths]
         check_shards(infos + eval_infos, text, target_dir)
         cfg = {**cfg, "prefetch_batches": prefetch_depth(cfg["prefetch_batches"], device)}
         memory = data_memory(cfg, infos + eval_infos)  # shared: one budget per process
-        train_data = Samples(infos, cfg["shards_in_memory"], memory)
+        train_data = streamed or Samples(infos, cfg["shards_in_memory"], memory)
         eval_data = Samples(eval_infos, cfg["shards_in_memory"], memory)
         train_data.preload()
         eval_data.preload()
@@ -572,6 +585,10 @@ class Trainer:
 
     def run(self, progress: Progress | None, stop_after_steps: int | None = None) -> bool:
         """Train to the end (True), or until ``stop_after_steps`` (False: as if killed)."""
+        start = getattr(self.train_data, "start", None)
+        if start is not None:  # streamed states: asked for in the order training reads them
+            self.train_data.feed.extractor.progress = progress
+            start([i for _, indices in self.upcoming() for i in indices])
         feed = self.prefetcher()
         try:
             return self._run(progress, stop_after_steps, feed)
@@ -640,7 +657,7 @@ def train(cfg: dict, shard_paths: list[str], eval_shard_paths: list[str], vocab_
           target_dir: str, out_dir: str, checkpoint_dir: str, progress_path: str | None,
           log_path: str | None, *, rate_key: str | None = None,
           stop_after_steps: int | None = None, manifest: str | None = None,
-          train_samples: list[str] | None = None) -> dict:
+          train_samples: list[str] | None = None, stream: dict | None = None) -> dict:
     """Train a drafter and write ``out_dir/{config.json, model.safetensors, training_log.csv,
     stats.json}``: the weights of the best held-out evaluation (see the module's docstring).
 
@@ -652,6 +669,8 @@ def train(cfg: dict, shard_paths: list[str], eval_shard_paths: list[str], vocab_
     ``rate_key`` (the target's spec) records the measured tokens/s in the rates history that
     `eaglet status` estimates later runs from; None (benchmarks, tests) records nothing.
     ``train_samples``: the ids of the samples to train on, a subset of the shards' (None: all).
+    ``stream``: ``train.data: stream``, the training samples' states from the capture server
+    (see :func:`eaglet.train_stream.open_stream`); ``shard_paths`` is then empty.
     Returns the run's summary, as stats.json holds it: the last training and held-out rows,
     throughput, and (rank 0) ``shipped``: which weights were exported (``choice`` best or
     last, their ``step``, ``epoch`` and ``heldout_al``) against ``best_epoch``/
@@ -665,7 +684,7 @@ def train(cfg: dict, shard_paths: list[str], eval_shard_paths: list[str], vocab_
     try:
         trainer = Trainer.from_files(cfg, list(shard_paths), list(eval_shard_paths), vocab_map,
                                      target_dir,
-                          checkpoint_dir, device, dist_, manifest, train_samples)
+                          checkpoint_dir, device, dist_, manifest, train_samples, stream)
         trainer.resume()
         if dist_.rank == 0:
             trainer.check_disk()
@@ -682,6 +701,11 @@ def train(cfg: dict, shard_paths: list[str], eval_shard_paths: list[str], vocab_
         summary = {"steps": trainer.step, "resumed_from_step": first_step,
                    "train": last["train"], "eval": last["eval"],
                    "layer_init": trainer.layer_init}
+        if stream is not None:
+            summary["stream"] = trainer.train_data.feed.summary()
+            trainer.train_data.feed.clear_cache()  # trained: no epoch reads them again
+            if dist_.rank == 0:
+                log.info("streamed states: %s", summary["stream"])
         if dist_.rank == 0:
             summary["shipped"] = trainer.ship()
             peagle.export(trainer.model, out_dir, cfg["export_dtype"])  # either method

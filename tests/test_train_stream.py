@@ -1,0 +1,222 @@
+"""train.data stream (eaglet.train_stream): the training samples' states from the capture
+server as training reads them, none stored as shards.
+
+A tiny random Llama stands in for the target. The server's side is its connector's request
+file (written here from the model as the connector writes it, tests/test_extract_vllm_parts);
+the real vLLM server is exercised by tests/test_workflow.py. Against those files, stream mode
+trains the drafter shard mode trains on shards packed from the same files, bit for bit, and
+a run stopped mid-epoch resumes to the same weights.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eaglet import train_stream
+from eaglet.config import ConfigError, validate
+from eaglet.io import atomic_open, request_path, write_jsonl
+from eaglet.train import TrainError, train
+from tests.test_extract_vllm_parts import connector_file
+from tests.tiny_llama import VOCAB, greedy_records, make_tiny_llama, one_thread
+
+AUX = [1, 3, 4]
+TRAIN = {"epochs": 2, "lr": 3e-3, "max_tokens_per_batch": 64, "ttt_steps": 2, "log_every": 1,
+         "checkpoint_every": 2, "warmup_steps": 1, "seed": 0, "device": "cpu"}
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A tiny target, greedy samples of it (train and held out), every training sample's
+    request file as the connector writes it (kept in ``files``), the training shards packed
+    from those files by the vllm extraction, the held-out shard, a vocabulary map."""
+    from eaglet.extract_vllm import Extractor, extract_shards, shard_jobs
+    from eaglet.target import prepare_target
+    from safetensors.torch import save
+
+    root = tmp_path_factory.mktemp("stream")
+    with one_thread():
+        model = make_tiny_llama(root / "model", seed=11)
+        records = greedy_records(model, n=9, seed=4)
+        held_out = greedy_records(model, n=3, seed=8, prefix="e")
+    info = prepare_target(str(root / "model"), root / "target")
+    write_jsonl(root / "train.jsonl", records)
+    cfg = validate({"extract": {"backend": "vllm", "device": "cpu", "dtype": "float32",
+                                "max_len": 64, "aux_layer_ids": AUX, "num_shards": 3,
+                                "concurrency": 2},
+                    "target": {"dtype": "float32"}})
+    files = root / "files"
+    files.mkdir()
+    (root / "work" / "requests").mkdir(parents=True)
+    work, hidden = root / "work", root / "hidden"
+    for r in records + held_out:  # the training samples' kept, to be copied for each run
+        connector_file(model, request_path(files if r in records else work / "requests",
+                                           r["id"]),
+                       r["prompt_token_ids"] + r["completion_token_ids"])
+    shutil.copytree(files, work / "requests", dirs_exist_ok=True)
+    jobs = (shard_jobs(records, 3, [str(hidden / f"shard_{i:05d}.safetensors") for i in range(3)],
+                       [str(hidden / f"shard_{i:05d}.json") for i in range(3)], work, "train")
+            + shard_jobs(held_out, 1, [str(hidden / "eval" / "shard_00000.safetensors")],
+                         [str(hidden / "eval" / "shard_00000.json")], work, "eval"))
+    Extractor.ensure_server, saved = (lambda self: pytest.fail("a server was started"),
+                                      Extractor.ensure_server)
+    try:
+        with one_thread():
+            extract_shards(cfg, info, jobs, work, root / "server.log")
+    finally:
+        Extractor.ensure_server = saved
+    t2d = torch.ones(VOCAB, dtype=torch.bool)
+    with atomic_open(root / "vocab_map.safetensors", "wb") as handle:
+        handle.write(save({"d2t": torch.zeros(VOCAB, dtype=torch.int64), "t2d": t2d}))
+    return {"root": root, "model": model, "info": info, "cfg": cfg, "records": records,
+            "files": files, "train": [str(j.shard_path) for j in jobs[:3]],
+            "eval": [str(jobs[3].shard_path)], "vocab": str(root / "vocab_map.safetensors")}
+
+
+def requests_dir(world, tmp: Path, with_files: bool = True) -> Path:
+    """A streaming run's work directory, its requests/ holding every training sample's file
+    (as generation with capture leaves them) or none."""
+    work = tmp / "work"
+    if with_files:
+        shutil.copytree(world["files"], work / "requests")
+    else:
+        (work / "requests").mkdir(parents=True)
+    return work
+
+
+def stream_args(world, work: Path) -> dict:
+    from eaglet.target import read_target
+
+    target_json = world["root"] / "target" / "target.json"
+    assert read_target(target_json)["path"]
+    return {"cfg": world["cfg"], "target_json": str(target_json),
+            "data": str(world["root"] / "train.jsonl"), "work_dir": str(work),
+            "server_log": str(work / "server.log")}
+
+
+def run(world, tmp: Path, name: str, cfg: dict, stream: dict | None = None, **kwargs) -> dict:
+    with one_thread():
+        return train(cfg, [] if stream else world["train"], world["eval"], world["vocab"],
+                     world["info"]["path"], out_dir=str(tmp / name / "drafter"),
+                     checkpoint_dir=str(tmp / name / "ckpt"), progress_path=None,
+                     log_path=None, stream=stream, **kwargs)
+
+
+def weights(tmp: Path, name: str) -> dict[str, torch.Tensor]:
+    return load_file(str(tmp / name / "drafter" / "model.safetensors"))
+
+
+class Requests:
+    """A stand-in for the capture server's side of a prefill request: the connector's file
+    written from the model; counts the requests."""
+
+    def __init__(self, model, monkeypatch, save: bool = True):
+        self.sent: list[str] = []
+
+        async def request(feed, i, path):
+            self.sent.append(feed.records[i]["id"])
+            if save:
+                ids = feed.seqs[i]
+                with one_thread():
+                    connector_file(model, path, ids)
+
+        monkeypatch.setattr(train_stream.StateFeed, "_request", request)
+
+
+def test_stream_trains_the_drafter_of_shards_packed_from_the_same_states(world, tmp_path,
+                                                                         monkeypatch):
+    """Every training sample's states are saved (generation with capture): stream mode uses
+    them without a request, keeps them for the second epoch in its cache, and trains the
+    drafter shard mode trains, bit for bit; the cache is emptied at the end."""
+    requests = Requests(world["model"], monkeypatch)
+    run(world, tmp_path, "shards", TRAIN)
+    work = requests_dir(world, tmp_path)
+    summary = run(world, tmp_path, "stream", {**TRAIN, "data": "stream", "stream_cache_gib": 1},
+                  stream_args(world, work))
+    assert requests.sent == []  # all saved, all kept for epoch 2
+    stream = summary["stream"]
+    n = len(world["records"])
+    assert stream["saved_files"] == n and stream["cache_reads"] == n
+    assert stream["cache_files"] == n
+    assert stream["samples"] >= 2 * n and not stream["server_started"]
+    assert stream["teacher_agreement"] == 1.0
+    ours, theirs = weights(tmp_path, "stream"), weights(tmp_path, "shards")
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        assert torch.equal(ours[name], theirs[name]), name
+    assert not list((work / "requests").glob("*.safetensors"))
+
+
+def test_without_a_cache_later_epochs_ask_the_engine_again(world, tmp_path, monkeypatch):
+    """stream_cache_gib 0: a sample's file is deleted once trained on, so the second epoch
+    sends one request per sample (with one sample ahead: none is shared by two positions
+    in flight); nothing is left on disk."""
+    requests = Requests(world["model"], monkeypatch)
+    work = requests_dir(world, tmp_path)
+    summary = run(world, tmp_path, "stream", {**TRAIN, "data": "stream", "stream_ahead": 1},
+                  stream_args(world, work))
+    n = len(world["records"])
+    assert sorted(requests.sent) == sorted(r["id"] for r in world["records"])
+    assert summary["stream"]["requests"] == n and summary["stream"]["cache_files"] == 0
+    assert not list((work / "requests").glob("*.safetensors"))
+
+
+def test_a_stopped_stream_run_resumes_to_the_uninterrupted_weights(world, tmp_path, monkeypatch):
+    """Stopped mid-epoch (as if killed) with requests in flight and files left on disk, the
+    rerun resumes from the checkpoint, asks for what it still needs, and ends with the
+    weights of an uninterrupted run: no sample trained twice in an epoch, none skipped."""
+    requests = Requests(world["model"], monkeypatch)
+    cfg = {**TRAIN, "data": "stream", "stream_ahead": 3}
+    whole = run(world, tmp_path, "whole", cfg, stream_args(world, requests_dir(world, tmp_path / "a",
+                                                                               False)))
+    work = requests_dir(world, tmp_path / "b", False)
+    stopped = run(world, tmp_path, "resumed", cfg, stream_args(world, work), stop_after_steps=3)
+    assert stopped == {"stopped_at_step": 3}
+    resumed = run(world, tmp_path, "resumed", cfg, stream_args(world, work))
+    assert resumed["resumed_from_step"] == 2 and resumed["steps"] == whole["steps"]
+    ours, theirs = weights(tmp_path, "resumed"), weights(tmp_path, "whole")
+    for name in ours:
+        assert torch.equal(ours[name], theirs[name]), name
+    assert not list((work / "requests").glob("*.safetensors"))
+
+
+def test_a_server_that_saves_nothing_stops_training_naming_the_file(world, tmp_path, monkeypatch):
+    Requests(world["model"], monkeypatch, save=False)
+    work = requests_dir(world, tmp_path, False)
+    with pytest.raises(TrainError, match="saved no states .* see the server log"):
+        run(world, tmp_path, "stream", {**TRAIN, "data": "stream"}, stream_args(world, work))
+
+
+def test_the_stream_layout_is_the_shards_and_changes_with_the_samples(world):
+    """The samples planned as the shards extraction writes (blocks, lengths, ids); the
+    fingerprint's contents hash follows the token ids."""
+    from eaglet.train_data import index_shard
+
+    records = world["records"]
+    infos = train_stream.layout(records, 3, 64, 64, AUX, {"name": "t"}, "float32")
+    for info, path in zip(infos, world["train"]):
+        shard = index_shard(path, VOCAB)
+        assert (info.lengths, info.sample_ids) == (shard.lengths, shard.sample_ids)
+    changed = [dict(records[0], completion_token_ids=records[0]["completion_token_ids"][:-1]),
+               *records[1:]]
+    again = train_stream.layout(changed, 3, 64, 64, AUX, {"name": "t"}, "float32")
+    assert again[0].sha256 != infos[0].sha256 and again[1].sha256 == infos[1].sha256
+    with pytest.raises(TrainError, match="lower extract.num_shards"):
+        train_stream.layout(records[:2], 3, 64, 64, AUX, {}, "float32")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"extract": {"backend": "hf"}}, "set extract.backend: vllm"),
+    ({"train": {"data": "stream", "gpus": 2}}, "set train.gpus to 1"),
+    ({"scaling": {"enabled": True}}, "set scaling.enabled: false"),
+])
+def test_stream_mode_refuses_settings_it_cannot_serve(overrides, message):
+    cfg = {"train": {"data": "stream"}}
+    for section, values in overrides.items():
+        cfg[section] = {**cfg.get(section, {}), **values}
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg)
