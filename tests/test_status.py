@@ -215,12 +215,18 @@ def test_a_failed_extract_is_failed_not_outdated_with_old_facts(tmp_path):
     assert status.stage_status(_stage("extract"), r, _full_config(r), set())["state"] == "completed"
 
 
-def test_the_training_estimate_after_a_kill_counts_only_the_steps_left(tmp_path, history):
+def _answered(tmp_path):
+    """A results dir whose generation finished: 10 samples of 1,000 tokens a split."""
     r = tmp_path / "results"
     (r / "synthetic").mkdir(parents=True)
     (r / "synthetic" / "stats.json").write_text(json.dumps({"splits": {
         split: {"samples": 10, "prompt_tokens": 400, "completion_tokens": 600}
         for split in ("train", "eval")}}))
+    return r
+
+
+def test_the_training_estimate_after_a_kill_counts_only_the_steps_left(tmp_path, history):
+    r = _answered(tmp_path)
     cfg = _full_config(r)
     rates.record("train", cfg["target"]["model"], tokens_per_s=100.0,
                  ttt_steps=cfg["train"]["ttt_steps"])
@@ -1023,3 +1029,45 @@ def test_an_earlier_run_on_another_machine_is_planned_at_this_machines_speed(tmp
     after = status.estimate("train", r, cfg, None)
     assert after.seconds == pytest.approx(before.seconds / 2)
     assert after.speed.stage == "generate"
+
+
+def test_a_streamed_training_says_how_it_got_its_states_and_who_waited(tmp_path):
+    r = tmp_path / "results"
+    _trained(r, BEST_SHIPPED)
+    stats = json.loads((r / "drafter" / "stats.json").read_text())
+    stats.update(elapsed_s=300.0, stream={
+        "samples": 40, "requests": 10, "saved_files": 0, "cache_reads": 30, "cache_files": 10,
+        "cache_bytes": 3 << 20, "trainer_wait_s": 50.0, "feed_wait_s": 120.0,
+        "server_idle_s": 140.0, "server_start_s": 35.0})
+    (r / "drafter" / "stats.json").write_text(json.dumps(stats))
+    facts = status.stage_status(_stage("train"), r, _full_config(r), set())["facts"]
+    line = _stage("train").line(facts)
+    assert "states streamed: 10 prefill requests, 0 saved by generation or an earlier run, " \
+           "30 read from the cache (10 files, 3.00 MiB)" in line, line
+    assert "the trainer waited 15 s of 300 s for states (besides 35 s of server start), the " \
+           "server 140 s with no request (the feed 120 s for the trainer)" in line, line
+
+
+def test_streamed_training_is_estimated_with_the_servers_prefill(tmp_path, history):
+    """train.data stream: extraction is the held-out split's alone; training adds the
+    server's prefill of every epoch (no cache) or of the first (a cache), on the CPU engine
+    on top of the training (the same cores)."""
+    r = _answered(tmp_path)
+    cfg = _full_config(r)
+    model = cfg["target"]["model"]
+    rates.record("train", model, tokens_per_s=100.0, ttt_steps=cfg["train"]["ttt_steps"])
+    rates.record("extract_vllm", model, settings=rates.prefill_settings(cfg),
+                 tokens_per_s=50.0)
+    rates.record("extract_vllm", model, server_start_s=30.0)
+    shards = status.estimate("train", r, cfg, None).seconds
+    shard_extract = status.estimate("extract", r, cfg, None).seconds
+    stream = {**cfg, "train": {**cfg["train"], "data": "stream"}}
+    streamed = status.estimate("train", r, stream, None)
+    epochs = cfg["train"]["epochs"]
+    assert streamed.seconds == pytest.approx(shards + 30 + epochs * 1000 / 50)
+    assert "states streamed: server start + %d tokens of prefill" % (epochs * 1000) in streamed.basis
+    cached = {**cfg, "train": {**cfg["train"], "data": "stream", "stream_cache_gib": 4}}
+    assert status.estimate("train", r, cached, None).seconds == pytest.approx(
+        shards + 30 + 1000 / 50)
+    assert status.estimate("extract", r, stream, None).seconds == pytest.approx(
+        shard_extract - 1000 / 50)

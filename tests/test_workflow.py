@@ -5,7 +5,7 @@ stage further, as a user would: generation (interrupted with Ctrl-C and resumed)
 vocabulary and the hidden states (vLLM prefill, the default backend, checked row for row against
 the transformers backend), training and evaluation (vLLM loads the exported drafter); last,
 generation once more with the hidden states captured by vLLM as it generates
-(generate.capture_hidden_states).
+(generate.capture_hidden_states), streamed into training (train.data stream).
 """
 
 from __future__ import annotations
@@ -305,67 +305,24 @@ def test_trained_drafter_is_measured_in_vllm_and_reported(results, tmp_path):
     assert served in first_page, (served, first_page[:3000])
 
 
-def test_streamed_states_from_the_server_train_the_drafter_of_the_shards(results, tmp_path):
-    """train.data stream: the real capture server computes the training samples' states as
-    training reads them (cached after the first epoch here), none stored as a shard; the
-    drafter equals the one trained on the shards up to the engine's float rounding (its
-    batches differ from the extraction's), and the workflow plans it without training
-    shards."""
-    from eaglet.config import stage_params
-    from eaglet.target import read_target
-    from eaglet.train import train
-
-    workflow.run(results, "drafter/model.safetensors")  # shard mode's (trained already)
-    overlay = tmp_path / "stream.yaml"
-    overlay.write_text("train:\n  data: stream\n")
-    planned = workflow.run(results, "drafter/model.safetensors",
-                           extra=("-n", "--forcerun", "train"), configs=(overlay,))
-    plan = planned.stdout + planned.stderr
-    assert "rule train" in plan and "rule extract_vllm" not in plan, plan[-3000:]
-    cfg = load_run_config(results, str(workflow.TINY), workflow.REPO)
-    train_cfg = {**stage_params(cfg, "train", drop=("gpus",)), "data": "stream",
-                 "stream_cache_gib": 1}
-    manifest = results / "hidden" / "manifest.json"
-    work = tmp_path / "vllm"
-    summary = train(train_cfg, [], [str(results / "hidden" / "eval" / "shard_00000.safetensors")],
-                    str(results / "vocab" / "vocab_map.safetensors"),
-                    read_target(results / "target" / "target.json")["path"],
-                    out_dir=str(tmp_path / "drafter"), checkpoint_dir=str(tmp_path / "ckpt"),
-                    progress_path=None, log_path=None, manifest=str(manifest),
-                    stream={"cfg": cfg, "target_json": str(results / "target" / "target.json"),
-                            "data": str(results / "synthetic" / "train.jsonl"),
-                            "work_dir": str(work), "server_log": str(tmp_path / "server.log")})
-    stream = summary["stream"]
-    n = len(read_jsonl(results / "synthetic" / "train.jsonl"))
-    epochs = cfg["train"]["epochs"]
-    assert stream["server_started"] and stream["requests"] == n
-    assert stream["cache_reads"] == (epochs - 1) * n and stream["samples"] == epochs * n
-    assert stream["teacher_agreement"] >= 0.99  # the engine's states against its own answers
-    assert not list((work / "requests").glob("*.safetensors"))  # none kept after training
-    shard_stats = read_json(results / "drafter" / "stats.json")
-    assert summary["steps"] == shard_stats["steps"]
-    ours, theirs = summary["eval"], shard_stats["eval"]
-    assert float(ours["sim_al"]) == pytest.approx(float(theirs["sim_al"]), abs=0.02)
-    assert float(summary["train"]["loss"]) == pytest.approx(float(shard_stats["train"]["loss"]),
-                                                            rel=0.05)
-    print(f"held-out simulated AL: shards {float(theirs['sim_al']):.4f}, stream "
-          f"{float(ours['sim_al']):.4f}; trainer waited {stream['trainer_wait_s']} s "
-          f"(server start {stream['server_start_s']:.0f} s)")
-
-
-def test_states_captured_while_generating_train_a_drafter_like_the_extracted_ones(results, tmp_path):
-    """generate.capture_hidden_states: generation runs again on a server with the capture
-    options (the recorded answers, never generated, sent to it as prefill requests), and the
-    extraction stage only packs what it saved; the shards hold the same samples, pass the teacher check and train a drafter as good as the
-    one from the states of the prefill extraction after generation."""
+def test_states_captured_while_generating_stream_into_training_like_the_extracted_ones(
+        results, tmp_path):
+    """generate.capture_hidden_states with train.data stream: generation runs again on a
+    server with the capture options (the recorded answers, never generated, sent to it as
+    prefill requests); extraction packs the held-out split's states alone, and the training
+    job trains on the training samples' as generation saved them (the first epoch, no request)
+    and as its own capture server computes them again (the later epochs: no cache). No
+    training shard is written; the drafter is as good as the one trained on the shards of the
+    prefill extraction after generation."""
     before_manifest = read_json(results / "hidden" / "manifest.json")
     before_train = status(results)["train"]["facts"]
     overlay = tmp_path / "fused.yaml"
-    overlay.write_text("generate:\n  capture_hidden_states: true\nextract:\n  backend: vllm\n")
+    overlay.write_text("generate:\n  capture_hidden_states: true\nextract:\n  backend: vllm\n"
+                       "train:\n  data: stream\n")
     proc = workflow.run(results, "drafter/model.safetensors", configs=(overlay,), timeout=1800)
     assert "rule generate" in proc.stdout + proc.stderr  # the samples are made again, captured
     extract_log = (results / "logs" / "extract" / "vllm.log").read_text()
-    assert "3 shards" in extract_log
+    assert "1 shards" in extract_log  # the held-out split's alone
     # every sample's states came from the generation server: the generated answers' as they
     # were generated, the recorded answers' (answers: dataset, never generated) from prefill
     # requests to that same server; extraction only packed them and loaded no target
@@ -375,20 +332,28 @@ def test_states_captured_while_generating_train_a_drafter_like_the_extracted_one
         results / "logs" / "generate.log").read_text()
     assert "no saved states" not in extract_log and "starting server" not in extract_log
     manifest = read_json(results / "hidden" / "manifest.json")
-    assert manifest["num_samples"] == before_manifest["num_samples"]
-    # greedy answers from a server with capture: the same within a token or two per sample
-    assert manifest["tokens"] == pytest.approx(before_manifest["tokens"], rel=0.05)
-    assert manifest["teacher_agreement"] >= 0.99
-    for shard in manifest["shards"]:
-        assert read_json(results / "hidden" / shard["file"].replace(
-            ".safetensors", ".json"))["backend"] == "vllm"
+    assert manifest["num_shards"] == 0 and len(manifest["eval_shards"]) == 1
+    stats = read_json(results / "drafter" / "stats.json")
+    stream = stats["stream"]
+    n = len(read_jsonl(results / "synthetic" / "train.jsonl"))
+    epochs = load_run_config(results, str(workflow.TINY), workflow.REPO)["train"]["epochs"]
+    # the first epoch on generation's files; the later ones asked the real server again
+    assert stream["saved_files"] == n and stream["samples"] == epochs * n
+    assert stream["server_started"] and stream["requests"] > 0
+    # greedy answers against the engine's own states
+    assert stream["teacher_agreement"] >= 0.99
+    # nothing left on disk: not a training sample's states, not a held-out one's
     assert not list((results / "hidden" / "vllm" / "requests").glob("*.safetensors"))
-    # packed shards were moved into place: nothing staged is left behind
     assert not list((results / "hidden" / "vllm").rglob("shard_*.safetensors"))
+    assert (results / "logs" / "train.server.log").exists()
     facts = eaglet_status.collect(results, load_run_config(
         results, str(workflow.TINY), workflow.REPO), None)
-    train = {s["stage"]: s for s in facts["stages"]}["train"]["facts"]
-    assert train["eval_simulated_al"] == pytest.approx(before_train["eval_simulated_al"], abs=0.15)
-    print(f"teacher agreement prefill {before_manifest['teacher_agreement']:.4f} captured "
-          f"{manifest['teacher_agreement']:.4f}; eval simulated AL prefill "
-          f"{before_train['eval_simulated_al']:.3f} captured {train['eval_simulated_al']:.3f}")
+    train = {s["stage"]: s for s in facts["stages"]}["train"]
+    assert train["facts"]["eval_simulated_al"] == pytest.approx(
+        before_train["eval_simulated_al"], abs=0.15)
+    assert "states streamed: %d prefill requests, %d saved by generation" % (
+        stream["requests"], n) in eaglet_status.render(facts)
+    print(f"teacher agreement prefill {before_manifest['teacher_agreement']:.4f} streamed "
+          f"{stream['teacher_agreement']:.4f}; eval simulated AL shards "
+          f"{before_train['eval_simulated_al']:.3f} streamed "
+          f"{train['facts']['eval_simulated_al']:.3f}; {stream}")

@@ -661,7 +661,10 @@ class Extract(Stage):
 
     def estimate(self, r, cfg, progress):
         target, totals = cfg["target"]["model"], _token_totals(r, cfg)
-        tokens = sum(t["tokens"] for t in totals.values()) if totals is not None else None
+        # train.data stream: only the held-out split is extracted here
+        splits = ("eval",) if cfg["train"].get("data") == "stream" else ("train", "eval")
+        tokens = (sum(totals[split]["tokens"] for split in splits if split in totals)
+                  if totals is not None else None)
         if cfg["generate"].get("capture_hidden_states"):
             # generation saved the states: the stage reads, checks and packs them
             if tokens is None:
@@ -795,10 +798,34 @@ class Train(Stage):
             # a training under way resumed from where its progress says, not from the
             # checkpoints it has written since
             step = int(running["resumed_from"])
+        left = max(steps - step, 0) / steps if step else 1.0
         if step:  # a rerun continues from the newest checkpoint
-            tokens *= max(steps - step, 0) / steps
+            tokens *= left
             text += f", resuming from the checkpoint at step {step}/{steps}"
-        return Estimate(tokens / rate, f"{text} at {rate:.0f} tok/s ({basis})", speed)
+        seconds, text = tokens / rate, f"{text} at {rate:.0f} tok/s ({basis})"
+        if cfg["train"].get("data") == "stream":
+            seconds, text = self._streamed(r, cfg, totals, left, seconds, text)
+        return Estimate(seconds, text, speed)
+
+    @staticmethod
+    def _streamed(r, cfg, totals, left: float, seconds: float, text: str) -> tuple:
+        """train.data stream: the server's prefill of the samples still to train on (every
+        epoch's without a cache, the first epoch's with one, assuming it holds every
+        sample), beside the training on GPUs, on top of it on the CPU engine's cores."""
+        extract = Extract()
+        rate, basis, _ = _at_machine_speed(extract, "prefill", r, cfg,
+                                           lambda before: extract.planned_rate(cfg, before))
+        if rate is None:
+            return seconds, text + "; the server's prefill not estimated (" + basis + ")"
+        train = cfg["train"]
+        passes = train["epochs"] if not train.get("stream_cache_gib") else 1
+        tokens = totals["train"]["tokens"] * passes * left
+        prefill = _server_start("extract_vllm", cfg["target"]["model"]) + tokens / rate
+        gpus = cfg["server"]["gpus"]
+        total = max(seconds, prefill) if gpus else seconds + prefill
+        return total, (f"{text}; states streamed: server start + {tokens:.0f} tokens of "
+                       f"prefill at {rate:.0f} tok/s ({basis}), "
+                       + ("beside the training" if gpus else "on the same cores"))
 
 
 class Evaluate(Stage):

@@ -711,7 +711,9 @@ def train(cfg: dict, shard_paths: list[str], eval_shard_paths: list[str], vocab_
             peagle.export(trainer.model, out_dir, cfg["export_dtype"])  # either method
             write_csv(Path(out_dir) / "training_log.csv", trainer.rows, trainer.columns)
             run = progress.report("finished")
-            if rate_key is not None and trainer.step > first_step:  # a rate of work done
+            # a rate of work done; a streamed run's includes its waits for the server, which
+            # `eaglet status` adds from the prefill's own rate
+            if rate_key is not None and trainer.step > first_step and stream is None:
                 rates.record("train", rate_key, settings=rates.train_settings(cfg),
                              tokens_per_s=run["tokens_per_s"], ttt_steps=cfg["ttt_steps"])
         if dist_.world > 1:

@@ -108,7 +108,6 @@ class StateFeed:
         self._slots: asyncio.Semaphore | None = None
         self._client: httpx.AsyncClient | None = None
         self._in_flight, self._idle_since = 0, None
-        self._stopped = threading.Event()
 
     def path(self, index: int) -> Path:
         return request_path(self.extractor.requests, self.records[index]["id"])
@@ -138,7 +137,6 @@ class StateFeed:
         return item
 
     def close(self) -> None:
-        self._stopped.set()
         if self._loop is not None and self._main is not None:
             with contextlib.suppress(RuntimeError):  # the loop has ended already
                 self._loop.call_soon_threadsafe(self._main.cancel)
