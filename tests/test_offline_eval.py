@@ -222,6 +222,29 @@ def test_replay_from_stored_float32_states_equals_replay_from_a_forward(world, t
                                rtol=1e-5, atol=1e-6)
 
 
+def test_replays_of_one_evaluation_load_the_target_once_and_forward_each_answer_once(world):
+    """The greedy checks of several drafters replay the same baseline answers: with one
+    TargetForwards shared, the target loads once and each answer's forward runs once, with
+    the counts of replays that each ran their own; the sampled replays (final-norm states)
+    share the load and run their forwards again."""
+    from eaglet.offline_eval import Features, TargetForwards, replay_sequences
+
+    target, _, answers, drafter = world
+    loads = []
+    shared = TargetForwards(lambda: loads.append(1) or target)
+    first = replay_sequences(drafter, answers, [3], Features(LAYERS, None, lambda: target,
+                                                             forwards=shared))
+    again = replay_sequences(drafter, answers, [1, 3], Features(LAYERS, None, lambda: target,
+                                                                forwards=shared))
+    assert loads == [1] and shared.forwards == len(answers)
+    alone = replay_sequences(drafter, answers, [1, 3], Features(LAYERS, None, lambda: target))
+    assert first["counts"][3] == again["counts"][3] == alone["counts"][3]
+    assert again["counts"] == alone["counts"] and again["sources"]["forward"] == len(answers)
+    sampled = Features(LAYERS, None, lambda: target, final=True, forwards=shared)
+    assert sampled.forward(answers[0][0] + answers[0][1]) is not None
+    assert loads == [1] and shared.forwards == len(answers) + 1
+
+
 def test_an_answer_whose_tokens_differ_is_left_out_and_counted(world, tmp_path):
     from eaglet.offline_eval import Features, StoredStates, replay_sequences
 

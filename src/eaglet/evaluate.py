@@ -1214,22 +1214,26 @@ def run_stage(cfg: dict, target_json: str, drafter_dir: str, prompts_path: str,
     expected_compared: dict = {}
     if ev["offline"]:
         others = list(dict.fromkeys(r["drafter"] for r in plan if r.get("compare")))
+        # every replay of this evaluation loads the target once, and each greedy answer's
+        # states are computed once for all the drafters replayed on it
+        shared: dict = {}
+        held = held_out_paths or []
         if 0.0 in runs_at:
             offline, replayed = offline_check(cfg, target["path"], drafter_dir, runs_at[0.0],
-                                              progress, held_out_paths or [])
+                                              progress, held, shared=shared)
             # each drafter served beside it, replayed on the same answers as its own
             for other in others:
                 offline.update(offline_check(cfg, target["path"], other, runs_at[0.0],
-                                             progress, held_out_paths or [], compared=True)[0])
-        expected = {name: entry for t in temps if t
-                    for name, entry in expected_check(cfg, target["path"], drafter_dir,
-                                                      runs_at[t], progress,
-                                                      held_out_paths or []).items()}
-        # the compared drafters' sampled runs are checked alike, and tabled, never judged
-        expected_compared = {name: entry for t in temps if t for other in others
-                             for name, entry in expected_check(
-                                 cfg, target["path"], other, runs_at[t], progress,
-                                 held_out_paths or [], compared=True).items()}
+                                             progress, held, compared=True, shared=shared)[0])
+        # every drafter's sampled runs, checked alike; the compared drafters' are tabled,
+        # never judged
+        checked = {(name, compared): entry for t in temps if t
+                   for drafter, compared in [(drafter_dir, False)] + [(o, True) for o in others]
+                   for name, entry in expected_check(cfg, target["path"], drafter, runs_at[t],
+                                                     progress, held, compared=compared,
+                                                     shared=shared).items()}
+        expected = {name: e for (name, compared), e in checked.items() if not compared}
+        expected_compared = {name: e for (name, compared), e in checked.items() if compared}
     progress.report("finished")
     recommendation = {**serve_recommendation(choice, runs_at[served_at], drafter_dir),
                       "temperature": served_at}
@@ -1363,7 +1367,7 @@ def _states_label(sources: dict) -> str:
 
 def offline_check(cfg: dict, target_path: str, drafter_dir: str, runs: list[dict],
                   progress: Progress, held_out_paths: list[str] = (),
-                  compared: bool = False) -> tuple[dict, dict]:
+                  compared: bool = False, shared: dict | None = None) -> tuple[dict, dict]:
     """Replay each fixed-k drafter run offline on the baseline's greedy answers at the lowest
     concurrency, every prompt set, and compare the acceptance lengths with vLLM's on the same
     requests, per set and over the sets replayed.
@@ -1376,13 +1380,14 @@ def offline_check(cfg: dict, target_path: str, drafter_dir: str, runs: list[dict
 
     Returns the comparison per run (acceptance.json ``offline``) and where each set's states
     came from (``offline_replay``). ``compared``: replay the runs of ``drafter_dir`` served
-    for comparison (:func:`compare_runs`) instead of this run's drafter's."""
+    for comparison (:func:`compare_runs`) instead of this run's drafter's. ``shared``: what
+    the replays of one evaluation share (:func:`_replay_inputs`)."""
     from eaglet.offline_eval import coarser
 
     fixed = _checked_runs(runs, drafter_dir, compared)
     ks = sorted({run["k"] for run in fixed})
     drafter, features, stored, no_stored, served = _replay_inputs(cfg, target_path, drafter_dir,
-                                                                  held_out_paths)
+                                                                  held_out_paths, shared=shared)
     by_set: dict[str, list] = defaultdict(list)
     for lv in _replayed_levels(runs[0]):
         by_set[lv["set"]] += [(a["prompt_token_ids"], a["token_ids"]) for a in lv["_answers"]
@@ -1410,11 +1415,12 @@ def offline_check(cfg: dict, target_path: str, drafter_dir: str, runs: list[dict
 
 
 def _replay_inputs(cfg: dict, target_path: str, drafter_dir: str, held_out_paths,
-                   final: bool = False):
+                   final: bool = False, shared: dict | None = None):
     """What an offline replay reads: the drafter, where each answer's states come from
     (:class:`eaglet.offline_eval.Features`; ``final``: the final-norm states too), the stored
-    states or why there are none, and the dtype vLLM serves in."""
-    from eaglet.offline_eval import Features, coarser
+    states or why there are none, and the dtype vLLM serves in. ``shared``: what the
+    replays of one evaluation share (the target's forwards, loaded once)."""
+    from eaglet.offline_eval import Features, TargetForwards, coarser
 
     drafter = load_for_replay(drafter_dir, target_path)
     layer_ids = drafter.config.aux_layer_ids
@@ -1422,7 +1428,11 @@ def _replay_inputs(cfg: dict, target_path: str, drafter_dir: str, held_out_paths
     load, no_forward = target_loader(cfg, target_path)
     served = served_dtype(cfg, target_path)
     prefer_forward = stored is not None and coarser(stored.dtype, served)
-    features = Features(layer_ids, stored, load, prefer_forward, no_forward, final=final)
+    forwards = None
+    if load is not None and shared is not None:
+        forwards = shared.setdefault("forwards", TargetForwards(load))
+    features = Features(layer_ids, stored, load, prefer_forward, no_forward, final=final,
+                        forwards=forwards)
     return drafter, features, stored, no_stored, served
 
 
@@ -1467,7 +1477,7 @@ def _checked_runs(runs: list[dict], drafter_dir: str, compared: bool) -> list[di
 
 def expected_check(cfg: dict, target_path: str, drafter_dir: str, runs: list[dict],
                    progress: Progress, held_out_paths: list[str] = (),
-                   compared: bool = False) -> dict:
+                   compared: bool = False, shared: dict | None = None) -> dict:
     """The offline check of runs measured at one temperature above 0 (``runs``): each
     fixed-k drafter run's own sampled answers at the lowest concurrency, every prompt set,
     replayed for their expected acceptance at that temperature
@@ -1488,7 +1498,7 @@ def expected_check(cfg: dict, target_path: str, drafter_dir: str, runs: list[dic
     if not fixed:
         return {}
     drafter, features, *_ = _replay_inputs(cfg, target_path, drafter_dir, held_out_paths,
-                                           final=True)
+                                           final=True, shared=shared)
     try:
         # the target's next-token distribution: its final-norm state through its lm_head
         head = load_target_lm_head(target_path,

@@ -216,6 +216,34 @@ class StoredStates:
         return None, why
 
 
+class TargetForwards:
+    """The target's forward for the offline replays of one evaluation: the target loaded once
+    for all of them (``load``, on first need), and each greedy sequence's states computed once
+    (every drafter's greedy check replays the same baseline answers) while they fit in
+    ``cache_bytes``; a sampled sequence's (with the final-norm states: each run samples its
+    own answers) is computed each time."""
+
+    def __init__(self, load: Callable[[], Any], cache_bytes: int = 1 << 30):
+        self._load, self._model = load, None
+        self._cache: dict[tuple, torch.Tensor] = {}
+        self._left = cache_bytes
+        self.forwards = 0  # forwards run (a test counts them)
+
+    def __call__(self, layer_ids: list[int], ids: list[int], final: bool):
+        key = (tuple(layer_ids), tuple(ids))
+        if not final and key in self._cache:
+            return self._cache[key]
+        if self._model is None:
+            self._model = self._load()
+        out = target_features(self._model, layer_ids, ids, final)
+        self.forwards += 1
+        size = 0 if final else out.numel() * out.element_size()
+        if not final and size <= self._left:
+            self._cache[key] = out
+            self._left -= size
+        return out
+
+
 class Features:
     """Where each replayed sequence's aux states come from: the held-out shard's stored
     states where its tokens are the stored ones, else a forward of the target where it can be
@@ -228,32 +256,35 @@ class Features:
     it cannot be loaded (``no_forward`` says why). A load or forward that fails is reported
     once and the forward is not tried again. ``final``: each sequence's states come as a pair,
     the aux states and the final-norm ones (the target's next-token logits: an expected
-    replay at a temperature needs them)."""
+    replay at a temperature needs them). ``forwards``: the :class:`TargetForwards` of
+    ``load_target`` that other replays of the evaluation share (default: one of its own)."""
 
     def __init__(self, layer_ids: list[int], stored: StoredStates | None,
                  load_target: Callable[[], Any] | None, prefer_forward: bool = False,
-                 no_forward: str | None = None, final: bool = False):
+                 no_forward: str | None = None, final: bool = False,
+                 forwards: TargetForwards | None = None):
         self.layer_ids, self.stored, self.prefer_forward = layer_ids, stored, prefer_forward
         self.final = final
-        self._load, self._model = load_target, None
+        self._forwards = None if load_target is None else forwards or TargetForwards(load_target)
+        self._used = False
         self.no_forward = no_forward if load_target is None else None
 
     @property
     def loaded(self) -> bool:
         """Whether the target was loaded (some sequence needed its forward)."""
-        return self._model is not None
+        return self._used
 
     def forward(self, ids: list[int]):
-        if self._load is None:
+        if self._forwards is None:
             return None
         try:
-            if self._model is None:
-                self._model = self._load()
-            return target_features(self._model, self.layer_ids, ids, self.final)
+            out = self._forwards(self.layer_ids, ids, self.final)
+            self._used = True
+            return out
         except Exception as exc:  # noqa: BLE001  (any failure leaves the stored states to replay)
             self.no_forward = f"the target's forward failed: {type(exc).__name__}: {exc}"
             log.warning("offline replay: %s; replaying from stored states only", self.no_forward)
-            self._load = self._model = None
+            self._forwards = None
             return None
 
     def __call__(self, prompt_ids: list[int], completion_ids: list[int]
