@@ -1036,14 +1036,14 @@ def test_a_streamed_training_says_how_it_got_its_states_and_who_waited(tmp_path)
     _trained(r, BEST_SHIPPED)
     stats = json.loads((r / "drafter" / "stats.json").read_text())
     stats.update(elapsed_s=300.0, stream={
-        "samples": 40, "requests": 10, "saved_files": 0, "cache_reads": 30, "cache_files": 10,
+        "samples": 40, "requests": 10, "saved_files": 0, "reread_files": 30, "cache_files": 10,
         "cache_bytes": 3 << 20, "trainer_wait_s": 50.0, "feed_wait_s": 120.0,
         "server_idle_s": 140.0, "server_start_s": 35.0})
     (r / "drafter" / "stats.json").write_text(json.dumps(stats))
     facts = status.stage_status(_stage("train"), r, _full_config(r), set())["facts"]
     line = _stage("train").line(facts)
     assert "states streamed: 10 prefill requests, 0 saved by generation or an earlier run, " \
-           "30 read from the cache (10 files, 3.00 MiB)" in line, line
+           "30 read again (cache 10 files, 3.00 MiB)" in line, line
     assert "the trainer waited 15 s of 300 s for states (besides 35 s of server start), the " \
            "server 140 s with no request (the feed 120 s for the trainer)" in line, line
 

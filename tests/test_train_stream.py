@@ -140,7 +140,7 @@ def test_stream_trains_the_drafter_of_shards_packed_from_the_same_states(world, 
     assert requests.sent == []  # all saved, all kept for epoch 2
     stream = summary["stream"]
     n = len(world["records"])
-    assert stream["saved_files"] == n and stream["cache_reads"] == n
+    assert stream["saved_files"] == n and stream["reread_files"] == n
     assert stream["cache_files"] == n
     assert stream["samples"] >= 2 * n and not stream["server_started"]
     assert stream["teacher_agreement"] == 1.0

@@ -716,7 +716,7 @@ def _shipped_line(s: dict) -> str:
 
 
 # what status keeps of drafter/stats.json's ``stream`` (train_stream.StateFeed.summary)
-STREAM_KEYS = ("requests", "saved_files", "cache_reads", "cache_files", "cache_bytes",
+STREAM_KEYS = ("requests", "saved_files", "reread_files", "cache_files", "cache_bytes",
                "trainer_wait_s", "feed_wait_s", "server_idle_s", "server_start_s")
 
 
@@ -725,8 +725,8 @@ def _stream_line(s: dict, elapsed_s: float | None) -> str:
     trainer for the server's states, or the feed (its window full) for the trainer."""
     got = (f"states streamed: {s.get('requests') or 0} prefill requests, "
            f"{s.get('saved_files') or 0} saved by generation or an earlier run, "
-           f"{s.get('cache_reads') or 0} read from the cache "
-           f"({s.get('cache_files') or 0} files, {human_size(s.get('cache_bytes') or 0)})")
+           f"{s.get('reread_files') or 0} read again (cache "
+           f"{s.get('cache_files') or 0} files, {human_size(s.get('cache_bytes') or 0)})")
     start = s.get("server_start_s") or 0.0
     waited = max((s.get("trainer_wait_s") or 0.0) - start, 0.0)
     whole = f" of {elapsed_s:.0f} s" if elapsed_s else ""

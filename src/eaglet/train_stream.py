@@ -151,8 +151,9 @@ class StateFeed:
                 # saved before this run's requests: by generation, or by a run killed with
                 # requests in flight
                 "saved_files": self.stats["reused"],
-                # the rest was read again from a file this run used before (the cache's)
-                "cache_reads": self.stats["samples"] - self.stats["requests"]
+                # the rest read a file this run had used before: kept by the cache, or still
+                # on disk for a position in the window
+                "reread_files": self.stats["samples"] - self.stats["requests"]
                 - self.stats["reused"],
                 "cache_files": len(self.cached), "cache_bytes": sum(self.cached.values()),
                 "cache_budget_bytes": self.cache_bytes,
