@@ -155,7 +155,9 @@ def main() -> None:
         row["disk_ratio"] = round(row["peak_disk_bytes"] / base["peak_disk_bytes"], 4)
         row["al_difference"] = (None if row["heldout_al"] is None or base["heldout_al"] is None
                                 else round(row["heldout_al"] - base["heldout_al"], 4))
-    report = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+    # the command as a user reruns it in a checkout: the run's directory by its own name
+    argv = [Path(a).name if a in (args.results, args.configfile) else a for a in sys.argv[1:]]
+    report = {"command": " ".join(["benchmarks/stream_train.py", *argv]),
               "samples": len(records), "tokens": tokens, "epochs": args.epochs,
               "shards": args.shards, "train": settings(train_cfg), "rows": rows}
     write_json(OUT.with_suffix(".json"), report)

@@ -213,6 +213,7 @@ def test_the_stream_layout_is_the_shards_and_changes_with_the_samples(world):
     ({"extract": {"backend": "hf"}}, "set extract.backend: vllm"),
     ({"train": {"data": "stream", "gpus": 2}}, "set train.gpus to 1"),
     ({"scaling": {"enabled": True}}, "set scaling.enabled: false"),
+    ({"server": {"gpus": 8}}, "set server.kv_cache_gib"),
 ])
 def test_stream_mode_refuses_settings_it_cannot_serve(overrides, message):
     cfg = {"train": {"data": "stream"}}
@@ -220,3 +221,6 @@ def test_stream_mode_refuses_settings_it_cannot_serve(overrides, message):
         cfg[section] = {**cfg.get(section, {}), **values}
     with pytest.raises(ConfigError, match=message):
         validate(cfg)
+    # the trainer beside the server with a KV cache of a fixed size, or on GPUs of its own
+    assert validate({"train": {"data": "stream"}, "server": {"gpus": 8, "kv_cache_gib": 40}})
+    assert validate({"train": {"data": "stream", "gpus": 1}, "server": {"gpus": 8}})

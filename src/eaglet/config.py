@@ -227,6 +227,13 @@ def stream_refusals(cfg: dict[str, Any]) -> None:
         problems.append(f"train.data stream trains in one process, but train.gpus is "
                         f"{cfg['train']['gpus']}: set train.gpus to 1 (the drafter's one "
                         "layer trains on one GPU beside the server), or train.data: shards")
+    server = cfg["server"]
+    if (server["gpus"] and not cfg["train"]["gpus"] and server["kv_cache_gib"] is None
+            and server["memory_utilization"] is None):
+        problems.append("train.data stream with train.gpus 0 trains on the server's GPUs, but "
+                        "the server would take vLLM's default 0.9 of their memory: set "
+                        "server.kv_cache_gib (`eaglet plan` prints what a training rank needs "
+                        "beside the server), or give training GPUs of its own (train.gpus 1)")
     if cfg["scaling"]["enabled"]:
         problems.append("scaling.enabled trains again on nested parts of the training shards, "
                         "which train.data stream does not write: set scaling.enabled: false, "
