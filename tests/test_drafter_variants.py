@@ -334,7 +334,9 @@ def check_vllm_equals_eaglet(out: dict, model: Eagle3Drafter, exported: dict, au
     for j in range(k):
         theirs = out[f"logits.{j}"]
         assert torch.isfinite(theirs).sum() == model.config.draft_vocab_size
-        torch.testing.assert_close(theirs[draft_ids], ours[j][p], rtol=1e-4, atol=1e-5)
+        # float32 forwards of two implementations sum in other orders: on one machine 2 of 40
+        # logits differed by 7e-5 (a weight in the wrong place differs by whole units)
+        torch.testing.assert_close(theirs[draft_ids], ours[j][p], rtol=1e-3, atol=1e-4)
     assert draft_chain(model, aux, ids, p, k) == drafts
 
 
