@@ -197,16 +197,19 @@ def test_the_stream_layout_is_the_shards_and_changes_with_the_samples(world):
     from eaglet.train_data import index_shard
 
     records = world["records"]
-    infos = train_stream.layout(records, 3, 64, 64, AUX, {"name": "t"}, "float32")
+    infos = train_stream.layout(records, train_stream.sequences(records, 64), 3, 64, AUX,
+                                {"name": "t"}, "float32")
     for info, path in zip(infos, world["train"]):
         shard = index_shard(path, VOCAB)
         assert (info.lengths, info.sample_ids) == (shard.lengths, shard.sample_ids)
     changed = [dict(records[0], completion_token_ids=records[0]["completion_token_ids"][:-1]),
                *records[1:]]
-    again = train_stream.layout(changed, 3, 64, 64, AUX, {"name": "t"}, "float32")
+    again = train_stream.layout(changed, train_stream.sequences(changed, 64), 3, 64, AUX,
+                                {"name": "t"}, "float32")
     assert again[0].sha256 != infos[0].sha256 and again[1].sha256 == infos[1].sha256
     with pytest.raises(TrainError, match="lower extract.num_shards"):
-        train_stream.layout(records[:2], 3, 64, 64, AUX, {}, "float32")
+        train_stream.layout(records[:2], train_stream.sequences(records[:2], 64), 3, 64, AUX,
+                            {}, "float32")
 
 
 @pytest.mark.parametrize("overrides, message", [

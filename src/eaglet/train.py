@@ -587,8 +587,7 @@ class Trainer:
         """Train to the end (True), or until ``stop_after_steps`` (False: as if killed)."""
         start = getattr(self.train_data, "start", None)
         if start is not None:  # streamed states: asked for in the order training reads them
-            self.train_data.feed.extractor.progress = progress
-            start([i for _, indices in self.upcoming() for i in indices])
+            start([i for _, indices in self.upcoming() for i in indices], progress)
         feed = self.prefetcher()
         try:
             return self._run(progress, stop_after_steps, feed)

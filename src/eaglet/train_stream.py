@@ -40,7 +40,7 @@ import torch
 from eaglet import shards as shard_format
 from eaglet.engine_client import gather_or_cancel
 from eaglet.extract_common import (TeacherHead, _round_trip, recorded_answer,
-                                   resolve_aux_layer_ids, sequence, shard_records,
+                                   resolve_aux_layer_ids, sequence, shard_bounds,
                                    target_identity)
 from eaglet.extract_vllm import (Extractor, holds_states, load_head, prefill, read_request,
                                  remove_request, split_states)
@@ -53,22 +53,29 @@ log = logging.getLogger("eaglet.train")
 GIB = 1 << 30
 
 
-def layout(records: list[dict], num_shards: int, max_len: int, hidden_size: int,
-           aux_layer_ids: list[int], identity: dict, dtype: str) -> list[ShardInfo]:
-    """The shards extraction would write for ``records``, described without their states:
-    each one's sample lengths and ids, and (as its ``sha256``) a hash of its token ids and
-    loss masks, which a checkpoint's fingerprint holds as the shard's contents."""
+def sequences(records: list[dict], max_len: int) -> list[tuple[list[int], list[int]]]:
+    """Each sample's token ids and loss mask, cut at ``max_len`` (as extraction cuts them)."""
+    return [sequence(r, max_len)[:2] for r in records]
+
+
+def layout(records: list[dict], seqs: list[tuple[list[int], list[int]]], num_shards: int,
+           hidden_size: int, aux_layer_ids: list[int], identity: dict,
+           dtype: str) -> list[ShardInfo]:
+    """The shards extraction would write for ``records`` (``seqs``: their :func:`sequences`),
+    described without their states: each one's sample lengths and ids, and (as its
+    ``sha256``) a hash of its token ids and loss masks, which a checkpoint's fingerprint
+    holds as the shard's contents."""
     infos = []
     for index in range(num_shards):
-        block = shard_records(records, num_shards, index)
-        if not block:
+        lo, hi = shard_bounds(len(records), num_shards, index)
+        if lo == hi:
             raise TrainError(f"stream shard {index} of {num_shards} would hold no samples: "
                              f"lower extract.num_shards to at most the number of samples")
-        seqs = [sequence(r, max_len)[:2] for r in block]
-        digest = hashlib.sha256(json.dumps(seqs).encode()).hexdigest()
-        infos.append(ShardInfo(f"stream_{index:05d}", [len(ids) for ids, _ in seqs],
-                               [r["id"] for r in block], hidden_size, list(aux_layer_ids),
-                               identity, digest, dtype))
+        block = seqs[lo:hi]
+        digest = hashlib.sha256(json.dumps(block).encode()).hexdigest()
+        infos.append(ShardInfo(f"stream_{index:05d}", [len(ids) for ids, _ in block],
+                               [r["id"] for r in records[lo:hi]], hidden_size,
+                               list(aux_layer_ids), identity, digest, dtype))
     return infos
 
 
@@ -86,17 +93,14 @@ class StateFeed:
     returns the next sample as :meth:`eaglet.train_data.Samples.get` does (uncut). Errors of
     the server or of a file are raised by :meth:`take`."""
 
-    def __init__(self, extractor: Extractor, records: list[dict], max_len: int,
-                 aux_layer_ids: list[int], head: TeacherHead, norm, dtype: str,
-                 concurrency: int, ahead: int, cache_bytes: int, timeout: float,
-                 max_retries: int):
+    def __init__(self, extractor: Extractor, records: list[dict],
+                 seqs: list[tuple[list[int], list[int]]], aux_layer_ids: list[int],
+                 head: TeacherHead, norm, dtype: str, concurrency: int, ahead: int,
+                 cache_bytes: int, timeout: float, max_retries: int):
         self.extractor, self.records, self.head, self.norm = extractor, records, head, norm
         self.aux_layer_ids, self.dtype = aux_layer_ids, dtype
-        self.seqs, self.masks = [], []
-        for record in records:
-            ids, mask, _ = sequence(record, max_len)
-            self.seqs.append(ids)
-            self.masks.append(mask)
+        self.seqs = [ids for ids, _ in seqs]
+        self.masks = [mask for _, mask in seqs]
         self.concurrency, self.ahead = concurrency, max(1, ahead)
         self.cache_bytes, self.timeout, self.max_retries = cache_bytes, timeout, max_retries
         self.cached: dict[int, int] = {}  # sample -> bytes of its file kept for later epochs
@@ -317,7 +321,10 @@ class StreamSamples(Samples):
     def preload(self) -> None:
         pass
 
-    def start(self, order: list[int]) -> None:
+    def start(self, order: list[int], progress=None) -> None:
+        """Feed the samples of ``order``; ``progress`` (the training's) shows the server's
+        start as its phase."""
+        self.feed.extractor.progress = progress
         self.feed.start(order)
 
     def get(self, index: int, max_len: int) -> tuple:
@@ -331,7 +338,7 @@ class StreamSamples(Samples):
         self.stack.close()  # stops the server if the feed started one
 
 
-def open_stream(stream: dict, train_cfg: dict, progress=None) -> StreamSamples:
+def open_stream(stream: dict, train_cfg: dict) -> StreamSamples:
     """The stream-mode training samples of a run: ``stream`` holds the run's ``cfg`` (its
     extract, target, server and generate sections), ``target_json``, the training split's
     ``data`` file, the ``work_dir`` whose ``requests/`` the capture server writes to (the
@@ -345,15 +352,16 @@ def open_stream(stream: dict, train_cfg: dict, progress=None) -> StreamSamples:
                          f"produced none")
     target, norm = load_head(info["path"], cfg["target"]["dtype"], ext["device"])
     aux_ids = resolve_aux_layer_ids(ext["aux_layer_ids"], target.num_layers)
-    infos = layout(records, ext["num_shards"], ext["max_len"], target.hidden_size, aux_ids,
+    seqs = sequences(records, ext["max_len"])
+    infos = layout(records, seqs, ext["num_shards"], target.hidden_size, aux_ids,
                    target_identity(info), ext["dtype"])
     extractor = Extractor(cfg, info["path"], capture_layer_ids(aux_ids, target.num_layers),
-                          Path(stream["work_dir"]), stream["server_log"], progress)
+                          Path(stream["work_dir"]), stream["server_log"], None)
     extractor.norm = norm
     stack = contextlib.ExitStack()
     extractor.stack = stack
     ahead = train_cfg["stream_ahead"] or 2 * ext["concurrency"]
-    feed = StateFeed(extractor, records, ext["max_len"], aux_ids, TeacherHead(target.lm_head),
+    feed = StateFeed(extractor, records, seqs, aux_ids, TeacherHead(target.lm_head),
                      norm, ext["dtype"], ext["concurrency"], ahead,
                      int(train_cfg["stream_cache_gib"] * GIB),
                      cfg["generate"]["request_timeout_s"], cfg["generate"]["max_retries"])
