@@ -1044,8 +1044,16 @@ def test_a_streamed_training_says_how_it_got_its_states_and_who_waited(tmp_path)
     line = _stage("train").line(facts)
     assert "states streamed: 10 prefill requests, 0 saved by generation or an earlier run, " \
            "30 read again (cache 10 files, 3.00 MiB)" in line, line
-    assert "the trainer waited 15 s of 300 s for states (besides 35 s of server start), the " \
-           "server 140 s with no request (the feed 120 s for the trainer)" in line, line
+    assert "the trainer waited 15 s of 300 s for states (besides 35 s while the server " \
+           "started), the server 140 s with no request (the feed 120 s for the trainer)" \
+           in line, line
+    # the feed timed the trainer's wait during the start: a start in a later epoch, with
+    # states already there to train on, was waited for only in part
+    stats["stream"]["trainer_wait_start_s"] = 5.0
+    (r / "drafter" / "stats.json").write_text(json.dumps(stats))
+    facts = status.stage_status(_stage("train"), r, _full_config(r), set())["facts"]
+    assert "the trainer waited 45 s of 300 s for states (besides 5 s while the server " \
+           "started)" in _stage("train").line(facts)
 
 
 def test_streamed_training_is_estimated_with_the_servers_prefill(tmp_path, history):

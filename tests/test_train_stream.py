@@ -227,3 +227,37 @@ def test_stream_mode_refuses_settings_it_cannot_serve(overrides, message):
     # the trainer beside the server with a KV cache of a fixed size, or on GPUs of its own
     assert validate({"train": {"data": "stream"}, "server": {"gpus": 8, "kv_cache_gib": 40}})
     assert validate({"train": {"data": "stream", "gpus": 1}, "server": {"gpus": 8}})
+
+
+def test_the_trainers_wait_during_the_servers_start_is_told_apart():
+    """The trainer waits 0.4 s for a sample; the server's start (begun before the wait)
+    ends 0.15 s into it: that part is counted as waiting for the start, the rest for
+    states. A start the trainer did not wait for (it ended before the wait) counts nothing."""
+    import queue
+    import threading
+    import time
+    from collections import Counter
+    from types import SimpleNamespace
+
+    feed = object.__new__(train_stream.StateFeed)
+    feed.stats, feed._ready = Counter(), queue.Queue()
+    feed._loop = SimpleNamespace(call_soon_threadsafe=lambda f: None)
+    feed._slots = SimpleNamespace(release=None)
+    began = time.perf_counter() - 5.0
+    feed._starting = (began, None)
+
+    def serve(start_ends: float, ready: float):
+        time.sleep(start_ends)
+        feed._starting = (began, time.perf_counter())
+        time.sleep(ready - start_ends)
+        feed._ready.put((0, "states", None))
+
+    threading.Thread(target=serve, args=(0.15, 0.4)).start()
+    assert feed.take(0) == "states"
+    assert feed.stats["trainer_wait_s"] == pytest.approx(0.4, abs=0.1)
+    assert feed.stats["trainer_wait_start_s"] == pytest.approx(0.15, abs=0.05)
+    before = feed.stats["trainer_wait_start_s"]
+    threading.Thread(target=serve, args=(0.0, 0.2)).start()
+    time.sleep(0.05)  # the start ended before this wait began
+    feed.take(0)
+    assert feed.stats["trainer_wait_start_s"] == pytest.approx(before, abs=0.01)

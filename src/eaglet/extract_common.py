@@ -142,6 +142,15 @@ def teacher_from_stored(target: Target, final_stored: torch.Tensor, targets: tor
     return argmax, logprob
 
 
+def answer_rows(final: torch.Tensor, ids: list[int], mask: list[int], dtype: str
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows of one sequence whose teacher is checked (row t predicts answer token t+1),
+    their final states as stored (after the cast to ``dtype``), and the tokens they predict."""
+    rows = torch.tensor(mask[1:], dtype=torch.bool).nonzero().squeeze(1)
+    return (rows, _round_trip(final[rows], dtype),
+            torch.as_tensor(ids, dtype=torch.int64)[rows + 1])
+
+
 class ShardTeacher:
     """:func:`teacher_from_stored` over a shard whose sequences come one at a time, in shard
     order (extraction from the serving engine, whose requests finish over the whole stage):
@@ -161,11 +170,11 @@ class ShardTeacher:
 
     def add(self, final: torch.Tensor, ids: list[int], mask: list[int]) -> None:
         """The next sequence: its final states [len(ids), H], token ids and loss mask."""
-        local = torch.tensor(mask[1:], dtype=torch.bool).nonzero().squeeze(1)  # t predicts t+1
+        local, states, nxt = answer_rows(final, ids, mask, self.dtype)
         if local.numel():
             self._rows.append(local + self._offset)
-            self._states.append(_round_trip(final[local], self.dtype))
-            self._next.append(torch.tensor(ids, dtype=torch.int64)[local + 1])
+            self._states.append(states)
+            self._next.append(nxt)
             self._pending += local.numel()
         self._offset += len(ids)
         while self._pending >= self.chunk:

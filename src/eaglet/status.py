@@ -717,7 +717,8 @@ def _shipped_line(s: dict) -> str:
 
 # what status keeps of drafter/stats.json's ``stream`` (train_stream.StateFeed.summary)
 STREAM_KEYS = ("requests", "saved_files", "reread_files", "cache_files", "cache_bytes",
-               "trainer_wait_s", "feed_wait_s", "server_idle_s", "server_start_s")
+               "trainer_wait_s", "trainer_wait_start_s", "feed_wait_s", "server_idle_s",
+               "server_start_s")
 
 
 def _stream_line(s: dict, elapsed_s: float | None) -> str:
@@ -727,11 +728,14 @@ def _stream_line(s: dict, elapsed_s: float | None) -> str:
            f"{s.get('saved_files') or 0} saved by generation or an earlier run, "
            f"{s.get('reread_files') or 0} read again (cache "
            f"{s.get('cache_files') or 0} files, {human_size(s.get('cache_bytes') or 0)})")
-    start = s.get("server_start_s") or 0.0
+    start = s.get("trainer_wait_start_s")
+    if start is None:  # a run from before the feed timed the wait during the start itself
+        start = s.get("server_start_s") or 0.0
     waited = max((s.get("trainer_wait_s") or 0.0) - start, 0.0)
     whole = f" of {elapsed_s:.0f} s" if elapsed_s else ""
     return (f"{got}; the trainer waited {waited:.0f} s{whole} for states (besides "
-            f"{start:.0f} s of server start), the server {s.get('server_idle_s') or 0:.0f} s "
+            f"{start:.0f} s while the server started), the server "
+            f"{s.get('server_idle_s') or 0:.0f} s "
             f"with no request (the feed {s.get('feed_wait_s') or 0:.0f} s for the trainer)")
 
 

@@ -39,7 +39,7 @@ import torch
 
 from eaglet import shards as shard_format
 from eaglet.engine_client import gather_or_cancel
-from eaglet.extract_common import (TeacherHead, _round_trip, recorded_answer,
+from eaglet.extract_common import (TeacherHead, answer_rows, recorded_answer,
                                    resolve_aux_layer_ids, sequence, shard_bounds,
                                    target_identity)
 from eaglet.extract_vllm import (Extractor, holds_states, load_head, prefill, read_request,
@@ -112,6 +112,7 @@ class StateFeed:
         self._slots: asyncio.Semaphore | None = None
         self._client: httpx.AsyncClient | None = None
         self._in_flight, self._idle_since = 0, None
+        self._starting: tuple[float, float | None] | None = None  # the server's start: from, to
 
     def path(self, index: int) -> Path:
         return request_path(self.extractor.requests, self.records[index]["id"])
@@ -130,7 +131,12 @@ class StateFeed:
     def take(self, index: int) -> tuple:
         waited = time.perf_counter()
         got, item, error = self._ready.get()
-        self.stats["trainer_wait_s"] += time.perf_counter() - waited
+        now = time.perf_counter()
+        self.stats["trainer_wait_s"] += now - waited
+        if self._starting is not None:  # the part of this wait that the server's start took
+            began, ended = self._starting
+            self.stats["trainer_wait_start_s"] += max(
+                0.0, min(now, ended or now) - max(waited, began))
         if error is not None:
             raise error
         if got != index:
@@ -164,6 +170,9 @@ class StateFeed:
                 "server_started": self.extractor.started,
                 "server_start_s": server.ready_after_s if self.extractor.started else None,
                 "trainer_wait_s": round(self.stats["trainer_wait_s"], 2),
+                # of which while the server started (a start in a later epoch, with the
+                # trainer busy on states already there, is not all waited for)
+                "trainer_wait_start_s": round(self.stats["trainer_wait_start_s"], 2),
                 "feed_wait_s": round(self.stats["feed_wait_s"], 2),
                 "server_idle_s": round(self.stats["server_idle_s"], 2),
                 "teacher_agreement": (self.stats["agree"] / positions) if positions else None,
@@ -245,7 +254,11 @@ class StateFeed:
         (and the client made) by the first request."""
         async with self._server_lock:
             if self._client is None:
-                await asyncio.to_thread(self.extractor.ensure_server)
+                self._starting = (time.perf_counter(), None)
+                try:
+                    await asyncio.to_thread(self.extractor.ensure_server)
+                finally:
+                    self._starting = (self._starting[0], time.perf_counter())
                 if self.extractor.progress is not None:  # started: training again
                     self.extractor.progress.enter_phase(None)
                 self._client = httpx.AsyncClient(
@@ -296,11 +309,11 @@ class StateFeed:
         input_ids = torch.tensor(ids, dtype=torch.int64)
         loss_mask = torch.tensor(mask, dtype=torch.uint8)
         argmax = torch.full((len(ids),), -1, dtype=torch.int64)
-        rows = loss_mask[1:].bool().nonzero().squeeze(1)  # row t predicts answer token t+1
+        rows, checked, nxt = answer_rows(final, ids, mask, self.dtype)
         if rows.numel():
-            argmax[rows], _ = self.head(_round_trip(final[rows], self.dtype), input_ids[rows + 1])
+            argmax[rows], _ = self.head(checked, nxt)
             if not recorded_answer(self.records[i]):  # the target's own answers only
-                self.stats["agree"] += int((argmax[rows] == input_ids[rows + 1]).sum())
+                self.stats["agree"] += int((argmax[rows] == nxt).sum())
                 self.stats["agree_positions"] += rows.numel()
         aux_stored, aux_scale = stored(aux, self.dtype, len(self.aux_layer_ids))
         final_stored, final_scale = stored(final, self.dtype, 1)
