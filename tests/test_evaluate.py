@@ -920,16 +920,18 @@ def test_a_schedule_level_that_drafts_k0_has_no_acceptance(monkeypatch, tmp_path
 
 # -- every level at each temperature ---------------------------------------------------------
 
-def test_requests_pin_the_plain_distribution_at_their_temperature(monkeypatch):
+def test_requests_pin_the_distribution_at_their_temperature_cut_as_the_run_serves(monkeypatch):
     """Sampling fields the server would otherwise take from the target's
-    generation_config.json are pinned off; greedy requests keep their seed, sampled ones go
-    unseeded, as production sends them."""
+    generation_config.json are pinned: off, except the run's evaluate.top_p and top_k on
+    sampled requests; greedy requests keep their seed, sampled ones go unseeded, as
+    production sends them."""
     import asyncio
     import json
 
     import httpx
 
     from eaglet import evaluate
+    from eaglet.config import validate
 
     bodies = []
 
@@ -941,16 +943,22 @@ def test_requests_pin_the_plain_distribution_at_their_temperature(monkeypatch):
     monkeypatch.setattr(httpx, "AsyncClient", lambda **kw: client(
         transport=httpx.MockTransport(answer), **kw))
     prompts = [{"id": "p0", "messages": [{"role": "user", "content": "Capital of France?"}]}]
-    for t in (0.0, 1.0):
-        asyncio.run(evaluate._run_prompts("http://server", prompts, 8, 1, 10.0, None, t))
-    greedy, sampled = bodies
+    ev = validate({"evaluate": {"top_p": 0.95, "top_k": 20}})["evaluate"]
+    for t in (0.0, 1.0, 1.0):
+        cut = evaluate.cut(ev) if len(bodies) == 2 else {}
+        asyncio.run(evaluate._run_prompts("http://server", prompts, 8, 1, 10.0, None, t, **cut))
+    greedy, plain, served = bodies
     assert (greedy["temperature"], greedy["seed"]) == (0.0, 0)
-    assert sampled["temperature"] == 1.0 and "seed" not in sampled
-    for body in bodies:
-        assert {key: body[key] for key in ("top_p", "top_k", "min_p", "repetition_penalty",
-                                           "presence_penalty", "frequency_penalty")} == {
-            "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
-            "presence_penalty": 0.0, "frequency_penalty": 0.0}
+    assert plain["temperature"] == 1.0 and "seed" not in plain
+    fields = ("top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+              "frequency_penalty")
+    off = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+           "presence_penalty": 0.0, "frequency_penalty": 0.0}
+    for body in (greedy, plain):
+        assert {key: body[key] for key in fields} == off
+    assert {key: served[key] for key in fields} == {**off, "top_p": 0.95, "top_k": 20}
+    assert evaluate.sampling_text(1.0, ev) == "temperature 1, top-p 0.95, top-k 20"
+    assert evaluate.sampling_text(0.0, ev) == "temperature 0"
 
 
 def test_each_temperature_is_measured_and_judged_apart_the_last_one_served(monkeypatch,
@@ -978,7 +986,8 @@ def test_each_temperature_is_measured_and_judged_apart_the_last_one_served(monke
     monkeypatch.setattr(evaluate, "_start", machine.start)
     monkeypatch.setattr(evaluate, "_measure", machine.measure)
     cfg = validate({"evaluate": {"concurrency": [1, 16], "rounds": 2, "interleave": True,
-                                 "offline": False, "ngram": False, "temperature": [0, 1.0]},
+                                 "offline": False, "ngram": False, "temperature": [0, 1.0],
+                                 "top_p": 0.95},
                     "server": {"memory_utilization": 0.3, "port": 8000}})
     write_json(tmp_path / "target.json", {"path": "target", "spec": "t"})
     (tmp_path / "eval.jsonl").write_text("".join(
@@ -1001,10 +1010,11 @@ def test_each_temperature_is_measured_and_judged_apart_the_last_one_served(monke
     # the schedule comes from 1.0, where the drafter pays at 1 only (greedy, it pays at both)
     serve = read_json(tmp_path / "serve.json")
     assert serve["temperature"] == 1.0 and serve["checked_by"] == "eagle3_schedule_T1"
+    assert (serve["top_p"], serve["top_k"]) == (0.95, 0)  # served as measured
     assert [e["k"] for e in serve["by_concurrency"]] == [3, 0]
     v, by_t = result["verdict"], result["verdict_by_temperature"]
     assert v is by_t["1"] and v["temperature"] == 1.0
-    assert v["summary"].startswith("At temperature 1: EAGLE-3 (eagle3_k3_T1)")
+    assert v["summary"].startswith("At temperature 1, top-p 0.95: EAGLE-3 (eagle3_k3_T1)")
     assert [e["k"] for e in by_t["0"]["best_k_by_concurrency"]] == [3, 3]
     assert [e["k"] for e in v["best_k_by_concurrency"]] == [3, 0]
     # greedy answers are compared with the target alone's; sampled ones are not

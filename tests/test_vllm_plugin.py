@@ -173,3 +173,35 @@ def test_register_never_raises(sampler, monkeypatch):
         vllm_plugin.register()
     [warning] = [r for r in records if r.levelno == logging.WARNING]
     assert "did nothing" in warning.getMessage() and "probe exploded" in str(warning.exc_info[1])
+
+
+def test_the_replays_target_distribution_is_the_rejection_samplers_after_top_k_and_top_p(
+        sampler):
+    """At T > 0 vLLM verifies drafts against the target's logits at the request's temperature
+    cut by its top-k and top-p (apply_sampling_constraints); the offline replay's
+    ``token_probability`` must give that distribution for every token, or its expected
+    acceptance is not the one vLLM measures at a run's evaluate.top_p and top_k."""
+    from eaglet.offline_eval import token_probability
+
+    vllm_plugin.register()
+    vocab = 64
+    # per request: temperature, top_p, top_k (vLLM stores top-k off as the vocabulary size)
+    requests = [(0.7, 0.9, vocab), (1.0, 0.95, 20), (1.3, 1.0, 5), (0.6, 0.5, 3), (1.0, 1.0, vocab)]
+    cu = torch.arange(1, len(requests) + 1, dtype=torch.int32) * 2  # two draft tokens each
+    torch.manual_seed(0)
+    logits = torch.randn(int(cu[-1]), vocab) * 3
+    logits[0, :4] = logits[0, 0]  # a tie at the top-k and top-p edges of one row
+    metadata = SimpleNamespace(
+        all_greedy=False, temperature=torch.tensor([r[0] for r in requests]),
+        top_p=torch.tensor([r[1] for r in requests]),
+        top_k=torch.tensor([r[2] for r in requests], dtype=torch.int32))
+    want = torch.softmax(sampler.apply_sampling_constraints(logits.clone(), cu, metadata), -1)
+    cut_something = 0
+    for row in range(logits.shape[0]):
+        t, top_p, top_k = requests[row // 2]
+        got = torch.tensor([token_probability(logits[row], x, t, top_p,
+                                              0 if top_k == vocab else top_k)
+                            for x in range(vocab)])
+        torch.testing.assert_close(got, want[row], rtol=1e-5, atol=1e-7)
+        cut_something += int((got == 0).sum())
+    assert cut_something > vocab  # the cut left tokens out: the check compared cut rows

@@ -213,7 +213,7 @@ ADDED_LATER = {"generate": {"capture_hidden_states": False, "chat_template_kwarg
                          "drafter_attention": "llama", "method": "eagle3",
                          "drafter_variant": "eagle3", "data": "shards",
                          "stream_cache_gib": 0, "stream_ahead": None},
-               "evaluate": {"compare_drafters": []}}
+               "evaluate": {"compare_drafters": [], "top_p": 1.0, "top_k": 0}}
 
 
 def stream_refusals(cfg: dict[str, Any]) -> None:

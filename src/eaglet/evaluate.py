@@ -167,23 +167,44 @@ def read_metrics(url: str) -> str:
         return resp.read().decode()
 
 
-# Sampling pinned to the plain softmax at the request's temperature: without these, vLLM
-# fills them from the target's generation_config.json (Qwen3's top_k 20 and top_p 0.95, say),
-# and the offline replay's target distribution would not be the one vLLM verified against.
+# Sampling pinned to the softmax at the request's temperature, cut only by the run's
+# evaluate.top_p and top_k: without these, vLLM fills them from the target's
+# generation_config.json (Qwen3's top_k 20 and top_p 0.95, say), and the offline replay's
+# target distribution would not be the one vLLM verified against.
 PLAIN_SAMPLING = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
                   "presence_penalty": 0.0, "frequency_penalty": 0.0}
 
 
-def sampling(temperature: float) -> dict:
+def cut(ev: dict) -> dict:
+    """The top-p and top-k every sampled evaluation request is served with (evaluate.top_p,
+    top_k; 1 and 0: off), which the offline replay's target distribution applies too."""
+    return {"top_p": float(ev.get("top_p", 1.0)), "top_k": int(ev.get("top_k", 0))}
+
+
+def sampling(temperature: float, top_p: float = 1.0, top_k: int = 0) -> dict:
     """The sampling fields of one evaluation request at ``temperature``. Greedy requests keep
     a seed (their answers are the same either way); sampled ones are unseeded, as production
-    sends them (a seed sends a request down vLLM's per-request generator path)."""
-    return {"temperature": temperature, **PLAIN_SAMPLING, **({} if temperature else {"seed": 0})}
+    sends them (a seed sends a request down vLLM's per-request generator path), and cut to
+    ``top_p`` and ``top_k``."""
+    if not temperature:
+        return {"temperature": temperature, **PLAIN_SAMPLING, "seed": 0}
+    return {"temperature": temperature, **PLAIN_SAMPLING, "top_p": top_p, "top_k": top_k}
+
+
+def sampling_text(temperature: float, ev: dict) -> str:
+    """How a temperature's requests were sampled, in words: ``temperature 1, top-p 0.95``."""
+    parts = [f"temperature {temperature:g}"]
+    if temperature:
+        c = cut(ev)
+        parts += ([f"top-p {c['top_p']:g}"] if c["top_p"] < 1 else []) + (
+            [f"top-k {c['top_k']}"] if c["top_k"] else [])
+    return ", ".join(parts)
 
 
 async def _run_prompts(url: str, prompts: list[dict], max_tokens: int, concurrency: int,
                        timeout: float, template_kwargs: dict | None = None,
-                       temperature: float = 0.0) -> list[dict]:
+                       temperature: float = 0.0, top_p: float = 1.0,
+                       top_k: int = 0) -> list[dict]:
     extra = {"chat_template_kwargs": template_kwargs} if template_kwargs else {}
     gate = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=timeout,
@@ -192,7 +213,8 @@ async def _run_prompts(url: str, prompts: list[dict], max_tokens: int, concurren
             async with gate:
                 start = time.perf_counter()
                 resp = await client.post("/v1/chat/completions", json={
-                    "model": "target", "messages": prompt["messages"], **sampling(temperature),
+                    "model": "target", "messages": prompt["messages"],
+                    **sampling(temperature, top_p, top_k),
                     "max_tokens": max_tokens, "return_token_ids": True, **extra})
                 if resp.status_code != 200:
                     raise EvaluationError(f"request for {prompt['id']} failed: HTTP "
@@ -308,7 +330,8 @@ def _measure(url: str, prompts: list[dict], ev: dict, concurrency: int,
     before = spec_counters(read_metrics(url))
     start = time.perf_counter()
     answers = asyncio.run(_run_prompts(url, prompts, ev["max_tokens"], concurrency,
-                                       ev["request_timeout_s"], template_kwargs, temperature))
+                                       ev["request_timeout_s"], template_kwargs, temperature,
+                                       **cut(ev)))
     wall = time.perf_counter() - start
     delta = counter_delta(before, spec_counters(read_metrics(url)))
     tokens = sum(a["completion_tokens"] for a in answers)
@@ -519,7 +542,7 @@ def measure_runs(cfg: dict, urls: dict[str, str], runs: list[dict],
     levels: dict[tuple[str, float], list[dict]] = {(run["name"], t): [] for t in temps
                                                    for run in runs}
     for t in temps:
-        at = f", temperature {t:g}" if len(temps) > 1 or t else ""
+        at = f", {sampling_text(t, ev)}" if len(temps) > 1 or t else ""
         for concurrency in ev["concurrency"]:
             for set_name, prompts in prompt_sets.items():
                 if progress is not None:
@@ -541,7 +564,7 @@ def measure_runs(cfg: dict, urls: dict[str, str], runs: list[dict],
                         {"set": set_name, "temperature": t, **level,
                          **acceptance(level["_delta"], k),
                          **per_request_acceptance(_answer_counts(level), k)})
-    return [_run_result(at_temperature(run, t), levels[(run["name"], t)], prompt_sets,
+    return [_run_result(at_temperature(run, t, ev), levels[(run["name"], t)], prompt_sets,
                         server_log(log_dir, run)) for t in temps for run in runs]
 
 
@@ -551,12 +574,14 @@ def temperatures(ev: dict) -> list[float]:
     return [float(t) for t in ev.get("temperature") or [0.0]]
 
 
-def at_temperature(run: dict, temperature: float) -> dict:
+def at_temperature(run: dict, temperature: float, ev: dict | None = None) -> dict:
     """An engine run as measured at ``temperature``: above 0 its name says it
     (``eagle3_k3_T1``), so each (run, temperature) has a name of its own in
-    acceptance.json, summary.csv and the figures; at 0 the name is the run's."""
+    acceptance.json, summary.csv and the figures; at 0 the name is the run's. ``sampling``:
+    how its requests were sampled, in words (the run's top-p and top-k with the temperature)."""
     name = f"{run['name']}_T{temperature:g}" if temperature else run["name"]
-    return {**run, "name": name, "temperature": temperature}
+    return {**run, "name": name, "temperature": temperature,
+            "sampling": sampling_text(temperature, ev or {})}
 
 
 def _run_result(run: dict, levels: list[dict], prompt_sets: dict, log_path: str) -> dict:
@@ -569,6 +594,7 @@ def _run_result(run: dict, levels: list[dict], prompt_sets: dict, log_path: str)
 
     result = {"name": name, "method": run["method"], "k": run.get("k"),
               "temperature": run.get("temperature", 0.0),
+              **({"sampling": run["sampling"]} if run.get("sampling") else {}),
               "schedule": bool(run.get("schedule")), "speculative_config": spec, "levels": levels,
               "sets": {s: pooled([lv for lv in levels if lv["set"] == s]) for s in prompt_sets},
               "output_tokens": sum(lv["output_tokens"] for lv in levels), **pooled(levels),
@@ -1000,7 +1026,8 @@ def verdict(runs: list[dict], concurrencies: list[int], serve: dict | None = Non
                          "step. Where this concurrency is what you serve, serve without "
                          "--speculative-config.")
             warnings.append(text)
-    out["summary"] = (f"At temperature {temperature:g}: " if temperature else "") + _summary(
+    said = runs[0].get("sampling") or f"temperature {temperature:g}"
+    out["summary"] = (f"At {said}: " if temperature else "") + _summary(
         best, choice, measured, ngram)
     return out
 
@@ -1236,12 +1263,12 @@ def run_stage(cfg: dict, target_json: str, drafter_dir: str, prompts_path: str,
         expected_compared = {name: e for (name, compared), e in checked.items() if compared}
     progress.report("finished")
     recommendation = {**serve_recommendation(choice, runs_at[served_at], drafter_dir),
-                      "temperature": served_at}
+                      "temperature": served_at, **(cut(ev) if served_at else {})}
     verdicts = {t: verdict(runs_at[t], concurrencies,
                            recommendation if t == served_at else None) for t in temps}
     verdicts[served_at]["warnings"] += expected_warnings(expected or {}, offline, cfg)
     result = {"prompt_sets": about, "max_tokens": ev["max_tokens"], "rounds": ev["rounds"],
-              "concurrency": concurrencies, "temperature": temps,
+              "concurrency": concurrencies, "temperature": temps, **cut(ev),
               "target": target["path"], "drafter": drafter_dir,
               "runs": [_public(r) for r in runs],
               "methods": [row for t in temps for row in methods_table(runs_at[t],
@@ -1447,7 +1474,8 @@ def load_for_replay(drafter_dir: str, target_path: str):
 
 
 def replay_sequences(drafter, sequences: list[tuple[list[int], list[int]]], ks: list[int],
-                     features, temperature: float = 0.0, head=None) -> dict:
+                     features, temperature: float = 0.0, head=None, top_p: float = 1.0,
+                     top_k: int = 0) -> dict:
     """:func:`eaglet.offline_eval.replay_sequences` with the drafts the drafter makes in
     vLLM: EAGLE-3's chain of k forwards, or a P-EAGLE drafter's one parallel forward per
     round (:func:`eaglet.peagle.replay_counts`, :func:`eaglet.peagle.expected_counts`), with
@@ -1455,10 +1483,12 @@ def replay_sequences(drafter, sequences: list[tuple[list[int], list[int]]], ks: 
     from eaglet import offline_eval
 
     if not isinstance(drafter, peagle.PEagleDrafter):
-        return offline_eval.replay_sequences(drafter, sequences, ks, features, temperature, head)
+        return offline_eval.replay_sequences(drafter, sequences, ks, features, temperature, head,
+                                             top_p=top_p, top_k=top_k)
     return offline_eval.replay_sequences(drafter, sequences, ks, features, temperature, head,
                                          greedy_counts=peagle.replay_counts,
-                                         sampled_counts=peagle.expected_counts)
+                                         sampled_counts=peagle.expected_counts,
+                                         top_p=top_p, top_k=top_k)
 
 
 # the offline replay agrees with vLLM within: greedy, where it replays vLLM's answers exactly;
@@ -1519,8 +1549,10 @@ def expected_check(cfg: dict, target_path: str, drafter_dir: str, runs: list[dic
         replayed = {}
         for name, sequences in by_set.items():
             progress.enter_phase(f"expected acceptance of {run['name']} on {name}: "
-                                 f"{len(sequences)} answers sampled at temperature {t:g}")
-            replayed[name] = got = replay_sequences(drafter, sequences, [k], features, t, head)
+                                 f"{len(sequences)} answers sampled at "
+                                 f"{sampling_text(t, cfg['evaluate'])}")
+            replayed[name] = got = replay_sequences(drafter, sequences, [k], features, t, head,
+                                                    **cut(cfg["evaluate"]))
             _log_sources(f"{name} ({run['name']})", got["sources"])
         out[run["name"]] = {**_compare(run, replayed, EXPECTED_TOLERANCE),
                             "states": {name: {"states": _states_label(got["sources"]),

@@ -305,7 +305,7 @@ class Features:
 def replay_sequences(drafter: Eagle3Drafter, sequences: list[tuple[list[int], list[int]]],
                      ks: list[int], features: Features, temperature: float = 0.0,
                      head: torch.Tensor | None = None, greedy_counts=None,
-                     sampled_counts=None) -> dict:
+                     sampled_counts=None, top_p: float = 1.0, top_k: int = 0) -> dict:
     """Every sequence replayed at every k from the states ``features`` gives it (each
     sequence's states got once for all k); the counts per k, summed (``counts``) and per
     sequence replayed (``per_sequence``: the acceptance length per request comes from them),
@@ -316,7 +316,8 @@ def replay_sequences(drafter: Eagle3Drafter, sequences: list[tuple[list[int], li
     At ``temperature`` 0 the greedy replay counts; above it, the expected acceptance of
     answers sampled at that temperature (:func:`expected_replay`), from ``features`` that
     give the final-norm states too (``Features(final=True)``) and the target's lm_head
-    ``head`` [V, H]. ``greedy_counts`` and ``sampled_counts`` count one sequence the way
+    ``head`` [V, H], the distribution cut to ``top_p`` and ``top_k`` as vLLM cuts it
+    (:func:`token_probability`). ``greedy_counts`` and ``sampled_counts`` count one sequence the way
     another kind of drafter drafts (P-EAGLE's one parallel forward); by default EAGLE-3's
     chain of k forwards (:func:`replay_counts`, :func:`expected_counts`)."""
     if temperature and head is None:
@@ -336,7 +337,7 @@ def replay_sequences(drafter: Eagle3Drafter, sequences: list[tuple[list[int], li
         sources[source] += 1
         for k in ks:
             counts = (sampled_counts(drafter, aux, head, prompt_ids, completion_ids, k,
-                                     temperature) if temperature
+                                     temperature, top_p=top_p, top_k=top_k) if temperature
                       else greedy_counts(drafter, aux, prompt_ids, completion_ids, k))
             per_sequence[k].append(counts)
             add_counts(totals[k], counts)
@@ -351,7 +352,7 @@ def replay_sequences(drafter: Eagle3Drafter, sequences: list[tuple[list[int], li
 # draft logits, mapped to target ids through d2t, and no draft probabilities for the sampler).
 # The rejection sampler then takes the draft distribution q as one-hot: it accepts draft x
 # where a uniform u <= p(x) / 1, with p the target's softmax(logits / T) in float32 after
-# top-k/top-p (which evaluation's requests turn off, so p is the plain softmax at T), and on
+# top-k/top-p (evaluate.top_k and top_p, off by default: p is then the plain softmax at T), and on
 # a rejection samples the recovered token from p with x taken out. The acceptance
 # probability of a position, sum_x min(p(x), q(x)), is therefore p(x) at the drafted token.
 # (With draft_sample_method "probabilistic", which eaglet does not serve, q would be the
@@ -372,13 +373,33 @@ def replay_sequences(drafter: Eagle3Drafter, sequences: list[tuple[list[int], li
 # matches (each round's last factor is a probability, not a 0/1 outcome); at T 0 p is one-hot
 # at the target's greedy token and it is the greedy replay's count.
 
-def token_probability(logits: torch.Tensor, token: int, temperature: float) -> float:
+def token_probability(logits: torch.Tensor, token: int, temperature: float,
+                      top_p: float = 1.0, top_k: int = 0) -> float:
     """The probability that vLLM's sampler, at ``temperature``, takes ``token`` after
-    ``logits`` [V]: softmax(logits / T) in float32; at T 0, 1 for the greedy token (the
-    argmax) and 0 for any other."""
+    ``logits`` [V]: softmax(logits / T) in float32, cut as vLLM's sampler cuts it
+    (:func:`truncate`); at T 0, 1 for the greedy token (the argmax) and 0 for any other."""
     if temperature == 0:
         return float(int(logits.argmax()) == token)
-    return float(torch.softmax(logits.float() / temperature, dim=-1)[token])
+    scaled = truncate(logits.float() / temperature, top_p, top_k)
+    return float(torch.softmax(scaled, dim=-1)[token])
+
+
+def truncate(scaled: torch.Tensor, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
+    """Logits [V] at the temperature with what vLLM's top-k and top-p leave out set to -inf
+    (v1/sample/ops/topk_topp_sampler.py, as the rejection sampler applies them to the
+    target's logits): top-k keeps every logit at least the k-th largest (ties kept); top-p
+    then drops, smallest first, the tokens whose cumulative probability in ascending order
+    stays at most 1 - top_p, never the largest. 0 and 1: off."""
+    if top_k and top_k < scaled.numel():
+        kth = torch.topk(scaled, top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, -float("inf"))
+    if top_p < 1.0:
+        ascending, order = scaled.sort()
+        dropped = torch.softmax(ascending, dim=-1).cumsum(dim=-1) <= 1 - top_p
+        dropped[-1] = False
+        scaled = scaled.clone()
+        scaled[order[dropped]] = -float("inf")
+    return scaled
 
 
 def expected_replay(draft, prob, ids: list[int], prompt_len: int, k: int) -> dict:
@@ -413,11 +434,11 @@ def expected_replay(draft, prob, ids: list[int], prompt_len: int, k: int) -> dic
 @torch.inference_mode()
 def expected_counts(drafter: Eagle3Drafter, states: tuple[torch.Tensor, torch.Tensor],
                     head: torch.Tensor, prompt_ids: list[int], completion_ids: list[int],
-                    k: int, temperature: float) -> dict:
-    """:func:`expected_replay` of one answer sampled at ``temperature``, drafted from its aux
-    states and verified against the target's distribution from its final-norm states
-    (``states``: both, [at least len(prompt) + len(completion) rows, ...]) through the
-    target's lm_head ``head`` [V, H]."""
+                    k: int, temperature: float, top_p: float = 1.0, top_k: int = 0) -> dict:
+    """:func:`expected_replay` of one answer sampled at ``temperature`` (cut to ``top_p`` and
+    ``top_k``), drafted from its aux states and verified against the target's distribution
+    from its final-norm states (``states``: both, [at least len(prompt) + len(completion)
+    rows, ...]) through the target's lm_head ``head`` [V, H]."""
     aux, final = states
     ids = list(prompt_ids) + list(completion_ids)
     aux = aux.to(drafter.fc.weight.dtype)
@@ -425,7 +446,7 @@ def expected_counts(drafter: Eagle3Drafter, states: tuple[torch.Tensor, torch.Te
     final, head = final.float(), head.float()
 
     def prob(row: int, token: int) -> float:
-        return token_probability(final[row] @ head.T, token, temperature)
+        return token_probability(final[row] @ head.T, token, temperature, top_p, top_k)
 
     return expected_replay(lambda p, n: draft_chain(drafter, aux, seq, p, n), prob, ids,
                            len(prompt_ids), k)

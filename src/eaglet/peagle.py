@@ -231,9 +231,10 @@ def replay_counts(drafter: PEagleDrafter, aux: torch.Tensor, prompt_ids: list[in
 @torch.inference_mode()
 def expected_counts(drafter: PEagleDrafter, states: tuple[torch.Tensor, torch.Tensor],
                     head: torch.Tensor, prompt_ids: list[int], completion_ids: list[int],
-                    k: int, temperature: float) -> dict:
+                    k: int, temperature: float, top_p: float = 1.0, top_k: int = 0) -> dict:
     """``offline_eval.expected_counts`` (the expected acceptance of one answer sampled at
-    ``temperature``) with the drafts of each round from one parallel forward."""
+    ``temperature``, cut to ``top_p`` and ``top_k``) with the drafts of each round from one
+    parallel forward."""
     aux, final = states
     ids = list(prompt_ids) + list(completion_ids)
     aux = aux.to(drafter.fc.weight.dtype)
@@ -241,7 +242,7 @@ def expected_counts(drafter: PEagleDrafter, states: tuple[torch.Tensor, torch.Te
     final, head = final.float(), head.float()
     return expected_replay(lambda p, n: draft_parallel(drafter, aux, seq, p, n),
                            lambda row, token: token_probability(final[row] @ head.T, token,
-                                                                temperature),
+                                                                temperature, top_p, top_k),
                            ids, len(prompt_ids), k)
 
 

@@ -26,7 +26,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable
 
-from eaglet.evaluate import is_drafter
+from eaglet.evaluate import is_drafter, sampling_text
 from eaglet.io import human_size
 from eaglet.peagle import METHOD_NAMES
 from eaglet.progress import format_duration
@@ -236,7 +236,7 @@ def methods_section(run: Results) -> list[str]:
                 *(speedup(by_c[c]) if by_c.get(c, {}).get("speedup") else "not measured"
                   for c in concurrencies),
                 *(_step(by_c.get(c, {})) for c in concurrencies)])
-        lines += [f"At temperature {t:g}:", ""] + list_table(rows)
+        lines += [f"At {sampling_text(t, run.acceptance)}:", ""] + list_table(rows)
     return lines
 
 
