@@ -4,6 +4,7 @@ verdict, on recorded numbers."""
 from __future__ import annotations
 
 import csv
+import math
 import statistics
 
 import pytest
@@ -1059,6 +1060,40 @@ def test_a_sampled_run_that_disagrees_with_its_expected_acceptance_is_explained(
                                  {"eagle3_k3": {"agrees": False}}, cpu)
     assert "check the export" in drafts and "400 drafting steps" in drafts
     assert "CPU engine" not in drafts
+
+
+def test_a_sampled_difference_within_the_noise_of_few_steps_is_unresolved_not_a_disagreement():
+    """On few drafting steps, vLLM's count may fall beyond the 3% by chance: where it lies
+    within NOISE_ERRORS standard errors and its answers took the drafts as counted, the
+    verdict says how many steps the check needs instead of calling it a disagreement."""
+    from eaglet.evaluate import EXPECTED_TOLERANCE, NOISE_ERRORS, _noise, expected_warnings
+
+    # 40 steps, expected AL 2.45 with a standard error of 0.1, vLLM counted 2.55 (4% off)
+    noise = _noise({"acceptance_length": 2.45, "standard_error": 0.1, "drafts": 40}, 2.55,
+                   EXPECTED_TOLERANCE)
+    assert noise["within_noise"] is True
+    # NOISE_ERRORS errors shrink with the root of the steps: 40 * (3 * 0.1 / (0.03 * 2.55))^2
+    assert noise["drafts_for_tolerance"] == math.ceil(
+        40 * (NOISE_ERRORS * 0.1 / (EXPECTED_TOLERANCE * 2.55)) ** 2) == 616
+    assert _noise({"acceptance_length": 2.2, "standard_error": 0.1, "drafts": 40}, 2.55,
+                  EXPECTED_TOLERANCE)["within_noise"] is False
+    assert _noise({"acceptance_length": 2.2, "drafts": 40}, 2.55, EXPECTED_TOLERANCE) == {}
+
+    def entry(expected, matched, within):
+        return {"temperature": 1.0, "vllm_acceptance_length": 2.55, "acceptance_length": expected,
+                "matched_acceptance_length": matched, "ratio_offline_over_vllm": expected / 2.55,
+                "drafts": 40, "tolerance": EXPECTED_TOLERANCE, "agrees": False,
+                "standard_error": 0.1, "within_noise": within, "drafts_for_tolerance": 616}
+
+    [note] = expected_warnings({"eagle3_k3_T1": entry(2.45, 2.55, True)}, None,
+                               {"server": {"gpus": 0}})
+    assert note.startswith("Sampled acceptance unresolved: eagle3_k3_T1")
+    assert "40 drafting steps" in note and "about 616 steps" in note
+    # beyond the noise, or answers that did not take the drafts as counted: a disagreement
+    for expected, matched, within in ((2.2, 2.55, False), (2.45, 2.3, True)):
+        [alarm] = expected_warnings({"eagle3_k3_T1": entry(expected, matched, within)}, None,
+                                    {"server": {"gpus": 0}})
+        assert alarm.startswith("SAMPLED ACCEPTANCE DISAGREES")
 
 
 def test_the_temperatures_are_a_list_of_at_least_one_unique_non_negative_value():

@@ -559,7 +559,20 @@ def test_the_expected_acceptance_is_vllms_rejection_sampling_on_average(temperat
     within(closed_gap)
     vllm_al = 1 + sum(c["matched"] for c in on_vllm) / sum(c["drafts"] for c in on_vllm)
     # on vLLM's answers: each answer's expected against its counted acceptances
-    within([c["accepted"] - c["matched"] for c in on_vllm])
+    gaps = [c["accepted"] - c["matched"] for c in on_vllm]
+    within(gaps)
+    # and the replay's variance is that gap's: the spread chance alone gives the count
+    # (the sample variance of 2000 answers is within about 3% of the true one)
+    predicted = statistics.mean(c["variance"] for c in on_vllm)
+    assert statistics.variance(gaps) == pytest.approx(predicted, rel=0.15)
+    assert predicted > 0.5   # several rounds of uncertain acceptances: the test can tell
+    from eaglet.offline_eval import add_counts, empty_counts, summarize
+    total = empty_counts(k)
+    for c in on_vllm:
+        add_counts(total, c)
+    pooled = summarize(total, k)
+    assert pooled["standard_error"] == pytest.approx(
+        math.sqrt(predicted * trials) / total["drafts"])
     # on the target's own answers: the acceptance length against vLLM's, each answer's
     # deviation from it per drafting round (the ratio's first-order error), both samples
     deviations = [c["accepted"] - (vllm_al - 1) * c["drafts"] for c in on_target] + [

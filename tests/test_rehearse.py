@@ -131,6 +131,24 @@ def test_a_failed_stage_is_reported_by_its_own_exception_not_the_servers_shutdow
         "generate: eaglet.template_check.TemplateMismatchError: 63 of 64 samples do not re-render")
 
 
+def test_a_sampled_run_is_held_to_its_drafts_exactly_and_to_its_expectation_within_noise():
+    """At the served temperature the rehearsal checks what holds on any number of prompts:
+    vLLM's answers took the replay's drafts as vLLM counted; and vLLM's AL is the expected
+    one within the tolerance or within the sampling noise of the miniature's few prompts."""
+    row = {"temperature": 1.0, "vllm_acceptance_length": 2.55, "acceptance_length": 2.45,
+           "matched_acceptance_length": 2.55, "ratio_offline_over_vllm": 2.45 / 2.55,
+           "standard_error": 0.1, "drafts": 40, "tolerance": 0.03, "agrees": False,
+           "within_noise": True}
+    ok, text, fix = rehearse.expected_line("eagle3_k3_T1", row)
+    assert ok and fix == "" and "standard error 0.100 over 40 drafting steps" in text
+    ok, _, fix = rehearse.expected_line("eagle3_k3_T1", {**row, "within_noise": False})
+    assert not ok and "another distribution" in fix
+    ok, _, fix = rehearse.expected_line("eagle3_k3_T1", {**row, "agrees": True,
+                                                         "matched_acceptance_length": 2.3})
+    assert not ok and "the drafts differ" in fix
+    assert not rehearse.expected_line("eagle3_k3_T1", {**row, "acceptance_length": None})[0]
+
+
 # `make test` rehearses the founding user's target (MLA, MoE, the multimodal wrapper, a
 # tokenizer as code); the other shipped configs rehearse with `make test-rehearsals`
 # (EAGLET_REHEARSE_ALL=1), each about 6.5 minutes on 2 cores.

@@ -21,6 +21,7 @@ acceptance from the target's distribution at that temperature (:func:`expected_r
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -101,15 +102,17 @@ def add_counts(total: dict, counts: dict) -> dict:
     keeps them); returns ``total``."""
     for key in ("drafts", "draft_tokens", "accepted"):
         total[key] += counts[key]
-    if "matched" in counts:
-        total["matched"] = total.get("matched", 0) + counts["matched"]
+    for key in ("matched", "variance"):
+        if key in counts:
+            total[key] = total.get(key, 0) + counts[key]
     total["per_position"] = [a + b for a, b in zip(total["per_position"], counts["per_position"])]
     return total
 
 
 def summarize(total: dict, k: int) -> dict:
     """Acceptance length and rates from summed counts, as vLLM's metrics give them (and, for
-    an expected replay, the acceptance length its answers' own tokens give: ``matched``)."""
+    an expected replay, the acceptance length its answers' own tokens give, ``matched``, and
+    the standard error of vLLM's acceptance length about the expected one, ``standard_error``)."""
     drafts = total["drafts"]
     out = {
         "k": k, **total,
@@ -119,6 +122,8 @@ def summarize(total: dict, k: int) -> dict:
     }
     if "matched" in total:
         out["matched_acceptance_length"] = 1 + total["matched"] / drafts if drafts else None
+    if "variance" in total:
+        out["standard_error"] = math.sqrt(total["variance"]) / drafts if drafts else None
     return out
 
 
@@ -372,6 +377,13 @@ def replay_sequences(drafter: Eagle3Drafter, sequences: list[tuple[list[int], li
 # over answers sampled at T this is vLLM's expected acceptance, with less noise than the
 # matches (each round's last factor is a probability, not a 0/1 outcome); at T 0 p is one-hot
 # at the target's greedy token and it is the greedy replay's count.
+#
+# How far vLLM's count may fall from the expectation by chance alone: position by position,
+# vLLM accepts (1) or not (0) where the answer took every earlier draft, with probability a_i,
+# so its count minus the replay's is a sum of differences with mean 0 given what came before
+# (a martingale) and variance a_i (1 - a_i) each: the ``variance`` the replay sums. Its root
+# over the drafting steps is the standard error of the acceptance length (``summarize``), what
+# a comparison of the two must allow on few prompts (0 at T 0, where every a_i is 0 or 1).
 
 def token_probability(logits: torch.Tensor, token: int, temperature: float,
                       top_p: float = 1.0, top_k: int = 0) -> float:
@@ -406,12 +418,12 @@ def expected_replay(draft, prob, ids: list[int], prompt_len: int, k: int) -> dic
     """vLLM's counters for one answer sampled at a temperature, in expectation (see the
     comment above): ``accepted`` and ``per_position`` sum the expected acceptances (floats),
     ``matched`` counts the drafts the answer's own tokens took (vLLM's count where the answer
-    is its own). Rounds advance as the answer's tokens took the drafts, as vLLM's did.
+    is its own), ``variance`` that count's variance about ``accepted``. Rounds advance as the answer's tokens took the drafts, as vLLM's did.
     ``draft(p, k)``: the k draft tokens proposed from row ``p``; ``prob(row, token)``: the
     target's probability, at the temperature, of ``token`` right after row ``row``."""
     n = len(ids)
     counts = {"drafts": 0, "draft_tokens": 0, "accepted": 0.0, "per_position": [0.0] * k,
-              "matched": 0}
+              "matched": 0, "variance": 0.0}
     p = prompt_len - 1           # after prefill the target has produced token prompt_len
     while p + 2 < n:             # at least one token left to draft for
         taken = 0
@@ -420,6 +432,7 @@ def expected_replay(draft, prob, ids: list[int], prompt_len: int, k: int) -> dic
                 break
             chance = prob(p + 1 + j, token)
             counts["accepted"] += chance
+            counts["variance"] += chance * (1 - chance)
             counts["per_position"][j] += chance
             if token != ids[p + 2 + j]:
                 break

@@ -372,6 +372,34 @@ def check_results(results: Path, cfg: dict, report: Report) -> None:
                    "" if ok else "the export, aux layer ids or d2t disagree with vLLM")
     if not offline:
         report.add("evaluate", False, "no offline replay in acceptance.json")
+    for name, row in (acceptance.get("offline_expected") or {}).items():
+        report.add("evaluate", *expected_line(name, row))
+
+
+def expected_line(name: str, row: dict) -> tuple[bool, str, str]:
+    """The check of a run sampled at a temperature (acceptance.json ``offline_expected``):
+    the replay's drafts on vLLM's own answers must be taken exactly as vLLM counted (within
+    the greedy 1%: a draft is accepted where the answer's token is the draft), and vLLM's
+    acceptance length must be the expected one within the tolerance or, on a rehearsal's
+    few prompts, within the sampling noise (evaluate.NOISE_ERRORS standard errors)."""
+    from eaglet.evaluate import GREEDY_TOLERANCE, NOISE_ERRORS
+
+    vllm, mine, matched = (row.get(key) for key in (
+        "vllm_acceptance_length", "acceptance_length", "matched_acceptance_length"))
+    if not (vllm and mine and matched):
+        return False, f"{name}: no expected acceptance to compare", ""
+    taken = abs(matched / vllm - 1) <= GREEDY_TOLERANCE
+    expected = bool(row.get("agrees") or row.get("within_noise"))
+    text = (f"{name} at temperature {row.get('temperature'):g}: vLLM AL {vllm:.3f}, its answers "
+            f"took the replay's drafts at AL {matched:.3f}, expected {mine:.3f} (ratio "
+            f"{row.get('ratio_offline_over_vllm'):.3f}, standard error "
+            f"{row.get('standard_error') or 0:.3f} over {row.get('drafts')} drafting steps)")
+    why = ("" if taken and expected else
+           "the drafts differ from vLLM's: the export, aux layer ids or d2t" if not taken else
+           f"vLLM's count is beyond {row.get('tolerance', 0):.0%} and {NOISE_ERRORS:g} standard "
+           f"errors of the expected one: vLLM sampled from another distribution than the "
+           f"run's temperature, top-p and top-k give")
+    return taken and expected, text, why
 
 
 # Relative error per row the stored states may have against a float32 forward: float32 is
