@@ -165,6 +165,44 @@ def test_without_a_cache_later_epochs_ask_the_engine_again(world, tmp_path, monk
     assert not list((work / "requests").glob("*.safetensors"))
 
 
+def test_the_default_window_holds_the_largest_micro_batch_beside_the_requests_in_flight(
+        world, tmp_path, monkeypatch):
+    """train.stream_ahead null: the feed keeps extract.concurrency requests beside the
+    samples of the largest micro-batch the trainer takes (here larger than the concurrency,
+    so twice the concurrency would leave the server idle while a step trains), and never
+    more than that many positions scheduled ahead of the trainer."""
+    from eaglet.train import Trainer
+
+    Requests(world["model"], monkeypatch)
+    taken, most = [], [0]
+    host_batch = Trainer.host_batch
+
+    def record(self, data, indices):
+        if data is self.train_data:
+            taken.append(len(indices))
+        return host_batch(self, data, indices)
+
+    monkeypatch.setattr(Trainer, "host_batch", record)
+    feed_request = train_stream.StateFeed._request
+
+    async def request(feed, i, path):  # positions scheduled and not yet taken by the trainer
+        most[0] = max(most[0], feed.ahead - feed._slots._value)
+        await feed_request(feed, i, path)
+
+    monkeypatch.setattr(train_stream.StateFeed, "_request", request)
+    summary = run(world, tmp_path, "stream", {**TRAIN, "data": "stream"},
+                  stream_args(world, requests_dir(world, tmp_path, False)))
+    concurrency = world["cfg"]["extract"]["concurrency"]
+    assert max(taken) > concurrency   # a batch of more samples than requests in flight
+    assert summary["stream"]["window"] == concurrency + max(taken)
+    assert 0 < most[0] <= summary["stream"]["window"]
+    feed = object.__new__(train_stream.StateFeed)
+    feed.concurrency, feed.configured_ahead = 16, None
+    assert (feed.window(3), feed.window(40)) == (32, 56)   # at least twice the concurrency
+    feed.configured_ahead = 5
+    assert feed.window(40) == 5                              # train.stream_ahead, as set
+
+
 def test_a_stopped_stream_run_resumes_to_the_uninterrupted_weights(world, tmp_path, monkeypatch):
     """Stopped mid-epoch (as if killed) with requests in flight and files left on disk, the
     rerun resumes from the checkpoint, asks for what it still needs, and ends with the

@@ -520,12 +520,14 @@ def plan(s: Shape, *, tokens: int, max_len: int | None, steps: int, batch_tokens
          extract_max_len: int, target_dtype: str, store_dtype: str, shard_tokens: int,
          precision: str = "bfloat16", attention: str = "auto",
          train_tokens: int | None = None, heldout_tokens: int = 0, num_shards: int = 1,
-         capture_during_generation: bool = False, window_samples: int = 32,
-         ranks: int = 8, kv_tokens: int | None = None, kv_cache_bytes: int | None = None,
+         capture_during_generation: bool = False, window_samples: int | None = 32,
+         concurrency: int = 16, ranks: int = 8, kv_tokens: int | None = None, kv_cache_bytes: int | None = None,
          served_bytes: int | None = None) -> dict:
     """Every stage's memory for ``s`` at ``tokens`` rows a micro-batch; with
     ``train_tokens`` also the dataset's disk in each train.data mode (a stream window of
-    ``window_samples`` samples of up to ``extract_max_len`` tokens); and the capture
+    ``window_samples`` samples of up to ``extract_max_len`` tokens; None: the feed's default,
+    ``concurrency`` samples beside a micro-batch of ``tokens``, at least 2 x ``concurrency``
+    samples, :meth:`eaglet.train_stream.StateFeed.window`); and the capture
     server (a KV cache of ``kv_tokens``, default one longest sample) and a training rank
     on each of ``ranks`` GPUs together."""
     ext = extraction(s, batch_tokens, extract_max_len, target_dtype, store_dtype, shard_tokens)
@@ -564,8 +566,10 @@ def plan(s: Shape, *, tokens: int, max_len: int | None, steps: int, batch_tokens
             s, train_tokens=train_tokens, heldout_tokens=heldout_tokens, store_dtype=store_dtype,
             serving_dtype=target_dtype, num_shards=num_shards,
             capture_during_generation=capture_during_generation,
-            window_tokens=window_samples * extract_max_len)
+            window_tokens=window_samples * extract_max_len if window_samples else
+            concurrency * extract_max_len + max(concurrency * extract_max_len, tokens))
         out["disk"].update(window_samples=window_samples, num_shards=num_shards,
+                           concurrency=concurrency,
                            capture_during_generation=capture_during_generation)
     kv_tokens = extract_max_len if kv_tokens is None else kv_tokens
     server = capture_server(s, ranks=ranks, dtype=target_dtype, kv_tokens=kv_tokens,
@@ -664,9 +668,12 @@ def _disk_lines(d: dict) -> list[str]:
         f"{stream['peak'] / shards['peak']:.1%} of shards mode: {size(stream['stored'])} of "
         f"held-out shards and {size(stream['peak_requests'])} of request files: the held-out "
         f"split's before it is packed, or a window of {d['window_tokens']:,} training tokens "
-        f"({d['window_samples']} samples ahead of the trainer, train.stream_ahead or "
-        f"--stream-window, of up to {d['window_tokens'] // max(d['window_samples'], 1):,} "
-        f"tokens), plus train.stream_cache_gib if set"]
+        + (f"({d['window_samples']} samples ahead of the trainer, train.stream_ahead or "
+           f"--stream-window, of up to {d['window_tokens'] // d['window_samples']:,} tokens)"
+           if d["window_samples"] else
+           f"(ahead of the trainer: extract.concurrency {d['concurrency']} samples at their "
+           f"longest beside a micro-batch's, at least twice the concurrency)")
+        + ", plus train.stream_cache_gib if set"]
 
 
 def _colocation_lines(c: dict, dtype: str) -> list[str]:
@@ -814,7 +821,8 @@ def build_parser():
                              "config's server.gpus, else 8)")
     parser.add_argument("--stream-window", type=int, default=None,
                         help="samples the stream feed holds ahead of the trainer (default: "
-                             "train.stream_ahead, else twice extract.concurrency)")
+                             "train.stream_ahead, else extract.concurrency beside a "
+                             "micro-batch's, at least twice extract.concurrency)")
     parser.add_argument("--shard-tokens", type=int, default=None,
                         help="tokens in one shard (default: the largest shard written so far, "
                              "else 1,000,000)")
@@ -867,7 +875,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         dataset = None if args.preset else _generated_tokens(results)
     gpus = args.gpus or (server["gpus"] if server["gpus"] > 1 else 8)
-    window = args.stream_window or train["stream_ahead"] or 2 * ext["concurrency"]
+    window = args.stream_window or train["stream_ahead"]   # None: the feed's default
     kv_gib = server.get("kv_cache_gib")
     plans, texts = [], []
     for shape in shapes:
@@ -884,7 +892,7 @@ def main(argv: list[str] | None = None) -> int:
                      heldout_tokens=dataset[1] if dataset else 0,
                      num_shards=ext["num_shards"],
                      capture_during_generation=cfg["generate"]["capture_hidden_states"],
-                     window_samples=window, ranks=gpus,
+                     window_samples=window, concurrency=ext["concurrency"], ranks=gpus,
                      # vLLM starts only with room for one sequence of its context length
                      kv_tokens=max(ext["concurrency"] * longest, longest + 1,
                                    cfg["target"]["max_model_len"]),

@@ -587,7 +587,9 @@ class Trainer:
         """Train to the end (True), or until ``stop_after_steps`` (False: as if killed)."""
         start = getattr(self.train_data, "start", None)
         if start is not None:  # streamed states: asked for in the order training reads them
-            start([i for _, indices in self.upcoming() for i in indices], progress)
+            upcoming = [indices for _, indices in self.upcoming()]
+            start([i for indices in upcoming for i in indices], progress,
+                  max(map(len, upcoming), default=0))
         feed = self.prefetcher()
         try:
             return self._run(progress, stop_after_steps, feed)

@@ -8,7 +8,7 @@ stream-trained drafter is the shard-trained one up to the engine's float roundin
 
 :class:`StateFeed` walks the samples in the order training will read them (every remaining
 epoch, from the data position a resumed run starts at) and keeps ``ahead`` of them requested
-or prepared ahead of the trainer: each one a prefill request to the capture server of the
+or prepared ahead of the trainer (:meth:`StateFeed.window`): each one a prefill request to the capture server of the
 ``vllm`` extraction backend (:mod:`eaglet.extract_vllm`), whose connector saves the states
 to ``<work>/requests/<sample>.safetensors``; a packing thread reads each file in order, splits
 it into the aux and final-norm states, runs the teacher check and casts them to
@@ -95,13 +95,14 @@ class StateFeed:
 
     def __init__(self, extractor: Extractor, records: list[dict],
                  seqs: list[tuple[list[int], list[int]]], aux_layer_ids: list[int],
-                 head: TeacherHead, norm, dtype: str, concurrency: int, ahead: int,
+                 head: TeacherHead, norm, dtype: str, concurrency: int, ahead: int | None,
                  cache_bytes: int, timeout: float, max_retries: int):
         self.extractor, self.records, self.head, self.norm = extractor, records, head, norm
         self.aux_layer_ids, self.dtype = aux_layer_ids, dtype
         self.seqs = [ids for ids, _ in seqs]
         self.masks = [mask for _, mask in seqs]
-        self.concurrency, self.ahead = concurrency, max(1, ahead)
+        # ahead: train.stream_ahead; None: sized when training starts (see window)
+        self.concurrency, self.configured_ahead, self.ahead = concurrency, ahead, None
         self.cache_bytes, self.timeout, self.max_retries = cache_bytes, timeout, max_retries
         self.cached: dict[int, int] = {}  # sample -> bytes of its file kept for later epochs
         self.stats = Counter()  # requests, reused files, waits, teacher agreement counts
@@ -119,9 +120,26 @@ class StateFeed:
 
     # -- the trainer's side --
 
-    def start(self, order: list[int]) -> None:
+    def window(self, batch: int) -> int:
+        """Samples requested or prepared ahead of the trainer: ``train.stream_ahead``, else
+        a micro-batch of ``batch`` samples (the largest: the trainer takes a batch's samples
+        at once, then computes) beside the ``concurrency`` requests in flight, so that the
+        server works through the next batch while the trainer computes this one; at least
+        twice the concurrency."""
+        if self.configured_ahead:
+            return max(1, self.configured_ahead)
+        return max(2 * self.concurrency, self.concurrency + batch)
+
+    def start(self, order: list[int], batch: int = 0) -> None:
+        """Feed the samples of ``order``, the training loop's; ``batch``: the samples of
+        its largest micro-batch (:meth:`window`)."""
         if self._thread is not None:
             raise RuntimeError("the state feed was started already")
+        self.ahead = self.window(batch)
+        log.info("stream: up to %d samples requested or prepared ahead of the trainer (%s)",
+                 self.ahead, "train.stream_ahead" if self.configured_ahead else
+                 f"{self.concurrency} requests in flight beside a micro-batch of up to "
+                 f"{batch} samples, at least twice the concurrency")
         started = threading.Event()
         self._thread = threading.Thread(target=self._serve, args=(list(order), started),
                                         daemon=True, name="eaglet-stream")
@@ -158,6 +176,7 @@ class StateFeed:
         positions = self.stats["agree_positions"]
         server = self.extractor.server
         return {"samples": self.stats["samples"], "requests": self.stats["requests"],
+                "window": self.ahead,
                 # saved before this run's requests: by generation, or by a run killed with
                 # requests in flight
                 "saved_files": self.stats["reused"],
@@ -334,11 +353,11 @@ class StreamSamples(Samples):
     def preload(self) -> None:
         pass
 
-    def start(self, order: list[int], progress=None) -> None:
+    def start(self, order: list[int], progress=None, batch: int = 0) -> None:
         """Feed the samples of ``order``; ``progress`` (the training's) shows the server's
-        start as its phase."""
+        start as its phase; ``batch``: the samples of the largest micro-batch."""
         self.feed.extractor.progress = progress
-        self.feed.start(order)
+        self.feed.start(order, batch)
 
     def get(self, index: int, max_len: int) -> tuple:
         sid, ids, mask, argmax, aux, final, aux_scale, final_scale = self.feed.take(index)
@@ -373,9 +392,8 @@ def open_stream(stream: dict, train_cfg: dict) -> StreamSamples:
     extractor.norm = norm
     stack = contextlib.ExitStack()
     extractor.stack = stack
-    ahead = train_cfg["stream_ahead"] or 2 * ext["concurrency"]
     feed = StateFeed(extractor, records, seqs, aux_ids, TeacherHead(target.lm_head),
-                     norm, ext["dtype"], ext["concurrency"], ahead,
+                     norm, ext["dtype"], ext["concurrency"], train_cfg["stream_ahead"],
                      int(train_cfg["stream_cache_gib"] * GIB),
                      cfg["generate"]["request_timeout_s"], cfg["generate"]["max_retries"])
     return StreamSamples(infos, feed, stack)
