@@ -1054,6 +1054,11 @@ def test_a_streamed_training_says_how_it_got_its_states_and_who_waited(tmp_path)
     facts = status.stage_status(_stage("train"), r, _full_config(r), set())["facts"]
     assert "the trainer waited 45 s of 300 s for states (besides 5 s while the server " \
            "started)" in _stage("train").line(facts)
+    stats["stream"]["window"] = 34   # the feed's window, named where the feed waited
+    (r / "drafter" / "stats.json").write_text(json.dumps(stats))
+    facts = status.stage_status(_stage("train"), r, _full_config(r), set())["facts"]
+    assert "(the feed 120 s for the trainer, its window of 34 samples full)" in \
+        _stage("train").line(facts)
 
 
 def test_streamed_training_is_estimated_with_the_servers_prefill(tmp_path, history):
