@@ -484,16 +484,19 @@ def simulate_vllm(p: list[list[float]], drafter: torch.Tensor, first: int, k: in
     return tokens[:n + 1], rounds
 
 
-def toy_replay(p, drafter, ids: list[int], k: int, first_round_only: bool = False) -> dict:
+def toy_replay(p, drafter, ids: list[int], k: int, first_round_only: bool = False,
+               top=None) -> dict:
     """The replay of one toy answer (prompt = its first token) with the toy's drafts and
-    probabilities; ``first_round_only``: later rounds draft nothing anyone accepts."""
+    probabilities; ``first_round_only``: later rounds draft nothing anyone accepts; ``top``:
+    the table whose argmax is the target's most likely next token (the top-token reference)."""
     from eaglet.offline_eval import expected_replay
 
     def draft(row, n):
         return toy_chain(drafter, ids[row + 1], n) if row == 0 or not first_round_only \
             else [-1] * n
 
-    return expected_replay(draft, lambda row, x: p[ids[row]][x] if x >= 0 else 0.0, ids, 1, k)
+    return expected_replay(draft, lambda row, x: p[ids[row]][x] if x >= 0 else 0.0, ids, 1, k,
+                           None if top is None else lambda row: int(top[ids[row]].argmax()))
 
 
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
@@ -581,6 +584,40 @@ def test_the_expected_acceptance_is_vllms_rejection_sampling_on_average(temperat
     expected_al = 1 + sum(c["accepted"] for c in on_target) / sum(c["drafts"] for c in on_target)
     assert expected_al == pytest.approx(vllm_al, rel=0.03)   # evaluate's tolerance, here too
     assert 1.3 < vllm_al < k   # drafts are accepted, but not all: the test can tell
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_the_top_token_reference_is_what_vllm_counts_for_drafts_of_the_targets_top_token(
+        temperature):
+    """The replay's top-token reference, read off answers vLLM sampled with another
+    drafter (speculative sampling leaves them the target's), is the acceptance vLLM counts
+    for a drafter whose drafts are the target's own most likely tokens (simulated, seeded),
+    within four standard errors; and the toy drafter, which guesses worse, falls below it."""
+    import random
+
+    target, drafter = toy(seed=1)
+    p = toy_probs(target, temperature)
+    k, n, trials = 3, 24, 2000
+    rng = random.Random(2)
+    read, counted = [], []
+    for _ in range(trials):
+        tokens, _ = simulate_vllm(p, drafter, rng.randrange(TOY_V), k, n, rng)
+        read.append(toy_replay(p, drafter, [0, *tokens], k, top=target))
+        _, rounds = simulate_vllm(p, target, rng.randrange(TOY_V), k, n, rng)
+        counted.append((sum(min(a, n - s) for s, a in rounds), len(rounds)))
+    top_al = 1 + sum(a for a, _ in counted) / sum(r for _, r in counted)
+    deviations = [c["top_token"] - (top_al - 1) * c["top_token_drafts"] for c in read] + [
+        -(a - (top_al - 1) * r) for a, r in counted]
+    error = statistics.stdev(deviations) / math.sqrt(len(deviations))
+    assert abs(statistics.mean(deviations)) < 4 * error, (statistics.mean(deviations), error)
+    from eaglet.offline_eval import add_counts, empty_counts, summarize
+    total = empty_counts(k)
+    for c in read:
+        add_counts(total, c)
+    pooled = summarize(total, k)
+    assert pooled["top_token_acceptance_length"] == pytest.approx(top_al, rel=0.03)
+    assert pooled["acceptance_length"] < pooled["top_token_acceptance_length"] - 0.1
+    assert 1.3 < top_al < k + 0.5   # the top token is rejected often: the test can tell
 
 
 # -- the expected acceptance on a tiny target ------------------------------------------------
@@ -685,6 +722,11 @@ def test_the_stage_compares_sampled_runs_by_their_expected_acceptance(world, tmp
     assert entry["agrees"] == (abs(entry["ratio_offline_over_vllm"] - 1) <= 0.03)
     assert entry["states"]["heldout"]["states"] == "forward"
     assert entry["acceptance_length"] != entry["matched_acceptance_length"]  # an expectation
+    # the same answers read for drafts of the target's top token, and the verdict's sentence
+    assert 1 < entry["top_token_acceptance_length"] <= 4 and entry["standard_error"] > 0
+    assert (f"would reach AL {entry['top_token_acceptance_length']:.2f} at k 3 and temperature "
+            f"0.5 (this drafter {entry['acceptance_length']:.2f} expected)"
+            in evaluate.top_token_note(entry))
     # a drafter served beside the run's own for comparison is checked alike, by its own
     # directory, and the run's own drafter's check leaves it alone
     compared = {**run, "compare": True, "drafter": "other"}

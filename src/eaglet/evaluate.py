@@ -1267,6 +1267,9 @@ def run_stage(cfg: dict, target_json: str, drafter_dir: str, prompts_path: str,
     verdicts = {t: verdict(runs_at[t], concurrencies,
                            recommendation if t == served_at else None) for t in temps}
     verdicts[served_at]["warnings"] += expected_warnings(expected or {}, offline, cfg)
+    for entry in (expected or {}).values():
+        if entry.get("temperature") in verdicts and top_token_note(entry):
+            verdicts[entry["temperature"]]["summary"] += " " + top_token_note(entry)
     result = {"prompt_sets": about, "max_tokens": ev["max_tokens"], "rounds": ev["rounds"],
               "concurrency": concurrencies, "temperature": temps, **cut(ev),
               "target": target["path"], "drafter": drafter_dir,
@@ -1625,6 +1628,20 @@ def expected_warnings(expected: dict, offline: dict | None, cfg: dict) -> list[s
                      "with it this disagreement has another cause")
         warnings.append(text + ".")
     return warnings
+
+
+def top_token_note(entry: dict) -> str:
+    """The verdict's sentence that reads a sampled run's AL against the drafts of the
+    target's own most likely token on the same answers (:func:`expected_check`'s
+    ``top_token_acceptance_length``): at T > 0 even those are rejected where the target
+    samples another token, so the AL a drafter can reach falls with the temperature."""
+    top, mine = entry.get("top_token_acceptance_length"), entry.get("acceptance_length")
+    if not (top and mine and entry.get("temperature")):
+        return ""
+    return (f"On the same answers, drafts of the target's own most likely token would reach "
+            f"AL {top:.2f} at k {entry['k']} and temperature {entry['temperature']:g} "
+            f"(this drafter {mine:.2f} expected): what a drafter that always guessed the "
+            f"target's top token would get here.")
 
 
 def _log_sources(name: str, sources: dict) -> None:

@@ -102,7 +102,7 @@ def add_counts(total: dict, counts: dict) -> dict:
     keeps them); returns ``total``."""
     for key in ("drafts", "draft_tokens", "accepted"):
         total[key] += counts[key]
-    for key in ("matched", "variance"):
+    for key in ("matched", "variance", "top_token", "top_token_drafts"):
         if key in counts:
             total[key] = total.get(key, 0) + counts[key]
     total["per_position"] = [a + b for a, b in zip(total["per_position"], counts["per_position"])]
@@ -124,6 +124,8 @@ def summarize(total: dict, k: int) -> dict:
         out["matched_acceptance_length"] = 1 + total["matched"] / drafts if drafts else None
     if "variance" in total:
         out["standard_error"] = math.sqrt(total["variance"]) / drafts if drafts else None
+    if total.get("top_token_drafts"):
+        out["top_token_acceptance_length"] = 1 + total["top_token"] / total["top_token_drafts"]
     return out
 
 
@@ -414,13 +416,21 @@ def truncate(scaled: torch.Tensor, top_p: float = 1.0, top_k: int = 0) -> torch.
     return scaled
 
 
-def expected_replay(draft, prob, ids: list[int], prompt_len: int, k: int) -> dict:
+def expected_replay(draft, prob, ids: list[int], prompt_len: int, k: int,
+                    top=None) -> dict:
     """vLLM's counters for one answer sampled at a temperature, in expectation (see the
     comment above): ``accepted`` and ``per_position`` sum the expected acceptances (floats),
     ``matched`` counts the drafts the answer's own tokens took (vLLM's count where the answer
     is its own), ``variance`` that count's variance about ``accepted``. Rounds advance as the answer's tokens took the drafts, as vLLM's did.
     ``draft(p, k)``: the k draft tokens proposed from row ``p``; ``prob(row, token)``: the
-    target's probability, at the temperature, of ``token`` right after row ``row``."""
+    target's probability, at the temperature, of ``token`` right after row ``row``.
+
+    ``top(row)``, the target's most likely token right after row ``row``: the same replay,
+    on the same answer, of drafts that are always that token (``top_token`` accepted over
+    ``top_token_drafts`` rounds): what a drafter that proposes what the target most likely
+    says would reach at this temperature, the reference a drafter's AL at T > 0 is read
+    against (each first draft can do no better; a later one could, by a less likely token
+    whose continuation is surer)."""
     n = len(ids)
     counts = {"drafts": 0, "draft_tokens": 0, "accepted": 0.0, "per_position": [0.0] * k,
               "matched": 0, "variance": 0.0}
@@ -441,6 +451,11 @@ def expected_replay(draft, prob, ids: list[int], prompt_len: int, k: int) -> dic
         counts["draft_tokens"] += k
         counts["matched"] += taken
         p += taken + 1
+    if top is not None:
+        # a row predicts the token after it: drafts past the answer's last are never read
+        ref = expected_replay(lambda p, n: [top(p + 1 + j) for j in range(n)
+                                            if p + 2 + j < len(ids)], prob, ids, prompt_len, k)
+        counts["top_token"], counts["top_token_drafts"] = ref["accepted"], ref["drafts"]
     return counts
 
 
@@ -456,13 +471,28 @@ def expected_counts(drafter: Eagle3Drafter, states: tuple[torch.Tensor, torch.Te
     ids = list(prompt_ids) + list(completion_ids)
     aux = aux.to(drafter.fc.weight.dtype)
     seq = torch.tensor(ids)
+    prob, top = target_distribution(final, head, temperature, top_p, top_k)
+    return expected_replay(lambda p, n: draft_chain(drafter, aux, seq, p, n), prob, ids,
+                           len(prompt_ids), k, top)
+
+
+def target_distribution(final: torch.Tensor, head: torch.Tensor, temperature: float,
+                        top_p: float, top_k: int):
+    """``prob(row, token)`` and ``top(row)`` of :func:`expected_replay` from the target's
+    final-norm states [rows, H] through its lm_head [V, H] (each row's most likely token
+    computed once)."""
     final, head = final.float(), head.float()
+    tops: dict[int, int] = {}
 
     def prob(row: int, token: int) -> float:
         return token_probability(final[row] @ head.T, token, temperature, top_p, top_k)
 
-    return expected_replay(lambda p, n: draft_chain(drafter, aux, seq, p, n), prob, ids,
-                           len(prompt_ids), k)
+    def top(row: int) -> int:
+        if row not in tops:
+            tops[row] = int((final[row] @ head.T).argmax())
+        return tops[row]
+
+    return prob, top
 
 
 @torch.inference_mode()

@@ -47,7 +47,7 @@ from eaglet.drafter import BLOCK_ROWS, DrafterConfig, Eagle3Drafter, attention_b
 from eaglet.export import config_from_vllm, export_drafter
 from eaglet.io import atomic_open, read_json, write_json
 from eaglet.offline_eval import (add_counts, empty_counts, expected_replay, replay, summarize,
-                                 target_features, token_probability)
+                                 target_distribution, target_features)
 from eaglet.shards import STORAGE_DTYPES
 from eaglet.target import load_target_embedding
 
@@ -239,11 +239,9 @@ def expected_counts(drafter: PEagleDrafter, states: tuple[torch.Tensor, torch.Te
     ids = list(prompt_ids) + list(completion_ids)
     aux = aux.to(drafter.fc.weight.dtype)
     seq = torch.tensor(ids)
-    final, head = final.float(), head.float()
-    return expected_replay(lambda p, n: draft_parallel(drafter, aux, seq, p, n),
-                           lambda row, token: token_probability(final[row] @ head.T, token,
-                                                                temperature, top_p, top_k),
-                           ids, len(prompt_ids), k)
+    prob, top = target_distribution(final, head, temperature, top_p, top_k)
+    return expected_replay(lambda p, n: draft_parallel(drafter, aux, seq, p, n), prob, ids,
+                           len(prompt_ids), k, top)
 
 
 def offline_acceptance(target_model, drafter: PEagleDrafter,
