@@ -421,7 +421,8 @@ def expected_replay(draft, prob, ids: list[int], prompt_len: int, k: int,
     """vLLM's counters for one answer sampled at a temperature, in expectation (see the
     comment above): ``accepted`` and ``per_position`` sum the expected acceptances (floats),
     ``matched`` counts the drafts the answer's own tokens took (vLLM's count where the answer
-    is its own), ``variance`` that count's variance about ``accepted``. Rounds advance as the answer's tokens took the drafts, as vLLM's did.
+    is its own), ``variance`` that count's variance about ``accepted``. Rounds advance as
+    the answer's tokens took the drafts, as vLLM's did.
     ``draft(p, k)``: the k draft tokens proposed from row ``p``; ``prob(row, token)``: the
     target's probability, at the temperature, of ``token`` right after row ``row``.
 

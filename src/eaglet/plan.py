@@ -521,8 +521,8 @@ def plan(s: Shape, *, tokens: int, max_len: int | None, steps: int, batch_tokens
          precision: str = "bfloat16", attention: str = "auto",
          train_tokens: int | None = None, heldout_tokens: int = 0, num_shards: int = 1,
          capture_during_generation: bool = False, window_samples: int | None = 32,
-         concurrency: int = 16, ranks: int = 8, kv_tokens: int | None = None, kv_cache_bytes: int | None = None,
-         served_bytes: int | None = None) -> dict:
+         concurrency: int = 16, ranks: int = 8, kv_tokens: int | None = None,
+         kv_cache_bytes: int | None = None, served_bytes: int | None = None) -> dict:
     """Every stage's memory for ``s`` at ``tokens`` rows a micro-batch; with
     ``train_tokens`` also the dataset's disk in each train.data mode (a stream window of
     ``window_samples`` samples of up to ``extract_max_len`` tokens; None: the feed's default,
