@@ -1268,8 +1268,9 @@ def run_stage(cfg: dict, target_json: str, drafter_dir: str, prompts_path: str,
                            recommendation if t == served_at else None) for t in temps}
     verdicts[served_at]["warnings"] += expected_warnings(expected or {}, offline, cfg)
     for entry in (expected or {}).values():
-        if entry.get("temperature") in verdicts and top_token_note(entry):
-            verdicts[entry["temperature"]]["summary"] += " " + top_token_note(entry)
+        note = top_token_note(entry)
+        if note and entry["temperature"] in verdicts:
+            verdicts[entry["temperature"]]["summary"] += " " + note
     result = {"prompt_sets": about, "max_tokens": ev["max_tokens"], "rounds": ev["rounds"],
               "concurrency": concurrencies, "temperature": temps, **cut(ev),
               "target": target["path"], "drafter": drafter_dir,

@@ -394,8 +394,14 @@ def token_probability(logits: torch.Tensor, token: int, temperature: float,
     (:func:`truncate`); at T 0, 1 for the greedy token (the argmax) and 0 for any other."""
     if temperature == 0:
         return float(int(logits.argmax()) == token)
-    scaled = truncate(logits.float() / temperature, top_p, top_k)
-    return float(torch.softmax(scaled, dim=-1)[token])
+    return float(probabilities(logits, temperature, top_p, top_k)[token])
+
+
+def probabilities(logits: torch.Tensor, temperature: float, top_p: float = 1.0,
+                  top_k: int = 0) -> torch.Tensor:
+    """vLLM's sampling distribution [V] after ``logits`` at ``temperature`` > 0 (see
+    :func:`token_probability`)."""
+    return torch.softmax(truncate(logits.float() / temperature, top_p, top_k), dim=-1)
 
 
 def truncate(scaled: torch.Tensor, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
@@ -480,18 +486,33 @@ def expected_counts(drafter: Eagle3Drafter, states: tuple[torch.Tensor, torch.Te
 def target_distribution(final: torch.Tensor, head: torch.Tensor, temperature: float,
                         top_p: float, top_k: int):
     """``prob(row, token)`` and ``top(row)`` of :func:`expected_replay` from the target's
-    final-norm states [rows, H] through its lm_head [V, H] (each row's most likely token
-    computed once)."""
+    final-norm states [rows, H] through its lm_head [V, H]. Each row's distribution, once
+    computed, leaves its most likely token and that token's probability behind: the
+    top-token replay walks mostly the rows the drafter's replay computed, and asks for
+    just those."""
     final, head = final.float(), head.float()
-    tops: dict[int, int] = {}
+    tops: dict[int, tuple[int, float]] = {}   # row -> its most likely token, its probability
+
+    def distribution(row: int) -> torch.Tensor | None:
+        logits = final[row] @ head.T
+        best = int(logits.argmax())
+        if not temperature:   # one-hot at the greedy token
+            tops[row] = (best, 1.0)
+            return None
+        p = probabilities(logits, temperature, top_p, top_k)
+        tops[row] = (best, float(p[best]))
+        return p
 
     def prob(row: int, token: int) -> float:
-        return token_probability(final[row] @ head.T, token, temperature, top_p, top_k)
+        if row in tops and tops[row][0] == token:
+            return tops[row][1]
+        p = distribution(row)
+        return float(tops[row][0] == token) if p is None else float(p[token])
 
     def top(row: int) -> int:
         if row not in tops:
-            tops[row] = int((final[row] @ head.T).argmax())
-        return tops[row]
+            distribution(row)
+        return tops[row][0]
 
     return prob, top
 
