@@ -12,12 +12,13 @@ or prepared ahead of the trainer (:meth:`StateFeed.window`): each one a prefill 
 the capture server of the ``vllm`` extraction backend (:mod:`eaglet.extract_vllm`), whose
 connector saves the states to ``<work>/requests/<sample>.safetensors``; a packing thread
 reads each file in order, splits it into the aux and final-norm states, runs the teacher
-check and casts them to ``extract.dtype`` exactly as a shard stores them. A file that exists already is used without a
-request: states generation saved (``generate.capture_hidden_states``), or a request in flight
-when an earlier run was killed. Once trained on, a sample's file is deleted, unless the cache
-(``train.stream_cache_gib``) still has room: then it stays, and later epochs read it instead
-of asking the engine again. The server starts on the first sample that needs a request, so a
-run whose states are all saved never starts one.
+check and casts them to ``extract.dtype`` exactly as a shard stores them. A file that exists
+already is used without a request: states generation saved
+(``generate.capture_hidden_states``), or a request in flight when an earlier run was killed.
+Once trained on, a sample's file is deleted, unless the cache (``train.stream_cache_gib``)
+still has room: then it stays, and later epochs read it instead of asking the engine again.
+The server starts on the first sample that needs a request, so a run whose states are all
+saved never starts one.
 """
 
 from __future__ import annotations
