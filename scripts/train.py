@@ -1,13 +1,16 @@
 """Snakemake entry point of rule train (rules/train.smk).
 
 With resources.gpu > 1 the run starts under torchrun, one data-parallel process per GPU
-(eaglet.train.main is the worker); otherwise it trains in this process.
+(eaglet.train.main is the worker); otherwise it trains in this process. train.data stream:
+one process per GPU of the trainer's own (train.gpus), or one on each of the server's
+(train.gpus 0), the server on the first server.gpus of the job's.
 """
 from pathlib import Path
 
 from eaglet.scripting import run_stage
 from eaglet.target import read_target
 from eaglet.train import launch_torchrun, train
+from eaglet.train_stream import stream_devices
 
 smk = snakemake  # noqa: F821 (injected by Snakemake)
 target = read_target(smk.input.target)
@@ -24,10 +27,21 @@ if stream is not None:  # train.data stream (eaglet.train_stream)
     args["stream"] = {"cfg": cfg, "target_json": smk.input.target, "data": smk.input.data,
                       "work_dir": stream["work"], "server_log": smk.log.server}
 gpus = int(smk.resources.get("gpu", 0))
-# processes of the training: its own GPUs (a streaming job's resource counts the server's too)
-nproc = gpus if stream is None else 1
+# processes of the training, one per GPU of its own; a streaming job's resource counts the
+# server's GPUs too, and with train.gpus 0 the trainer puts a rank on each of the server's
+nproc = gpus
+if stream is not None:
+    nproc = smk.config["train"]["gpus"] or smk.config["server"]["gpus"]
 
 
-run_stage("train", smk.log[0],
-          (lambda: launch_torchrun(args, nproc)) if nproc > 1 else lambda: train(**args),
-          gpus=gpus)
+def body() -> None:
+    if stream is not None:  # the server's GPUs and the trainer's, apart (hold_gpus set them)
+        args["stream"]["server_devices"] = stream_devices(smk.config["server"]["gpus"],
+                                                          smk.config["train"]["gpus"])
+    if nproc > 1:
+        launch_torchrun(args, nproc)
+    else:
+        train(**args)
+
+
+run_stage("train", smk.log[0], body, gpus=gpus)

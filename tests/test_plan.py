@@ -431,3 +431,13 @@ def test_plan_without_a_prepared_target_says_what_to_do(tmp_path, capsys):
     config.write_text(f"results_dir: {tmp_path / 'results'}\n")
     assert plan.main(["--config", str(config), "--workflow", str(REPO)]) == 2
     assert "--preset" in capsys.readouterr().err
+
+
+def test_the_stream_window_counts_every_training_ranks_feed():
+    """One feed: extract.concurrency samples at their longest beside a micro-batch, at least
+    twice the concurrency; of 8 ranks each feeds its share of the concurrency (2) beside a
+    micro-batch of its own; train.stream_ahead is shared by the ranks."""
+    assert plan.stream_window_tokens(None, 16, 1, 8192, 8192) == 2 * 16 * 8192
+    assert plan.stream_window_tokens(None, 16, 8, 8192, 8192) == 8 * (2 + 2) * 8192
+    assert plan.stream_window_tokens(None, 16, 8, 8192, 65536) == 8 * (2 * 8192 + 65536)
+    assert plan.stream_window_tokens(12, 16, 8, 100, 65536) == 8 * 2 * 100

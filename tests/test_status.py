@@ -1059,6 +1059,11 @@ def test_a_streamed_training_says_how_it_got_its_states_and_who_waited(tmp_path)
     facts = status.stage_status(_stage("train"), r, _full_config(r), set())["facts"]
     assert "(the feed 120 s for the trainer, its window of 34 samples full)" in \
         _stage("train").line(facts)
+    stats["stream"]["ranks"] = 4   # data-parallel: each rank's feed, combined
+    (r / "drafter" / "stats.json").write_text(json.dumps(stats))
+    facts = status.stage_status(_stage("train"), r, _full_config(r), set())["facts"]
+    assert "its window of 34 samples full; 4 training ranks, each with a feed of its own: " \
+           "the longest rank's wait, the shortest's idle time)" in _stage("train").line(facts)
 
 
 def test_streamed_training_is_estimated_with_the_servers_prefill(tmp_path, history):

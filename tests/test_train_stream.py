@@ -252,7 +252,6 @@ def test_the_stream_layout_is_the_shards_and_changes_with_the_samples(world):
 
 @pytest.mark.parametrize("overrides, message", [
     ({"extract": {"backend": "hf"}}, "set extract.backend: vllm"),
-    ({"train": {"data": "stream", "gpus": 2}}, "set train.gpus to 1"),
     ({"scaling": {"enabled": True}}, "set scaling.enabled: false"),
     ({"server": {"gpus": 8}}, "set server.kv_cache_gib"),
 ])
@@ -265,6 +264,7 @@ def test_stream_mode_refuses_settings_it_cannot_serve(overrides, message):
     # the trainer beside the server with a KV cache of a fixed size, or on GPUs of its own
     assert validate({"train": {"data": "stream"}, "server": {"gpus": 8, "kv_cache_gib": 40}})
     assert validate({"train": {"data": "stream", "gpus": 1}, "server": {"gpus": 8}})
+    assert validate({"train": {"data": "stream", "gpus": 4}, "server": {"gpus": 8}})
 
 
 def test_the_trainers_wait_during_the_servers_start_is_told_apart():
@@ -299,3 +299,141 @@ def test_the_trainers_wait_during_the_servers_start_is_told_apart():
     time.sleep(0.05)  # the start ended before this wait began
     feed.take(0)
     assert feed.stats["trainer_wait_start_s"] == pytest.approx(before, abs=0.01)
+
+
+# -- data parallel ---------------------------------------------------------------------------
+
+def _stream_rank(rank: int, world, tmp: Path, cfg: dict, port: int, name: str = "stream",
+                 stop_after_steps: int | None = None) -> None:
+    """One rank of a two-process streaming run (torch.multiprocessing's worker): the server's
+    start and its prefill requests stood in for as in :class:`Requests`; which rank started a
+    server, and where rank 1 sent its requests, are written to ``tmp``."""
+    import os
+
+    from transformers import LlamaForCausalLM
+
+    from eaglet.extract_vllm import Extractor
+
+    model = LlamaForCausalLM.from_pretrained(world["root"] / "model").eval()
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+    def start(extractor):
+        (tmp / f"started-by-{rank}").touch()
+        extractor.server.port, extractor.started = 8123, True
+
+    async def prefill(feed, i, path):
+        assert path.parent.name == f"rank-{rank:03d}"  # each rank requests into its own
+        (tmp / f"rank-{rank}-asked-{feed.extractor.server.url.rsplit(':', 1)[1]}").touch()
+        with one_thread():
+            connector_file(model, path, feed.seqs[i])
+
+    Extractor.ensure_server = start
+    train_stream.StateFeed._prefill = prefill
+    summary = run(world, tmp, name, cfg, stream_args(world, tmp / "work"),
+                  stop_after_steps=stop_after_steps)
+    if rank == 0:
+        torch.save(summary, tmp / f"{name}.pt")
+
+
+def test_two_ranks_stream_as_one_process_accumulating_both_and_share_one_server(world,
+                                                                                  tmp_path):
+    """train.data stream on two data-parallel ranks (gloo processes): each feeds its own share
+    of every step, rank 0 starts the one server when a rank first needs it and rank 1 sends
+    its requests there; the second epoch reads the ranks' shared cache and the files saved
+    before the run, whichever rank kept them; the drafter is the one a single process trains
+    from shards accumulating both ranks' micro-batches, and nothing is left on disk."""
+    import torch.multiprocessing as mp
+
+    from eaglet.server import free_port
+
+    records = world["records"]
+    saved = [r["id"] for r in records[::3]]  # as generation with capture left them
+    work = requests_dir(world, tmp_path, False)
+    for sid in saved:
+        shutil.copy(request_path(world["files"], sid), request_path(work / "requests", sid))
+    cfg = {**TRAIN, "data": "stream", "stream_cache_gib": 1, "checkpoint_every": 100}
+    portable = {k: v for k, v in world.items() if k != "model"}  # loaded by each rank
+    mp.start_processes(_stream_rank, args=(portable, tmp_path, cfg, free_port("127.0.0.1")),
+                       nprocs=2, start_method="spawn")
+    run(world, tmp_path, "single", {**cfg, "data": "shards", "grad_accum": 2})
+    ours, theirs = weights(tmp_path, "stream"), weights(tmp_path, "single")
+    for name in theirs:
+        assert torch.allclose(ours[name], theirs[name], rtol=1e-4, atol=1e-6), name
+    summary = torch.load(tmp_path / "stream.pt")
+    stream, n = summary["stream"], len(records)
+    assert stream["ranks"] == 2 and stream["samples"] >= 2 * n   # two epochs, all ranks
+    # each saved file counted once, though it stays for the second epoch's rank to read
+    assert stream["saved_files"] == len(saved) and stream["reread_files"] > 0
+    # every sample not saved asked for once, a few more where one rank's window reached the
+    # second epoch before the other rank's first use had reached the cache
+    assert n - len(saved) <= stream["requests"] < 2 * (n - len(saved))
+    assert stream["server_started"] and stream["teacher_agreement"] == 1.0
+    assert sorted(p.name for p in tmp_path.glob("started-by-*")) == ["started-by-0"]
+    assert {p.name for p in tmp_path.glob("rank-*-asked-*")} == {"rank-0-asked-8123",
+                                                                "rank-1-asked-8123"}
+    assert not list((work / "requests").rglob("*.safetensors"))
+    assert not list((work / "requests").glob("rank-*")) and not (work / "requests" /
+                                                                  "server.json").exists()
+
+
+def test_a_streaming_job_gives_the_server_its_gpus_and_the_trainer_the_rest(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7,0")
+    assert train_stream.stream_devices(4, 1) == "4,5,6,7"
+    assert __import__("os").environ["CUDA_VISIBLE_DEVICES"] == "0"    # not the server's first
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    assert train_stream.stream_devices(4, 0) == "4,5,6,7"             # beside it: a rank on each
+    assert __import__("os").environ["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
+    with pytest.raises(TrainError, match="needs 5: server.gpus 4 and train.gpus 1"):
+        train_stream.stream_devices(4, 1)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert train_stream.stream_devices(4, 1) is None                  # no list: left alone
+
+
+def test_a_rank_waiting_for_the_server_gets_rank_0s_failure(tmp_path):
+    """Rank 1 asks for the server and waits; rank 0's start failed and said why."""
+    import asyncio
+    from types import SimpleNamespace
+
+    feed = object.__new__(train_stream.StateFeed)
+    feed.rank = 1
+    feed.extractor = SimpleNamespace(requests=tmp_path, server=SimpleNamespace(
+        startup_timeout_s=1.0, log_path="server.log"))
+    feed._announce({"error": "the vLLM server exited with code 1 before it was ready"})
+    with pytest.raises(TrainError, match="rank 0 could not start .* exited with code 1"):
+        asyncio.run(feed._shared_server())
+    assert (tmp_path / "server.wanted").exists()
+    (tmp_path / "server.json").unlink()
+    feed.extractor.server.startup_timeout_s = -119.5  # waits half a second, then gives up
+    with pytest.raises(TrainError, match="waited 0 s for rank 0 to start the capture server"):
+        asyncio.run(feed._shared_server())
+
+
+def test_two_ranks_stopped_mid_epoch_resume_to_the_uninterrupted_weights(world, tmp_path):
+    """Both ranks stopped after 3 steps (as if the job were killed) with requests in their own
+    directories and files in the cache; the rerun resumes from the checkpoint, each rank
+    reads what it had asked for, and ends with the weights of an uninterrupted two-rank run;
+    nothing is left on disk."""
+    import torch.multiprocessing as mp
+
+    from eaglet.server import free_port
+
+    portable = {k: v for k, v in world.items() if k != "model"}
+    cfg = {**TRAIN, "data": "stream", "stream_cache_gib": 1, "stream_ahead": 6}
+    runs = {"whole": tmp_path / "a", "resumed": tmp_path / "b"}
+    for directory in runs.values():
+        requests_dir(world, directory, False)
+    spawn = lambda *args: mp.start_processes(  # noqa: E731
+        _stream_rank, args=(portable, *args), nprocs=2, start_method="spawn")
+    spawn(runs["whole"], cfg, free_port("127.0.0.1"), "whole")
+    spawn(runs["resumed"], cfg, free_port("127.0.0.1"), "resumed", 3)
+    assert torch.load(runs["resumed"] / "resumed.pt") == {"stopped_at_step": 3}
+    left = runs["resumed"] / "work" / "requests"
+    assert list(left.glob("rank-*/*.safetensors")) or list(left.glob("cache/*.safetensors"))
+    spawn(runs["resumed"], cfg, free_port("127.0.0.1"), "resumed")
+    resumed, whole = (torch.load(runs[name] / f"{name}.pt") for name in ("resumed", "whole"))
+    assert resumed["resumed_from_step"] == 2 and resumed["steps"] == whole["steps"]
+    ours, theirs = weights(runs["resumed"], "resumed"), weights(runs["whole"], "whole")
+    for name in ours:
+        assert torch.equal(ours[name], theirs[name]), name
+    assert not list(left.rglob("*.safetensors"))

@@ -223,10 +223,6 @@ def stream_refusals(cfg: dict[str, Any]) -> None:
         problems.append("train.data stream takes the states from the capture server of "
                         f"extract.backend vllm, but extract.backend is "
                         f"{cfg['extract']['backend']!r}: set extract.backend: vllm")
-    if cfg["train"]["gpus"] > 1:
-        problems.append(f"train.data stream trains in one process, but train.gpus is "
-                        f"{cfg['train']['gpus']}: set train.gpus to 1 (the drafter's one "
-                        "layer trains on one GPU beside the server), or train.data: shards")
     server = cfg["server"]
     if (server["gpus"] and not cfg["train"]["gpus"] and server["kv_cache_gib"] is None
             and server["memory_utilization"] is None):

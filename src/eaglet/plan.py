@@ -516,18 +516,34 @@ def colocation(server: int, trainer: int, devices: dict[str, int] | None = None)
 
 # -- the plan for a run or a preset ----------------------------------------------------------
 
+def stream_window_tokens(window_samples: int | None, concurrency: int, ranks: int,
+                         longest: int, batch_tokens: int) -> int:
+    """The training tokens stream mode's feeds hold ahead of the trainer at most, in files:
+    ``window_samples`` samples of up to ``longest`` tokens (train.stream_ahead, shared by
+    the ranks), else each of ``ranks`` feeds' default
+    (:meth:`eaglet.train_stream.StateFeed.window`, here in tokens): its share of
+    ``concurrency`` requests beside a micro-batch of ``batch_tokens``, at least twice that
+    share."""
+    share = -(-concurrency // ranks)
+    if window_samples:
+        return ranks * -(-window_samples // ranks) * longest
+    return ranks * (share * longest + max(share * longest, batch_tokens))
+
+
 def plan(s: Shape, *, tokens: int, max_len: int | None, steps: int, batch_tokens: int,
          extract_max_len: int, target_dtype: str, store_dtype: str, shard_tokens: int,
          precision: str = "bfloat16", attention: str = "auto",
          train_tokens: int | None = None, heldout_tokens: int = 0, num_shards: int = 1,
          capture_during_generation: bool = False, window_samples: int | None = 32,
-         concurrency: int = 16, ranks: int = 8, kv_tokens: int | None = None,
+         concurrency: int = 16, ranks: int = 8, train_ranks: int = 1,
+         kv_tokens: int | None = None,
          kv_cache_bytes: int | None = None, served_bytes: int | None = None) -> dict:
     """Every stage's memory for ``s`` at ``tokens`` rows a micro-batch; with
     ``train_tokens`` also the dataset's disk in each train.data mode (a stream window of
     ``window_samples`` samples of up to ``extract_max_len`` tokens; None: the feed's default,
     ``concurrency`` samples beside a micro-batch of ``tokens``, at least 2 x ``concurrency``
-    samples, :meth:`eaglet.train_stream.StateFeed.window`); and the capture
+    samples, :meth:`eaglet.train_stream.StateFeed.window`; of ``train_ranks`` data-parallel
+    ranks, each feeds its share of the concurrency beside a micro-batch); and the capture
     server (a KV cache of ``kv_tokens``, default one longest sample) and a training rank
     on each of ``ranks`` GPUs together."""
     ext = extraction(s, batch_tokens, extract_max_len, target_dtype, store_dtype, shard_tokens)
@@ -566,10 +582,10 @@ def plan(s: Shape, *, tokens: int, max_len: int | None, steps: int, batch_tokens
             s, train_tokens=train_tokens, heldout_tokens=heldout_tokens, store_dtype=store_dtype,
             serving_dtype=target_dtype, num_shards=num_shards,
             capture_during_generation=capture_during_generation,
-            window_tokens=window_samples * extract_max_len if window_samples else
-            concurrency * extract_max_len + max(concurrency * extract_max_len, tokens))
+            window_tokens=stream_window_tokens(window_samples, concurrency, train_ranks,
+                                               extract_max_len, tokens))
         out["disk"].update(window_samples=window_samples, num_shards=num_shards,
-                           concurrency=concurrency,
+                           concurrency=concurrency, train_ranks=train_ranks,
                            capture_during_generation=capture_during_generation)
     kv_tokens = extract_max_len if kv_tokens is None else kv_tokens
     server = capture_server(s, ranks=ranks, dtype=target_dtype, kv_tokens=kv_tokens,
@@ -672,7 +688,9 @@ def _disk_lines(d: dict) -> list[str]:
            f"--stream-window, of up to {d['window_tokens'] // d['window_samples']:,} tokens)"
            if d["window_samples"] else
            f"(ahead of the trainer: extract.concurrency {d['concurrency']} samples at their "
-           f"longest beside a micro-batch's, at least twice the concurrency)")
+           f"longest beside a micro-batch's, at least twice the concurrency"
+           + (f"; shared by {d['train_ranks']} training ranks, each beside its own micro-batch"
+              if d.get("train_ranks", 1) > 1 else "") + ")")
         + ", plus train.stream_cache_gib if set" + _heldout_hint(d)]
 
 
@@ -911,6 +929,8 @@ def main(argv: list[str] | None = None) -> int:
                      num_shards=ext["num_shards"],
                      capture_during_generation=cfg["generate"]["capture_hidden_states"],
                      window_samples=window, concurrency=ext["concurrency"], ranks=gpus,
+                     # stream's ranks: the trainer's own GPUs, else one beside each server GPU
+                     train_ranks=train["gpus"] or gpus,
                      # vLLM starts only with room for one sequence of its context length
                      kv_tokens=max(ext["concurrency"] * longest, longest + 1,
                                    cfg["target"]["max_model_len"]),

@@ -121,6 +121,17 @@ class Dist:
             dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM)
         return tensor
 
+    def all_gather(self, out: list, obj) -> None:
+        """Every rank's ``obj`` (picklable) into ``out``, in rank order."""
+        if self.world > 1:
+            dist.all_gather_object(out, obj)
+        else:
+            out[:] = [obj]
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
 
 def resolve_device(name: str) -> torch.device:
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -238,10 +249,7 @@ class Trainer:
         streamed = None
         if stream is not None:
             from eaglet.train_stream import open_stream
-            if dist_.world > 1:
-                raise TrainError("train.data: stream trains in one process (its states come "
-                                 "from one feed): set train.gpus to 1, or train.data: shards")
-            streamed = open_stream(stream, cfg)
+            streamed = open_stream(stream, cfg, dist_.rank, dist_.world, dist_)
             infos = streamed.infos
         else:
             infos = [index_shard(p, t2d.numel(), hashes.get(p)) for p in shard_paths]
@@ -702,9 +710,9 @@ def train(cfg: dict, shard_paths: list[str], eval_shard_paths: list[str], vocab_
         summary = {"steps": trainer.step, "resumed_from_step": first_step,
                    "train": last["train"], "eval": last["eval"],
                    "layer_init": trainer.layer_init}
-        if stream is not None:
-            summary["stream"] = trainer.train_data.feed.summary()
-            trainer.train_data.feed.clear_cache()  # trained: no epoch reads them again
+        if stream is not None:  # every rank's feed
+            summary["stream"] = trainer.train_data.summary()
+            trainer.train_data.finish()  # trained: no epoch reads them again
             if dist_.rank == 0:
                 log.info("streamed states: %s", summary["stream"])
         if dist_.rank == 0:

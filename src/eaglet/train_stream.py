@@ -19,6 +19,15 @@ Once trained on, a sample's file is deleted, unless the cache (``train.stream_ca
 still has room: then it stays, and later epochs read it instead of asking the engine again.
 The server starts on the first sample that needs a request, so a run whose states are all
 saved never starts one.
+
+Data-parallel (``train.gpus`` or, beside the server, one rank per server GPU): each rank feeds
+its own share of every step's micro-batches through a feed of its own, with its share of the
+requests in flight and of the cache. No two ranks write or delete one file: a rank's requests
+go to ``requests/rank-NNN/``, its cache to ``requests/cache/`` (moved there whole, so any rank
+may read it), and the files saved before the run stay until every rank has trained
+(:meth:`StreamSamples.finish`). Rank 0 owns the one server: it starts it when it or another
+rank first needs it (``requests/server.wanted``) and tells the others where it listens
+(``requests/server.json``).
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -46,7 +56,8 @@ from eaglet.extract_common import (TeacherHead, answer_rows, recorded_answer,
 from eaglet.extract_vllm import (Extractor, holds_states, load_head, prefill, read_request,
                                  remove_request, split_states)
 from eaglet.hidden_capture import capture_layer_ids
-from eaglet.io import read_json, read_jsonl, request_path
+from eaglet.io import atomic_open, read_json, read_jsonl, request_path
+from eaglet.server import ServerError, VLLMServer
 from eaglet.train_data import Samples, ShardInfo, TrainError
 
 log = logging.getLogger("eaglet.train")
@@ -97,8 +108,21 @@ class StateFeed:
     def __init__(self, extractor: Extractor, records: list[dict],
                  seqs: list[tuple[list[int], list[int]]], aux_layer_ids: list[int],
                  head: TeacherHead, norm, dtype: str, concurrency: int, ahead: int | None,
-                 cache_bytes: int, timeout: float, max_retries: int):
+                 cache_bytes: int, timeout: float, max_retries: int, rank: int = 0,
+                 world: int = 1):
         self.extractor, self.records, self.head, self.norm = extractor, records, head, norm
+        self.rank, self.world = rank, world
+        root = extractor.requests
+        # where this rank's requests save their states, and where files kept for later
+        # epochs lie (one directory for a single process, as generation saves them)
+        self.own = root if world == 1 else root / f"rank-{rank:03d}"
+        self.keep = root if world == 1 else root / "cache"
+        for directory in (self.own, self.keep):
+            directory.mkdir(parents=True, exist_ok=True)
+        self.at: dict[int, Path] = {}  # sample -> the file its states are read from
+        # samples read from a file saved before this run's requests (by generation, or by a
+        # run killed with requests in flight)
+        self.saved: set[int] = set()
         self.aux_layer_ids, self.dtype = aux_layer_ids, dtype
         self.seqs = [ids for ids, _ in seqs]
         self.masks = [mask for _, mask in seqs]
@@ -117,7 +141,16 @@ class StateFeed:
         self._starting: tuple[float, float | None] | None = None  # the server's start: from, to
 
     def path(self, index: int) -> Path:
-        return request_path(self.extractor.requests, self.records[index]["id"])
+        """The file sample ``index`` is read from: where it was found or requested to."""
+        return self.at.get(index) or request_path(self.own, self.records[index]["id"])
+
+    def find(self, index: int) -> Path | None:
+        """A file already holding sample ``index``'s states: this rank's own (a request of
+        a killed run), the cache's, or one saved before the run (generation with capture)."""
+        sid = self.records[index]["id"]
+        places = dict.fromkeys((self.own, self.keep, self.extractor.requests))
+        return next((path for path in (request_path(d, sid) for d in places)
+                     if holds_states(path, self.seqs[index])), None)
 
     # -- the trainer's side --
 
@@ -180,11 +213,11 @@ class StateFeed:
                 "window": self.ahead,
                 # saved before this run's requests: by generation, or by a run killed with
                 # requests in flight
-                "saved_files": self.stats["reused"],
+                "saved_files": len(self.saved),
                 # the rest read a file this run had used before: kept by the cache, or still
                 # on disk for a position in the window
                 "reread_files": self.stats["samples"] - self.stats["requests"]
-                - self.stats["reused"],
+                - len(self.saved),
                 "cache_files": len(self.cached), "cache_bytes": sum(self.cached.values()),
                 "cache_budget_bytes": self.cache_bytes,
                 "server_started": self.extractor.started,
@@ -201,7 +234,7 @@ class StateFeed:
     def clear_cache(self) -> None:
         """Delete the files kept for later epochs (training has ended)."""
         for i in list(self.cached):
-            remove_request(self.path(i))
+            remove_request(request_path(self.keep, self.records[i]["id"]))
             del self.cached[i]
 
     # -- the feed's thread --
@@ -228,13 +261,25 @@ class StateFeed:
         due: asyncio.Queue = asyncio.Queue()
 
         async def obtain(i: int) -> None:
-            path = self.path(i)
-            if await asyncio.to_thread(holds_states, path, self.seqs[i]):
-                if i not in self.cached:  # not a file this run made or read before
-                    self.stats["reused"] += 1
+            found = await asyncio.to_thread(self.find, i)
+            if found is not None:
+                self.at[i] = found
+                # not a file this run made or read before (nor another rank's cache)
+                if i not in self.cached and (self.world == 1 or found.parent != self.keep):
+                    self.saved.add(i)
                 return
+            self.at[i] = path = request_path(self.own, self.records[i]["id"])
             await self._request(i, path)
             self.stats["requests"] += 1
+
+        async def watch() -> None:  # rank 0 of several: start the server another rank wants
+            while self._client is None:
+                if self._wanted().exists():
+                    async with self._server_lock:
+                        if self._client is None:
+                            await self._connect()
+                    return
+                await asyncio.sleep(0.5)
 
         async def schedule() -> None:
             for i in order:
@@ -261,7 +306,8 @@ class StateFeed:
                         self._release(i)
 
         try:
-            await gather_or_cancel([schedule(), pack()])
+            await gather_or_cancel([schedule(), pack()]
+                                   + ([watch()] if self.world > 1 and not self.rank else []))
         finally:
             for task in files.values():
                 task.cancel()
@@ -274,17 +320,64 @@ class StateFeed:
         (and the client made) by the first request."""
         async with self._server_lock:
             if self._client is None:
-                self._starting = (time.perf_counter(), None)
+                await self._connect()
+        await self._prefill(i, path)
+
+    async def _connect(self) -> None:
+        """Start the server (rank 0), or wait for rank 0's (:meth:`_shared_server`); then
+        make the client."""
+        self._starting = (time.perf_counter(), None)
+        try:
+            if self.rank:
+                self.extractor.server = await self._shared_server()
+            else:
                 try:
                     await asyncio.to_thread(self.extractor.ensure_server)
-                finally:
-                    self._starting = (self._starting[0], time.perf_counter())
-                if self.extractor.progress is not None:  # started: training again
-                    self.extractor.progress.enter_phase(None)
-                self._client = httpx.AsyncClient(
-                    base_url=self.extractor.server.url,
-                    limits=httpx.Limits(max_connections=self.concurrency))
-                self._idle_since = time.monotonic()
+                except BaseException as exc:
+                    if self.world > 1:  # the other ranks stop waiting, with the reason
+                        self._announce({"error": str(exc) or type(exc).__name__})
+                    raise
+                if self.world > 1:
+                    self._announce({"url": self.extractor.server.url})
+        finally:
+            self._starting = (self._starting[0], time.perf_counter())
+        if self.extractor.progress is not None:  # started: training again
+            self.extractor.progress.enter_phase(None)
+        self._client = httpx.AsyncClient(
+            base_url=self.extractor.server.url,
+            limits=httpx.Limits(max_connections=self.concurrency))
+        self._idle_since = time.monotonic()
+
+    def _wanted(self) -> Path:
+        return self.extractor.requests / "server.wanted"
+
+    def _announcement(self) -> Path:
+        return self.extractor.requests / "server.json"
+
+    def _announce(self, what: dict) -> None:
+        with atomic_open(self._announcement(), "w") as handle:
+            json.dump(what, handle)
+
+    async def _shared_server(self) -> "SharedServer":
+        """Rank 0's server, once it is ready: asked for through ``server.wanted``, found
+        through ``server.json``."""
+        self._wanted().touch()
+        server = self.extractor.server
+        patience = getattr(server, "startup_timeout_s", 900.0) + 120.0
+        deadline = time.monotonic() + patience
+        while not self._announcement().exists():
+            if time.monotonic() > deadline:
+                raise TrainError(f"rank {self.rank} waited {patience:.0f} s for rank 0 to start "
+                                 f"the capture server ({self._announcement()} never appeared): "
+                                 f"see rank 0's log and the server log {server.log_path}")
+            await asyncio.sleep(0.5)
+        told = read_json(self._announcement())
+        if "error" in told:
+            raise TrainError(f"rank 0 could not start the capture server: {told['error']}")
+        return SharedServer(told["url"], server.log_path)
+
+    async def _prefill(self, i: int, path: Path) -> None:
+        """The prefill request itself, one of ``concurrency`` in flight."""
         async with self._gate:
             self.extractor.server.check_alive()
             self._busy(+1)
@@ -305,12 +398,18 @@ class StateFeed:
             self._idle_since = now
 
     def _release(self, i: int) -> None:
-        """A sample's file after its last scheduled use: kept while the cache has room."""
+        """A sample's file after its last scheduled use: kept while the cache has room.
+        Of several ranks, each deletes only the files it requested; the others' cache and
+        the files saved before the run stay for any rank to read, until :meth:`finish`."""
         path = self.path(i)
-        if i in self.cached:
+        self.at.pop(i, None)
+        if i in self.cached or (self.world > 1 and path.parent != self.own):
             return
         size = path.stat().st_size if path.exists() else 0
         if size and sum(self.cached.values()) + size <= self.cache_bytes:
+            if path.parent != self.keep:  # moved whole: a rank finds it there complete
+                path.replace(self.keep / path.name)
+                remove_request(path)  # its lock
             self.cached[i] = size
             return
         remove_request(path)
@@ -342,21 +441,67 @@ class StateFeed:
                 aux_scale, final_scale)
 
 
+class SharedServer:
+    """Rank 0's capture server as the other ranks see it: its address, and a check that it
+    still answers (at most every few seconds: it runs before every request)."""
+
+    def __init__(self, url: str, log_path):
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        self.probe = VLLMServer(model="", log_path=log_path, host=host, port=int(port))
+        self.url, self.log_path, self._checked = url, log_path, 0.0
+
+    def check_alive(self) -> None:
+        if time.monotonic() - self._checked < 5.0:
+            return
+        if not self.probe.healthy(timeout=10.0):
+            raise ServerError(f"the capture server at {self.url}, which rank 0 started, does "
+                              f"not answer: see rank 0's log and the server log {self.log_path}")
+        self._checked = time.monotonic()
+
+
+def combine(summaries: list[dict]) -> dict:
+    """The ranks' :meth:`StateFeed.summary` as one: counts summed; the trainer's waits the
+    longest rank's (every step waits for the slowest), the server's idle time and the feeds'
+    waits the shortest rank's (a bound: the server idles only while no rank asks)."""
+    if len(summaries) == 1:
+        return summaries[0]
+    out = dict(summaries[0])
+    for key in ("samples", "requests", "window", "saved_files", "reread_files", "cache_files",
+                "cache_bytes", "cache_budget_bytes", "teacher_positions"):
+        out[key] = sum(s[key] for s in summaries)
+    for key in ("trainer_wait_s", "trainer_wait_start_s"):
+        out[key] = max(s[key] for s in summaries)
+    for key in ("feed_wait_s", "server_idle_s"):
+        out[key] = min(s[key] for s in summaries)
+    agree = sum((s["teacher_agreement"] or 0.0) * s["teacher_positions"] for s in summaries)
+    out["teacher_agreement"] = (agree / out["teacher_positions"]
+                                if out["teacher_positions"] else None)
+    out["server_started"] = any(s["server_started"] for s in summaries)
+    out["ranks"] = len(summaries)
+    return out
+
+
 class StreamSamples(Samples):
     """The training samples of stream mode: the layout of shards (so that epochs are planned
     as in shard mode), the states from a :class:`StateFeed`, read once each in the order the
-    feed was started with."""
+    feed was started with. ``dist``: the training's ranks (:class:`eaglet.train.Dist`)."""
 
-    def __init__(self, infos: list[ShardInfo], feed: StateFeed, stack: contextlib.ExitStack):
+    def __init__(self, infos: list[ShardInfo], feed: StateFeed, stack: contextlib.ExitStack,
+                 dist=None):
         super().__init__(infos)
-        self.feed, self.stack = feed, stack
+        self.feed, self.stack, self.dist = feed, stack, dist
 
     def preload(self) -> None:
         pass
 
     def start(self, order: list[int], progress=None, batch: int = 0) -> None:
-        """Feed the samples of ``order``; ``progress`` (the training's) shows the server's
-        start as its phase; ``batch``: the samples of the largest micro-batch."""
+        """Feed the samples of ``order`` (this rank's); ``progress`` (the training's) shows
+        the server's start as its phase; ``batch``: the samples of the largest micro-batch."""
+        if self.feed.world > 1:  # a killed run's handshake must not be taken for this one's
+            if not self.feed.rank:
+                for stale in (self.feed._wanted(), self.feed._announcement()):
+                    stale.unlink(missing_ok=True)
+            self.dist.barrier()
         self.feed.extractor.progress = progress
         self.feed.start(order, batch)
 
@@ -366,17 +511,81 @@ class StreamSamples(Samples):
         scales = (aux_scale[rows], final_scale[rows]) if aux_scale is not None else (None, None)
         return sid, ids[rows], mask[rows], argmax[rows], aux[rows], final[rows], *scales
 
+    def summary(self) -> dict:
+        """What the feeds of every rank did, as one (:func:`combine`); call on every rank."""
+        mine = self.feed.summary()
+        if self.feed.world == 1:
+            return mine
+        every: list = [None] * self.feed.world
+        self.dist.all_gather(every, (mine, sorted(self.feed.saved)))
+        out = combine([summary for summary, _ in every])
+        # a saved file stays for every rank (finish): counted once, whichever rank read it
+        out["saved_files"] = len(set().union(*(saved for _, saved in every)))
+        out["reread_files"] = out["samples"] - out["requests"] - out["saved_files"]
+        return out
+
+    def finish(self) -> None:
+        """Training has ended: delete every file the feeds kept (call on every rank); of
+        several ranks, rank 0 deletes once all have trained the files saved before the run,
+        the cache's and what a killed run left in a rank's directory."""
+        self.feed.clear_cache()
+        if self.feed.world == 1:
+            return
+        self.dist.barrier()
+        if self.feed.rank:
+            return
+        root = self.feed.extractor.requests
+        for record in self.feed.records:
+            remove_request(request_path(root, record["id"]))
+        for directory in [self.feed.keep, *root.glob("rank-*")]:
+            for path in directory.glob("*.safetensors"):
+                remove_request(path)
+            with contextlib.suppress(OSError):  # not empty: not ours to remove
+                directory.rmdir()
+
     def close(self) -> None:
         self.feed.close()
         self.stack.close()  # stops the server if the feed started one
+        if self.feed.world > 1 and not self.feed.rank:
+            for path in (self.feed._wanted(), self.feed._announcement()):
+                path.unlink(missing_ok=True)
 
 
-def open_stream(stream: dict, train_cfg: dict) -> StreamSamples:
+def stream_devices(server_gpus: int, train_gpus: int) -> str | None:
+    """Split the job's GPUs (``CUDA_VISIBLE_DEVICES``, as :func:`eaglet.gpus.hold_gpus` set
+    it) between the capture server and the trainer: the server takes the first
+    ``server_gpus``, the trainer's ranks the next ``train_gpus`` (0: the server's own, one
+    rank on each). Sets the trainer's list in this process's environment and returns the
+    server's (None where no list is set, or the server takes no GPU)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if not visible or not server_gpus:
+        return None
+    ids = [d for d in visible.split(",") if d.strip()]
+    if len(ids) < server_gpus + train_gpus:
+        raise TrainError(f"the streaming job holds the GPUs {visible} but needs "
+                         f"{server_gpus + train_gpus}: server.gpus {server_gpus} and "
+                         f"train.gpus {train_gpus}")
+    server = ids[:server_gpus]
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(
+        ids[server_gpus:server_gpus + train_gpus] if train_gpus else server)
+    return ",".join(server)
+
+
+def open_stream(stream: dict, train_cfg: dict, rank: int = 0, world: int = 1,
+                dist=None) -> StreamSamples:
     """The stream-mode training samples of a run: ``stream`` holds the run's ``cfg`` (its
     extract, target, server and generate sections), ``target_json``, the training split's
     ``data`` file, the ``work_dir`` whose ``requests/`` the capture server writes to (the
-    ``vllm`` extraction's, where generation with capture saves too) and the ``server_log``."""
+    ``vllm`` extraction's, where generation with capture saves too), the ``server_log`` and
+    (optional) ``server_devices``, the server's ``CUDA_VISIBLE_DEVICES``
+    (:func:`stream_devices`). Of ``world`` ranks, this one (``rank``) feeds its own share;
+    ``dist`` (:class:`eaglet.train.Dist`) lets the ranks' feeds meet."""
     cfg = stream["cfg"]
+    if stream.get("server_devices"):
+        server = cfg["server"]
+        cfg = {**cfg, "server": {**server, "env": {**(server.get("env") or {}),
+                                                    "CUDA_VISIBLE_DEVICES":
+                                                    stream["server_devices"]}}}
     ext = cfg["extract"]
     info = read_json(stream["target_json"])
     records = read_jsonl(stream["data"])
@@ -393,9 +602,12 @@ def open_stream(stream: dict, train_cfg: dict) -> StreamSamples:
     extractor.norm = norm
     stack = contextlib.ExitStack()
     extractor.stack = stack
+    # the ranks share the server's extract.concurrency, the window and the cache's budget
     feed = StateFeed(extractor, records, seqs, aux_ids, TeacherHead(target.lm_head),
-                     norm, ext["dtype"], ext["concurrency"], train_cfg["stream_ahead"],
-                     int(train_cfg["stream_cache_gib"] * GIB),
-                     cfg["generate"]["request_timeout_s"], cfg["generate"]["max_retries"])
-    return StreamSamples(infos, feed, stack)
-
+                     norm, ext["dtype"], -(-ext["concurrency"] // world),
+                     -(-train_cfg["stream_ahead"] // world) if train_cfg["stream_ahead"]
+                     else None,
+                     int(train_cfg["stream_cache_gib"] * GIB) // world,
+                     cfg["generate"]["request_timeout_s"], cfg["generate"]["max_retries"],
+                     rank, world)
+    return StreamSamples(infos, feed, stack, dist)
