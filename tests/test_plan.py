@@ -302,10 +302,14 @@ def test_server_and_trainer_fit_together_where_the_gpu_holds_both():
     # a token's cache: MLA's latent and rope key of 4 layers, and 4 captured states
     assert c["server"]["kv_cache"] == 2 * 256 * (4 * (32 + 8) * 2 + 4 * h * 2)
     server = split // ranks + whole + c["server"]["kv_cache"] + plan.SERVER_ALLOWANCE
-    assert c["total"] == server + p["training_device"]
+    # a rank trains and runs the teacher check of the streamed states: the full lm_head (bf16)
+    # and a chunk of rows' logits (bf16, their float32 copy, float32 log-probabilities)
+    assert c["teacher_check"] == 500 * h * 2 + plan.TEACHER_CHUNK * 500 * (2 + 4 + 4)
+    rank = p["training_device"] + c["teacher_check"]
+    assert c["total"] == server + rank
     # the verdict turns where a GPU's usable share (95%) holds both, and not a byte before
     edge = math.ceil(c["total"] / plan.GPU_USABLE)
-    verdicts = plan.colocation(server, p["training_device"], {"less": edge - 2, "enough": edge + 1})
+    verdicts = plan.colocation(server, rank, {"less": edge - 2, "enough": edge + 1})
     assert not verdicts["less"]["fits"] and verdicts["enough"]["fits"]
     # a configured KV cache size replaces the tokens' count
     sized = plan.plan(s, tokens=256, max_len=256, steps=3, batch_tokens=1024,

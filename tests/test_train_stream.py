@@ -151,6 +151,28 @@ def test_stream_trains_the_drafter_of_shards_packed_from_the_same_states(world, 
     assert not list((work / "requests").glob("*.safetensors"))
 
 
+def test_the_teacher_check_of_a_streamed_sample_runs_in_chunks(world, tmp_path, monkeypatch):
+    """A long answer's full-vocabulary logits are computed a chunk of rows at a time (as
+    extraction's are), not all at once beside the server; the argmax, and so the drafter, is
+    the shard mode's."""
+    from eaglet.extract_common import TeacherHead
+
+    monkeypatch.setattr(train_stream, "TEACHER_CHUNK_ROWS", 4)
+    rows, call = [], TeacherHead.__call__
+    monkeypatch.setattr(TeacherHead, "__call__",
+                        lambda self, states, nxt: rows.append(len(states)) or call(self, states,
+                                                                                   nxt))
+    run(world, tmp_path, "shards", TRAIN)
+    del rows[:]
+    summary = run(world, tmp_path, "stream", {**TRAIN, "data": "stream", "stream_cache_gib": 1},
+                  stream_args(world, requests_dir(world, tmp_path)))
+    assert max(rows) == 4 and summary["stream"]["teacher_agreement"] == 1.0
+    assert sum(rows) == summary["stream"]["teacher_positions"]  # every answer row, once
+    stream, shards = weights(tmp_path, "stream"), weights(tmp_path, "shards")
+    for name in shards:
+        assert torch.equal(stream[name], shards[name]), name
+
+
 def test_without_a_cache_later_epochs_ask_the_engine_again(world, tmp_path, monkeypatch):
     """stream_cache_gib 0: a sample's file is deleted once trained on, so the second epoch
     sends one request per sample (with one sample ahead: none is shared by two positions

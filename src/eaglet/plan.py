@@ -30,7 +30,8 @@ Stages:
 * co-location (``train.data: stream``): one rank of the capture server (its share of the
   target's weights as vLLM loads them, quantized experts as they are packed; a KV cache for
   the tokens in flight with the captured states; an allowance for the rest) beside one
-  training rank, on each of the node's GPUs, against an H200 and a B200.
+  training rank and its teacher check of the streamed states, on each of the node's GPUs,
+  against an H200 and a B200.
 """
 
 from __future__ import annotations
@@ -516,6 +517,13 @@ def colocation(server: int, trainer: int, devices: dict[str, int] | None = None)
 
 # -- the plan for a run or a preset ----------------------------------------------------------
 
+def stream_teacher(s: Shape, dtype: str) -> int:
+    """A streaming rank's teacher check (``eaglet.train_stream.StateFeed``): the target's
+    full-vocabulary lm_head, and the logits of a chunk of rows (as extraction's)."""
+    a = DTYPE_BYTES[dtype if dtype != "auto" else "bfloat16"]
+    return s.vocab * s.hidden * a + TEACHER_CHUNK * s.vocab * (a + 4 + 4)
+
+
 def stream_window_tokens(window_samples: int | None, concurrency: int, ranks: int,
                          longest: int, batch_tokens: int) -> int:
     """The training tokens stream mode's feeds hold ahead of the trainer at most, in files:
@@ -591,12 +599,14 @@ def plan(s: Shape, *, tokens: int, max_len: int | None, steps: int, batch_tokens
     server = capture_server(s, ranks=ranks, dtype=target_dtype, kv_tokens=kv_tokens,
                             kv_cache_bytes=kv_cache_bytes, served_bytes=served_bytes)
     server_total = server["weights"] + server["kv_cache"] + server["allowance"]
+    teacher = stream_teacher(s, target_dtype)
+    rank_total = train_total + teacher
     out["colocation"] = {
         "ranks": ranks, "kv_tokens": None if kv_cache_bytes is not None else kv_tokens,
         "kv_bytes_per_token": kv_bytes_per_token(s, ranks, target_dtype),
         "expert_bits": s.expert_bits, "server": server, "server_total": server_total,
-        "trainer": train_total, "total": server_total + train_total,
-        "devices": colocation(server_total, train_total)}
+        "trainer": train_total, "teacher_check": teacher, "total": server_total + rank_total,
+        "devices": colocation(server_total, rank_total)}
     return out
 
 
@@ -729,7 +739,9 @@ def _colocation_lines(c: dict, dtype: str) -> list[str]:
              f"   server  {gib(server['kv_cache']):>11}  {kv}",
              f"   server  {gib(server['allowance']):>11}  allowed for: a prefill chunk's "
              f"activations, CUDA graphs, NCCL buffers",
-             f"   trainer {gib(c['trainer']):>11}  training, one rank (above)"]
+             f"   trainer {gib(c['trainer']):>11}  training, one rank (above)",
+             f"   trainer {gib(c['teacher_check']):>11}  teacher check of the streamed states: "
+             f"the target's full lm_head and {TEACHER_CHUNK} rows' logits"]
     verdicts = [f"{'fits' if d['fits'] else 'does NOT fit'} one {name} ({gib(d['usable'])} "
                 f"usable of {gib(d['device_bytes'])})" for name, d in c["devices"].items()]
     lines.append(f"   total   {gib(c['total']):>11}  {'; '.join(verdicts)}")

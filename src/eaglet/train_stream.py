@@ -50,9 +50,9 @@ import torch
 
 from eaglet import shards as shard_format
 from eaglet.engine_client import gather_or_cancel
-from eaglet.extract_common import (TeacherHead, answer_rows, recorded_answer,
-                                   resolve_aux_layer_ids, sequence, shard_bounds,
-                                   target_identity)
+from eaglet.extract_common import (TEACHER_CHUNK_ROWS, TeacherHead, answer_rows,
+                                   recorded_answer, resolve_aux_layer_ids, sequence,
+                                   shard_bounds, target_identity)
 from eaglet.extract_vllm import (Extractor, holds_states, load_head, prefill, read_request,
                                  remove_request, split_states)
 from eaglet.hidden_capture import capture_layer_ids
@@ -429,11 +429,14 @@ class StateFeed:
         loss_mask = torch.tensor(mask, dtype=torch.uint8)
         argmax = torch.full((len(ids),), -1, dtype=torch.int64)
         rows, checked, nxt = answer_rows(final, ids, mask, self.dtype)
-        if rows.numel():
-            argmax[rows], _ = self.head(checked, nxt)
-            if not recorded_answer(self.records[i]):  # the target's own answers only
-                self.stats["agree"] += int((argmax[rows] == nxt).sum())
-                self.stats["agree_positions"] += rows.numel()
+        # in chunks, as extraction checks them: the [rows, vocab] logits of a whole long
+        # answer would take gigabytes beside the server (8K rows of a 164K vocabulary: 13 GB)
+        for start in range(0, rows.numel(), TEACHER_CHUNK_ROWS):
+            part = slice(start, start + TEACHER_CHUNK_ROWS)
+            argmax[rows[part]], _ = self.head(checked[part], nxt[part])
+        if rows.numel() and not recorded_answer(self.records[i]):  # the target's own answers
+            self.stats["agree"] += int((argmax[rows] == nxt).sum())
+            self.stats["agree_positions"] += rows.numel()
         aux_stored, aux_scale = stored(aux, self.dtype, len(self.aux_layer_ids))
         final_stored, final_scale = stored(final, self.dtype, 1)
         self.stats["samples"] += 1
