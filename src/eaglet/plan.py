@@ -532,10 +532,11 @@ def stream_window_tokens(window_samples: int | None, concurrency: int, ranks: in
     (:meth:`eaglet.train_stream.StateFeed.window`, here in tokens): its share of
     ``concurrency`` requests beside a micro-batch of ``batch_tokens``, at least twice that
     share."""
-    share = -(-concurrency // ranks)
+    from eaglet.train_stream import default_window
+
     if window_samples:
         return ranks * -(-window_samples // ranks) * longest
-    return ranks * (share * longest + max(share * longest, batch_tokens))
+    return ranks * default_window(-(-concurrency // ranks) * longest, batch_tokens)
 
 
 def plan(s: Shape, *, tokens: int, max_len: int | None, steps: int, batch_tokens: int,

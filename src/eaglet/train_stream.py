@@ -98,6 +98,14 @@ def stored(x: torch.Tensor, dtype: str, groups: int) -> tuple[torch.Tensor, torc
     return x.to(shard_format.STORAGE_DTYPES[dtype]), None
 
 
+def default_window(concurrency: float, batch: float) -> float:
+    """A feed's default window (:meth:`StateFeed.window`) in any unit, samples or tokens:
+    the ``concurrency`` requests in flight beside the trainer's largest micro-batch
+    (``batch``), at least twice the requests. :func:`eaglet.plan.stream_window_tokens`
+    counts it in tokens."""
+    return concurrency + max(concurrency, batch)
+
+
 class StateFeed:
     """The states of the training samples, from the capture server, in training order.
 
@@ -162,7 +170,7 @@ class StateFeed:
         twice the concurrency."""
         if self.configured_ahead:
             return max(1, self.configured_ahead)
-        return max(2 * self.concurrency, self.concurrency + batch)
+        return default_window(self.concurrency, batch)
 
     def start(self, order: list[int], batch: int = 0) -> None:
         """Feed the samples of ``order``, the training loop's; ``batch``: the samples of
