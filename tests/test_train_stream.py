@@ -179,12 +179,17 @@ def test_without_a_cache_later_epochs_ask_the_engine_again(world, tmp_path, monk
     in flight); nothing is left on disk."""
     requests = Requests(world["model"], monkeypatch)
     work = requests_dir(world, tmp_path)
+    # left by a data-parallel run killed before: swept at the end, not read
+    for left in ("rank-001", "cache"):
+        (work / "requests" / left).mkdir()
+        shutil.copy(next(world["files"].glob("*.safetensors")), work / "requests" / left)
     summary = run(world, tmp_path, "stream", {**TRAIN, "data": "stream", "stream_ahead": 1},
                   stream_args(world, work))
     n = len(world["records"])
     assert sorted(requests.sent) == sorted(r["id"] for r in world["records"])
     assert summary["stream"]["requests"] == n and summary["stream"]["cache_files"] == 0
-    assert not list((work / "requests").glob("*.safetensors"))
+    assert not list((work / "requests").rglob("*.safetensors"))
+    assert not list((work / "requests").iterdir())
 
 
 def test_the_default_window_holds_the_largest_micro_batch_beside_the_requests_in_flight(

@@ -538,17 +538,18 @@ class StreamSamples(Samples):
     def finish(self) -> None:
         """Training has ended: delete every file the feeds kept (call on every rank); of
         several ranks, rank 0 deletes once all have trained the files saved before the run,
-        the cache's and what a killed run left in a rank's directory."""
+        the cache's and what a killed run left in a rank's directory (also where a single
+        process resumes a data-parallel run)."""
         self.feed.clear_cache()
-        if self.feed.world == 1:
-            return
-        self.dist.barrier()
-        if self.feed.rank:
-            return
         root = self.feed.extractor.requests
-        for record in self.feed.records:
-            remove_request(request_path(root, record["id"]))
-        for directory in [self.feed.keep, *root.glob("rank-*")]:
+        if self.feed.world > 1:
+            self.dist.barrier()
+            if self.feed.rank:
+                return
+            for record in self.feed.records:
+                remove_request(request_path(root, record["id"]))
+        # the ranks' directories (of a data-parallel run, or one killed before this run)
+        for directory in [root / "cache", *root.glob("rank-*")]:
             for path in directory.glob("*.safetensors"):
                 remove_request(path)
             with contextlib.suppress(OSError):  # not empty: not ours to remove
