@@ -464,3 +464,39 @@ def test_two_ranks_stopped_mid_epoch_resume_to_the_uninterrupted_weights(world, 
     for name in ours:
         assert torch.equal(ours[name], theirs[name]), name
     assert not list(left.rglob("*.safetensors"))
+
+
+def test_rank_0_starts_the_server_another_rank_wants_though_it_needs_none(world, tmp_path,
+                                                                          monkeypatch):
+    """Every sample of rank 0's share is saved, so it sends no request of its own; another
+    rank's ``server.wanted`` still has it start the server and announce where it listens."""
+    import time
+
+    from eaglet.extract_vllm import Extractor
+
+    started = []
+
+    def start(extractor):
+        started.append(True)
+        extractor.server.port, extractor.started = 8123, True
+
+    monkeypatch.setattr(Extractor, "ensure_server", start)
+    work = requests_dir(world, tmp_path)
+    samples = train_stream.open_stream(stream_args(world, work),
+                                       {"stream_ahead": None, "stream_cache_gib": 0},
+                                       rank=0, world=2)
+    feed = samples.feed
+    try:
+        (work / "requests" / "server.wanted").touch()   # rank 1 needs a request
+        order = list(range(len(world["records"])))
+        feed.start(order, batch=2)
+        for i in order:
+            assert feed.take(i)[0] == world["records"][i]["id"]
+        deadline = time.monotonic() + 30
+        while not (work / "requests" / "server.json").exists():
+            assert time.monotonic() < deadline, "rank 0 never announced the server"
+            time.sleep(0.1)
+    finally:
+        samples.close()
+    assert started == [True] and feed.stats["requests"] == 0
+    assert not (work / "requests" / "server.json").exists()  # removed when it stopped
