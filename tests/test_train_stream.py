@@ -280,7 +280,10 @@ def test_the_stream_layout_is_the_shards_and_changes_with_the_samples(world):
 @pytest.mark.parametrize("overrides, message", [
     ({"extract": {"backend": "hf"}}, "set extract.backend: vllm"),
     ({"scaling": {"enabled": True}}, "set scaling.enabled: false"),
-    ({"server": {"gpus": 8}}, "set server.kv_cache_gib"),
+    ({"server": {"gpus": 8}}, "take its default 0.9 of each GPU .* Set train.stream_kv_cache_gib"),
+    # a share of each GPU, as generation wants it, says nothing of the trainer beside it
+    ({"server": {"gpus": 8, "memory_utilization": 0.9}},
+     "server.memory_utilization 0.9 of each GPU .* Set train.stream_kv_cache_gib"),
 ])
 def test_stream_mode_refuses_settings_it_cannot_serve(overrides, message):
     cfg = {"train": {"data": "stream"}}
@@ -290,6 +293,8 @@ def test_stream_mode_refuses_settings_it_cannot_serve(overrides, message):
         validate(cfg)
     # the trainer beside the server with a KV cache of a fixed size, or on GPUs of its own
     assert validate({"train": {"data": "stream"}, "server": {"gpus": 8, "kv_cache_gib": 40}})
+    assert validate({"train": {"data": "stream", "stream_kv_cache_gib": 4},
+                     "server": {"gpus": 8, "memory_utilization": 0.9}})
     assert validate({"train": {"data": "stream", "gpus": 1}, "server": {"gpus": 8}})
     assert validate({"train": {"data": "stream", "gpus": 4}, "server": {"gpus": 8}})
 
@@ -500,3 +505,28 @@ def test_rank_0_starts_the_server_another_rank_wants_though_it_needs_none(world,
         samples.close()
     assert started == [True] and feed.stats["requests"] == 0
     assert not (work / "requests" / "server.json").exists()  # removed when it stopped
+
+
+def test_the_streaming_jobs_server_takes_its_own_kv_cache_size(world, tmp_path):
+    """train.stream_kv_cache_gib sizes the KV cache of the server the training job starts,
+    in place of server.kv_cache_gib (which generation's server keeps); unset, the server
+    section's is used."""
+    def kv_bytes(server_gib, stream_gib):
+        args = stream_args(world, requests_dir(world, tmp_path / f"{server_gib}-{stream_gib}",
+                                               False))
+        args["cfg"] = {**args["cfg"], "server": {**args["cfg"]["server"],
+                                                 "kv_cache_gib": server_gib}}
+        samples = train_stream.open_stream(args, {"stream_ahead": None, "stream_cache_gib": 0,
+                                                  "stream_kv_cache_gib": stream_gib})
+        try:
+            served = samples.feed.extractor.server.args
+        finally:
+            samples.close()
+        at = served.index("--kv-cache-memory-bytes") if "--kv-cache-memory-bytes" in served \
+            else None
+        return None if at is None else int(served[at + 1])
+
+    assert kv_bytes(None, None) is None
+    assert kv_bytes(2, None) == 2 << 30
+    assert kv_bytes(2, 3.5) == int(3.5 * 2**30)
+    assert kv_bytes(None, 0.5) == 1 << 29

@@ -212,7 +212,8 @@ ADDED_LATER = {"generate": {"capture_hidden_states": False, "chat_template_kwarg
                          "prefetch_batches": None, "attention": "auto",
                          "drafter_attention": "llama", "method": "eagle3",
                          "drafter_variant": "eagle3", "data": "shards",
-                         "stream_cache_gib": 0, "stream_ahead": None},
+                         "stream_cache_gib": 0, "stream_ahead": None,
+                         "stream_kv_cache_gib": None},
                "evaluate": {"compare_drafters": [], "top_p": 1.0, "top_k": 0}}
 
 
@@ -225,11 +226,15 @@ def stream_refusals(cfg: dict[str, Any]) -> None:
                         f"{cfg['extract']['backend']!r}: set extract.backend: vllm")
     server = cfg["server"]
     if (server["gpus"] and not cfg["train"]["gpus"] and server["kv_cache_gib"] is None
-            and server["memory_utilization"] is None):
+            and cfg["train"]["stream_kv_cache_gib"] is None):
+        share = server["memory_utilization"]
         problems.append("train.data stream with train.gpus 0 trains on the server's GPUs, but "
-                        "the server would take vLLM's default 0.9 of their memory: set "
-                        "server.kv_cache_gib (`eaglet plan` prints what a training rank needs "
-                        "beside the server), or give training GPUs of its own (train.gpus 1)")
+                        "nothing bounds the server's KV cache there: vLLM would take "
+                        + (f"server.memory_utilization {share:g}" if share is not None else
+                           "its default 0.9") + " of each GPU and leave the training rank "
+                        "too little. Set train.stream_kv_cache_gib (the streaming job's server "
+                        "alone; `eaglet plan` prints a size that fits beside a training rank), "
+                        "or give training GPUs of its own (train.gpus)")
     if cfg["scaling"]["enabled"]:
         problems.append("scaling.enabled trains again on nested parts of the training shards, "
                         "which train.data stream does not write: set scaling.enabled: false, "

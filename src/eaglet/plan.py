@@ -727,7 +727,8 @@ def _colocation_lines(c: dict, dtype: str) -> list[str]:
     server, ranks = c["server"], c["ranks"]
     experts = (f"routed experts INT{c['expert_bits']}, the rest {dtype}" if c["expert_bits"]
                else dtype)
-    kv = ("KV cache as server.kv_cache_gib sets it" if c["kv_tokens"] is None else
+    kv = ("KV cache as configured (train.stream_kv_cache_gib, else server.kv_cache_gib)"
+          if c["kv_tokens"] is None else
           f"KV cache and captured states of {c['kv_tokens']:,} tokens (extract.concurrency "
           f"longest samples, at least the context length), {c['kv_bytes_per_token']:,} bytes "
           f"a token")
@@ -746,9 +747,9 @@ def _colocation_lines(c: dict, dtype: str) -> list[str]:
     verdicts = [f"{'fits' if d['fits'] else 'does NOT fit'} one {name} ({gib(d['usable'])} "
                 f"usable of {gib(d['device_bytes'])})" for name, d in c["devices"].items()]
     lines.append(f"   total   {gib(c['total']):>11}  {'; '.join(verdicts)}")
-    lines.append(f"   size the server's KV cache (server.kv_cache_gib: "
-                 f"{server['kv_cache'] / GiB:.1f}): memory_utilization takes a share of each "
-                 f"GPU for the server alone")
+    lines.append(f"   size the streaming job's KV cache (train.stream_kv_cache_gib: "
+                 f"{server['kv_cache'] / GiB:.1f}; generation keeps server.*): "
+                 f"memory_utilization takes a share of each GPU for the server alone")
     return lines
 
 
@@ -925,7 +926,8 @@ def main(argv: list[str] | None = None) -> int:
         dataset = None if args.preset else _generated_tokens(results)
     gpus = args.gpus or (server["gpus"] if server["gpus"] > 1 else 8)
     window = args.stream_window or train["stream_ahead"]   # None: the feed's default
-    kv_gib = server.get("kv_cache_gib")
+    # the streaming job's server: its own size, else the server section's
+    kv_gib = train.get("stream_kv_cache_gib") or server.get("kv_cache_gib")
     plans, texts = [], []
     for shape in shapes:
         for t in batches:

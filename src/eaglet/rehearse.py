@@ -58,6 +58,7 @@ SCALE = {
     "train.epochs": (2, "minutes, not hours"),
     "train.max_tokens_per_batch": (512, "the miniature's data"),
     "train.max_len": (None, "the miniature's data"),
+    "train.stream_kv_cache_gib": (None, "server.kv_cache_gib's, the miniature's"),
     "train.lr": (2e-3, "a few dozen steps must teach the drafter something to measure"),
     "train.warmup_steps": (2, "a few dozen steps"),
     "evaluate.max_prompts": (4, "minutes, not hours"),

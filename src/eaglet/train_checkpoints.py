@@ -37,7 +37,8 @@ log = logging.getLogger("eaglet.train")
 # (attention: another kernel for the same math)
 RESUME_FREE = {"log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "resume",
                "device", "precision", "export_dtype", "report_to", "host_ram_mb",
-               "prefetch_batches", "attention", "stream_cache_gib", "stream_ahead"}
+               "prefetch_batches", "attention", "stream_cache_gib", "stream_ahead",
+               "stream_kv_cache_gib"}
 
 
 BEST = "best_step_"

@@ -590,9 +590,12 @@ def open_stream(stream: dict, train_cfg: dict, rank: int = 0, world: int = 1,
     ``data`` file, the ``work_dir`` whose ``requests/`` the capture server writes to (the
     ``vllm`` extraction's, where generation with capture saves too), the ``server_log`` and
     (optional) ``server_devices``, the server's ``CUDA_VISIBLE_DEVICES``
-    (:func:`stream_devices`). Of ``world`` ranks, this one (``rank``) feeds its own share;
+    (:func:`stream_devices`); ``train.stream_kv_cache_gib`` sizes this server's KV cache. Of ``world`` ranks, this one (``rank``) feeds its own share;
     ``dist`` (:class:`eaglet.train.Dist`) lets the ranks' feeds meet."""
     cfg = stream["cfg"]
+    if train_cfg.get("stream_kv_cache_gib") is not None:  # this job's server alone
+        cfg = {**cfg, "server": {**cfg["server"],
+                                 "kv_cache_gib": train_cfg["stream_kv_cache_gib"]}}
     if stream.get("server_devices"):
         server = cfg["server"]
         cfg = {**cfg, "server": {**server, "env": {**(server.get("env") or {}),
