@@ -590,8 +590,9 @@ def open_stream(stream: dict, train_cfg: dict, rank: int = 0, world: int = 1,
     ``data`` file, the ``work_dir`` whose ``requests/`` the capture server writes to (the
     ``vllm`` extraction's, where generation with capture saves too), the ``server_log`` and
     (optional) ``server_devices``, the server's ``CUDA_VISIBLE_DEVICES``
-    (:func:`stream_devices`); ``train.stream_kv_cache_gib`` sizes this server's KV cache. Of ``world`` ranks, this one (``rank``) feeds its own share;
-    ``dist`` (:class:`eaglet.train.Dist`) lets the ranks' feeds meet."""
+    (:func:`stream_devices`); ``train.stream_kv_cache_gib`` sizes this server's KV cache.
+    Of ``world`` ranks, this one (``rank``) feeds its own share; ``dist``
+    (:class:`eaglet.train.Dist`) lets the ranks' feeds meet."""
     cfg = stream["cfg"]
     if train_cfg.get("stream_kv_cache_gib") is not None:  # this job's server alone
         cfg = {**cfg, "server": {**cfg["server"],
