@@ -169,3 +169,26 @@ def test_a_shipped_config_rehearses_green_on_its_stand_in(name, tmp_path):
     stages = {c["stage"] for c in result["checks"] if c["ok"]}
     assert {"target", "miniature", "generate", "reasoning", "extract", "train",
             "evaluate"} <= stages, stages
+
+
+def test_a_streamed_run_reports_its_streamed_states_not_missing_shards(tmp_path):
+    """train.data stream writes the held-out shard alone: the rehearsal says so, and reads
+    how training got its states (requests, teacher agreement) from drafter/stats.json."""
+    results = tmp_path / "results"
+    for path, data in {"synthetic/stats.json": {"template_check": {"checked": 3}},
+                       "hidden/manifest.json": {"shards": [], "eval_shards": [{"file": "e"}]},
+                       "drafter/stats.json": {"stream": {"requests": 95, "saved_files": 0,
+                                                         "teacher_agreement": 0.937}}}.items():
+        (results / path).parent.mkdir(parents=True, exist_ok=True)
+        (results / path).write_text(json.dumps(data))
+    for split in ("train", "eval"):
+        (results / "synthetic" / f"{split}.jsonl").write_text("")
+    (results / "drafter" / "model.safetensors").write_bytes(b"")
+    report = rehearse.Report()
+    cfg = {"server": {}, "train": {"data": "stream"}}
+    rehearse.check_results(results, cfg, report)
+    said = {c.stage: c.detail for c in report.checks}
+    assert said["extract"] == "1 held-out shard(s) only (train.data stream)"
+    assert said["train"] == ("drafter trained and exported on streamed states: 95 prefill "
+                             "requests to its own capture server, 0 files saved by generation, "
+                             "teacher agreement 0.937")

@@ -173,6 +173,33 @@ def test_the_teacher_check_of_a_streamed_sample_runs_in_chunks(world, tmp_path, 
         assert torch.equal(stream[name], shards[name]), name
 
 
+def test_streamed_states_that_do_not_reproduce_greedy_answers_stop_training(world, tmp_path,
+                                                                          monkeypatch):
+    """As extraction refuses a shard whose teacher disagrees with the target's greedy answers,
+    streaming stops once the samples in fail extract.min_teacher_agreement, naming the worst;
+    answers the target sampled are not held to their argmax."""
+    from eaglet.extract_common import ExtractionError, TeacherHead
+
+    call = TeacherHead.__call__
+
+    def off_by_one(self, states, nxt):  # a capture of the wrong layer, say
+        argmax, logprob = call(self, states, nxt)
+        return argmax + 1, logprob
+
+    monkeypatch.setattr(TeacherHead, "__call__", off_by_one)
+    args = stream_args(world, requests_dir(world, tmp_path / "greedy"))
+    with pytest.raises(ExtractionError, match=r"teacher agreement 0\.00% in the \d+ samples "
+                       r"streamed so far is below extract.min_teacher_agreement=99\.00%.*"
+                       r"Worst samples: "):
+        run(world, tmp_path, "greedy", {**TRAIN, "data": "stream"}, args)
+    sampled = tmp_path / "sampled.jsonl"
+    write_jsonl(sampled, [{**r, "sampling": {"temperature": 1.0}} for r in world["records"]])
+    args = {**stream_args(world, requests_dir(world, tmp_path / "sampled")),
+            "data": str(sampled)}
+    summary = run(world, tmp_path, "sampled", {**TRAIN, "data": "stream", "epochs": 1}, args)
+    assert summary["stream"]["teacher_agreement"] == 0.0   # reported, not enforced
+
+
 def test_without_a_cache_later_epochs_ask_the_engine_again(world, tmp_path, monkeypatch):
     """stream_cache_gib 0: a sample's file is deleted once trained on, so the second epoch
     sends one request per sample (with one sample ahead: none is shared by two positions

@@ -354,12 +354,21 @@ def check_results(results: Path, cfg: dict, report: Report) -> None:
     if manifest is None:
         report.add("extract", False, "no hidden/manifest.json")
         return
-    report.add("extract", True, f"{len(manifest.get('shards', []))} shards, teacher agreement "
+    streamed = cfg["train"].get("data") == "stream"
+    report.add("extract", True, (f"{len(manifest.get('eval_shards', []))} held-out shard(s) "
+                                 "only (train.data stream)") if streamed else
+               f"{len(manifest.get('shards', []))} shards, teacher agreement "
                f"{manifest.get('teacher_agreement', manifest.get('agreement'))}")
     if not (results / "drafter" / "model.safetensors").exists():
         report.add("train", False, "no drafter/model.safetensors")
         return
-    report.add("train", True, "drafter trained and exported")
+    stream = (_read(results / "drafter" / "stats.json") or {}).get("stream") or {}
+    agreement = stream.get("teacher_agreement")
+    report.add("train", True, "drafter trained and exported" + (
+        f" on streamed states: {stream.get('requests')} prefill requests to its own capture "
+        f"server, {stream.get('saved_files')} files saved by generation, teacher agreement "
+        + (f"{agreement:.3f}" if isinstance(agreement, float) else f"{agreement}")
+        if streamed else ""))
     acceptance = _read(results / "eval" / "acceptance.json")
     if acceptance is None:
         report.add("evaluate", False, "no eval/acceptance.json")

@@ -51,8 +51,9 @@ import torch
 from eaglet import shards as shard_format
 from eaglet.engine_client import gather_or_cancel
 from eaglet.extract_common import (TEACHER_CHUNK_ROWS, TeacherHead, answer_rows,
-                                   recorded_answer, resolve_aux_layer_ids, sequence,
-                                   shard_bounds, target_identity)
+                                   enforce_agreement, is_greedy, recorded_answer,
+                                   resolve_aux_layer_ids, sequence, shard_bounds,
+                                   target_identity)
 from eaglet.extract_vllm import (Extractor, holds_states, load_head, prefill, read_request,
                                  remove_request, split_states)
 from eaglet.hidden_capture import capture_layer_ids
@@ -63,6 +64,9 @@ from eaglet.train_data import Samples, ShardInfo, TrainError
 log = logging.getLogger("eaglet.train")
 
 GIB = 1 << 30
+# answer positions between two checks of the streamed teacher agreement (greedy data), as
+# extraction checks each shard's: a wrong capture stops training early, not after an epoch
+AGREEMENT_EVERY = 2048
 
 
 def sequences(records: list[dict], max_len: int) -> list[tuple[list[int], list[int]]]:
@@ -131,6 +135,12 @@ class StateFeed:
         # samples read from a file saved before this run's requests (by generation, or by a
         # run killed with requests in flight)
         self.saved: set[int] = set()
+        # extract.min_teacher_agreement where the target answered greedily (None: sampled
+        # answers, whose argmax the sample need not be); each sample's first check, by sample
+        self.min_agreement: float | None = None
+        self.agreement: dict[int, tuple[int, int]] = {}
+        self._agreed = [0, 0]  # their sums: agreements, positions
+        self._next_check, self._checked_at_end = AGREEMENT_EVERY, 0
         self.aux_layer_ids, self.dtype = aux_layer_ids, dtype
         self.seqs = [ids for ids, _ in seqs]
         self.masks = [mask for _, mask in seqs]
@@ -178,6 +188,10 @@ class StateFeed:
         if self._thread is not None:
             raise RuntimeError("the state feed was started already")
         self.ahead = self.window(batch)
+        # the samples whose agreement is checked (the target's own answers): all of them in,
+        # the last check
+        self._checked_at_end = sum(1 for i in set(order) if not recorded_answer(self.records[i])
+                                   and any(self.masks[i][1:]))
         log.info("stream: up to %d samples requested or prepared ahead of the trainer (%s)",
                  self.ahead, "train.stream_ahead" if self.configured_ahead else
                  f"{self.concurrency} requests in flight beside a micro-batch of up to "
@@ -405,6 +419,27 @@ class StateFeed:
         if not self._in_flight:
             self._idle_since = now
 
+    def _check_agreement(self) -> None:
+        """Greedy data: the samples' teacher agreement so far against
+        ``extract.min_teacher_agreement``, every AGREEMENT_EVERY answer positions and once every
+        sample is in, as extraction checks each shard (:func:`enforce_agreement`'s error)."""
+        agreed, positions = self._agreed
+        if self.min_agreement is None or not positions:
+            return
+        if positions < self._next_check and len(self.agreement) < self._checked_at_end:
+            return
+        self._next_check = positions + AGREEMENT_EVERY
+        if agreed / positions >= self.min_agreement:
+            return
+        per_sample = [{"id": self.records[i]["id"], "agreement": a / n, "positions": n}
+                      for i, (a, n) in self.agreement.items()]
+        enforce_agreement({"greedy": True, "backend": "vllm",
+                           "file": f"the {len(per_sample)} samples streamed so far",
+                           "teacher": {"agreement": agreed / positions,
+                                       "worst": sorted(per_sample,
+                                                       key=lambda r: r["agreement"])[:3]}},
+                          self.min_agreement)
+
     def _release(self, i: int) -> None:
         """A sample's file after its last scheduled use: kept while the cache has room.
         Of several ranks, each deletes only the files it requested; the others' cache and
@@ -443,8 +478,14 @@ class StateFeed:
             part = slice(start, start + TEACHER_CHUNK_ROWS)
             argmax[rows[part]], _ = self.head(checked[part], nxt[part])
         if rows.numel() and not recorded_answer(self.records[i]):  # the target's own answers
-            self.stats["agree"] += int((argmax[rows] == nxt).sum())
+            agree = int((argmax[rows] == nxt).sum())
+            self.stats["agree"] += agree
             self.stats["agree_positions"] += rows.numel()
+            if i not in self.agreement:
+                self.agreement[i] = (agree, rows.numel())
+                self._agreed[0] += agree
+                self._agreed[1] += rows.numel()
+                self._check_agreement()
         aux_stored, aux_scale = stored(aux, self.dtype, len(self.aux_layer_ids))
         final_stored, final_scale = stored(final, self.dtype, 1)
         self.stats["samples"] += 1
@@ -626,4 +667,6 @@ def open_stream(stream: dict, train_cfg: dict, rank: int = 0, world: int = 1,
                      int(train_cfg["stream_cache_gib"] * GIB) // world,
                      cfg["generate"]["request_timeout_s"], cfg["generate"]["max_retries"],
                      rank, world)
+    if is_greedy(records):  # the target's own greedy answers: the teacher must reproduce them
+        feed.min_agreement = ext["min_teacher_agreement"]
     return StreamSamples(infos, feed, stack, dist)
