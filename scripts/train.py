@@ -7,6 +7,7 @@ one process per GPU of the trainer's own (train.gpus), or one on each of the ser
 """
 from pathlib import Path
 
+from eaglet.rates import training_ranks
 from eaglet.scripting import run_stage
 from eaglet.target import read_target
 from eaglet.train import launch_torchrun, train
@@ -29,9 +30,7 @@ if stream is not None:  # train.data stream (eaglet.train_stream)
 gpus = int(smk.resources.get("gpu", 0))
 # processes of the training, one per GPU of its own; a streaming job's resource counts the
 # server's GPUs too, and with train.gpus 0 the trainer puts a rank on each of the server's
-nproc = gpus
-if stream is not None:
-    nproc = smk.config["train"]["gpus"] or smk.config["server"]["gpus"]
+nproc = training_ranks(smk.config) if gpus else 1
 
 
 def body() -> None:

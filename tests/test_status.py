@@ -1089,3 +1089,20 @@ def test_streamed_training_is_estimated_with_the_servers_prefill(tmp_path, histo
         shards + 30 + 1000 / 50)
     assert status.estimate("extract", r, stream, None).seconds == pytest.approx(
         shard_extract - 1000 / 50)
+
+
+def test_a_training_rate_is_read_back_only_at_its_number_of_ranks(history):
+    """Training tokens/s of 8 data-parallel ranks is no estimate for one process, nor the other
+    way round; a rate recorded before ranks were kept was one process's."""
+    one = rates.train_settings({"max_tokens_per_batch": 2048})
+    eight = rates.train_settings({"max_tokens_per_batch": 2048}, 8)
+    rates.record("train", "embedded:r", settings=eight, tokens_per_s=8000.0, ttt_steps=3)
+    assert rates.lookup("train", "tokens_per_s", "embedded:r", settings=one) is None
+    assert rates.lookup("train", "tokens_per_s", "embedded:r", settings=eight) == 8000.0
+    rates.record("train", "embedded:r", tokens_per_s=900.0, ttt_steps=3,
+                 settings={"max_tokens_per_batch": 2048, "method": "eagle3"})  # before ranks
+    assert rates.lookup("train", "tokens_per_s", "embedded:r", settings=one) == 900.0
+    cfg = {"train": {"gpus": 0, "data": "stream"}, "server": {"gpus": 8}}
+    assert rates.training_ranks(cfg) == 8            # a rank beside each server GPU
+    assert rates.training_ranks({**cfg, "train": {"gpus": 2, "data": "shards"}}) == 2
+    assert rates.training_ranks({**cfg, "train": {"gpus": 0, "data": "shards"}}) == 1

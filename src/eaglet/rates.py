@@ -47,11 +47,21 @@ def evaluate_settings(cfg: dict) -> dict:
     return {"concurrency": cfg["evaluate"]["concurrency"][0]}
 
 
-def train_settings(train: dict) -> dict:
+def train_settings(train: dict, ranks: int = 1) -> dict:
     """Training tokens/s (``train``: the config's train section): at its micro-batch size and
-    method (the TTT steps are scaled for, not matched)."""
+    method (the TTT steps are scaled for, not matched) and its number of data-parallel
+    ``ranks`` (None for one: a rate recorded before ranks were kept was one process's)."""
     return {"max_tokens_per_batch": train["max_tokens_per_batch"],
-            "method": train.get("method", "eagle3")}
+            "method": train.get("method", "eagle3"), "ranks": ranks if ranks > 1 else None}
+
+
+def training_ranks(cfg: dict) -> int:
+    """The data-parallel processes rule train runs (scripts/train.py): one per GPU of its own,
+    or with train.data stream and train.gpus 0 one on each of the server's GPUs."""
+    train = cfg["train"]
+    if train.get("data") == "stream":
+        return max(1, train["gpus"] or cfg["server"]["gpus"])
+    return max(1, train["gpus"])
 
 
 def _measured(value) -> bool:

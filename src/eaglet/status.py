@@ -789,7 +789,7 @@ class Train(Stage):
         train = cfg["train"]
         return _train_rate(cfg["target"]["model"], train["ttt_steps"],
                            train["max_len"] or train["max_tokens_per_batch"], before,
-                           rates.train_settings(train))
+                           rates.train_settings(train, rates.training_ranks(cfg)))
 
     def estimate(self, r, cfg, progress):
         totals, epochs = _token_totals(r, cfg), cfg["train"]["epochs"]

@@ -723,7 +723,7 @@ def train(cfg: dict, shard_paths: list[str], eval_shard_paths: list[str], vocab_
             # a rate of work done; a streamed run's includes its waits for the server, which
             # `eaglet status` adds from the prefill's own rate
             if rate_key is not None and trainer.step > first_step and stream is None:
-                rates.record("train", rate_key, settings=rates.train_settings(cfg),
+                rates.record("train", rate_key, settings=rates.train_settings(cfg, dist_.world),
                              tokens_per_s=run["tokens_per_s"], ttt_steps=cfg["ttt_steps"])
         if dist_.world > 1:
             dist.barrier()
