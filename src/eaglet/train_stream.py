@@ -373,6 +373,12 @@ class StateFeed:
     def _wanted(self) -> Path:
         return self.extractor.requests / "server.wanted"
 
+    def clear_handshake(self) -> None:
+        """Remove ``server.wanted`` and ``server.json`` (rank 0: before the ranks start, and
+        once its server has stopped)."""
+        for path in (self._wanted(), self._announcement()):
+            path.unlink(missing_ok=True)
+
     def _announcement(self) -> Path:
         return self.extractor.requests / "server.json"
 
@@ -511,16 +517,19 @@ class SharedServer:
         self._checked = time.monotonic()
 
 
-def combine(summaries: list[dict]) -> dict:
-    """The ranks' :meth:`StateFeed.summary` as one: counts summed; the trainer's waits the
-    longest rank's (every step waits for the slowest), the server's idle time and the feeds'
-    waits the shortest rank's (a bound: the server idles only while no rank asks)."""
-    if len(summaries) == 1:
-        return summaries[0]
+def combine(ranks: list[tuple[dict, list[int]]]) -> dict:
+    """The ranks' :meth:`StateFeed.summary` and :attr:`StateFeed.saved` as one summary:
+    counts summed, a saved file counted once whichever ranks read it (it stays for every
+    rank: :meth:`StreamSamples.finish`); the trainer's waits the longest rank's (every step
+    waits for the slowest), the server's idle time and the feeds' waits the shortest rank's
+    (a bound: the server idles only while no rank asks)."""
+    summaries = [summary for summary, _ in ranks]
     out = dict(summaries[0])
-    for key in ("samples", "requests", "window", "saved_files", "reread_files", "cache_files",
-                "cache_bytes", "cache_budget_bytes", "teacher_positions"):
+    for key in ("samples", "requests", "window", "cache_files", "cache_bytes",
+                "cache_budget_bytes", "teacher_positions"):
         out[key] = sum(s[key] for s in summaries)
+    out["saved_files"] = len(set().union(*(saved for _, saved in ranks)))
+    out["reread_files"] = out["samples"] - out["requests"] - out["saved_files"]
     for key in ("trainer_wait_s", "trainer_wait_start_s"):
         out[key] = max(s[key] for s in summaries)
     for key in ("feed_wait_s", "server_idle_s"):
@@ -551,8 +560,7 @@ class StreamSamples(Samples):
         the server's start as its phase; ``batch``: the samples of the largest micro-batch."""
         if self.feed.world > 1:  # a killed run's handshake must not be taken for this one's
             if not self.feed.rank:
-                for stale in (self.feed._wanted(), self.feed._announcement()):
-                    stale.unlink(missing_ok=True)
+                self.feed.clear_handshake()
             self.dist.barrier()
         self.feed.extractor.progress = progress
         self.feed.start(order, batch)
@@ -570,11 +578,7 @@ class StreamSamples(Samples):
             return mine
         every: list = [None] * self.feed.world
         self.dist.all_gather(every, (mine, sorted(self.feed.saved)))
-        out = combine([summary for summary, _ in every])
-        # a saved file stays for every rank (finish): counted once, whichever rank read it
-        out["saved_files"] = len(set().union(*(saved for _, saved in every)))
-        out["reread_files"] = out["samples"] - out["requests"] - out["saved_files"]
-        return out
+        return combine(every)
 
     def finish(self) -> None:
         """Training has ended: delete every file the feeds kept (call on every rank); of
@@ -600,8 +604,7 @@ class StreamSamples(Samples):
         self.feed.close()
         self.stack.close()  # stops the server if the feed started one
         if self.feed.world > 1 and not self.feed.rank:
-            for path in (self.feed._wanted(), self.feed._announcement()):
-                path.unlink(missing_ok=True)
+            self.feed.clear_handshake()
 
 
 def stream_devices(server_gpus: int, train_gpus: int) -> str | None:
