@@ -520,7 +520,7 @@ def colocation(server: int, trainer: int, devices: dict[str, int] | None = None)
 def stream_teacher(s: Shape, dtype: str) -> int:
     """A streaming rank's teacher check (``eaglet.train_stream.StateFeed``): the target's
     full-vocabulary lm_head, and the logits of a chunk of rows (as extraction's)."""
-    a = DTYPE_BYTES[dtype if dtype != "auto" else "bfloat16"]
+    a = DTYPE_BYTES[dtype]  # "auto": the checkpoint's, counted as bfloat16
     return s.vocab * s.hidden * a + TEACHER_CHUNK * s.vocab * (a + 4 + 4)
 
 
