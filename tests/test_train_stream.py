@@ -151,23 +151,30 @@ def test_stream_trains_the_drafter_of_shards_packed_from_the_same_states(world, 
     assert not list((work / "requests").glob("*.safetensors"))
 
 
-def test_the_teacher_check_of_a_streamed_sample_runs_in_chunks(world, tmp_path, monkeypatch):
+def test_the_teacher_check_of_a_streamed_sample_runs_in_chunks_once(world, tmp_path,
+                                                                   monkeypatch):
     """A long answer's full-vocabulary logits are computed a chunk of rows at a time (as
-    extraction's are), not all at once beside the server; the argmax, and so the drafter, is
-    the shard mode's."""
+    extraction's are), not all at once beside the server, and once a sample: later epochs
+    reuse its argmax, as shards store it once; the argmax, and so the drafter, is the shard
+    mode's."""
+    from eaglet import extract_common
     from eaglet.extract_common import TeacherHead
 
-    monkeypatch.setattr(train_stream, "TEACHER_CHUNK_ROWS", 4)
-    rows, call = [], TeacherHead.__call__
-    monkeypatch.setattr(TeacherHead, "__call__",
-                        lambda self, states, nxt: rows.append(len(states)) or call(self, states,
-                                                                                   nxt))
+    monkeypatch.setattr(extract_common, "TEACHER_CHUNK_ROWS", 4)
+    rows, product = [], TeacherHead.product
+    monkeypatch.setattr(TeacherHead, "product",
+                        lambda self, states, nxt: rows.append(len(states)) or product(
+                            self, states, nxt))
     run(world, tmp_path, "shards", TRAIN)
     del rows[:]
     summary = run(world, tmp_path, "stream", {**TRAIN, "data": "stream", "stream_cache_gib": 1},
                   stream_args(world, requests_dir(world, tmp_path)))
+    answer_rows = sum(sum(mask[1:]) for _, mask in train_stream.sequences(
+        world["records"], world["cfg"]["extract"]["max_len"]))
+    assert TRAIN["epochs"] == 2 and summary["stream"]["samples"] == 2 * len(world["records"])
     assert max(rows) == 4 and summary["stream"]["teacher_agreement"] == 1.0
-    assert sum(rows) == summary["stream"]["teacher_positions"]  # every answer row, once
+    # every answer row once, in one epoch of two
+    assert sum(rows) == summary["stream"]["teacher_positions"] == answer_rows
     stream, shards = weights(tmp_path, "stream"), weights(tmp_path, "shards")
     for name in shards:
         assert torch.equal(stream[name], shards[name]), name
@@ -180,13 +187,13 @@ def test_streamed_states_that_do_not_reproduce_greedy_answers_stop_training(worl
     answers the target sampled are not held to their argmax."""
     from eaglet.extract_common import ExtractionError, TeacherHead
 
-    call = TeacherHead.__call__
+    product = TeacherHead.product
 
     def off_by_one(self, states, nxt):  # a capture of the wrong layer, say
-        argmax, logprob = call(self, states, nxt)
+        argmax, logprob = product(self, states, nxt)
         return argmax + 1, logprob
 
-    monkeypatch.setattr(TeacherHead, "__call__", off_by_one)
+    monkeypatch.setattr(TeacherHead, "product", off_by_one)
     args = stream_args(world, requests_dir(world, tmp_path / "greedy"))
     with pytest.raises(ExtractionError, match=r"teacher agreement 0\.00% in the \d+ samples "
                        r"streamed so far is below extract.min_teacher_agreement=99\.00%.*"

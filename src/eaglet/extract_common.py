@@ -94,13 +94,15 @@ TEACHER_CHUNK_ROWS = 1024
 
 
 class TeacherHead:
-    """The target's full-vocabulary head on chunks of stored final states: the argmax and the
-    log-probability of the next token of each row. The [rows, V] logits and log-probabilities
-    go to buffers kept from one chunk to the next: fresh ones cost the kernel's page faults
-    and zeroing on every chunk (two 200 MB tensors per 1024 rows of a 49K vocabulary)."""
+    """The target's full-vocabulary head on stored final states: the argmax and the
+    log-probability of the next token of each row, ``chunk`` rows at a time (a long answer's
+    [rows, V] logits at once would take gigabytes beside the server: 8K rows of a 164K
+    vocabulary, 13 GB). The chunk's logits and log-probabilities go to buffers kept from one
+    chunk to the next: fresh ones cost the kernel's page faults and zeroing on every chunk
+    (two 200 MB tensors per 1024 rows of a 49K vocabulary)."""
 
-    def __init__(self, lm_head: torch.Tensor):
-        self.weight = lm_head
+    def __init__(self, lm_head: torch.Tensor, chunk: int | None = None):
+        self.weight, self.chunk = lm_head, chunk or TEACHER_CHUNK_ROWS
         self._logits: torch.Tensor | None = None
         self._logprobs: torch.Tensor | None = None
 
@@ -111,9 +113,24 @@ class TeacherHead:
             self._logprobs = torch.empty(shape, dtype=torch.float32, device=self.weight.device)
         return self._logits[:rows], self._logprobs[:rows]
 
+    def __call__(self, final_stored: torch.Tensor, next_ids: torch.Tensor,
+                 rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """States [N, H] and the tokens their rows predict [N]: the argmax and the
+        log-probability of each row, or of the rows at the indices ``rows`` only [R] (taken a
+        chunk at a time: no copy of them all)."""
+        count = final_stored.shape[0] if rows is None else rows.numel()
+        argmax = torch.empty(count, dtype=torch.int64)
+        logprob = torch.empty(count, dtype=torch.float32)
+        for start in range(0, count, self.chunk):
+            part = slice(start, start + self.chunk)
+            at = part if rows is None else rows[part]
+            argmax[part], logprob[part] = self.product(final_stored[at], next_ids[at])
+        return argmax, logprob
+
     @torch.inference_mode()
-    def __call__(self, final_stored: torch.Tensor, next_ids: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    def product(self, final_stored: torch.Tensor, next_ids: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One chunk's product and reductions."""
         weight = self.weight
         logits_buf, logprobs_buf = self._buffers(final_stored.shape[0])
         h = final_stored.to(weight.device, weight.dtype)  # the lm_head's device when sharded
@@ -134,11 +151,8 @@ def teacher_from_stored(target: Target, final_stored: torch.Tensor, targets: tor
     argmax = torch.full((final_stored.shape[0],), -1, dtype=torch.int64)
     logprob = torch.full((final_stored.shape[0],), float("nan"), dtype=torch.float32)
     index = rows.nonzero().squeeze(1)
-    head = TeacherHead(target.lm_head)
-    chunk = chunk or TEACHER_CHUNK_ROWS
-    for start in range(0, index.numel(), chunk):
-        at = index[start:start + chunk]
-        argmax[at], logprob[at] = head(final_stored[at], targets[at])
+    argmax[index], logprob[index] = TeacherHead(target.lm_head, chunk)(final_stored, targets,
+                                                                       index)
     return argmax, logprob
 
 

@@ -50,8 +50,7 @@ import torch
 
 from eaglet import shards as shard_format
 from eaglet.engine_client import gather_or_cancel
-from eaglet.extract_common import (TEACHER_CHUNK_ROWS, TeacherHead, answer_rows,
-                                   enforce_agreement, is_greedy, recorded_answer,
+from eaglet.extract_common import (TeacherHead, answer_rows, enforce_agreement, is_greedy, recorded_answer,
                                    resolve_aux_layer_ids, sequence, shard_bounds,
                                    target_identity)
 from eaglet.extract_vllm import (Extractor, holds_states, load_head, prefill, read_request,
@@ -139,6 +138,10 @@ class StateFeed:
         # answers, whose argmax the sample need not be); each sample's first check, by sample
         self.min_agreement: float | None = None
         self.agreement: dict[int, tuple[int, int]] = {}
+        # each sample's teacher argmax, computed at its first epoch and reused after it, as
+        # shard mode computes it once at extraction (int32: 4 bytes a token, beside the
+        # states' thousands)
+        self.teacher: dict[int, torch.Tensor] = {}
         self._agreed = [0, 0]  # their sums: agreements, positions
         self._next_check, self._checked_at_end = AGREEMENT_EVERY, 0
         self.aux_layer_ids, self.dtype = aux_layer_ids, dtype
@@ -229,7 +232,7 @@ class StateFeed:
 
     def summary(self) -> dict:
         """What the feed did: requests sent, files reused, the cache, who waited for whom."""
-        positions = self.stats["agree_positions"]
+        positions = self._agreed[1]
         server = self.extractor.server
         return {"samples": self.stats["samples"], "requests": self.stats["requests"],
                 "window": self.ahead,
@@ -250,7 +253,7 @@ class StateFeed:
                 "trainer_wait_start_s": round(self.stats["trainer_wait_start_s"], 2),
                 "feed_wait_s": round(self.stats["feed_wait_s"], 2),
                 "server_idle_s": round(self.stats["server_idle_s"], 2),
-                "teacher_agreement": (self.stats["agree"] / positions) if positions else None,
+                "teacher_agreement": (self._agreed[0] / positions) if positions else None,
                 "teacher_positions": positions}
 
     def clear_cache(self) -> None:
@@ -476,18 +479,16 @@ class StateFeed:
         del states
         input_ids = torch.tensor(ids, dtype=torch.int64)
         loss_mask = torch.tensor(mask, dtype=torch.uint8)
-        argmax = torch.full((len(ids),), -1, dtype=torch.int64)
-        rows, checked, nxt = answer_rows(final, ids, mask, self.dtype)
-        # in chunks, as extraction checks them: the [rows, vocab] logits of a whole long
-        # answer would take gigabytes beside the server (8K rows of a 164K vocabulary: 13 GB)
-        for start in range(0, rows.numel(), TEACHER_CHUNK_ROWS):
-            part = slice(start, start + TEACHER_CHUNK_ROWS)
-            argmax[rows[part]], _ = self.head(checked[part], nxt[part])
-        if rows.numel() and not recorded_answer(self.records[i]):  # the target's own answers
-            agree = int((argmax[rows] == nxt).sum())
-            self.stats["agree"] += agree
-            self.stats["agree_positions"] += rows.numel()
-            if i not in self.agreement:
+        known = self.teacher.get(i)
+        if known is not None:  # a later epoch: the head's product once a sample, as a shard's
+            argmax = known.long()
+        else:
+            argmax = torch.full((len(ids),), -1, dtype=torch.int64)
+            rows, checked, nxt = answer_rows(final, ids, mask, self.dtype)
+            argmax[rows], _ = self.head(checked, nxt)  # a chunk of rows at a time
+            self.teacher[i] = argmax.to(torch.int32)
+            if rows.numel() and not recorded_answer(self.records[i]):  # the target's answers
+                agree = int((argmax[rows] == nxt).sum())
                 self.agreement[i] = (agree, rows.numel())
                 self._agreed[0] += agree
                 self._agreed[1] += rows.numel()
