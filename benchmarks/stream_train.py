@@ -5,8 +5,9 @@ On the first ``--samples`` training samples of a finished run's ``synthetic/trai
 
 * shards: the ``vllm`` extraction of those samples into ``--shards`` shards
   (``extract_vllm.extract_shards``), then training on them;
-* stream, once per ``--cache-gib`` value: training with ``train.data: stream`` and that
-  ``train.stream_cache_gib`` (0: every epoch asks the engine again).
+* stream, once per ``--cache-gib`` value and ``--overlap`` value: training with
+  ``train.data: stream``, that ``train.stream_cache_gib`` (0: every epoch asks the engine
+  again) and that ``train.stream_overlap`` (false: the server and the trainer take turns).
 
 Training uses the run's ``train`` settings with ``--epochs``. Each measure: wall seconds
 (the server's start included, once in each), the peak bytes on disk of its hidden states
@@ -15,7 +16,7 @@ held-out simulated AL, and for stream mode the trainer's and the server's idle s
 trainer waiting for states, the started server with no request in flight).
 
     .venv/bin/python benchmarks/stream_train.py --results results --configfile config.yaml \\
-        [--samples 120] [--epochs 2] [--cache-gib 0 4]
+        [--samples 120] [--epochs 2] [--cache-gib 0 4] [--overlap auto true false]
 """
 
 from __future__ import annotations
@@ -84,6 +85,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--shards", type=int, default=2)
     parser.add_argument("--cache-gib", type=float, nargs="+", default=[0.0])
+    parser.add_argument("--overlap", nargs="+", default=["auto"],
+                        choices=["auto", "true", "false"])
     args = parser.parse_args()
 
     results = Path(args.results)
@@ -122,15 +125,18 @@ def main() -> None:
                      "heldout_al": heldout_al(summary), "steps": summary["steps"]})
         print(json.dumps(rows[-1]), flush=True)
 
-        for cache in args.cache_gib:
-            work = tmp / f"stream_{cache:g}"
+        for cache, overlap in [(c, o) for c in args.cache_gib for o in args.overlap]:
+            overlap = {"true": True, "false": False}.get(overlap, overlap)
+            name = f"stream_{cache:g}_{str(overlap).lower()}"
+            work = tmp / name
             (work / "requests").mkdir(parents=True)
             started = time.monotonic()
             with PeakDisk(work) as disk:
-                summary = train({**train_cfg, "data": "stream", "stream_cache_gib": cache}, [],
+                summary = train({**train_cfg, "data": "stream", "stream_cache_gib": cache,
+                                 "stream_overlap": overlap}, [],
                                 eval_shards, vocab, info["path"],
-                                out_dir=str(tmp / f"stream_{cache:g}_drafter"),
-                                checkpoint_dir=str(tmp / f"stream_{cache:g}_ckpt"),
+                                out_dir=str(tmp / f"{name}_drafter"),
+                                checkpoint_dir=str(tmp / f"{name}_ckpt"),
                                 progress_path=None, log_path=None,
                                 stream={"cfg": cfg, "target_json": str(results / "target" /
                                                                        "target.json"),
@@ -139,7 +145,8 @@ def main() -> None:
             seconds = time.monotonic() - started
             stream = summary["stream"]
             start = stream["server_start_s"] or 0.0
-            rows.append({"mode": "stream", "cache_gib": cache, "seconds": round(seconds, 1),
+            rows.append({"mode": "stream", "cache_gib": cache, "overlap": stream["overlap"],
+                         "seconds": round(seconds, 1),
                          "peak_disk_bytes": disk.peak, "heldout_al": heldout_al(summary),
                          "steps": summary["steps"],
                          "trainer_idle_share": round(
@@ -164,11 +171,13 @@ def main() -> None:
     lines = [f"# Stream mode beside shard mode ({len(records)} samples, {tokens} tokens, "
              f"{args.epochs} epochs, one run)", "",
              f"`{report['command']}`", "",
-             "| mode | cache GiB | seconds | x shards | peak disk | x shards | held-out AL | "
-             "trainer idle | server idle |", "|---|---|---|---|---|---|---|---|---|"]
+             "| mode | cache GiB | overlap | seconds | x shards | peak disk | x shards | "
+             "held-out AL | trainer idle | server idle |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         lines.append(
-            f"| {row['mode']} | {row.get('cache_gib', '-')} | {row['seconds']:.0f} | "
+            f"| {row['mode']} | {row.get('cache_gib', '-')} | "
+            f"{str(row.get('overlap', '-')).lower()} | {row['seconds']:.0f} | "
             f"{row.get('time_ratio', 1.0):.2f} | {row['peak_disk_bytes'] / 1e6:.1f} MB | "
             f"{row.get('disk_ratio', 1.0):.3f} | "
             f"{row['heldout_al'] if row['heldout_al'] is None else format(row['heldout_al'], '.3f')}"

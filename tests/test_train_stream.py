@@ -207,6 +207,55 @@ def test_streamed_states_that_do_not_reproduce_greedy_answers_stop_training(worl
     assert summary["stream"]["teacher_agreement"] == 0.0   # reported, not enforced
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_with_overlap_off_the_server_computes_only_while_the_trainer_waits(world, tmp_path,
+                                                                           monkeypatch, overlap):
+    """train.stream_overlap false (auto where server and trainer share the CPU's cores): no
+    request is in flight while a training step computes, and the drafter is the shards' one;
+    overlapping, requests run beside the steps (what the turns prevent is there to see)."""
+    import asyncio
+    import threading
+
+    from eaglet.train import Trainer
+
+    training, seen = threading.Event(), []  # set while a step computes, not while it takes
+    step, take = Trainer.train_step, train_stream.StateFeed.take
+
+    def timed_step(self, *args, **kwargs):
+        training.set()
+        try:
+            return step(self, *args, **kwargs)
+        finally:
+            training.clear()
+
+    def timed_take(self, index):
+        training.clear()
+        try:
+            return take(self, index)
+        finally:
+            training.set()
+
+    async def request(feed, i, path):
+        for _ in range(10):  # long enough for a step beside it to be seen
+            seen.append(training.is_set())
+            await asyncio.sleep(0.005)
+        connector_file(world["model"], path, feed.seqs[i])
+
+    monkeypatch.setattr(train_stream.StateFeed, "_request", request)
+    monkeypatch.setattr(Trainer, "train_step", timed_step)
+    monkeypatch.setattr(train_stream.StateFeed, "take", timed_take)
+    summary = run(world, tmp_path, "stream", {**TRAIN, "data": "stream", "stream_ahead": 3,
+                                              "stream_overlap": overlap},
+                  stream_args(world, requests_dir(world, tmp_path, with_files=False)))
+    assert summary["stream"]["overlap"] is overlap and summary["stream"]["requests"] > 6
+    assert any(seen) is overlap
+    if not overlap:  # the same order, the same batches
+        run(world, tmp_path, "shards", TRAIN)
+        stream, shards = weights(tmp_path, "stream"), weights(tmp_path, "shards")
+        for name in shards:
+            assert torch.equal(stream[name], shards[name]), name
+
+
 def test_without_a_cache_later_epochs_ask_the_engine_again(world, tmp_path, monkeypatch):
     """stream_cache_gib 0: a sample's file is deleted once trained on, so the second epoch
     sends one request per sample (with one sample ahead: none is shared by two positions
@@ -345,6 +394,7 @@ def test_the_trainers_wait_during_the_servers_start_is_told_apart():
 
     feed = object.__new__(train_stream.StateFeed)
     feed.stats, feed._ready = Counter(), queue.Queue()
+    feed.overlap, feed._held, feed._taken = True, [], 0
     feed._loop = SimpleNamespace(call_soon_threadsafe=lambda f: None)
     feed._slots = SimpleNamespace(release=None)
     began = time.perf_counter() - 5.0
@@ -454,6 +504,22 @@ def test_a_streaming_job_gives_the_server_its_gpus_and_the_trainer_the_rest(monk
         train_stream.stream_devices(4, 1)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert train_stream.stream_devices(4, 1) is None                  # no list: left alone
+
+
+def test_server_and_trainer_take_turns_by_default_only_on_the_cpus_cores(monkeypatch):
+    """train.stream_overlap auto: turns where a server without GPUs and a CPU trainer share
+    the cores; overlap wherever either has a device; an explicit setting wins."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not train_stream.overlaps("auto", 0, "cpu")
+    assert not train_stream.overlaps("auto", 0, "auto")
+    assert train_stream.overlaps("auto", 8, "cpu")             # the server on GPUs
+    assert train_stream.overlaps(True, 0, "cpu") and not train_stream.overlaps(False, 8, "cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert train_stream.overlaps("auto", 0, "auto")            # the trainer on a GPU
+    for value in ("auto", True, False):
+        assert validate({"train": {"stream_overlap": value}})["train"]["stream_overlap"] == value
+    with pytest.raises(ConfigError):
+        validate({"train": {"stream_overlap": "sometimes"}})
 
 
 def test_a_rank_waiting_for_the_server_gets_rank_0s_failure(tmp_path):

@@ -213,7 +213,7 @@ ADDED_LATER = {"generate": {"capture_hidden_states": False, "chat_template_kwarg
                          "drafter_attention": "llama", "method": "eagle3",
                          "drafter_variant": "eagle3", "data": "shards",
                          "stream_cache_gib": 0, "stream_ahead": None,
-                         "stream_kv_cache_gib": None},
+                         "stream_kv_cache_gib": None, "stream_overlap": "auto"},
                "evaluate": {"compare_drafters": [], "top_p": 1.0, "top_k": 0}}
 
 

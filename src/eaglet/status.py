@@ -718,7 +718,7 @@ def _shipped_line(s: dict) -> str:
 # what status keeps of drafter/stats.json's ``stream`` (train_stream.StateFeed.summary)
 STREAM_KEYS = ("requests", "saved_files", "reread_files", "cache_files", "cache_bytes",
                "trainer_wait_s", "trainer_wait_start_s", "feed_wait_s", "server_idle_s",
-               "server_start_s", "window", "ranks")
+               "server_start_s", "window", "ranks", "overlap")
 
 
 def _stream_line(s: dict, elapsed_s: float | None) -> str:
@@ -738,6 +738,8 @@ def _stream_line(s: dict, elapsed_s: float | None) -> str:
             f"{s.get('server_idle_s') or 0:.0f} s "
             f"with no request (the feed {s.get('feed_wait_s') or 0:.0f} s for the trainer"
             + (f", its window of {s['window']} samples full" if s.get("window") else "")
+            + ("; the two took turns, train.stream_overlap" if s.get("overlap") is False
+               else "")
             + (f"; {s['ranks']} training ranks, each with a feed of its own: the longest "
                f"rank's wait, the shortest's idle time" if (s.get("ranks") or 1) > 1 else "")
             + ")")

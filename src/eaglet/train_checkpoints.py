@@ -38,7 +38,7 @@ log = logging.getLogger("eaglet.train")
 RESUME_FREE = {"log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "resume",
                "device", "precision", "export_dtype", "report_to", "host_ram_mb",
                "prefetch_batches", "attention", "stream_cache_gib", "stream_ahead",
-               "stream_kv_cache_gib"}
+               "stream_kv_cache_gib", "stream_overlap"}
 
 
 BEST = "best_step_"

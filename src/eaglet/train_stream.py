@@ -18,7 +18,9 @@ already is used without a request: states generation saved
 Once trained on, a sample's file is deleted, unless the cache (``train.stream_cache_gib``)
 still has room: then it stays, and later epochs read it instead of asking the engine again.
 The server starts on the first sample that needs a request, so a run whose states are all
-saved never starts one.
+saved never starts one. Where the server and the trainer compute on the same cores
+(``train.stream_overlap``, :func:`overlaps`), they take turns: the server computes a window's
+states while the trainer waits, then the trainer trains on them with no request in flight.
 
 Data-parallel (``train.gpus`` or, beside the server, one rank per server GPU): each rank feeds
 its own share of every step's micro-batches through a feed of its own, with its share of the
@@ -41,7 +43,7 @@ import os
 import queue
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -150,6 +152,11 @@ class StateFeed:
         # ahead: train.stream_ahead; None: sized when training starts (see window)
         self.concurrency, self.configured_ahead, self.ahead = concurrency, ahead, None
         self.cache_bytes, self.timeout, self.max_retries = cache_bytes, timeout, max_retries
+        # False: the server computes only while the trainer waits for states, and the trainer
+        # trains only once the server has nothing in flight (train.stream_overlap, overlaps)
+        self.overlap = True
+        self._held: deque = deque()  # a turn's states, in order
+        self._taken = self._due = 0  # samples taken by the trainer, of the order's
         self.cached: dict[int, int] = {}  # sample -> bytes of its file kept for later epochs
         self.stats = Counter()  # requests, reused files, waits, teacher agreement counts
         self._ready: queue.Queue = queue.Queue()
@@ -191,6 +198,7 @@ class StateFeed:
         if self._thread is not None:
             raise RuntimeError("the state feed was started already")
         self.ahead = self.window(batch)
+        self._due = len(order)
         # the samples whose agreement is checked (the target's own answers): all of them in,
         # the last check
         self._checked_at_end = sum(1 for i in set(order) if not recorded_answer(self.records[i])
@@ -199,6 +207,10 @@ class StateFeed:
                  self.ahead, "train.stream_ahead" if self.configured_ahead else
                  f"{self.concurrency} requests in flight beside a micro-batch of up to "
                  f"{batch} samples, at least twice the concurrency")
+        if not self.overlap:
+            log.info("stream: the server and the trainer take turns (train.stream_overlap): "
+                     "the server computes a window's states while the trainer waits, then "
+                     "the trainer trains on them")
         started = threading.Event()
         self._thread = threading.Thread(target=self._serve, args=(list(order), started),
                                         daemon=True, name="eaglet-stream")
@@ -207,7 +219,10 @@ class StateFeed:
 
     def take(self, index: int) -> tuple:
         waited = time.perf_counter()
-        got, item, error = self._ready.get()
+        if not self.overlap and not self._held:
+            self._server_turn()
+        got, item, error = self._held.popleft() if self._held else self._ready.get()
+        self._taken += 1
         now = time.perf_counter()
         self.stats["trainer_wait_s"] += now - waited
         if self._starting is not None:  # the part of this wait that the server's start took
@@ -223,6 +238,24 @@ class StateFeed:
             self._loop.call_soon_threadsafe(self._slots.release)
         return item
 
+    def _server_turn(self) -> None:
+        """Overlap off: let the server compute while the trainer waits for the whole window's
+        states (or the order's rest), then stop it starting requests: none is left in flight
+        once they are all prepared, as the window holds no more."""
+        want = min(self.ahead, self._due - self._taken)
+        self._turn_to(True)
+        try:
+            while len(self._held) < want:
+                self._held.append(item := self._ready.get())
+                if item[2] is not None:  # an error: raised by take
+                    break
+        finally:
+            self._turn_to(False)
+
+    def _turn_to(self, server: bool) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop has ended: every state is in
+            self._loop.call_soon_threadsafe(self._turn.set if server else self._turn.clear)
+
     def close(self) -> None:
         if self._loop is not None and self._main is not None:
             with contextlib.suppress(RuntimeError):  # the loop has ended already
@@ -235,7 +268,7 @@ class StateFeed:
         positions = self._agreed[1]
         server = self.extractor.server
         return {"samples": self.stats["samples"], "requests": self.stats["requests"],
-                "window": self.ahead,
+                "window": self.ahead, "overlap": self.overlap,
                 # saved before this run's requests: by generation, or by a run killed with
                 # requests in flight
                 "saved_files": len(self.saved),
@@ -278,6 +311,9 @@ class StateFeed:
         self._loop = asyncio.get_running_loop()
         self._main = asyncio.current_task()
         self._slots = asyncio.Semaphore(self.ahead)
+        self._turn = asyncio.Event()  # requests may start (always, where the two overlap)
+        if self.overlap:
+            self._turn.set()
         started.set()
         self._gate = asyncio.Semaphore(self.concurrency)
         self._server_lock = asyncio.Lock()
@@ -294,6 +330,7 @@ class StateFeed:
                     self.saved.add(i)
                 return
             self.at[i] = path = request_path(self.own, self.records[i]["id"])
+            await self._turn.wait()  # the server's turn (always, where the two overlap)
             await self._request(i, path)
             self.stats["requests"] += 1
 
@@ -608,6 +645,18 @@ class StreamSamples(Samples):
             self.feed.clear_handshake()
 
 
+def overlaps(setting, server_gpus: int, train_device: str) -> bool:
+    """Whether the server computes while the trainer trains (``train.stream_overlap``). auto:
+    yes, unless both compute on the CPU's cores (a server without GPUs, a trainer on the
+    CPU). There the two at once took 1.28x the time of one after the other on 2 cores
+    (benchmarks/results/stream_train.md): each waits for cores the other holds, where a
+    device of its own, or a GPU that either leaves idle, is what the overlap is for."""
+    if setting != "auto":
+        return bool(setting)
+    on_cpu = train_device == "cpu" or (train_device == "auto" and not torch.cuda.is_available())
+    return not (on_cpu and not server_gpus)
+
+
 def stream_devices(server_gpus: int, train_gpus: int) -> str | None:
     """Split the job's GPUs (``CUDA_VISIBLE_DEVICES``, as :func:`eaglet.gpus.hold_gpus` set
     it) between the capture server and the trainer: the server takes the first
@@ -673,4 +722,6 @@ def open_stream(stream: dict, train_cfg: dict, rank: int = 0, world: int = 1,
                      rank, world)
     if is_greedy(records):  # the target's own greedy answers: the teacher must reproduce them
         feed.min_agreement = ext["min_teacher_agreement"]
+    feed.overlap = overlaps(train_cfg.get("stream_overlap", "auto"), cfg["server"]["gpus"],
+                            train_cfg.get("device", "auto"))
     return StreamSamples(infos, feed, stack, dist)
