@@ -648,9 +648,10 @@ class StreamSamples(Samples):
 def overlaps(setting, server_gpus: int, train_device: str) -> bool:
     """Whether the server computes while the trainer trains (``train.stream_overlap``). auto:
     yes, unless both compute on the CPU's cores (a server without GPUs, a trainer on the
-    CPU). There the two at once took 1.28x the time of one after the other on 2 cores
-    (benchmarks/results/stream_train.md): each waits for cores the other holds, where a
-    device of its own, or a GPU that either leaves idle, is what the overlap is for."""
+    CPU). There, with a cache, the two at once took 1.13x shard mode's time on 2 cores and
+    turns 1.05x (benchmarks/results/stream_train.md): computing at once, each waits for cores
+    the other holds, where a device of its own, or a GPU that either leaves idle, is what the
+    overlap is for."""
     if setting != "auto":
         return bool(setting)
     on_cpu = train_device == "cpu" or (train_device == "auto" and not torch.cuda.is_available())
