@@ -16,7 +16,8 @@ held-out simulated AL, and for stream mode the trainer's and the server's idle s
 trainer waiting for states, the started server with no request in flight).
 
     .venv/bin/python benchmarks/stream_train.py --results results --configfile config.yaml \\
-        [--samples 120] [--epochs 2] [--cache-gib 0 4] [--overlap auto true false]
+        [--samples 120] [--epochs 2] [--cache-gib 0 4] [--overlap auto true false] \\
+        [--out stream_train]
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from eaglet.io import read_json, read_jsonl, write_json, write_jsonl
 from eaglet.train import settings, train
 
 ROOT = Path(__file__).resolve().parent.parent
-OUT = ROOT / "benchmarks" / "results" / "stream_train"
+RESULTS = ROOT / "benchmarks" / "results"
 
 
 class PeakDisk:
@@ -87,6 +88,8 @@ def main() -> None:
     parser.add_argument("--cache-gib", type=float, nargs="+", default=[0.0])
     parser.add_argument("--overlap", nargs="+", default=["auto"],
                         choices=["auto", "true", "false"])
+    parser.add_argument("--out", default="stream_train",
+                        help="the results' name in benchmarks/results (.json and .md)")
     args = parser.parse_args()
 
     results = Path(args.results)
@@ -167,7 +170,8 @@ def main() -> None:
     report = {"command": " ".join(["benchmarks/stream_train.py", *argv]),
               "samples": len(records), "tokens": tokens, "epochs": args.epochs,
               "shards": args.shards, "train": settings(train_cfg), "rows": rows}
-    write_json(OUT.with_suffix(".json"), report)
+    out = RESULTS / args.out
+    write_json(out.with_suffix(".json"), report)
     lines = [f"# Stream mode beside shard mode ({len(records)} samples, {tokens} tokens, "
              f"{args.epochs} epochs, one run)", "",
              f"`{report['command']}`", "",
@@ -182,7 +186,7 @@ def main() -> None:
             f"{row.get('disk_ratio', 1.0):.3f} | "
             f"{row['heldout_al'] if row['heldout_al'] is None else format(row['heldout_al'], '.3f')}"
             f" | {row.get('trainer_idle_share', '-')} | {row.get('server_idle_share', '-')} |")
-    OUT.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

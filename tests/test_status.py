@@ -1064,6 +1064,11 @@ def test_a_streamed_training_says_how_it_got_its_states_and_who_waited(tmp_path)
     facts = status.stage_status(_stage("train"), r, _full_config(r), set())["facts"]
     assert "its window of 34 samples full; 4 training ranks, each with a feed of its own: " \
            "the longest rank's wait, the shortest's idle time)" in _stage("train").line(facts)
+    stats["stream"]["overlap"] = False   # the server and the trainer took turns
+    (r / "drafter" / "stats.json").write_text(json.dumps(stats))
+    facts = status.stage_status(_stage("train"), r, _full_config(r), set())["facts"]
+    assert "full; the two took turns, train.stream_overlap; 4 training ranks" in \
+        _stage("train").line(facts)
 
 
 def test_streamed_training_is_estimated_with_the_servers_prefill(tmp_path, history):

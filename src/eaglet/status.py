@@ -821,7 +821,8 @@ class Train(Stage):
     def _streamed(r, cfg, totals, left: float, seconds: float, text: str) -> tuple:
         """train.data stream: the server's prefill of the samples still to train on (every
         epoch's without a cache, the first epoch's with one, assuming it holds every
-        sample), beside the training on GPUs, on top of it on the CPU engine's cores."""
+        sample), beside the training on GPUs, on top of it on the CPU engine's cores or where
+        the two take turns (``train.stream_overlap`` false)."""
         extract = Extract()
         rate, basis, _ = _at_machine_speed(extract, "prefill", r, cfg,
                                            lambda before: extract.planned_rate(cfg, before))
@@ -831,11 +832,13 @@ class Train(Stage):
         passes = train["epochs"] if not train.get("stream_cache_gib") else 1
         tokens = totals["train"]["tokens"] * passes * left
         prefill = _server_start("extract_vllm", cfg["target"]["model"]) + tokens / rate
-        gpus = cfg["server"]["gpus"]
-        total = max(seconds, prefill) if gpus else seconds + prefill
+        beside = cfg["server"]["gpus"] and train.get("stream_overlap", "auto") is not False
+        total = max(seconds, prefill) if beside else seconds + prefill
         return total, (f"{text}; states streamed: server start + {tokens:.0f} tokens of "
                        f"prefill at {rate:.0f} tok/s ({basis}), "
-                       + ("beside the training" if gpus else "on the same cores"))
+                       + ("beside the training" if beside else
+                          "taking turns with it" if cfg["server"]["gpus"] else
+                          "on the same cores"))
 
 
 class Evaluate(Stage):
