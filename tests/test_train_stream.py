@@ -522,6 +522,37 @@ def test_server_and_trainer_take_turns_by_default_only_on_the_cpus_cores(monkeyp
         validate({"train": {"stream_overlap": "sometimes"}})
 
 
+def test_a_rank_learns_the_servers_health_without_probing_inside_its_event_loop(monkeypatch,
+                                                                              tmp_path):
+    """Ranks other than 0 probe rank 0's server in a thread of their own: check_alive, run
+    before every request in the feed's event loop, returns at once while a probe hangs, and
+    raises once a probe failed."""
+    import threading
+
+    from eaglet.server import ServerError, VLLMServer
+
+    probing, release, where = threading.Event(), threading.Event(), []
+
+    def healthy(self, timeout=2.0):  # a hung server: the probe waits for its timeout
+        where.append(threading.current_thread().name)
+        probing.set()
+        release.wait(10)
+        return False
+
+    monkeypatch.setattr(VLLMServer, "healthy", healthy)
+    server = train_stream.SharedServer("http://127.0.0.1:9", tmp_path / "server.log",
+                                       probe_every_s=0.01)
+    assert probing.wait(10)
+    server.check_alive()  # not held by the hanging probe
+    release.set()
+    server._thread.join(10)
+    with pytest.raises(ServerError, match="which rank 0 started, does not answer: see rank "
+                                          "0's log and the server log"):
+        server.check_alive()
+    assert where == ["eaglet-server-probe"]
+    server.close()
+
+
 def test_a_rank_waiting_for_the_server_gets_rank_0s_failure(tmp_path):
     """Rank 1 asks for the server and waits; rank 0's start failed and said why."""
     import asyncio

@@ -262,6 +262,8 @@ class StateFeed:
                 self._loop.call_soon_threadsafe(self._main.cancel)
         if self._thread is not None:
             self._thread.join(timeout=120)
+        if isinstance(self.extractor.server, SharedServer):
+            self.extractor.server.close()
 
     def summary(self) -> dict:
         """What the feed did: requests sent, files reused, the cache, who waited for whom."""
@@ -538,21 +540,33 @@ class StateFeed:
 
 
 class SharedServer:
-    """Rank 0's capture server as the other ranks see it: its address, and a check that it
-    still answers (at most every few seconds: it runs before every request)."""
+    """Rank 0's capture server as the other ranks see it: its address, and whether it still
+    answers. A thread of its own probes it every ``probe_every_s``; :meth:`check_alive`, which
+    runs before every request inside the feed's event loop, only reads the verdict (the probe
+    itself would stall the loop for its timeout on a hung server)."""
 
-    def __init__(self, url: str, log_path):
+    def __init__(self, url: str, log_path, probe_every_s: float = 5.0):
         host, port = url.removeprefix("http://").rsplit(":", 1)
         self.probe = VLLMServer(model="", log_path=log_path, host=host, port=int(port))
-        self.url, self.log_path, self._checked = url, log_path, 0.0
+        self.url, self.log_path, self.down = url, log_path, False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, args=(probe_every_s,), daemon=True,
+                                        name="eaglet-server-probe")
+        self._thread.start()
+
+    def _watch(self, every: float) -> None:
+        while not self._stop.wait(every):
+            if not self.probe.healthy(timeout=10.0):
+                self.down = True
+                return
 
     def check_alive(self) -> None:
-        if time.monotonic() - self._checked < 5.0:
-            return
-        if not self.probe.healthy(timeout=10.0):
+        if self.down:
             raise ServerError(f"the capture server at {self.url}, which rank 0 started, does "
                               f"not answer: see rank 0's log and the server log {self.log_path}")
-        self._checked = time.monotonic()
+
+    def close(self) -> None:
+        self._stop.set()
 
 
 def combine(ranks: list[tuple[dict, list[int]]]) -> dict:
