@@ -506,16 +506,20 @@ def test_a_streaming_job_gives_the_server_its_gpus_and_the_trainer_the_rest(monk
     assert train_stream.stream_devices(4, 1) is None                  # no list: left alone
 
 
-def test_server_and_trainer_take_turns_by_default_only_on_the_cpus_cores(monkeypatch):
-    """train.stream_overlap auto: turns where a server without GPUs and a CPU trainer share
-    the cores; overlap wherever either has a device; an explicit setting wins."""
+def test_server_and_trainer_take_turns_by_default_where_they_share_devices(monkeypatch):
+    """train.stream_overlap auto: turns where the trainer computes on the server's devices
+    (a CPU server and a CPU trainer; a rank on each of the server's GPUs); overlap where
+    training has devices of its own; an explicit setting wins."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert not train_stream.overlaps("auto", 0, "cpu")
-    assert not train_stream.overlaps("auto", 0, "auto")
-    assert train_stream.overlaps("auto", 8, "cpu")             # the server on GPUs
-    assert train_stream.overlaps(True, 0, "cpu") and not train_stream.overlaps(False, 8, "cuda")
+    assert not train_stream.overlaps("auto", 0, 0, "cpu")
+    assert not train_stream.overlaps("auto", 0, 1, "auto")
+    assert train_stream.overlaps("auto", 8, 0, "cpu")          # the server on GPUs
+    assert train_stream.overlaps(True, 0, 0, "cpu") and not train_stream.overlaps(False, 8, 8,
+                                                                                 "cuda")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert train_stream.overlaps("auto", 0, "auto")            # the trainer on a GPU
+    assert not train_stream.overlaps("auto", 8, 0, "auto")     # a rank beside the server
+    assert train_stream.overlaps("auto", 8, 8, "auto")         # GPUs of its own
+    assert train_stream.overlaps("auto", 0, 1, "cuda")         # the server on the CPU
     for value in ("auto", True, False):
         assert validate({"train": {"stream_overlap": value}})["train"]["stream_overlap"] == value
     with pytest.raises(ConfigError):

@@ -821,8 +821,9 @@ class Train(Stage):
     def _streamed(r, cfg, totals, left: float, seconds: float, text: str) -> tuple:
         """train.data stream: the server's prefill of the samples still to train on (every
         epoch's without a cache, the first epoch's with one, assuming it holds every
-        sample), beside the training on GPUs, on top of it on the CPU engine's cores or where
-        the two take turns (``train.stream_overlap`` false)."""
+        sample), beside the training where the two overlap (training GPUs of its own), on top
+        of it where they take turns (``train.stream_overlap``: on the CPU engine's cores, or
+        on the server's GPUs)."""
         extract = Extract()
         rate, basis, _ = _at_machine_speed(extract, "prefill", r, cfg,
                                            lambda before: extract.planned_rate(cfg, before))
@@ -832,7 +833,9 @@ class Train(Stage):
         passes = train["epochs"] if not train.get("stream_cache_gib") else 1
         tokens = totals["train"]["tokens"] * passes * left
         prefill = _server_start("extract_vllm", cfg["target"]["model"]) + tokens / rate
-        beside = cfg["server"]["gpus"] and train.get("stream_overlap", "auto") is not False
+        # overlapping (train_stream.overlaps): set so, or auto with training GPUs of its own
+        setting = train.get("stream_overlap", "auto")
+        beside = bool(setting if setting != "auto" else cfg["server"]["gpus"] and train["gpus"])
         total = max(seconds, prefill) if beside else seconds + prefill
         return total, (f"{text}; states streamed: server start + {tokens:.0f} tokens of "
                        f"prefill at {rate:.0f} tok/s ({basis}), "

@@ -18,8 +18,8 @@ already is used without a request: states generation saved
 Once trained on, a sample's file is deleted, unless the cache (``train.stream_cache_gib``)
 still has room: then it stays, and later epochs read it instead of asking the engine again.
 The server starts on the first sample that needs a request, so a run whose states are all
-saved never starts one. Where the server and the trainer compute on the same cores
-(``train.stream_overlap``, :func:`overlaps`), they take turns: the server computes a window's
+saved never starts one. Where the trainer computes on the server's devices, the CPU's cores or
+the server's GPUs (``train.stream_overlap``, :func:`overlaps`), the two take turns: the server computes a window's
 states while the trainer waits, then the trainer trains on them with no request in flight.
 
 Data-parallel (``train.gpus`` or, beside the server, one rank per server GPU): each rank feeds
@@ -659,17 +659,20 @@ class StreamSamples(Samples):
             self.feed.clear_handshake()
 
 
-def overlaps(setting, server_gpus: int, train_device: str) -> bool:
+def overlaps(setting, server_gpus: int, train_gpus: int, train_device: str) -> bool:
     """Whether the server computes while the trainer trains (``train.stream_overlap``). auto:
-    yes, unless both compute on the CPU's cores (a server without GPUs, a trainer on the
-    CPU). There, with a cache, the two at once took 1.13x shard mode's time on 2 cores and
-    turns 1.05x (benchmarks/results/stream_train.md): computing at once, each waits for cores
-    the other holds, where a device of its own, or a GPU that either leaves idle, is what the
-    overlap is for."""
+    yes, unless the trainer computes on the server's own devices: the CPU's cores (a server
+    without GPUs, a trainer on the CPU), or the server's GPUs (``train.gpus`` 0). On 2 cores,
+    with a cache, the two at once took 1.13x shard mode's time and turns 1.05x
+    (benchmarks/results/stream_train.md): each waits for compute the other holds, and the
+    server's tensor-parallel steps and the ranks' gradient reductions wait for their slowest
+    member, which a device shared in time slices makes slow. Devices of its own (or a GPU
+    that either leaves idle) are what the overlap is for."""
     if setting != "auto":
         return bool(setting)
     on_cpu = train_device == "cpu" or (train_device == "auto" and not torch.cuda.is_available())
-    return not (on_cpu and not server_gpus)
+    shared = not server_gpus if on_cpu else bool(server_gpus and not train_gpus)
+    return not shared
 
 
 def stream_devices(server_gpus: int, train_gpus: int) -> str | None:
@@ -738,5 +741,5 @@ def open_stream(stream: dict, train_cfg: dict, rank: int = 0, world: int = 1,
     if is_greedy(records):  # the target's own greedy answers: the teacher must reproduce them
         feed.min_agreement = ext["min_teacher_agreement"]
     feed.overlap = overlaps(train_cfg.get("stream_overlap", "auto"), cfg["server"]["gpus"],
-                            train_cfg.get("device", "auto"))
+                            cfg["train"]["gpus"], train_cfg.get("device", "auto"))
     return StreamSamples(infos, feed, stack, dist)
