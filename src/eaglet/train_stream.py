@@ -19,8 +19,9 @@ Once trained on, a sample's file is deleted, unless the cache (``train.stream_ca
 still has room: then it stays, and later epochs read it instead of asking the engine again.
 The server starts on the first sample that needs a request, so a run whose states are all
 saved never starts one. Where the trainer computes on the server's devices, the CPU's cores or
-the server's GPUs (``train.stream_overlap``, :func:`overlaps`), the two take turns: the server computes a window's
-states while the trainer waits, then the trainer trains on them with no request in flight.
+the server's GPUs (``train.stream_overlap``, :func:`overlaps`), the two take turns: the
+server computes a window's states while the trainer waits, then the trainer trains on them
+with no request in flight.
 
 Data-parallel (``train.gpus`` or, beside the server, one rank per server GPU): each rank feeds
 its own share of every step's micro-batches through a feed of its own, with its share of the
@@ -52,9 +53,9 @@ import torch
 
 from eaglet import shards as shard_format
 from eaglet.engine_client import gather_or_cancel
-from eaglet.extract_common import (TeacherHead, answer_rows, enforce_agreement, is_greedy, recorded_answer,
-                                   resolve_aux_layer_ids, sequence, shard_bounds,
-                                   target_identity)
+from eaglet.extract_common import (TeacherHead, answer_rows, enforce_agreement, is_greedy,
+                                   recorded_answer, resolve_aux_layer_ids, sequence,
+                                   shard_bounds, target_identity)
 from eaglet.extract_vllm import (Extractor, holds_states, load_head, prefill, read_request,
                                  remove_request, split_states)
 from eaglet.hidden_capture import capture_layer_ids
