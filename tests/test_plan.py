@@ -238,6 +238,7 @@ def test_issue_command_prints_the_disk_of_each_training_data_mode(capsys):
     assert f"train.data shards {plan.size(shards_peak):>24} at the peak" in out
     assert "train.data stream" in out and "of shards mode" in out
     assert "capture server and trainer on the same 8 GPUs" in out
+    assert "hold this memory at once and take turns computing (train.stream_overlap auto)" in out
     # 11M held-out tokens are most of stream mode's disk and 111 times what its figures need
     assert "The held-out split is most of it" in out and "111 times smaller" in out
     assert cli_main(["plan", "--preset", "kimi-k2.5", "--tokens", "5000000"]) == 0

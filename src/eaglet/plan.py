@@ -546,7 +546,8 @@ def plan(s: Shape, *, tokens: int, max_len: int | None, steps: int, batch_tokens
          capture_during_generation: bool = False, window_samples: int | None = 32,
          concurrency: int = 16, ranks: int = 8, train_ranks: int = 1,
          kv_tokens: int | None = None,
-         kv_cache_bytes: int | None = None, served_bytes: int | None = None) -> dict:
+         kv_cache_bytes: int | None = None, served_bytes: int | None = None,
+         overlap: bool | str = "auto") -> dict:
     """Every stage's memory for ``s`` at ``tokens`` rows a micro-batch; with
     ``train_tokens`` also the dataset's disk in each train.data mode (a stream window of
     ``window_samples`` samples of up to ``extract_max_len`` tokens; None: the feed's default,
@@ -607,7 +608,8 @@ def plan(s: Shape, *, tokens: int, max_len: int | None, steps: int, batch_tokens
         "kv_bytes_per_token": kv_bytes_per_token(s, ranks, target_dtype),
         "expert_bits": s.expert_bits, "server": server, "server_total": server_total,
         "trainer": train_total, "teacher_check": teacher, "total": server_total + rank_total,
-        "devices": colocation(server_total, rank_total)}
+        "devices": colocation(server_total, rank_total),
+        "overlap": overlap}  # train.stream_overlap: auto takes turns on shared GPUs
     return out
 
 
@@ -750,6 +752,11 @@ def _colocation_lines(c: dict, dtype: str) -> list[str]:
     lines.append(f"   size the streaming job's KV cache (train.stream_kv_cache_gib: "
                  f"{server['kv_cache'] / GiB:.1f}; generation keeps server.*): "
                  f"memory_utilization takes a share of each GPU for the server alone")
+    setting = str(c.get("overlap", "auto")).lower()
+    lines.append("   the two hold this memory at once and "
+                 + (f"compute at once (train.stream_overlap {setting})" if setting == "true"
+                    else f"take turns computing (train.stream_overlap {setting}): the server "
+                    "a window's states while the ranks wait, then the ranks train on them"))
     return lines
 
 
@@ -950,7 +957,7 @@ def main(argv: list[str] | None = None) -> int:
                      kv_tokens=max(ext["concurrency"] * longest, longest + 1,
                                    cfg["target"]["max_model_len"]),
                      kv_cache_bytes=None if kv_gib is None else int(kv_gib * GiB),
-                     served_bytes=served)
+                     served_bytes=served, overlap=train.get("stream_overlap", "auto"))
             plans.append(p)
             texts.append(render(p, ext["dtype"]))
     if args.json:
