@@ -24,7 +24,9 @@ args = {"cfg": dict(smk.params.train), "shard_paths": list(smk.input.shards),
 stream = smk.params.get("stream")
 if stream is not None:  # train.data stream (eaglet.train_stream)
     cfg = {"extract": {**smk.config["extract"], **stream["extract"]}, "target": stream["target"],
-           "server": smk.config["server"], "generate": smk.config["generate"]}
+           "server": smk.config["server"], "generate": smk.config["generate"],
+           # whether training has GPUs of its own (train_stream.overlaps)
+           "train": {"gpus": smk.config["train"]["gpus"]}}
     args["stream"] = {"cfg": cfg, "target_json": smk.input.target, "data": smk.input.data,
                       "work_dir": stream["work"], "server_log": smk.log.server}
 gpus = int(smk.resources.get("gpu", 0))
