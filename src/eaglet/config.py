@@ -217,6 +217,18 @@ ADDED_LATER = {"generate": {"capture_hidden_states": False, "chat_template_kwarg
                "evaluate": {"compare_drafters": [], "top_p": 1.0, "top_k": 0}}
 
 
+def stream_overlaps(setting, server_gpus: int, train_gpus: int, train_on_cpu: bool) -> bool:
+    """Whether stream mode's server computes while the trainer trains
+    (``train.stream_overlap``; :func:`eaglet.train_stream.overlaps` resolves the trainer's
+    device). auto: yes, unless the trainer computes on the server's own devices: the CPU's
+    cores (a server without GPUs, a trainer on the CPU), or the server's GPUs (``train.gpus``
+    0)."""
+    if setting != "auto":
+        return bool(setting)
+    shared = not server_gpus if train_on_cpu else bool(server_gpus and not train_gpus)
+    return not shared
+
+
 def stream_refusals(cfg: dict[str, Any]) -> None:
     """``train.data: stream`` with settings it cannot serve."""
     problems = []

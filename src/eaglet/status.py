@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from eaglet import rates
-from eaglet.config import load_run_config
+from eaglet.config import load_run_config, stream_overlaps
 from eaglet.io import human_size
 from eaglet.evaluate import level_prompts, run_plan
 from eaglet.progress import format_duration
@@ -833,9 +833,11 @@ class Train(Stage):
         passes = train["epochs"] if not train.get("stream_cache_gib") else 1
         tokens = totals["train"]["tokens"] * passes * left
         prefill = _server_start("extract_vllm", cfg["target"]["model"]) + tokens / rate
-        # overlapping (train_stream.overlaps): set so, or auto with training GPUs of its own
-        setting = train.get("stream_overlap", "auto")
-        beside = bool(setting if setting != "auto" else cfg["server"]["gpus"] and train["gpus"])
+        # the run trains on the CPU where it says so, or where it counts no GPU at all
+        on_cpu = train["device"] == "cpu" or (train["device"] == "auto" and not
+                                              (cfg["server"]["gpus"] or train["gpus"]))
+        beside = stream_overlaps(train.get("stream_overlap", "auto"), cfg["server"]["gpus"],
+                                 train["gpus"], on_cpu)
         total = max(seconds, prefill) if beside else seconds + prefill
         return total, (f"{text}; states streamed: server start + {tokens:.0f} tokens of "
                        f"prefill at {rate:.0f} tok/s ({basis}), "

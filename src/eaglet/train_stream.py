@@ -52,6 +52,7 @@ import httpx
 import torch
 
 from eaglet import shards as shard_format
+from eaglet.config import stream_overlaps
 from eaglet.engine_client import gather_or_cancel
 from eaglet.extract_common import (TeacherHead, answer_rows, enforce_agreement, is_greedy,
                                    recorded_answer, resolve_aux_layer_ids, sequence,
@@ -661,19 +662,14 @@ class StreamSamples(Samples):
 
 
 def overlaps(setting, server_gpus: int, train_gpus: int, train_device: str) -> bool:
-    """Whether the server computes while the trainer trains (``train.stream_overlap``). auto:
-    yes, unless the trainer computes on the server's own devices: the CPU's cores (a server
-    without GPUs, a trainer on the CPU), or the server's GPUs (``train.gpus`` 0). On 2 cores,
-    with a cache, the two at once took 1.13x shard mode's time and turns 1.05x
-    (benchmarks/results/stream_train.md): each waits for compute the other holds, and the
-    server's tensor-parallel steps and the ranks' gradient reductions wait for their slowest
-    member, which a device shared in time slices makes slow. Devices of its own (or a GPU
-    that either leaves idle) are what the overlap is for."""
-    if setting != "auto":
-        return bool(setting)
+    """:func:`eaglet.config.stream_overlaps` for a trainer on ``train_device``. Why auto takes
+    turns where the two share devices: on 2 cores, with a cache, the two at once took 1.13x
+    shard mode's time and turns 1.05x (benchmarks/results/stream_train.md): each waits for
+    compute the other holds, and the server's tensor-parallel steps and the ranks' gradient
+    reductions wait for their slowest member, which a device shared in time slices makes
+    slow. Devices of its own (or a GPU that either leaves idle) are what the overlap is for."""
     on_cpu = train_device == "cpu" or (train_device == "auto" and not torch.cuda.is_available())
-    shared = not server_gpus if on_cpu else bool(server_gpus and not train_gpus)
-    return not shared
+    return stream_overlaps(setting, server_gpus, train_gpus, on_cpu)
 
 
 def stream_devices(server_gpus: int, train_gpus: int) -> str | None:
