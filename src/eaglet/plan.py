@@ -46,6 +46,7 @@ from pathlib import Path
 
 from eaglet import shards
 from eaglet.drafter import DRAFTER_VARIANTS
+from eaglet.extract_common import TEACHER_CHUNK_ROWS as TEACHER_CHUNK
 from eaglet.shards import bytes_per_token
 
 GiB = 2 ** 30
@@ -58,7 +59,6 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "auto": 2}
 NUM_AUX = 3
 # train.method (peagle.METHODS; not imported: peagle pulls in the engine's modules)
 METHODS = ("eagle3", "peagle")
-TEACHER_CHUNK = 1024  # rows of extraction's teacher check at a time (extract.teacher_from_stored)
 
 
 @dataclass
