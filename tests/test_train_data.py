@@ -153,6 +153,41 @@ def test_prefetcher_closes_while_its_producer_waits_on_a_full_queue():
     assert not feed._thread.is_alive()
 
 
+def test_a_build_can_wait_until_the_consumer_has_taken_everything_and_waits():
+    """wait_for_consumer (a streamed state's turn on the server): the build of item 2 goes on
+    only once items 0 and 1 are taken and the consumer waits for 2, never while the consumer
+    holds an item it has not come back from; close releases a build still waiting."""
+    events, busy, made, feeds = [], threading.Event(), threading.Event(), []
+
+    def build(x):
+        if x == 2:
+            made.wait(10)
+            feeds[0].wait_for_consumer()
+            events.append(("went on", busy.is_set()))
+        return x
+
+    feed = Prefetcher(build, ((i, i) for i in range(4)), depth=3)
+    feeds.append(feed)
+    made.set()
+    try:
+        for i in range(4):
+            busy.clear()
+            assert feed.take(i) == i
+            busy.set()                # the consumer's step computes
+            events.append(("took", i))
+            if i < 2:
+                time.sleep(0.2)       # long enough for a build that did not wait to show
+        assert events == [("took", 0), ("took", 1), ("went on", False), ("took", 2), ("took", 3)]
+    finally:
+        feed.close()
+    made.clear()
+    feeds[0] = feed = Prefetcher(lambda x: made.wait(10) and feeds[0].wait_for_consumer() or x,
+                                 ((i, i) for i in range(9)), depth=1)
+    made.set()
+    time.sleep(0.1)
+    feed.close()                      # never taken: the waiting build is let go
+    assert not feed._thread.is_alive()
+
 # -- the memory budget -----------------------------------------------------------------------
 
 def test_budget_splits_batches_and_pages_and_refuses_too_little():

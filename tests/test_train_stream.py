@@ -207,12 +207,14 @@ def test_streamed_states_that_do_not_reproduce_greedy_answers_stop_training(worl
     assert summary["stream"]["teacher_agreement"] == 0.0   # reported, not enforced
 
 
-@pytest.mark.parametrize("overlap", [True, False])
-def test_with_overlap_off_the_server_computes_only_while_the_trainer_waits(world, tmp_path,
-                                                                           monkeypatch, overlap):
+@pytest.mark.parametrize("overlap,prefetch", [(True, 0), (False, 0), (False, 2)])
+def test_with_overlap_off_the_server_computes_only_while_the_trainer_waits(
+        world, tmp_path, monkeypatch, overlap, prefetch):
     """train.stream_overlap false (auto where server and trainer share the CPU's cores): no
     request is in flight while a training step computes, and the drafter is the shards' one;
-    overlapping, requests run beside the steps (what the turns prevent is there to see)."""
+    overlapping, requests run beside the steps (what the turns prevent is there to see).
+    With micro-batches packed ahead in a thread (train.prefetch_batches, the GPU default),
+    which takes the samples while the steps compute, a turn still waits for the steps."""
     import asyncio
     import threading
 
@@ -228,7 +230,7 @@ def test_with_overlap_off_the_server_computes_only_while_the_trainer_waits(world
         finally:
             training.clear()
 
-    def timed_take(self, index):
+    def timed_take(self, index):  # taken in the step (no prefetcher): not computing
         training.clear()
         try:
             return take(self, index)
@@ -243,9 +245,11 @@ def test_with_overlap_off_the_server_computes_only_while_the_trainer_waits(world
 
     monkeypatch.setattr(train_stream.StateFeed, "_request", request)
     monkeypatch.setattr(Trainer, "train_step", timed_step)
-    monkeypatch.setattr(train_stream.StateFeed, "take", timed_take)
+    if not prefetch:
+        monkeypatch.setattr(train_stream.StateFeed, "take", timed_take)
     summary = run(world, tmp_path, "stream", {**TRAIN, "data": "stream", "stream_ahead": 3,
-                                              "stream_overlap": overlap},
+                                              "stream_overlap": overlap,
+                                              "prefetch_batches": prefetch},
                   stream_args(world, requests_dir(world, tmp_path, with_files=False)))
     assert summary["stream"]["overlap"] is overlap and summary["stream"]["requests"] > 6
     assert any(seen) is overlap

@@ -373,8 +373,12 @@ class Trainer:
     def prefetcher(self) -> Prefetcher | None:
         if not self.cfg["prefetch_batches"]:
             return None
-        return Prefetcher(lambda indices: self.host_batch(self.train_data, indices),
+        feed = Prefetcher(lambda indices: self.host_batch(self.train_data, indices),
                           self.upcoming(), self.cfg["prefetch_batches"])
+        ahead = getattr(self.train_data, "taken_ahead", None)
+        if ahead is not None:  # streamed states: their server's turns wait for the steps
+            ahead(feed.wait_for_consumer)
+        return feed
 
     # -- checkpoints --
 

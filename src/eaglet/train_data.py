@@ -441,6 +441,11 @@ class Prefetcher:
             raise ValueError(f"a prefetcher needs a depth of at least 1, got {depth}")
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
+        # items handed out and built, and the item the consumer waits for (None: it is not
+        # waiting): see wait_for_consumer
+        self._taken = self._built = 0
+        self._waiting_for: int | None = None
+        self._changed = threading.Condition()
         self._thread = threading.Thread(target=self._work, args=(build, keyed), daemon=True,
                                         name="eaglet-prefetch")
         self._thread.start()
@@ -459,6 +464,8 @@ class Prefetcher:
             for key, what in keyed:
                 if self._stop.is_set() or not self._put((key, build(what), None)):
                     return
+                with self._changed:
+                    self._built += 1
         except BaseException as exc:  # handed to the consumer, raised there
             self._put((None, None, exc))
             return
@@ -466,7 +473,15 @@ class Prefetcher:
 
     def take(self, key=None):
         """The next item; with ``key``, checked to be the one the caller expects."""
-        got, item, error = self._queue.get()
+        with self._changed:
+            self._waiting_for = self._taken + 1
+            self._changed.notify_all()
+        try:
+            got, item, error = self._queue.get()
+        finally:
+            with self._changed:
+                self._taken += 1
+                self._waiting_for = None
         if error is not None:
             self._stop.set()
             raise error
@@ -476,8 +491,19 @@ class Prefetcher:
                                f"differs from the training loop's")
         return item
 
+    def wait_for_consumer(self) -> None:
+        """Called by a build (in the prefetcher's thread): return once the consumer has taken
+        every item built and waits for the one being built, or the prefetcher is closed. A
+        build that needs compute the consumer's steps would share (a streamed state's turn
+        on the server, StateFeed) asks for it only then: never while a step computes."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._stop.is_set()
+                                   or self._waiting_for == self._built + 1)
+
     def close(self) -> None:
         self._stop.set()
+        with self._changed:
+            self._changed.notify_all()
         while True:  # let a blocked producer see the stop
             try:
                 self._queue.get_nowait()

@@ -21,7 +21,9 @@ The server starts on the first sample that needs a request, so a run whose state
 saved never starts one. Where the trainer computes on the server's devices, the CPU's cores or
 the server's GPUs (``train.stream_overlap``, :func:`overlaps`), the two take turns: the
 server computes a window's states while the trainer waits, then the trainer trains on them
-with no request in flight.
+with no request in flight. Where a thread packs micro-batches ahead of the steps
+(``train.prefetch_batches``, the GPU default), a turn opens only once the steps have used
+every batch packed and wait for the next.
 
 Data-parallel (``train.gpus`` or, beside the server, one rank per server GPU): each rank feeds
 its own share of every step's micro-batches through a feed of its own, with its share of the
@@ -45,6 +47,7 @@ import queue
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -158,6 +161,10 @@ class StateFeed:
         # trains only once the server has nothing in flight (train.stream_overlap, overlaps)
         self.overlap = True
         self._held: deque = deque()  # a turn's states, in order
+        # where samples are taken in a thread that packs ahead of the trainer's steps (the
+        # prefetcher's): returns once the trainer waits, its steps done (None: samples are
+        # taken by the trainer itself, which waits while it takes them)
+        self.trainer_waits: Callable[[], None] | None = None
         self._taken = self._due = 0  # samples taken by the trainer, of the order's
         self.cached: dict[int, int] = {}  # sample -> bytes of its file kept for later epochs
         self.stats = Counter()  # requests, reused files, waits, teacher agreement counts
@@ -245,6 +252,8 @@ class StateFeed:
         states (or the order's rest), then stop it starting requests: none is left in flight
         once they are all prepared, as the window holds no more."""
         want = min(self.ahead, self._due - self._taken)
+        if self.trainer_waits is not None:  # not while a step computes
+            self.trainer_waits()
         self._turn_to(True)
         try:
             while len(self._held) < want:
@@ -608,6 +617,12 @@ class StreamSamples(Samples):
 
     def preload(self) -> None:
         pass
+
+    def taken_ahead(self, trainer_waits: Callable[[], None]) -> None:
+        """Samples are taken by a thread packing micro-batches ahead of the steps (the
+        prefetcher): where the server and the trainer take turns, a turn opens only once
+        ``trainer_waits`` returns."""
+        self.feed.trainer_waits = trainer_waits
 
     def start(self, order: list[int], progress=None, batch: int = 0) -> None:
         """Feed the samples of ``order`` (this rank's); ``progress`` (the training's) shows
