@@ -2,7 +2,7 @@
 # results dir, the shard lists, the software of each job and its resources.
 import os
 
-from eaglet.config import outside_working_dir, stage_params, validate
+from eaglet.config import eval_shard_count, outside_working_dir, stage_params, validate
 from eaglet.target import check_recorded_target
 
 _validated = validate(config)
@@ -26,12 +26,12 @@ MODEL_ENV = (
     else CPU_ENV
 )
 
-# Hidden-state shards: extract.num_shards for the training samples, one for the held-out ones.
-# train.data stream: the training samples' states go from the server to the trainer and are
-# never stored; only the held-out shard is extracted.
+# Hidden-state shards: extract.num_shards for the training samples, extract.num_eval_shards
+# for the held-out ones. train.data stream: the training samples' states go from the server to
+# the trainer and are never stored; only the held-out shards are extracted.
 STREAM = config["train"]["data"] == "stream"
 TRAIN_SHARDS = [] if STREAM else [f"{i:05d}" for i in range(config["extract"]["num_shards"])]
-EVAL_SHARDS = ["00000"]
+EVAL_SHARDS = [f"{i:05d}" for i in range(eval_shard_count(config))]
 
 # Outputs `all` asks for beyond the verdict's, each only when its stage is enabled.
 OPTIONAL_TARGETS = [f"{R}/eval/scaling.json"] if config["scaling"]["enabled"] else []

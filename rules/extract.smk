@@ -1,6 +1,7 @@
 # Hidden states. Backend hf: one job per shard, extract.num_shards for the training samples,
-# one for the held-out samples; with extract.jobs: one, a single job (one target load) writes
-# them all. Backend vllm: one job (one server) writes the same files.
+# extract.num_eval_shards (usually one) for the held-out samples; with extract.jobs: one, a
+# single job (one target load) writes them all. Backend vllm: one job (one server) writes
+# the same files.
 # generate.capture_hidden_states: generation saved the states already; the vllm rule packs
 # them (and starts a server only for samples whose states are missing).
 # Each job declares the GPUs it holds, so it never overlaps another GPU stage.
@@ -8,8 +9,9 @@
 # (timeouts, retries, port, memory share) are read from config by the scripts, so changing
 # them reruns nothing.
 EXTRACT_PARAMS = dict(
+    # num_eval_shards: what it changes is which shard files there are
     extract={k: v for k, v in config["extract"].items()
-             if k not in ("gpus", "device", "concurrency", "jobs")},
+             if k not in ("gpus", "device", "concurrency", "jobs", "num_eval_shards")},
     target=config["target"],
 )
 FROM_VLLM = config["extract"]["backend"] == "vllm" or CAPTURE
@@ -94,7 +96,9 @@ else:
         params:
             **EXTRACT_PARAMS,
             num_shards=lambda w: len(EVAL_SHARDS if w.split else TRAIN_SHARDS),
-            progress=lambda w: f"{R}/progress/extract_{'eval' if w.split else w.i}.json",
+            # the held-out split's first shard keeps the name it had as the only one
+            progress=lambda w: f"{R}/progress/extract_" + (
+                w.i if not w.split else "eval" if w.i == "00000" else f"eval_{w.i}") + ".json",
         threads: MODEL_THREADS
         resources:
             **EXTRACT_RESOURCES,

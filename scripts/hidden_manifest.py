@@ -8,5 +8,5 @@ cfg = {"extract": {**smk.config["extract"], **smk.params.extract}, "target": smk
 run_stage("hidden_manifest", smk.log[0], lambda: build_manifest(
     cfg, smk.input.target, smk.input.data, num_shards=smk.params.num_shards,
     hidden_dir=smk.params.hidden_dir, manifest_path=smk.output[0],
-    eval_data_path=smk.input.eval_data),
+    eval_data_path=smk.input.eval_data, num_eval_shards=len(smk.input.eval_shards)),
     gpus=smk.resources.get("gpu", 0))

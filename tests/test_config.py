@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eaglet.config import (ADDED_LATER, ConfigError, cpu_tunings_on_gpus, load, schema, stage_params,
-                           validate)
+from eaglet.config import (ADDED_LATER, ConfigError, cpu_tunings_on_gpus, eval_shard_count, load,
+                           schema, stage_params, validate)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SNAKEMAKE = REPO_ROOT / ".venv" / "bin" / "snakemake"
@@ -393,3 +393,38 @@ def test_capture_during_sampled_generation_is_refused_naming_both_fixes():
     assert "capture_hidden_states: false" in message and "temperature 0" in message
     # greedy generation captures as before
     assert validate({"generate": {"capture_hidden_states": True}})["generate"]["temperature"] == 0
+
+
+@pytest.mark.parametrize("extract, data, count", [
+    ({}, {}, 1),                                              # 4 x 0.1 / 0.9 = 0.44
+    ({"num_shards": 64}, {"eval_fraction": 0.1}, 7),          # shards of the training ones' size
+    ({"num_shards": 64}, {"eval_fraction": 0.02}, 1),         # configs/kimi-k2.5.yaml: 1.31
+    ({"num_shards": 64}, {"eval_fraction": 0.1, "max_eval_prompts": 3}, 3),
+    ({"num_shards": 64, "num_eval_shards": 2}, {}, 2),        # as set
+])
+def test_the_held_out_split_is_sharded_like_the_training_split(extract, data, count):
+    assert eval_shard_count(validate({"extract": extract, "data": data})) == count
+
+
+@pytest.mark.parametrize("backend, rule", [("vllm", "extract_vllm"), ("hf", "extract")])
+def test_the_workflow_extracts_every_held_out_shard_the_config_asks_for(tmp_path, backend,
+                                                                        rule):
+    """extract.num_eval_shards 2: both held-out shards extracted (by the one vllm job, or a
+    hf job each), and the manifest (and so training) reads both."""
+    from tests.workflows.dryrun import parse_dry_run
+
+    configfile = tmp_path / "config.yaml"
+    configfile.write_text(yaml.safe_dump({"results_dir": str(tmp_path / "run"), "extract": {
+        "num_eval_shards": 2, "backend": backend}}))
+    run = subprocess.run([str(SNAKEMAKE), str(tmp_path / "run" / "hidden" / "manifest.json"),
+                          "-n", "--cores", "1", "--configfile", str(configfile)],
+                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    jobs = parse_dry_run(run.stdout)
+    held_out = sorted(o for j in jobs if j.rule == rule for o in j.output
+                      if "/eval/" in o and o.endswith(".safetensors"))
+    assert [Path(o).name for o in held_out] == ["shard_00000.safetensors",
+                                                "shard_00001.safetensors"]
+    manifest = next(j for j in jobs if j.rule == "hidden_manifest")
+    assert {Path(i).name for i in manifest.input if "/eval/shard_" in i} >= {
+        "shard_00000.safetensors", "shard_00001.safetensors"}

@@ -707,6 +707,39 @@ def test_manifest_lists_and_rebuilds_the_eval_shard(tiny, extracted, greedy, hid
     assert manifest["num_shards"] == 2 and manifest["num_samples"] == len(greedy)
 
 
+def test_a_held_out_split_of_several_shards_is_listed_and_rebuilt_shard_by_shard(
+        tiny, extracted, greedy, hidden_copy, extract_calls):
+    """extract.num_eval_shards 2: contiguous blocks of the held-out samples, as the training
+    split's; the damaged one is extracted again from its own block, the other kept."""
+    eval_data = hidden_copy.parent / "synthetic" / "eval.jsonl"
+    write_jsonl(eval_data, greedy[:3])
+    paths = [shards.shard_path(hidden_copy / "eval", i) for i in range(2)]
+    for i, path in enumerate(paths):
+        run_shard(stage_cfg(), str(tiny.target_json), str(eval_data), i, 2, str(path),
+                  str(path.with_suffix(".json")))
+    sha = [shards.sha256_path(p) for p in paths]
+    extract_calls.clear()
+    paths[1].write_bytes(paths[1].read_bytes()[:-100])
+    manifest = build_manifest(stage_cfg(), str(tiny.target_json), str(extracted.data), 2,
+                              str(hidden_copy), str(hidden_copy / "manifest.json"),
+                              eval_data_path=str(eval_data), num_eval_shards=2)
+    assert extract_calls == [paths[1].name]
+    assert [(s["file"], s["sha256"], s["samples"]) for s in manifest["eval_shards"]] == [
+        ("eval/shard_00000.safetensors", sha[0], [greedy[0]["id"]]),
+        ("eval/shard_00001.safetensors", sha[1], [r["id"] for r in greedy[1:3]])]
+    assert manifest["num_shards"] == 2
+
+
+def test_an_empty_held_out_shard_names_its_own_setting(tiny, greedy, tmp_path):
+    data = tmp_path / "eval.jsonl"
+    write_jsonl(data, greedy[:1])
+    shard = shards.shard_path(tmp_path / "hidden" / "eval", 0)   # the one sample is shard 1's
+    with pytest.raises(ExtractionError, match=r"held-out shard 0 of 2 has no samples: lower "
+                                              r"extract.num_eval_shards"):
+        run_shard(stage_cfg(), str(tiny.target_json), str(data), 0, 2, str(shard),
+                  str(shard.with_suffix(".json")))
+
+
 @pytest.mark.parametrize("key, value", [("aux_layer_ids", [0, 1, 2]),
                                         ("target", {"spec": "another/model", "config_sha256": "y"}),
                                         ("dtype", "bfloat16")])

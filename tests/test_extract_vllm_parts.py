@@ -422,3 +422,17 @@ def test_the_progress_clock_starts_when_the_server_is_up(served, tmp_path, monke
     assert progress.already_done == 2 and progress.done == len(records)
     assert progress.tokens == sum(len(sequence(r, 64)[0]) for r in records[2:])
     assert [m["captured_during_generation"] for m in metas] == [2, 0]
+
+
+@pytest.mark.parametrize("split, setting", [("train", "num_shards"), ("eval", "num_eval_shards")])
+def test_a_split_with_more_shards_than_samples_names_its_own_setting(tmp_path, split, setting):
+    from eaglet.extract_common import ExtractionError
+    from eaglet.extract_vllm import shard_jobs
+
+    paths = [str(tmp_path / f"shard_{i:05d}.safetensors") for i in range(3)]
+    records = [{"id": "a"}, {"id": "b"}]
+    with pytest.raises(ExtractionError, match=rf"{split} shard 0 of 3 would hold no samples: "
+                                              rf"lower extract.{setting} to at most the number "
+                                              rf"of {split} samples"):
+        shard_jobs(records, 3, paths, [p.replace(".safetensors", ".json") for p in paths],
+                   tmp_path, split)

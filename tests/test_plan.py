@@ -266,6 +266,24 @@ def test_dataset_disk_of_both_modes():
                           capture_during_generation=True, window_tokens=window)
     assert c["shards"]["peak"] == (train + heldout) * request + 2500 * fp8
     assert c["shards"]["stored"] == (train + heldout) * fp8
+    # the vllm backend packs the largest shard in host memory: a training one (2,500) here
+    assert d["packing_host_bytes"] == 2500 * request
+
+
+def test_a_held_out_split_in_shards_of_its_own_is_packed_a_shard_at_a_time():
+    """extract.num_eval_shards: the held-out split in shards of its own size, so the largest
+    shard (what extraction holds in host memory) and stream mode's window of held-out
+    request files (two shards') shrink with their number."""
+    s = tiny_shape(hidden=40)
+    request = 4 * 40 * 4 + 8
+    for count, largest in ((1, 9_000), (3, 3_000), (9, 2_500)):  # 2,500: a training shard
+        d = plan.dataset_disk(s, train_tokens=10_000, heldout_tokens=9_000,
+                              store_dtype="bfloat16", serving_dtype="float32", num_shards=4,
+                              capture_during_generation=False, window_tokens=100,
+                              num_eval_shards=count)
+        assert d["heldout_shard_tokens"] == 9_000 // count
+        assert d["packing_host_bytes"] == largest * request
+        assert d["stream"]["peak_requests"] == min(count, 2) * (9_000 // count) * request
 
 
 def test_request_file_bytes_are_what_the_connector_writes(tmp_path):

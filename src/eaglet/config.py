@@ -217,6 +217,17 @@ ADDED_LATER = {"generate": {"capture_hidden_states": False, "chat_template_kwarg
                "evaluate": {"compare_drafters": [], "top_p": 1.0, "top_k": 0}}
 
 
+def eval_shard_count(cfg: dict[str, Any]) -> int:
+    """``extract.num_eval_shards``, null resolved: held-out shards of about the training
+    shards' size (the split's expected share of samples over theirs), at least one and no
+    more than ``data.max_eval_prompts``."""
+    ext, data = cfg["extract"], cfg["data"]
+    if ext.get("num_eval_shards"):
+        return ext["num_eval_shards"]
+    share = data["eval_fraction"] / (1 - data["eval_fraction"])
+    return max(1, min(round(ext["num_shards"] * share), data["max_eval_prompts"] or 1 << 30))
+
+
 def stream_overlaps(setting, server_gpus: int, train_gpus: int, train_on_cpu: bool) -> bool:
     """Whether stream mode's server computes while the trainer trains
     (``train.stream_overlap``; :func:`eaglet.train_stream.overlaps` resolves the trainer's

@@ -361,8 +361,11 @@ def run_shards(cfg: dict, target_json: str, jobs: list[ShardJob], progress_path:
             log.warning("%d shards for %d samples: some shards are empty (lower extract.num_shards)",
                         job.num_shards, len(data[job.data]))
         if not recs:
-            raise ExtractionError(f"shard {job.index} of {job.num_shards} has no samples: lower "
-                                  f"extract.num_shards to at most the number of samples")
+            held_out = Path(job.shard).parent.name == "eval"
+            raise ExtractionError(
+                f"{'held-out ' if held_out else ''}shard {job.index} of {job.num_shards} has no "
+                f"samples: lower extract.{'num_eval_shards' if held_out else 'num_shards'} to at "
+                f"most the number of {'held-out ' if held_out else ''}samples")
     # every shard of each split not yet on disk: its other shards may be written beside this job
     splits = {(Path(job.shard).parent, job.data, job.num_shards) for job in jobs}
     needed = sum(estimate_bytes(shard_records(data[d], count, i), ext["max_len"],
@@ -399,10 +402,12 @@ def hidden_size_of(info: dict) -> int:
 
 
 def build_manifest(cfg: dict, target_json: str, data_path: str, num_shards: int,
-                   hidden_dir: str, manifest_path: str, eval_data_path: str | None = None) -> dict:
+                   hidden_dir: str, manifest_path: str, eval_data_path: str | None = None,
+                   num_eval_shards: int = 1) -> dict:
     """Verify every shard (hash, layers, dtype, target), re-extract the ones that fail, and
-    write ``manifest.json``. With ``eval_data_path`` the held-out shard (``eval/`` beside
-    the training shards) is verified too and listed under ``eval_shards``."""
+    write ``manifest.json``. With ``eval_data_path`` the ``num_eval_shards`` held-out shards
+    (``eval/`` beside the training shards) are verified too and listed under
+    ``eval_shards``."""
     from eaglet.target import load_text_config
 
     ext = cfg["extract"]
@@ -412,7 +417,8 @@ def build_manifest(cfg: dict, target_json: str, data_path: str, num_shards: int,
                 "dtype": ext["dtype"], "target": target_identity(info)}
     jobs = [(Path(hidden_dir), data_path, num_shards, index) for index in range(num_shards)]
     if eval_data_path is not None:
-        jobs.append((Path(hidden_dir) / "eval", eval_data_path, 1, 0))
+        jobs += [(Path(hidden_dir) / "eval", eval_data_path, num_eval_shards, index)
+                 for index in range(num_eval_shards)]
     target: Target | None = None
     records: dict[str, list[dict]] = {}
     problems = [shard_problem(shards.shard_path(d, i).with_suffix(".json"), shards.shard_path(d, i),

@@ -600,8 +600,9 @@ def shard_jobs(records: list[dict], num_shards: int, shard_paths: list[str],
                              Path(shard), Path(meta), staged, staged.with_suffix(".json")))
     empty = [j.label for j in jobs if not j.records]
     if empty:
+        setting = "num_eval_shards" if split == "eval" else "num_shards"
         raise ExtractionError(f"{', '.join(empty)} of {num_shards} would hold no samples: lower "
-                              f"extract.num_shards to at most the number of samples")
+                              f"extract.{setting} to at most the number of {split} samples")
     return jobs
 
 

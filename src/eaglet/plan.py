@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from eaglet import shards
+from eaglet.config import eval_shard_count
 from eaglet.drafter import DRAFTER_VARIANTS
 from eaglet.extract_common import TEACHER_CHUNK_ROWS as TEACHER_CHUNK
 from eaglet.shards import bytes_per_token
@@ -432,7 +433,7 @@ def request_bytes_per_token(s: Shape, dtype: str) -> int:
 
 def dataset_disk(s: Shape, *, train_tokens: int, heldout_tokens: int, store_dtype: str,
                  serving_dtype: str, num_shards: int, capture_during_generation: bool,
-                 window_tokens: int) -> dict:
+                 window_tokens: int, num_eval_shards: int = 1) -> dict:
     """Peak disk of a dataset's hidden states in each ``train.data`` mode, with the bytes
     stored and the request files at the peak.
 
@@ -450,7 +451,9 @@ def dataset_disk(s: Shape, *, train_tokens: int, heldout_tokens: int, store_dtyp
     shard = bytes_per_token(s.hidden, NUM_AUX, store_dtype)
     request = request_bytes_per_token(s, serving_dtype)
     every = train_tokens + heldout_tokens
-    sizes = sorted([-(-train_tokens // max(num_shards, 1))] * num_shards + [heldout_tokens])
+    heldout_shard = -(-heldout_tokens // num_eval_shards)
+    sizes = sorted([-(-train_tokens // max(num_shards, 1))] * num_shards
+                   + [heldout_shard] * num_eval_shards)
     largest, unpacked = sizes[-1], sum(sizes[-2:])  # the shard being packed, the next one
     at_end = (every * shard, unpacked * request)
     peaks = [at_end]
@@ -458,9 +461,13 @@ def dataset_disk(s: Shape, *, train_tokens: int, heldout_tokens: int, store_dtyp
         peaks.append((largest * shard, every * request))
     stored, requests = max(peaks, key=sum)
     held = heldout_tokens * shard
-    in_flight = max(heldout_tokens, window_tokens) * request
+    # the vllm backend's window: the held-out shard being packed and the next
+    in_flight = max(min(num_eval_shards, 2) * heldout_shard, window_tokens) * request
     return {
         "train_tokens": train_tokens, "heldout_tokens": heldout_tokens,
+        "num_eval_shards": num_eval_shards, "heldout_shard_tokens": heldout_shard,
+        # the vllm backend packs a shard in host memory, its states as the server saved them
+        "largest_shard_tokens": largest, "packing_host_bytes": largest * request,
         "shard_bytes_per_token": shard, "request_bytes_per_token": request,
         "unpacked_tokens": unpacked, "window_tokens": window_tokens,
         "shards": {"stored": every * shard, "peak_shards": stored, "peak_requests": requests,
@@ -543,6 +550,7 @@ def plan(s: Shape, *, tokens: int, max_len: int | None, steps: int, batch_tokens
          extract_max_len: int, target_dtype: str, store_dtype: str, shard_tokens: int,
          precision: str = "bfloat16", attention: str = "auto",
          train_tokens: int | None = None, heldout_tokens: int = 0, num_shards: int = 1,
+         num_eval_shards: int = 1,
          capture_during_generation: bool = False, window_samples: int | None = 32,
          concurrency: int = 16, ranks: int = 8, train_ranks: int = 1,
          kv_tokens: int | None = None,
@@ -590,7 +598,7 @@ def plan(s: Shape, *, tokens: int, max_len: int | None, steps: int, batch_tokens
     if train_tokens is not None:
         out["disk"] = dataset_disk(
             s, train_tokens=train_tokens, heldout_tokens=heldout_tokens, store_dtype=store_dtype,
-            serving_dtype=target_dtype, num_shards=num_shards,
+            serving_dtype=target_dtype, num_shards=num_shards, num_eval_shards=num_eval_shards,
             capture_during_generation=capture_during_generation,
             window_tokens=stream_window_tokens(window_samples, concurrency, train_ranks,
                                                extract_max_len, tokens))
@@ -687,7 +695,12 @@ def _disk_lines(d: dict) -> list[str]:
                 if d["capture_during_generation"] else "")
     return [
         f"   dataset: {d['train_tokens']:,} training tokens, {d['heldout_tokens']:,} held-out "
-        f"(one shard); capture request files of {d['request_bytes_per_token']:,} bytes a token",
+        f"({_shards(d['num_eval_shards'])} of up to {d['heldout_shard_tokens']:,} tokens, "
+        f"extract.num_eval_shards); capture request files of "
+        f"{d['request_bytes_per_token']:,} bytes a token",
+        f"   extraction's host memory (backend vllm) {size(d['packing_host_bytes']):>10}: the "
+        f"largest shard's states ({d['largest_shard_tokens']:,} tokens), held until it is "
+        f"written; more shards make it smaller (extract.num_shards, extract.num_eval_shards)",
         f"   train.data shards {size(shards['peak']):>24} at the peak: "
         f"{size(shards['peak_shards'])} of shards{done} and {size(shards['peak_requests'])} of "
         f"request files not packed yet ({d['unpacked_tokens']:,} tokens: the two largest "
@@ -696,7 +709,7 @@ def _disk_lines(d: dict) -> list[str]:
         f"   train.data stream {size(stream['peak']):>24} at the peak, "
         f"{stream['peak'] / shards['peak']:.1%} of shards mode: {size(stream['stored'])} of "
         f"held-out shards and {size(stream['peak_requests'])} of request files: the held-out "
-        f"split's before it is packed, or a window of {d['window_tokens']:,} training tokens "
+        f"shards' before they are packed, or a window of {d['window_tokens']:,} training tokens "
         + (f"({d['window_samples']} samples ahead of the trainer, train.stream_ahead or "
            f"--stream-window, of up to {d['window_tokens'] // d['window_samples']:,} tokens)"
            if d["window_samples"] else
@@ -705,6 +718,10 @@ def _disk_lines(d: dict) -> list[str]:
            + (f"; shared by {d['train_ranks']} training ranks, each beside its own micro-batch"
               if d.get("train_ranks", 1) > 1 else "") + ")")
         + ", plus train.stream_cache_gib if set" + _heldout_hint(d)]
+
+
+def _shards(n: int) -> str:
+    return "one shard" if n == 1 else f"{n} shards"
 
 
 # held-out tokens past which the split, not the training data, is what it costs: the
@@ -948,7 +965,7 @@ def main(argv: list[str] | None = None) -> int:
                      attention=train["attention"],
                      train_tokens=dataset[0] if dataset else None,
                      heldout_tokens=dataset[1] if dataset else 0,
-                     num_shards=ext["num_shards"],
+                     num_shards=ext["num_shards"], num_eval_shards=eval_shard_count(cfg),
                      capture_during_generation=cfg["generate"]["capture_hidden_states"],
                      window_samples=window, concurrency=ext["concurrency"], ranks=gpus,
                      # stream's ranks: the trainer's own GPUs, else one beside each server GPU
