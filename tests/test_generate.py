@@ -40,6 +40,7 @@ class ScriptedChat(BaseHTTPRequestHandler):
     transfer: dict[str, dict | None] = {}  # prompt text -> the request's kv_transfer_params
     prefills: list[list[int]] = []  # the token ids of every prefill request
     template_kwargs: dict[str, dict | None] = {}  # prompt text -> its chat_template_kwargs
+    seeds: dict[str, object] = {}  # prompt text -> its request's seed ("none": no seed sent)
 
     def log_message(self, *args):  # keep pytest output clean
         pass
@@ -64,6 +65,7 @@ class ScriptedChat(BaseHTTPRequestHandler):
         ScriptedChat.conversations.append(request["messages"])
         ScriptedChat.transfer[text] = request.get("kv_transfer_params")
         ScriptedChat.template_kwargs[text] = request.get("chat_template_kwargs")
+        ScriptedChat.seeds[text] = request.get("seed", "none")
         if request.get("kv_transfer_params"):  # the connector saves after answering
             save_to = Path(request["kv_transfer_params"]["hidden_states_path"])
             threading.Timer(0.3, lambda: (save_to.parent.mkdir(parents=True, exist_ok=True),
@@ -95,7 +97,7 @@ class ScriptedChat(BaseHTTPRequestHandler):
 @pytest.fixture
 def server():
     ScriptedChat.plan, ScriptedChat.calls, ScriptedChat.conversations = {}, Counter(), []
-    ScriptedChat.transfer, ScriptedChat.template_kwargs = {}, {}
+    ScriptedChat.transfer, ScriptedChat.template_kwargs, ScriptedChat.seeds = {}, {}, {}
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), ScriptedChat)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
@@ -378,6 +380,30 @@ def test_template_variables_go_with_every_request_and_stay_in_every_record(serve
     assert ScriptedChat.template_kwargs == {"question 0": switch, "question 1": switch}
     assert all(r["chat_template_kwargs"] == switch for r in records.values())
     assert "kv_transfer_params" not in ScriptedChat.transfer  # no capture asked for
+
+
+def test_requests_carry_the_seed_unless_the_engine_holds_it(server, tmp_path):
+    generate(prompts(2), settings(server), tmp_path / "a.jsonl")
+    assert ScriptedChat.seeds == {"question 0": 0, "question 1": 0}
+    generate(prompts(2), settings(server, seed_per_request=False), tmp_path / "b.jsonl")
+    assert ScriptedChat.seeds == {"question 0": "none", "question 1": "none"}
+
+
+@pytest.mark.parametrize("temperature, gpus, per_request, args", [
+    (1.0, 0, False, ["--seed", "7"]),   # sampled on vLLM's CPU engine: the engine is seeded
+    (0.0, 0, True, []),                 # greedy: no generator is drawn from
+    (1.0, 8, True, []),                 # GPU generators rewind; each request keeps its seed
+])
+def test_sampled_answers_on_the_cpu_engine_are_seeded_by_the_engine(temperature, gpus,
+                                                                    per_request, args):
+    """vLLM's CPU engine died (CPU Generator does not use offset) when a seeded request's
+    long prompt was prefilled over two steps: there the server takes generate.seed."""
+    from eaglet.config import validate
+    from eaglet.generate import engine_seeding
+
+    cfg = validate({"generate": {"temperature": temperature, "seed": 7},
+                    "server": {"gpus": gpus}})
+    assert engine_seeding(cfg) == (per_request, args)
 
 
 def test_answers_made_with_other_settings_are_asked_again(server, tmp_path):

@@ -311,11 +311,12 @@ def parse_response(body: dict) -> dict:
 
 
 async def chat_once(client: httpx.AsyncClient, model: str, messages: list[dict],
-                    sampling: Sampling, timeout: float, extra: dict | None = None) -> dict:
+                    sampling: Sampling, timeout: float, extra: dict | None = None,
+                    seeded: bool = True) -> dict:
     payload = {
         "model": model, "messages": messages,
         "temperature": sampling.temperature, "top_p": sampling.top_p,
-        "max_tokens": sampling.max_tokens, "seed": sampling.seed,
+        "max_tokens": sampling.max_tokens, **({"seed": sampling.seed} if seeded else {}),
         "return_token_ids": True,
         # the text exactly as the ids spell it: vLLM's detokenizer otherwise puts a space
         # between an added token and the text beside it for tokenizers that are not
@@ -329,9 +330,9 @@ async def chat_once(client: httpx.AsyncClient, model: str, messages: list[dict],
 
 async def chat_with_retries(client, model, messages, sampling, timeout, max_retries,
                             backoff_s: float = 1.0, health_check=None,
-                            extra: dict | None = None) -> dict:
+                            extra: dict | None = None, seeded: bool = True) -> dict:
     return await with_retries(
-        lambda: chat_once(client, model, messages, sampling, timeout, extra),
+        lambda: chat_once(client, model, messages, sampling, timeout, extra, seeded),
         max_retries, backoff_s, health_check)
 
 
@@ -370,6 +371,9 @@ class GenerationSettings:
     capture_dir: str | None = None
     # variables of the chat template (generate.chat_template_kwargs), kept in every record
     chat_template_kwargs: dict | None = None
+    # each request carries generate.seed (False: the server was started with it, see
+    # engine_seeding)
+    seed_per_request: bool = True
 
     def request_extra(self, record_id: str) -> dict:
         """What a request adds to the chat completion: the template variables, and with
@@ -465,7 +469,8 @@ async def generate_async(prompts: list[dict], settings: GenerationSettings,
                     record.update(await chat_with_retries(
                         client, model, messages, settings.sampling,
                         settings.request_timeout_s, settings.max_retries,
-                        health_check=health_check, extra=settings.request_extra(record_id)))
+                        health_check=health_check, extra=settings.request_extra(record_id),
+                        seeded=settings.seed_per_request))
                 except RequestFailed as exc:
                     record["error"] = str(exc)
                 if settings.capture_dir is not None and "error" not in record:
@@ -588,6 +593,19 @@ def api_key_from_env(var: str | None) -> str | None:
     return key
 
 
+def engine_seeding(cfg: dict[str, Any]) -> tuple[bool, list[str]]:
+    """How the server eaglet starts is seeded: (whether each request carries generate.seed,
+    the server's own arguments). Sampled answers on vLLM's CPU engine (server.gpus 0) are
+    seeded by the engine (``--seed``), not per request: a seeded request takes vLLM's
+    per-request generator path, which rewinds the generator's offset after a step that
+    prefilled part of a long prompt, and a CPU generator has no offset; the engine died
+    (RuntimeError: CPU Generator does not use offset) at the first such step."""
+    gen = cfg["generate"]
+    if gen["temperature"] > 0 and not cfg["server"]["gpus"]:
+        return False, ["--seed", str(gen["seed"])]
+    return True, []
+
+
 def settings_from_config(cfg: dict[str, Any], base_url: str) -> GenerationSettings:
     gen, server = cfg["generate"], cfg["server"]
     return GenerationSettings(
@@ -657,8 +675,10 @@ def run_stage(cfg: dict[str, Any], target_json: str, prompts: dict[str, str],
     else:
         progress.enter_phase("starting the vLLM server")
         capture = capture_options(cfg, target["path"], capture_dir) if capture_dir else []
-        with target_server(cfg, target["path"], server_log_path, capture) as server:
+        per_request, seed_args = engine_seeding(cfg)
+        with target_server(cfg, target["path"], server_log_path, capture + seed_args) as server:
             settings = settings_from_config(cfg, server.url)
+            settings.seed_per_request = per_request
             if capture_dir:
                 settings.capture_dir = str(Path(capture_dir).resolve())
             records = generate(everything, settings, partial_path, progress,
