@@ -131,7 +131,7 @@ def render_all(results: dict) -> str:
 
 
 def render(result: dict, seed: int = 0) -> str:
-    lines = [] if seed else [
+    lines = ([] if seed else [
         "# Training data at the serving temperature beside greedy data",
         "",
         "`benchmarks/data_temperature.py` (see its docstring): the same prompts, every answer "
@@ -141,7 +141,7 @@ def render(result: dict, seed: int = 0) -> str:
         "Rerun: `.venv/bin/python benchmarks/data_temperature.py` (about 45 minutes on 2 "
         "cores; `--tabulate` rebuilds this table from the runs; `--seed N` another pair of "
         "runs, its generation's sampling and training's seed N, tabled beside).",
-        ""] + [
+        ""]) + [
         f"## Seed {seed} (generation and training)",
         "",
         "| data | temperature served | vLLM AL pooled (per request) | accepted at positions "
