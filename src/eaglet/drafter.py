@@ -247,16 +247,16 @@ def rope_inv_freq(config: DrafterConfig) -> tuple[torch.Tensor, float]:
 
 # -- layers ----------------------------------------------------------------------------------
 
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) in float32, rounded to x's dtype, times the weight (vLLM's and HF's order)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+
+def gated_silu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The SwiGLU MLP's elementwise middle: silu(gate) * up."""
+    return F.silu(gate) * up
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -264,6 +264,16 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.rms_norm(x, self.weight, self.eps)
 
 
 def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -364,7 +374,8 @@ def _combine(out, values, total, shape, dtype):
 
 
 def sdpa_ttt_attention(q: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]],
-                       block: "AttentionBlock", scale: float) -> torch.Tensor:
+                       block: "AttentionBlock", scale: float, kernels: "Kernels | None" = None
+                       ) -> torch.Tensor:
     """What ``ttt_attention`` computes, through ``F.scaled_dot_product_attention`` (fused
     kernels: no [heads, n, n] scores kept). Shapes as ``ttt_attention``."""
     (k0, v0), diagonal = cache[0], cache[1:]
@@ -375,11 +386,12 @@ def sdpa_ttt_attention(q: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Te
             q.reshape(1, hkv * g, n, d), k0.reshape(1, hkv, n, d), v0.reshape(1, hkv, n, dv),
             attn_mask=block.mask, is_causal=block.mask is None, scale=scale, enable_gqa=True)
         return out.reshape(hkv, g, n, dv)
-    query, key, value, values, total = _sink_problem(q, cache, scale)
+    kernels = kernels or EAGER
+    query, key, value, values, total = kernels.sink_problem(q, cache, scale)
     mask = block.sink_mask()
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask,
                                          is_causal=mask is None, scale=scale, enable_gqa=True)
-    return _combine(out, values, total, q.shape, v0.dtype)
+    return kernels.combine(out, values, total, q.shape, v0.dtype)
 
 
 def ttt_mask_mod(segments: torch.Tensor, sink: bool):
@@ -436,7 +448,8 @@ def flex_ttt_attention(q: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Te
 
 
 def attend(implementation: str, q: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]],
-           blocks: list["AttentionBlock"], scale: float) -> torch.Tensor:
+           blocks: list["AttentionBlock"], scale: float, kernels: "Kernels | None" = None
+           ) -> torch.Tensor:
     """The TTT attention of ``q`` [Hkv, G, T, D] over ``cache`` (its step's keys and values
     appended), block by block with ``implementation`` (ATTENTION): [Hkv, G, T, Dv]."""
     outs = []
@@ -446,16 +459,68 @@ def attend(implementation: str, q: torch.Tensor, cache: list[tuple[torch.Tensor,
         if implementation == "eager":
             outs.append(ttt_attention(q[..., a:b, :], part, block.dense_mask(), scale))
         elif implementation == "sdpa":
-            outs.append(sdpa_ttt_attention(q[..., a:b, :], part, block, scale))
+            outs.append(sdpa_ttt_attention(q[..., a:b, :], part, block, scale, kernels))
         else:
             outs.append(flex_ttt_attention(q[..., a:b, :], part, block, scale))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
+
+
+def compute_dtype(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in the dtype autocast computes matmuls in (bf16 under bf16 autocast), so that
+    several matmuls reading it share one cast instead of one each; unchanged without
+    autocast. The same numbers either way."""
+    kind = x.device.type
+    if torch.is_autocast_enabled(kind) and x.is_floating_point():
+        return x.to(torch.get_autocast_dtype(kind))
+    return x
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The elementwise pieces of the drafter's step (norms, SwiGLU, RoPE, the fused TTT
+    attention's sink), plain (:data:`EAGER`) or compiled into fused kernels by
+    :func:`compile_drafter`: the same mathematics either way."""
+
+    rms_norm: object = rms_norm
+    gated_silu: object = gated_silu
+    rotate: object = rotate
+    sink_problem: object = _sink_problem
+    combine: object = _combine
+
+
+EAGER = Kernels()
+RMSNorm.kernels = EAGER  # each layer's, until compile_drafter gives it the compiled ones
+_COMPILED: list[Kernels] = []
+
+
+def compiled_kernels() -> Kernels:
+    """:data:`EAGER`'s functions through ``torch.compile`` (shapes dynamic, so a new number of
+    rows does not compile again), made once per process."""
+    if not _COMPILED:
+        import torch._dynamo
+
+        # one graph per function and number of cached steps (the sink's), train and eval
+        for limit in ("cache_size_limit", "recompile_limit"):
+            if hasattr(torch._dynamo.config, limit):
+                setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), 64))
+        _COMPILED.append(Kernels(**{name: torch.compile(getattr(EAGER, name), dynamic=True)
+                                    for name in Kernels.__dataclass_fields__}))
+    return _COMPILED[0]
+
+
+def compile_drafter(model: nn.Module, on: bool = True) -> None:
+    """Give every layer of ``model`` the compiled kernels (``on``) or the plain ones."""
+    kernels = compiled_kernels() if on else EAGER
+    for module in model.modules():
+        if isinstance(module, (RMSNorm, MLP, Attention, MLAAttention)):
+            module.kernels = kernels
 
 
 class Attention(nn.Module):
     """GQA self-attention whose q/k/v read the 2H-wide [embedding, hidden] input."""
 
     input_projections = ("q_proj", "k_proj", "v_proj")  # those reading the 2H-wide input
+    kernels = EAGER
 
     def __init__(self, config: DrafterConfig):
         super().__init__()
@@ -471,14 +536,15 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, blocks, cache):
         rows = x.shape[0]
         group = self.heads // self.kv_heads
+        x = compute_dtype(x)  # cast once for the three projections (autocast would, thrice)
         # query head j*G+g reads KV head j (vLLM/HF GQA order)
         q = self.q_proj(x).view(rows, self.kv_heads, group, self.head_dim).permute(1, 2, 0, 3)
         k = self.k_proj(x).view(rows, self.kv_heads, 1, self.head_dim).permute(1, 2, 0, 3)
         v = self.v_proj(x).view(rows, self.kv_heads, 1, self.head_dim).permute(1, 2, 0, 3)
-        q = rotate(q, cos, sin)
-        cache.append((rotate(k, cos, sin), v))
+        q = self.kernels.rotate(q, cos, sin)
+        cache.append((self.kernels.rotate(k, cos, sin), v))
         scale = self.head_dim ** -0.5
-        out = attend(self.implementation, q, cache, blocks, scale)          # [Hkv, G, T, D]
+        out = attend(self.implementation, q, cache, blocks, scale, self.kernels)  # [Hkv, G, T, D]
         return self.o_proj(out.permute(2, 0, 1, 3).reshape(rows, self.heads * self.head_dim))
 
 
@@ -494,6 +560,8 @@ class MLAAttention(nn.Module):
     RoPE in GPT-J layout on the rope parts only. Every head has its own key and value (vLLM's
     decode absorbs kv_b_proj into q and the output; the same attention), so the TTT attention
     runs with G = 1 and value heads of v_head_dim."""
+
+    kernels = EAGER
 
     def __init__(self, config: DrafterConfig):
         super().__init__()
@@ -519,6 +587,7 @@ class MLAAttention(nn.Module):
         """x [T, 2H]; cos, sin [T, rope] (GPT-J layout) -> [T, H]; appends this step's
         keys [heads, 1, T, nope + rope] and values [heads, 1, T, v_head] to ``cache``."""
         rows = x.shape[0]
+        x = compute_dtype(x)  # cast once for both projections that read it
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(rows, self.heads, self.nope + self.rope)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
@@ -530,11 +599,14 @@ class MLAAttention(nn.Module):
         q = torch.cat([q[..., :self.nope], q_pe], dim=-1).permute(1, 0, 2)[:, None]
         k = torch.cat([k_nope, k_pe], dim=-1).permute(1, 0, 2)[:, None]  # [heads, 1, T, qk]
         cache.append((k, v.permute(1, 0, 2)[:, None]))                    # v [heads, 1, T, Dv]
-        out = attend(self.implementation, q, cache, blocks, self.scale)   # [heads, 1, T, Dv]
+        out = attend(self.implementation, q, cache, blocks, self.scale,
+                     self.kernels)                                        # [heads, 1, T, Dv]
         return self.o_proj(out.permute(2, 0, 1, 3).reshape(rows, self.heads * self.v_dim))
 
 
 class MLP(nn.Module):
+    kernels = EAGER
+
     def __init__(self, config: DrafterConfig):
         super().__init__()
         h, i = config.hidden_size, config.intermediate_size
@@ -543,7 +615,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(i, h, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        x = compute_dtype(x)  # cast once for both projections (autocast would, twice)
+        return self.down_proj(self.kernels.gated_silu(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -725,8 +798,8 @@ class Eagle3Drafter(nn.Module):
         return self.norm(out if rows is None else out[rows]), out
 
     def forward(self, aux_hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
-                segments: torch.Tensor, logit_rows: list[torch.Tensor] | None = None
-                ) -> list[torch.Tensor]:
+                segments: torch.Tensor, logit_rows: list[torch.Tensor] | None = None,
+                heads: bool = True) -> list[torch.Tensor]:
         """Run ``K = len(input_ids)`` TTT steps over a packed batch of T rows.
 
         aux_hidden  [T, A*Ht]  the target's aux features of each row
@@ -734,7 +807,9 @@ class Eagle3Drafter(nn.Module):
         positions   [T]        position of the row within its sample (RoPE of step k: + k)
         segments    [T]        which packed sample the row belongs to
         logit_rows  K x [n_k]  rows whose logits each step returns (all rows when None)
-        returns     K x [n_k, Vd] draft-vocabulary logits
+        heads       False: the final-normed states lm_head reads instead of the logits
+                    (the fused loss applies lm_head itself: ``eaglet.ttt_loss``)
+        returns     K x [n_k, Vd] draft-vocabulary logits (or K x [n_k, H] states)
         """
         # flex attention skips other samples' tiles itself: one block for the whole batch
         blocks = attention_blocks(segments, len(segments) if self.attention == "flex"
@@ -747,7 +822,7 @@ class Eagle3Drafter(nn.Module):
             embeds = self.embed_tokens[ids].to(hidden.dtype)
             normed, hidden = self.draft_step(embeds, hidden, cos, sin, blocks, cache,
                                              None if logit_rows is None else logit_rows[step])
-            logits.append(self.lm_head(normed))
+            logits.append(self.lm_head(normed) if heads else normed)
         return logits
 
 

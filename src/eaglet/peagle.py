@@ -92,8 +92,8 @@ class PEagleDrafter(Eagle3Drafter):
         return self.embed_tokens[self.mask_token_id].to(dtype), hidden.to(dtype)
 
     def forward(self, aux_hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
-                segments: torch.Tensor, logit_rows: list[torch.Tensor] | None = None
-                ) -> list[torch.Tensor]:
+                segments: torch.Tensor, logit_rows: list[torch.Tensor] | None = None,
+                heads: bool = True) -> list[torch.Tensor]:
         """``K = len(input_ids)`` parallel drafting steps over a packed batch of T rows, with
         ``Eagle3Drafter.forward``'s arguments and result; only ``input_ids[0]`` is read (the
         later steps embed the mask token)."""
@@ -112,7 +112,7 @@ class PEagleDrafter(Eagle3Drafter):
                 embeds, state = mask_embed.expand(rows, -1), mask_hidden.expand(rows, -1)
             normed, _ = self.draft_step(embeds, state, cos, sin, blocks, cache,
                                         None if logit_rows is None else logit_rows[step])
-            logits.append(self.lm_head(normed))
+            logits.append(self.lm_head(normed) if heads else normed)
         return logits
 
 

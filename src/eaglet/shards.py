@@ -127,9 +127,15 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def to_float(x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
     """Hidden states as stored (any float dtype; e4m3 with its ``scale``) in ``float32``, on
-    the device they are on: the conversion :func:`load` applies to a whole shard, and training
-    to one micro-batch at a time."""
+    the device they are on: the conversion :func:`load` applies to a whole shard."""
     return x.float() if scale is None else dequantize_fp8(x, scale)
+
+
+def to_dtype(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Hidden states as stored in ``dtype``: the float32 values of :func:`to_float` rounded
+    to ``dtype`` (a bf16 shard read in bf16 is not converted at all); training converts one
+    micro-batch at a time into what its matmuls read."""
+    return x.to(dtype) if scale is None else dequantize_fp8(x, scale).to(dtype)
 
 
 # -- writing ---------------------------------------------------------------------------------

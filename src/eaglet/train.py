@@ -46,11 +46,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from eaglet import peagle, rates
+from eaglet import peagle, rates, ttt_loss
 from eaglet import train_checkpoints as ckpt
 from eaglet.config import ConfigError, validate
-from eaglet.drafter import (DrafterConfig, Eagle3Drafter, init_from_target, init_lm_head,
-                            num_params, resolve_attention)
+from eaglet.drafter import (DrafterConfig, Eagle3Drafter, compile_drafter, init_from_target,
+                            init_lm_head, num_params, resolve_attention)
 from eaglet.io import atomic_open, human_size, read_json, write_json
 from eaglet.progress import Progress
 from eaglet.shards import sha256_path
@@ -83,10 +83,26 @@ def settings(cfg: dict) -> dict:
 
 # -- loss ------------------------------------------------------------------------------------
 
-def batch_sums(model, batch: Batch, teacher_head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def batch_sums(model, batch: Batch, teacher_head: torch.Tensor, fused: bool = False,
+               kernels: ttt_loss.ChunkKernels = ttt_loss.PLAIN
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per TTT step: summed cross-entropy against the teacher (differentiable) [K] and the
-    number of top-1 agreements with the target's argmax [K]. ``model`` may be DDP-wrapped."""
+    number of top-1 agreements with the target's argmax [K]. ``model`` may be DDP-wrapped.
+    ``fused``: the loss fused with lm_head, a chunk of rows at a time (``eaglet.ttt_loss``);
+    the same values."""
     drafter = getattr(model, "module", model)
+    if fused:
+        states = model(batch.aux, batch.step_ids, batch.positions, batch.segments, batch.rows,
+                       heads=False)
+        t_logits, t_lse = ttt_loss.teacher(batch.final, teacher_head)
+        weight = drafter.lm_head.weight.to(ttt_loss.compute_dtype_of(states[0]))  # cast once
+        ce, agree = [], []
+        for k, (h, rows) in enumerate(zip(states, batch.rows)):
+            target_rows = rows + 1 + k
+            loss, argmax = ttt_loss.head_loss(h, weight, t_logits, t_lse, target_rows, kernels)
+            ce.append(loss)
+            agree.append((drafter.to_target_ids(argmax) == batch.teacher_argmax[target_rows]).sum())
+        return torch.stack(ce), torch.stack(agree).double()
     logits = model(batch.aux, batch.step_ids, batch.positions, batch.segments, batch.rows)
     with torch.no_grad():
         teacher = torch.softmax((batch.final @ teacher_head.T).float(), dim=-1)   # [T, Vd]
@@ -131,6 +147,15 @@ class Dist:
     def barrier(self) -> None:
         if self.world > 1:
             dist.barrier()
+
+
+def resolve_compile(setting, device: torch.device) -> bool:
+    """``train.compile``: auto compiles on CUDA (fused kernels pay there:
+    benchmarks/results/gpu_check.md), not on the CPU, where compiling costs more than it saves
+    on a run of the demo's size."""
+    if setting == "auto":
+        return device.type == "cuda"
+    return bool(setting)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -192,6 +217,17 @@ class Trainer:
             self.model.attention = resolve_attention(cfg.get("attention", "auto"), device)
         except ValueError as error:
             raise TrainError(f"train.attention: {error}") from None
+        # the step's kernels (fused loss, compiled elementwise work): the same math, no part
+        # of the fingerprint either
+        self.fused_loss = cfg.get("fused_loss", True)
+        compiled = resolve_compile(cfg.get("compile", "auto"), device)
+        compile_drafter(self.model, compiled)
+        self.loss_kernels = ttt_loss.ChunkKernels(compiled)
+        norms_before_fc = model.config.fc_norm or model.config.norm_before_fc
+        # features as the matmuls read them (bf16 under bf16 autocast): a bf16 shard's are not
+        # converted at all. Norms before fc read them in float32, as they always have.
+        self.feature_dtype = (torch.bfloat16 if self.precision() == "bfloat16"
+                              and not norms_before_fc else torch.float32)
         self.t2d = model.t2d.cpu()
         self.num_aux = len(model.config.aux_layer_ids)
         self.teacher_head = teacher_head.to(device)
@@ -321,11 +357,14 @@ class Trainer:
                     for e in range(self.cfg["epochs"]))
         return min(total, self.cfg["max_steps"] or total)
 
-    def autocast(self):
+    def precision(self) -> str:
         precision = self.cfg["precision"]
         if precision == "auto":
             precision = "bfloat16" if self.device.type == "cuda" else "float32"
-        if precision == "float32":
+        return precision
+
+    def autocast(self):
+        if self.precision() == "float32":
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
@@ -343,7 +382,7 @@ class Trainer:
         """A host batch on the device, features in float32; the feature noise is drawn here,
         in the loop, so that the random stream (saved in checkpoints) does not depend on how
         far ahead batches were built."""
-        batch = batch.to(self.device)
+        batch = batch.to(self.device, self.feature_dtype)
         if training and self.cfg["feature_noise"]:
             batch.aux = add_feature_noise(batch.aux, self.num_aux, self.cfg["feature_noise"])
         return batch
@@ -470,7 +509,8 @@ class Trainer:
         for i, batch in enumerate(batches):
             sync = i == len(batches) - 1 or self.dist.world == 1
             with (contextlib.nullcontext() if sync else self.wrapped.no_sync()), self.autocast():
-                ce, agree = batch_sums(self.wrapped, batch, self.teacher_head)
+                ce, agree = batch_sums(self.wrapped, batch, self.teacher_head, self.fused_loss,
+                                       self.loss_kernels)
                 loss = (scale * ce).sum()
             loss.backward()
             losses.append(loss.detach())
@@ -518,7 +558,8 @@ class Trainer:
         for indices in self.eval_plan[self.dist.rank::self.dist.world]:
             batch = self.load_batch(self.eval_data, indices)
             with self.autocast():
-                ce, agree = batch_sums(self.model, batch, self.teacher_head)
+                ce, agree = batch_sums(self.model, batch, self.teacher_head, self.fused_loss,
+                                       self.loss_kernels)
             sums += torch.stack([ce.double(), batch.counts().to(self.device), agree])
         ce, counts, agree = self.dist.all_reduce(sums).cpu()
         return summarize(ce, counts, agree, self.cfg["ttt_decay"])

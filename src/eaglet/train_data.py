@@ -375,13 +375,13 @@ class Batch:
     def counts(self) -> torch.Tensor:
         return torch.tensor([r.numel() for r in self.rows], dtype=torch.float64)
 
-    def to(self, device: torch.device) -> "Batch":
+    def to(self, device: torch.device, dtype: torch.dtype = torch.float32) -> "Batch":
         """On ``device`` (asynchronous copies from pinned memory) with the features in
-        float32: the stored dtype crosses to the device and is converted there."""
+        ``dtype``: the stored dtype crosses to the device and is converted there."""
         move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
         scale = lambda t: None if t is None else move(t)  # noqa: E731
-        return Batch(shard_format.to_float(move(self.aux), scale(self.aux_scale)),
-                     shard_format.to_float(move(self.final), scale(self.final_scale)),
+        return Batch(shard_format.to_dtype(move(self.aux), scale(self.aux_scale), dtype),
+                     shard_format.to_dtype(move(self.final), scale(self.final_scale), dtype),
                      move(self.teacher_argmax), move(self.step_ids), move(self.positions),
                      move(self.segments), [move(r) for r in self.rows], self.sample_ids)
 
