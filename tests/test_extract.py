@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors import safe_open
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import eaglet.extract as extract_mod
@@ -20,13 +21,11 @@ from eaglet import shards
 from eaglet.config import validate
 from eaglet.extract import (
     AuxCapture,
-    HostCopies,
     ShardJob,
     build_manifest,
     decoder_layers,
     extract_shard,
     forward_batch,
-    hf_states,
     load_target,
     run_shard,
     run_shards,
@@ -42,6 +41,7 @@ from eaglet.extract_common import (
     sequence,
     shard_bounds,
     target_identity,
+    teacher_from_stored,
 )
 from eaglet.io import read_json, write_json, write_jsonl
 from eaglet.target import prepare_target
@@ -213,59 +213,99 @@ def uneven_seqs(n: int = 11, seed: int = 3) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("depth, staged", [(2, None), (1, True), (2, True), (3, True)])
-def test_hf_states_equal_the_per_sample_copies(target, depth, staged):
-    """Every sample's aux and final rows, bit for bit, whatever the copies in flight and
-    whether the copies go through (reused) staging buffers, over batches of uneven sizes."""
+@pytest.mark.parametrize("dtype", ["float32", "fp8"])
+def test_a_streamed_shard_holds_each_sample_s_states_and_teacher(target, depth, staged, dtype,
+                                                                 tmp_path):
+    """Batches of uneven sizes, longest first, written at their samples' places while the
+    next batch runs (through reused staging buffers or not): every sample's stored states
+    are its states computed alone with a padding mask (the oracle), and the teacher is the
+    one computed from the stored final states afterwards (the former path)."""
     seqs = uneven_seqs()
-    batch_tokens = 60
-    batches = token_budget_batches([len(s) for s in seqs], batch_tokens)
+    records = [record(f"p-{i}", s[:len(s) // 2], s[len(s) // 2:]) for i, s in enumerate(seqs)]
+    cfg = ext_cfg(batch_tokens=60, dtype=dtype, min_teacher_agreement=0.0)  # random answers
+    batches = token_budget_batches([len(s) for s in seqs], cfg["batch_tokens"])
     assert len(batches) >= 4 and len({len(b) for b in batches}) > 1
-    assert [len(s) for s in seqs if len(s) == 1] and any(len(b) == 1 for b in batches)
-    want_aux, want_final = per_sample_states(target, seqs, batch_tokens, AUX)
     seen = []
     progress = SimpleNamespace(advance=lambda done, tokens: seen.append((done, tokens)))
-    got_aux, got_final = hf_states(target, [], seqs, {"batch_tokens": batch_tokens}, AUX,
-                                   progress, depth=depth, staged=staged)
-    for s, (wa, wf, ga, gf) in enumerate(zip(want_aux, want_final, got_aux, got_final)):
-        assert ga.shape == (len(seqs[s]), 3 * 64) and gf.shape == (len(seqs[s]), 64)
-        assert torch.equal(ga, wa) and torch.equal(gf, wf), s
-        assert ga.device.type == "cpu" and not ga.is_pinned()
+    path = tmp_path / "shard.safetensors"
+    shard = extract_mod.stream_shard(target, records, cfg, AUX, {"spec": "tiny"}, path,
+                                     progress, depth=depth, staged=staged)
+    meta = extract_mod.finish_shard(target, shard, cfg, AUX, {"spec": "tiny"}, path,
+                                    path.with_suffix(".json"))
+    got = shards.load(path, meta["sha256"])
+    want_aux, want_final = per_sample_states(target, seqs, cfg["batch_tokens"], AUX)
+    want_aux, want_final = torch.cat(want_aux), torch.cat(want_final)
+    if dtype == "fp8":  # the oracle's states through the same quantization
+        want_aux = shards.dequantize_fp8(*shards.quantize_fp8(want_aux, 3))
+        want_final = shards.dequantize_fp8(*shards.quantize_fp8(want_final, 1))
+    tolerance = {"rtol": 0.07, "atol": 1e-4} if dtype == "fp8" else {"rtol": 0, "atol": 1e-5}
+    torch.testing.assert_close(got.aux_hidden, want_aux, **tolerance)
+    torch.testing.assert_close(got.final_hidden, want_final, **tolerance)
+    rows = predicting_rows(got.loss_mask, got.offsets)
+    argmax, logprob = teacher_from_stored(target, got.final_hidden, torch.roll(got.input_ids, -1),
+                                          rows)
+    assert torch.equal(got.teacher_argmax, argmax)
+    assert torch.equal(torch.isnan(shard.logprob), torch.isnan(logprob))
+    torch.testing.assert_close(shard.logprob[rows], logprob[rows], rtol=0, atol=1e-5)
     # every batch reported once, in order, with its tokens
     assert seen == [(len(b), sum(len(seqs[i]) for i in b)) for b in batches]
-    # a sample's rows are a block of its batch's host copy, not a copy of their own
-    for batch in batches:
-        bases = {got_aux[i].untyped_storage().data_ptr() for i in batch}
-        assert len(bases) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shard.json", "shard.safetensors"]
 
 
-def batch_of(tag: int, rows: int, width: int = 8) -> torch.Tensor:
-    """Rows whose every value names its batch and row: [tag, row, column]."""
-    r = torch.arange(rows, dtype=torch.float32)[:, None]
-    c = torch.arange(width, dtype=torch.float32)[None, :]
-    return tag * 10_000 + r * 100 + c
+def tagged(rows: int, width: int, tag: int) -> torch.Tensor:
+    """Rows whose every value names its batch and row."""
+    return (tag * 1000 + torch.arange(rows)[:, None] * 10 + torch.arange(width)[None, :]).float()
 
 
-@pytest.mark.parametrize("depth", [1, 2, 3])
+@pytest.mark.parametrize("depth, overlap", [(1, True), (2, True), (3, True), (2, False)])
 @pytest.mark.parametrize("staged", [False, True])
-def test_host_copies_hand_back_each_batch_whole_and_in_order(depth, staged):
-    rows = [5, 1, 9, 3, 7, 1, 2]                  # uneven, one-row batches among them
-    copies = HostCopies(max(rows), 8, 6, torch.float32, torch.device("cpu"), depth=depth,
-                        staged=staged)
-    taken = []
-    for tag, n in enumerate(rows):
-        out = copies.put(batch_of(tag, n), tag)
-        taken += out
-        # at most `depth` batches in flight; the rest handed back as soon as a newer one is queued
-        assert len(copies.pending) == min(tag + 1, depth - 1) if depth > 1 else not copies.pending
-        assert len(taken) == tag + 1 - len(copies.pending)
-    taken += copies.drain()
-    assert not copies.pending and sorted(copies.free) == list(range(len(copies.slots)))
-    assert [tag for tag, _, _ in taken] == list(range(len(rows)))
-    for tag, aux, final in taken:  # checked after every later batch went through the slots
-        whole = batch_of(tag, rows[tag])
-        assert aux.is_contiguous() and final.is_contiguous()
-        assert torch.equal(aux, whole[:, :6]) and torch.equal(final, whole[:, 6:]), tag
-    assert len(copies.slots) == (depth if staged else 0)
+def test_the_batch_writer_puts_every_row_at_its_place(depth, overlap, staged, tmp_path):
+    lengths = [5, 1, 9, 3, 7, 1, 2, 4]
+    starts = torch.tensor([0, *lengths]).cumsum(0).tolist()
+    batches = [[2, 4], [0, 3, 7], [1, 5, 6]]  # out of shard order, as extraction runs them
+    fields = [shards.Field("aux_hidden", torch.float32, (sum(lengths), 6)),
+              shards.Field("final_hidden", torch.float32, (sum(lengths), 2))]
+    out = shards.ShardFile(tmp_path / "x.safetensors", fields, {})
+    writer = extract_mod.BatchWriter(out, sum(lengths), 16, torch.device("cpu"), depth, staged,
+                                     overlap=overlap)
+    for tag, batch in enumerate(batches):
+        rows = sum(lengths[i] for i in batch)
+        whole = tagged(rows, 8, tag)
+        places, at = [], 0
+        for i in batch:
+            places.append((starts[i], at, lengths[i]))
+            at += lengths[i]
+        teacher_rows = torch.tensor([starts[batch[0]]])
+        writer.put({"aux_hidden": whole[:, :6], "final_hidden": whole[:, 6:].contiguous(),
+                    "teacher_argmax": torch.tensor([tag]), "teacher_logprob": torch.tensor([-1.0])},
+                   places, teacher_rows)
+    writer.finish()
+    out.close()
+    with safe_open(str(tmp_path / "x.safetensors"), framework="pt") as handle:
+        aux, final = handle.get_tensor("aux_hidden"), handle.get_tensor("final_hidden")
+    for tag, batch in enumerate(batches):
+        whole, at = tagged(sum(lengths[i] for i in batch), 8, tag), 0
+        for i in batch:
+            span = slice(starts[i], starts[i] + lengths[i])
+            assert torch.equal(aux[span], whole[at:at + lengths[i], :6]), (tag, i)
+            assert torch.equal(final[span], whole[at:at + lengths[i], 6:]), (tag, i)
+            at += lengths[i]
+        assert writer.argmax[starts[batch[0]]] == tag and writer.logprob[starts[batch[0]]] == -1
+    assert int((writer.argmax >= 0).sum()) == len(batches)
+
+
+def test_an_error_in_the_batch_writer_reaches_the_caller(tmp_path):
+    fields = [shards.Field("aux_hidden", torch.float32, (4, 2))]
+    with shards.ShardFile(tmp_path / "x.safetensors", fields, {}) as out:
+        writer = extract_mod.BatchWriter(out, 4, 4, torch.device("cpu"), 2, staged=True)
+        writer.put({"aux_hidden": torch.zeros(4, 2)}, [(0, 0, 4)], torch.zeros(0, dtype=torch.long))
+        writer.put({"aux_hidden": torch.zeros(1, 2)}, [(3, 0, 1)], torch.zeros(0, dtype=torch.long))
+        with pytest.raises(ValueError, match="written twice"):
+            for _ in range(50):  # raised by a later put or by finish
+                writer.put({"aux_hidden": torch.zeros(0, 2)}, [], torch.zeros(0, dtype=torch.long))
+            writer.finish()
+        out.abort()
+    assert list(tmp_path.iterdir()) == []
 
 
 class DeviceWaits(TorchDispatchMode):
@@ -293,8 +333,9 @@ class DeviceWaits(TorchDispatchMode):
 
 def test_forward_batch_does_not_wait_for_the_device(target):
     """Dropping the padding with a boolean mask waits for the device (how many rows remain is
-    data); eaglet gathers rows whose indices the host knows. (transformers reads a flag of
-    the mask back before the first layer: that read is its own, and counted apart.)"""
+    data); eaglet gathers rows whose indices the host knows. No attention mask is passed
+    (right padding under causal attention needs none), so transformers reads none back;
+    it still reads back one flag of the position ids it makes."""
     capture = AuxCapture(decoder_layers(target.model), AUX)
     try:
         with DeviceWaits() as waits:
@@ -303,7 +344,8 @@ def test_forward_batch_does_not_wait_for_the_device(target):
         capture.close()
     assert aux.shape == (8, 192) and final.shape == (8, 64)
     assert waits.sized == []
-    assert len(waits.reads) <= 2  # transformers' mask check, nothing per sample or per row
+    # transformers' own check of its position ids for packed sequences, nothing per sample
+    assert len(waits.reads) <= 1
 
 
 # -- batching and bounds ---------------------------------------------------------------------
@@ -385,7 +427,7 @@ def test_greedy_shard_contents(greedy_shard, greedy):
     assert meta["tokens"] == len(ids) and meta["loss_tokens"] == completion
     assert meta["num_samples"] == 6 and meta["samples"] == shard.sample_ids
     assert meta["truncated"] == 0 and meta["greedy"] is True
-    assert meta["sha256"] == shards.sha256_path(greedy_shard.path)
+    assert meta["sha256"] == shards.digest_path(greedy_shard.path)
     assert meta["bytes"] == greedy_shard.path.stat().st_size
     assert meta["tensor_bytes"] == len(ids) * shards.bytes_per_token(64, 3, "float32")
     assert read_json(greedy_shard.path.with_suffix(".json")) == meta
@@ -603,12 +645,13 @@ def shard_job(data, count, index, directory) -> ShardJob:
 def test_one_job_writes_every_shard_with_one_target_load(tiny, extracted, greedy, tmp_path,
                                                          monkeypatch):
     """extract.jobs: one: the training shards and the held-out one from one target load, the
-    same bytes as one job per shard, each written by the writer thread beside the forward."""
+    same bytes as one job per shard, each finished (digest, fsync, record) by a thread of its
+    own beside the next shard's forward."""
     loads, writers = [], []
-    real_load, real_write = extract_mod.load_target, shards.write
+    real_load, real_finish = extract_mod.load_target, extract_mod.finish_shard
     monkeypatch.setattr(extract_mod, "load_target", lambda *a, **k: loads.append(a) or real_load(*a, **k))
-    monkeypatch.setattr(shards, "write", lambda *a, **k: writers.append(
-        threading.current_thread().name) or real_write(*a, **k))
+    monkeypatch.setattr(extract_mod, "finish_shard", lambda *a, **k: writers.append(
+        threading.current_thread().name) or real_finish(*a, **k))
     eval_data = tmp_path / "eval.jsonl"
     write_jsonl(eval_data, greedy[:2])
     hidden = tmp_path / "hidden"
@@ -618,11 +661,11 @@ def test_one_job_writes_every_shard_with_one_target_load(tiny, extracted, greedy
                        progress_path=str(tmp_path / "progress.json"))
     assert len(loads) == 1
     assert [m["sha256"] for m in metas[:2]] == extracted.sha  # as the per-shard jobs wrote them
-    assert [shards.sha256_path(j.shard) for j in jobs] == [m["sha256"] for m in metas]
+    assert [shards.digest_path(j.shard) for j in jobs] == [m["sha256"] for m in metas]
     assert [read_json(j.meta)["sha256"] for j in jobs] == [m["sha256"] for m in metas]
     assert metas[2]["samples"] == [r["id"] for r in greedy[:2]]
     assert all(m["teacher"]["agreement"] == 1.0 for m in metas)
-    assert len(writers) == 3 and all(name.startswith("shard-writer") for name in writers)
+    assert len(writers) == 3 and all(name.startswith("shard-finish") for name in writers)
     progress = read_json(tmp_path / "progress.json")
     assert progress["state"] == "finished" and progress["done"] == len(greedy) + 2
 
@@ -682,7 +725,7 @@ def test_manifest_rebuilds_exactly_the_damaged_shard(tiny, extracted, hidden_cop
     assert extract_calls == [bad.name]
     # CPU float32 extraction is deterministic: the rebuilt shard holds the same tensors and header
     assert_same_shard(bad, shards.shard_path(extracted.hidden, 1))
-    assert [s["sha256"] for s in manifest["shards"]] == [extracted.sha[0], shards.sha256_path(bad)]
+    assert [s["sha256"] for s in manifest["shards"]] == [extracted.sha[0], shards.digest_path(bad)]
     assert os.stat(shards.shard_path(hidden_copy, 0)).st_mtime_ns == good_stat.st_mtime_ns
     assert manifest["tokens"] == sum(m["tokens"] for m in extracted.metas)
 
@@ -693,7 +736,7 @@ def test_manifest_lists_and_rebuilds_the_eval_shard(tiny, extracted, greedy, hid
     eval_shard = shards.shard_path(hidden_copy / "eval", 0)
     run_shard(stage_cfg(), str(tiny.target_json), str(eval_data), 0, 1, str(eval_shard),
               str(eval_shard.with_suffix(".json")))
-    sha = shards.sha256_path(eval_shard)
+    sha = shards.digest_path(eval_shard)
     extract_calls.clear()
     eval_shard.write_bytes(eval_shard.read_bytes()[:-100])  # truncated after extraction
     manifest = build_manifest(stage_cfg(), str(tiny.target_json), str(extracted.data), 2,
@@ -717,7 +760,7 @@ def test_a_held_out_split_of_several_shards_is_listed_and_rebuilt_shard_by_shard
     for i, path in enumerate(paths):
         run_shard(stage_cfg(), str(tiny.target_json), str(eval_data), i, 2, str(path),
                   str(path.with_suffix(".json")))
-    sha = [shards.sha256_path(p) for p in paths]
+    sha = [shards.digest_path(p) for p in paths]
     extract_calls.clear()
     paths[1].write_bytes(paths[1].read_bytes()[:-100])
     manifest = build_manifest(stage_cfg(), str(tiny.target_json), str(extracted.data), 2,
@@ -753,7 +796,7 @@ def test_manifest_rebuilds_a_shard_from_another_run(tiny, extracted, hidden_copy
     assert read_json(sidecar)[key] != value
     assert_same_shard(shards.shard_path(hidden_copy, 0), shards.shard_path(extracted.hidden, 0))
     assert manifest["shards"][1]["sha256"] == extracted.sha[1]
-    assert manifest["shards"][0]["sha256"] == shards.sha256_path(shards.shard_path(hidden_copy, 0))
+    assert manifest["shards"][0]["sha256"] == shards.digest_path(shards.shard_path(hidden_copy, 0))
 
 
 def test_manifest_follows_a_changed_run(tiny, extracted, hidden_copy, extract_calls, tmp_path):

@@ -136,14 +136,14 @@ def test_packed_shards_are_kept_and_moved_without_a_server(tiny, tmp_path, monke
     from eaglet.extract_vllm import Extractor, extract_shards
 
     cfg, info, jobs, work = packed_run(tiny, tmp_path)
-    hashes = [shards.sha256_path(job.staged_path) for job in jobs]
+    hashes = [shards.digest_path(job.staged_path) for job in jobs]
     monkeypatch.setattr(Extractor, "ensure_server",
                         lambda self: pytest.fail("a server was started"))
     with one_thread():
         metas = extract_shards(cfg, info, jobs, work, tmp_path / "server.log")
     assert [m["backend"] for m in metas] == ["vllm", "vllm"]
     for job, digest in zip(jobs, hashes):
-        assert shards.sha256_path(job.shard_path) == digest and job.meta_path.exists()
+        assert shards.digest_path(job.shard_path) == digest and job.meta_path.exists()
         assert not job.staged_path.exists()
 
 
@@ -329,7 +329,7 @@ def test_pipelined_shards_are_those_written_one_shard_at_a_time(served, tmp_path
         reference = write_shard(target, got, cfg, [1, 3, 4], target_identity(info),
                                 tmp_path / "ref.safetensors", tmp_path / "ref.json",
                                 backend="vllm")
-        assert shards.sha256_path(job.shard_path) == meta["sha256"] == reference["sha256"]
+        assert shards.digest_path(job.shard_path) == meta["sha256"] == reference["sha256"]
         assert meta["teacher"] == reference["teacher"]
         if dtype == "float32":  # the served states are the target's
             assert meta["teacher"]["agreement"] == 1.0

@@ -25,7 +25,10 @@ SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
 def run(tmp_path_factory) -> tuple[dict, Path, str]:
     out = tmp_path_factory.mktemp("gpu_check")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--out", str(out), "--keep-shard"],
+    # the compiled variant is left out: it spends a minute compiling on CPU, and its
+    # equality with the plain step is tests/test_ttt_loss.py's
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--out", str(out), "--keep-shard",
+                           "--variants", "plain,fused_loss"],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return json.loads((out / "gpu_check.json").read_text()), out, proc.stdout
@@ -38,11 +41,12 @@ def close(a: float, b: float) -> bool:
 def test_every_section_ran(run):
     result, out, stdout = run
     assert result["errors"] == {} and result["skipped"] == {}
-    assert set(result["sections"]) == {"extraction", "train_llama", "train_kimi", "disk"}
+    assert set(result["sections"]) == {"extraction", "train_llama", "train_kimi", "profile", "disk"}
     assert all(result["elapsed_s"][name] > 0 for name in result["sections"])
     assert result["torch"] and result["device"]
     md = (out / "gpu_check.md").read_text()
-    assert "| extraction / hooked forward | >= 0.8 |" in md
+    assert "| extraction / hooked forward (tiny-llama target, one shard written) | >= 0.85 |" in md
+    assert "| fused_loss |" in md and "| category | ms a step | share |" in md
     assert "gpu_check on" in stdout  # timestamped progress lines
 
 
@@ -51,7 +55,8 @@ def test_extraction_rates_and_shard(run):
     ext = result["sections"]["extraction"]
     tokens = ext["tokens"]
     assert tokens == ext["samples"] * ext["sample_len"] > 0
-    for kind in ("plain_forward", "hooked_forward", "extraction", "shards_in_one_job"):
+    for kind in ("plain_forward", "hooked_forward", "extraction", "shards_in_one_job",
+                 "extraction_not_overlapped"):
         assert ext[f"{kind}_s"] > 0
         assert close(ext[f"{kind}_tokens_per_s"], tokens / ext[f"{kind}_s"])
     assert close(ext["shards_in_one_job_over_forward"],
@@ -63,6 +68,8 @@ def test_extraction_rates_and_shard(run):
                  ext["extraction_tokens_per_s"] / ext["hooked_forward_tokens_per_s"])
     assert close(ext["extraction_over_plain_forward"],
                  ext["extraction_tokens_per_s"] / ext["plain_forward_tokens_per_s"])
+    assert close(ext["extraction_not_overlapped_over_forward"],
+                 ext["extraction_not_overlapped_tokens_per_s"] / ext["hooked_forward_tokens_per_s"])
     shard = shards.load(out / "gpu_check_shard.safetensors", ext["shard_sha256"])
     assert shard.num_tokens == tokens == ext["shard_tokens_in_file"]
     assert shard.num_samples == ext["samples"]
@@ -87,6 +94,20 @@ def test_training_rates(run, section):
     assert all(loss == loss and loss > 0 for loss in train["losses"])  # finite, steps ran
     if section == "train_llama":
         assert close(train["over_naive_anchor"], train["tokens_per_s"] / 17_000)
+    # every variant from the same weights over the same batches: the same losses
+    variants = train["variants"]
+    assert list(variants) == ["plain", "fused_loss"] and train["variant"] == "fused_loss"
+    assert variants["fused_loss"]["max_loss_rel_diff"] < 1e-5
+    assert close(variants["fused_loss"]["over_plain"],
+                 variants["fused_loss"]["tokens_per_s"] / variants["plain"]["tokens_per_s"])
+
+
+def test_profile_accounts_for_the_step(run):
+    result, _, _ = run
+    p = result["sections"]["profile"]
+    assert p["variant"] == "fused_loss" and p["kernels"] > 0
+    assert sum(c["share"] for c in p["by_category"].values()) == pytest.approx(1.0)
+    assert p["top"] and all(t["ms_per_step"] > 0 for t in p["top"])
 
 
 def test_disk_rates(run):
@@ -94,7 +115,8 @@ def test_disk_rates(run):
     d = result["sections"]["disk"]
     assert d["bytes"] >= result["sizes"]["disk_bytes"] * 0.99
     for kind in ("shard", "plain"):
-        assert close(d[f"{kind}_write_gb_per_s"], d["bytes"] / d[f"{kind}_write_s"] / 1e9)
+        assert close(d[f"{kind}_write_gb_per_s"], d[f"{kind}_bytes" if kind == "plain" else "bytes"]
+                     / d[f"{kind}_write_s"] / 1e9)
     assert close(d["shard_over_plain"], d["shard_write_gb_per_s"] / d["plain_write_gb_per_s"])
 
 

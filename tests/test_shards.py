@@ -10,6 +10,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -46,6 +47,14 @@ def write(tmp_path, tensors, dtype, name="shard_00000.safetensors", sample_ids=N
     shards.write(path, *tensors, sample_ids=sample_ids, aux_layer_ids=aux_ids, dtype=dtype,
                  target=target)
     return path, path.read_bytes()
+
+
+def reference_digest(data: bytes) -> str:
+    """The block digest by its definition: sha256 over the sha256s of the 8 MiB blocks."""
+    block = 8 << 20
+    digests = b"".join(hashlib.sha256(data[i:i + block]).digest()
+                       for i in range(0, len(data), block))
+    return "sha256-8MiB-blocks:" + hashlib.sha256(digests).hexdigest()
 
 
 def tensor_bytes(data: bytes) -> int:
@@ -348,7 +357,7 @@ def test_writer_returns_the_file_hash_and_size(tmp_path, dtype, source):
     written = shards.write(path, *tensors, sample_ids=ODD_IDS, aux_layer_ids=AUX_IDS,
                            dtype=dtype, target=TARGET, chunk_bytes=256)  # many row blocks
     data = path.read_bytes()
-    assert written.sha256 == hashlib.sha256(data).hexdigest() == shards.sha256_path(path)
+    assert written.sha256 == reference_digest(data) == shards.digest_path(path)
     assert written.bytes == len(data)
     assert [p.name for p in tmp_path.iterdir()] == ["shard.safetensors"]  # no temporary left
 
@@ -396,7 +405,7 @@ def test_writer_bytes_equal_safetensors_save(tmp_path, dtype, chunk_bytes):
                                aux_layer_ids=AUX_IDS, dtype=dtype, target=TARGET,
                                chunk_bytes=chunk_bytes)
         assert path.read_bytes() == want
-        assert written.sha256 == hashlib.sha256(want).hexdigest()
+        assert written.sha256 == reference_digest(want)
 
 
 def test_writer_rejects_mismatched_row_pieces(tmp_path):
@@ -452,7 +461,7 @@ def test_mapped_shard_converts_to_what_the_eager_load_gives(tmp_path, dtype):
     rows, gives the very float32 values load gives for those rows."""
     lengths = [5, 9, 1, 12]
     path, _ = write(tmp_path, packed(lengths, hidden=16, seed=4), dtype)
-    written = shards.sha256_path(path)
+    written = shards.digest_path(path)
     eager, mapped = shards.load(path, written), shards.open_mapped(path, written)
     stored = shards.STORAGE_DTYPES[dtype]
     assert mapped.aux_hidden.dtype == mapped.final_hidden.dtype == stored
@@ -481,10 +490,12 @@ def test_mapped_shard_writes_stay_in_the_process(tmp_path):
     assert path.read_bytes() == data
 
 
+@pytest.mark.parametrize("scheme", ["blocks", "plain sha256 of an earlier eaglet"])
 @pytest.mark.parametrize("damage", ["bit flip", "truncated", "truncated header"])
-def test_mapped_shard_refuses_damaged_bytes_by_name(tmp_path, damage):
+def test_mapped_shard_refuses_damaged_bytes_by_name(tmp_path, damage, scheme):
     path, data = write(tmp_path, packed([6, 7, 8], hidden=16, seed=9), "bfloat16")
-    recorded = hashlib.sha256(data).hexdigest()
+    recorded = reference_digest(data) if scheme == "blocks" else hashlib.sha256(data).hexdigest()
+    assert shards.open_mapped(path, recorded).num_samples == 3  # whole: accepted
     if damage == "bit flip":
         broken = bytearray(data)
         broken[len(data) // 2] ^= 0x10
@@ -496,3 +507,78 @@ def test_mapped_shard_refuses_damaged_bytes_by_name(tmp_path, damage):
     if damage != "bit flip":  # without the hash, the file's own structure gives it away
         with pytest.raises(shards.ShardDamaged, match=rf"{path} is damaged: it cannot be read"):
             shards.open_mapped(path)
+
+
+# -- the file written in any order -----------------------------------------------------------
+
+def shard_file_fields(rows: int, width: int) -> list:
+    return [shards.Field("a", torch.bfloat16, (rows, width)), shards.Field("b", torch.int64, (rows,))]
+
+
+def test_rows_written_in_any_order_from_several_threads_make_one_file(tmp_path):
+    """A file of several digest blocks whose rows arrive out of order, from threads at once,
+    is the file written front to back, with the digest of its bytes."""
+    rows, width = 3000, 3072  # bf16: 18 MB of rows, two blocks and a part
+    g = torch.Generator().manual_seed(5)
+    a = torch.randn(rows, width, generator=g).bfloat16()
+    b = torch.randint(0, 1 << 40, (rows,), generator=g)
+    fields, meta = shard_file_fields(rows, width), {"format": "test"}
+    in_order = shards.ShardFile(tmp_path / "x.safetensors", fields, meta)
+    in_order.write("b", 0, b)
+    in_order.write("a", 0, a)
+    want = in_order.close()
+    pieces = torch.randperm(rows, generator=g)[:29].sort().values.tolist()
+    spans = list(zip([0, *pieces], [*pieces, rows]))
+    order = torch.randperm(len(spans), generator=g).tolist()
+    out = shards.ShardFile(tmp_path / "y.safetensors", fields, meta)
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda i: out.write("a", spans[i][0], a[spans[i][0]:spans[i][1]]), order))
+    out.write("b", 0, b)
+    got = out.close()
+    data = (tmp_path / "y.safetensors").read_bytes()
+    assert data == (tmp_path / "x.safetensors").read_bytes() and len(data) > 2 * (8 << 20)
+    assert got == want and got.sha256 == reference_digest(data) and got.bytes == len(data)
+    assert shards.digest_path(tmp_path / "y.safetensors", threads=1) == got.sha256
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.safetensors", "y.safetensors"]
+
+
+def test_a_file_with_rows_never_written_is_refused_and_left_no_trace(tmp_path):
+    fields = shard_file_fields(100, 8)
+    out = shards.ShardFile(tmp_path / "x.safetensors", fields, {"format": "test"})
+    out.write("a", 0, torch.zeros(60, 8, dtype=torch.bfloat16))
+    out.write("b", 0, torch.zeros(100, dtype=torch.int64))
+    with pytest.raises(ValueError, match="never written"):
+        out.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_rows_written_twice_or_off_the_field_are_refused(tmp_path):
+    with shards.ShardFile(tmp_path / "x.safetensors", shard_file_fields(10, 8), {}) as out:
+        out.write("a", 0, torch.zeros(6, 8, dtype=torch.bfloat16))
+        with pytest.raises(ValueError, match="written twice"):
+            out.write("a", 5, torch.zeros(2, 8, dtype=torch.bfloat16))
+        with pytest.raises(ValueError, match="outside"):
+            out.write("a", 8, torch.zeros(3, 8, dtype=torch.bfloat16))
+        with pytest.raises(ValueError, match="stores"):
+            out.write("a", 0, torch.zeros(1, 8, dtype=torch.float32))
+        out.abort()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_exception_inside_the_writer_removes_its_temporary_file(tmp_path):
+    with pytest.raises(RuntimeError, match="stop"):
+        with shards.ShardFile(tmp_path / "x.safetensors", shard_file_fields(10, 8), {}) as out:
+            out.write("a", 0, torch.zeros(10, 8, dtype=torch.bfloat16))
+            raise RuntimeError("stop")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_digests_of_bytes_and_of_files_agree_across_block_edges(tmp_path):
+    for size in (0, 1, (8 << 20) - 1, 8 << 20, (8 << 20) + 1, 3 * (8 << 20) + 77):
+        data = bytes(range(256)) * (size // 256) + bytes(size % 256)
+        path = tmp_path / f"f{size}"
+        path.write_bytes(data)
+        assert shards.digest_bytes(data) == shards.digest_path(path) == reference_digest(data) \
+            if size else shards.digest_bytes(data) == shards.digest_path(path)
+        assert shards.digest_matches(shards.digest_path(path), path=path) == (True, shards.digest_path(path))
+        assert shards.digest_matches(hashlib.sha256(data).hexdigest(), data=data)[0]

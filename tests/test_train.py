@@ -387,7 +387,7 @@ def hidden_dir(world, tmp: Path) -> tuple[list[str], list[str], str]:
         dst.write_bytes(Path(src).read_bytes())
         paths.append(str(dst))
     listing = {key: [{"file": Path(p).relative_to(hidden).as_posix(),
-                      "sha256": shards.sha256_path(p)} for p in paths]
+                      "sha256": shards.digest_path(p)} for p in paths]
                for key, paths in (("shards", train_paths), ("eval_shards", eval_paths))}
     (hidden / "manifest.json").write_text(json.dumps(listing))
     return train_paths, eval_paths, str(hidden / "manifest.json")

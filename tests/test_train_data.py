@@ -87,8 +87,8 @@ def test_mapped_samples_give_the_batches_of_the_eager_load(shard_set):
 
 def test_a_shard_is_hashed_once_unless_its_file_changes(shard_set, monkeypatch):
     hashed = []
-    real = shards.sha256_path
-    monkeypatch.setattr(shards, "sha256_path", lambda p: hashed.append(p) or real(p))
+    real = shards.digest_path
+    monkeypatch.setattr(shards, "digest_path", lambda p, threads=None: hashed.append(p) or real(p))
     samples = Samples(shard_set, keep=1)
     for _ in range(3):  # every shard evicted and mapped again each round
         for number in range(len(shard_set)):

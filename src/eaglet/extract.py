@@ -17,10 +17,12 @@ shards of either backend; the checks and the shard write both backends share are
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import queue
+import threading
 import time
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,10 +30,12 @@ from pathlib import Path
 import torch
 
 from eaglet import rates, shards
-from eaglet.extract_common import (BACKEND_ENGINES, TORCH_DTYPES, ExtractionError, Target,
-                                   check_disk, enforce_agreement, estimate_bytes, pick_device,
-                                   resolve_aux_layer_ids, shard_problem, shard_records,
-                                   shard_states, target_identity, write_shard)
+from eaglet.extract_common import (BACKEND_ENGINES, TORCH_DTYPES, ExtractionError, ShardStates,
+                                   Target, TeacherHead, check_disk, enforce_agreement,
+                                   estimate_bytes, packed_sequences, pick_device,
+                                   predicting_rows, record_shard, resolve_aux_layer_ids,
+                                   sequence, shard_problem, shard_records, target_identity,
+                                   teacher_check)
 from eaglet.io import read_json, read_jsonl, write_json
 from eaglet.progress import Progress
 
@@ -112,22 +116,20 @@ def load_target(path: str, dtype: str, device: str = "auto",
                   lm_head.shape[0])
 
 
-def right_padded(seqs: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Input ids [B, T] (padded with 0 on the right) and their attention mask. On a GPU they
-    are built in pinned memory and sent without blocking: a copy from pageable memory would
-    wait for the forward pass still running."""
-    ids, attention = _to_device(_padded_host(seqs), device)
-    return ids, attention
+def right_padded(seqs: list[list[int]], device: torch.device) -> torch.Tensor:
+    """Input ids [B, T], padded with 0 on the right. On a GPU they are built in pinned memory
+    and sent without blocking: a copy from pageable memory would wait for the forward pass
+    still running. No attention mask goes with them: attention is causal, so a real token
+    never sees the padding after it, and the padding's own states are dropped."""
+    return _to_device([_padded_host(seqs)], device)[0]
 
 
-def _padded_host(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+def _padded_host(seqs: list[list[int]]) -> torch.Tensor:
     longest = max(len(s) for s in seqs)
     ids = torch.zeros(len(seqs), longest, dtype=torch.long)
-    attention = torch.zeros(len(seqs), longest, dtype=torch.long)
     for row, s in enumerate(seqs):
         ids[row, :len(s)] = torch.tensor(s)
-        attention[row, :len(s)] = 1
-    return ids, attention
+    return ids
 
 
 def _to_device(tensors, device: torch.device) -> list[torch.Tensor]:
@@ -144,160 +146,295 @@ def packed_rows(lengths: list[int], longest: int) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def forward_packed(target: Target, capture: AuxCapture, seqs: list[list[int]]) -> torch.Tensor:
-    """The states of one right-padded batch, packed on the device without padding: one
-    [sum L, 4H] tensor, the 3 aux states then the final-norm state of each row, sample after
-    sample. Nothing here waits for the device (the padding is dropped by a gather whose
-    indices are known on the host, not by a mask), so the next batch can be queued while
-    this one runs and is copied. (transformers itself still reads one flag of the mask
-    back before the first layer, so the host does not run more than a batch ahead.)"""
+def forward_batch(target: Target, capture: AuxCapture, seqs: list[list[int]]
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The aux states [sum L, 3H] and final-norm states [sum L, H] of one right-padded batch,
+    each packed on the device without padding, sample after sample. Nothing here waits for
+    the device: the padding is dropped by a gather whose indices the host knows, and no
+    attention mask is passed (so transformers has no mask to inspect), so the host queues
+    the next batch while this one runs."""
     lengths = [len(s) for s in seqs]
-    ids, attention, rows = _to_device([*_padded_host(seqs), packed_rows(lengths, max(lengths))],
-                                      target.device)
-    out = target.model.get_decoder()(input_ids=ids, attention_mask=attention, use_cache=False)
+    ids, rows = _to_device([_padded_host(seqs), packed_rows(lengths, max(lengths))],
+                           target.device)
+    out = target.model.get_decoder()(input_ids=ids, use_cache=False)
     final = out.last_hidden_state                        # [B, T, H], after the final norm
-    parts = [*capture.take(), final]                     # 3 aux states, then the final one
+    parts = capture.take()                               # the 3 aux states
     hidden = final.shape[-1]
-    packed = torch.empty(rows.numel(), len(parts) * hidden, dtype=final.dtype, device=final.device)
+    aux = torch.empty(rows.numel(), len(parts) * hidden, dtype=final.dtype, device=final.device)
     index = {rows.device: rows}
-    for k, part in enumerate(parts):  # on a sharded target the parts lie on several devices
+
+    def gather(part: torch.Tensor) -> torch.Tensor:  # a sharded target's parts lie on several devices
         if part.device not in index:
             index[part.device] = rows.to(part.device, non_blocking=True)
-        packed[:, k * hidden:(k + 1) * hidden] = part.reshape(-1, hidden)[index[part.device]]
-    return packed
+        return part.reshape(-1, hidden)[index[part.device]]
+
+    for k, part in enumerate(parts):
+        aux[:, k * hidden:(k + 1) * hidden] = gather(part)
+    return aux, gather(final)
 
 
-def forward_batch(target: Target, capture: AuxCapture, seqs: list[list[int]]):
-    """Aux states [sum L, 3H] and final-norm states [sum L, H] of a right-padded batch,
-    with the padding dropped again (on the device)."""
-    packed = forward_packed(target, capture, seqs)
-    aux_width = packed.shape[1] - target.hidden_size
-    return packed[:, :aux_width], packed[:, aux_width:]
+def stored_states(aux: torch.Tensor, final: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
+    """A batch's states as the shard stores them (cast, or quantized to fp8 with their
+    scales), on the device they were computed on: the shard's fields by name."""
+    if dtype == "fp8":
+        aux_q, aux_scale = shards.quantize_fp8(aux, aux.shape[1] // final.shape[1])
+        final_q, final_scale = shards.quantize_fp8(final, 1)
+        return {"aux_hidden": aux_q, "aux_scale": aux_scale, "final_hidden": final_q,
+                "final_scale": final_scale}
+    stored = shards.STORAGE_DTYPES[dtype]
+    return {"aux_hidden": aux.to(stored), "final_hidden": final.to(stored)}
 
 
-class HostCopies:
-    """Packed batch states brought to the host while the device runs the next batch.
+class BatchWriter:
+    """Writes each batch's stored states (and its teacher) into the shard file from a thread
+    of its own, while the device runs the next batch.
 
-    :meth:`put` starts the copy of one batch's packed states ([rows, W] on the device) and
-    hands back, oldest first, the batches whose host copy is complete, keeping at most
-    ``depth`` copies in flight. On a GPU each copy is one non-blocking device-to-host copy
-    into one of ``depth`` pinned staging buffers, on a side stream that waits (by an event)
-    for the forward that made the states; the host waits for that copy's own event only
-    when it takes the batch, then splits it into ordinary memory, so the staging buffer
-    serves the next batch and nothing pinned outlives the job. Elsewhere (``staged`` False,
-    the default off a GPU) the packed tensor is already on the host and is split as it is.
+    :meth:`put` takes one batch's tensors (a dict by shard field, rows packed sample after
+    sample) and where each of its samples goes in the shard. ``staged`` (the default on a
+    GPU): the tensors are copied, without blocking, into one of ``depth`` page-locked host
+    buffers on a side stream that waits for the forward that made them; the thread waits for
+    that copy, writes the rows at their places in the file and frees the buffer, so at most
+    ``depth`` batches are in flight and nothing pinned outlives the shard. Unstaged (CPU),
+    the thread writes the tensors as they are. ``teacher_argmax``/``teacher_logprob`` are not
+    written but gathered into :attr:`argmax`/:attr:`logprob` (the shard's rows [N]), which
+    the caller writes once every batch is in. The first error in the thread is raised by the
+    next :meth:`put` or by :meth:`finish`. ``overlap`` False writes each batch in :meth:`put`
+    itself, the device waiting meanwhile (what the thread buys, for benchmarks)."""
 
-    A taken batch is ``(tag, aux, final)``: ``aux`` its first ``aux_width`` columns
-    [rows, 3H] and ``final`` the rest [rows, H], each a new contiguous tensor in the states'
-    dtype (never a view of a staging buffer)."""
+    TEACHER = ("teacher_argmax", "teacher_logprob")
 
-    def __init__(self, capacity_rows: int, width: int, aux_width: int, dtype: torch.dtype,
-                 device: torch.device, depth: int = 2, staged: bool | None = None):
+    def __init__(self, out: shards.ShardFile, num_rows: int, capacity_rows: int,
+                 device: torch.device, depth: int = 2, staged: bool | None = None,
+                 done=None, overlap: bool = True):
         if depth < 1:
             raise ValueError(f"depth must be at least 1, got {depth}")
-        self.aux_width = aux_width
+        self.out, self.capacity, self.done = out, capacity_rows, done
         self.cuda = device.type == "cuda"
         self.staged = self.cuda if staged is None else staged
-        self.depth = depth
         self.stream = torch.cuda.Stream(device) if self.cuda else None
-        self.slots = [torch.empty(capacity_rows, width, dtype=dtype, pin_memory=self.cuda)
-                      for _ in range(depth)] if self.staged else []
-        self.free = list(range(len(self.slots)))
-        self.pending: deque = deque()
+        self.argmax = torch.full((num_rows,), -1, dtype=torch.int64)
+        self.logprob = torch.full((num_rows,), float("nan"), dtype=torch.float32)
+        self.slots: list[dict[str, torch.Tensor]] = [{} for _ in range(depth)] if self.staged else []
+        self.free: queue.Queue = queue.Queue()
+        for slot in range(len(self.slots)):
+            self.free.put(slot)
+        self.work: queue.Queue = queue.Queue(maxsize=depth)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="shard-writer", daemon=True)
+        self.overlap = overlap
+        if overlap:
+            self.thread.start()
 
-    def put(self, packed: torch.Tensor, tag) -> list[tuple]:
-        taken = []
-        while len(self.pending) >= self.depth:  # only with depth 1: room for this one first
-            taken.append(self._take())
+    def put(self, tensors: dict[str, torch.Tensor], places: list[tuple[int, int, int]],
+            teacher_rows: torch.Tensor, info=None) -> None:
+        """One batch: ``places`` (shard row, first row in the batch, rows) per sample;
+        ``teacher_rows`` the shard rows of the teacher's values, in their order."""
+        self._raise()
         if not self.staged:
-            self.pending.append((tag, packed, None, None, None))
-        else:
-            slot = self.free.pop()
-            host = self.slots[slot][:packed.shape[0]]
-            event = None
+            self._queue((tensors, None, None, places, teacher_rows, info))
+            return
+        slot = self._take_slot()
+        host = self.slots[slot]
+        event = None
+        if self.cuda:
+            made = torch.cuda.Event()
+            made.record(torch.cuda.current_stream(next(iter(tensors.values())).device))
+            self.stream.wait_event(made)
+        with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
+            for name, t in tensors.items():
+                if name not in host:
+                    rows = self.capacity
+                    host[name] = torch.empty((rows, *t.shape[1:]), dtype=t.dtype, pin_memory=self.cuda)
+                host[name][:t.shape[0]].copy_(t, non_blocking=self.cuda)
             if self.cuda:
-                made = torch.cuda.Event()
-                made.record(torch.cuda.current_stream(packed.device))
-                self.stream.wait_event(made)
-                with torch.cuda.stream(self.stream):
-                    host.copy_(packed, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(self.stream)
-            else:
-                host.copy_(packed)
-            # the device tensor is kept until its copy is done: then its memory may go
-            self.pending.append((tag, host, event, slot, packed))
-        while len(self.pending) >= self.depth:  # this batch is in flight: take older ones
-            taken.append(self._take())
-        return taken
+        # the device tensors are kept until their copy is done: then their memory may go
+        views = {name: host[name][:t.shape[0]] for name, t in tensors.items()}
+        self._queue((views, event, slot, places, teacher_rows, (info, tensors)))
 
-    def drain(self) -> list[tuple]:
-        """Every batch still in flight, oldest first."""
-        return [self._take() for _ in range(len(self.pending))]
+    def _take_slot(self) -> int:
+        while True:
+            try:
+                return self.free.get(timeout=0.5)
+            except queue.Empty:
+                self._raise()
 
-    def _take(self) -> tuple:
-        tag, host, event, slot, _ = self.pending.popleft()
-        if event is not None:
-            event.synchronize()
-        # copies: a one-row column slice is contiguous, and .contiguous() would keep the view
-        aux = host[:, :self.aux_width].clone(memory_format=torch.contiguous_format)
-        final = host[:, self.aux_width:].clone(memory_format=torch.contiguous_format)
-        if slot is not None:
-            self.free.append(slot)
-        return tag, aux, final
+    def _queue(self, item) -> None:
+        if not self.overlap:  # written here and now
+            self.work.put(item)
+            self.work.put(None)
+            self._run()
+            self._raise()
+            return
+        while True:
+            try:
+                self.work.put(item, timeout=0.5)
+                return
+            except queue.Full:
+                self._raise()
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def _run(self) -> None:
+        while (item := self.work.get()) is not None:
+            tensors, event, slot, places, teacher_rows, info = item
+            try:
+                if self.error is None:
+                    if event is not None:
+                        event.synchronize()
+                    self._write(tensors, places, teacher_rows)
+                    if self.done is not None:
+                        self.done(places, info)
+            except BaseException as error:  # kept for the caller; later batches are dropped
+                self.error = error
+            finally:
+                del tensors, info
+                if slot is not None:
+                    self.free.put(slot)
+
+    def _write(self, tensors: dict[str, torch.Tensor], places, teacher_rows) -> None:
+        for name, t in tensors.items():
+            if name in self.TEACHER:
+                continue
+            for row, start, count in places:
+                self.out.write(name, row, t[start:start + count])
+        if "teacher_argmax" in tensors and teacher_rows.numel():
+            self.argmax[teacher_rows] = tensors["teacher_argmax"]
+            self.logprob[teacher_rows] = tensors["teacher_logprob"]
+
+    def finish(self) -> None:
+        """Wait for every batch put; raise the thread's error, if any."""
+        if self.overlap:
+            self.work.put(None)
+            self.thread.join()
+        self._raise()
 
 
-def hf_states(target: Target, records: list[dict], seqs: list[list[int]], cfg: dict,
-              aux_layer_ids: list[int], progress: Progress | None = None, depth: int = 2,
-              staged: bool | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Aux [L, 3H] and final-norm [L, H] states of every sequence, from the target loaded by
-    transformers (the ``hf`` backend), in token-budget batches. Each batch is packed on the
-    device and copied to the host (:class:`HostCopies`, ``depth`` batches in flight) while
-    the next one runs; a sequence's states are row blocks (views) of its batch's host copy."""
-    lengths = [len(s) for s in seqs]
-    aux_rows: list[torch.Tensor | None] = [None] * len(seqs)
-    final_rows: list[torch.Tensor | None] = [None] * len(seqs)
-    batches = token_budget_batches(lengths, cfg["batch_tokens"])
-    capacity = max(sum(lengths[i] for i in batch) for batch in batches)
-    copies = None
-    capture = AuxCapture(decoder_layers(target.model), aux_layer_ids)
+def plan_shard(records: list[dict], max_len: int) -> ShardStates:
+    """A shard's sequences (cut at ``max_len``), before any state is computed."""
+    seqs, masks, truncated = [], [], 0
+    for record in records:
+        ids, mask, cut = sequence(record, max_len)
+        seqs.append(ids)
+        masks.append(mask)
+        truncated += cut
+    return ShardStates(records, seqs, masks, truncated, [], [], time.monotonic())
 
-    def keep(taken):
-        for batch, aux, final in taken:
-            start = 0
-            for i in batch:
-                aux_rows[i] = aux[start:start + lengths[i]]
-                final_rows[i] = final[start:start + lengths[i]]
-                start += lengths[i]
-            if progress is not None:
-                progress.advance(done=len(batch), tokens=start)
 
+@dataclass
+class OpenShard:
+    """A shard whose states are all computed and on their way to disk: what
+    :func:`finish_shard` checks, closes and records."""
+
+    plan: ShardStates
+    out: shards.ShardFile
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    offsets: torch.Tensor
+    argmax: torch.Tensor
+    logprob: torch.Tensor
+
+
+def stream_shard(target: Target, records: list[dict], cfg: dict, aux_layer_ids: list[int],
+                 identity: dict, shard_path: str | os.PathLike,
+                 progress: Progress | None = None, depth: int = 2,
+                 staged: bool | None = None, overlap: bool = True) -> OpenShard:
+    """Run the target over one shard's sequences and stream their states into the shard file.
+
+    Batches run longest first (token-budget batches); each batch's states are cast (or
+    quantized) to the storage dtype and the teacher check's full-vocabulary head is applied to
+    its stored final states on the device, then a :class:`BatchWriter` copies them to the host
+    and writes every sample's rows at its place in the file while the next batch runs, and the
+    file is digested block by block as its blocks fill (:class:`eaglet.shards.ShardFile`).
+    Returns the shard with every state written; :func:`finish_shard` closes it."""
+    plan = plan_shard(records, cfg["max_len"])
+    input_ids, loss_mask, offsets = packed_sequences(plan.seqs, plan.masks)
+    predicting = predicting_rows(loss_mask, offsets)
+    next_ids = torch.roll(input_ids, -1)
+    lengths = [len(s) for s in plan.seqs]
+    starts = offsets[:-1].tolist()
+    fields = [*shards.state_fields(len(input_ids), target.hidden_size, len(aux_layer_ids),
+                                   cfg["dtype"]),
+              shards.Field("offsets", torch.int64, (offsets.numel(),))]
+    metadata = shards.shard_metadata(cfg["dtype"], target.hidden_size, aux_layer_ids,
+                                     [r["id"] for r in records], identity)
+    out = shards.ShardFile(shard_path, fields, metadata)
     try:
-        for batch in batches:
-            packed = forward_packed(target, capture, [seqs[i] for i in batch])
-            if copies is None:  # the states' width, dtype and device are known now
-                copies = HostCopies(capacity, packed.shape[1], packed.shape[1] - target.hidden_size,
-                                    packed.dtype, packed.device, depth=depth, staged=staged)
-            keep(copies.put(packed, batch))
-            del packed
-        if copies is not None:
-            keep(copies.drain())
-    finally:
-        capture.close()
-    return aux_rows, final_rows
+        batches = token_budget_batches(lengths, cfg["batch_tokens"])
+        capacity = max((sum(lengths[i] for i in b) for b in batches), default=1)
+
+        def advanced(places, info):
+            if progress is not None:
+                progress.advance(done=len(places), tokens=sum(n for _, _, n in places))
+
+        writer = BatchWriter(out, len(input_ids), capacity, target.device, depth, staged,
+                             done=advanced, overlap=overlap)
+        head = TeacherHead(target.lm_head)
+        capture = AuxCapture(decoder_layers(target.model), aux_layer_ids)
+        try:
+            for batch in batches:
+                aux, final = forward_batch(target, capture, [plan.seqs[i] for i in batch])
+                tensors = stored_states(aux, final, cfg["dtype"])
+                del aux, final
+                # the teacher as training will see it: from the stored final states
+                shard_rows = torch.cat([torch.arange(starts[i], starts[i] + lengths[i])
+                                        for i in batch])
+                local = predicting[shard_rows].nonzero().squeeze(1)
+                stored_final = shards.to_float(tensors["final_hidden"], tensors.get("final_scale"))
+                index, predicted = _to_device([local, next_ids[shard_rows[local]]],
+                                              stored_final.device)
+                tensors["teacher_argmax"], tensors["teacher_logprob"] = head.on_device(
+                    stored_final[index], predicted)
+                del stored_final
+                places, at = [], 0
+                for i in batch:
+                    places.append((starts[i], at, lengths[i]))
+                    at += lengths[i]
+                writer.put(tensors, places, shard_rows[local])
+                del tensors
+        finally:
+            capture.close()
+            writer.finish()
+        return OpenShard(plan, out, input_ids, loss_mask, offsets, writer.argmax, writer.logprob)
+    except BaseException:
+        out.abort()
+        raise
+
+
+def finish_shard(target: Target, shard: OpenShard, cfg: dict, aux_layer_ids: list[int],
+                 identity: dict, shard_path: str | os.PathLike, meta_path: str | os.PathLike,
+                 backend: str = "hf") -> dict:
+    """Write a streamed shard's token ids, masks, offsets and teacher, check the teacher,
+    close the file (digest, fsync, rename) and write its sidecar JSON; raise below the
+    teacher-agreement threshold (the shard stays, as :func:`write_shard` leaves it)."""
+    out = shard.out
+    try:
+        out.write("input_ids", 0, shard.input_ids)
+        out.write("loss_mask", 0, shard.loss_mask)
+        out.write("offsets", 0, shard.offsets)
+        out.write("teacher_argmax", 0, shard.argmax)
+        check = teacher_check(shard.plan.records, shard.input_ids, shard.loss_mask, shard.offsets,
+                              shard.argmax, shard.logprob)
+        written = out.close()
+    except BaseException:
+        out.abort()
+        raise
+    return record_shard(target.hidden_size, shard.plan.records, shard.plan.truncated,
+                        shard.input_ids, shard.loss_mask, written, check, cfg, aux_layer_ids,
+                        identity, shard_path, meta_path, backend, shard.plan.started)
 
 
 def extract_shard(target: Target, records: list[dict], cfg: dict, aux_layer_ids: list[int],
                   identity: dict, shard_path: str | os.PathLike, meta_path: str | os.PathLike,
-                  progress: Progress | None = None, states=hf_states,
-                  backend: str = "hf") -> dict:
-    """Extract one shard and its sidecar JSON; raise below the teacher-agreement threshold.
-
-    ``states(target, records, seqs, cfg, aux_layer_ids, progress)`` computes the aux and
-    final states of each sequence (:func:`hf_states`, or the vLLM backend's); ``target``
-    needs only its lm_head and device for the teacher check."""
-    got = shard_states(target, records, cfg, aux_layer_ids, progress, states)
-    return write_shard(target, got, cfg, aux_layer_ids, identity, shard_path, meta_path, backend)
+                  progress: Progress | None = None, backend: str = "hf") -> dict:
+    """Extract one shard and its sidecar JSON (:func:`stream_shard`, :func:`finish_shard`);
+    raise below the teacher-agreement threshold."""
+    shard = stream_shard(target, records, cfg, aux_layer_ids, identity, shard_path, progress)
+    return finish_shard(target, shard, cfg, aux_layer_ids, identity, shard_path, meta_path,
+                        backend)
 
 
 # -- the stage -------------------------------------------------------------------------------
@@ -306,22 +443,22 @@ def extract_shards(target: Target, parts: list[tuple[list[dict], str | os.PathLi
                    cfg: dict, aux_layer_ids: list[int], identity: dict,
                    progress: Progress | None = None) -> list[dict]:
     """:func:`extract_shard` for each ``(records, shard_path, meta_path)`` of ``parts`` in
-    turn, with each shard's teacher check and write in a second thread while the next
-    shard's batches run: the device does not wait for the disk, and at most two shards'
-    states are on the host (the one being written, the one being extracted). The first
-    error raised is raised here, once the write in flight has ended."""
+    turn, each shard's last blocks digested, fsynced and recorded in a second thread while the
+    next shard's batches run (one shard finishing at a time). The first error raised is raised
+    here, once the shard finishing has ended."""
     metas: list[dict] = []
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer") as writer:
-        writing = None
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-finish") as finisher:
+        finishing = None
         for records, shard_path, meta_path in parts:
-            got = shard_states(target, records, cfg, aux_layer_ids, progress, hf_states)
-            if writing is not None:
-                metas.append(writing.result())  # bounded: one shard written at a time
-            writing = writer.submit(write_shard, target, got, cfg, aux_layer_ids, identity,
-                                    shard_path, meta_path)
-            del got
-        if writing is not None:
-            metas.append(writing.result())
+            shard = stream_shard(target, records, cfg, aux_layer_ids, identity, shard_path,
+                                 progress)
+            if finishing is not None:
+                metas.append(finishing.result())
+            finishing = finisher.submit(finish_shard, target, shard, cfg, aux_layer_ids,
+                                        identity, shard_path, meta_path)
+            del shard
+        if finishing is not None:
+            metas.append(finishing.result())
     return metas
 
 

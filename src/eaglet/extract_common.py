@@ -128,17 +128,29 @@ class TeacherHead:
         return argmax, logprob
 
     @torch.inference_mode()
+    def on_device(self, final_stored: torch.Tensor, next_ids: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The argmax and next-token log-probability of every row [N], left on the head's
+        device (nothing waits for it): extraction copies them to the host with the states."""
+        parts = [self.product(final_stored[at:at + self.chunk], next_ids[at:at + self.chunk])
+                 for at in range(0, final_stored.shape[0], self.chunk)]
+        if not parts:
+            return (torch.empty(0, dtype=torch.int64, device=self.weight.device),
+                    torch.empty(0, dtype=torch.float32, device=self.weight.device))
+        return torch.cat([a for a, _ in parts]), torch.cat([b for _, b in parts])
+
+    @torch.inference_mode()
     def product(self, final_stored: torch.Tensor, next_ids: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One chunk's product and reductions."""
+        """One chunk's product and reductions, on the head's device."""
         weight = self.weight
         logits_buf, logprobs_buf = self._buffers(final_stored.shape[0])
         h = final_stored.to(weight.device, weight.dtype)  # the lm_head's device when sharded
         logits = torch.matmul(h, weight.T, out=logits_buf).float()
-        argmax = logits.argmax(-1).cpu()
+        argmax = logits.argmax(-1)
         logprobs = torch.log_softmax(logits, -1, out=logprobs_buf)
         nxt = next_ids.to(weight.device)
-        return argmax, logprobs.gather(1, nxt[:, None]).squeeze(1).cpu()
+        return argmax, logprobs.gather(1, nxt[:, None]).squeeze(1)
 
 
 def teacher_from_stored(target: Target, final_stored: torch.Tensor, targets: torch.Tensor,
@@ -301,27 +313,23 @@ def shard_states(target: Target, records: list[dict], cfg: dict, aux_layer_ids: 
     return ShardStates(records, seqs, masks, truncated, aux_rows, final_rows, started)
 
 
-def write_shard(target: Target, got: ShardStates, cfg: dict, aux_layer_ids: list[int],
-                identity: dict, shard_path: str | os.PathLike, meta_path: str | os.PathLike,
-                backend: str = "hf", captured_during_generation: int = 0,
-                teacher: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict:
-    """Check the teacher of computed states, write the shard and its sidecar JSON; raise below
-    the teacher-agreement threshold. The sidecar says how the states were computed:
-    ``backend``, its engine and version, and how many samples' states generation's own
-    forward passes saved (``captured_during_generation``, vllm backend only). ``teacher``:
-    the shard's teacher argmax and log-probabilities as :class:`ShardTeacher` computed them
-    while the states came in; None: computed here."""
-    records, seqs = got.records, got.seqs
+def packed_sequences(seqs: list[list[int]], masks: list[list[int]]
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A shard's ``input_ids`` [N], ``loss_mask`` [N] and ``offsets`` [n + 1], packed end to
+    end in the order of ``seqs``."""
     lengths = [len(s) for s in seqs]
     input_ids = torch.tensor([t for s in seqs for t in s], dtype=torch.int64)
-    loss_mask = torch.tensor([m for ms in got.masks for m in ms], dtype=torch.uint8)
-    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
+    loss_mask = torch.tensor([m for ms in masks for m in ms], dtype=torch.uint8)
+    offsets = torch.tensor([0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()],
+                           dtype=torch.int64)
+    return input_ids, loss_mask, offsets
+
+
+def teacher_check(records: list[dict], input_ids: torch.Tensor, loss_mask: torch.Tensor,
+                  offsets: torch.Tensor, teacher_argmax: torch.Tensor,
+                  next_logprob: torch.Tensor) -> dict:
+    """The teacher's agreement with the target's own answers, and the recorded answers' apart."""
     rows = predicting_rows(loss_mask, offsets)
-    if teacher is None:  # the teacher as training will see it: after the storage cast
-        stored_final = _round_trip(torch.cat(got.final_rows), cfg["dtype"])
-        teacher = teacher_from_stored(target, stored_final, torch.roll(input_ids, -1), rows)
-        del stored_final
-    teacher_argmax, next_logprob = teacher
     generated = generated_rows(records, offsets, rows)
     check = agreement(records, input_ids, generated, offsets, teacher_argmax, next_logprob)
     if any(map(recorded_answer, records)):  # how far the recorded answers are from the target
@@ -329,19 +337,26 @@ def write_shard(target: Target, got: ShardStates, cfg: dict, aux_layer_ids: list
                           next_logprob, worst=0)
         check["recorded_answers"] = {k: other[k] for k in ("positions", "agreement",
                                                            "mean_logprob")}
+    return check
 
-    # the states are written from their rows as they are (no concatenated copy)
-    written = shards.write(shard_path, input_ids, loss_mask, offsets, teacher_argmax, got.aux_rows,
-                           got.final_rows, sample_ids=[r["id"] for r in records],
-                           aux_layer_ids=aux_layer_ids, dtype=cfg["dtype"], target=identity)
-    elapsed = time.monotonic() - got.started
-    tensor_bytes = input_ids.numel() * shards.bytes_per_token(target.hidden_size, 3, cfg["dtype"])
+
+def record_shard(hidden_size: int, records: list[dict], truncated: int, input_ids: torch.Tensor,
+                 loss_mask: torch.Tensor, written: shards.Written, check: dict, cfg: dict,
+                 aux_layer_ids: list[int], identity: dict, shard_path: str | os.PathLike,
+                 meta_path: str | os.PathLike, backend: str, started: float,
+                 captured_during_generation: int = 0) -> dict:
+    """Write a written shard's sidecar JSON, then raise below the teacher-agreement threshold.
+    The sidecar says how the states were computed: ``backend``, its engine and version, and how
+    many samples' states generation's own forward passes saved (``captured_during_generation``,
+    vllm backend only)."""
+    elapsed = time.monotonic() - started
     meta = {
         "file": Path(shard_path).name, "sha256": written.sha256, "bytes": written.bytes,
-        "tensor_bytes": tensor_bytes, "samples": [r["id"] for r in records],
+        "tensor_bytes": input_ids.numel() * shards.bytes_per_token(hidden_size, 3, cfg["dtype"]),
+        "samples": [r["id"] for r in records],
         "num_samples": len(records), "tokens": int(input_ids.numel()),
-        "loss_tokens": int(loss_mask.sum()), "truncated": got.truncated, "dtype": cfg["dtype"],
-        "aux_layer_ids": aux_layer_ids, "hidden_size": target.hidden_size, "target": identity,
+        "loss_tokens": int(loss_mask.sum()), "truncated": truncated, "dtype": cfg["dtype"],
+        "aux_layer_ids": aux_layer_ids, "hidden_size": hidden_size, "target": identity,
         "greedy": is_greedy(records), "teacher": check, "backend": backend, "elapsed_s": elapsed,
         "engine": engine_version(backend), "captured_during_generation": captured_during_generation,
         "recorded_answers": sum(map(recorded_answer, records)),
@@ -350,6 +365,31 @@ def write_shard(target: Target, got: ShardStates, cfg: dict, aux_layer_ids: list
     write_json(meta_path, meta)
     enforce_agreement(meta, cfg["min_teacher_agreement"])
     return meta
+
+
+def write_shard(target: Target, got: ShardStates, cfg: dict, aux_layer_ids: list[int],
+                identity: dict, shard_path: str | os.PathLike, meta_path: str | os.PathLike,
+                backend: str = "hf", captured_during_generation: int = 0,
+                teacher: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict:
+    """Check the teacher of computed states, write the shard and its sidecar JSON
+    (:func:`record_shard`); raise below the teacher-agreement threshold. ``teacher``: the
+    shard's teacher argmax and log-probabilities as :class:`ShardTeacher` computed them while
+    the states came in; None: computed here."""
+    input_ids, loss_mask, offsets = packed_sequences(got.seqs, got.masks)
+    if teacher is None:  # the teacher as training will see it: after the storage cast
+        stored_final = _round_trip(torch.cat(got.final_rows), cfg["dtype"])
+        teacher = teacher_from_stored(target, stored_final, torch.roll(input_ids, -1),
+                                      predicting_rows(loss_mask, offsets))
+        del stored_final
+    teacher_argmax, next_logprob = teacher
+    check = teacher_check(got.records, input_ids, loss_mask, offsets, teacher_argmax, next_logprob)
+    # the states are written from their rows as they are (no concatenated copy)
+    written = shards.write(shard_path, input_ids, loss_mask, offsets, teacher_argmax, got.aux_rows,
+                           got.final_rows, sample_ids=[r["id"] for r in got.records],
+                           aux_layer_ids=aux_layer_ids, dtype=cfg["dtype"], target=identity)
+    return record_shard(target.hidden_size, got.records, got.truncated, input_ids, loss_mask,
+                        written, check, cfg, aux_layer_ids, identity, shard_path, meta_path,
+                        backend, got.started, captured_during_generation)
 
 
 def _round_trip(x: torch.Tensor, dtype: str) -> torch.Tensor:
@@ -418,7 +458,7 @@ def shard_problem(meta_path: Path, shard_file: Path, expected: dict) -> str | No
         meta = read_json(meta_path)
     except ValueError:
         return f"its record {meta_path.name} is unreadable"
-    if shards.sha256_path(shard_file) != meta["sha256"]:
+    if not shards.digest_matches(meta["sha256"], path=shard_file)[0]:
         return "its sha256 does not match the one recorded at extraction (truncated or modified)"
     for key in ("aux_layer_ids", "dtype", "target"):
         if meta[key] != expected[key]:

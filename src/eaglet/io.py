@@ -24,7 +24,7 @@ def atomic_open(path: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's 0600 would outlive the rename
+        os.fchmod(fd, 0o666 & ~umask())  # mkstemp's 0600 would outlive the rename
         with os.fdopen(fd, mode) as handle:
             yield handle
             handle.flush()
@@ -35,7 +35,7 @@ def atomic_open(path: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
         raise
 
 
-def _umask() -> int:
+def umask() -> int:
     """The process umask (reading it means setting it; it is put back at once)."""
     mask = os.umask(0o022)
     os.umask(mask)

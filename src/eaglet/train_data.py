@@ -85,7 +85,7 @@ def index_shard(path: str, vocab_size: int, sha256: str | None = None) -> ShardI
     With ``sha256`` a shard that cannot be read, or whose check fails because its bytes
     changed since extraction, is refused as damaged."""
     def refuse(message: str) -> TrainError:
-        if sha256 is not None and shard_format.sha256_path(path) != sha256:
+        if sha256 is not None and not shard_format.digest_matches(sha256, path=path)[0]:
             return damaged(shard_format.ShardDamaged(
                 path, "its sha256 is not the one recorded at extraction (truncated or modified "
                       f"on disk; {message})"))
