@@ -9,4 +9,6 @@ run_stage("vocab_map", smk.log[0], lambda: build_vocab_map(
     read_jsonl(smk.input.data),
     vocab_size=load_text_config(read_target(smk.input.target)["path"])["vocab_size"],
     draft_vocab_size=smk.params.draft_vocab_size,
-    out_path=smk.output.map, stats_path=smk.output.stats))
+    out_path=smk.output.map, stats_path=smk.output.stats,
+    # a gate, not an input of the map: read from the config, so that changing it reruns nothing
+    min_coverage=smk.config["vocab"]["min_coverage"]))

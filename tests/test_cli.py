@@ -39,3 +39,48 @@ def test_the_usage_lists_what_each_command_accepts(command, capsys):
 def test_an_unknown_command_is_refused(capsys):
     assert main(["plna"]) == 2
     assert "unknown command 'plna'" in capsys.readouterr().err
+
+
+BAD_CONFIGS = {
+    "a missing file": (None, "config file {path} does not exist"),
+    "broken YAML": ("target: [1\n", "config file {path} is not valid YAML at line 2"),
+    "an invalid setting": ("target:\n  dtype: float64\n",
+                           "invalid configuration:\n  target.dtype: 'float64' is not one of"),
+    "not a mapping": ("- a\n- b\n", "config file {path} holds a list, not a mapping"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CONFIGS))
+@pytest.mark.parametrize("command", ["plan", "status", "rehearse"])
+def test_a_bad_config_is_said_in_one_message_never_a_traceback(command, case, tmp_path, capsys):
+    """`eaglet plan --config BAD`, `eaglet status --config BAD` and a ConfigError in `eaglet
+    rehearse` printed Python tracebacks. One name, --configfile, for all three (and
+    Snakemake); --config stays an alias."""
+    text, said = BAD_CONFIGS[case]
+    path = tmp_path / "run.yaml"
+    if text is not None:
+        path.write_text(text)
+    extra = ["--out", str(tmp_path / "rehearsal")] if command == "rehearse" else []
+    assert main([command, "--configfile", str(path), *extra]) == 2
+    captured = capsys.readouterr()
+    assert said.format(path=path) in captured.err
+    assert "Traceback" not in captured.err + captured.out
+
+
+def test_plan_reads_an_unprepared_targets_own_files_and_names_a_missing_directory(
+        tmp_path, capsys):
+    """eaglet plan refused a run whose target was not prepared yet (for a hub model that
+    means its weights), with a hint lacking --configfile: it plans from the target's config
+    files, as rehearse does; a local target.model that is no directory is said so."""
+    from pathlib import Path
+
+    standin = Path(__file__).parent / "standins" / "qwen3-8b"
+    config = tmp_path / "run.yaml"
+    config.write_text(f"results_dir: {tmp_path / 'results'}\ntarget: {{model: {standin}}}\n")
+    assert main(["plan", "--configfile", str(config)]) == 0
+    assert "hidden 4096, 36 layers, vocab 151936" in capsys.readouterr().out
+    config.write_text(f"results_dir: {tmp_path / 'results'}\n"
+                      f"target: {{model: {tmp_path / 'no' / 'such'}}}\n")
+    assert main(["plan", "--configfile", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "is a local path, and there is no directory there" in err and "hub" not in err

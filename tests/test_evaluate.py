@@ -438,6 +438,34 @@ def test_one_run_alone_sends_each_level_round_by_round_on_its_own_port(monkeypat
     assert machine.started_with[0]["kv_cache_gib"] == 0.25
 
 
+def test_the_stage_says_it_runs_while_its_first_servers_start(monkeypatch, tmp_path):
+    """Status read evaluate as pending for the minute its servers took to start: its progress
+    file came with the first measurement. It is there, with the phase, before any start."""
+    from eaglet import evaluate
+    from eaglet.config import validate
+    from eaglet.io import read_json, write_json
+
+    machine = priced_machine(monkeypatch, {"baseline": {1: 6.0}, "eagle3_k3": {1: 5.0}})
+    seen = []
+    start = machine.start
+
+    def starting(cfg, target_path, placed, log_dir):
+        seen.append(read_json(tmp_path / "progress.json"))
+        return start(cfg, target_path, placed, log_dir)
+
+    monkeypatch.setattr(evaluate, "_start", starting)
+    cfg = validate({"evaluate": {"concurrency": [1], "rounds": 1, "interleave": True,
+                                 "offline": False, "ngram": False, "schedule": False}})
+    write_json(tmp_path / "target.json", {"path": "target", "spec": "t"})
+    (tmp_path / "eval.jsonl").write_text('{"id": "p0", "messages": [{"role": "user", '
+                                         '"content": "q"}]}\n')
+    evaluate.run_stage(cfg, str(tmp_path / "target.json"), "drafter", str(tmp_path / "eval.jsonl"),
+                       str(tmp_path / "acceptance.json"), str(tmp_path),
+                       progress_path=str(tmp_path / "progress.json"))
+    assert seen[0]["state"] == "running" and seen[0]["done"] == 0
+    assert seen[0]["phase"] == "starting vLLM for baseline, eagle3_k3"
+
+
 def test_the_schedule_is_checked_beside_the_target_alone_kept_up(monkeypatch, tmp_path):
     """Interleaved: the drafter pays at 1 and not at 16, so the stage derives a schedule and
     checks it beside a second measurement of the target alone, whose server stayed up."""
@@ -733,6 +761,29 @@ def test_the_offline_replay_reports_per_request_beside_vllm(monkeypatch):
     assert out["sets"]["heldout"]["acceptance_length_per_request"] == pytest.approx(2.5)
     assert out["sets"]["heldout"]["vllm_acceptance_length_per_request"] == pytest.approx(2.5)
 
+
+
+@pytest.mark.parametrize("vllm_accepted, agrees", [(32, True), (33, True), (34, False),
+                                                    (30, False)])
+def test_the_greedy_check_holds_a_few_steps_to_one_accepted_token(vllm_accepted, agrees):
+    """Over a rehearsal's 48 drafting steps one accepted token is 2% of the AL: a single
+    near-tie the two engines round either way passes, two tokens apart do not."""
+    from eaglet.evaluate import _compare
+
+    replayed = {"drafts": 48, "draft_tokens": 144, "accepted": 32, "per_position": [27, 5, 0]}
+    got = {"counts": {3: replayed}, "per_sequence": {3: [replayed]},
+           "sources": {"stored": 0, "forward": 1, "left_out": 0}}
+    run = {"name": "eagle3_k3", "k": 3, "levels": [{
+        "set": "heldout", "concurrency": 1,
+        "_delta": {"drafts": 48, "draft_tokens": 144, "accepted": vllm_accepted,
+                   "per_position": [27, vllm_accepted - 27, 0]},
+        "_answers": []}]}
+    out = _compare(run, {"heldout": got})
+    assert out["agrees"] is agrees
+    assert out.get("one_token_apart", False) is (vllm_accepted == 33)
+    # sampled runs have their own noise check: no token of slack there
+    assert _compare(run | {"temperature": 1.0}, {"heldout": got})["agrees"] is (
+        vllm_accepted == 32)
 
 # -- every speedup with its interval from the rounds -----------------------------------------
 

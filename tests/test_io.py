@@ -59,3 +59,35 @@ def test_writer_done_waits_for_the_lock_the_capture_writer_holds(tmp_path):
     assert finished.wait(10)
     waiter.join()
     assert writer_done(path, wait=False)
+
+
+HOLDER = """
+import sys, time
+from eaglet.io import hold_directory
+with hold_directory(sys.argv[1], "train"):
+    print("held", flush=True)
+    time.sleep(60)
+"""
+
+
+def test_a_held_directory_refuses_a_second_process_naming_the_first(tmp_path):
+    """A stage still running (an orphan of a killed Snakemake) holds its directory: its rerun
+    is refused at once with the live pid, and gets the directory once the first is gone."""
+    import subprocess
+    import sys
+
+    from eaglet.io import DirectoryBusy, hold_directory
+
+    first = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert first.stdout.readline().strip() == "held"
+        with pytest.raises(DirectoryBusy, match=rf"pid {first.pid} on host .* still running.*"
+                                                rf"kill {first.pid}"):
+            with hold_directory(tmp_path, "train"):
+                pass
+    finally:
+        first.kill()
+        first.wait()
+    with hold_directory(tmp_path, "train"):  # the lock went with the process
+        assert (tmp_path / ".owner").read_text().count(str(os.getpid())) == 1

@@ -239,6 +239,21 @@ def test_the_training_estimate_after_a_kill_counts_only_the_steps_left(tmp_path,
     assert "resuming from the checkpoint at step 30/40" in resumed.basis
 
 
+def test_a_killed_training_reads_its_newest_checkpoint_not_its_older_progress(tmp_path, history):
+    """Killed after a checkpoint and before its next progress report: status read
+    "INTERRUPTED 1/12 steps" beside "resuming from the checkpoint at step 4/12"."""
+    r = _answered(tmp_path)
+    cfg = _full_config(r)
+    _dead_progress(r, "train", unit="steps", done=1, total=12)
+    checkpoint = r / "drafter_checkpoints" / "step_00000004"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "state.json").write_text(json.dumps({"step": 4, "total_steps": 12}))
+    text = status.render(status.collect(r, cfg, None))
+    line = next(line for line in text.splitlines() if "> train" in line)
+    assert "INTERRUPTED" in line and ": 4/12 steps" in line
+    assert "resuming from the checkpoint at step 4/12" in text
+
+
 def test_status_of_a_results_dir_that_does_not_exist_is_an_error(tmp_path, capsys):
     assert status.main(["--results", str(tmp_path / "does-not-exist"), "--no-snakemake",
                         "--workflow", str(tmp_path)]) == 2
@@ -632,6 +647,28 @@ def test_a_killed_snakemakes_lock_is_named_with_the_command_that_removes_it(tmp_
     assert lock() is not None
     _snakemake_record(r, os.getpid())
     assert lock() is None
+
+
+def test_a_job_that_outlived_its_killed_snakemake_is_named_to_stop_before_the_unlock(
+        tmp_path, capsys):
+    """kill -9 of Snakemake alone leaves its training running: status listed it as running
+    and advised the unlock, after which the orphan and the rerun's trainer both wrote the
+    checkpoints. Status names the live job and its pid, and puts stopping it first."""
+    workdir = tmp_path / "workflow"
+    r = workdir / "results"
+    (r / "run").mkdir(parents=True)
+    (r / "run" / "config.json").write_text(json.dumps({"results_dir": str(r)}))
+    _snakemake_record(r, DEAD_PID, command="snakemake --cores 2")
+    _dead_progress(r, "train", pid=os.getpid(), unit="steps")  # alive: this process
+    locks = workdir / ".snakemake" / "locks"
+    locks.mkdir(parents=True)
+    (locks / "0.output.lock").write_text("results/drafter/config.json\n")
+    assert status.main(["--results", str(r), "--no-snakemake", "--workflow", str(workdir)]) == 0
+    text = capsys.readouterr().out
+    said = next(line for line in text.splitlines() if "still run without it" in line)
+    assert f"train (pid {os.getpid()})" in said and f"kill {os.getpid()}" in said
+    assert "stop the jobs above, then run" in text
+    assert text.index("still run without it") < text.index("--unlock")
 
 
 def test_a_stage_without_a_progress_file_shows_running_while_snakemake_runs_its_job(tmp_path):

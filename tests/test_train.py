@@ -142,6 +142,29 @@ def test_training_reduces_loss_and_writes_the_drafter(world, tmp_path):
     assert progress["state"] == "finished" and progress["done"] == progress["total"] == result["steps"]
 
 
+def test_a_trainer_still_running_keeps_a_second_one_off_its_checkpoints(world, tmp_path):
+    """kill -9 of Snakemake alone leaves its trainer running; the rerun's trainer refuses to
+    start beside it (both wrote drafter_checkpoints/ before), naming the live pid."""
+    import subprocess
+    import sys
+
+    from eaglet.io import DirectoryBusy
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom eaglet.io import hold_directory\n"
+         "with hold_directory(sys.argv[1], 'train'):\n    print('held', flush=True)\n"
+         "    time.sleep(60)\n", str(tmp_path / "run" / "ckpt")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(DirectoryBusy, match=rf"pid {holder.pid} .*kill {holder.pid}"):
+            run(world, tmp_path, FAST)
+        assert not (tmp_path / "run" / "drafter").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_killed_and_resumed_run_ends_with_the_same_weights(world, tmp_path):
     run(world, tmp_path, FAST, "whole")
     stopped = run(world, tmp_path, FAST, "killed", stop_after_steps=5)

@@ -235,3 +235,23 @@ def test_a_draft_vocabulary_below_the_coverage_floor_is_warned_with_the_size_tha
         stats = build_vocab_map(records, 64, reach, tmp_path / "v.safetensors", tmp_path / "s.json")
     assert stats["coverage"] >= COVERAGE_FLOOR
     assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def test_a_vocabulary_far_below_the_floor_stops_the_run_before_extraction(tmp_path):
+    """draft_vocab_size 4 of this data covers 30%: with vocab.min_coverage 0.5 (the default)
+    the stage writes nothing and says the size that covers 90%; min_coverage 0 lets it on."""
+    from eaglet.config import validate
+    from eaglet.vocab import VocabError
+
+    completion = [t for t in range(20) for _ in range(100 - 4 * t)]
+    records = [record(0, [1], completion)]
+    floor = validate({})["vocab"]["min_coverage"]
+    assert floor == 0.5
+    with pytest.raises(VocabError, match=r"draft_vocab_size 4 covers only 30\.3% .* "
+                                         r"vocab\.draft_vocab_size: 16 \(covers 90%"):
+        build_vocab_map(records, 64, 4, tmp_path / "v.safetensors", tmp_path / "s.json",
+                        min_coverage=floor)
+    assert not (tmp_path / "v.safetensors").exists() and not (tmp_path / "s.json").exists()
+    stats = build_vocab_map(records, 64, 4, tmp_path / "v.safetensors", tmp_path / "s.json",
+                            min_coverage=0.0)
+    assert stats["coverage"] < 0.5 and (tmp_path / "v.safetensors").exists()

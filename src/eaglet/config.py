@@ -332,6 +332,33 @@ def load_run_config(results, config_path: str | None, workflow) -> dict:
     if recorded is not None and config_path is None:
         return validate(recorded)
     if config_path:
-        return validate(yaml.safe_load(Path(config_path).read_text()) or {})
+        return validate(read_config_file(config_path))
     base_path = Path(workflow) / "config.yaml"
-    return validate((yaml.safe_load(base_path.read_text()) or {}) if base_path.exists() else {})
+    return validate(read_config_file(base_path) if base_path.exists() else {})
+
+
+def read_config_file(path) -> dict:
+    """A config file's settings (not yet validated); a missing, unreadable or malformed file
+    is a :class:`ConfigError` that names it and says what is wrong, never a traceback."""
+    from pathlib import Path
+
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except OSError as error:
+        raise ConfigError(f"config file {path} cannot be read: {error.strerror}") from None
+    try:
+        loaded = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        where = getattr(error, "problem_mark", None)
+        at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+        raise ConfigError(f"config file {path} is not valid YAML{at}: "
+                          f"{getattr(error, 'problem', None) or error}") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config file {path} holds a {type(loaded).__name__}, not a mapping "
+                          f"of settings (target:, generate:, ...)")
+    return loaded

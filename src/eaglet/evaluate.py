@@ -1177,6 +1177,8 @@ def run_stage(cfg: dict, target_json: str, drafter_dir: str, prompts_path: str,
                     "evaluate.interleave auto (or false) to run them one at a time")
     progress = Progress("evaluate", total=len(plan) + replays, path=progress_path,
                         log_path=log_path, unit="runs", interval_s=0.0)
+    # the servers take a minute or more to start: the stage runs from now, and says so
+    progress.enter_phase(f"starting vLLM for {', '.join(run['name'] for run in plan)}")
     concurrencies = ev["concurrency"]
 
     temps = temperatures(ev)
@@ -1689,8 +1691,16 @@ def _compare(run: dict, replayed: dict, tolerance: float = GREEDY_TOLERANCE) -> 
             answers += theirs
             partial = partial or bool(got["sources"]["left_out"])
     offline = summarize(total, k)
-    vllm = acceptance(_sum_deltas(deltas), k)["acceptance_length"] if deltas else None
+    theirs_total = acceptance(_sum_deltas(deltas), k) if deltas else {}
+    vllm = theirs_total.get("acceptance_length")
     ratio = _ratio(offline["acceptance_length"], vllm)
+    # greedy: one accepted token apart over as many drafting steps is one draft that two
+    # engines' float rounding decided either way (a near-tie of the drafter's two likeliest
+    # tokens); over a rehearsal's few dozen steps it is more than the 1% a wrong export,
+    # aux layer or d2t would miss by everywhere
+    one_token = (not run.get("temperature") and vllm is not None
+                 and offline["drafts"] == theirs_total.get("drafts")
+                 and abs(offline["accepted"] - theirs_total["accepted_tokens"]) <= 1)
     log.info("%s: offline AL %.3f%s, vLLM AL %.3f (ratio %.3f)", run["name"],
              offline["acceptance_length"] or 0,
              f" expected (the answers' own tokens took {offline['matched_acceptance_length']:.3f})"
@@ -1706,7 +1716,8 @@ def _compare(run: dict, replayed: dict, tolerance: float = GREEDY_TOLERANCE) -> 
             "vllm_acceptance_length_per_request": _per_request_al(answers, k),
             "ratio_offline_over_vllm": ratio, "temperature": run.get("temperature", 0.0),
             "tolerance": tolerance,
-            "agrees": None if ratio is None else abs(ratio - 1) <= tolerance,
+            "agrees": None if ratio is None else abs(ratio - 1) <= tolerance or one_token,
+            **({"one_token_apart": True} if one_token and abs(ratio - 1) > tolerance else {}),
             **_noise(offline, vllm, tolerance),
             "sets_compared": [name for name, got in replayed.items()
                               if got["sources"]["stored"] + got["sources"]["forward"]],

@@ -47,7 +47,7 @@ from eaglet.extract_common import (TORCH_DTYPES, ExtractionError, ShardStates, S
                                    estimate_bytes, pick_device, resolve_aux_layer_ids, sequence,
                                    shard_problem, shard_records, target_identity, write_shard)
 from eaglet.hidden_capture import capture_args, capture_layer_ids
-from eaglet.io import read_json, request_lock, request_path, writer_done
+from eaglet.io import hold_directory, read_json, request_lock, request_path, writer_done
 from eaglet.progress import Progress
 from eaglet.server import VLLMServer, target_server
 from eaglet.target import (EMBEDDING_NAMES, _read_tensor, _weight_files, read_target_config,
@@ -624,7 +624,8 @@ def run_stage(cfg: dict, target_json: str, splits: dict[str, dict], work_dir: st
     progress = Progress("extract", total=total, path=progress_path, log_path=log_path)
     started = time.monotonic()
     stats: dict = {}
-    metas = extract_shards(cfg, info, jobs, work, server_log, progress, stats=stats)
+    with hold_directory(work, "extract_vllm"):  # its request files and shards in the making
+        metas = extract_shards(cfg, info, jobs, work, server_log, progress, stats=stats)
     run = progress.report("finished")
     if run["done"] > run["resumed_from"]:  # prefill and packing run at rates of their own
         rates.record(RATE_PREFILL if stats["server_started"] else RATE_PACK, info["spec"],

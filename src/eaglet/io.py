@@ -97,3 +97,47 @@ def writer_done(path: str | os.PathLike, wait: bool = True) -> bool:
     except BlockingIOError:
         return False
     return True
+
+
+class DirectoryBusy(RuntimeError):
+    """Another live process holds the directory a stage writes."""
+
+
+@contextmanager
+def hold_directory(directory: str | os.PathLike, stage: str) -> Iterator[None]:
+    """Hold ``directory`` for ``stage`` while the block runs: an exclusive lock on its
+    ``.owner`` file (released by the kernel however the process ends), with the holder's pid,
+    host and start written in it. A second process of the stage (an orphan left running by a
+    killed Snakemake, and its rerun) is refused at once, by a :class:`DirectoryBusy` naming the
+    live one, instead of both writing the same files."""
+    import datetime
+    import socket
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / ".owner"
+    handle = open(path, "a+")
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            try:
+                holder = json.loads(handle.read() or "{}")
+            except ValueError:
+                holder = {}
+            pid, host = holder.get("pid", "?"), holder.get("host", "?")
+            raise DirectoryBusy(
+                f"{stage}: {directory} is held by another {holder.get('stage', stage)} process, "
+                f"pid {pid} on host {host} (since {holder.get('started', '?')}), still running: "
+                f"two would write the same files. Stop it first (kill {pid} on {host}), or wait "
+                f"for it, then rerun.") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(json.dumps({"stage": stage, "pid": os.getpid(), "host": socket.gethostname(),
+                                 "started": datetime.datetime.now(datetime.timezone.utc)
+                                 .isoformat(timespec="seconds")}))
+        handle.flush()
+        yield
+    finally:
+        handle.close()  # releases the lock

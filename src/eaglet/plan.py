@@ -49,6 +49,8 @@ from eaglet.config import eval_shard_count
 from eaglet.drafter import DRAFTER_VARIANTS
 from eaglet.extract_common import TEACHER_CHUNK_ROWS as TEACHER_CHUNK
 from eaglet.shards import bytes_per_token
+from eaglet.target import TargetError, local_dir, snapshot
+from eaglet.ttt_loss import CHUNK_ELEMENTS as LOSS_CHUNK_ELEMENTS
 
 GiB = 2 ** 30
 # one H200 ("141 GB"): 143,771 MiB as nvidia-smi reports it; 5% is kept for the CUDA
@@ -294,26 +296,23 @@ def extraction(s: Shape, batch_tokens: int, max_len: int, target_dtype: str, sto
     """Bytes on the device and on the host of one ``hf`` extraction job."""
     a = DTYPE_BYTES[target_dtype]
     t = max(batch_tokens, max_len)  # a sequence longer than the budget is a batch of its own
-    seq = max_len
     layer_peak = t * (2 * s.hidden * a             # residual stream and the layer's input
                       + 4 * s.hidden               # RMSNorm's float32 copy
                       + 3 * s.intermediate * a)    # gate, up, their product
     captured = t * (NUM_AUX + 1) * s.hidden * a * 2  # aux + final, and their unpadded copies
-    # the previous batch's packed states, kept until their copy to the host is done
-    in_flight = t * (NUM_AUX + 1) * s.hidden * a
-    mask = (t // seq) * seq * seq                     # the [B, 1, L, L] bool attention mask
-    teacher = TEACHER_CHUNK * s.vocab * (a + 4 + 4)   # logits, float32, log_softmax
+    stored = t * bytes_per_token(s.hidden, NUM_AUX, store_dtype)  # one batch, as the shard stores it
+    # a batch's stored states are kept on the device until their copy to the host is done
+    teacher = (TEACHER_CHUNK * s.vocab * (a + 4 + 4)  # logits, float32, log_softmax
+               + t * s.hidden * 4)                    # the batch's stored final states in float32
     device = {"target weights": target_params(s) * a,
-              "activations of one batch": layer_peak + captured + mask,
-              "packed states of the batch being copied to the host": in_flight,
+              "activations of one batch": layer_peak + captured,
+              "stored states of the batch being copied to the host": stored,
               "teacher check": teacher}
-    # the writer streams the aux states from their per-sample rows (eaglet.shards.write); the
-    # final states are concatenated, and rounded to the storage dtype in float32 for the check
-    host = {"aux states of the shard (per sample)": shard_tokens * NUM_AUX * s.hidden * a,
-            "final states (per sample, concatenated, float32 for the teacher check)":
-                shard_tokens * s.hidden * (2 * a + 4),
-            "write buffer (row blocks)": shards.CHUNK_BYTES * 2,
-            "pinned staging buffers of the copies (2 batches)": 2 * in_flight}
+    # each batch is written from its pinned buffer at its samples' places in the shard file,
+    # and the file is digested a block at a time: the shard is never whole in memory
+    host = {"pinned staging buffers of the copies (2 batches)": 2 * stored,
+            "the shard's teacher argmax and log-probabilities": shard_tokens * (8 + 4),
+            "blocks being digested (8 MiB per digest thread)": 4 * shards.DIGEST_BLOCK}
     return {"device": device, "host": host}
 
 
@@ -352,8 +351,9 @@ def ttt_attention_bytes(s: Shape, rows: int, block: int, steps: int, act: int,
     return steps * per_step
 
 
-def ttt_rows_bytes(s: Shape, rows: int, steps: int, act: int) -> int:
-    """Per TTT step and row: what the norms, projections, MLP and logits keep for backward."""
+def ttt_rows_bytes(s: Shape, rows: int, steps: int, act: int, fused_loss: bool = True) -> int:
+    """Per TTT step and row: what the norms, projections, MLP and logits keep for backward
+    (``fused_loss``: the logits' gradient in the matmul dtype, ``eaglet.ttt_loss``)."""
     h, d, i = s.hidden, s.head_dim, s.d_intermediate
     f = 4
     cast = act != 4  # under autocast the float32 copies are extra tensors
@@ -375,15 +375,17 @@ def ttt_rows_bytes(s: Shape, rows: int, steps: int, act: int) -> int:
     else:
         attn = (3 * s.d_heads + 4 * s.d_kv_heads) * d * act + s.d_heads * d * act  # rope, o_proj in
     mlp = 4 * i * act
-    logits = 2 * f * s.draft_vocab           # float32 logits and the teacher's rows of them
+    logits = (act * (s.draft_vocab + h) if fused_loss  # the logits' gradient, lm_head's input
+              else 2 * f * s.draft_vocab)   # float32 logits and the teacher's rows of them
     return steps * rows * (norms + attn + mlp + logits)
 
 
 def training(s: Shape, tokens: int, max_len: int | None, steps: int, precision: str = "bfloat16",
              embed_dtype: str = "bfloat16", attention: str = "auto",
-             sink_pad: int = SINK_PAD) -> dict:
+             sink_pad: int = SINK_PAD, fused_loss: bool = True) -> dict:
     """Bytes on one training rank's device at the peak (the end of the forward pass), with
-    the TTT attention of ``attention`` (``train.attention``)."""
+    the TTT attention of ``attention`` (``train.attention``) and the loss fused with lm_head
+    or not (``train.fused_loss``)."""
     attention = resolve_attention(attention)
     act = 2 if precision == "bfloat16" else 4
     block = min(max_len or tokens, tokens)
@@ -396,16 +398,20 @@ def training(s: Shape, tokens: int, max_len: int | None, steps: int, precision: 
              "teacher lm_head rows": s.draft_vocab * s.hidden * e}
     if act == 2:
         fixed["bf16 autocast weight copies"] = 2 * p
-    inputs = tokens * (NUM_AUX + 1) * s.hidden * act + tokens * s.draft_vocab * 4  # + teacher probs
-    rows = ttt_rows_bytes(s, tokens, steps, act)
+    inputs = tokens * (NUM_AUX + 1) * s.hidden * act + (
+        tokens * (s.draft_vocab * act + 4) if fused_loss   # teacher logits, log-normalizer
+        else tokens * s.draft_vocab * 4)                    # teacher probabilities
+    rows = ttt_rows_bytes(s, tokens, steps, act, fused_loss)
     scores = ttt_attention_bytes(s, tokens, block, steps, act)
     fused = ttt_attention_bytes(s, tokens, block, steps, act, fused=True, pad=sink_pad)
     # backward of the last step's attention: float32 gradient of its scores (and a bf16 one)
     square = (tokens // block) * s.d_heads * block * block
     backward = square * (4 + (act if act != 4 else 0))
     out = dict(fixed)
-    out["batch inputs and teacher probabilities"] = inputs
+    out["batch inputs and the teacher"] = inputs
     out[f"TTT activations, {steps} steps (norms, projections, MLP, logits)"] = rows
+    if fused_loss:  # one chunk's float32 logits, probabilities and gradient at a time
+        out["fused loss: one chunk of rows"] = LOSS_CHUNK_ELEMENTS * (4 + 4 + 4 + act)
     if attention in FUSED:
         out[f"TTT attention, {attention} (kernel inputs and outputs, log-sum-exp; no "
             f"[heads, n, n] scores)"] = fused
@@ -555,7 +561,7 @@ def plan(s: Shape, *, tokens: int, max_len: int | None, steps: int, batch_tokens
          concurrency: int = 16, ranks: int = 8, train_ranks: int = 1,
          kv_tokens: int | None = None,
          kv_cache_bytes: int | None = None, served_bytes: int | None = None,
-         overlap: bool | str = "auto") -> dict:
+         overlap: bool | str = "auto", fused_loss: bool = True) -> dict:
     """Every stage's memory for ``s`` at ``tokens`` rows a micro-batch; with
     ``train_tokens`` also the dataset's disk in each train.data mode (a stream window of
     ``window_samples`` samples of up to ``extract_max_len`` tokens; None: the feed's default,
@@ -566,7 +572,8 @@ def plan(s: Shape, *, tokens: int, max_len: int | None, steps: int, batch_tokens
     on each of ``ranks`` GPUs together."""
     ext = extraction(s, batch_tokens, extract_max_len, target_dtype, store_dtype, shard_tokens)
     embed = target_dtype if target_dtype != "auto" else "bfloat16"
-    tr = training(s, tokens, max_len, steps, precision, embed_dtype=embed, attention=attention)
+    tr = training(s, tokens, max_len, steps, precision, embed_dtype=embed, attention=attention,
+                  fused_loss=fused_loss)
     train_total = sum(tr["device"].values())
     fused = tr["attention"] in FUSED
     rest = train_total - (tr["fused_attention"] if fused else tr["unfused_attention"])
@@ -591,7 +598,7 @@ def plan(s: Shape, *, tokens: int, max_len: int | None, steps: int, batch_tokens
     if s.kv_lora_rank and s.q_lora_rank and s.method != "peagle":
         other = with_drafter(s, "llama" if s.mla else "mla")
         other_tr = training(other, tokens, max_len, steps, precision, embed_dtype=embed,
-                            attention=attention)
+                            attention=attention, fused_loss=fused_loss)
         out["other_drafter"] = {"drafter_attention": other.drafter_attention,
                                 "drafter_params": drafter_params(other),
                                 "training_device": sum(other_tr["device"].values())}
@@ -823,15 +830,34 @@ def _quantized_experts(config: dict) -> dict:
 
 
 def _run_target(cfg: dict, results: Path) -> tuple[dict, Path] | None:
-    """The run's target: its config.json and directory, once prepare_target has run."""
+    """The run's target: its config.json and directory, once prepare_target has run for the
+    config's target.model (a results directory of another target's run is not it)."""
     from eaglet.io import read_json
     target_json = results / "target" / "target.json"
     if not target_json.exists():
         return None
-    directory = Path(read_json(target_json)["path"])
+    info = read_json(target_json)
+    if info.get("spec") not in (None, str(cfg["target"]["model"])):
+        return None
+    directory = Path(info["path"])
     config_path = directory / "config.json"
     if not config_path.exists():
         return None
+    return json.loads(config_path.read_text()), directory
+
+
+def _target_files(cfg: dict) -> tuple[dict, Path] | None:
+    """The target's config.json and directory before any stage ran: a local directory as it
+    is, a hub id's config and tokenizer files alone (kilobytes, no weights, as `eaglet
+    rehearse` fetches them); None for the embedded target, which prepare_target makes."""
+    spec = str(cfg["target"]["model"])
+    if spec.startswith("embedded:"):
+        return None
+    directory = local_dir(spec) or Path(snapshot(spec, weights=False))
+    config_path = directory / "config.json"
+    if not config_path.exists():
+        raise ValueError(f"{directory} has no config.json: it is not a Hugging Face model "
+                         f"directory")
     return json.loads(config_path.read_text()), directory
 
 
@@ -870,8 +896,9 @@ def build_parser():
 
     parser = argparse.ArgumentParser(prog="eaglet plan", description=__doc__.splitlines()[0])
     parser.add_argument("--results", default=None, help="results directory (default: the config's)")
-    parser.add_argument("--config", default=None,
-                        help="the run's config file, over the schema's defaults (not config.yaml)")
+    parser.add_argument("--configfile", dest="config", default=None,
+                        help="the run's config file, over the schema's defaults (not "
+                             "config.yaml), as Snakemake and `eaglet rehearse` take it")
     parser.add_argument("--workflow", default=".", help="workflow directory (its config.yaml)")
     parser.add_argument("--preset", action="append", choices=sorted(PRESETS), default=[],
                         help="plan for a named target shape instead of the run's target "
@@ -905,15 +932,20 @@ def build_parser():
 
 
 def main(argv: list[str] | None = None) -> int:
-    from eaglet.config import load_run_config
+    from eaglet.config import ConfigError, load_run_config
     args = build_parser().parse_args(argv)
 
     results_hint = Path(args.results) if args.results else None
-    if args.preset and not args.config:  # a GPU run at the schema's defaults
-        from eaglet.config import validate
-        cfg = validate({"target": {"dtype": "bfloat16"}})
-    else:
-        cfg = load_run_config(results_hint or Path("results"), args.config, Path(args.workflow))
+    try:
+        if args.preset and not args.config:  # a GPU run at the schema's defaults
+            from eaglet.config import validate
+            cfg = validate({"target": {"dtype": "bfloat16"}})
+        else:
+            cfg = load_run_config(results_hint or Path("results"), args.config,
+                                  Path(args.workflow))
+    except ConfigError as error:
+        print(f"eaglet plan: {error}", file=sys.stderr)
+        return 2
     results = results_hint or Path(cfg["results_dir"])
     ext, train, server = cfg["extract"], cfg["train"], cfg["server"]
     shard_tokens = args.shard_tokens or _shard_tokens(results) or 1_000_000
@@ -928,19 +960,21 @@ def main(argv: list[str] | None = None) -> int:
                       for name in args.preset]
             batches = args.max_tokens_per_batch or [2048, 8192]
         else:
-            target = _run_target(cfg, results)
+            target = _run_target(cfg, results) or _target_files(cfg)
             if target is None:
+                configfile = f" --configfile {args.config}" if args.config else ""
                 print(f"eaglet plan: the target of {results} is not prepared yet (no "
-                      f"{results}/target/target.json with its config.json); run `snakemake "
-                      f"{results}/target/target.json` first, or plan for a named shape: "
-                      f"--preset {' --preset '.join(sorted(PRESETS))}", file=sys.stderr)
+                      f"{results}/target/target.json with its config.json); run `snakemake"
+                      f"{configfile} {results}/target/target.json` first, or plan for a "
+                      f"named shape: --preset {' --preset '.join(sorted(PRESETS))}",
+                      file=sys.stderr)
                 return 2
             shapes = [shape_from_target_config(target[0], cfg["vocab"]["draft_vocab_size"],
                                                cfg["target"]["model"], attention_kind,
                                                variant, method)]
             served = _served_bytes(target[1], cfg["target"]["dtype"])
             batches = args.max_tokens_per_batch or [train["max_tokens_per_batch"]]
-    except ValueError as error:
+    except (ValueError, TargetError) as error:
         print(f"eaglet plan: {error}", file=sys.stderr)
         return 2
     if args.tokens is not None:
@@ -962,7 +996,7 @@ def main(argv: list[str] | None = None) -> int:
                      extract_max_len=longest,
                      target_dtype=cfg["target"]["dtype"], store_dtype=ext["dtype"],
                      shard_tokens=shard_tokens, precision=precision,
-                     attention=train["attention"],
+                     attention=train["attention"], fused_loss=train["fused_loss"],
                      train_tokens=dataset[0] if dataset else None,
                      heldout_tokens=dataset[1] if dataset else 0,
                      num_shards=ext["num_shards"], num_eval_shards=eval_shard_count(cfg),

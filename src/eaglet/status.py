@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from eaglet import rates
-from eaglet.config import load_run_config, stream_overlaps
+from eaglet.config import ConfigError, load_run_config, stream_overlaps
 from eaglet.io import human_size
 from eaglet.evaluate import level_prompts, run_plan
 from eaglet.progress import format_duration
@@ -784,6 +784,17 @@ class Train(Stage):
             parts.append(_stream_line(f["stream"], f.get("elapsed_s")))
         return "; ".join(parts)
 
+    def read_progress(self, r, path):
+        """The progress file, its count raised to the newest checkpoint where the process
+        wrote one after its last progress report and was then stopped (a kill between the
+        two read "INTERRUPTED 1/12 steps" beside "resuming from the checkpoint at step 4")."""
+        progress = super().read_progress(r, path)
+        step, _ = _checkpointed_steps(r)
+        if (progress and step and progress.get("state") == "running"
+                and process_alive(progress) is False and step > int(progress.get("done") or 0)):
+            progress = {**progress, "done": step}
+        return progress
+
     def kind(self, cfg):
         return "training"
 
@@ -1341,9 +1352,19 @@ def render(report: dict) -> str:
         lines.append(f"snakemake: {'running' if snake['running'] else 'not running'} "
                      f"(pid {snake['pid']})")
     unlock = (snake.get("stale_lock") or {}).get("unlock")
+    # jobs that outlived their Snakemake: a rerun beside them would write their files twice
+    orphans = ([p for s in report["stages"] if s["state"] == "running" for p in s["progress"]
+                if p.get("pid")] if snake["pid"] and not snake["running"] else [])
+    if orphans:
+        pids = " ".join(str(p["pid"]) for p in orphans)
+        lines.append("  its jobs still run without it: "
+                     + ", ".join(f"{p['stage']} (pid {p['pid']})" for p in orphans)
+                     + f"; stop them first (kill {pids}): a rerun's jobs refuse to start beside "
+                     f"them (they would write the same files)")
     if unlock:
+        first = "stop the jobs above, then " if orphans else ""
         lines.append(f"  it was stopped and left its lock in {snake['stale_lock']['lock_dir']}: "
-                     f"the next run stops with LockException until you run\n    {unlock}")
+                     f"the next run stops with LockException until you {first}run\n    {unlock}")
     by_state: dict[str, list[dict]] = {}
     for s in report["stages"]:
         by_state.setdefault(s["state"], []).append(s)
@@ -1408,7 +1429,8 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="eaglet status", description=__doc__.splitlines()[0])
     parser.add_argument("--results", default=None, help="results directory (default: the config's)")
-    parser.add_argument("--config", default=None, help="config file (default: the one the run "
+    parser.add_argument("--configfile", dest="config", default=None,
+                        help="config file, as Snakemake took it (default: the one the run "
                         "recorded in RESULTS/run/config.json, else ./config.yaml)")
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.add_argument("--watch", type=float, default=None, metavar="SECONDS")
@@ -1418,7 +1440,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     results_hint = Path(args.results) if args.results else None
-    cfg = load_run_config(results_hint or Path("results"), args.config, Path(args.workflow))
+    try:
+        cfg = load_run_config(results_hint or Path("results"), args.config, Path(args.workflow))
+    except ConfigError as error:
+        print(f"eaglet status: {error}", file=sys.stderr)
+        return 2
     results = results_hint or Path(cfg["results_dir"])
     if results_hint is not None and not results.is_dir():
         print(f"eaglet status: {results} is not a results directory (nothing has run there). "

@@ -100,6 +100,20 @@ def dequantize_gguf(gguf: Path, out_dir: Path, dtype: str = "float32") -> None:
 CONFIG_FILE_SUFFIXES = (".json", ".jinja", ".txt", ".py", ".model", ".tiktoken")
 
 
+def local_dir(spec: str) -> Path | None:
+    """The local directory ``target.model`` names, or None for a Hugging Face id
+    (``organization/name``). A path that names no directory (it begins with ``/``, ``.`` or
+    ``~``, has more than one ``/``, or is a file) is a :class:`TargetError` saying so, not a
+    lookup of a hub id that was never meant."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return path
+    if spec.startswith(("/", ".", "~")) or spec.count("/") > 1 or path.exists():
+        raise TargetError(f"target.model {spec!r} is a local path, and there is no directory "
+                          f"there: check the path (a Hugging Face id reads organization/name)")
+    return None
+
+
 def snapshot(hub_id: str, weights: bool = True) -> str:
     """Local directory of a hub model (downloaded once into the HF cache). Later stages read
     the target's files directly, so a hub id is resolved to its snapshot here: the weights
@@ -196,8 +210,8 @@ def prepare_target(spec: str, out_dir: str | os.PathLike, *, draft_vocab_size: i
         dequantize_gguf(gguf, out_dir, dtype="float32")
         info = {"spec": spec, "path": str(out_dir.resolve()), "source": str(gguf),
                 "source_sha256": sha256_path(gguf), **model_identity(out_dir)}
-    elif Path(spec).is_dir():
-        path = Path(spec).resolve()
+    elif local_dir(spec) is not None:
+        path = local_dir(spec).resolve()
         if not (path / "config.json").exists():
             raise TargetError(f"{path} has no config.json: it is not a Hugging Face model directory")
         info = {"spec": spec, "path": str(path), **model_identity(path)}

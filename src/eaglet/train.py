@@ -51,7 +51,7 @@ from eaglet import train_checkpoints as ckpt
 from eaglet.config import ConfigError, validate
 from eaglet.drafter import (DrafterConfig, Eagle3Drafter, compile_drafter, init_from_target,
                             init_lm_head, num_params, resolve_attention)
-from eaglet.io import atomic_open, human_size, read_json, write_json
+from eaglet.io import atomic_open, hold_directory, human_size, read_json, write_json
 from eaglet.progress import Progress
 from eaglet.shards import sha256_path
 from eaglet.target import (load_target_embedding, load_target_lm_head, read_target_config,
@@ -733,6 +733,18 @@ def train(cfg: dict, shard_paths: list[str], eval_shard_paths: list[str], vocab_
     cfg = settings(cfg)
     device = resolve_device(cfg["device"])
     dist_ = init_distributed(device)
+    # rank 0 holds the checkpoints: a trainer still running (a killed Snakemake's orphan) and
+    # its rerun would both write them, and an old drafter could land after the rerun's
+    with (hold_directory(checkpoint_dir, "train") if dist_.rank == 0
+          else contextlib.nullcontext()):
+        return _train(cfg, device, dist_, shard_paths, eval_shard_paths, vocab_map, target_dir,
+                      out_dir, checkpoint_dir, progress_path, log_path, rate_key,
+                      stop_after_steps, manifest, train_samples, stream)
+
+
+def _train(cfg, device, dist_, shard_paths, eval_shard_paths, vocab_map, target_dir, out_dir,
+           checkpoint_dir, progress_path, log_path, rate_key, stop_after_steps, manifest,
+           train_samples, stream) -> dict:
     started = time.monotonic()
     trainer = None
     try:

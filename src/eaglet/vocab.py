@@ -99,11 +99,20 @@ def draft_to_target(d2t: torch.Tensor, draft_index: torch.Tensor) -> torch.Tenso
     return draft_index + d2t[draft_index]
 
 
+class VocabError(ValueError):
+    """A draft vocabulary that would waste the run: it covers too little of the answers."""
+
+
 def build_vocab_map(records: list[dict], vocab_size: int, draft_vocab_size: int,
-                    out_path: str | os.PathLike, stats_path: str | os.PathLike) -> dict:
+                    out_path: str | os.PathLike, stats_path: str | os.PathLike,
+                    min_coverage: float = 0.0) -> dict:
     """The ``draft_vocab_size`` tokens the target emitted most often; where it emitted fewer
     distinct ones, the most frequent of the recorded answers (``answers: dataset``) fill the
-    rest: the target's own choices come first, another writer's only after them."""
+    rest: the target's own choices come first, another writer's only after them. Below
+    ``min_coverage`` of the completion tokens (``vocab.min_coverage``) nothing is written and
+    a :class:`VocabError` names the size that would cover COVERAGE_FLOOR of them: the run
+    stops here, before extraction and training spend their hours on a drafter that could
+    propose too few of the target's tokens."""
     counts = count_completion_tokens(r for r in records if not recorded_answer(r))
     recorded = count_completion_tokens(r for r in records if recorded_answer(r))
     both = counts + recorded
@@ -131,6 +140,15 @@ def build_vocab_map(records: list[dict], vocab_size: int, draft_vocab_size: int,
                  "slots with the lowest unused token ids", len(both), draft_vocab_size, filled)
     log.info("draft vocabulary of %d covers %.2f%% of %d completion tokens (%d distinct)",
              draft_vocab_size, 100 * stats["coverage"], total, len(both))
+    if stats["coverage"] < min_coverage:
+        raise VocabError(
+            f"vocab.draft_vocab_size {draft_vocab_size} covers only "
+            f"{100 * stats['coverage']:.1f}% of the {total} completion tokens, below "
+            f"vocab.min_coverage {100 * min_coverage:.0f}%: a drafter of it could never propose "
+            f"the other {100 * (1 - stats['coverage']):.1f}%. Set vocab.draft_vocab_size: "
+            f"{stats['draft_vocab_size_for_floor']} (covers {100 * COVERAGE_FLOOR:.0f}% of this "
+            f"data, of {len(both)} distinct tokens), or lower vocab.min_coverage (0 allows any "
+            f"vocabulary) to go on with this one.")
     warn_low_coverage(stats, stats["draft_vocab_size_for_floor"])
     with atomic_open(out_path, "wb") as handle:
         handle.write(save({"d2t": d2t, "t2d": t2d},
