@@ -763,27 +763,41 @@ def test_the_offline_replay_reports_per_request_beside_vllm(monkeypatch):
 
 
 
-@pytest.mark.parametrize("vllm_accepted, agrees", [(32, True), (33, True), (34, False),
-                                                    (30, False)])
-def test_the_greedy_check_holds_a_few_steps_to_one_accepted_token(vllm_accepted, agrees):
-    """Over a rehearsal's 48 drafting steps one accepted token is 2% of the AL: a single
-    near-tie the two engines round either way passes, two tokens apart do not."""
+def test_drafts_past_an_answers_end_bound_what_vllm_may_count():
+    """vLLM verifies a last round's drafts past the answer's stop token against the
+    target's own tokens after it, and counts those it accepts: a Gemma 4 miniature drafted
+    [388, 106, 106] where the answer ended [388, 106] and the target's next token was 106
+    again, one accepted draft more in vLLM's counters than the answer shows. The replay
+    counts the drafts it cannot judge, and the check holds vLLM's count to that range."""
+    from eaglet import offline_eval
     from eaglet.evaluate import _compare
 
-    replayed = {"drafts": 48, "draft_tokens": 144, "accepted": 32, "per_position": [27, 5, 0]}
-    got = {"counts": {3: replayed}, "per_sequence": {3: [replayed]},
-           "sources": {"stored": 0, "forward": 1, "left_out": 0}}
-    run = {"name": "eagle3_k3", "k": 3, "levels": [{
-        "set": "heldout", "concurrency": 1,
-        "_delta": {"drafts": 48, "draft_tokens": 144, "accepted": vllm_accepted,
-                   "per_position": [27, vllm_accepted - 27, 0]},
-        "_answers": []}]}
-    out = _compare(run, {"heldout": got})
-    assert out["agrees"] is agrees
-    assert out.get("one_token_apart", False) is (vllm_accepted == 33)
-    # sampled runs have their own noise check: no token of slack there
-    assert _compare(run | {"temperature": 1.0}, {"heldout": got})["agrees"] is (
-        vllm_accepted == 32)
+    prompt, answer = [1, 2], [10, 11, 12, 388, 106]
+    ids = prompt + answer
+    chains = {1: [11, 9, 9], 3: [388, 106, 106]}   # row -> the drafter's chain from it
+    counts = offline_eval.replay(lambda p, n: chains[p][:n], ids, len(prompt), 3)
+    assert (counts["drafts"], counts["accepted"], counts["past_end"]) == (2, 3, 1)
+
+    def compared(vllm_accepted: int, temperature: float = 0.0) -> dict:
+        got = {"counts": {3: dict(counts)}, "per_sequence": {3: [counts]},
+               "sources": {"stored": 0, "forward": 1, "left_out": 0}}
+        run = {"name": "eagle3_k3", "k": 3, "temperature": temperature, "levels": [{
+            "set": "heldout", "concurrency": 1,
+            "_delta": {"drafts": 2, "draft_tokens": 6, "accepted": vllm_accepted,
+                       "per_position": [2, 1, vllm_accepted - 3]}, "_answers": []}]}
+        return _compare(run, {"heldout": got})
+
+    out = compared(4)       # vLLM took the draft past the stop as well
+    assert out["acceptance_length"] == pytest.approx(2.5)
+    assert out["acceptance_length_high"] == pytest.approx(3.0)
+    assert out["vllm_acceptance_length"] == pytest.approx(3.0) and out["agrees"]
+    assert compared(3)["agrees"]            # or not: both are what vLLM may count
+    assert not compared(5)["agrees"]        # more than every draft past the end: a real gap
+    assert not compared(2)["agrees"]        # fewer than the answer shows: a real gap
+    # a replay with nothing past an end is held to 1% as before
+    whole = offline_eval.replay(lambda p, n: chains[p][:n], ids + [7], len(prompt), 3)
+    assert whole["past_end"] == 0
+
 
 # -- every speedup with its interval from the rounds -----------------------------------------
 

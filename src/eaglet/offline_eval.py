@@ -16,6 +16,14 @@ the d2t mapping end to end; it also evaluates a drafter where no vLLM is availab
 
 At a temperature above 0 the answers are sampled, and the replay gives the expected
 acceptance from the target's distribution at that temperature (:func:`expected_replay`).
+
+An answer's last round may draft past its last token: vLLM verifies those drafts against the
+target's own next tokens after the stop token (or the max_tokens cut) and counts those it
+accepts, then drops them from the answer. The answer cannot show those tokens, so the replay
+counts the drafts it cannot judge (``past_end``): vLLM's count lies between the replay's and
+the replay's plus those (a Gemma 4 miniature's drafter proposed its stop token twice, and
+the target's greedy token after the stop was the stop token again: one draft more in
+vLLM's counters than any replay of the answer can show).
 """
 
 from __future__ import annotations
@@ -74,13 +82,17 @@ def replay(draft, ids: list[int], prompt_len: int, k: int) -> dict:
     """vLLM's counters for one greedy sequence (prompt + the target's own continuation);
     ``draft(p, k)`` returns the k draft tokens proposed from row ``p``."""
     n = len(ids)
-    counts = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_position": [0] * k}
+    counts = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_position": [0] * k,
+              "past_end": 0}
     p = prompt_len - 1           # after prefill the target has produced token prompt_len
     while p + 2 < n:             # at least one token left to draft for
         drafts = draft(p, k)
         accepted = 0
         for j, token in enumerate(drafts):
-            if p + 2 + j < n and token == ids[p + 2 + j]:
+            if p + 2 + j >= n:   # past the answer's end: vLLM may accept these (see above)
+                counts["past_end"] += len(drafts) - j
+                break
+            if token == ids[p + 2 + j]:
                 accepted += 1
             else:
                 break
@@ -94,7 +106,8 @@ def replay(draft, ids: list[int], prompt_len: int, k: int) -> dict:
 
 
 def empty_counts(k: int) -> dict:
-    return {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_position": [0] * k}
+    return {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_position": [0] * k,
+            "past_end": 0}
 
 
 def add_counts(total: dict, counts: dict) -> dict:
@@ -102,7 +115,7 @@ def add_counts(total: dict, counts: dict) -> dict:
     keeps them); returns ``total``."""
     for key in ("drafts", "draft_tokens", "accepted"):
         total[key] += counts[key]
-    for key in ("matched", "variance", "top_token", "top_token_drafts"):
+    for key in ("matched", "variance", "top_token", "top_token_drafts", "past_end"):
         if key in counts:
             total[key] = total.get(key, 0) + counts[key]
     total["per_position"] = [a + b for a, b in zip(total["per_position"], counts["per_position"])]
@@ -122,6 +135,12 @@ def summarize(total: dict, k: int) -> dict:
     }
     if "matched" in total:
         out["matched_acceptance_length"] = 1 + total["matched"] / drafts if drafts else None
+    if drafts and total.get("past_end"):
+        # the most vLLM may count: every draft past an answer's end accepted too
+        out["acceptance_length_high"] = 1 + (total["accepted"] + total["past_end"]) / drafts
+        if "matched" in total:
+            out["matched_acceptance_length_high"] = (
+                1 + (total["matched"] + total["past_end"]) / drafts)
     if "variance" in total:
         out["standard_error"] = math.sqrt(total["variance"]) / drafts if drafts else None
     if total.get("top_token_drafts"):
@@ -440,12 +459,14 @@ def expected_replay(draft, prob, ids: list[int], prompt_len: int, k: int,
     whose continuation is surer)."""
     n = len(ids)
     counts = {"drafts": 0, "draft_tokens": 0, "accepted": 0.0, "per_position": [0.0] * k,
-              "matched": 0, "variance": 0.0}
+              "matched": 0, "variance": 0.0, "past_end": 0}
     p = prompt_len - 1           # after prefill the target has produced token prompt_len
     while p + 2 < n:             # at least one token left to draft for
         taken = 0
-        for j, token in enumerate(draft(p, k)):
-            if p + 2 + j >= n:   # the answer ended: nothing to accept (as the greedy replay)
+        drafts = draft(p, k)
+        for j, token in enumerate(drafts):
+            if p + 2 + j >= n:   # the answer ended: the greedy replay's past_end
+                counts["past_end"] += len(drafts) - j
                 break
             chance = prob(p + 1 + j, token)
             counts["accepted"] += chance
