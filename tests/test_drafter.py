@@ -18,7 +18,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from eaglet import drafter
-from eaglet.drafter import DrafterConfig, Eagle3Drafter
+from eaglet.drafter import DrafterConfig, Eagle3Drafter, rope_parameters
 from eaglet.export import export_drafter, export_speculators, load_drafter
 from eaglet.target import load_target_layer
 from eaglet.train import batch_sums, summarize
@@ -635,3 +635,19 @@ def test_attention_setting_is_checked():
     assert drafter.resolve_attention("eager", "cpu") == "eager"
     with pytest.raises(ValueError, match="CUDA"):
         drafter.resolve_attention("flex", "cpu")
+
+
+def test_rope_keyed_by_layer_type_takes_the_full_attention_layers_base():
+    """Gemma 3/4 key their RoPE by layer type, and Gemma 4's full-attention layers rotate a
+    quarter of each head (``proportional``): the drafter, one full-attention layer, rotates
+    its whole head by that base, the form vLLM's Llama layer and the trainer share."""
+    target = {"rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                           "rope_theta": 1000000.0}}}
+    assert rope_parameters(target) == {"rope_type": "default", "rope_theta": 1000000.0}
+    partial = {"rope_parameters": {"rope_type": "default", "rope_theta": 5e5,
+                                   "partial_rotary_factor": 0.5}}
+    assert rope_parameters(partial) == {"rope_type": "default", "rope_theta": 5e5}
+    scaled = {"rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 4.0}}
+    assert rope_parameters(scaled) == {"rope_type": "linear", "factor": 4.0, "rope_theta": 5e5}

@@ -41,6 +41,7 @@ class ScriptedChat(BaseHTTPRequestHandler):
     prefills: list[list[int]] = []  # the token ids of every prefill request
     template_kwargs: dict[str, dict | None] = {}  # prompt text -> its chat_template_kwargs
     seeds: dict[str, object] = {}  # prompt text -> its request's seed ("none": no seed sent)
+    sampled: dict[str, dict] = {}  # prompt text -> its request's top_k and min_p, where sent
 
     def log_message(self, *args):  # keep pytest output clean
         pass
@@ -66,6 +67,7 @@ class ScriptedChat(BaseHTTPRequestHandler):
         ScriptedChat.transfer[text] = request.get("kv_transfer_params")
         ScriptedChat.template_kwargs[text] = request.get("chat_template_kwargs")
         ScriptedChat.seeds[text] = request.get("seed", "none")
+        ScriptedChat.sampled[text] = {k: request[k] for k in ("top_k", "min_p") if k in request}
         if request.get("kv_transfer_params"):  # the connector saves after answering
             save_to = Path(request["kv_transfer_params"]["hidden_states_path"])
             threading.Timer(0.3, lambda: (save_to.parent.mkdir(parents=True, exist_ok=True),
@@ -98,6 +100,7 @@ class ScriptedChat(BaseHTTPRequestHandler):
 def server():
     ScriptedChat.plan, ScriptedChat.calls, ScriptedChat.conversations = {}, Counter(), []
     ScriptedChat.transfer, ScriptedChat.template_kwargs, ScriptedChat.seeds = {}, {}, {}
+    ScriptedChat.sampled = {}
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), ScriptedChat)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
@@ -387,6 +390,28 @@ def test_requests_carry_the_seed_unless_the_engine_holds_it(server, tmp_path):
     assert ScriptedChat.seeds == {"question 0": 0, "question 1": 0}
     generate(prompts(2), settings(server, seed_per_request=False), tmp_path / "b.jsonl")
     assert ScriptedChat.seeds == {"question 0": "none", "question 1": "none"}
+
+
+def test_top_k_and_min_p_go_with_requests_where_set_and_records_keep_them(server, tmp_path):
+    """generate.top_k and min_p, as the target is served (Qwen3's thinking mode: top_k 20);
+    unset they are not sent (the server's generation_config default), and answers recorded
+    before eaglet had them still count as made with the same settings."""
+    from eaglet.config import validate
+    from eaglet.generate import Sampling, answer_settings, made_with
+
+    gen = validate({"generate": {"temperature": 0.6, "top_k": 20, "min_p": 0.05}})["generate"]
+    sampling = Sampling.from_config(gen)
+    records = generate(prompts(1), GenerationSettings(
+        base_url=server, sampling=sampling, concurrency=1, request_timeout_s=10, max_retries=0),
+        tmp_path / "a.jsonl")
+    assert ScriptedChat.sampled == {"question 0": {"top_k": 20, "min_p": 0.05}}
+    assert records["p-0000000000000000"]["sampling"]["top_k"] == 20
+    generate(prompts(1), settings(server), tmp_path / "b.jsonl")
+    assert ScriptedChat.sampled == {"question 0": {}}
+    unset = Sampling.from_config(validate({})["generate"])
+    older = {"sampling": {"temperature": 0.0, "top_p": 1.0, "max_tokens": 512, "seed": 0}}
+    assert made_with(older) == answer_settings(unset, None, False)
+    assert made_with(older) != answer_settings(sampling, None, False)
 
 
 @pytest.mark.parametrize("temperature, gpus, per_request, args", [

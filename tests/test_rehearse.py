@@ -151,14 +151,16 @@ def test_a_sampled_run_is_held_to_its_drafts_exactly_and_to_its_expectation_with
 
 # `make test` rehearses the founding user's target (MLA, MoE, the multimodal wrapper, a
 # tokenizer as code); the other shipped configs rehearse with `make test-rehearsals`
-# (EAGLET_REHEARSE_ALL=1), each about 6.5 minutes on 2 cores.
+# (EAGLET_REHEARSE_ALL=1), each about 6.5 minutes on 2 cores: four reasoning formats in all
+# (tests/standins/README.md), each rehearsed green with nothing of it named in eaglet.
 OTHER_CONFIGS = pytest.mark.skipif(
     not os.environ.get("EAGLET_REHEARSE_ALL"),
     reason="rehearsed by `make test-rehearsals` (EAGLET_REHEARSE_ALL=1)")
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("name", ["kimi-k2.5", pytest.param("qwen3-8b", marks=OTHER_CONFIGS)])
+@pytest.mark.parametrize("name", ["kimi-k2.5", *(pytest.param(n, marks=OTHER_CONFIGS) for n in (
+    "qwen3-8b", "deepseek-r1-distill-qwen-7b", "gemma-4-e2b-it"))])
 def test_a_shipped_config_rehearses_green_on_its_stand_in(name, tmp_path):
     out = tmp_path / name
     code = rehearse.main(["--configfile", str(REPO / "configs" / f"{name}.yaml"),
@@ -192,3 +194,20 @@ def test_a_streamed_run_reports_its_streamed_states_not_missing_shards(tmp_path)
     assert said["train"] == ("drafter trained and exported on streamed states: 95 prefill "
                              "requests to its own capture server, 0 files saved by generation, "
                              "teacher agreement 0.937")
+
+
+def test_a_miniature_taught_too_briefly_says_it_did_not_learn_the_format(tmp_path):
+    """The teaching must reach the format or say it could not: a second of teaching leaves
+    the miniature's answers without their closer or their end of turn, and the build reports
+    how many of its greedy and sampled answers were in the format, and the first that was
+    not."""
+    from eaglet.miniature import build
+
+    info = build(STANDINS / "qwen3-8b", tmp_path / "mini", trust_remote_code=False,
+                 template_kwargs={"enable_thinking": True}, reasoning_parser="qwen3",
+                 teach_seconds=1.0)
+    learned = info["taught"]["learned"]
+    assert learned["answers"] == 12 and learned["in_format"] < learned["answers"]
+    failure = learned["first_failure"]
+    assert failure and not (failure["ended_turn"] and failure["closed_reasoning"])
+    assert "template's rendering of the answer" in info["taught"]["format"]

@@ -308,3 +308,62 @@ def test_vllm_reasoning_parsers_split_an_answer_in_each_format(vllm_tokenizers):
     assert (reasoning.strip(), content.strip()) == ("Two and two make four.", "It is 4.")
     assert q3(qwen, chat_template_kwargs={"enable_thinking": False}).extract_reasoning(
         "It is 4.", REQUEST) == (None, "It is 4.")
+
+
+# -- DeepSeek-R1-Distill-Qwen and Gemma 4 -------------------------------------------------
+
+R1 = STANDINS / "deepseek-r1-distill-qwen-7b"
+GEMMA = STANDINS / "gemma-4-e2b-it"
+
+
+@pytest.mark.parametrize("folder", [R1, GEMMA], ids=["r1-distill", "gemma-4"])
+def test_the_other_stand_ins_load_and_keep_their_tokens_at_their_ids(folder):
+    from transformers import AutoConfig, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    for content, index in added_tokens(folder).items():
+        assert tokenizer.convert_tokens_to_ids(content) == index, content
+        assert tokenizer(content, add_special_tokens=False)["input_ids"] == [index], content
+    text = "Hello world, I don't know. Ünïcödé 中文 12345"
+    assert tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"]) == text
+    config = AutoConfig.from_pretrained(folder)
+    assert config.get_text_config().vocab_size > max(added_tokens(folder).values())
+
+
+def test_r1_opens_the_reasoning_in_the_prompt_and_drops_it_from_the_history():
+    from transformers import AutoTokenizer
+
+    r1 = AutoTokenizer.from_pretrained(R1)
+    config = read_json(R1 / "config.json")
+    assert (config["architectures"], config["num_hidden_layers"], config["vocab_size"]) == (
+        ["Qwen2ForCausalLM"], 28, 152064)
+    assert read_json(R1 / "generation_config.json")["eos_token_id"] == 151643
+    user = [{"role": "user", "content": "Hi"}]
+    assert r1.apply_chat_template(user, tokenize=False, add_generation_prompt=True) == (
+        "<｜begin▁of▁sentence｜><｜User｜>Hi<｜Assistant｜><think>\n")
+    history = user + [{"role": "assistant", "content": "<think>\nHm.\n</think>\n\nHello.",
+                       "reasoning_content": "Hm."}, {"role": "user", "content": "Bye"}]
+    assert r1.apply_chat_template(history, tokenize=False, add_generation_prompt=True) == (
+        "<｜begin▁of▁sentence｜><｜User｜>Hi<｜Assistant｜>\n\nHello.<｜end▁of▁sentence｜>"
+        "<｜User｜>Bye<｜Assistant｜><think>\n")
+
+
+def test_gemma_turns_thinking_and_history_follow_the_published_format():
+    from transformers import AutoTokenizer
+
+    gemma = AutoTokenizer.from_pretrained(GEMMA)
+    text = read_json(GEMMA / "config.json")["text_config"]
+    assert read_json(GEMMA / "config.json")["architectures"] == ["Gemma4ForConditionalGeneration"]
+    assert (text["num_hidden_layers"], text["hidden_size"], text["vocab_size"]) == (30, 2304, 262144)
+    turn_end = gemma.convert_tokens_to_ids("<turn|>")
+    assert turn_end in read_json(GEMMA / "generation_config.json")["eos_token_id"]
+    user = [{"role": "user", "content": "Hi"}]
+    assert gemma.apply_chat_template(user, tokenize=False, add_generation_prompt=True,
+                                     enable_thinking=True) == (
+        "<bos><|turn>system\n<|think|><turn|>\n<|turn>user\nHi<turn|>\n<|turn>model\n")
+    assert gemma.apply_chat_template(user, tokenize=False, add_generation_prompt=True) == (
+        "<bos><|turn>user\nHi<turn|>\n<|turn>model\n")
+    history = user + [{"role": "assistant", "content": "Hello.", "reasoning_content": "Hm."},
+                      {"role": "user", "content": "Bye"}]
+    assert "Hm." not in gemma.apply_chat_template(history, tokenize=False,
+                                                  add_generation_prompt=True)

@@ -1,17 +1,23 @@
-"""Template round-trip check on a tiny byte-level tokenizer with ChatML templates."""
+"""The synthetic-sample check on a tiny byte-level tokenizer: prompts against the template's
+rendering, completions against their text fields and the run's answer format, on ChatML
+templates shaped like Qwen3's and Kimi-K2.5's (the four real families are rehearsed end to
+end: tests/test_rehearse.py)."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from eaglet.template_check import (
+    AnswerFormat,
     TemplateMismatchError,
+    answer_format,
     check_record,
     check_records,
     enforce,
-    render_conversation_ids,
 )
 
 SPECIAL_TOKENS = ["<|im_start|>", "<|im_end|>", "<think>", "</think>"]
@@ -96,42 +102,71 @@ def server_record(
     }
 
 
-def test_render_conversation_ids_is_a_list_of_ints(tokenizer):
-    rendered = render_conversation_ids(tokenizer, server_record(tokenizer))
-    expected = ids(
-        tokenizer,
-        "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
-        f"<|im_start|>assistant\n<think>\n{REASONING}\n</think>\n\n{CONTENT}<|im_end|>\n",
-    )
-    assert rendered == expected
-    assert all(type(token) is int for token in rendered)
+def qwen_format(tokenizer: PreTrainedTokenizerFast) -> AnswerFormat:
+    """A server with a reasoning parser of <think>/</think> (vLLM's qwen3), stopping at <|im_end|>."""
+    return AnswerFormat("qwen3", "<think>", "</think>",
+                        frozenset({tokenizer.convert_tokens_to_ids("<|im_end|>")}))
 
 
 def test_correct_record_passes(tokenizer):
     record = server_record(tokenizer)
-    result = check_record(tokenizer, record)
+    result = check_record(tokenizer, record, qwen_format(tokenizer))
     assert result.ok, result.reason
     assert result.part is None and result.first_mismatch is None
     emitted = record["prompt_token_ids"] + record["completion_token_ids"]
-    assert result.expected_len == len(emitted)
-    assert result.rendered_len == result.expected_len + 1  # the template's newline after <|im_end|>
+    assert result.expected_len == result.rendered_len == len(emitted)
 
 
-def test_lost_thinking_wrapper_fails_at_think(tokenizer):
+def test_the_format_is_asked_of_vllms_own_parser(tokenizer):
+    fmt = answer_format(tokenizer, "qwen3", [7])
+    assert (fmt.parser, fmt.opener, fmt.closer) == ("qwen3", "<think>", "</think>")
+    assert fmt.stop_ids == {7, tokenizer.convert_tokens_to_ids("<|im_end|>")}
+    assert answer_format(tokenizer, None).opener is None
+
+
+def test_a_reasoning_the_record_lacks_fails_where_it_starts(tokenizer):
+    """The ids hold <think>...</think> before the content, the record no reasoning: with the
+    run's parser it is a reasoning the record lost, without one text the content lacks."""
     record = server_record(tokenizer) | {"reasoning": None}
-    result = check_record(tokenizer, record)
-    assert not result.ok
-    assert result.part == "completion"
+    result = check_record(tokenizer, record, qwen_format(tokenizer))
+    assert not result.ok and result.part == "completion"
+    assert "a reasoning in the ids ('Add two and two.'" in result.reason
+    start = len(record["prompt_token_ids"]) + len(ids(tokenizer, "<think>\n"))
+    assert result.first_mismatch == start
+    result = check_record(tokenizer, record, None)
+    assert not result.ok and "text before the content that the content lacks" in result.reason
     assert result.first_mismatch == len(record["prompt_token_ids"])
     assert "'<think>'" in result.reason
 
 
-def test_reasoning_merged_into_content_without_tags_fails(tokenizer):
+def test_reasoning_merged_into_content_fails_where_the_reasoning_starts(tokenizer):
     record = server_record(tokenizer) | {"reasoning": None, "content": f"{REASONING}\n\n{CONTENT}"}
-    result = check_record(tokenizer, record)
+    result = check_record(tokenizer, record, qwen_format(tokenizer))
     assert not result.ok
-    assert result.part == "completion"
-    assert result.first_mismatch == len(record["prompt_token_ids"])
+    assert result.part == "completion" and "that the record lacks" in result.reason
+    start = len(record["prompt_token_ids"]) + len(ids(tokenizer, "<think>\n"))
+    assert result.first_mismatch == start
+
+
+def test_a_lost_closer_fails_where_the_reasoning_runs_on_into_the_content(tokenizer):
+    record = server_record(tokenizer)
+    record["completion_token_ids"] = ids(tokenizer, f"<think>\n{REASONING}\n\n{CONTENT}<|im_end|>")
+    result = check_record(tokenizer, record, qwen_format(tokenizer))
+    assert not result.ok and "reasoning is not what its ids hold between" in result.reason
+    assert result.first_mismatch == len(record["prompt_token_ids"]) + len(
+        ids(tokenizer, f"<think>\n{REASONING}\n\n"))
+
+
+def test_another_tokenizer_fails_where_the_text_is_lost(tokenizer):
+    """The server tokenized with other merges: the ids decode to other text here."""
+    other = make_tokenizer(REASONING_TEMPLATE, merges=(("I", "t"),))
+    record = server_record(tokenizer)
+    record["completion_token_ids"] = [i + 1 if i < 200 else i
+                                      for i in server_record(other)["completion_token_ids"]]
+    result = check_record(tokenizer, record, qwen_format(tokenizer))
+    assert not result.ok and result.part == "completion"
+    # the shifted ids decode to other text, so the record's reasoning is found nowhere
+    assert re.search(r"reasoning is not (in the ids|what its ids hold)", result.reason)
 
 
 def test_truncated_record_passes(tokenizer):
@@ -142,18 +177,26 @@ def test_truncated_record_passes(tokenizer):
     assert 0 < len(content) < len(CONTENT)
     record = full | {"completion_token_ids": completion, "content": content}
     record["finish_reason"] = "length"
-    result = check_record(tokenizer, record)
+    result = check_record(tokenizer, record, qwen_format(tokenizer))
     assert result.ok, result.reason
 
 
-def test_rendering_that_stops_early_fails(tokenizer):
+def test_ids_after_the_end_of_turn_fail(tokenizer):
     record = server_record(tokenizer)
+    stop = len(record["completion_token_ids"])
     record["completion_token_ids"] += ids(tokenizer, "\n<|im_start|>")
-    result = check_record(tokenizer, record)
+    result = check_record(tokenizer, record, qwen_format(tokenizer))
     assert not result.ok
-    assert result.part == "completion"
-    assert result.first_mismatch == result.rendered_len
-    assert "[end]" in result.reason
+    assert result.part == "completion" and "end of turn" in result.reason
+    assert result.first_mismatch == len(record["prompt_token_ids"]) + stop
+
+
+def test_text_the_fields_do_not_hold_fails(tokenizer):
+    record = server_record(tokenizer)
+    record["completion_token_ids"] = ids(tokenizer, f"<think>\n{REASONING}\n</think>\n\n{CONTENT} "
+                                                    + "and more " * 10 + "<|im_end|>")
+    result = check_record(tokenizer, record, qwen_format(tokenizer))
+    assert not result.ok and "content is not what its ids hold outside" in result.reason
 
 
 def test_wrong_system_prompt_fails_in_prompt(tokenizer):
@@ -186,7 +229,8 @@ def mixed_records(tokenizer: PreTrainedTokenizerFast) -> list[dict]:
 
 
 def test_check_records_counts_and_rate(tokenizer):
-    report = check_records(tokenizer, mixed_records(tokenizer), max_listed=2)
+    report = check_records(tokenizer, mixed_records(tokenizer), max_listed=2,
+                           fmt=qwen_format(tokenizer))
     assert report["checked"] == 8
     assert report["mismatched"] == 3
     assert report["mismatch_rate"] == pytest.approx(3 / 8)
@@ -202,11 +246,12 @@ def test_check_records_of_nothing(tokenizer):
         "mismatches": [],
         "retokenized": 0,
         "retokenized_examples": [],
+        "format": {"reasoning_parser": None, "opener": None, "closer": None},
     }
 
 
 def test_enforce_raises_above_threshold(tokenizer):
-    report = check_records(tokenizer, mixed_records(tokenizer))
+    report = check_records(tokenizer, mixed_records(tokenizer), fmt=qwen_format(tokenizer))
     with pytest.raises(TemplateMismatchError) as raised:
         enforce(report, max_rate=0.2)
     message = str(raised.value)
@@ -216,7 +261,7 @@ def test_enforce_raises_above_threshold(tokenizer):
 
 
 def test_enforce_passes_at_or_below_threshold_and_raises_just_above_it(tokenizer):
-    report = check_records(tokenizer, mixed_records(tokenizer))
+    report = check_records(tokenizer, mixed_records(tokenizer), fmt=qwen_format(tokenizer))
     assert report["mismatch_rate"] == pytest.approx(3 / 8)
     assert enforce(report, max_rate=3 / 8) is None  # the threshold itself passes
     assert enforce(report, max_rate=0.5) is None
@@ -235,16 +280,17 @@ def test_non_canonical_split_of_the_same_text_is_retokenized_not_mismatched():
     split = merged.convert_tokens_to_ids(["I", "t"])
     record["completion_token_ids"] = canonical[:at] + split + canonical[at + 1:]
 
-    result = check_record(merged, record)
+    fmt = qwen_format(merged)
+    result = check_record(merged, record, fmt)
     assert result.ok and result.retokenized and result.part == "completion"
-    report = check_records(merged, [record, server_record(merged)])
+    report = check_records(merged, [record, server_record(merged)], fmt=fmt)
     assert report["mismatched"] == 0 and report["retokenized"] == 1
     assert report["retokenized_examples"][0]["id"] == record["id"]
 
     # a lost wrapper is still a mismatch with the same tokenizer
     lost = server_record(merged)
     lost["reasoning"] = None
-    assert not check_record(merged, lost).ok
+    assert not check_record(merged, lost, fmt).ok
 
 
 # A template variable that changes the rendering (as Qwen3's enable_thinking does).
@@ -320,6 +366,11 @@ def make_kimi_tokenizer(template: str = KIMI_K25_TEMPLATE) -> PreTrainedTokenize
 @pytest.fixture(scope="module")
 def kimi() -> PreTrainedTokenizerFast:
     return make_kimi_tokenizer()
+
+
+def kimi_format(tokenizer: PreTrainedTokenizerFast) -> AnswerFormat:
+    """The format of a server with --reasoning-parser kimi_k2, its markers asked of vLLM."""
+    return answer_format(tokenizer, "kimi_k2", [tokenizer.convert_tokens_to_ids("<|im_end|>")])
 
 
 @pytest.fixture(scope="module", params=["history through the last answer",
@@ -416,9 +467,9 @@ def test_kimi_like_records_round_trip(kimi_shapes, answer, turns):
     and off, stopped or cut at max_tokens, for both readings of the template's history."""
     records = kimi_conversation(kimi_shapes, *KIMI_ANSWERS[answer], turns)
     for turn, record in enumerate(records):
-        result = check_record(kimi_shapes, record)
+        result = check_record(kimi_shapes, record, kimi_format(kimi_shapes))
         assert result.ok and not result.retokenized, f"turn {turn + 1}: {result.reason}"
-    report = check_records(kimi_shapes, records)
+    report = check_records(kimi_shapes, records, fmt=kimi_format(kimi_shapes))
     assert report["mismatched"] == 0 and report["retokenized"] == 0
 
 
@@ -431,7 +482,7 @@ def test_later_turns_carry_the_earlier_answers_content_as_the_server_rendered_it
     assert ("<|im_assistant|>assistant<|im_middle|><think></think>It is 2.<|im_end|>"
             "<|im_user|>user<|im_middle|>And 3+3?<|im_end|>"
             "<|im_assistant|>assistant<|im_middle|><think>") in prompt
-    assert check_record(kimi, second).ok
+    assert check_record(kimi, second, kimi_format(kimi)).ok
 
 
 def kimi_mismatches(kimi: PreTrainedTokenizerFast) -> dict[str, tuple[dict, int]]:
@@ -444,6 +495,7 @@ def kimi_mismatches(kimi: PreTrainedTokenizerFast) -> dict[str, tuple[dict, int]
         "lost closer": ({**good, "completion_token_ids": ids(
             kimi, "Add 2 and 2.It is 2.<|im_end|>")}, closer),
         # a server without the reasoning parser: special tokens skipped, all text content
+        # (the ids hold a reasoning there, which the record lacks)
         "no reasoning parser": ({**good, "reasoning": None,
                                  "content": "Add 2 and 2.It is 2."}, start),
         # reasoning and content merged into the reasoning
@@ -461,7 +513,7 @@ def kimi_mismatches(kimi: PreTrainedTokenizerFast) -> dict[str, tuple[dict, int]
                                   "merged into the reasoning", "content saved as reasoning"])
 def test_kimi_like_real_mismatches_are_still_caught(kimi, case):
     record, index = kimi_mismatches(kimi)[case]
-    result = check_record(kimi, record)
+    result = check_record(kimi, record, kimi_format(kimi))
     assert not result.ok and not result.retokenized
     assert result.part == "completion" and result.first_mismatch == index, result.reason
 

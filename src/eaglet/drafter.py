@@ -138,15 +138,30 @@ DRAFTER_VARIANTS = {"eagle3": {}, "eagle3.1": {"fc_norm": True, "norm_output": T
 
 
 def rope_parameters(config: dict) -> dict:
-    """RoPE settings in transformers-5 form, from either ``rope_parameters`` (transformers 5)
-    or the older top-level ``rope_theta`` plus optional ``rope_scaling``."""
-    if config.get("rope_parameters"):
-        params = dict(config["rope_parameters"])
+    """The drafter's RoPE settings in transformers-5 form, from the target's config: either
+    ``rope_parameters`` (transformers 5) or the older top-level ``rope_theta`` plus optional
+    ``rope_scaling``.
+
+    The drafter's one layer attends over the whole context, so where the target keys its
+    settings by layer type (sliding and full attention layers rotate differently), it takes
+    those of the target's full-attention layers. Where those rotate only part of each head
+    (``partial_rotary_factor``, ``rope_dim``, or Gemma's ``proportional``), the drafter rotates
+    its whole head by their base: it is trained from scratch, and what must agree is the
+    trainer and vLLM's Llama layer, which rotate the whole head alike."""
+    params = config.get("rope_parameters")
+    if params and all(isinstance(value, dict) for value in params.values()):
+        params = params.get("full_attention") or next(iter(params.values()))
+    if params:
+        params = dict(params)
     else:
         params = dict(config.get("rope_scaling") or {})
         params["rope_theta"] = config.get("rope_theta", 10000.0)
     params["rope_type"] = params.get("rope_type", params.pop("type", "default"))
     params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    if (params["rope_type"] == "proportional" or "rope_dim" in params
+            or params.get("partial_rotary_factor", 1.0) != 1.0):
+        params = {"rope_type": "default", "rope_theta": params["rope_theta"]}
+    params.pop("partial_rotary_factor", None)
     return params
 
 

@@ -23,13 +23,13 @@ from transformers import AutoTokenizer
 from eaglet import rates
 from eaglet.engine_client import RequestFailed, gather_or_cancel, post_json, with_retries
 from eaglet.hidden_capture import capture_args, capture_layer_ids
-from eaglet.io import (atomic_open, read_jsonl, request_path, write_json, write_jsonl,
-                       writer_done)
+from eaglet.io import (atomic_open, hold_directory, read_jsonl, request_path, write_json,
+                       write_jsonl, writer_done)
 from eaglet.progress import Progress, now_iso
 from eaglet.prompts import RECORDED_ANSWER
 from eaglet.server import ServerError, target_server
 from eaglet.target import read_target
-from eaglet.template_check import check_records, enforce
+from eaglet.template_check import answer_format, check_records, enforce
 
 log = logging.getLogger("eaglet.generate")
 
@@ -40,10 +40,29 @@ class Sampling:
     top_p: float
     max_tokens: int
     seed: int
+    # None: not sent, so vLLM takes the target's generation_config.json value (its default)
+    top_k: int | None = None
+    min_p: float | None = None
 
     @classmethod
     def from_config(cls, gen: dict) -> "Sampling":
-        return cls(gen["temperature"], gen["top_p"], gen["max_tokens"], gen["seed"])
+        return cls(gen["temperature"], gen["top_p"], gen["max_tokens"], gen["seed"],
+                   gen.get("top_k"), gen.get("min_p"))
+
+    def settings(self) -> dict:
+        """What a record keeps of its sampling: the settings sent. One left to the server's
+        default is left out, so that answers recorded before eaglet had it still count as made
+        with the same settings."""
+        return {k: v for k, v in vars(self).items() if v is not None or k not in OPTIONAL}
+
+    def request(self) -> dict:
+        """The request's sampling fields (the seed apart: see chat_once)."""
+        return {"temperature": self.temperature, "top_p": self.top_p,
+                "max_tokens": self.max_tokens,
+                **{k: getattr(self, k) for k in OPTIONAL if getattr(self, k) is not None}}
+
+
+OPTIONAL = ("top_k", "min_p")  # Sampling's settings a server fills in when none is sent
 
 
 # -- partial file ----------------------------------------------------------------------------
@@ -133,7 +152,7 @@ def answer_settings(sampling: Sampling, template_kwargs: dict | None, capture: b
     """What an answer was made with, beyond its prompt: a record made otherwise is asked
     again (a changed max_tokens, temperature, system prompt, template switch or capture
     reruns the stage, and the partial file must not hand it the old answers)."""
-    return {"sampling": vars(sampling), "chat_template_kwargs": template_kwargs or None,
+    return {"sampling": sampling.settings(), "chat_template_kwargs": template_kwargs or None,
             "capture": capture, "system_prompt": system_prompt or None}
 
 
@@ -315,8 +334,7 @@ async def chat_once(client: httpx.AsyncClient, model: str, messages: list[dict],
                     seeded: bool = True) -> dict:
     payload = {
         "model": model, "messages": messages,
-        "temperature": sampling.temperature, "top_p": sampling.top_p,
-        "max_tokens": sampling.max_tokens, **({"seed": sampling.seed} if seeded else {}),
+        **sampling.request(), **({"seed": sampling.seed} if seeded else {}),
         "return_token_ids": True,
         # the text exactly as the ids spell it: vLLM's detokenizer otherwise puts a space
         # between an added token and the text beside it for tokenizers that are not
@@ -458,7 +476,7 @@ async def generate_async(prompts: list[dict], settings: GenerationSettings,
                              messages: list[dict]) -> dict:
                 record = {"id": record_id, "source": prompt.get("source"),
                           "messages": messages, "model": model,
-                          "sampling": vars(settings.sampling)}
+                          "sampling": settings.sampling.settings()}
                 if settings.chat_template_kwargs:  # the template check renders with them
                     record["chat_template_kwargs"] = dict(settings.chat_template_kwargs)
                 if settings.system_prompt:
@@ -641,6 +659,15 @@ def run_stage(cfg: dict[str, Any], target_json: str, prompts: dict[str, str],
     With ``capture_dir`` (``generate.capture_hidden_states``) the server runs with the
     capture options (:mod:`eaglet.hidden_capture`) and saves the hidden states of every
     answer there, named by :func:`eaglet.io.request_path`, for the extraction stage to pack."""
+    # the partial file: a generation still running (a killed Snakemake's orphan) and its
+    # rerun would append to it at once
+    with hold_directory(Path(partial_path).parent, "generate"):
+        return _run_stage(cfg, target_json, prompts, outputs, stats_path, partial_path,
+                          progress_path, log_path, server_log_path, capture_dir)
+
+
+def _run_stage(cfg, target_json, prompts, outputs, stats_path, partial_path, progress_path,
+               log_path, server_log_path, capture_dir) -> dict:
     target = read_target(target_json)
     by_split = {split: read_jsonl(path) for split, path in prompts.items()}
     gen = cfg["generate"]
@@ -711,14 +738,16 @@ def run_stage(cfg: dict[str, Any], target_json: str, prompts: dict[str, str],
             f"generate.max_failed_rate={gen['max_failed_rate']}): {examples}. The answers so far "
             f"are kept in {partial_path}; fix the cause and rerun to retry only the failed prompts.")
 
-    template = check_records(tokenizer, [r for split in kept.values() for r in split])
+    fmt = answer_format(tokenizer, server_cfg["reasoning_parser"],
+                        end_of_turn_ids(tokenizer, target["path"]), gen["chat_template_kwargs"])
+    template = check_records(tokenizer, [r for split in kept.values() for r in split], fmt=fmt)
     stats.update({
         "template_check": template,
         "this_run": {"generated": run["done"] - run["resumed_from"], "failed": run["failed"],
                      "resumed_from": run["resumed_from"], "wall_s": run["elapsed_s"],
                      "requests_per_s": run["rate_per_s"],
                      "completion_tokens_per_s": run["tokens_per_s"]},
-        "sampling": vars(Sampling.from_config(gen)), "target": target["path"]})
+        "sampling": Sampling.from_config(gen).settings(), "target": target["path"]})
     for split, c in counts.items():
         log.info("%s: %d samples (%d failed, %d truncated%s, %d too long to ask), %d "
                  "completion tokens", split, c["samples"], c["failed"], c["truncated"],
