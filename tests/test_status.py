@@ -1148,3 +1148,99 @@ def test_a_training_rate_is_read_back_only_at_its_number_of_ranks(history):
     assert rates.training_ranks(cfg) == 8            # a rank beside each server GPU
     assert rates.training_ranks({**cfg, "train": {"gpus": 2, "data": "shards"}}) == 2
     assert rates.training_ranks({**cfg, "train": {"gpus": 0, "data": "shards"}}) == 1
+
+
+def _reference(path, cfg, device="cpu:elsewhere", **rates_by_stage):
+    """A reference run's rates file: each stage's rate as eaglet.rates.record writes it, at
+    this config's settings, measured on ``device``."""
+    target = cfg["target"]["model"]
+    settings = {"generate": rates.generate_settings(cfg), "extract_vllm": rates.prefill_settings(cfg),
+                "train": rates.train_settings(cfg["train"])}
+    keys = {"generate": "completion_tokens_per_s", "extract_vllm": "tokens_per_s",
+            "train": "tokens_per_s"}
+    lines = []
+    for stage, rate in rates_by_stage.items():
+        entry = {"stage": stage, "target": target, "device": device, "at": "2026-01-01T00:00:00",
+                 keys[stage]: rate, "settings": settings[stage]}
+        if stage == "train":
+            entry["ttt_steps"] = cfg["train"]["ttt_steps"]
+        lines.append(json.dumps(entry))
+        lines.append(json.dumps({"stage": stage, "target": target, "device": device,
+                                 "at": "2026-01-01T00:00:00", "server_start_s": 30.0}))
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_a_first_run_plans_from_the_reference_run_at_this_machines_speed(
+        tmp_path, history, monkeypatch):
+    """A first run has no history; the shipped benchmarks, measured at other times by other
+    code, disagreed in their ratios (a fresh demo's generation ran at 2.1x its benchmark, its
+    extraction at 4.2x, its training at 1.4x: training planned at extraction's speed read 0.7
+    minutes where 5.1 were left). One reference run measured every kind with the same code:
+    before anything is measured it plans each stage as it is, and once generation has
+    measured this machine, every later stage is planned at the reference times that speed."""
+    r = tmp_path / "results"
+    cfg = _generated(r)
+    reference = tmp_path / "reference.jsonl"
+    monkeypatch.setenv("EAGLET_REFERENCE_RATES", str(reference))
+    before = status.estimate("train", r, cfg, None)
+    _reference(reference, cfg, generate=200.0, extract_vllm=500.0, train=900.0)
+    train_tokens = status._token_totals(r, cfg)["train"]["tokens"] * cfg["train"]["epochs"]
+    first = status.estimate("train", r, cfg, None)
+    assert first.seconds == pytest.approx(train_tokens / 900.0)
+    assert "the reference demo run (cpu:elsewhere)" in first.basis and first.speed is None
+    assert first.seconds != pytest.approx(before.seconds)   # not the benchmarks' plan
+    # this machine generates at half the reference's speed: training is planned at half too
+    _worked(r, "generate", 100.0)
+    rates.record("generate", cfg["target"]["model"], completion_tokens_per_s=100.0,
+                 settings=rates.generate_settings(cfg))
+    now = status.estimate("train", r, cfg, None)
+    assert now.seconds == pytest.approx(train_tokens / 450.0)
+    assert "x0.50 this machine's speed from generate's decode" in now.basis
+    extract = status.estimate("extract", r, cfg, None)
+    assert "the reference demo run" in extract.basis and "x0.50" in extract.basis
+    # a reference measured at other settings is none: the benchmarks plan, as before
+    other = {**cfg, "train": {**cfg["train"], "max_tokens_per_batch": 99}}
+    assert "reference" not in status.estimate("train", r, other, None).basis
+
+
+def test_a_running_stage_planned_from_another_kind_of_work_trusts_its_own_minute(
+        tmp_path, history):
+    """Training planned at extraction's prefill speed (another kind of work) gave way to its
+    own rate only at a quarter of its steps: a minute in, 144 of 705 steps done, status read
+    0.7 minutes left where its own rate said 3.8 (4.1 in truth). After a minute of its own
+    work a stage whose plan rests on no measure of its kind reads its own rate; a plan from
+    this machine's history of the same kind still holds until the stage settles."""
+    r = tmp_path / "results"
+    cfg = _generated(r)
+    _worked(r, "extract_vllm", 4 * _extract_benchmark(), elapsed_s=300.0)
+    running = {"state": "running", "done": 144, "total": 705, "eta_s": 230.0,
+               "elapsed_s": 59.0, "resumed_from": 0}
+    early = status.estimate("train", r, cfg, running)
+    assert "less the" in early.basis and "not settled" in early.basis      # under a minute
+    got = status.estimate("train", r, cfg, {**running, "elapsed_s": 61.0})
+    assert got.seconds == pytest.approx(230.0)
+    assert "this run's progress (144/705 done in" in got.basis and "prefill" in got.basis
+    # an earlier run's training on this machine: the plan holds until the stage settles
+    history.write_text(json.dumps({
+        "stage": "train", "target": cfg["target"]["model"], "device": rates.device_kind(),
+        "at": "2026-01-01T00:00:00+00:00", "tokens_per_s": 300.0,
+        "ttt_steps": cfg["train"]["ttt_steps"],
+        "settings": rates.train_settings(cfg["train"])}) + "\n")
+    held = status.estimate("train", r, cfg, {**running, "elapsed_s": 61.0})
+    assert "an earlier run" in held.basis and "not settled" in held.basis
+
+
+def test_a_finished_run_has_no_time_left_not_an_unknown_one(tmp_path, history):
+    """With every stage completed, status said remaining_s null (unknown), which a poll of a
+    finished demo read as an estimate missing; nothing left is 0 seconds."""
+    r = tmp_path / "results"
+    cfg = _generated(r)
+    for stage in status.STAGES:
+        for output in stage.outputs:
+            (r / output).parent.mkdir(parents=True, exist_ok=True)
+            (r / output).touch()
+    report = status.collect(r, cfg, None)
+    assert all(s["state"] == "completed" for s in report["stages"]), [
+        (s["stage"], s["state"]) for s in report["stages"] if s["state"] != "completed"]
+    assert report["remaining_s"] == 0
+    assert "nothing: the run is complete" in status.render(report)

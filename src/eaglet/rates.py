@@ -16,6 +16,22 @@ from pathlib import Path
 from eaglet.progress import now_iso
 
 
+# The rates one `make demo` recorded with a fresh history (benchmarks/status_poll.py
+# --reference): every kind of work measured by the same code on one machine in one run, so a
+# first run, which has no history of its own, plans each stage from them scaled by the speed
+# it measures of this machine (eaglet.status), where the separate benchmarks, measured at
+# other times by other code, disagreed with each other by up to 3x in their ratios.
+REFERENCE_RATES = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "reference_rates.jsonl"
+
+
+def reference_path() -> Path | None:
+    """``$EAGLET_REFERENCE_RATES`` ("" for none) or the shipped reference rates."""
+    if "EAGLET_REFERENCE_RATES" in os.environ:
+        value = os.environ["EAGLET_REFERENCE_RATES"]
+        return Path(value) if value else None
+    return REFERENCE_RATES
+
+
 def history_path() -> Path:
     if os.environ.get("EAGLET_RATES"):
         return Path(os.environ["EAGLET_RATES"])
@@ -129,18 +145,43 @@ def lookup_entry(stage: str, key: str, target: str | None = None,
     at, where the stage recorded them). ``settings``: an entry measured at other settings is
     never used (a test run at concurrency 4 planned a demo at 32 eight times too slow); one
     that does not say is used only where none measured at them."""
-    path = history_path()
-    if not path.exists():
+    entries = [e for e in _entries(history_path(), stage, key)
+               if _recorded_before(e, before)]
+    found = _match(entries, target, settings)
+    if found is None:
+        found = reference_entry(stage, key, target, settings)
+    return found
+
+
+def reference_entry(stage: str, key: str, target: str | None = None,
+                    settings: dict | None = None) -> dict | None:
+    """The reference run's entry for ``key`` of ``stage`` (:data:`REFERENCE_RATES`), for this
+    target and measured at exactly ``settings``, marked ``"reference": True``; None where it
+    has none."""
+    path = reference_path()
+    if path is None:
         return None
+    entries = [e for e in _entries(path, stage, key) if _measured_at(e, settings) is True]
+    found = _match(entries, target, settings)
+    return None if found is None else {**found, "reference": True}
+
+
+def _entries(path: Path, stage: str, key: str) -> list[dict]:
+    """The entries of a rates file that measured ``key`` of ``stage``, oldest first."""
+    if not path.exists():
+        return []
     entries = []
     for line in path.read_text().splitlines():
         try:
             entry = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if (entry.get("stage") == stage and _measured(entry.get(key))
-                and _recorded_before(entry, before)):
+        if isinstance(entry, dict) and entry.get("stage") == stage and _measured(entry.get(key)):
             entries.append(entry)
+    return entries
+
+
+def _match(entries: list[dict], target: str | None, settings: dict | None) -> dict | None:
     # Only this target's own rates: another target's (a rehearsal's miniature before the real
     # run, most often) is no rate for this one: the Kimi miniature trained at 4x SmolLM2's
     # tokens/s and the demo after it was planned at that. Without one, the benchmarks for this

@@ -73,8 +73,8 @@ class Estimate:
     speed: Speed | None = None   # this run's measurement the plan rests on, if any
 
 
-# ``before`` of a plan read from the benchmarks alone, never the rates history: the rate a
-# speed factor is measured against (:func:`machine_speed`)
+# ``before`` of a plan read from the reference run or the benchmarks alone, never the rates
+# history: the rate a speed factor is measured against (:func:`machine_speed`)
 BENCHMARKS_ONLY = "benchmarks only"
 EARLIER_RUN = "an earlier run"   # the source of a plan read from this machine's rates history
 
@@ -96,6 +96,9 @@ def _earlier_source(entry: dict) -> Basis:
     another kind of machine, which is planned as the benchmarks are (scaled by this machine's
     speed)."""
     device = entry.get("device")
+    if entry.get("reference"):
+        # measured by another machine, however alike its name: scaled by this one's speed
+        return Basis(f"the reference demo run ({device})")
     if device in (None, rates.device_kind()):
         return Basis(EARLIER_RUN, here=True)
     return Basis(f"an earlier run on another machine ({device})")
@@ -109,7 +112,7 @@ def _rate(stage: str, key: str, target: str | None, measured: float | None = Non
     (:func:`eaglet.rates.lookup_entry`)."""
     if measured:
         return measured, "this run"
-    entry = (None if before == BENCHMARKS_ONLY
+    entry = (rates.reference_entry(stage, key, target, settings) if before == BENCHMARKS_ONLY
              else rates.lookup_entry(stage, key, target, before, settings))
     if entry is not None:
         return float(entry[key]), _earlier_source(entry)
@@ -127,7 +130,8 @@ def _train_rate(target: str, ttt_steps: int, max_len: int | None = None,
     target's shape (the row whose sample length is nearest ``max_len``), scaled to this run's
     TTT steps: each step runs the drafter layer and its lm_head once more, so the cost per
     token grows about linearly."""
-    entry = (None if before == BENCHMARKS_ONLY
+    entry = (rates.reference_entry("train", "tokens_per_s", target, settings)
+             if before == BENCHMARKS_ONLY
              else rates.lookup_entry("train", "tokens_per_s", target, before, settings))
     source = _earlier_source(entry) if entry is not None else Basis("")
     if entry is None:
@@ -1066,6 +1070,14 @@ OPTIONAL_STAGES: list[Stage] = [Scaling()]
 _BY_NAME = {s.name: s for s in STAGES + OPTIONAL_STAGES}
 
 
+def _grounded(planned: Estimate, kind: str | None) -> bool:
+    """Whether a plan rests on this machine's own measure of the stage's kind of work: this
+    run's speed of that kind, or an earlier run's rate here."""
+    if planned.speed is not None:
+        return planned.speed.kind == kind
+    return EARLIER_RUN in planned.basis
+
+
 def estimate(stage: str, r: Path, cfg: dict, progress: dict | None) -> Estimate:
     """Time left of ``stage``: a running stage's own ETA once it has settled, else the
     stage's plan (less the time it has run, while it runs)."""
@@ -1083,6 +1095,15 @@ def estimate(stage: str, r: Path, cfg: dict, progress: dict | None) -> Estimate:
         if planned.seconds <= elapsed:  # the plan is spent and the stage goes on: the plan was
             return Estimate(own, f"this run's progress ({done}/{total} done; its plan of "  # wrong
                                  f"{format_duration(planned.seconds)} is spent)")
+        if (spec.settles_at < 1.0 and elapsed >= MEASURED_AFTER_S
+                and not _grounded(planned, spec.kind(cfg))):
+            # a plan from another kind of work's speed (or from the reference and benchmarks
+            # alone) is a guess next to a minute of the stage's own work: a first run's
+            # training, planned by extraction's prefill speed, read 0.7 minutes left where
+            # its own 144 of 705 steps in 59 s said 3.8 (4.1 in truth)
+            return Estimate(own, f"this run's progress ({done}/{total} done in "
+                                 f"{format_duration(elapsed)}; its plan rested on "
+                                 f"{planned.basis})")
         return Estimate(planned.seconds - elapsed,
                         f"{planned.basis}, less the {format_duration(elapsed)} it has run "
                         f"({done}/{total} done: its own rate is not settled)", planned.speed)
@@ -1312,7 +1333,8 @@ def collect(results: Path, cfg: dict, workflow: Path | None = None,
               for s in STAGES + [o for o in OPTIONAL_STAGES if o.enabled(cfg)]]
     remaining = [s for s in stages if s["state"] not in ("completed",)]
     known = [s["estimate_s"] for s in remaining if s.get("estimate_s") is not None]
-    total = sum(known) if known else None
+    # nothing left is no time left (None: some remaining stage has no estimate at all)
+    total = sum(known) if known or not remaining else None
     snake = _read(results / "run" / "snakemake.json") or {}
     alive = pid_alive(snake.get("pid"))
     lock = None
@@ -1412,7 +1434,7 @@ def render(report: dict) -> str:
                      f"{s.get('estimate_basis', '')}")
     if not todo and not by_state.get("running"):
         lines.append("  nothing: the run is complete")
-    if report["remaining_s"] is not None:
+    if report["remaining_s"] is not None and (todo or by_state.get("running")):
         partial = "" if report["remaining_complete"] else " (some stages have no estimate yet)"
         lines.append(f"  total remaining ~{format_duration(report['remaining_s'])}, finishing "
                      f"around {report['finishes_at']}{partial}")
