@@ -2,7 +2,7 @@
 # Stages live in rules/*.smk, logic in src/eaglet; `snakemake -n` previews the plan.
 
 # config.yaml is the CPU demo's own run (`make demo`). A run given --configfile is validated
-# over the schema's defaults alone (src/eaglet/config_schema.yaml): merged over config.yaml,
+# over the schema's defaults alone (src/eaglet/core/config_schema.yaml): merged over config.yaml,
 # it would inherit the demo's CPU tunings (float32, a fixed KV cache, ...) without a word.
 if not workflow.overwrite_configfiles:
 
@@ -16,18 +16,18 @@ include: "rules/common.smk"
 
 
 # The report's first page and captions, written from this run's results: Snakemake renders
-# report/*.rst with the config as all they get of the run (eaglet.report_page).
-from eaglet.report_page import REPORT_KEY, report_texts
+# report/*.rst with the config as all they get of the run (eaglet.tools.report_page).
+from eaglet.tools.report_page import REPORT_KEY, report_texts
 
 config[REPORT_KEY] = report_texts(R)
 
 
 onstart:
     # what `eaglet status` reads: the validated config of this run and who runs it
-    from eaglet.io import write_json
+    from eaglet.core.io import write_json
     import os, sys
-    write_json(f"{R}/run/config.json", {k: v for k, v in config.items() if k != REPORT_KEY})
-    write_json(f"{R}/run/snakemake.json", {"pid": os.getpid(), "command": " ".join(sys.argv)})
+    write_json(f"{R}/{layout.RUN_CONFIG}", {k: v for k, v in config.items() if k != REPORT_KEY})
+    write_json(f"{R}/{layout.RUN_SNAKEMAKE}", {"pid": os.getpid(), "command": " ".join(sys.argv)})
 
 
 include: "rules/target.smk"
@@ -43,9 +43,9 @@ include: "rules/scaling.smk"
 rule all:
     default_target: True
     input:
-        f"{R}/eval/acceptance.json",
-        f"{R}/eval/per_position.png",
-        f"{R}/eval/acceptance_length.png",
-        f"{R}/eval/speedup.png",
-        f"{R}/eval/training_curves.png",
+        f"{R}/{layout.ACCEPTANCE}",
+        f"{R}/{layout.PER_POSITION_PNG}",
+        f"{R}/{layout.ACCEPTANCE_LENGTH_PNG}",
+        f"{R}/{layout.SPEEDUP_PNG}",
+        f"{R}/{layout.TRAINING_CURVES_PNG}",
         *OPTIONAL_TARGETS,

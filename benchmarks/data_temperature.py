@@ -38,7 +38,7 @@ from pathlib import Path
 
 import yaml
 
-from eaglet.io import read_json, write_json
+from eaglet.core.io import read_json, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "results"

@@ -22,15 +22,16 @@ from pathlib import Path
 
 import torch
 
-from eaglet import shards
-from eaglet.config import validate
-from eaglet.extract import (AuxCapture, decoder_layers, extract_shard, forward_batch,
-                            load_target, right_padded, token_budget_batches)
-from eaglet.extract_common import resolve_aux_layer_ids, sequence
-from eaglet.extract_vllm import capture_server, extract_shards, load_head, shard_jobs
-from eaglet.hidden_capture import capture_layer_ids
-from eaglet.io import read_jsonl, write_json
-from eaglet.target import model_identity
+from eaglet.core.config import validate
+from eaglet.core.io import read_jsonl, write_json
+from eaglet.data import shards
+from eaglet.engine.capture import capture_layer_ids
+from eaglet.engine.extraction import capture_server, extract_shards, load_head, shard_jobs
+from eaglet.stages.extract import (extract_shard, forward_batch, load_target, right_padded,
+                                   token_budget_batches)
+from eaglet.target.checkpoint import model_identity
+from eaglet.target.hooks import AuxCapture, decoder_layers
+from eaglet.target.states import resolve_aux_layer_ids, sequence
 
 OUT = Path(__file__).parent / "results"
 

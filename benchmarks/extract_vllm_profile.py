@@ -47,14 +47,15 @@ from pathlib import Path
 
 import httpx
 
-from eaglet import extract_common, extract_vllm
-from eaglet.config import load
-from eaglet.extract_common import resolve_aux_layer_ids, sequence
-from eaglet.extract_vllm import capture_server, extract_shards, shard_jobs
-from eaglet.hidden_capture import capture_layer_ids
-from eaglet.io import read_json, read_jsonl, request_lock, write_json, writer_done
-from eaglet.server import VLLMServer, target_server
-from eaglet.target import model_identity, read_target_config, text_config
+from eaglet.core.config import load
+from eaglet.core.io import read_json, read_jsonl, request_lock, write_json, writer_done
+from eaglet.engine import extraction as extract_vllm
+from eaglet.engine.capture import capture_layer_ids
+from eaglet.engine.extraction import capture_server, extract_shards, shard_jobs
+from eaglet.engine.server import VLLMServer, target_server
+from eaglet.target.checkpoint import model_identity, read_target_config, text_config
+from eaglet.target import states as extract_common
+from eaglet.target.states import resolve_aux_layer_ids, sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "results" / "extract_vllm"

@@ -24,11 +24,11 @@ from pathlib import Path
 
 import httpx
 
-from eaglet.config import validate
-from eaglet.generate import GenerationSettings, Sampling, generate
-from eaglet.io import write_json
-from eaglet.prompts import load_source
-from eaglet.server import VLLMServer, server_args
+from eaglet.core.config import validate
+from eaglet.core.io import write_json
+from eaglet.data.prompts import load_source
+from eaglet.engine.server import VLLMServer, server_args
+from eaglet.stages.generate import GenerationSettings, Sampling, generate
 
 OUT = Path(__file__).parent / "results"
 
@@ -82,7 +82,7 @@ def capture_cost(args) -> None:
     """Plain and capturing servers side by side, the same requests to each in turn."""
     import shutil
 
-    from eaglet.generate import capture_options
+    from eaglet.stages.generate import capture_options
     cfg, prompts, sampling = sharegpt_setup(args, memory_utilization=0.2)
     work = Path(tempfile.mkdtemp(prefix="capture-"))
     plain_args = server_args(cfg["target"], cfg["server"], "target")

@@ -23,7 +23,7 @@ Sections, each timed on its own and skipped with a recorded reason when the run 
   packed ahead by the prefetcher in page-locked memory, copied to the device, bf16 autocast,
   7 TTT steps, loss against the teacher, backward, grad clip, AdamW, LR schedule) at the
   drafter shapes of Llama-3.1-8B (8,192 tokens a step: 4 samples of 2,048) and Kimi-K2.5
-  (2,048 tokens) of ``eaglet.plan.PRESETS``, once per variant of the step: ``plain`` (the
+  (2,048 tokens) of ``eaglet.tools.plan.PRESETS``, once per variant of the step: ``plain`` (the
   autograd loss, eager kernels: the step before these optimizations), ``fused_loss``
   (``train.fused_loss``) and ``fused_loss+compile`` (``train.compile``, the GPU default), all
   from the same initial weights over the same batches, so their losses must agree within
@@ -71,16 +71,18 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
-from eaglet import shards  # noqa: E402
-from eaglet.drafter import (DrafterConfig, Eagle3Drafter, count_flops_per_token,  # noqa: E402
-                            init_lm_head, num_params)
-from eaglet.extract import (AuxCapture, decoder_layers, extract_shards, finish_shard,  # noqa: E402
-                            forward_batch, right_padded, stream_shard, token_budget_batches)
-from eaglet.extract_common import Target, default_aux_layer_ids, sequence  # noqa: E402
-from eaglet.io import write_json  # noqa: E402
-from eaglet.plan import PRESETS, Shape  # noqa: E402
-from eaglet.train import Dist, Trainer  # noqa: E402
-from eaglet.train_data import Prefetcher, prefetch_depth  # noqa: E402
+from eaglet.core.io import write_json  # noqa: E402
+from eaglet.data import shards  # noqa: E402
+from eaglet.model.config import DrafterConfig  # noqa: E402
+from eaglet.model.drafter import Eagle3Drafter, count_flops_per_token, num_params  # noqa: E402
+from eaglet.model.init import init_lm_head  # noqa: E402
+from eaglet.model.sizes import PRESETS, Shape  # noqa: E402
+from eaglet.stages.extract import (extract_shards, finish_shard, forward_batch, right_padded,
+                                   stream_shard, token_budget_batches)
+from eaglet.stages.train.data import Prefetcher, prefetch_depth  # noqa: E402
+from eaglet.stages.train.loop import Dist, Trainer  # noqa: E402
+from eaglet.target.hooks import AuxCapture, decoder_layers
+from eaglet.target.states import Target, default_aux_layer_ids, sequence  # noqa: E402
 
 OUT = Path(__file__).parent / "results"
 PEAK_FLOPS = 989e12        # H200 dense bf16 (the datasheet's number without sparsity)
@@ -135,8 +137,8 @@ def say(message: str) -> None:
 
 def schema_defaults(section: str) -> dict:
     """The defaults ``config_schema.yaml`` gives one flat section (``extract``, ``train``): what
-    ``eaglet.config.validate`` fills in, read without jsonschema."""
-    schema = yaml.safe_load((REPO / "src" / "eaglet" / "config_schema.yaml").read_text())
+    ``eaglet.core.config.validate`` fills in, read without jsonschema."""
+    schema = yaml.safe_load((REPO / "src" / "eaglet" / "core" / "config_schema.yaml").read_text())
     properties = schema["properties"][section]["properties"]
     return {key: copy.deepcopy(sub["default"]) for key, sub in properties.items() if "default" in sub}
 
@@ -380,7 +382,7 @@ def step_runner(shape: Shape, size: dict, device: torch.device, dtype: torch.dty
                 tokens: int, fused: bool, compiled: bool, steps: int):
     """A trainer of ``shape`` over one micro-batch of ``tokens`` random tokens a step, with the
     step's variant (``train.fused_loss``, ``train.compile``), and the function that runs its
-    next step (packed ahead as ``Trainer.run`` packs, the wait for it inside the step)."""
+    next step (packed ahead as ``TrainingRun.run`` packs, the wait for it inside the step)."""
     cfg = {**schema_defaults("train"), "max_len": size["train_sample_len"],
            "max_tokens_per_batch": tokens, "fused_loss": fused, "compile": compiled}
     config = DrafterConfig.from_target(target_config(shape), shape.draft_vocab,

@@ -29,10 +29,10 @@ from pathlib import Path
 
 import torch
 
-from eaglet.config import validate
-from eaglet.hidden_capture import capture_args
-from eaglet.io import read_json, write_json
-from eaglet.server import ServerError, VLLMServer, log_tail, server_args
+from eaglet.core.config import validate
+from eaglet.core.io import read_json, write_json
+from eaglet.engine.capture import capture_args
+from eaglet.engine.server import ServerError, VLLMServer, log_tail, server_args
 
 OUT = Path(__file__).parent / "results"
 AUX_LAYERS = [1, 2, 3]  # of the tiny target's 4 layers (vLLM's DeepSeek model refuses 0)
@@ -100,9 +100,11 @@ def mla_drafter(model: Path, directory: Path) -> dict:
     """An MLA drafter of the tiny target, exported as eaglet exports it: the full vocabulary,
     started as training starts it (lm_head and, where they fit, the last layer's attention
     and the final norm from the target, fc passing the deepest aux feature through)."""
-    from eaglet.drafter import DrafterConfig, Eagle3Drafter, init_from_target, init_lm_head
-    from eaglet.export import export_drafter
-    from eaglet.target import load_target_embedding, load_target_lm_head
+    from eaglet.model.config import DrafterConfig
+    from eaglet.model.drafter import Eagle3Drafter
+    from eaglet.model.export import export_drafter
+    from eaglet.model.init import init_from_target, init_lm_head
+    from eaglet.target.checkpoint import load_target_embedding, load_target_lm_head
 
     target = read_json(model / "config.json")
     vocab = target["vocab_size"]
@@ -124,7 +126,8 @@ def prompts(vocab: int, count: int = 4, length: int = 12) -> list[list[int]]:
 def drafting(sent: list[list[int]], max_tokens: int):
     """The attempt's work on a server drafting with the drafter: greedy answers to ``sent``
     and vLLM's spec-decode counters over them."""
-    from eaglet.evaluate import acceptance, counter_delta, read_metrics, spec_counters
+    from eaglet.stages.evaluate.metrics import (acceptance, counter_delta, read_metrics,
+                                                spec_counters)
 
     def use(server) -> dict:
         before = spec_counters(read_metrics(server.url))
@@ -147,8 +150,8 @@ def replay(model: Path, drafter: Path, sent: list[list[int]], answers: list[list
     transformers forward), and whether it counts what vLLM counted."""
     from transformers import AutoModelForCausalLM
 
-    from eaglet.export import load_drafter
-    from eaglet.offline_eval import offline_acceptance
+    from eaglet.model.export import load_drafter
+    from eaglet.model.replay import offline_acceptance
 
     target = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     replayed = offline_acceptance(target, load_drafter(drafter, model),

@@ -16,10 +16,10 @@ vocabulary, aux layers and TTT steps, same tokens per step, same CPU), this benc
    loop that does what its ``Trainer.train_epoch`` does per step (forward under its train
    kwargs, backward, clip 1.0, optimizer and scheduler step), because that trainer moves the
    model and every batch to accelerator index 0;
-4. trains eaglet (``eaglet.train.train``) with the run's own train settings;
+4. trains eaglet (``eaglet.stages.train.loop.train``) with the run's own train settings;
 5. scores both on the run's held-out shards with one definition (eaglet's: per TTT step,
    top-1 agreement with the target's argmax at the positions eaglet counts; simulated AL =
-   1 + sum_k prod_{j<=k} acc_j), and serves both in vLLM (``eaglet.evaluate.engine_runs``):
+   1 + sum_k prod_{j<=k} acc_j), and serves both in vLLM (``eaglet.stages.evaluate.stage.engine_runs``):
    acceptance length and speedup over the target alone at each concurrency.
 
 Install speculators beside eaglet, never into its environment (``make peer-bench-install``)::
@@ -48,12 +48,12 @@ from pathlib import Path
 
 import torch
 
-from eaglet import shards as shard_format
-from eaglet.config import validate
-from eaglet.io import read_json, write_json
-from eaglet.target import FINAL_NORM_NAMES, _read_tensor, _weight_files
-from eaglet.train_data import make_batch
-from eaglet.vocab import load_vocab_map
+from eaglet.core.config import validate
+from eaglet.core.io import read_json, write_json
+from eaglet.data import shards as shard_format
+from eaglet.data.vocab import load_vocab_map
+from eaglet.stages.train.data import make_batch
+from eaglet.target.checkpoint import FINAL_NORM_NAMES, _read_tensor, _weight_files
 
 HERE = Path(__file__).parent
 PEER = HERE / ".peer"
@@ -260,13 +260,13 @@ def try_cli(argv: list[str], timeout_s: int) -> dict:
 def train_speculators(argv: list[str], budget_s: float | None, eval_fn, log) -> dict:
     """speculators' model, data loader, loss, optimizer and scheduler, stepped on CPU."""
     import speculators.train.cli as spec_cli
+    from hs_connectors import HiddenStatesBackend
     from speculators.model import SpeculatorModel
     from speculators.models.eagle3.data import shift_batch
     from speculators.train.config import TrainConfig
     from speculators.train.dataloader import create_train_val_loaders
     from speculators.train.distributed import maybe_setup_distributed
     from speculators.train.trainer import Trainer, TrainerConfig
-    from hs_connectors import HiddenStatesBackend
 
     cfg = TrainConfig.resolve(argv)
     args = argparse.Namespace(**cfg.flatten())
@@ -399,7 +399,7 @@ def speculators_held_out(model, eval_shards: list[str], d2t: torch.Tensor, t2d: 
 def train_eaglet(results: Path, work: Path, cfg: dict, log) -> dict:
     import csv
 
-    from eaglet.train import train
+    from eaglet.stages.train.loop import train
 
     shards = sorted(glob.glob(str(results / "hidden" / "shard_*.safetensors")))
     eval_shards = sorted(glob.glob(str(results / "hidden" / "eval" / "shard_*.safetensors")))
@@ -442,7 +442,9 @@ def serve_both(results: Path, work: Path, cfg: dict, drafters: dict[str, str], k
                ev_overrides: dict, log) -> list[dict]:
     """The target alone, then each drafter at k, through eaglet's evaluation (one server at a
     time), on the held-out split and the run's configured prompt sets."""
-    from eaglet.evaluate import add_speedups, engine_runs, load_prompt_sets
+    from eaglet.stages.evaluate.runs import load_prompt_sets
+    from eaglet.stages.evaluate.stage import engine_runs
+    from eaglet.stages.evaluate.statistics import add_speedups
 
     run_cfg = {**cfg, "evaluate": {**cfg["evaluate"], **ev_overrides},
                "server": {**cfg["server"], "memory_utilization": 0.15}}

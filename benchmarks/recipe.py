@@ -28,9 +28,9 @@ import json
 import time
 from pathlib import Path
 
-from eaglet.config import validate
-from eaglet.io import read_json, write_json
-from eaglet.train import train
+from eaglet.core.config import validate
+from eaglet.core.io import read_json, write_json
+from eaglet.stages.train.loop import train
 
 OUT = Path(__file__).parent / "results"
 

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from eaglet import shards
-from eaglet.io import atomic_open, write_json
+from eaglet.core.io import atomic_open, write_json
+from eaglet.data import shards
 
 OUT = Path(__file__).parent / "results"
 AUX_IDS = [2, 15, 27]

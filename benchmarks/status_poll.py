@@ -16,7 +16,7 @@ Writes benchmarks/results/status_poll_<NAME>.json (every reading) and adds its t
 benchmarks/results/status_poll.md under a heading of its own. ``--reference`` (with a fresh
 history) also keeps the rates the run recorded as benchmarks/results/reference_rates.jsonl:
 the rates a first run plans from, scaled by the speed it measures of its own machine
-(eaglet.rates.REFERENCE_RATES); rerun it so when a change makes a stage faster or slower.
+(eaglet.core.rates.REFERENCE_RATES); rerun it so when a change makes a stage faster or slower.
 """
 
 from __future__ import annotations

@@ -32,10 +32,10 @@ import threading
 import time
 from pathlib import Path
 
-from eaglet import extract_vllm
-from eaglet.config import load
-from eaglet.io import read_json, read_jsonl, write_json, write_jsonl
-from eaglet.train import settings, train
+from eaglet.core.config import load
+from eaglet.core.io import read_json, read_jsonl, write_json, write_jsonl
+from eaglet.engine import extraction as extract_vllm
+from eaglet.stages.train.loop import settings, train
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"

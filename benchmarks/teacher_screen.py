@@ -1,6 +1,6 @@
 """Could extraction's teacher check run its full-vocabulary head in bf16 and stay exact?
 
-The check (eaglet.extract_common.TeacherHead) multiplies every answer row's final state by
+The check (eaglet.target.states.TeacherHead) multiplies every answer row's final state by
 the target's lm_head in the head's dtype: float32 for the CPU demo, 576 x 49,152
 multiply-adds a row, most of eaglet's CPU time beside the capture server. A bf16 product runs
 at about twice the speed on a CPU with AVX512-BF16; it would keep the stored argmax exact
@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from eaglet.io import read_jsonl
+from eaglet.core.io import read_jsonl
 
 U16, U32 = 2.0 ** -8, 2.0 ** -24   # unit roundoff of bf16 (8 significant bits) and fp32
 

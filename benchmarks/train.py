@@ -8,6 +8,7 @@ against --peak-flops (default: the measured 800 TFLOP/s bf16 matmul of an H200).
     .venv/bin/python benchmarks/train.py                      # embedded target's shape, CPU
     .venv/bin/python benchmarks/train.py --shape llama3-8b    # on a GPU: bf16 autocast
     .venv/bin/python benchmarks/train.py --attention eager,sdpa  # kernels side by side
+    .venv/bin/python benchmarks/train.py --loss plain,fused      # the fused loss beside autograd's
 
 Several attention kernels (``train.attention``) take turns step by step on the same model
 in one process, so that a machine shared with other work slows them alike and their ratio
@@ -39,10 +40,12 @@ from pathlib import Path
 
 import torch
 
-from eaglet.drafter import DrafterConfig, Eagle3Drafter, count_flops_per_token, num_params
-from eaglet.io import read_json, write_json
-from eaglet.train import batch_sums, train
-from eaglet.train_data import make_batch
+from eaglet.core.io import read_json, write_json
+from eaglet.model.config import DrafterConfig
+from eaglet.model.drafter import Eagle3Drafter, count_flops_per_token, num_params
+from eaglet.stages.train.data import make_batch
+from eaglet.stages.train.loop import train
+from eaglet.stages.train.step import batch_sums
 
 OUT = Path(__file__).parent / "results"
 
@@ -87,7 +90,8 @@ def throughput(args) -> list[dict]:
     torch.manual_seed(0)
     t2d = torch.arange(config.vocab_size) < config.draft_vocab_size
     embed = torch.randn(config.vocab_size, config.hidden_size) * 0.02
-    kernels = args.attention.split(",")
+    kernels = [(kernel, loss) for kernel in args.attention.split(",")
+               for loss in args.loss.split(",")]
     model = Eagle3Drafter(config, embed, torch.zeros(config.draft_vocab_size, dtype=torch.long),
                           t2d).to(device)
     teacher_head = (torch.randn(config.draft_vocab_size, config.hidden_size) * 0.02).to(device)
@@ -112,15 +116,15 @@ def throughput(args) -> list[dict]:
         return keep
 
     for step in range(args.warmup + args.steps):
-        for kernel in kernels:  # the kernels take turns: the same load on each
-            model.attention = kernel
+        for kernel in kernels:  # the variants take turns: the same load on each
+            model.attention = kernel[0]
             sync()
             start = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
             counting = (torch.autograd.graph.saved_tensors_hooks(keeper(kernel), lambda t: t)
                         if step == 0 else contextlib.nullcontext())
             with autocast, counting:
-                ce, _ = batch_sums(model, batch, teacher_head)
+                ce, _ = batch_sums(model, batch, teacher_head, fused=kernel[1] == "fused")
                 loss = (weights * ce / counts).sum()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
@@ -134,7 +138,8 @@ def throughput(args) -> list[dict]:
             for kernel in kernels]
 
 
-def result(args, device, config, model, batch, bf16, kernel, times, saved, kernels) -> dict:
+def result(args, device, config, model, batch, bf16, variant, times, saved, kernels) -> dict:
+    kernel, loss = variant
     seconds = sorted(times)[len(times) // 2]
     tokens_per_s = batch.num_tokens / seconds
     sample_len = args.sample_len or args.tokens
@@ -151,11 +156,12 @@ def result(args, device, config, model, batch, bf16, kernel, times, saved, kerne
         "peak_flops": args.peak_flops,
         "peak_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
         if device.type == "cuda" and kernels == 1 else None,  # one kernel alone: its own peak
-        "attention": kernel,
+        "attention": kernel, "loss": loss,
         "saved_for_backward_mib": round(saved / 2**20, 1),
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
         if kernels == 1 else None,
-        "interleaved_with": [k for k in args.attention.split(",") if k != kernel],
+        "interleaved_with": [f"{k}/{lo}" for k in args.attention.split(",")
+                             for lo in args.loss.split(",") if (k, lo) != variant],
         "torch": torch.__version__, "measured_at": time.strftime("%Y-%m-%d"),
     }
     return result
@@ -169,6 +175,7 @@ def write_results(result: dict) -> None:
     runs[f"{result['shape']} | {result['device']} | {result['precision']} | "
          f"{result['tokens']}/{result['sample_len']}"
          + (f" | {result['attention']}" if result.get("attention", "eager") != "eager" else "")
+         + (f" | {result['loss']} loss" if result.get("loss", "plain") != "plain" else "")
          + (f" | turns with {','.join(turns)}" if turns else "")] = result
     write_json(path, runs)
     lines = ["# Drafter training throughput (random features, full training step)", "",
@@ -187,6 +194,7 @@ def write_results(result: dict) -> None:
         saved = f"{r['saved_for_backward_mib']:.0f} MiB" if r.get("saved_for_backward_mib") else "-"
         lines.append(f"| {r['shape']} | {r['device']} | {r['precision']} | {r['tokens']} | "
                      f"{r['sample_len']} | {r['ttt_steps']} | {r.get('attention', 'eager')}"
+                     f"{', ' + r['loss'] + ' loss' if r.get('loss', 'plain') != 'plain' else ''}"
                      f"{' (turns with ' + ', '.join(r['interleaved_with']) + ')' if r.get('interleaved_with') else ''} | "
                      f"{r['trainable_params_m']} | {r['step_s']} | {r['tokens_per_s']} | "
                      f"{r['model_tflops_per_s']} | {mfu} | {peak} | {saved} |")
@@ -240,6 +248,9 @@ def main() -> None:
     parser.add_argument("--attention", default="sdpa",
                         help="TTT attention kernel (train.attention), or several separated by "
                              "commas, taking turns step by step")
+    parser.add_argument("--loss", default="plain",
+                        help="comma-separated, of plain (autograd's) and fused (train.fused_loss):"
+                             " variants take turns step by step like the attention kernels")
     parser.add_argument("--peak-flops", type=float, default=800e12,
                         help="FLOP/s that MFU is measured against (H200 bf16 matmul, measured)")
     parser.add_argument("--compare-lm-head-init", action="store_true")
@@ -260,7 +271,7 @@ def main() -> None:
     print(json.dumps(results, indent=2))
     base = results[0]
     for r in results[1:]:
-        print(f"{r['attention']} vs {base['attention']}: "
+        print(f"{r['attention']}/{r['loss']} vs {base['attention']}/{base['loss']}: "
               f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x tokens/s, saved for backward "
               f"{r['saved_for_backward_mib']:.0f} vs {base['saved_for_backward_mib']:.0f} MiB")
 

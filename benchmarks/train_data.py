@@ -38,10 +38,10 @@ from pathlib import Path
 
 import torch
 
-from eaglet import shards
-from eaglet.io import write_json
-from eaglet.train_data import (Prefetcher, Samples, data_memory, index_shard, make_batch,
-                               plan_epoch)
+from eaglet.core.io import write_json
+from eaglet.data import shards
+from eaglet.stages.train.data import (Prefetcher, Samples, data_memory, index_shard, make_batch,
+                                      plan_epoch)
 
 OUT = Path(__file__).parent / "results"
 AUX_IDS = [2, 15, 27]

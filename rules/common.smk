@@ -2,8 +2,9 @@
 # results dir, the shard lists, the software of each job and its resources.
 import os
 
-from eaglet.config import eval_shard_count, outside_working_dir, stage_params, validate
-from eaglet.target import check_recorded_target
+from eaglet.core.config import eval_shard_count, outside_working_dir, stage_params, validate
+from eaglet.core import layout  # every results path, by name (layout.MANIFEST, ...)
+from eaglet.target.checkpoint import check_recorded_target
 
 _validated = validate(config)
 config.clear()
@@ -13,7 +14,7 @@ R = config["results_dir"]
 if outside_working_dir(R):
     logger.warning(outside_working_dir(R))
 # settings the prepared target cannot honour stop here, before any stage runs
-check_recorded_target(f"{R}/target/target.json", config["target"]["model"],
+check_recorded_target(f"{R}/{layout.TARGET_JSON}", config["target"]["model"],
                       config["vocab"]["draft_vocab_size"], config["extract"]["aux_layer_ids"])
 
 # Software of every job, deployed with `--software-deployment-method conda` (runs from the
@@ -34,14 +35,14 @@ TRAIN_SHARDS = [] if STREAM else [f"{i:05d}" for i in range(config["extract"]["n
 EVAL_SHARDS = [f"{i:05d}" for i in range(eval_shard_count(config))]
 
 # Outputs `all` asks for beyond the verdict's, each only when its stage is enabled.
-OPTIONAL_TARGETS = [f"{R}/eval/scaling.json"] if config["scaling"]["enabled"] else []
+OPTIONAL_TARGETS = [f"{R}/{layout.SCALING}"] if config["scaling"]["enabled"] else []
 
 
 def hidden_files(split: str, suffix: str) -> list[str]:
     """Every shard file (``suffix`` .safetensors or .json) of ``split`` (train or eval)."""
     if split == "train":
-        return [f"{R}/hidden/shard_{i}{suffix}" for i in TRAIN_SHARDS]
-    return [f"{R}/hidden/eval/shard_{i}{suffix}" for i in EVAL_SHARDS]
+        return [f"{R}/{layout.HIDDEN}/shard_{i}{suffix}" for i in TRAIN_SHARDS]
+    return [f"{R}/{layout.HIDDEN_EVAL}/shard_{i}{suffix}" for i in EVAL_SHARDS]
 
 
 # generate.capture_hidden_states: the generation server saves every answer's hidden states
@@ -49,7 +50,7 @@ def hidden_files(split: str, suffix: str) -> list[str]:
 CAPTURE = config["generate"]["capture_hidden_states"]
 GENERATE_PARAMS = dict(
     generate=stage_params(config, "generate"),
-    **({"capture": {"dir": f"{R}/hidden/vllm/requests",
+    **({"capture": {"dir": f"{R}/{layout.CAPTURE_REQUESTS}",
                     "aux_layer_ids": config["extract"]["aux_layer_ids"]}} if CAPTURE else {}),
 )
 

@@ -6,11 +6,11 @@ rule evaluate:
     batch-size schedule of k (serve.json); replay the drafter offline (exactly at 0, its
     expected acceptance above)."""
     input:
-        target=f"{R}/target/target.json",
-        drafter=f"{R}/drafter/model.safetensors",
-        drafter_config=f"{R}/drafter/config.json",
-        prompts=f"{R}/prompts/eval.jsonl",
-        train_prompts=f"{R}/prompts/train.jsonl",
+        target=f"{R}/{layout.TARGET_JSON}",
+        drafter=f"{R}/{layout.DRAFTER_WEIGHTS}",
+        drafter_config=f"{R}/{layout.DRAFTER_CONFIG}",
+        prompts=f"{R}/{layout.PROMPTS_EVAL}",
+        train_prompts=f"{R}/{layout.PROMPTS_TRAIN}",
         prompt_sets=[s["source"]["path"] for s in config["evaluate"]["prompt_sets"]
                      if s["source"].get("path")],
         # the offline replay reads the target's states of the held-out answers from here
@@ -20,24 +20,24 @@ rule evaluate:
         compared=[f"{d}/model.safetensors" for d in config["evaluate"]["compare_drafters"]],
     output:
         acceptance=report(
-            f"{R}/eval/acceptance.json",
+            f"{R}/{layout.ACCEPTANCE}",
             caption="../report/acceptance.rst",
             category="Evaluation",
         ),
-        serve=f"{R}/eval/serve.json",
+        serve=f"{R}/{layout.SERVE}",
     params:
         evaluate=stage_params(config, "evaluate"),
         target=config["target"],
         # prompts render through the chat template as generation rendered them
         **({"chat_template_kwargs": config["generate"]["chat_template_kwargs"]}
            if config["generate"]["chat_template_kwargs"] else {}),
-        log_dir=f"{R}/logs",
-        progress=f"{R}/progress/evaluate.json",
+        log_dir=f"{R}/{layout.LOGS}",
+        progress=f"{R}/{layout.progress_file('evaluate')}",
     threads: MODEL_THREADS
     resources:
         **job_resources("evaluate", config["server"]["gpus"]),
     log:
-        f"{R}/logs/evaluate.log",
+        f"{R}/{layout.log_file('evaluate')}",
     conda:
         MODEL_ENV
     script:
@@ -47,22 +47,22 @@ rule evaluate:
 rule plots:
     """Redraw every figure from existing results; runs no model."""
     input:
-        acceptance=f"{R}/eval/acceptance.json",
-        training_log=f"{R}/drafter/training_log.csv",
+        acceptance=f"{R}/{layout.ACCEPTANCE}",
+        training_log=f"{R}/{layout.TRAINING_LOG}",
     output:
-        per_position=report(f"{R}/eval/per_position.png",
+        per_position=report(f"{R}/{layout.PER_POSITION_PNG}",
                             caption="../report/per_position.rst", category="Evaluation"),
-        acceptance_length=report(f"{R}/eval/acceptance_length.png",
+        acceptance_length=report(f"{R}/{layout.ACCEPTANCE_LENGTH_PNG}",
                                  caption="../report/acceptance_length.rst",
                                  category="Evaluation"),
-        speedup=report(f"{R}/eval/speedup.png",
+        speedup=report(f"{R}/{layout.SPEEDUP_PNG}",
                        caption="../report/speedup.rst", category="Evaluation"),
-        training=report(f"{R}/eval/training_curves.png",
+        training=report(f"{R}/{layout.TRAINING_CURVES_PNG}",
                         caption="../report/training_curves.rst", category="Training"),
-        summary=report(f"{R}/eval/summary.csv",
+        summary=report(f"{R}/{layout.SUMMARY}",
                        caption="../report/summary.rst", category="Evaluation"),
     log:
-        f"{R}/logs/plots.log",
+        f"{R}/{layout.log_file('plots')}",
     conda:
         CPU_ENV
     script:

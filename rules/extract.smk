@@ -27,9 +27,9 @@ if FROM_VLLM:
         sequence is a prefill request whose states eaglet's connector saves. Finished
         requests and packed shards under hidden/vllm/ survive an interruption."""
         input:
-            target=f"{R}/target/target.json",
-            train=f"{R}/synthetic/train.jsonl",
-            eval=f"{R}/synthetic/eval.jsonl",
+            target=f"{R}/{layout.TARGET_JSON}",
+            train=f"{R}/{layout.SYNTHETIC_TRAIN}",
+            eval=f"{R}/{layout.SYNTHETIC_EVAL}",
         output:
             shards=hidden_files("train", ".safetensors"),
             metas=hidden_files("train", ".json"),
@@ -37,14 +37,14 @@ if FROM_VLLM:
             eval_metas=hidden_files("eval", ".json"),
         params:
             **EXTRACT_PARAMS,
-            work=f"{R}/hidden/vllm",
-            progress=f"{R}/progress/extract_vllm.json",
+            work=f"{R}/{layout.VLLM_WORK}",
+            progress=f"{R}/{layout.progress_file('extract_vllm')}",
         threads: MODEL_THREADS
         resources:
             **EXTRACT_RESOURCES,
         log:
-            main=f"{R}/logs/extract/vllm.log",
-            server=f"{R}/logs/extract/vllm.server.log",
+            main=f"{R}/{layout.LOGS}/extract/vllm.log",
+            server=f"{R}/{layout.LOGS}/extract/vllm.server.log",
         conda:
             MODEL_ENV
         script:
@@ -57,9 +57,9 @@ elif config["extract"]["jobs"] == "one":
         """Hidden states of every shard (train and held-out) from one job: the target loaded
         once, each shard checked and written while the next one runs through it."""
         input:
-            target=f"{R}/target/target.json",
-            train=f"{R}/synthetic/train.jsonl",
-            eval=f"{R}/synthetic/eval.jsonl",
+            target=f"{R}/{layout.TARGET_JSON}",
+            train=f"{R}/{layout.SYNTHETIC_TRAIN}",
+            eval=f"{R}/{layout.SYNTHETIC_EVAL}",
         output:
             shards=hidden_files("train", ".safetensors"),
             metas=hidden_files("train", ".json"),
@@ -67,12 +67,12 @@ elif config["extract"]["jobs"] == "one":
             eval_metas=hidden_files("eval", ".json"),
         params:
             **EXTRACT_PARAMS,
-            progress=f"{R}/progress/extract_all.json",
+            progress=f"{R}/{layout.progress_file('extract_all')}",
         threads: MODEL_THREADS
         resources:
             **EXTRACT_RESOURCES,
         log:
-            f"{R}/logs/extract/all.log",
+            f"{R}/{layout.LOGS}/extract/all.log",
         conda:
             MODEL_ENV
         script:
@@ -85,11 +85,11 @@ else:
         """Hidden states of shard {wildcards.i} of the training samples (split "") or of the
         held-out samples (split "eval/", the drafter's validation set)."""
         input:
-            target=f"{R}/target/target.json",
-            data=lambda w: f"{R}/synthetic/{'eval' if w.split else 'train'}.jsonl",
+            target=f"{R}/{layout.TARGET_JSON}",
+            data=lambda w: f"{R}/{layout.SYNTHETIC_EVAL if w.split else layout.SYNTHETIC_TRAIN}",
         output:
-            shard=f"{R}/hidden/{{split}}shard_{{i}}.safetensors",
-            meta=f"{R}/hidden/{{split}}shard_{{i}}.json",
+            shard=f"{R}/{layout.HIDDEN}/{{split}}shard_{{i}}.safetensors",
+            meta=f"{R}/{layout.HIDDEN}/{{split}}shard_{{i}}.json",
         wildcard_constraints:
             split=r"(eval/)?",
             i=r"\d{5}",
@@ -97,13 +97,13 @@ else:
             **EXTRACT_PARAMS,
             num_shards=lambda w: len(EVAL_SHARDS if w.split else TRAIN_SHARDS),
             # the held-out split's first shard keeps the name it had as the only one
-            progress=lambda w: f"{R}/progress/extract_" + (
+            progress=lambda w: f"{R}/{layout.PROGRESS}/extract_" + (
                 w.i if not w.split else "eval" if w.i == "00000" else f"eval_{w.i}") + ".json",
         threads: MODEL_THREADS
         resources:
             **EXTRACT_RESOURCES,
         log:
-            f"{R}/logs/extract/{{split}}shard_{{i}}.log",
+            f"{R}/{layout.LOGS}/extract/{{split}}shard_{{i}}.log",
         conda:
             MODEL_ENV
         script:
@@ -114,15 +114,15 @@ rule hidden_manifest:
     """Verify every shard, the held-out one too (hash, layers, dtype, target), re-extract any
     that fail, and list them with their sha256 and teacher agreement."""
     input:
-        target=f"{R}/target/target.json",
-        data=f"{R}/synthetic/train.jsonl",
+        target=f"{R}/{layout.TARGET_JSON}",
+        data=f"{R}/{layout.SYNTHETIC_TRAIN}",
         shards=hidden_files("train", ".safetensors"),
         metas=hidden_files("train", ".json"),
-        eval_data=f"{R}/synthetic/eval.jsonl",
+        eval_data=f"{R}/{layout.SYNTHETIC_EVAL}",
         eval_shards=hidden_files("eval", ".safetensors"),
         eval_metas=hidden_files("eval", ".json"),
     output:
-        f"{R}/hidden/manifest.json",
+        f"{R}/{layout.MANIFEST}",
     params:
         **EXTRACT_PARAMS,
         num_shards=len(TRAIN_SHARDS),
@@ -131,7 +131,7 @@ rule hidden_manifest:
     resources:
         **EXTRACT_RESOURCES,
     log:
-        f"{R}/logs/hidden_manifest.log",
+        f"{R}/{layout.log_file('hidden_manifest')}",
     conda:
         MODEL_ENV
     script:

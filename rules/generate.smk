@@ -3,25 +3,25 @@ rule generate:
     eval split too: its answers are the drafter's held-out set). Resumes from
     synthetic/generate.partial.jsonl after an interruption."""
     input:
-        target=f"{R}/target/target.json",
-        train=f"{R}/prompts/train.jsonl",
-        eval=f"{R}/prompts/eval.jsonl",
+        target=f"{R}/{layout.TARGET_JSON}",
+        train=f"{R}/{layout.PROMPTS_TRAIN}",
+        eval=f"{R}/{layout.PROMPTS_EVAL}",
     output:
-        train=f"{R}/synthetic/train.jsonl",
-        eval=f"{R}/synthetic/eval.jsonl",
-        stats=f"{R}/synthetic/stats.json",
+        train=f"{R}/{layout.SYNTHETIC_TRAIN}",
+        eval=f"{R}/{layout.SYNTHETIC_EVAL}",
+        stats=f"{R}/{layout.SYNTHETIC_STATS}",
     params:
         # what changes the samples; server lifecycle settings are read from config
         target=config["target"],
         **GENERATE_PARAMS,
-        partial=f"{R}/synthetic/generate.partial.jsonl",
-        progress=f"{R}/progress/generate.json",
+        partial=f"{R}/{layout.SYNTHETIC_PARTIAL}",
+        progress=f"{R}/{layout.progress_file('generate')}",
     threads: MODEL_THREADS
     resources:
         **job_resources("generate", config["server"]["gpus"]),
     log:
-        main=f"{R}/logs/generate.log",
-        server=f"{R}/logs/generate.server.log",
+        main=f"{R}/{layout.log_file('generate')}",
+        server=f"{R}/{layout.LOGS}/generate.server.log",
     conda:
         MODEL_ENV
     script:

@@ -1,4 +1,4 @@
-from eaglet.prompts import local_files
+from eaglet.data.prompts import local_files
 
 
 rule prepare_prompts:
@@ -7,13 +7,13 @@ rule prepare_prompts:
         # the local prompt files: editing one reruns this stage and everything after it
         local_files(config["data"]),
     output:
-        train=f"{R}/prompts/train.jsonl",
-        eval=f"{R}/prompts/eval.jsonl",
-        stats=f"{R}/prompts/stats.json",
+        train=f"{R}/{layout.PROMPTS_TRAIN}",
+        eval=f"{R}/{layout.PROMPTS_EVAL}",
+        stats=f"{R}/{layout.PROMPT_STATS}",
     params:
         data=config["data"],
     log:
-        f"{R}/logs/prepare_prompts.log",
+        f"{R}/{layout.log_file('prepare_prompts')}",
     conda:
         CPU_ENV
     script:

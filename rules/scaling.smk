@@ -1,38 +1,37 @@
-# scaling.enabled: what more data buys, predicted (eaglet.scaling); the Snakefile asks for
+# scaling.enabled: what more data buys, predicted (eaglet.stages.scaling); the Snakefile asks for
 # eval/scaling.json only then.
 import re
 
-from eaglet.scaling import fraction_name
 
 SCALING = config["scaling"]
-SCALING_FRACTIONS = [fraction_name(f) for f in SCALING["fractions"]]
+SCALING_FRACTIONS = [layout.fraction_name(f) for f in SCALING["fractions"]]
 
 
 rule scaling_train:
     """Train the drafter on a nested subset of the training samples (scaling.fractions) with
-    the full run's train settings, under scaling/<fraction>/ (eaglet.scaling)."""
+    the full run's train settings, under scaling/<fraction>/ (eaglet.stages.scaling)."""
     input:
-        target=f"{R}/target/target.json",
-        manifest=f"{R}/hidden/manifest.json",
+        target=f"{R}/{layout.TARGET_JSON}",
+        manifest=f"{R}/{layout.MANIFEST}",
         shards=hidden_files("train", ".safetensors"),
         eval_shards=hidden_files("eval", ".safetensors"),
-        vocab=f"{R}/vocab/vocab_map.safetensors",
+        vocab=f"{R}/{layout.VOCAB_MAP}",
     output:
-        stats=f"{R}/scaling/{{fraction}}/stats.json",
-        subset=f"{R}/scaling/{{fraction}}/subset.json",
+        stats=f"{R}/{layout.SCALING_RUNS}/{{fraction}}/stats.json",
+        subset=f"{R}/{layout.SCALING_RUNS}/{{fraction}}/subset.json",
     wildcard_constraints:
         fraction="|".join(re.escape(f) for f in SCALING_FRACTIONS) or "(?!)",
     params:
         train=stage_params(config, "train", drop=("gpus",)),
-        checkpoints=lambda w: f"{R}/scaling/{w.fraction}/checkpoints",
-        progress=lambda w: f"{R}/progress/scaling_{w.fraction}.json",
+        checkpoints=lambda w: f"{R}/{layout.SCALING_RUNS}/{w.fraction}/checkpoints",
+        progress=lambda w: f"{R}/{layout.PROGRESS}/scaling_{w.fraction}.json",
     threads: MODEL_THREADS
     # after the stages the verdict needs: the subsets only add the prediction
     priority: -1
     resources:
         **job_resources("train", config["train"]["gpus"]),
     log:
-        f"{R}/logs/scaling/train_{{fraction}}.log",
+        f"{R}/{layout.LOGS}/scaling/train_{{fraction}}.log",
     conda:
         MODEL_ENV
     script:
@@ -43,22 +42,24 @@ rule scaling:
     """Fit held-out simulated AL against ln(training tokens) over the subsets and the full
     run, and predict the training tokens scaling.target_al needs (eval/scaling.json)."""
     input:
-        subsets=expand(f"{R}/scaling/{{fraction}}/stats.json", fraction=SCALING_FRACTIONS),
-        records=expand(f"{R}/scaling/{{fraction}}/subset.json", fraction=SCALING_FRACTIONS),
+        subsets=expand(f"{R}/{layout.SCALING_RUNS}/{{fraction}}/stats.json",
+                       fraction=SCALING_FRACTIONS),
+        records=expand(f"{R}/{layout.SCALING_RUNS}/{{fraction}}/subset.json",
+                       fraction=SCALING_FRACTIONS),
         # the full run's point: drafter/stats.json, written beside its weights
-        full=f"{R}/drafter/model.safetensors",
-        target=f"{R}/target/target.json",
-        synthetic=f"{R}/synthetic/stats.json",
+        full=f"{R}/{layout.DRAFTER_WEIGHTS}",
+        target=f"{R}/{layout.TARGET_JSON}",
+        synthetic=f"{R}/{layout.SYNTHETIC_STATS}",
         shards=hidden_files("train", ".safetensors"),
     output:
-        f"{R}/eval/scaling.json",
+        f"{R}/{layout.SCALING}",
     params:
         max_len=config["train"]["max_len"] or config["train"]["max_tokens_per_batch"],
         target_al=SCALING["target_al"],
         # generation's GPUs: the prediction's hours are GPU-hours where it held any
         gpus=config["server"]["gpus"],
     log:
-        f"{R}/logs/scaling/fit.log",
+        f"{R}/{layout.LOGS}/scaling/fit.log",
     conda:
         CPU_ENV
     script:

@@ -1,12 +1,12 @@
 rule prepare_target:
     """Resolve the target model; dequantize the embedded default into an HF directory."""
     output:
-        f"{R}/target/target.json",
+        f"{R}/{layout.TARGET_JSON}",
     params:
         model=config["target"]["model"],
         out_dir=lambda wildcards, output: os.path.dirname(output[0]),
     log:
-        f"{R}/logs/prepare_target.log",
+        f"{R}/{layout.log_file('prepare_target')}",
     conda:
         CPU_ENV
     script:

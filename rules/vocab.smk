@@ -1,15 +1,15 @@
 rule vocab_map:
     """Draft vocabulary: the most frequent completion tokens, as vLLM's d2t/t2d maps."""
     input:
-        target=f"{R}/target/target.json",
-        data=f"{R}/synthetic/train.jsonl",
+        target=f"{R}/{layout.TARGET_JSON}",
+        data=f"{R}/{layout.SYNTHETIC_TRAIN}",
     output:
-        map=f"{R}/vocab/vocab_map.safetensors",
-        stats=f"{R}/vocab/stats.json",
+        map=f"{R}/{layout.VOCAB_MAP}",
+        stats=f"{R}/{layout.VOCAB_STATS}",
     params:
         draft_vocab_size=config["vocab"]["draft_vocab_size"],
     log:
-        f"{R}/logs/vocab_map.log",
+        f"{R}/{layout.log_file('vocab_map')}",
     conda:
         CPU_ENV
     script:

@@ -1,8 +1,8 @@
 """Snakemake entry point of rule evaluate."""
 from pathlib import Path
 
-from eaglet.evaluate import run_stage as evaluate_stage
-from eaglet.scripting import run_stage
+from eaglet.stages.evaluate.stage import run_stage as evaluate_stage
+from eaglet.stages.scripting import run_stage
 
 smk = snakemake  # noqa: F821 (injected by Snakemake)
 cfg = {"evaluate": smk.params.evaluate, "target": smk.params.target,

@@ -1,6 +1,6 @@
 """Snakemake entry point of rule extract (one shard of the training or held-out samples per job)."""
-from eaglet.extract import run_shard
-from eaglet.scripting import run_stage
+from eaglet.stages.extract import run_shard
+from eaglet.stages.scripting import run_stage
 
 smk = snakemake  # noqa: F821 (injected by Snakemake)
 cfg = {"extract": {**smk.config["extract"], **smk.params.extract}, "target": smk.params.target}

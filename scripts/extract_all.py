@@ -1,7 +1,7 @@
 """Snakemake entry point of rule extract_all (extract.jobs: one): every shard of the training
 and held-out samples from one job, the target loaded once."""
-from eaglet.extract import ShardJob, run_shards
-from eaglet.scripting import run_stage
+from eaglet.stages.extract import ShardJob, run_shards
+from eaglet.stages.scripting import run_stage
 
 smk = snakemake  # noqa: F821 (injected by Snakemake)
 cfg = {"extract": {**smk.config["extract"], **smk.params.extract}, "target": smk.params.target}

@@ -1,6 +1,6 @@
 """Snakemake entry point of rule extract_vllm (every shard from one vLLM server)."""
-from eaglet.extract_vllm import run_stage as run_extract
-from eaglet.scripting import run_stage
+from eaglet.engine.extraction import run_stage as run_extract
+from eaglet.stages.scripting import run_stage
 
 smk = snakemake  # noqa: F821 (injected by Snakemake)
 cfg = {"extract": {**smk.config["extract"], **smk.params.extract}, "target": smk.params.target,

@@ -1,6 +1,6 @@
 """Snakemake entry point of rule hidden_manifest."""
-from eaglet.extract import build_manifest
-from eaglet.scripting import run_stage
+from eaglet.stages.extract import build_manifest
+from eaglet.stages.scripting import run_stage
 
 smk = snakemake  # noqa: F821 (injected by Snakemake)
 cfg = {"extract": {**smk.config["extract"], **smk.params.extract}, "target": smk.params.target,

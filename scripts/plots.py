@@ -1,6 +1,6 @@
 """Snakemake entry point of rule plots (redraws figures from results; runs no model)."""
-from eaglet.plots import draw_all
-from eaglet.scripting import run_stage
+from eaglet.stages.scripting import run_stage
+from eaglet.tools.plots import draw_all
 
 smk = snakemake  # noqa: F821 (injected by Snakemake)
 run_stage("plots", smk.log[0], lambda: draw_all(

@@ -1,6 +1,6 @@
 """Snakemake entry point of rule prepare_prompts."""
-from eaglet.prompts import prepare_prompts
-from eaglet.scripting import run_stage
+from eaglet.data.prompts import prepare_prompts
+from eaglet.stages.scripting import run_stage
 
 smk = snakemake  # noqa: F821 (injected by Snakemake)
 run_stage("prepare_prompts", smk.log[0], lambda: prepare_prompts(

@@ -1,6 +1,6 @@
 """Snakemake entry point of rule prepare_target."""
-from eaglet.scripting import run_stage
-from eaglet.target import prepare_target
+from eaglet.stages.scripting import run_stage
+from eaglet.target.checkpoint import prepare_target
 
 smk = snakemake  # noqa: F821 (injected by Snakemake)
 # the settings checked against the target come from the config, not params: changing them

@@ -1,9 +1,9 @@
 """Snakemake entry point of rules scaling_train and scaling (rules/scaling.smk)."""
 from pathlib import Path
 
-from eaglet.scaling import train_subset, write_prediction
-from eaglet.scripting import run_stage
-from eaglet.target import read_target
+from eaglet.stages.scaling import train_subset, write_prediction
+from eaglet.stages.scripting import run_stage
+from eaglet.target.checkpoint import read_target
 
 smk = snakemake  # noqa: F821 (injected by Snakemake)
 

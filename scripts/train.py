@@ -1,17 +1,17 @@
 """Snakemake entry point of rule train (rules/train.smk).
 
 With resources.gpu > 1 the run starts under torchrun, one data-parallel process per GPU
-(eaglet.train.main is the worker); otherwise it trains in this process. train.data stream:
+(eaglet.stages.train.loop.main is the worker); otherwise it trains in this process. train.data stream:
 one process per GPU of the trainer's own (train.gpus), or one on each of the server's
 (train.gpus 0), the server on the first server.gpus of the job's.
 """
 from pathlib import Path
 
-from eaglet.rates import training_ranks
-from eaglet.scripting import run_stage
-from eaglet.target import read_target
-from eaglet.train import launch_torchrun, train
-from eaglet.train_stream import stream_devices
+from eaglet.core.rates import training_ranks
+from eaglet.stages.scripting import run_stage
+from eaglet.stages.train.loop import launch_torchrun, train
+from eaglet.stages.train.stream import stream_devices
+from eaglet.target.checkpoint import read_target
 
 smk = snakemake  # noqa: F821 (injected by Snakemake)
 target = read_target(smk.input.target)
@@ -22,7 +22,7 @@ args = {"cfg": dict(smk.params.train), "shard_paths": list(smk.input.shards),
         "progress_path": smk.params.progress, "log_path": smk.log[0],
         "manifest": smk.input.manifest}
 stream = smk.params.get("stream")
-if stream is not None:  # train.data stream (eaglet.train_stream)
+if stream is not None:  # train.data stream (eaglet.stages.train.stream)
     cfg = {"extract": {**smk.config["extract"], **stream["extract"]}, "target": stream["target"],
            "server": smk.config["server"], "generate": smk.config["generate"],
            # whether training has GPUs of its own (train_stream.overlaps)

@@ -1,8 +1,8 @@
 """Snakemake entry point of rule vocab_map."""
-from eaglet.io import read_jsonl
-from eaglet.scripting import run_stage
-from eaglet.target import load_text_config, read_target
-from eaglet.vocab import build_vocab_map
+from eaglet.core.io import read_jsonl
+from eaglet.data.vocab import build_vocab_map
+from eaglet.stages.scripting import run_stage
+from eaglet.target.checkpoint import load_text_config, read_target
 
 smk = snakemake  # noqa: F821 (injected by Snakemake)
 run_stage("vocab_map", smk.log[0], lambda: build_vocab_map(

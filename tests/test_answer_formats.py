@@ -15,8 +15,8 @@ from types import SimpleNamespace
 import pytest
 from transformers import AutoTokenizer
 
-from eaglet.miniature import answer_text
-from eaglet.template_check import answer_format, check_record, render_ids, text_ids
+from eaglet.data.template_check import answer_format, check_record, render_ids, text_ids
+from eaglet.tools.miniature import answer_text
 
 STANDINS = Path(__file__).resolve().parent / "standins"
 # stand-in: (reasoning parser, template variables, trust_remote_code)
@@ -89,7 +89,7 @@ def test_an_answer_cut_at_max_tokens_passes(family, cut):
 
 
 def test_a_later_turn_renders_the_earlier_answer_as_history_and_passes(family):
-    from eaglet.generate import next_turn
+    from eaglet.stages.generate import next_turn
 
     first = served(family, answer_ids(family))
     messages = next_turn(MESSAGES, first, "And three and three?")

@@ -17,8 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eaglet import train_checkpoints as ckpt
-from eaglet.train import Trainer, train
+from eaglet.stages.train import checkpoints as ckpt
+from eaglet.stages.train.loop import Trainer, train
 from tests.test_train import FAST, run, weights, world  # noqa: F401 (world: the fixture)
 
 EPOCHS = 4
@@ -53,7 +53,7 @@ def same_weights(shipped: dict, state: dict) -> bool:
 
 def test_the_best_heldout_epoch_ships_when_the_curve_turns(world, tmp_path, curve, caplog):  # noqa: F811
     curve["als"] = [1.2, 1.6, 1.4, 1.3]
-    caplog.set_level("INFO", logger="eaglet.train")
+    caplog.set_level("INFO", logger="eaglet.stages.train.loop")
     result = run(world, tmp_path, CFG)
     evaluated = curve["evaluated"]
     assert len(evaluated) == EPOCHS and evaluated[-1] == result["steps"]
@@ -94,7 +94,7 @@ def test_a_tie_goes_to_the_later_epoch(world, tmp_path, curve, als, ships):  # n
 
 def test_without_a_heldout_split_the_last_weights_ship_and_the_log_says_so(world, tmp_path,  # noqa: F811
                                                                            caplog):
-    caplog.set_level("INFO", logger="eaglet.train")
+    caplog.set_level("INFO", logger="eaglet.stages.train.loop")
     out, checkpoints = tmp_path / "drafter", tmp_path / "ckpt"
     result = train(CFG, world["train"], [], world["vocab"], world["target"], str(out),
                    str(checkpoints), None, None)
@@ -149,7 +149,7 @@ def test_a_killed_and_resumed_run_still_ships_the_best_epoch(world, tmp_path, cu
 
     # the best's weights deleted: the rerun warns and ships the best of its own evaluations
     shutil.rmtree(ckpt.bests(tmp_path / "lost" / "ckpt")[0])
-    caplog.set_level("INFO", logger="eaglet.train")
+    caplog.set_level("INFO", logger="eaglet.stages.train.loop")
     lost = run(world, tmp_path, CFG, "lost")
     assert (f"the weights of the best held-out evaluation before step {stop} (step "
             f"{ends[1]}, simulated AL 1.600) are not in") in caplog.text

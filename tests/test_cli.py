@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from eaglet import plan
-from eaglet.cli import COMMANDS, main
+from eaglet.tools import plan
+from eaglet.tools.cli import COMMANDS, main
 
 
 def options(text: str) -> set[str]:

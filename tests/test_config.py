@@ -1,4 +1,4 @@
-"""Validation of run configurations against ``config_schema.yaml`` (``eaglet.config``)."""
+"""Validation of run configurations against ``config_schema.yaml`` (``eaglet.core.config``)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eaglet.config import (ADDED_LATER, ConfigError, cpu_tunings_on_gpus, eval_shard_count, load,
-                           schema, stage_params, validate)
+from eaglet.core.config import (ADDED_LATER, ConfigError, cpu_tunings_on_gpus, eval_shard_count,
+                                load, schema, stage_params, validate)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SNAKEMAKE = REPO_ROOT / ".venv" / "bin" / "snakemake"
@@ -121,7 +121,7 @@ def test_schema_defaults_carry_no_cpu_tuning():
 
 def test_every_cpu_tuning_of_config_yaml_is_named_with_its_value_in_a_gpu_run(caplog):
     demo = yaml.safe_load((REPO_ROOT / "config.yaml").read_text())
-    with caplog.at_level(logging.WARNING, logger="eaglet.config"):
+    with caplog.at_level(logging.WARNING, logger="eaglet.core.config"):
         validate(with_gpus(demo))
     for key, value in [("target.dtype", "'float32'"), ("server.enforce_eager", "True"),
                        ("server.kv_cache_gib", "2"), ("evaluate.kv_cache_gib", "0.5"),
@@ -129,7 +129,7 @@ def test_every_cpu_tuning_of_config_yaml_is_named_with_its_value_in_a_gpu_run(ca
                        ("evaluate.interleave", "True")]:
         assert f"{key} is {value} in a run on GPUs (server.gpus 1)" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="eaglet.config"):
+    with caplog.at_level(logging.WARNING, logger="eaglet.core.config"):
         cfg = validate(demo)  # on the CPU they are what the demo needs: no word
     assert caplog.text == "" and cfg["target"]["dtype"] == "float32"
 
@@ -335,7 +335,7 @@ def test_results_dir_is_spelled_as_snakemake_matches_targets(value, spelled):
 
 
 def test_results_dir_outside_the_working_directory_is_named_with_its_targets():
-    from eaglet.config import outside_working_dir
+    from eaglet.core.config import outside_working_dir
 
     assert outside_working_dir("results") is None and outside_working_dir("a/b") is None
     warning = outside_working_dir("../elsewhere")

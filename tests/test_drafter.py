@@ -17,12 +17,15 @@ from safetensors import safe_open
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from eaglet import drafter
-from eaglet.drafter import DrafterConfig, Eagle3Drafter, rope_parameters
-from eaglet.export import export_drafter, export_speculators, load_drafter
-from eaglet.target import load_target_layer
-from eaglet.train import batch_sums, summarize
-from eaglet.train_data import make_batch
+from eaglet.model import attention, drafter
+from eaglet.model import config as model_config
+from eaglet.model import init as drafter_init
+from eaglet.model.config import DrafterConfig, rope_parameters
+from eaglet.model.drafter import Eagle3Drafter
+from eaglet.model.export import export_drafter, export_speculators, load_drafter
+from eaglet.stages.train.data import make_batch
+from eaglet.stages.train.step import batch_sums, summarize
+from eaglet.target.checkpoint import load_target_layer
 
 H, VOCAB, DRAFT_VOCAB, K = 32, 50, 30, 4
 
@@ -384,8 +387,8 @@ def test_layer_init_makes_the_drafter_the_targets_last_layer_on_the_deepest_feat
     model = Eagle3Drafter(config, target.model.embed_tokens.weight.detach(),
                           torch.zeros(TARGET_VOCAB, dtype=torch.long),
                           torch.ones(TARGET_VOCAB, dtype=torch.bool))
-    drafter.init_lm_head(model, target.lm_head.weight.detach())
-    drafter.init_from_target_layer(model, load_target_layer(tmp_path, LAYERS - 1))
+    drafter_init.init_lm_head(model, target.lm_head.weight.detach())
+    drafter_init.init_from_target_layer(model, load_target_layer(tmp_path, LAYERS - 1))
     with torch.no_grad():
         for proj in (model.midlayer.self_attn.q_proj, model.midlayer.self_attn.k_proj,
                      model.midlayer.self_attn.v_proj):
@@ -529,8 +532,8 @@ def test_fused_attention_equals_eager_and_the_one_query_reference(layout, steps)
     scale = 8 ** -0.5
     ref, ref_grads = outputs_and_gradients(
         lambda q, c: attention_reference(q, c, segments.tolist(), scale), q, cache)
-    for fn in (lambda q, c: drafter.ttt_attention(q, c, block.dense_mask(), scale),
-               lambda q, c: drafter.sdpa_ttt_attention(q, c, block, scale)):
+    for fn in (lambda q, c: attention.ttt_attention(q, c, block.dense_mask(), scale),
+               lambda q, c: attention.sdpa_ttt_attention(q, c, block, scale)):
         out, grads = outputs_and_gradients(fn, q, cache)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
         for got, expected in zip(grads, ref_grads):
@@ -544,7 +547,7 @@ def test_fused_attention_stays_exact_with_large_scores():
     q, cache = attention_inputs(len(segments), 3, size=60.0, seed=3)
     with torch.no_grad():
         ref = attention_reference(q, cache, segments.tolist(), 8 ** -0.5)
-        out = drafter.sdpa_ttt_attention(q, cache, block, 8 ** -0.5)
+        out = attention.sdpa_ttt_attention(q, cache, block, 8 ** -0.5)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 
@@ -556,17 +559,17 @@ def test_a_fused_query_sees_no_other_sample_and_no_other_rows_later_steps():
     [block] = drafter.attention_blocks(segments)
     q, cache = attention_inputs(len(segments), 2)
     with torch.no_grad():
-        base = drafter.sdpa_ttt_attention(q, cache, block, 0.3)
+        base = attention.sdpa_ttt_attention(q, cache, block, 0.3)
         other = [(k.clone(), v.clone()) for k, v in cache]
         for k, v in other:
             k[..., 4:7, :] += 1.0
             v[..., 4:7, :] -= 1.0
-        changed = drafter.sdpa_ttt_attention(q, other, block, 0.3)
+        changed = attention.sdpa_ttt_attention(q, other, block, 0.3)
         moved = (changed - base).abs().amax((0, 1, 3)) > 0                 # per row
         assert moved.tolist() == [False] * 4 + [True] * 3 + [False] * 5
         other = [(k.clone(), v.clone()) for k, v in cache]
         other[2][0][..., 5, :] += 1.0
-        changed = drafter.sdpa_ttt_attention(q, other, block, 0.3)
+        changed = attention.sdpa_ttt_attention(q, other, block, 0.3)
         moved = (changed - base).abs().amax((0, 1, 3)) > 0
         assert moved.tolist() == [i == 5 for i in range(12)]
 
@@ -587,7 +590,7 @@ def test_the_fused_masks_encode_the_ttt_pattern():
     index = torch.arange(6)
     for sink, want in ((True, expected), (False, expected[1:, 1:])):
         size = len(want)
-        mod = drafter.ttt_mask_mod(segments, sink)
+        mod = attention.ttt_mask_mod(segments, sink)
         got = mod(0, 0, index[:size, None], index[None, :size])
         assert torch.equal(got, want)
 
@@ -602,7 +605,7 @@ def test_flex_attention_forward_equals_the_reference_where_it_runs():
         q, cache = attention_inputs(len(segments), steps, size=3.0)
         q, cache = q.detach(), [(k.detach(), v.detach()) for k, v in cache]
         ref = attention_reference(q, cache, segments.tolist(), 0.3)
-        out = drafter.flex_ttt_attention(q, cache, block, 0.3)
+        out = attention.flex_ttt_attention(q, cache, block, 0.3)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -631,10 +634,10 @@ def test_attention_setting_is_checked():
     assert model.attention == "sdpa"  # the default: the fused kernel
     with pytest.raises(ValueError, match="none of"):
         model.attention = "fast"
-    assert drafter.resolve_attention("auto", "cpu") == "sdpa"
-    assert drafter.resolve_attention("eager", "cpu") == "eager"
+    assert model_config.resolve_attention("auto", "cpu") == "sdpa"
+    assert model_config.resolve_attention("eager", "cpu") == "eager"
     with pytest.raises(ValueError, match="CUDA"):
-        drafter.resolve_attention("flex", "cpu")
+        model_config.resolve_attention("flex", "cpu")
 
 
 def test_rope_keyed_by_layer_type_takes_the_full_attention_layers_base():

@@ -24,11 +24,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, DeepseekV3Config, DeepseekV3ForCausalLM
 
-from eaglet import shards
-from eaglet.drafter import DrafterConfig, Eagle3Drafter
-from eaglet.export import export_drafter, export_speculators, load_drafter, vllm_tensors
-from eaglet.offline_eval import draft_chain, replay_counts
-from eaglet.train import Dist, Trainer, settings
+from eaglet.data import shards
+from eaglet.model.config import DrafterConfig
+from eaglet.model.drafter import Eagle3Drafter
+from eaglet.model.export import export_drafter, export_speculators, load_drafter, vllm_tensors
+from eaglet.model.replay import draft_chain, replay_counts
+from eaglet.stages.train.loop import Dist, Trainer, settings
 from tests.test_train import (AUX_LAYERS, DRAFT_VOCAB, FAST, VOCAB, read_log, run, write_shards,
                               write_vocab_map)
 from tests.tiny_llama import one_thread

@@ -27,14 +27,14 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from eaglet import train_checkpoints as ckpt
-from eaglet.drafter import DRAFTER_VARIANTS, NORM_FLAGS, DrafterConfig, Eagle3Drafter
-from eaglet.export import (config_from_vllm, export_drafter, export_speculators, load_drafter,
-                           vllm_tensors)
-from eaglet.offline_eval import draft_chain
-from eaglet.train import settings
-from eaglet.train_data import TrainError
-from tests.test_drafter import DRAFT_VOCAB, H, K, VOCAB, run_batch, sample, tiny_config, vocab_map
+from eaglet.model.config import DRAFTER_VARIANTS, NORM_FLAGS, DrafterConfig, config_from_vllm
+from eaglet.model.drafter import Eagle3Drafter
+from eaglet.model.export import export_drafter, export_speculators, load_drafter, vllm_tensors
+from eaglet.model.replay import draft_chain
+from eaglet.stages.train import checkpoints as ckpt
+from eaglet.stages.train.data import TrainError
+from eaglet.stages.train.loop import settings
+from tests.test_drafter import DRAFT_VOCAB, VOCAB, H, K, run_batch, sample, tiny_config, vocab_map
 
 HELPERS = Path(__file__).parent / "helpers"
 

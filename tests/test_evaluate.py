@@ -9,27 +9,15 @@ import statistics
 
 import pytest
 
-from eaglet.evaluate import (
-    MAX_BATCH,
-    NO_DIFFERENCE,
-    _public,
-    _spec_counts,
-    acceptance,
-    add_speedups,
-    best_k_by_concurrency,
-    counter_delta,
-    drafted_k,
-    level_prompts,
-    parse_metrics,
-    per_request_acceptance,
-    schedule_ranges,
-    schedule_run,
-    serve_recommendation,
-    spec_counters,
-    speculative_config,
-    t_quantile,
-    verdict,
-)
+from eaglet.stages.evaluate.metrics import (_spec_counts, acceptance, counter_delta, parse_metrics,
+                                            per_request_acceptance, spec_counters)
+from eaglet.stages.evaluate.replay import _public
+from eaglet.stages.evaluate.runs import MAX_BATCH, drafted_k, level_prompts, speculative_config
+from eaglet.stages.evaluate.schedule import (best_k_by_concurrency, schedule_ranges, schedule_run,
+                                             serve_recommendation)
+from eaglet.stages.evaluate.statistics import NO_DIFFERENCE
+from eaglet.stages.evaluate.statistics import add_speedups, t_quantile
+from eaglet.stages.evaluate.verdict import verdict
 
 # the shape vLLM 0.32 serves on /metrics (trimmed), two engines to check the sums
 METRICS = """\
@@ -125,8 +113,8 @@ def test_speculative_servers_are_asked_for_each_answers_own_counts(monkeypatch, 
     import contextlib
     from pathlib import Path
 
-    from eaglet import evaluate
-    from eaglet.config import validate
+    from eaglet.core.config import validate
+    from eaglet.stages.evaluate import stage as evaluate
 
     args = {}
 
@@ -365,7 +353,7 @@ def priced_machine(monkeypatch, per_token: dict) -> "DriftingMachine":
     """A DriftingMachine patched in as the evaluation's servers, each run's cost per token
     set by the concurrency it is measured at (``per_token``: run name -> {concurrency: cost});
     ``started`` lists the runs of each server start."""
-    from eaglet import evaluate
+    from eaglet.stages.evaluate import stage as evaluate
 
     class Machine(DriftingMachine):
         def measure(self, url, prompts, ev, concurrency, template_kwargs=None, temperature=0.0):
@@ -383,8 +371,8 @@ def priced_machine(monkeypatch, per_token: dict) -> "DriftingMachine":
 
 
 def _measured(machine, monkeypatch, runs, interleave, concurrency=(1,)):
-    from eaglet import evaluate
-    from eaglet.config import validate
+    from eaglet.core.config import validate
+    from eaglet.stages.evaluate import stage as evaluate
 
     monkeypatch.setattr(evaluate, "_start", machine.start)
     monkeypatch.setattr(evaluate, "_measure", machine.measure)
@@ -441,9 +429,9 @@ def test_one_run_alone_sends_each_level_round_by_round_on_its_own_port(monkeypat
 def test_the_stage_says_it_runs_while_its_first_servers_start(monkeypatch, tmp_path):
     """Status read evaluate as pending for the minute its servers took to start: its progress
     file came with the first measurement. It is there, with the phase, before any start."""
-    from eaglet import evaluate
-    from eaglet.config import validate
-    from eaglet.io import read_json, write_json
+    from eaglet.core.config import validate
+    from eaglet.core.io import read_json, write_json
+    from eaglet.stages.evaluate import stage as evaluate
 
     machine = priced_machine(monkeypatch, {"baseline": {1: 6.0}, "eagle3_k3": {1: 5.0}})
     seen = []
@@ -469,9 +457,9 @@ def test_the_stage_says_it_runs_while_its_first_servers_start(monkeypatch, tmp_p
 def test_the_schedule_is_checked_beside_the_target_alone_kept_up(monkeypatch, tmp_path):
     """Interleaved: the drafter pays at 1 and not at 16, so the stage derives a schedule and
     checks it beside a second measurement of the target alone, whose server stayed up."""
-    from eaglet import evaluate
-    from eaglet.config import validate
-    from eaglet.io import read_json, write_json
+    from eaglet.core.config import validate
+    from eaglet.core.io import read_json, write_json
+    from eaglet.stages.evaluate import stage as evaluate
 
     machine = priced_machine(monkeypatch, {
         "baseline": {1: 6.0, 16: 1.0}, "ngram_k3": {1: 7.0, 16: 2.0},
@@ -527,9 +515,9 @@ def test_a_drafter_vllm_refuses_is_named_and_every_server_started_with_it_stops(
     import re
     from pathlib import Path
 
-    from eaglet import evaluate
-    from eaglet.config import validate
-    from eaglet.server import VLLMServer, pid_alive
+    from eaglet.core.config import validate
+    from eaglet.engine.server import VLLMServer, pid_alive
+    from eaglet.stages.evaluate import stage as evaluate
 
     behaviour = {"baseline": ["--ready-after", "0.5"],
                  "eagle3_k3": ["--ready-after", "1000", "--crash-after", "0.3"],
@@ -580,8 +568,9 @@ GB = 10 ** 9
 
 
 def test_servers_run_side_by_side_only_where_they_fit(tmp_path):
-    from eaglet.config import ConfigError, validate
-    from eaglet.evaluate import placement, target_size
+    from eaglet.core.config import ConfigError, validate
+    from eaglet.stages.evaluate.placement import placement
+    from eaglet.model.sizes import target_size
 
     small, large = tmp_path / "small", tmp_path / "large"
     _weights_header(small, {"w": ("F32", [1000, 1000])})                      # 4 MB
@@ -628,8 +617,9 @@ def test_a_targets_size_comes_from_its_config_where_no_weights_are_there(tmp_pat
     count plus the experts, about 1T for Kimi-K2.5's shape."""
     import json
 
-    from eaglet.config import validate
-    from eaglet.evaluate import config_params, placement, target_size
+    from eaglet.core.config import validate
+    from eaglet.stages.evaluate.placement import placement
+    from eaglet.model.sizes import config_params, target_size
 
     text = {"model_type": "kimi_k2", "hidden_size": 7168, "num_hidden_layers": 61,
             "num_attention_heads": 64, "num_key_value_heads": 64, "intermediate_size": 18432,
@@ -651,8 +641,11 @@ def test_status_plans_the_evaluation_as_the_stage_places_its_servers(tmp_path, m
     larger one one at a time (each run's server starting on its own)."""
     import json
 
-    from eaglet import evaluate, rates, status
-    from eaglet.config import validate
+    from eaglet.core import rates
+    from eaglet.core.config import validate
+    from eaglet.stages.evaluate import placement as evaluate
+    from eaglet.stages.evaluate.schedule import run_plan
+    from eaglet.tools import status
 
     monkeypatch.setenv("EAGLET_RATES", str(tmp_path / "rates.jsonl"))
     monkeypatch.setattr(evaluate, "host_memory_bytes", lambda: 16 << 30)
@@ -669,7 +662,7 @@ def test_status_plans_the_evaluation_as_the_stage_places_its_servers(tmp_path, m
         _weights_header(tmp_path / name, tensors)
         (r / "target" / "target.json").write_text(json.dumps({"path": str(tmp_path / name)}))
         plans[name] = status.estimate("evaluate", r, cfg, None)
-        runs = len(evaluate.run_plan(cfg["evaluate"])[0])
+        runs = len(run_plan(cfg["evaluate"])[0])
         assert plans[name].basis.startswith(f"{runs + (2 if name == 'small' else 1)} vLLM runs")
     assert "side by side" in plans["small"].basis and "one at a time" in plans["large"].basis
     # each temperature sends every level's requests again
@@ -682,7 +675,8 @@ def test_ngram_that_proposes_nothing_is_reported_but_a_drafter_that_drafts_nothi
     """ngram proposes only where an n-gram recurs in the context: on short, unrepeated answers
     it drafts nothing, which is a result, not a server that ignored its config. An EAGLE-3
     drafter proposes at every step, so no drafts there means the config was not applied."""
-    from eaglet.evaluate import EvaluationError, _run_result
+    from eaglet.stages.evaluate.runs import EvaluationError
+    from eaglet.stages.evaluate.stage import _run_result
 
     nothing = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_position": []}
     level = {"set": "heldout", "concurrency": 1, "output_tokens": 32, "wall_s": 1.0,
@@ -698,7 +692,7 @@ def test_ngram_that_proposes_nothing_is_reported_but_a_drafter_that_drafts_nothi
 
 def test_acceptance_length_is_reported_pooled_and_per_request_side_by_side(monkeypatch,
                                                                             tmp_path):
-    from eaglet.plots import write_results_table
+    from eaglet.tools.plots import write_results_table
 
     machine = DriftingMachine({"baseline": 6.0, "eagle3_k3": 5.0})
     _measured(machine, monkeypatch, RUNS, interleave=True)
@@ -729,8 +723,8 @@ def test_acceptance_length_is_reported_pooled_and_per_request_side_by_side(monke
 def test_the_offline_replay_reports_per_request_beside_vllm(monkeypatch):
     """Each replayed sequence's counts are kept, so the replay's acceptance length per
     request stands beside vLLM's per answer, as the pooled ones do."""
-    from eaglet import offline_eval
-    from eaglet.evaluate import _compare
+    from eaglet.model import replay as offline_eval
+    from eaglet.stages.evaluate.replay import _compare
 
     def counts(drafter, aux, prompt, answer, k):
         ids = prompt + answer
@@ -762,15 +756,14 @@ def test_the_offline_replay_reports_per_request_beside_vllm(monkeypatch):
     assert out["sets"]["heldout"]["vllm_acceptance_length_per_request"] == pytest.approx(2.5)
 
 
-
 def test_drafts_past_an_answers_end_bound_what_vllm_may_count():
     """vLLM verifies a last round's drafts past the answer's stop token against the
     target's own tokens after it, and counts those it accepts: a Gemma 4 miniature drafted
     [388, 106, 106] where the answer ended [388, 106] and the target's next token was 106
     again, one accepted draft more in vLLM's counters than the answer shows. The replay
     counts the drafts it cannot judge, and the check holds vLLM's count to that range."""
-    from eaglet import offline_eval
-    from eaglet.evaluate import _compare
+    from eaglet.model import replay as offline_eval
+    from eaglet.stages.evaluate.replay import _compare
 
     prompt, answer = [1, 2], [10, 11, 12, 388, 106]
     ids = prompt + answer
@@ -946,7 +939,7 @@ def test_a_schedule_level_that_drafts_k0_has_no_acceptance(monkeypatch, tmp_path
     counters still hold the drafts of the round's last requests (the batch shrank into the
     range that drafts), which are no acceptance of the level's. The table leaves it empty,
     and the figures and the verdict pass over it."""
-    from eaglet import plots
+    from eaglet.tools import plots
 
     ranges = [[1, 4, 3], [5, MAX_BATCH, 0]]
     schedule = {"name": "eagle3_schedule", "method": "eagle3", "k": 3, "drafter": "d",
@@ -996,8 +989,8 @@ def test_requests_pin_the_distribution_at_their_temperature_cut_as_the_run_serve
 
     import httpx
 
-    from eaglet import evaluate
-    from eaglet.config import validate
+    from eaglet.core.config import validate
+    from eaglet.stages.evaluate import stage as evaluate
 
     bodies = []
 
@@ -1033,9 +1026,10 @@ def test_each_temperature_is_measured_and_judged_apart_the_last_one_served(monke
     last, the one served) only at 1. Every level goes to every server at both temperatures;
     each run is reported per temperature, its speedups over the target alone at the same
     temperature; the schedule and serve.json come from 1.0, and so does the verdict."""
-    from eaglet import evaluate, plots
-    from eaglet.config import validate
-    from eaglet.io import read_json, write_json
+    from eaglet.core.config import validate
+    from eaglet.core.io import read_json, write_json
+    from eaglet.stages.evaluate import stage as evaluate
+    from eaglet.tools import plots
 
     per_token = {0.0: {"baseline": {1: 6.0, 16: 1.0}, "eagle3_k3": {1: 5.0, 16: 0.8},
                        "eagle3_schedule": {1: 5.0, 16: 0.8}},
@@ -1097,7 +1091,7 @@ def test_each_temperature_is_measured_and_judged_apart_the_last_one_served(monke
 
 
 def test_a_sampled_run_that_disagrees_with_its_expected_acceptance_is_explained():
-    from eaglet.evaluate import EXPECTED_TOLERANCE, expected_warnings
+    from eaglet.stages.evaluate.replay import EXPECTED_TOLERANCE, expected_warnings
 
     def entry(vllm, expected, matched):
         return {"temperature": 1.0, "vllm_acceptance_length": vllm,
@@ -1131,7 +1125,8 @@ def test_a_sampled_difference_within_the_noise_of_few_steps_is_unresolved_not_a_
     """On few drafting steps, vLLM's count may fall beyond the 3% by chance: where it lies
     within NOISE_ERRORS standard errors and its answers took the drafts as counted, the
     verdict says how many steps the check needs instead of calling it a disagreement."""
-    from eaglet.evaluate import EXPECTED_TOLERANCE, NOISE_ERRORS, _noise, expected_warnings
+    from eaglet.stages.evaluate.replay import (EXPECTED_TOLERANCE, NOISE_ERRORS, _noise,
+                                               expected_warnings)
 
     # 40 steps, expected AL 2.45 with a standard error of 0.1, vLLM counted 2.55 (4% off)
     noise = _noise({"acceptance_length": 2.45, "standard_error": 0.1, "drafts": 40}, 2.55,
@@ -1162,7 +1157,7 @@ def test_a_sampled_difference_within_the_noise_of_few_steps_is_unresolved_not_a_
 
 
 def test_the_temperatures_are_a_list_of_at_least_one_unique_non_negative_value():
-    from eaglet.config import ConfigError, validate
+    from eaglet.core.config import ConfigError, validate
 
     assert validate({})["evaluate"]["temperature"] == [0]
     assert validate({"evaluate": {"temperature": [0, 1.0]}})["evaluate"]["temperature"] == [0, 1.0]
@@ -1175,7 +1170,7 @@ def test_the_temperatures_are_a_list_of_at_least_one_unique_non_negative_value()
 def test_a_rehearsal_evaluates_at_0_and_the_served_temperature_only():
     from pathlib import Path
 
-    from eaglet.rehearse import rehearsal_config
+    from eaglet.tools.rehearse import rehearsal_config
 
     def rehearsed(temps):
         cfg, scaled = rehearsal_config({"target": {"model": "org/model"},

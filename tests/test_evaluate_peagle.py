@@ -13,9 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from eaglet import evaluate, peagle
-from eaglet.drafter import DrafterConfig
-from eaglet.offline_eval import target_features
+from eaglet.model import config as model_config
+from eaglet.model import peagle
+from eaglet.model.config import DrafterConfig
+from eaglet.model.replay import target_features
+from eaglet.stages.evaluate import replay as evaluate_replay
+from eaglet.stages.evaluate import runs as evaluate_runs
+from eaglet.stages.evaluate import schedule as evaluate_schedule
+from eaglet.stages.evaluate import stage as evaluate
 from tests.test_evaluate import SWEEP, judged, priced_machine, run, same
 from tests.tiny_llama import LAYERS, VOCAB, make_tiny_llama, one_thread
 
@@ -36,7 +41,7 @@ def drafters(tmp_path_factory):
     t2d[draft_ids] = True
     embed = target.model.embed_tokens.weight.detach()
     out = {"root": root, "target": target, "target_dir": str(root / "target")}
-    for method in peagle.METHODS:
+    for method in model_config.METHODS:
         torch.manual_seed(1)
         model = peagle.make_drafter(method, target_config, config, embed,
                                     draft_ids - torch.arange(len(draft_ids)), t2d)
@@ -49,16 +54,16 @@ def drafters(tmp_path_factory):
 
 
 def test_the_method_is_read_from_the_exported_drafter(drafters):
-    assert set(peagle.METHOD_NAMES) == set(peagle.METHODS)
-    assert evaluate.drafter_method(drafters["peagle"]) == "peagle"
-    assert evaluate.drafter_method(drafters["eagle3"]) == "eagle3"
+    assert set(model_config.METHOD_NAMES) == set(model_config.METHODS)
+    assert evaluate_runs.drafter_method(drafters["peagle"]) == "peagle"
+    assert evaluate_runs.drafter_method(drafters["eagle3"]) == "eagle3"
     # nothing trained yet (the plan `eaglet status` makes): EAGLE-3's names
-    assert evaluate.drafter_method(None) == "eagle3"
-    assert evaluate.drafter_method(drafters["root"] / "missing") == "eagle3"
+    assert evaluate_runs.drafter_method(None) == "eagle3"
+    assert evaluate_runs.drafter_method(drafters["root"] / "missing") == "eagle3"
 
 
 def test_a_peagle_drafters_runs_are_named_by_it_and_served_with_parallel_drafting(drafters):
-    from eaglet.config import validate
+    from eaglet.core.config import validate
 
     ev = validate({"evaluate": {"num_speculative_tokens": [1, K], "offline": True}})["evaluate"]
     plan, replays = evaluate.run_plan(ev, drafters["peagle"])
@@ -80,7 +85,7 @@ def test_a_peagle_drafters_runs_are_named_by_it_and_served_with_parallel_draftin
     assert (schedule["name"], schedule["method"]) == ("peagle_schedule", "peagle")
     spec = evaluate.speculative_config(schedule)
     assert spec["parallel_drafting"] is True and spec["num_speculative_tokens"] == K
-    assert spec["num_speculative_tokens_per_batch_size"] == [[1, 4, K], [5, evaluate.MAX_BATCH, 1]]
+    assert spec["num_speculative_tokens_per_batch_size"] == [[1, 4, K], [5, evaluate_runs.MAX_BATCH, 1]]
     assert evaluate.schedule_run(choice, drafters["eagle3"])["name"] == "eagle3_schedule"
 
 
@@ -100,7 +105,7 @@ def test_every_key_of_the_speculative_config_is_one_vllm_reads(drafters):
 
 def test_the_servers_of_a_peagle_drafter_start_with_parallel_drafting(drafters, monkeypatch,
                                                                      tmp_path):
-    from eaglet.config import validate
+    from eaglet.core.config import validate
 
     args = {}
 
@@ -138,7 +143,7 @@ def peagle_runs(drafter_dir: str, spec_k: dict[int, tuple[float, float]]) -> lis
 
 
 def test_the_verdict_and_serve_json_judge_the_peagle_runs(drafters):
-    from eaglet.report_page import _speculative_runs, serve_command
+    from eaglet.tools.report_page import _speculative_runs, serve_command
 
     runs = peagle_runs(drafters["peagle"], {1: (12.0, 90.0), K: (15.0, 100.0)})
     choice = evaluate.best_k_by_concurrency(runs, SWEEP)
@@ -160,7 +165,7 @@ def test_the_verdict_and_serve_json_judge_the_peagle_runs(drafters):
 
 
 def test_the_acceptance_figure_draws_the_peagle_runs(drafters, monkeypatch, tmp_path):
-    from eaglet import plots
+    from eaglet.tools import plots
 
     runs = peagle_runs(drafters["peagle"], {1: (12.0, 90.0), K: (15.0, 100.0)})
     drawn = {}
@@ -174,8 +179,8 @@ def test_the_acceptance_figure_draws_the_peagle_runs(drafters, monkeypatch, tmp_
 def test_the_stage_names_serves_and_judges_a_peagle_drafter(drafters, monkeypatch, tmp_path):
     """run_stage with the servers stood in for: the sweep, the schedule it derives and
     checks, acceptance.json and serve.json are the P-EAGLE drafter's."""
-    from eaglet.config import validate
-    from eaglet.io import read_json, write_json
+    from eaglet.core.config import validate
+    from eaglet.core.io import read_json, write_json
 
     machine = priced_machine(monkeypatch, {
         "baseline": {1: 6.0, 16: 1.0}, "ngram_k3": {1: 7.0, 16: 2.0},
@@ -223,22 +228,22 @@ def parallel_answers(drafter: peagle.PEagleDrafter, target, prompts: list[list[i
 def test_the_offline_replay_of_a_peagle_drafter_is_its_parallel_forward(drafters):
     """load_for_replay loads a P-EAGLE drafter as one; its replay (greedy and expected) counts
     the drafts of its parallel forward, which the EAGLE-3 chain would not draft."""
-    from eaglet import offline_eval
-    from eaglet.offline_eval import Features, summarize
+    from eaglet.model import replay as offline_eval
+    from eaglet.model.replay import Features, summarize
 
-    assert not isinstance(evaluate.load_for_replay(drafters["eagle3"], drafters["target_dir"]),
+    assert not isinstance(evaluate_replay.load_for_replay(drafters["eagle3"], drafters["target_dir"]),
                           peagle.PEagleDrafter)
-    drafter = evaluate.load_for_replay(drafters["peagle"], drafters["target_dir"])
+    drafter = evaluate_replay.load_for_replay(drafters["peagle"], drafters["target_dir"])
     assert isinstance(drafter, peagle.PEagleDrafter)
     target = drafters["target"]
     with one_thread():
         sequences = parallel_answers(drafter, target, [[5, 9, 17, 4], [40, 2, 33]], rounds=3)
         features = Features(drafter.config.aux_layer_ids, None, lambda: target)
-        got = evaluate.replay_sequences(drafter, sequences, [K], features)
+        got = evaluate_replay.replay_sequences(drafter, sequences, [K], features)
         # the EAGLE-3 chain feeds its drafts back: not the drafts vLLM takes from this drafter
         chain = offline_eval.replay_sequences(drafter, sequences, [K], features)
         head = target.lm_head.weight.detach()
-        expected = evaluate.replay_sequences(
+        expected = evaluate_replay.replay_sequences(
             drafter, sequences, [K], Features(drafter.config.aux_layer_ids, None, lambda: target,
                                               final=True), 1.0, head)
     assert got["sources"]["forward"] == len(sequences)
@@ -256,8 +261,8 @@ def test_the_offline_replay_of_a_peagle_drafter_is_its_parallel_forward(drafters
 def test_the_stages_offline_check_replays_a_peagle_drafter_against_vllms_counts(drafters):
     """offline_check, as the stage calls it on the greedy runs: a P-EAGLE drafter whose vLLM
     counters say AL k + 1 on answers that take all its parallel drafts agrees exactly."""
-    from eaglet.config import validate
-    from eaglet.progress import Progress
+    from eaglet.core.config import validate
+    from eaglet.core.progress import Progress
 
     drafter = peagle.load_peagle(drafters["peagle"], drafters["target_dir"])
     with one_thread():
@@ -314,8 +319,8 @@ def test_compared_drafters_are_named_by_their_method_and_never_judged(drafters, 
     config = json.loads((variant / "config.json").read_text())
     (variant / "config.json").write_text(json.dumps({**config, "fc_norm": True,
                                                      "norm_output": True}))
-    assert evaluate.drafter_kind(variant) == ("eagle3", "eagle31", "EAGLE-3.1")
-    assert [r["name"] for r in evaluate.compare_runs({**ev, "compare_drafters": [variant]})] == [
+    assert evaluate_runs.drafter_kind(variant) == ("eagle3", "eagle31", "EAGLE-3.1")
+    assert [r["name"] for r in evaluate_schedule.compare_runs({**ev, "compare_drafters": [variant]})] == [
         "eagle31_k1", f"eagle31_k{K}"]
     # a directory that holds no exported drafter is refused before any server starts
     with pytest.raises(evaluate.EvaluationError, match="no config.json or model.safetensors"):
@@ -328,9 +333,9 @@ def test_the_stage_serves_a_compared_drafter_beside_its_own_and_tables_both(
     round beside the target alone; the P-EAGLE drafter serves faster everywhere, yet the
     verdict, the schedule and serve.json are the run's own drafter's; the methods table has
     both, with the time per step the costs imply."""
-    from eaglet.config import validate
-    from eaglet.io import read_json, write_json
-    from eaglet.report_page import Results, methods_section
+    from eaglet.core.config import validate
+    from eaglet.core.io import read_json, write_json
+    from eaglet.tools.report_page import Results, methods_section
 
     machine = priced_machine(monkeypatch, {
         "baseline": {1: 6.0, 16: 1.0}, f"eagle3_k{K}": {1: 5.0, 16: 1.5},

@@ -16,43 +16,19 @@ import torch
 from safetensors import safe_open
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import eaglet.extract as extract_mod
-from eaglet import shards
-from eaglet.config import validate
-from eaglet.extract import (
-    AuxCapture,
-    ShardJob,
-    build_manifest,
-    decoder_layers,
-    extract_shard,
-    forward_batch,
-    load_target,
-    run_shard,
-    run_shards,
-    token_budget_batches,
-)
-from eaglet.extract_common import (
-    ExtractionError,
-    Target,
-    check_disk,
-    default_aux_layer_ids,
-    predicting_rows,
-    resolve_aux_layer_ids,
-    sequence,
-    shard_bounds,
-    target_identity,
-    teacher_from_stored,
-)
-from eaglet.io import read_json, write_json, write_jsonl
-from eaglet.target import prepare_target
-from tests.tiny_llama import (
-    LAYERS,
-    greedy_records,
-    make_tiny_llama,
-    one_thread,
-    random_records,
-    record,
-)
+import eaglet.stages.extract as extract_mod
+from eaglet.core.config import validate
+from eaglet.core.io import read_json, write_json, write_jsonl
+from eaglet.data import shards
+from eaglet.stages.extract import (ShardJob, build_manifest, extract_shard, forward_batch,
+                                   load_target, run_shard, run_shards, token_budget_batches)
+from eaglet.target.checkpoint import prepare_target
+from eaglet.target.hooks import AuxCapture, decoder_layers
+from eaglet.target.states import (ExtractionError, Target, check_disk, default_aux_layer_ids,
+                                  predicting_rows, resolve_aux_layer_ids, sequence, shard_bounds,
+                                  target_identity, teacher_from_stored)
+from tests.tiny_llama import (LAYERS, greedy_records, make_tiny_llama, one_thread, random_records,
+                              record)
 
 # ids of three distinct layers of the 6-layer model (its vLLM default is (2, 3, 3); see
 # test_default_aux_ids_of_a_six_layer_model_extract)

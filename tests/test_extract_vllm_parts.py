@@ -10,9 +10,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from eaglet.config import validate
-from eaglet.extract_vllm import capture_server, load_head, read_request, request_path, split_states
-from eaglet.hidden_capture import capture_args, capture_layer_ids
+from eaglet.core.config import validate
+from eaglet.engine.capture import capture_args, capture_layer_ids
+from eaglet.engine.extraction import (capture_server, load_head, read_request, request_path,
+                                      split_states)
 from tests.tiny_llama import HIDDEN, LAYERS, make_tiny_llama, one_thread
 
 
@@ -96,7 +97,7 @@ def test_server_gets_the_generation_settings_plus_capture(tmp_path):
     assert spec["method"] == "extract_hidden_states"
     assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27, 30]
     transfer = json.loads(args[args.index("--kv-transfer-config") + 1])
-    assert transfer["kv_connector_module_path"] == "eaglet.hidden_connector"
+    assert transfer["kv_connector_module_path"] == "eaglet.engine.connector"
     assert transfer["kv_connector_extra_config"]["shared_storage_path"] == str(tmp_path / "req")
     assert capture_args([1], "x")[-1] == "--no-enable-prefix-caching"
 
@@ -106,10 +107,10 @@ def test_server_gets_the_generation_settings_plus_capture(tmp_path):
 def packed_run(tiny, tmp_path):
     """A vLLM-backend run interrupted after packing both shards (packed here with the hf
     backend, which gives the same shard)."""
-    from eaglet.extract import extract_shard, load_target
-    from eaglet.extract_common import target_identity
-    from eaglet.extract_vllm import shard_jobs
-    from eaglet.target import prepare_target
+    from eaglet.engine.extraction import shard_jobs
+    from eaglet.stages.extract import extract_shard, load_target
+    from eaglet.target.checkpoint import prepare_target
+    from eaglet.target.states import target_identity
     from tests.tiny_llama import greedy_records
 
     model, directory = tiny
@@ -132,8 +133,8 @@ def packed_run(tiny, tmp_path):
 
 
 def test_packed_shards_are_kept_and_moved_without_a_server(tiny, tmp_path, monkeypatch):
-    from eaglet import shards
-    from eaglet.extract_vllm import Extractor, extract_shards
+    from eaglet.data import shards
+    from eaglet.engine.extraction import Extractor, extract_shards
 
     cfg, info, jobs, work = packed_run(tiny, tmp_path)
     hashes = [shards.digest_path(job.staged_path) for job in jobs]
@@ -148,7 +149,7 @@ def test_packed_shards_are_kept_and_moved_without_a_server(tiny, tmp_path, monke
 
 
 def test_a_packed_shard_of_other_samples_is_not_reused(tiny, tmp_path, monkeypatch):
-    from eaglet.extract_vllm import Extractor, extract_shards
+    from eaglet.engine.extraction import Extractor, extract_shards
 
     cfg, info, jobs, work = packed_run(tiny, tmp_path)
     jobs[1].records[0] = {**jobs[1].records[0],
@@ -172,8 +173,8 @@ def test_prefill_retries_a_busy_server_and_names_a_server_without_capture(tmp_pa
 
     import httpx
 
-    from eaglet.extract_common import ExtractionError
-    from eaglet.extract_vllm import prefill
+    from eaglet.engine.extraction import prefill
+    from eaglet.target.states import ExtractionError
 
     answers = [httpx.Response(503, text="busy"),
                httpx.Response(200, json={"kv_transfer_params": {
@@ -204,8 +205,8 @@ def test_the_teacher_of_a_shard_fed_a_sequence_at_a_time_equals_the_whole_shard(
     """ShardTeacher (sequences as their states come in, chunks computed as they fill) gives
     the argmax and log-probabilities of teacher_from_stored over the whole shard, bit for
     bit, with chunks that span sequences."""
-    from eaglet.extract_common import (ShardTeacher, Target, TeacherHead, _round_trip,
-                                       predicting_rows, teacher_from_stored)
+    from eaglet.target.states import (ShardTeacher, Target, TeacherHead, _round_trip,
+                                      predicting_rows, teacher_from_stored)
 
     gen = torch.Generator().manual_seed(0)
     lm_head = torch.randn(50, 16, generator=gen)
@@ -232,7 +233,7 @@ def test_the_teacher_of_a_shard_fed_a_sequence_at_a_time_equals_the_whole_shard(
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """A tiny target as extraction reads it, and greedy samples of it."""
-    from eaglet.target import prepare_target
+    from eaglet.target.checkpoint import prepare_target
     from tests.tiny_llama import greedy_records
 
     root = tmp_path_factory.mktemp("served")
@@ -265,8 +266,8 @@ def pipeline_run(served, tmp_path, monkeypatch, num_shards: int, dtype: str = "f
     """extract_shards with a stand-in server: each prefill request is answered by writing
     its file as the connector does (``answer(i, ids, path)`` may do otherwise); returns the
     metas, the jobs, and for each request the shards already written when it was sent."""
-    from eaglet import extract_vllm
-    from eaglet.extract_vllm import shard_jobs
+    from eaglet.engine import extraction as extract_vllm
+    from eaglet.engine.extraction import shard_jobs
 
     model, info, records = served
     cfg = validate({"extract": {"backend": "vllm", "device": "cpu", "dtype": dtype,
@@ -301,9 +302,10 @@ def test_pipelined_shards_are_those_written_one_shard_at_a_time(served, tmp_path
     """The same request files packed shard by shard (write_shard computing the teacher of
     the whole shard) give the same shard files, byte for byte, and the same teacher check,
     with teacher chunks that span sequences."""
-    from eaglet import extract_common, shards
-    from eaglet.extract_common import shard_states, target_identity, write_shard
-    from eaglet.extract_vllm import read_request
+    from eaglet.data import shards
+    from eaglet.engine.extraction import read_request
+    from eaglet.target import states as extract_common
+    from eaglet.target.states import shard_states, target_identity, write_shard
 
     monkeypatch.setattr(extract_common, "TEACHER_CHUNK_ROWS", 16)
     model, info, records = served
@@ -342,8 +344,8 @@ def test_the_request_window_runs_at_most_one_shard_ahead_of_the_packing(served, 
     (here slower than the server): the request files on disk stay within two shards."""
     import time
 
-    from eaglet.extract_common import shard_records
-    from eaglet.extract_vllm import ShardPacker
+    from eaglet.engine.extraction import ShardPacker
+    from eaglet.target.states import shard_records
 
     _, _, records = served
     add = ShardPacker.add
@@ -362,7 +364,7 @@ def test_the_request_window_runs_at_most_one_shard_ahead_of_the_packing(served, 
 
 def test_a_request_without_states_stops_the_stage_and_keeps_what_was_packed(served, tmp_path,
                                                                             monkeypatch):
-    from eaglet.extract_common import ExtractionError
+    from eaglet.target.states import ExtractionError
 
     model, _, records = served
 
@@ -383,10 +385,10 @@ def test_the_progress_clock_starts_when_the_server_is_up(served, tmp_path, monke
     counts the requested sequences only, the saved ones as done already."""
     import time
 
-    from eaglet import extract_vllm
-    from eaglet.extract_common import sequence
-    from eaglet.extract_vllm import shard_jobs
-    from eaglet.progress import Progress
+    from eaglet.core.progress import Progress
+    from eaglet.engine import extraction as extract_vllm
+    from eaglet.engine.extraction import shard_jobs
+    from eaglet.target.states import sequence
 
     model, info, records = served
     records = [{**r, "hidden_states": "saved"} for r in records]
@@ -426,8 +428,8 @@ def test_the_progress_clock_starts_when_the_server_is_up(served, tmp_path, monke
 
 @pytest.mark.parametrize("split, setting", [("train", "num_shards"), ("eval", "num_eval_shards")])
 def test_a_split_with_more_shards_than_samples_names_its_own_setting(tmp_path, split, setting):
-    from eaglet.extract_common import ExtractionError
-    from eaglet.extract_vllm import shard_jobs
+    from eaglet.engine.extraction import shard_jobs
+    from eaglet.target.states import ExtractionError
 
     paths = [str(tmp_path / f"shard_{i:05d}.safetensors") for i in range(3)]
     records = [{"id": "a"}, {"id": "b"}]

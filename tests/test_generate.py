@@ -10,23 +10,15 @@ from __future__ import annotations
 import json
 import threading
 from collections import Counter
-from pathlib import Path
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
-from eaglet.io import request_path
-
-from eaglet.engine_client import RequestFailed
-from eaglet.generate import (
-    GenerationSettings,
-    Sampling,
-    build_messages,
-    collect,
-    generate,
-    parse_response,
-    read_partial,
-)
+from eaglet.core.io import request_path
+from eaglet.engine.client import RequestFailed
+from eaglet.stages.generate import (GenerationSettings, Sampling, build_messages, collect, generate,
+                                    parse_response, read_partial)
 
 SAMPLING = Sampling(temperature=0.0, top_p=1.0, max_tokens=8, seed=0)
 
@@ -191,7 +183,7 @@ def test_read_partial_keeps_every_good_record_around_a_corrupt_middle_line(tmp_p
     lines = [json.dumps(r) + "\n" for r in rows]
     bad = lines[2][:10] + "\x00garbage" + lines[2][10:]
     partial.write_text("".join(lines[:2]) + bad + "".join(lines[3:]))
-    with caplog.at_level("WARNING", logger="eaglet.generate"):
+    with caplog.at_level("WARNING", logger="eaglet.stages.generate"):
         records = read_partial(partial)
     assert set(records) == {f"p-{i}" for i in (0, 1, 3, 4, 5)}
     assert partial.read_text() == "".join(lines[:2] + lines[3:])  # appending continues cleanly
@@ -317,9 +309,8 @@ def test_a_prompt_too_long_for_the_context_is_skipped_not_sent_and_not_a_failure
 
 
 def test_too_long_check_counts_the_chat_template_tokens():
+    from eaglet.stages.generate import too_long_check
     from tests.test_template_check import PLAIN_TEMPLATE, make_tokenizer
-
-    from eaglet.generate import too_long_check
 
     tokenizer = make_tokenizer(PLAIN_TEMPLATE)  # one token per byte
     messages = [{"role": "user", "content": "x" * 40}]
@@ -355,8 +346,8 @@ def test_recorded_answers_are_prefilled_on_the_capturing_server(server, tmp_path
     get their states from the generation server too: one prefill request of the whole
     sample each, the files where extraction looks; those saved already are not sent again,
     and a server that saves nothing leaves them to extraction instead of failing."""
-    from eaglet.config import validate
-    from eaglet.generate import prefill_recorded
+    from eaglet.core.config import validate
+    from eaglet.stages.generate import prefill_recorded
 
     # the generate rule's config: generation's sections only (no extract.concurrency)
     cfg = {"generate": validate({})["generate"]}
@@ -396,8 +387,8 @@ def test_top_k_and_min_p_go_with_requests_where_set_and_records_keep_them(server
     """generate.top_k and min_p, as the target is served (Qwen3's thinking mode: top_k 20);
     unset they are not sent (the server's generation_config default), and answers recorded
     before eaglet had them still count as made with the same settings."""
-    from eaglet.config import validate
-    from eaglet.generate import Sampling, answer_settings, made_with
+    from eaglet.core.config import validate
+    from eaglet.stages.generate import Sampling, answer_settings, made_with
 
     gen = validate({"generate": {"temperature": 0.6, "top_k": 20, "min_p": 0.05}})["generate"]
     sampling = Sampling.from_config(gen)
@@ -423,8 +414,8 @@ def test_sampled_answers_on_the_cpu_engine_are_seeded_by_the_engine(temperature,
                                                                     per_request, args):
     """vLLM's CPU engine died (CPU Generator does not use offset) when a seeded request's
     long prompt was prefilled over two steps: there the server takes generate.seed."""
-    from eaglet.config import validate
-    from eaglet.generate import engine_seeding
+    from eaglet.core.config import validate
+    from eaglet.stages.generate import engine_seeding
 
     cfg = validate({"generate": {"temperature": temperature, "seed": 7},
                     "server": {"gpus": gpus}})
@@ -458,9 +449,9 @@ def test_recorded_answers_become_samples_without_asking_any_server(tmp_path):
     """Every training prompt has a recorded answer: the stage renders each through the chat
     template as the server would, ends it at the end-of-turn id, cuts it at max_tokens, and
     passes the template check, with no server at all (server.url points nowhere)."""
-    from eaglet.config import validate
-    from eaglet.generate import run_stage
-    from eaglet.io import read_json, read_jsonl, write_json, write_jsonl
+    from eaglet.core.config import validate
+    from eaglet.core.io import read_json, read_jsonl, write_json, write_jsonl
+    from eaglet.stages.generate import run_stage
     from tests.test_template_check import PLAIN_TEMPLATE, make_tokenizer
 
     tokenizer = make_tokenizer(PLAIN_TEMPLATE)
@@ -490,7 +481,7 @@ def test_recorded_answers_become_samples_without_asking_any_server(tmp_path):
 
 
 def test_a_template_that_renders_answers_apart_from_the_prompt_is_refused():
-    from eaglet.generate import dataset_record
+    from eaglet.stages.generate import dataset_record
     from tests.test_template_check import PLAIN_TEMPLATE, make_tokenizer
 
     # the generation prompt opens a "bot" turn, an answer renders as an "assistant" one
@@ -531,7 +522,7 @@ def private_modules_cache(tmp_path, monkeypatch):
 
 def test_a_tokenizer_shipped_as_code_loads_only_when_the_config_trusts_it(
         tmp_path, private_modules_cache):
-    from eaglet.generate import load_tokenizer
+    from eaglet.stages.generate import load_tokenizer
 
     path = tokenizer_shipped_as_code(tmp_path / "target")
     tokenizer = load_tokenizer(path, trust_remote_code=True)
@@ -545,9 +536,9 @@ def test_the_generate_stage_loads_the_tokenizer_with_the_targets_trust_remote_co
         tmp_path, private_modules_cache):
     """run_stage passes target.trust_remote_code to the tokenizer it loads (recorded answers
     need no server, so the stage runs to its end here)."""
-    from eaglet.config import validate
-    from eaglet.generate import run_stage
-    from eaglet.io import read_jsonl, write_json, write_jsonl
+    from eaglet.core.config import validate
+    from eaglet.core.io import read_jsonl, write_json, write_jsonl
+    from eaglet.stages.generate import run_stage
 
     path = tokenizer_shipped_as_code(tmp_path / "target")
     write_json(tmp_path / "target.json", {"path": str(path), "spec": "t"})
@@ -572,8 +563,8 @@ def test_a_recorded_answer_after_a_prompt_that_opens_the_reasoning_round_trips()
     with <think>, so the answer's ids begin with the </think> the template renders before the
     content; the content is the answer without it, and the sample passes the template check
     (thinking on, off, and cut at max_tokens)."""
-    from eaglet.generate import dataset_record
-    from eaglet.template_check import check_record
+    from eaglet.data.template_check import check_record
+    from eaglet.stages.generate import dataset_record
     from tests.test_template_check import make_kimi_tokenizer
 
     tokenizer = make_kimi_tokenizer()

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from eaglet import shards
-from eaglet.config import validate
+from eaglet.core.config import validate
+from eaglet.data import shards
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
 

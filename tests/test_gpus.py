@@ -1,4 +1,4 @@
-"""Each GPU job gets GPUs of its own (eaglet.gpus): real processes, a fake list of 4 GPUs.
+"""Each GPU job gets GPUs of its own (eaglet.core.gpus): real processes, a fake list of 4 GPUs.
 
 A holder process claims its slots, prints CUDA_VISIBLE_DEVICES and sleeps until killed, as
 an extraction job holds its GPUs for its lifetime.
@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from eaglet import gpus
+from eaglet.core import gpus
 
 HOLDER = """
 import os, sys, time
-from eaglet.gpus import hold_gpus
+from eaglet.core.gpus import hold_gpus
 try:
     print(hold_gpus(int(sys.argv[1])), flush=True)
 except Exception as exc:

@@ -10,12 +10,10 @@ import os
 import pytest
 import torch
 from safetensors.torch import load_file
+from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import PendingSave
 
-from eaglet.hidden_connector import (EagletHiddenStatesConnector, gather_states, slot_mapping,
+from eaglet.engine.connector import (EagletHiddenStatesConnector, gather_states, slot_mapping,
                                      write_states)
-from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
-    PendingSave,
-)
 
 BLOCK = 4
 LAYERS = 3

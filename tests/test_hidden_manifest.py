@@ -15,14 +15,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from eaglet import extract_vllm
-from eaglet.config import validate
-from eaglet.extract import build_manifest, run_shard
-from eaglet.extract_common import installed_version
-from eaglet.hidden_capture import capture_layer_ids
-from eaglet.io import read_json, request_path, write_jsonl
-from eaglet.shards import shard_path
-from eaglet.target import prepare_target
+from eaglet.core.config import validate
+from eaglet.core.io import read_json, request_path, write_jsonl
+from eaglet.data.shard_format import shard_path
+from eaglet.engine import extraction as extract_vllm
+from eaglet.engine.capture import capture_layer_ids
+from eaglet.stages.extract import build_manifest, run_shard
+from eaglet.target.checkpoint import prepare_target
+from eaglet.target.states import installed_version
 from tests.tiny_llama import LAYERS, greedy_records, make_tiny_llama, one_thread
 
 AUX = [1, 3, 4]
@@ -129,7 +129,7 @@ def test_the_manifest_of_vllm_shards_counts_the_states_generation_captured(
 
 
 def test_a_shard_from_before_the_engine_was_recorded_counts_with_no_version():
-    from eaglet.extract import computed_by
+    from eaglet.stages.extract import computed_by
 
     old = {"backend": "vllm", "num_samples": 5}
     new = {"backend": "vllm", "num_samples": 2, "captured_during_generation": 2,

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from eaglet.io import atomic_open, request_lock, write_json, write_jsonl, writer_done
+from eaglet.core.io import atomic_open, request_lock, write_json, write_jsonl, writer_done
 
 
 @pytest.fixture
@@ -63,7 +63,7 @@ def test_writer_done_waits_for_the_lock_the_capture_writer_holds(tmp_path):
 
 HOLDER = """
 import sys, time
-from eaglet.io import hold_directory
+from eaglet.core.io import hold_directory
 with hold_directory(sys.argv[1], "train"):
     print("held", flush=True)
     time.sleep(60)
@@ -76,7 +76,7 @@ def test_a_held_directory_refuses_a_second_process_naming_the_first(tmp_path):
     import subprocess
     import sys
 
-    from eaglet.io import DirectoryBusy, hold_directory
+    from eaglet.core.io import DirectoryBusy, hold_directory
 
     first = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)],
                              stdout=subprocess.PIPE, text=True)

@@ -20,12 +20,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, MixtralConfig, MixtralForCausalLM
 
-from eaglet import target as target_mod
-from eaglet.drafter import (DrafterConfig, Eagle3Drafter, fit_target_layer, init_from_target,
-                            tensor_meta)
-from eaglet.target import (checkpoint_layout, load_target_embedding, load_target_final_norm,
-                           load_target_layer, load_target_lm_head, target_layer_meta)
-from eaglet.train import Dist, Trainer, settings
+from eaglet.model.config import DrafterConfig
+from eaglet.model.drafter import Eagle3Drafter
+from eaglet.model.init import fit_target_layer, init_from_target, tensor_meta
+from eaglet.stages.train.loop import Dist, Trainer, settings
+from eaglet.target import checkpoint as target_mod
+from eaglet.target.checkpoint import (checkpoint_layout, load_target_embedding,
+                                      load_target_final_norm, load_target_layer,
+                                      load_target_lm_head, target_layer_meta)
 from tests.test_train import FAST, VOCAB, run, world  # noqa: F401 (world is a fixture)
 
 HIDDEN = 64
@@ -141,7 +143,7 @@ def test_a_wrapped_mla_moe_target_is_read_and_its_layer_init_falls_back_to_rando
     torch.testing.assert_close(load_target_lm_head(directory, rows),
                                model.lm_head.weight.detach()[rows], rtol=0, atol=0)
 
-    with caplog.at_level(logging.INFO, logger="eaglet.train"):
+    with caplog.at_level(logging.INFO, logger="eaglet.stages.train.loop"):
         started = trainer_for(world, directory, tmp_path, "target")
     random = trainer_for(world, directory, tmp_path, "random")
     for name, tensor in random.model.state_dict().items():
@@ -176,7 +178,7 @@ def test_a_wrapped_llama_target_starts_the_drafter_as_its_last_layer(world, tmp_
     maps them: the hidden half of q/k/v, o_proj, the MLP, the norms, the final norm, and fc
     passing the deepest aux feature through."""
     directory = relayout(Path(world["target"]), tmp_path / "target", layout)
-    with caplog.at_level(logging.INFO, logger="eaglet.train"):
+    with caplog.at_level(logging.INFO, logger="eaglet.stages.train.loop"):
         trainer = trainer_for(world, directory, tmp_path, "target")
     [line] = [r for r in caplog.records if "layer_init" in r.getMessage()]
     assert line.levelno == logging.INFO and "starts as the target's layer 3" in line.getMessage()

@@ -10,8 +10,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from eaglet.drafter import DrafterConfig, Eagle3Drafter, attention_blocks
-from eaglet.offline_eval import draft_chain, offline_acceptance, replay, target_features
+from eaglet.model.attention import attention_blocks
+from eaglet.model.config import DrafterConfig
+from eaglet.model.drafter import Eagle3Drafter
+from eaglet.model.replay import draft_chain, offline_acceptance, replay, target_features
 
 V, H = 96, 32
 
@@ -129,7 +131,7 @@ def write_held_out(path, target, samples: list[tuple[list, list]], dtype: str,
     """A held-out shard as extraction writes it: each sample's prompt + answer with the
     target's aux states of every row (the final states too with ``final``, else zeros; the
     teacher is not read here)."""
-    from eaglet import shards
+    from eaglet.data import shards
 
     ids, mask, offsets, aux, last = [], [], [0], [], []
     for prompt, answer in samples:
@@ -200,7 +202,7 @@ def world():
 
 
 def test_replay_from_stored_float32_states_equals_replay_from_a_forward(world, tmp_path):
-    from eaglet.offline_eval import Features, StoredStates, replay_sequences
+    from eaglet.model.replay import Features, StoredStates, replay_sequences
 
     target, stored, answers, drafter = world
     write_held_out(tmp_path / "shard.safetensors", target, stored, "float32")
@@ -227,7 +229,7 @@ def test_replays_of_one_evaluation_load_the_target_once_and_forward_each_answer_
     TargetForwards shared, the target loads once and each answer's forward runs once, with
     the counts of replays that each ran their own; the sampled replays (final-norm states)
     share the load and run their forwards again."""
-    from eaglet.offline_eval import Features, TargetForwards, replay_sequences
+    from eaglet.model.replay import Features, TargetForwards, replay_sequences
 
     target, _, answers, drafter = world
     loads = []
@@ -246,7 +248,7 @@ def test_replays_of_one_evaluation_load_the_target_once_and_forward_each_answer_
 
 
 def test_an_answer_whose_tokens_differ_is_left_out_and_counted(world, tmp_path):
-    from eaglet.offline_eval import Features, StoredStates, replay_sequences
+    from eaglet.model.replay import Features, StoredStates, replay_sequences
 
     target, stored, answers, drafter = world
     write_held_out(tmp_path / "shard.safetensors", target, stored, "float32")
@@ -272,7 +274,7 @@ def test_an_answer_whose_tokens_differ_is_left_out_and_counted(world, tmp_path):
 
 
 def test_a_target_that_fails_to_load_leaves_the_stored_states_to_replay(world, tmp_path):
-    from eaglet.offline_eval import Features, StoredStates, replay_sequences
+    from eaglet.model.replay import Features, StoredStates, replay_sequences
 
     target, stored, answers, drafter = world
     write_held_out(tmp_path / "shard.safetensors", target, stored, "float32")
@@ -298,7 +300,7 @@ def test_states_stored_coarser_than_served_move_the_replay_a_little(world, tmp_p
     So where the store is coarser than the server and the target can be loaded, evaluate runs
     the target instead; where it cannot (a 1T target), the replay reads the stored states and
     acceptance.json says so."""
-    from eaglet.offline_eval import Features, StoredStates, coarser, draft_chain, replay_sequences
+    from eaglet.model.replay import Features, StoredStates, coarser, draft_chain, replay_sequences
 
     target, stored, answers, _ = world
     write_held_out(tmp_path / "shard.safetensors", target, stored, dtype)
@@ -354,9 +356,10 @@ def test_the_stage_replays_held_out_answers_from_stored_states_and_others_from_a
     """evaluate's offline check: the held-out answers from the shard, the everyday ones from
     the target's forward where it loads, not at all where it does not (the comparison with
     vLLM then over the held-out requests alone); acceptance.json says which."""
-    from eaglet import evaluate, export
-    from eaglet.config import validate
-    from eaglet.offline_eval import Features, replay_sequences
+    from eaglet.core.config import validate
+    from eaglet.model import export
+    from eaglet.model.replay import Features, replay_sequences
+    from eaglet.stages.evaluate import replay as evaluate
 
     target, stored, answers, drafter = world
     target_dir = tmp_path / "target"
@@ -432,7 +435,7 @@ def toy(seed: int = 0, noise: float = 1.0):
 
 def toy_probs(target: torch.Tensor, temperature: float) -> list[list[float]]:
     """p(next | last) at ``temperature``, as vLLM's sampler computes it (token_probability)."""
-    from eaglet.offline_eval import token_probability
+    from eaglet.model.replay import token_probability
 
     return [[token_probability(target[a], b, temperature) for b in range(TOY_V)]
             for a in range(TOY_V)]
@@ -489,7 +492,7 @@ def toy_replay(p, drafter, ids: list[int], k: int, first_round_only: bool = Fals
     """The replay of one toy answer (prompt = its first token) with the toy's drafts and
     probabilities; ``first_round_only``: later rounds draft nothing anyone accepts; ``top``:
     the table whose argmax is the target's most likely next token (the top-token reference)."""
-    from eaglet.offline_eval import expected_replay
+    from eaglet.model.replay import expected_replay
 
     def draft(row, n):
         return toy_chain(drafter, ids[row + 1], n) if row == 0 or not first_round_only \
@@ -569,7 +572,7 @@ def test_the_expected_acceptance_is_vllms_rejection_sampling_on_average(temperat
     predicted = statistics.mean(c["variance"] for c in on_vllm)
     assert statistics.variance(gaps) == pytest.approx(predicted, rel=0.15)
     assert predicted > 0.5   # several rounds of uncertain acceptances: the test can tell
-    from eaglet.offline_eval import add_counts, empty_counts, summarize
+    from eaglet.model.replay import add_counts, empty_counts, summarize
     total = empty_counts(k)
     for c in on_vllm:
         add_counts(total, c)
@@ -610,7 +613,7 @@ def test_the_top_token_reference_is_what_vllm_counts_for_drafts_of_the_targets_t
         -(a - (top_al - 1) * r) for a, r in counted]
     error = statistics.stdev(deviations) / math.sqrt(len(deviations))
     assert abs(statistics.mean(deviations)) < 4 * error, (statistics.mean(deviations), error)
-    from eaglet.offline_eval import add_counts, empty_counts, summarize
+    from eaglet.model.replay import add_counts, empty_counts, summarize
     total = empty_counts(k)
     for c in read:
         add_counts(total, c)
@@ -632,7 +635,7 @@ def sampled(target, prompts: list[list[int]], max_new_tokens: int, temperature: 
 
 
 def test_the_final_states_give_the_targets_own_next_token_distribution(world):
-    from eaglet.offline_eval import token_probability
+    from eaglet.model.replay import token_probability
 
     target, _, answers, _ = world
     prompt, answer = answers[0]
@@ -651,7 +654,7 @@ def test_the_final_states_give_the_targets_own_next_token_distribution(world):
 
 
 def test_the_expected_replay_at_temperature_0_is_the_greedy_replay(world):
-    from eaglet.offline_eval import expected_counts, replay_counts
+    from eaglet.model.replay import expected_counts, replay_counts
 
     target, _, answers, drafter = world
     head = target.get_output_embeddings().weight.detach()
@@ -667,7 +670,7 @@ def test_the_expected_replay_at_temperature_0_is_the_greedy_replay(world):
 
 def test_sampled_answers_replay_alike_from_stored_final_states_and_from_a_forward(world,
                                                                                  tmp_path):
-    from eaglet.offline_eval import Features, StoredStates, replay_sequences
+    from eaglet.model.replay import Features, StoredStates, replay_sequences
 
     target, _, _, drafter = world
     answers = sampled(target, prompts_of(6, seed=5), 16, temperature=0.5)
@@ -691,9 +694,10 @@ def test_the_stage_compares_sampled_runs_by_their_expected_acceptance(world, tmp
     """evaluate's check at a temperature: each run's own sampled answers replayed for their
     expected acceptance beside vLLM's counters. Here vLLM's counters are what vLLM counts
     with greedy drafts (the drafts its answers took), so the replay's matches equal them."""
-    from eaglet import evaluate, export
-    from eaglet.config import validate
-    from eaglet.offline_eval import replay_counts
+    from eaglet.core.config import validate
+    from eaglet.model import export
+    from eaglet.model.replay import replay_counts
+    from eaglet.stages.evaluate import replay as evaluate
 
     target, _, _, drafter = world
     target_dir = tmp_path / "target"

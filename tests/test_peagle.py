@@ -23,11 +23,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eaglet import peagle
-from eaglet.drafter import DrafterConfig, Eagle3Drafter, attention_blocks
-from eaglet.offline_eval import draft_chain, target_features
-from eaglet.train import batch_sums
-from eaglet.train_data import make_batch
+from eaglet.model import config as model_config
+from eaglet.model import peagle
+from eaglet.model.attention import attention_blocks
+from eaglet.model.config import DrafterConfig
+from eaglet.model.drafter import Eagle3Drafter
+from eaglet.model.replay import draft_chain, target_features
+from eaglet.stages.train.data import make_batch
+from eaglet.stages.train.step import batch_sums
 from tests.test_train import FAST, read_log, run, world  # noqa: F401 (world: a fixture)
 
 V, H, K = 96, 32, 4
@@ -213,13 +216,13 @@ def test_export_round_trips_and_is_a_plain_eagle3_checkpoint_plus_the_mask(tmp_p
     assert (written["mask_token_id"], written["parallel_drafting"]) == (3, True)
     weights = load_file(str(tmp_path / "drafter" / "model.safetensors"))
     torch.testing.assert_close(weights["mask_hidden"], model.mask_hidden.detach())
-    assert peagle.is_parallel(tmp_path / "drafter")
-    assert peagle.speculative_config(tmp_path / "drafter", 3)["parallel_drafting"] is True
+    assert model_config.is_parallel(tmp_path / "drafter")
+    assert model_config.speculative_config(tmp_path / "drafter", 3)["parallel_drafting"] is True
     # an EAGLE-3 drafter keeps its own checkpoint and serves without parallel drafting
     plain = Eagle3Drafter(model.config, model.embed_tokens, model.d2t, model.t2d)
     peagle.export(plain, tmp_path / "plain")
     assert "mask_hidden" not in load_file(str(tmp_path / "plain" / "model.safetensors"))
-    assert "parallel_drafting" not in peagle.speculative_config(tmp_path / "plain", 3)
+    assert "parallel_drafting" not in model_config.speculative_config(tmp_path / "plain", 3)
 
 
 @torch.inference_mode()

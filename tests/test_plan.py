@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from eaglet import plan
-from eaglet.cli import main as cli_main
-from eaglet.drafter import DRAFTER_VARIANTS, DrafterConfig, Eagle3Drafter, num_params
-from eaglet.peagle import METHODS, make_drafter
-from eaglet.train import batch_sums
-from eaglet.train_data import make_batch
+from eaglet.model.config import DRAFTER_VARIANTS, METHODS, DrafterConfig
+from eaglet.model.drafter import Eagle3Drafter, num_params
+from eaglet.model.peagle import make_drafter
+from eaglet.stages.train.data import make_batch
+from eaglet.stages.train.step import batch_sums
+from eaglet.tools import plan
+from eaglet.tools.cli import main as cli_main
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 2 ** 30
@@ -298,7 +299,7 @@ def test_a_held_out_split_in_shards_of_its_own_is_packed_a_shard_at_a_time():
 
 def test_request_file_bytes_are_what_the_connector_writes(tmp_path):
     """A capture request file holds request_bytes_per_token a token, beside its header."""
-    from eaglet.hidden_connector import write_states
+    from eaglet.engine.connector import write_states
     s, tokens = tiny_shape(hidden=40), 37
     path = tmp_path / "r.safetensors"
     # as vLLM hands them over: the cache's [tokens, layers, H] and torch.tensor(prompt ids)

@@ -1,4 +1,4 @@
-"""The report's results table (``eaglet.plots.results_table``)."""
+"""The report's results table (``eaglet.tools.plots.results_table``)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import csv
 
 import pytest
 
-from eaglet.plots import write_results_table
+from eaglet.tools.plots import write_results_table
 
 
 def _level(name, concurrency, tps, speedup, al=None, rate=None):

@@ -1,4 +1,4 @@
-"""Tests of eaglet.prompts: sources, bad rows, dedup, ids, split, stats and the script."""
+"""Tests of eaglet.data.prompts: sources, bad rows, dedup, ids, split, stats and the script."""
 
 from __future__ import annotations
 
@@ -14,16 +14,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from eaglet.config import validate
-from eaglet.io import read_json, read_jsonl
-from eaglet.prompts import (
-    HUMANEVAL_INSTRUCTION,
-    PromptSourceError,
-    load_source,
-    prepare_prompts,
-    prompt_id,
-    split_score,
-)
+from eaglet.core.config import validate
+from eaglet.core.io import read_json, read_jsonl
+from eaglet.data.prompts import (HUMANEVAL_INSTRUCTION, PromptSourceError, load_source,
+                                 prepare_prompts, prompt_id, split_score)
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "prepare_prompts.py"
 
@@ -403,7 +397,7 @@ def test_stats_and_logging(tmp_path, caplog):
     good = text_file(tmp_path, "good.jsonl", [f"q{i}" for i in range(40)])
     mixed = write_jsonl_lines(tmp_path / "mixed.jsonl", [{"text": "q1"}, {"text": ""}, {"text": "new"}])
     mixed_source = source(type="file", path=str(mixed), text_field="text")
-    with caplog.at_level(logging.INFO, logger="eaglet.prompts"):
+    with caplog.at_level(logging.INFO, logger="eaglet.data.prompts"):
         _, _, stats = run_prepare(tmp_path, data_config(good, mixed_source))
     assert stats["sources"][1] == {
         "label": f"file:{mixed}",
@@ -444,7 +438,7 @@ def test_snakemake_script(tmp_path):
     assert len(read_jsonl(out["train"])) == stats["n_train"]
     assert len(read_jsonl(out["eval"])) == stats["n_eval"]
     assert stats["n_train"] + stats["n_eval"] == 50
-    assert "INFO eaglet.prompts: 50 unique prompts" in log.read_text()
+    assert "INFO eaglet.data.prompts: 50 unique prompts" in log.read_text()
 
 
 def test_humaneval_tasks_ask_each_problem_several_ways():
@@ -468,7 +462,7 @@ def sharegpt_record(i: int, turns: list[str]) -> dict:
 
 
 def test_truncated_json_list_keeps_complete_records_and_reports_the_tail(tmp_path, monkeypatch):
-    import eaglet.prompts as prompts_module
+    import eaglet.data.prompts as prompts_module
 
     monkeypatch.setattr(prompts_module, "JSON_CHUNK_CHARS", 7)  # records span chunk borders
     records = [sharegpt_record(i, [f"question number {i}"]) for i in range(5)]

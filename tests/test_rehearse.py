@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eaglet import rehearse
-from eaglet.miniature import LAYERS, shrink
+from eaglet.tools import rehearse
+from eaglet.tools.miniature import LAYERS, shrink
 
 REPO = Path(__file__).resolve().parents[1]
 STANDINS = REPO / "tests" / "standins"
@@ -67,7 +67,7 @@ def test_the_rehearsal_config_keeps_the_runs_settings_and_lists_what_it_scales(t
     cfg, _ = rehearse.rehearsal_config(user, tmp_path / "mini", tmp_path / "results", qwen)
     assert "drafter_attention" not in cfg["train"]
     assert any(line.startswith("vocab.draft_vocab_size: 32000 -> ") for line in scaled)
-    from eaglet.config import validate
+    from eaglet.core.config import validate
     validate(cfg)  # the rehearsal's own config is valid
 
 
@@ -123,12 +123,12 @@ def test_a_failed_stage_is_reported_by_its_own_exception_not_the_servers_shutdow
         "Logfile results/logs/generate.log:\n"
         "Traceback (most recent call last):\n"
         "    raise TemplateMismatchError(\n"
-        "eaglet.template_check.TemplateMismatchError: 63 of 64 samples do not re-render\n"
+        "eaglet.data.template_check.TemplateMismatchError: 63 of 64 samples do not re-render\n"
         "(APIServer pid=1) ERROR [async_llm.py:906] vllm.v1.engine.exceptions.EngineDeadError: "
         "EngineCore encountered an issue.\n"
         "WorkflowError:\nAt least one job did not complete successfully.\n")
     assert rehearse.failed_rule(log) == (
-        "generate: eaglet.template_check.TemplateMismatchError: 63 of 64 samples do not re-render")
+        "generate: eaglet.data.template_check.TemplateMismatchError: 63 of 64 samples do not re-render")
 
 
 def test_a_sampled_run_is_held_to_its_drafts_exactly_and_to_its_expectation_within_noise():
@@ -201,7 +201,7 @@ def test_a_miniature_taught_too_briefly_says_it_did_not_learn_the_format(tmp_pat
     the miniature's answers without their closer or their end of turn, and the build reports
     how many of its greedy and sampled answers were in the format, and the first that was
     not."""
-    from eaglet.miniature import build
+    from eaglet.tools.miniature import build
 
     info = build(STANDINS / "qwen3-8b", tmp_path / "mini", trust_remote_code=False,
                  template_kwargs={"enable_thinking": True}, reasoning_parser="qwen3",

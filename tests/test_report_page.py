@@ -1,4 +1,4 @@
-"""The report's first page and captions, written from a run's results (``eaglet.report_page``).
+"""The report's first page and captions, written from a run's results (``eaglet.tools.report_page``).
 
 The results dir is written here as the stages write it; acceptance.json and serve.json come
 from the evaluation's own verdict and serve-config functions over made-up measurements, so
@@ -20,9 +20,9 @@ import jinja2
 import pytest
 from docutils.core import publish_parts
 
-from eaglet import evaluate
-from eaglet.io import write_json
-from eaglet.report_page import REPORT_KEY, first_page, report_texts, text
+from eaglet.core.io import write_json
+from eaglet.stages.evaluate import stage as evaluate
+from eaglet.tools.report_page import REPORT_KEY, first_page, report_texts, text
 from tests.workflows.dryrun import parse_dry_run
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""What more data buys (eaglet.scaling): the nested subsets, the fit and its inversion, the
+"""What more data buys (eaglet.stages.scaling): the nested subsets, the fit and its inversion, the
 refusal to extrapolate a slope that does not rise, subset training through train.py's entry
 point, and the optional stage in the workflow."""
 
@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from eaglet import scaling
-from eaglet.io import write_json
-from eaglet.train import Dist, Trainer, TrainError, settings
+from eaglet.core.io import write_json
+from eaglet.stages import scaling
+from eaglet.stages.train.loop import Dist, Trainer, TrainError, settings
 from tests.test_train import FAST, make_target, write_shards, write_vocab_map
 
 REPO = Path(__file__).resolve().parent.parent
@@ -141,7 +141,7 @@ def world(tmp_path_factory):
 
 
 def test_sample_sizes_count_the_tokens_training_reads(world):
-    from eaglet import shards
+    from eaglet.data import shards
     max_len = 20
     sizes = scaling.sample_sizes(world["train"], max_len)
     expected = []
@@ -180,7 +180,7 @@ def test_a_trainer_given_samples_trains_on_those_alone(world, tmp_path):
 
 
 def test_the_stage_trains_the_subsets_and_writes_the_prediction(world, tmp_path):
-    from eaglet.train import train
+    from eaglet.stages.train.loop import train
     cfg = {**FAST, "epochs": 3}
     results = tmp_path / "results"
     common = dict(shard_paths=world["train"], eval_shard_paths=world["eval"],
@@ -261,7 +261,7 @@ def test_a_slope_too_shallow_to_reach_the_target_is_no_prediction():
 
 
 def test_the_reports_first_page_says_the_prediction(tmp_path):
-    from eaglet.report_page import first_page
+    from eaglet.tools.report_page import first_page
     assert "What more data buys" not in first_page(tmp_path)
     tokens = [1e4, 2e4, 4e4]
     out = scaling.predict(_points([1.4 + 0.05 * math.log(t / 1e4) for t in tokens], tokens),

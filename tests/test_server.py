@@ -1,4 +1,4 @@
-"""Lifecycle of ``eaglet.server.VLLMServer`` against a real process.
+"""Lifecycle of ``eaglet.engine.server.VLLMServer`` against a real process.
 
 vLLM itself is too slow to start here (the end-to-end test does that): the server is
 ``tests/helpers/health_server.py``, a small HTTP server with the same command line that can be
@@ -23,18 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from eaglet.config import validate
-from eaglet.server import (
-    PortInUseError,
-    ServerError,
-    Terminated,
-    VLLMServer,
-    free_port,
-    port_is_free,
-    server_args,
-    start_together,
-    target_server,
-)
+from eaglet.core.config import validate
+from eaglet.engine.server import (PortInUseError, ServerError, Terminated, VLLMServer, free_port,
+                                  port_is_free, server_args, start_together, target_server)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 HEALTH_SERVER = "tests.helpers.health_server"
@@ -329,7 +320,7 @@ def test_a_server_that_fails_to_start_stops_those_started_with_it(make_server, t
 
 DRIVER = textwrap.dedent("""
     import json, os, signal, sys, time
-    from eaglet.server import VLLMServer
+    from eaglet.engine.server import VLLMServer
 
     info_path, log_path, child_pid_file = sys.argv[1:4]
     # Python leaves SIGINT alone when it starts with SIGINT ignored (background jobs)
@@ -436,7 +427,7 @@ def test_target_server_is_built_from_the_config_with_the_extra_args_last(tmp_pat
 
 
 def test_pid_alive_counts_running_processes_not_zombies_or_reaped_ones():
-    from eaglet.server import pid_alive, process_stat
+    from eaglet.engine.server import pid_alive, process_stat
     assert pid_alive(os.getpid()) and process_stat(os.getpid())[1] == os.getpgrp()
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     while process_stat(child.pid) is not None and process_stat(child.pid)[0] != "Z":
@@ -460,10 +451,10 @@ def test_server_env_reaches_the_managed_server_over_the_workflows_own(monkeypatc
 def test_a_fixed_kv_cache_on_gpus_is_warned_about(caplog):
     """config.yaml's fixed KV cache is for the CPU demo: on GPUs it would cap the cache
     whatever memory_utilization leaves free, so a GPU server with one says so."""
-    from eaglet.server import target_server
+    from eaglet.engine.server import target_server
 
     cfg = validate({"server": {"gpus": 1, "kv_cache_gib": 2}})
-    with caplog.at_level("WARNING", logger="eaglet.server"):
+    with caplog.at_level("WARNING", logger="eaglet.engine.server"):
         server = target_server(cfg, "m", "log")
     assert "--kv-cache-memory-bytes" in server.args
     assert "server.kv_cache_gib is 2 on a GPU server" in caplog.text
@@ -483,7 +474,7 @@ def test_a_killed_server_ends_the_retries_at_once_with_its_signal_and_log(make_s
 
     import httpx
 
-    from eaglet.engine_client import post_json, with_retries
+    from eaglet.engine.client import post_json, with_retries
 
     async def request(server: VLLMServer) -> None:
         async with httpx.AsyncClient(base_url=server.url) as client:
@@ -509,7 +500,7 @@ def test_extraction_stops_when_its_server_exits_during_the_retries(tmp_path):
     the first one fails (nothing answers yet) and exits with code 3 a moment later: the retry
     after its exit reports the exit code and the log, not a connection error after every
     retry has run."""
-    from eaglet.extract_vllm import Extractor
+    from eaglet.engine.extraction import Extractor
 
     log = tmp_path / "server.log"
     with open(log, "wb") as out:
@@ -544,7 +535,7 @@ def test_generation_leaves_the_recorded_answers_to_extraction_when_its_server_di
     """Prefilling recorded answers on generation's capturing server, which was killed: no
     minutes of retries, and generation goes on (extraction computes those states) with a
     warning that says the server was killed."""
-    from eaglet.generate import prefill_recorded
+    from eaglet.stages.generate import prefill_recorded
 
     log = tmp_path / "server.log"
     with open(log, "wb") as out:
@@ -558,7 +549,7 @@ def test_generation_leaves_the_recorded_answers_to_extraction_when_its_server_di
     records = [{"id": "r0", "prompt_token_ids": [1, 2], "completion_token_ids": [3]}]
     cfg = validate({"generate": {"max_retries": 8}})
     started = time.monotonic()
-    with caplog.at_level("WARNING", logger="eaglet.generate"):
+    with caplog.at_level("WARNING", logger="eaglet.stages.generate"):
         saved = prefill_recorded(server.url, records, str(tmp_path / "capture"), cfg,
                                  health_check=server.check_alive)
     assert saved == 0 and time.monotonic() - started < 5

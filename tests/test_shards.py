@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
-from eaglet import shards
+from eaglet.data import shards
 
 AUX_IDS = [2, 3, 5]
 TARGET = {"spec": "local", "path": "/models/tiny", "config_sha256": "abc"}
@@ -419,7 +419,7 @@ def test_writer_rejects_mismatched_row_pieces(tmp_path):
 
 MEMORY_PROBE = textwrap.dedent("""
     import resource, sys, torch
-    from eaglet import shards
+    from eaglet.data import shards
 
     def peak():
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux

@@ -1,17 +1,19 @@
-"""`eaglet status` estimates and the Snakemake view it asks for (``eaglet.status``)."""
+"""`eaglet status` estimates and the Snakemake view it asks for (``eaglet.tools.status``)."""
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from eaglet import rates, status
-from eaglet.progress import Progress
+from eaglet.core import rates
+from eaglet.core.progress import Progress
+from eaglet.tools import status
 
 
 @pytest.fixture
@@ -130,12 +132,12 @@ def test_a_finished_stage_took_from_its_first_start_to_its_last_end(tmp_path):
     assert status.stage_status(stage, r, cfg, set())["took_s"] == pytest.approx(190.0)
     assert "[3m10s]" in status.render(status.collect(r, _full_config(r), None))
     # a shard still running: the stage has not finished, so no duration
-    assert status._took([{"state": "running", "started_at": "2026-01-01T10:00:00+00:00",
+    assert status.took([{"state": "running", "started_at": "2026-01-01T10:00:00+00:00",
                           "updated_at": "2026-01-01T10:01:00+00:00"}]) is None
 
 
 def _full_config(r):
-    from eaglet.config import validate
+    from eaglet.core.config import validate
     return validate({"results_dir": str(r)})
 
 
@@ -182,8 +184,8 @@ def test_a_generate_whose_server_died_shows_failed_with_the_reason(tmp_path):
     r = tmp_path / "results"
     _dead_progress(r, "generate")
     _log(r / "logs" / "generate.log",
-         "INFO eaglet.progress: generate: 3/10 samples done, 0 failed, 0.50/s, 20 tok/s, ETA 14s",
-         "ERROR eaglet.generate: generate failed: the vLLM server died (exit code -9).",
+         "INFO eaglet.core.progress: generate: 3/10 samples done, 0 failed, 0.50/s, 20 tok/s, ETA 14s",
+         "ERROR eaglet.stages.generate: generate failed: the vLLM server died (exit code -9).",
          "--- last lines of results/logs/generate.server.log ---", "Killed")
     shown = status.stage_status(_stage("generate"), r, _full_config(r), set())
     assert shown["state"] == "failed"
@@ -195,7 +197,7 @@ def test_a_killed_stage_without_a_failure_is_interrupted(tmp_path):
     r = tmp_path / "results"
     _dead_progress(r, "generate")
     _log(r / "logs" / "generate.log",
-         "ERROR eaglet.generate: generate interrupted (KeyboardInterrupt); finished work is kept, "
+         "ERROR eaglet.stages.generate: generate interrupted (KeyboardInterrupt); finished work is kept, "
          "rerun to resume")
     assert status.stage_status(_stage("generate"), r, _full_config(r), set())["state"] == "interrupted"
 
@@ -206,7 +208,7 @@ def test_a_failed_extract_is_failed_not_outdated_with_old_facts(tmp_path):
     (r / "hidden" / "manifest.json").write_text(json.dumps({"num_shards": 2, "samples": 9}))
     os.utime(r / "hidden" / "manifest.json", (1_000_000, 1_000_000))  # from an earlier run
     _log(r / "logs" / "extract" / "shard_00001.log",
-         "ERROR eaglet.extract: extract failed: teacher agreement 41.00% in shard_00001 is low")
+         "ERROR eaglet.stages.extract: extract failed: teacher agreement 41.00% in shard_00001 is low")
     shown = status.stage_status(_stage("extract"), r, _full_config(r), {"extract"})
     assert shown["state"] == "failed" and "teacher agreement 41.00%" in shown["error"]
     assert "facts" not in shown
@@ -267,7 +269,6 @@ def test_the_printed_hint_quotes_a_results_dir_with_spaces(tmp_path):
     text = status.render(status.collect(r, _full_config(r), None))
     hint = text.split("Follow it: ", 1)[1].split("   or")[0]
     assert shlex.split(hint) == ["eaglet", "status", "--results", str(r), "--watch", "10"]
-
 
 
 def test_a_stage_is_outdated_when_snakemake_would_rerun_any_of_its_rules(tmp_path, history):
@@ -420,7 +421,6 @@ def test_a_stage_just_started_is_estimated_by_its_plan_less_the_time_it_has_run(
     assert got.seconds == pytest.approx(evaluate_plan - 300.0) and "less the 5m" in got.basis
 
 
-
 def test_evaluate_counts_the_run_that_checks_the_derived_schedule(tmp_path, history):
     """With several concurrency levels the derived k schedule gets one more vLLM run: a plan
     without it read 27 s left with nearly 3 minutes to go on a fresh demo."""
@@ -486,9 +486,9 @@ def _finished_prompts(tmp_path):
     return r
 
 
-@pytest.mark.parametrize("command", [[sys.executable, "-m", "eaglet.cli"],
+@pytest.mark.parametrize("command", [[sys.executable, "-m", "eaglet.tools.cli"],
                                      [str(Path(sys.executable).parent / "eaglet")]],
-                         ids=["python -m eaglet.cli", "the eaglet console script"])
+                         ids=["python -m eaglet.tools.cli", "the eaglet console script"])
 def test_the_eaglet_command_prints_the_status_as_json(tmp_path, history, command):
     r = _finished_prompts(tmp_path)
     proc = subprocess.run([*command, "status", "--results", str(r), "--no-snakemake", "--json"],
@@ -505,7 +505,7 @@ def test_the_eaglet_command_prints_the_status_as_json(tmp_path, history, command
 
 def test_watch_redraws_the_status_until_stopped(tmp_path, history):
     r = _finished_prompts(tmp_path)
-    proc = subprocess.Popen([sys.executable, "-m", "eaglet.cli", "status", "--results", str(r),
+    proc = subprocess.Popen([sys.executable, "-m", "eaglet.tools.cli", "status", "--results", str(r),
                              "--no-snakemake", "--watch", "0.1"],
                             cwd=REPO, env=_env(), text=True, stdout=subprocess.PIPE)
     screens = []
@@ -566,7 +566,7 @@ def test_the_stages_are_the_workflows_rules_in_its_order(tmp_path, backend):
 def test_extract_reports_the_gpus_its_jobs_hold(tmp_path, backend, capture, holds):
     """The vllm backend and captured states extract through a server on server.gpus (as
     rules/extract.smk declares it); the hf backend's jobs hold extract.gpus."""
-    from eaglet.config import validate
+    from eaglet.core.config import validate
     r = tmp_path / "results"
     cfg = validate({"results_dir": str(r), "server": {"gpus": 2}, "extract": {
         "gpus": 1, "backend": backend}, "generate": {"capture_hidden_states": capture}})
@@ -685,7 +685,7 @@ def test_a_stage_without_a_progress_file_shows_running_while_snakemake_runs_its_
     began = (datetime.now() - timedelta(seconds=25)).strftime("%Y-%m-%d %H:%M:%S,%f")[:23]
     (r / "logs").mkdir(parents=True)
     (r / "logs" / "prepare_target.log").write_text(
-        f"{began} INFO eaglet.target: dequantizing the GGUF (about 30 s)\n")
+        f"{began} INFO eaglet.target.checkpoint: dequantizing the GGUF (about 30 s)\n")
     shown = status.stage_status(_stage("prepare_target"), r, cfg, set())
     assert shown["state"] == "running"
     assert shown["progress"][0]["elapsed_s"] == pytest.approx(25, abs=5)
@@ -966,7 +966,7 @@ def test_a_running_training_is_not_planned_from_its_own_new_checkpoint(tmp_path,
     (r / "progress").mkdir()
     record = {"stage": "train", "state": "running", "unit": "steps", "done": 120, "total": 705,
               "resumed_from": 0, "eta_s": 450.0, "elapsed_s": 90.0, "pid": os.getpid(),
-              "host": status.socket.gethostname()}
+              "host": socket.gethostname()}
     (r / "progress/train.json").write_text(json.dumps(record))
     (r / "synthetic").mkdir()
     (r / "synthetic/stats.json").write_text(json.dumps({"splits": {
@@ -994,7 +994,7 @@ def test_a_running_evaluation_drops_the_schedule_check_its_sweep_did_not_choose(
     _prompts(r, 30, 10)
     cfg = _full_config(r)
     rates.record("evaluate", cfg["target"]["model"], baseline_tokens_per_s=20.0, server_start_s=30.0)
-    from eaglet.evaluate import run_plan
+    from eaglet.stages.evaluate.schedule import run_plan
     plan, replays = run_plan(cfg["evaluate"])
     units = len(plan) + replays
     with_check = status.estimate("evaluate", r, cfg, None).seconds
@@ -1151,7 +1151,7 @@ def test_a_training_rate_is_read_back_only_at_its_number_of_ranks(history):
 
 
 def _reference(path, cfg, device="cpu:elsewhere", **rates_by_stage):
-    """A reference run's rates file: each stage's rate as eaglet.rates.record writes it, at
+    """A reference run's rates file: each stage's rate as eaglet.core.rates.record writes it, at
     this config's settings, measured on ``device``."""
     target = cfg["target"]["model"]
     settings = {"generate": rates.generate_settings(cfg), "extract_vllm": rates.prefill_settings(cfg),

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eaglet.target import TargetError, check_recorded_target, model_identity, prepare_target
+from eaglet.target.checkpoint import (TargetError, check_recorded_target, model_identity,
+                                      prepare_target)
 from tests.tiny_llama import LAYERS, VOCAB, make_tiny_llama
 
 REPO = Path(__file__).resolve().parents[1]
@@ -139,7 +140,7 @@ def test_the_embedded_target_checks_the_disk_before_loading_it(tmp_path, monkeyp
 
     import transformers
 
-    from eaglet.target import find_embedded_gguf
+    from eaglet.target.checkpoint import find_embedded_gguf
 
     try:
         find_embedded_gguf(EMBEDDED_SPEC)

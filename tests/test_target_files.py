@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from huggingface_hub.utils import filter_repo_objects
 
-from eaglet.target import TargetError, snapshot
+from eaglet.target.checkpoint import TargetError, snapshot
 
 # A repository laid out like Kimi-K2.5's: a tokenizer that is code (tiktoken), a config that
 # is code, a chat template file, sharded weights; and files no stage reads.

@@ -11,14 +11,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from eaglet.template_check import (
-    AnswerFormat,
-    TemplateMismatchError,
-    answer_format,
-    check_record,
-    check_records,
-    enforce,
-)
+from eaglet.data.template_check import (AnswerFormat, TemplateMismatchError, answer_format,
+                                        check_record, check_records, enforce)
 
 SPECIAL_TOKENS = ["<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 
@@ -420,7 +414,7 @@ def kimi_conversation(tokenizer: PreTrainedTokenizerFast, answer: str, thinking:
     """The records of a conversation of ``turns`` turns (generate.max_turns), each turn's
     messages built as generation builds them (generate.next_turn) from the earlier answers;
     ``answer`` is a format string of what the model emits, {n} the turn."""
-    from eaglet.generate import next_turn
+    from eaglet.stages.generate import next_turn
 
     records, messages = [], KIMI_MESSAGES
     for turn in range(turns):
@@ -448,7 +442,7 @@ KIMI_ANSWERS = {
 def test_a_conversation_ending_in_the_answer_renders_it_as_history_with_an_empty_reasoning(kimi):
     """Where the plain round trip breaks on K2.5's template: the conversation with the answer
     renders the answer as history, ``</think>`` where the model's reasoning begins."""
-    from eaglet.template_check import assistant_message, first_difference, render_ids
+    from eaglet.data.template_check import assistant_message, first_difference, render_ids
 
     record = kimi_record(kimi, KIMI_MESSAGES, "Add 2 and 2.</think>It is 2.<|im_end|>")
     assert record["reasoning"] == "Add 2 and 2." and record["content"] == "It is 2."
@@ -520,7 +514,7 @@ def test_kimi_like_real_mismatches_are_still_caught(kimi, case):
 
 def test_answer_opening_is_what_the_template_writes_between_prompt_and_content(
         kimi, tokenizer, plain_tokenizer):
-    from eaglet.template_check import answer_opening
+    from eaglet.data.template_check import answer_opening
 
     assert answer_opening(kimi, KIMI_MESSAGES) == "</think>"
     assert answer_opening(kimi, KIMI_MESSAGES, {"thinking": False}) == ""

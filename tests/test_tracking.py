@@ -1,4 +1,4 @@
-"""train.report_to: training-log rows as tracker metrics (``eaglet.tracking``)."""
+"""train.report_to: training-log rows as tracker metrics (``eaglet.stages.train.tracking``)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import importlib.util
 
 import pytest
 
-from eaglet.tracking import Trackers, TrackingError, metrics_of
-from eaglet.train import TrainError, settings
+from eaglet.stages.train.loop import TrainError, settings
+from eaglet.stages.train.tracking import Trackers, TrackingError, metrics_of
 
 
 def test_a_log_row_becomes_metrics_named_by_split_at_its_step():

@@ -19,11 +19,11 @@ import torch
 from safetensors.torch import load_file, save
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from eaglet import shards
-from eaglet.io import atomic_open
-from eaglet.train import Dist, Trainer, TrainError, launch_torchrun, settings, train
-from eaglet.train_data import (Samples, add_feature_noise, make_batch, step_micro_batches,
-                               steps_in)
+from eaglet.core.io import atomic_open
+from eaglet.data import shards
+from eaglet.stages.train.data import (Samples, add_feature_noise, make_batch, step_micro_batches,
+                                      steps_in)
+from eaglet.stages.train.loop import Dist, Trainer, TrainError, launch_torchrun, settings, train
 
 AUX_LAYERS = [1, 2, 3]
 VOCAB, DRAFT_VOCAB = 256, 160
@@ -148,10 +148,10 @@ def test_a_trainer_still_running_keeps_a_second_one_off_its_checkpoints(world, t
     import subprocess
     import sys
 
-    from eaglet.io import DirectoryBusy
+    from eaglet.core.io import DirectoryBusy
 
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time\nfrom eaglet.io import hold_directory\n"
+        [sys.executable, "-c", "import sys, time\nfrom eaglet.core.io import hold_directory\n"
          "with hold_directory(sys.argv[1], 'train'):\n    print('held', flush=True)\n"
          "    time.sleep(60)\n", str(tmp_path / "run" / "ckpt")],
         stdout=subprocess.PIPE, text=True)
@@ -245,7 +245,7 @@ def test_a_checkpoint_of_other_inputs_is_set_aside_never_resumed(world, tmp_path
     model = LlamaForCausalLM(LlamaForCausalLM.config_class.from_pretrained(world["target"]))
     other_train = write_shards(model.eval(), other / "hidden", 2, 8, seed=1)
     assert [Path(p).name for p in other_train] == [Path(p).name for p in world["train"]]
-    caplog.set_level("WARNING", logger="eaglet.train")
+    caplog.set_level("WARNING", logger="eaglet.stages.train.loop")
     again = train(FAST, other_train, world["eval"], world["vocab"], world["target"],
                   out_dir=str(tmp_path / "run" / "drafter"), checkpoint_dir=str(ckpt),
                   progress_path=None, log_path=None)
@@ -357,13 +357,13 @@ def test_mismatched_shards_are_refused(world, tmp_path, change, message):
 def test_shards_of_one_model_from_two_runs_train_together(world, tmp_path):
     """Two runs' copies of one target sit at different paths: the checkpoint's hashes say
     they are one model; other hashes are refused."""
-    from eaglet.train_data import same_model
+    from eaglet.stages.train.data import same_model
 
     here = {"spec": "m", "path": "/runs/a/target", "source_sha256": "s", "config_sha256": "c"}
     assert same_model(here, {**here, "path": "/runs/b/target"})
     assert not same_model(here, {**here, "path": "/runs/b/target", "source_sha256": "t"})
     assert not same_model({"name": "m"}, {"name": "other"})
-    from eaglet.target import model_identity
+    from eaglet.target.checkpoint import model_identity
 
     hashed = {"spec": "tiny", "source_sha256": "s",
               "config_sha256": model_identity(Path(world["target"]))["config_sha256"]}
@@ -374,7 +374,7 @@ def test_shards_of_one_model_from_two_runs_train_together(world, tmp_path):
 
 
 def test_training_checks_disk_for_its_checkpoints_before_the_first_step(world, tmp_path, monkeypatch):
-    import eaglet.train as train_mod
+    import eaglet.stages.train.loop as train_mod
 
     real = train_mod.shutil.disk_usage
     monkeypatch.setattr(train_mod.shutil, "disk_usage",
@@ -502,7 +502,7 @@ def test_streamed_training_equals_the_eager_data_path(world, tmp_path, monkeypat
 
     streamed = fit("streamed", prefetch_batches=3, host_ram_mb=64)
     with monkeypatch.context() as patch:
-        patch.setattr("eaglet.train.Samples", EagerSamples)
+        patch.setattr("eaglet.stages.train.loop.Samples", EagerSamples)
         eager = fit("eager", prefetch_batches=0)
     assert streamed["steps"] == eager["steps"] > 4
     a, b = weights(tmp_path / "streamed" / "out"), weights(tmp_path / "eager" / "out")
@@ -571,7 +571,7 @@ def test_prefetched_batches_are_the_loops_from_any_resumed_position(world, tmp_p
 
 def test_ddp_on_two_processes_equals_one_process_accumulating_both(world, tmp_path):
     """The launch path of rule train with two GPUs, on CPU: torchrun starts two gloo
-    processes of eaglet.train's worker, which must train exactly as one process that
+    processes of eaglet.stages.train.loop's worker, which must train exactly as one process that
     accumulates both micro-batches."""
     cfg = {**FAST, "epochs": 1, "checkpoint_every": 100}
     launch_torchrun({"cfg": cfg, "shard_paths": world["train"], "eval_shard_paths": world["eval"],
@@ -594,7 +594,7 @@ def test_ddp_on_two_processes_equals_one_process_accumulating_both(world, tmp_pa
 
 
 def test_settings_take_their_defaults_from_the_config_schema_and_keep_the_cross_key_check():
-    from eaglet.config import validate
+    from eaglet.core.config import validate
     schema_defaults = validate({})["train"]
     got = settings({"lr": 1e-3, "max_tokens_per_batch": 512})
     assert got["lr"] == 1e-3 and got["max_len"] == 512  # null max_len: one batch

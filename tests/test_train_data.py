@@ -13,9 +13,9 @@ import time
 import pytest
 import torch
 
-from eaglet import shards
-from eaglet.train_data import (MB, DataMemory, Prefetcher, Samples, ShardInfo, TrainError,
-                               data_memory, index_shard, make_batch)
+from eaglet.data import shards
+from eaglet.stages.train.data import (MB, DataMemory, Prefetcher, Samples, ShardInfo, TrainError,
+                                      data_memory, index_shard, make_batch)
 
 AUX_IDS = [1, 2, 3]
 VOCAB = 300
@@ -222,8 +222,8 @@ def test_pages_read_past_the_limit_are_given_back():
 
 RSS_PROBE = textwrap.dedent("""
     import sys, torch
-    from eaglet import shards
-    from eaglet.train_data import DataMemory, Samples, index_shard, make_batch
+    from eaglet.data import shards
+    from eaglet.stages.train.data import DataMemory, Samples, index_shard, make_batch
 
     def status(key):
         for line in open("/proc/self/status"):
@@ -275,7 +275,7 @@ def test_reading_a_large_shard_keeps_peak_rss_far_below_it(tmp_path):
 def test_prefetch_depth_packs_ahead_on_gpus_only_unless_set():
     """null: a packing thread beside the step pays where a GPU computes; on the CPU it takes
     the cores the step uses (0.65x the demo's training tokens/s on 2 cores)."""
-    from eaglet.train_data import prefetch_depth
+    from eaglet.stages.train.data import prefetch_depth
     assert prefetch_depth(None, torch.device("cuda")) == 2
     assert prefetch_depth(None, torch.device("cpu")) == 0
     assert prefetch_depth(3, torch.device("cpu")) == 3 and prefetch_depth(0, torch.device("cuda")) == 0

@@ -1,4 +1,4 @@
-"""train.data stream (eaglet.train_stream): the training samples' states from the capture
+"""train.data stream (eaglet.stages.train.stream): the training samples' states from the capture
 server as training reads them, none stored as shards.
 
 A tiny random Llama stands in for the target. The server's side is its connector's request
@@ -17,10 +17,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eaglet import train_stream
-from eaglet.config import ConfigError, validate
-from eaglet.io import atomic_open, request_path, write_jsonl
-from eaglet.train import TrainError, train
+from eaglet.core.config import ConfigError, validate
+from eaglet.core.io import atomic_open, request_path, write_jsonl
+from eaglet.stages.train import stream as train_stream
+from eaglet.stages.train.loop import TrainError, train
 from tests.test_extract_vllm_parts import connector_file
 from tests.tiny_llama import VOCAB, greedy_records, make_tiny_llama, one_thread
 
@@ -34,9 +34,10 @@ def world(tmp_path_factory):
     """A tiny target, greedy samples of it (train and held out), every training sample's
     request file as the connector writes it (kept in ``files``), the training shards packed
     from those files by the vllm extraction, the held-out shard, a vocabulary map."""
-    from eaglet.extract_vllm import Extractor, extract_shards, shard_jobs
-    from eaglet.target import prepare_target
     from safetensors.torch import save
+
+    from eaglet.engine.extraction import Extractor, extract_shards, shard_jobs
+    from eaglet.target.checkpoint import prepare_target
 
     root = tmp_path_factory.mktemp("stream")
     with one_thread():
@@ -89,7 +90,7 @@ def requests_dir(world, tmp: Path, with_files: bool = True) -> Path:
 
 
 def stream_args(world, work: Path) -> dict:
-    from eaglet.target import read_target
+    from eaglet.target.checkpoint import read_target
 
     target_json = world["root"] / "target" / "target.json"
     assert read_target(target_json)["path"]
@@ -157,8 +158,8 @@ def test_the_teacher_check_of_a_streamed_sample_runs_in_chunks_once(world, tmp_p
     extraction's are), not all at once beside the server, and once a sample: later epochs
     reuse its argmax, as shards store it once; the argmax, and so the drafter, is the shard
     mode's."""
-    from eaglet import extract_common
-    from eaglet.extract_common import TeacherHead
+    from eaglet.target import states as extract_common
+    from eaglet.target.states import TeacherHead
 
     monkeypatch.setattr(extract_common, "TEACHER_CHUNK_ROWS", 4)
     rows, product = [], TeacherHead.product
@@ -185,7 +186,7 @@ def test_streamed_states_that_do_not_reproduce_greedy_answers_stop_training(worl
     """As extraction refuses a shard whose teacher disagrees with the target's greedy answers,
     streaming stops once the samples in fail extract.min_teacher_agreement, naming the worst;
     answers the target sampled are not held to their argmax."""
-    from eaglet.extract_common import ExtractionError, TeacherHead
+    from eaglet.target.states import ExtractionError, TeacherHead
 
     product = TeacherHead.product
 
@@ -218,7 +219,7 @@ def test_with_overlap_off_the_server_computes_only_while_the_trainer_waits(
     import asyncio
     import threading
 
-    from eaglet.train import Trainer
+    from eaglet.stages.train.loop import Trainer
 
     training, seen = threading.Event(), []  # set while a step computes, not while it takes
     step, take = Trainer.train_step, train_stream.StateFeed.take
@@ -285,7 +286,7 @@ def test_the_default_window_holds_the_largest_micro_batch_beside_the_requests_in
     samples of the largest micro-batch the trainer takes (here larger than the concurrency,
     so twice the concurrency would leave the server idle while a step trains), and never
     more than that many positions scheduled ahead of the trainer."""
-    from eaglet.train import Trainer
+    from eaglet.stages.train.loop import Trainer
 
     Requests(world["model"], monkeypatch)
     taken, most = [], [0]
@@ -346,7 +347,7 @@ def test_a_server_that_saves_nothing_stops_training_naming_the_file(world, tmp_p
 def test_the_stream_layout_is_the_shards_and_changes_with_the_samples(world):
     """The samples planned as the shards extraction writes (blocks, lengths, ids); the
     fingerprint's contents hash follows the token ids."""
-    from eaglet.train_data import index_shard
+    from eaglet.stages.train.data import index_shard
 
     records = world["records"]
     infos = train_stream.layout(records, train_stream.sequences(records, 64), 3, 64, AUX,
@@ -432,7 +433,7 @@ def _stream_rank(rank: int, world, tmp: Path, cfg: dict, port: int, name: str = 
 
     from transformers import LlamaForCausalLM
 
-    from eaglet.extract_vllm import Extractor
+    from eaglet.engine.extraction import Extractor
 
     model = LlamaForCausalLM.from_pretrained(world["root"] / "model").eval()
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
@@ -465,7 +466,7 @@ def test_two_ranks_stream_as_one_process_accumulating_both_and_share_one_server(
     from shards accumulating both ranks' micro-batches, and nothing is left on disk."""
     import torch.multiprocessing as mp
 
-    from eaglet.server import free_port
+    from eaglet.engine.server import free_port
 
     records = world["records"]
     saved = [r["id"] for r in records[::3]]  # as generation with capture left them
@@ -537,7 +538,7 @@ def test_a_rank_learns_the_servers_health_without_probing_inside_its_event_loop(
     raises once a probe failed."""
     import threading
 
-    from eaglet.server import ServerError, VLLMServer
+    from eaglet.engine.server import ServerError, VLLMServer
 
     probing, release, where = threading.Event(), threading.Event(), []
 
@@ -587,7 +588,7 @@ def test_two_ranks_stopped_mid_epoch_resume_to_the_uninterrupted_weights(world, 
     nothing is left on disk."""
     import torch.multiprocessing as mp
 
-    from eaglet.server import free_port
+    from eaglet.engine.server import free_port
 
     portable = {k: v for k, v in world.items() if k != "model"}
     cfg = {**TRAIN, "data": "stream", "stream_cache_gib": 1, "stream_ahead": 6}
@@ -616,7 +617,7 @@ def test_rank_0_starts_the_server_another_rank_wants_though_it_needs_none(world,
     rank's ``server.wanted`` still has it start the server and announce where it listens."""
     import time
 
-    from eaglet.extract_vllm import Extractor
+    from eaglet.engine.extraction import Extractor
 
     started = []
 

@@ -10,15 +10,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from eaglet import ttt_loss
-from eaglet.drafter import Eagle3Drafter, compile_drafter
-from eaglet.peagle import PEagleDrafter
-from eaglet.train import Dist, Trainer, settings
-from tests.test_drafter import DRAFT_VOCAB, H, VOCAB, sample, tiny_config, vocab_map
+from eaglet.model import loss as ttt_loss
+from eaglet.model.drafter import Eagle3Drafter, compile_drafter
+from eaglet.model.peagle import PEagleDrafter
+from eaglet.stages.train.loop import Dist, Trainer, settings
+from tests.test_drafter import DRAFT_VOCAB, VOCAB, H, sample, tiny_config, vocab_map
 
 
 def plain_ce(z: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
-    """The plain path's cross-entropy (eaglet.train.batch_sums, fused=False)."""
+    """The plain path's cross-entropy (eaglet.stages.train.step.batch_sums, fused=False)."""
     p = torch.softmax(teacher_logits.float(), -1)
     return (torch.logsumexp(z.float(), -1) - (p * z.float()).sum(-1)).sum()
 

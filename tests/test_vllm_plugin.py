@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
-from eaglet import vllm_plugin  # noqa: E402
+from eaglet.engine import plugin as vllm_plugin  # noqa: E402
 
 FALLBACK = "vllm.v1.sample.rejection_sampler.expand_kernel"
 
@@ -18,8 +18,7 @@ FALLBACK = "vllm.v1.sample.rejection_sampler.expand_kernel"
 def platform():
     """vLLM's platform with its fallback kernels in place, as a worker has them."""
     from vllm.platforms import current_platform
-    from vllm.triton_utils import HAS_TRITON
-    from vllm.triton_utils import dispatcher
+    from vllm.triton_utils import HAS_TRITON, dispatcher
 
     if not current_platform.is_cpu():
         pytest.skip("the expand checked here runs on host tensors: vLLM's CPU engine only")
@@ -74,7 +73,7 @@ def reference_expand(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0)
 
 def test_the_entry_point_is_installed_and_resolves_to_register():
     found = [ep for ep in entry_points(group="vllm.general_plugins")
-             if ep.value.split(":")[0] == "eaglet.vllm_plugin"]
+             if ep.value.split(":")[0] == "eaglet.engine.plugin"]
     assert len(found) == 1, ("eaglet's vllm.general_plugins entry point is not installed: "
                              "reinstall eaglet (pip install --no-deps -e .)")
     assert found[0].name == "eaglet_cpu_fixes"
@@ -107,7 +106,7 @@ def test_vllm_cpu_fallback_expand_is_found_wrong(sampler):
     assert not getattr(original, "_eaglet_dtype_preserving", False)
     assert not vllm_plugin.expand_preserves_dtype(original), (
         "vLLM's CPU expand now keeps float values: the plugin no longer patches it, and "
-        "eaglet.vllm_plugin can be dropped")
+        "eaglet.engine.plugin can be dropped")
 
 
 def test_register_fixes_the_expand_of_float_temperatures(sampler):
@@ -181,7 +180,7 @@ def test_the_replays_target_distribution_is_the_rejection_samplers_after_top_k_a
     cut by its top-k and top-p (apply_sampling_constraints); the offline replay's
     ``token_probability`` must give that distribution for every token, or its expected
     acceptance is not the one vLLM measures at a run's evaluate.top_p and top_k."""
-    from eaglet.offline_eval import token_probability
+    from eaglet.model.replay import token_probability
 
     vllm_plugin.register()
     vocab = 64

@@ -11,15 +11,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from eaglet.io import read_json
-from eaglet.vocab import (
-    build_maps,
-    build_vocab_map,
-    choose_draft_tokens,
-    count_completion_tokens,
-    draft_to_target,
-    load_vocab_map,
-)
+from eaglet.core.io import read_json
+from eaglet.data.vocab import (build_maps, build_vocab_map, choose_draft_tokens,
+                               count_completion_tokens, draft_to_target, load_vocab_map)
 
 
 def record(i, prompt, completion):
@@ -192,7 +186,7 @@ def test_build_vocab_map_without_completion_tokens_raises(tmp_path):
 def test_the_targets_own_tokens_come_before_recorded_answers(tmp_path):
     """answers: dataset: a token the target emitted once ranks above one a recorded answer
     holds a hundred times; recorded tokens fill only what the target's leave free."""
-    from eaglet.vocab import build_vocab_map, load_vocab_map
+    from eaglet.data.vocab import build_vocab_map, load_vocab_map
 
     target = [{"completion_token_ids": [5, 5, 6]}]
     recorded = [{"model": "dataset", "completion_token_ids": [9] * 100 + [8] * 50 + [7]}]
@@ -210,7 +204,7 @@ def test_a_draft_vocabulary_below_the_coverage_floor_is_warned_with_the_size_tha
     COVERAGE_FLOOR it warns, naming the smallest size that covers the floor of this data."""
     import logging
 
-    from eaglet.vocab import COVERAGE_FLOOR
+    from eaglet.data.vocab import COVERAGE_FLOOR
 
     # token t appears 100 - 4 * t times: 20 distinct tokens, 1240 tokens in all
     completion = [t for t in range(20) for _ in range(100 - 4 * t)]
@@ -221,7 +215,7 @@ def test_a_draft_vocabulary_below_the_coverage_floor_is_warned_with_the_size_tha
         covered += 100 - 4 * t
         if reach is None and covered >= COVERAGE_FLOOR * total:
             reach = size
-    with caplog.at_level(logging.INFO, logger="eaglet.vocab"):
+    with caplog.at_level(logging.INFO, logger="eaglet.data.vocab"):
         stats = build_vocab_map(records, 64, 4, tmp_path / "v.safetensors", tmp_path / "s.json")
     assert stats["coverage"] == pytest.approx((100 + 96 + 92 + 88) / total)
     assert reach == 16 and stats["draft_vocab_size_for_floor"] == reach
@@ -231,7 +225,7 @@ def test_a_draft_vocabulary_below_the_coverage_floor_is_warned_with_the_size_tha
     assert f"vocab.draft_vocab_size: {reach} would cover 90%" in warnings[0]
     # at the floor's size: no warning
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="eaglet.vocab"):
+    with caplog.at_level(logging.INFO, logger="eaglet.data.vocab"):
         stats = build_vocab_map(records, 64, reach, tmp_path / "v.safetensors", tmp_path / "s.json")
     assert stats["coverage"] >= COVERAGE_FLOOR
     assert not [r for r in caplog.records if r.levelno == logging.WARNING]
@@ -240,8 +234,8 @@ def test_a_draft_vocabulary_below_the_coverage_floor_is_warned_with_the_size_tha
 def test_a_vocabulary_far_below_the_floor_stops_the_run_before_extraction(tmp_path):
     """draft_vocab_size 4 of this data covers 30%: with vocab.min_coverage 0.5 (the default)
     the stage writes nothing and says the size that covers 90%; min_coverage 0 lets it on."""
-    from eaglet.config import validate
-    from eaglet.vocab import VocabError
+    from eaglet.core.config import validate
+    from eaglet.data.vocab import VocabError
 
     completion = [t for t in range(20) for _ in range(100 - 4 * t)]
     records = [record(0, [1], completion)]

@@ -21,14 +21,14 @@ from html import unescape
 import pytest
 import torch
 
-from eaglet import shards
-from eaglet import status as eaglet_status
-from eaglet.config import load_run_config
-from eaglet.extract import extract_shard, load_target
-from eaglet.extract_common import target_identity
-from eaglet.io import read_json, read_jsonl
-from eaglet.server import port_is_free
-from eaglet.target import read_target
+from eaglet.core.config import load_run_config
+from eaglet.core.io import read_json, read_jsonl
+from eaglet.data import shards
+from eaglet.engine.server import port_is_free
+from eaglet.stages.extract import extract_shard, load_target
+from eaglet.target.checkpoint import read_target
+from eaglet.target.states import target_identity
+from eaglet.tools import status as eaglet_status
 from tests import workflow
 
 pytestmark = pytest.mark.e2e
@@ -295,7 +295,7 @@ def test_trained_drafter_is_measured_in_vllm_and_reported(results, tmp_path):
     html = report.read_text(errors="replace")
     assert "acceptance.json" in html and "training_curves.png" in html
     # the first page opens on this run's verdict, word for word, and holds the command that
-    # serves the drafter as serve.json says (eaglet.report_page)
+    # serves the drafter as serve.json says (eaglet.tools.report_page)
     first_page = report_first_page(html)
     assert first_page.startswith("Verdict on the drafter for "), first_page[:300]
     for sentence in [verdict["summary"], *verdict["warnings"]]:

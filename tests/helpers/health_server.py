@@ -1,4 +1,4 @@
-"""A stand-in for the vLLM server in the lifecycle tests of ``eaglet.server.VLLMServer``.
+"""A stand-in for the vLLM server in the lifecycle tests of ``eaglet.engine.server.VLLMServer``.
 
 Run as ``python -m tests.helpers.health_server --model X --host H --port P [options]``. It
 answers GET /health with 503 until ``--ready-after`` seconds have passed, then 200, and can

@@ -91,7 +91,7 @@ def corpus_texts(limit_bytes: int = CORPUS_BYTES) -> list[str]:
     """Message texts from the head of the ShareGPT file (read as a prefix: the file is
     large, and a prefix of it is not valid JSON, so each quoted value is decoded alone)."""
     sys.path.insert(0, str(HERE.parents[1] / "src"))
-    from eaglet.prompts import sharegpt_data_file
+    from eaglet.data.prompts import sharegpt_data_file
 
     with open(sharegpt_data_file(), encoding="utf-8", errors="ignore") as handle:
         head = handle.read(limit_bytes)
@@ -150,8 +150,8 @@ def qwen_tokenizer(pairs: list[tuple[str, str]], added_tokens=QWEN_ADDED):
     `tokenizers` numbers added tokens after the model's vocabulary, whatever ids the file
     gives them, unless the model's vocabulary already holds them: so the added tokens are
     also entries of the BPE vocabulary, at their real ids."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
-    from tokenizers import pre_tokenizers, processors
+    from tokenizers import (AddedToken, Regex, Tokenizer, decoders, models, normalizers,
+                            pre_tokenizers, processors)
 
     alphabet = byte_to_char()
     vocab = {alphabet[b]: b for b in range(256)}
@@ -211,8 +211,8 @@ def gemma_tokenizer(texts: list[str], merges: int):
     """A SentencePiece-style BPE as Gemma's tokenizers are (spaces written as "▁", bytes
     outside the vocabulary as byte tokens <0xNN>), learned on ``texts``, with Gemma 4's fixed
     tokens (GEMMA_*) at their ids."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
-    from tokenizers import pre_tokenizers, trainers
+    from tokenizers import (AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers,
+                            trainers)
 
     fixed = {i: t for i, (t, _) in GEMMA_FIXED.items()}
     fixed |= {GEMMA_FIRST_CONTROL + k: t for k, t in enumerate(GEMMA_CONTROL)}

@@ -1,0 +1,42 @@
+"""The shard format's facts, torch-free: its name, where shard i lives, bytes per token,
+and the digests a manifest records (``eaglet.data.shards`` reads and writes the tensors)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+# bytes per element of each train.store_dtype (shards.STORAGE_DTYPES' torch dtypes)
+STORAGE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
+FORMAT = "eaglet.hidden.v1"
+DIGEST_BLOCK = 8 << 20
+DIGEST_PREFIX = "sha256-8MiB-blocks:"
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_path(path: str | os.PathLike, block_bytes: int = 4 << 20) -> str:
+    """The file's sha256, read into one reused block (never more of it in memory)."""
+    digest = hashlib.sha256()
+    block = bytearray(block_bytes)
+    view = memoryview(block)
+    with open(path, "rb", buffering=0) as handle:
+        while count := handle.readinto(block):
+            digest.update(view[:count])
+    return digest.hexdigest()
+
+
+def bytes_per_token(hidden_size: int, num_aux: int, dtype: str) -> int:
+    """Tensor bytes per packed token: id, mask, teacher argmax, aux and final states (and
+    the fp8 scales)."""
+    width = hidden_size * (num_aux + 1)
+    if dtype == "fp8":
+        return 8 + 1 + 8 + width + 4 * (num_aux + 1)
+    return 8 + 1 + 8 + width * STORAGE_BYTES[dtype]
+
+
+def shard_path(directory: str | os.PathLike, index: int) -> Path:
+    return Path(directory) / f"shard_{index:05d}.safetensors"

@@ -1,0 +1,2 @@
+"""The workflow's stages: generate, extract, train, evaluate, scaling. A stage never imports a
+tool."""

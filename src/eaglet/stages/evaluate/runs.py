@@ -1,0 +1,173 @@
+"""One run of the sweep, torch-free: its sampling, the prompt sets and levels it is sent,
+the drafter it serves (method, variant, speculative config) and its temperatures."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from eaglet.core.io import read_json, read_jsonl
+from eaglet.data.prompts import load_source
+from eaglet.model import config as model_config
+from eaglet.model.config import DRAFTER_VARIANTS, METHOD_NAMES, is_parallel, norm_flags
+
+
+class EvaluationError(RuntimeError):
+    pass
+
+
+# Sampling pinned to the softmax at the request's temperature, cut only by the run's
+# evaluate.top_p and top_k: without these, vLLM fills them from the target's
+# generation_config.json (Qwen3's top_k 20 and top_p 0.95, say), and the offline replay's
+# target distribution would not be the one vLLM verified against.
+PLAIN_SAMPLING = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+                  "presence_penalty": 0.0, "frequency_penalty": 0.0}
+
+
+def cut(ev: dict) -> dict:
+    """The top-p and top-k every sampled evaluation request is served with (evaluate.top_p,
+    top_k; 1 and 0: off), which the offline replay's target distribution applies too."""
+    return {"top_p": float(ev.get("top_p", 1.0)), "top_k": int(ev.get("top_k", 0))}
+
+
+def sampling(temperature: float, top_p: float = 1.0, top_k: int = 0) -> dict:
+    """The sampling fields of one evaluation request at ``temperature``. Greedy requests keep
+    a seed (their answers are the same either way); sampled ones are unseeded, as production
+    sends them (a seed sends a request down vLLM's per-request generator path), and cut to
+    ``top_p`` and ``top_k``."""
+    if not temperature:
+        return {"temperature": temperature, **PLAIN_SAMPLING, "seed": 0}
+    return {"temperature": temperature, **PLAIN_SAMPLING, "top_p": top_p, "top_k": top_k}
+
+
+def sampling_text(temperature: float, ev: dict) -> str:
+    """How a temperature's requests were sampled, in words: ``temperature 1, top-p 0.95``."""
+    parts = [f"temperature {temperature:g}"]
+    if temperature:
+        c = cut(ev)
+        parts += ([f"top-p {c['top_p']:g}"] if c["top_p"] < 1 else []) + (
+            [f"top-k {c['top_k']}"] if c["top_k"] else [])
+    return ", ".join(parts)
+
+
+HELD_OUT = "heldout"
+MAX_BATCH = 1 << 16   # the last schedule range runs to here; vLLM caps it at max_num_seqs
+# every answer of a speculative run carries its own spec-decode counts (vLLM's
+# metrics.speculative_decoding; vLLM refuses the flag without a speculative config)
+PER_REQUEST_METRICS = ["--per-request-spec-decode-metrics", "summary"]
+
+
+def load_prompt_sets(ev: dict, held_out_path: str, train_path: str | None) -> tuple[dict, dict]:
+    """The prompt sets to measure on, name -> prompts (each capped at ``max_prompts``), and
+    what each is. The held-out split comes first; every configured set follows, less any
+    prompt the drafter was trained on."""
+
+    train_ids = {p["id"] for p in read_jsonl(train_path)} if train_path else set()
+    sets = {HELD_OUT: read_jsonl(held_out_path)}
+    about = {HELD_OUT: {"source": "the held-out split of data.sources"}}
+    for entry in ev["prompt_sets"]:
+        name = entry["name"]
+        if name in sets:
+            raise EvaluationError(f"evaluate.prompt_sets: the name {name!r} is used twice "
+                                  f"({HELD_OUT!r} is the held-out split's)")
+        records, report = load_source(entry["source"])
+        kept = [p for p in records if p["id"] not in train_ids]
+        sets[name] = kept
+        about[name] = {"source": report["label"], "rows": report["rows"], "bad": report["bad"],
+                       "in_training_dropped": len(records) - len(kept)}
+        if not kept:
+            raise EvaluationError(f"evaluate.prompt_sets {name!r}: every prompt is also a "
+                                  f"training prompt; measure on prompts the drafter has not seen")
+    for name in sets:
+        sets[name] = sets[name][:ev["max_prompts"]]
+        about[name]["prompts"] = len(sets[name])
+    return sets, about
+
+
+def level_prompts(prompts: list[dict], concurrency: int, rounds: int) -> list[dict]:
+    """What one concurrency level sends: ``rounds`` times as many prompts as it keeps in flight
+    (the set's first ones), so every level runs at its concurrency for most of its time."""
+    return prompts[:rounds * concurrency]
+
+
+def drafted_k(run: dict, concurrency: int) -> int | None:
+    """The k a run drafts at ``concurrency`` requests in flight: a schedule's k for that batch
+    size (``num_speculative_tokens_per_batch_size``; 0 where it drafts nothing), else the
+    run's own k (None for the target alone)."""
+    ranges = (run.get("extra") or {}).get("num_speculative_tokens_per_batch_size")
+    if not ranges:
+        return run.get("k")
+    return next((k for start, end, k in ranges if start <= concurrency <= end), ranges[-1][2])
+
+
+def drafter_method(drafter_dir: str | os.PathLike | None) -> str:
+    """The method the drafter in ``drafter_dir`` was trained with (``train.method``), as its
+    exported config.json says: a P-EAGLE export carries ``parallel_drafting``
+    (:func:`eaglet.model.peagle.export_peagle`). EAGLE-3 where no config.json is there yet (the
+    plan of a run not trained yet)."""
+    if drafter_dir is None or not (Path(drafter_dir) / "config.json").is_file():
+        return "eagle3"
+    return "peagle" if is_parallel(drafter_dir) else "eagle3"
+
+
+def drafter_kind(drafter_dir: str | os.PathLike) -> tuple[str, str, str]:
+    """The exported drafter's method, and its method and variant as a run-name label and in
+    words: ``("peagle", "peagle", "P-EAGLE")``, ``("eagle3", "eagle31", "EAGLE-3.1")`` where
+    its config.json carries the norms of train.drafter_variant eagle3.1, else
+    ``("eagle3", "eagle3", "EAGLE-3")``."""
+
+    method = drafter_method(drafter_dir)
+    if method == "eagle3" and Path(drafter_dir, "config.json").is_file():
+        flags = norm_flags(read_json(Path(drafter_dir, "config.json")))
+        if all(flags[f] == v for f, v in DRAFTER_VARIANTS["eagle3.1"].items()):
+            return method, "eagle31", "EAGLE-3.1"
+    return method, method, METHOD_NAMES[method]
+
+
+def is_drafter(run: dict) -> bool:
+    """Whether ``run`` serves the trained drafter (any method), not vLLM's own speculation or
+    the target alone."""
+    return run["method"] in METHOD_NAMES
+
+
+def speculative_config(run: dict) -> dict | None:
+    if run["method"] == "baseline":
+        return None
+    if run["method"] == "peagle":
+        # vLLM serves it as eagle3, with parallel_drafting in the speculative config itself
+        return {**model_config.speculative_config(run["drafter"], run["k"]), **run.get("extra", {})}
+    spec = {"method": run["method"], "num_speculative_tokens": run["k"]}
+    if run["method"] == "eagle3":
+        spec["model"] = run["drafter"]
+    return {**spec, **run.get("extra", {})}
+
+
+def serving(cfg: dict, side_by_side: bool = False) -> dict:
+    """The config evaluation servers start from: ``evaluate.memory_utilization`` and
+    ``evaluate.kv_cache_gib`` (when set) in place of the server's, each on a free port when
+    several are up at once."""
+    server = dict(cfg["server"])
+    for key in ("memory_utilization", "kv_cache_gib"):
+        if cfg["evaluate"].get(key) is not None:
+            server[key] = cfg["evaluate"][key]
+    if side_by_side:
+        server["port"] = 0
+    return {**cfg, "server": server}
+
+
+def temperatures(ev: dict) -> list[float]:
+    """The temperatures every level is measured at (evaluate.temperature); the last is the
+    one served."""
+    return [float(t) for t in ev.get("temperature") or [0.0]]
+
+
+def at_temperature(run: dict, temperature: float, ev: dict | None = None) -> dict:
+    """An engine run as measured at ``temperature``: above 0 its name says it
+    (``eagle3_k3_T1``), so each (run, temperature) has a name of its own in
+    acceptance.json, summary.csv and the figures; at 0 the name is the run's. ``sampling``:
+    how its requests were sampled, in words (the run's top-p and top-k with the temperature)."""
+    name = f"{run['name']}_T{temperature:g}" if temperature else run["name"]
+    return {**run, "name": name, "temperature": temperature,
+            "sampling": sampling_text(temperature, ev or {})}
+
+

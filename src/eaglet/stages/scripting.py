@@ -1,0 +1,45 @@
+"""Glue between Snakemake ``script:`` entry points and the library.
+
+``run_stage`` sends the stage's logging to its Snakemake log file (and stderr), gives a GPU
+job its own devices (``eaglet.core.gpus``), and turns an exception into one clear error block
+instead of a traceback buried in Snakemake's output.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import traceback
+from collections.abc import Callable
+
+from eaglet.core.gpus import hold_gpus
+from eaglet.engine.server import Terminated
+
+FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def setup_logging(log_path: str | None, level: int = logging.INFO) -> None:
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    if log_path:
+        handlers.append(logging.FileHandler(log_path))
+    logging.basicConfig(level=level, format=FORMAT, handlers=handlers, force=True)
+
+
+def run_stage(name: str, log_path: str | None, body: Callable[[], object], gpus: int = 0) -> None:
+    """Run ``body``; ``gpus`` (the job's Snakemake ``gpu`` resource) are claimed first, before
+    anything initializes CUDA (``eaglet.core.gpus.hold_gpus``)."""
+    setup_logging(log_path)
+    log = logging.getLogger(f"eaglet.{name}")
+    try:
+        hold_gpus(gpus)
+        body()
+    except (KeyboardInterrupt, Terminated) as exc:
+        log.error("%s interrupted (%s); finished work is kept, rerun to resume", name,
+                  type(exc).__name__ if isinstance(exc, KeyboardInterrupt) else exc)
+        sys.exit(130)
+    except Exception as exc:  # the message is the product here: say what broke and the fix
+        if log_path:  # the traceback is for the log; the terminal gets the message
+            with open(log_path, "a") as handle:
+                handle.write(traceback.format_exc())
+        log.error("%s failed: %s", name, exc)
+        sys.exit(1)

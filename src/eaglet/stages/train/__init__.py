@@ -1,0 +1,1 @@
+"""Training: the loop, its data, checkpoints, the streamed feed and experiment tracking."""

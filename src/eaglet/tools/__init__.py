@@ -1,0 +1,2 @@
+"""What a person runs around the stages: status, plan, the report page, plots, rehearse, the
+command line."""

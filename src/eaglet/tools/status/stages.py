@@ -1,0 +1,735 @@
+"""TODO docstring."""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+from eaglet.core import rates
+from eaglet.core.config import stream_overlaps
+from eaglet.core.io import human_size
+from eaglet.core.layout import (ACCEPTANCE, DRAFTER_STATS, HIDDEN, MANIFEST, PROGRESS, PROMPT_STATS,
+                                SCALING, SCALING_RUNS, STAGE_FILES, SYNTHETIC_STATS, TARGET_JSON,
+                                VOCAB_STATS, fraction_name, progress_file)
+from eaglet.core.progress import format_duration
+from eaglet.stages.evaluate.placement import placement, recorded_target_dir
+from eaglet.stages.evaluate.runs import level_prompts
+from eaglet.stages.evaluate.schedule import run_plan
+from eaglet.tools.status.estimates import (BENCHMARKS, BENCHMARKS_ONLY, COMPLETION_FILL_GUESS,
+                                           EARLIER_RUN, MEASURED_AFTER_S, NO_TOKENS,
+                                           OFFLINE_REPLAY_SHARE, PACK_TOKENS_PER_S, Estimate,
+                                           Machine, Measurement, Speed, _bench_generate,
+                                           _checkpointed_steps, _guessed, _packed_samples, _pct,
+                                           _prompt_counts, _rate, _read, _server_start, _timestamp,
+                                           _token_totals, _train_rate, _training_rows,
+                                           measured_from_progress, process_alive)
+
+
+class Stage:
+    """Everything status knows of one stage: the Snakemake rules that make it, the outputs
+    that show it finished, the progress files its jobs write while they run (a glob under
+    the results dir), its log, the config key of the GPUs it holds, the facts its outputs
+    record and their line in the report, and an estimate of the time it takes."""
+
+    name: str                                  # its entry in layout.STAGE_FILES
+    gpu_key: tuple[str, str] | None = None     # config section and key
+    note: str = ""                             # what the order line says of it
+    typical_s: float | None = None
+    # share of its units done before a running stage's own ETA is trusted over its plan less
+    # the time it has run (until then its rate carries the server start and the first units)
+    settles_at: float = 0.25
+    # whether the plan of a running stage reads its progress (what the stage has decided
+    # while it runs), not only the time it has run
+    plans_from_progress: bool = False
+
+    def __init__(self) -> None:
+        files = STAGE_FILES[self.name]
+        self.rules, self.outputs, self.progress, self.log = (files.rules, files.outputs,
+                                                             files.progress, files.log)
+
+    def gpus(self, cfg: dict) -> int | None:
+        """GPUs the stage's jobs hold (None: it runs no model)."""
+        if not self.gpu_key:
+            return None
+        section, key = self.gpu_key
+        return cfg[section].get(key, 0)
+
+    def facts(self, r: Path) -> dict:
+        return {}
+
+    def read_progress(self, r: Path, path: Path) -> dict | None:
+        """One of the stage's progress files, as status shows it."""
+        return _read(path)
+
+    def line(self, f: dict) -> str:
+        return json.dumps(f)
+
+    def estimate(self, r: Path, cfg: dict, progress: dict | None) -> Estimate:
+        """Time left when the stage is not running (a running one has its own ETA)."""
+        return Estimate(self.typical_s, "typical")
+
+    def kind(self, cfg: dict) -> str | None:
+        """The kind of model work its rate measures (None: no model's)."""
+        return None
+
+    def planned_rate(self, cfg: dict, before: str | None = None) -> tuple[float | None, str]:
+        """The tokens/s its plan rests on and where it comes from; ``before``: the rates
+        history as it was then."""
+        return None, "no rate"
+
+    def rate_files(self, r: Path, cfg: dict) -> list[str]:
+        """The progress files that measure its rate."""
+        return sorted(glob.glob(str(r / self.progress))) if self.progress else []
+
+    def measured(self, r: Path, cfg: dict) -> Measurement | None:
+        """Its rate in this run, where it has worked a minute or finished."""
+        return measured_from_progress(self.rate_files(r, cfg))
+
+
+class PrepareTarget(Stage):
+    name = "prepare_target"
+
+    def facts(self, r):
+        t = _read(r / TARGET_JSON) or {}
+        return {"model": t.get("spec"), "layers": t.get("num_hidden_layers"),
+                "hidden_size": t.get("hidden_size"), "vocab_size": t.get("vocab_size")}
+
+    def line(self, f):
+        return f"{f['model']}: {f['layers']} layers, hidden {f['hidden_size']}, vocab {f['vocab_size']}"
+
+    def estimate(self, r, cfg, progress):
+        return Estimate(40.0 if cfg["target"]["model"].startswith("embedded:") else 5.0, "typical")
+
+
+class PreparePrompts(Stage):
+    name = "prepare_prompts"
+    typical_s = 10.0
+
+    def facts(self, r):
+        s = _read(r / PROMPT_STATS) or {}
+        totals = s.get("totals", {})
+        return {"train_prompts": s.get("n_train"), "eval_prompts": s.get("n_eval"),
+                "bad_rows": totals.get("bad"), "duplicates": totals.get("duplicates")}
+
+    def line(self, f):
+        return (f"{f['train_prompts']} train / {f['eval_prompts']} eval prompts, "
+                f"{f['bad_rows']} bad rows, {f['duplicates']} duplicates")
+
+
+class Generate(Stage):
+    name = "generate"
+    gpu_key = ("server", "gpus")
+    note = "vLLM server"
+
+    def facts(self, r):
+        s = _read(r / SYNTHETIC_STATS) or {}
+        splits = s.get("splits", {})
+        tc = s.get("template_check", {})
+        return {"samples": sum(v["samples"] for v in splits.values()),
+                "failed": sum(v["failed"] for v in splits.values()),
+                "truncated": sum(v["truncated"] for v in splits.values()),
+                "completion_tokens": sum(v["completion_tokens"] for v in splits.values()),
+                "template_mismatched": tc.get("mismatched"), "template_checked": tc.get("checked"),
+                "retokenized": tc.get("retokenized")}
+
+    def line(self, f):
+        return (f"{f['samples']} samples ({f['failed']} failed, {f['truncated']} truncated), "
+                f"{f['completion_tokens']} completion tokens; template check "
+                f"{f['template_mismatched']}/{f['template_checked']} mismatched")
+
+    def kind(self, cfg):
+        return "decode"
+
+    def planned_rate(self, cfg, before=None):
+        return _rate("generate", "completion_tokens_per_s", cfg["target"]["model"],
+                     benchmark=lambda: _bench_generate(cfg["generate"]["concurrency"]),
+                     before=before, settings=rates.generate_settings(cfg))
+
+    def estimate(self, r, cfg, progress):
+        target, gen = cfg["target"]["model"], cfg["generate"]
+        n_train, n_eval = _prompt_counts(r)
+        if n_train is None:
+            return Estimate(None, "prompt count unknown until prepare_prompts runs")
+        # prompts with recorded answers (answers: dataset) are not asked
+        recorded = (_read(r / PROMPT_STATS) or {}).get("n_train_recorded_answers", 0)
+        remaining = n_train - recorded + n_eval - (progress or {}).get("done", 0)
+        rate, basis, speed = _at_machine_speed(self, "decode", r, cfg,
+                                               lambda before: self.planned_rate(cfg, before))
+        if rate is None:
+            return Estimate(None, basis)
+        per_sample = gen["max_tokens"] * COMPLETION_FILL_GUESS
+        seconds = _server_start("generate", target) + remaining * per_sample / rate
+        text = f"{remaining} samples x ~{per_sample:.0f} tokens at {rate:.0f} tok/s ({basis})"
+        if gen.get("capture_hidden_states") and recorded:
+            # the capturing server prefills the recorded answers for their states as well
+            prefill, _, scaled = _at_machine_speed(
+                self, "prefill", r, cfg,
+                lambda before: _rate("extract_vllm", "tokens_per_s", target, before=before,
+                                     settings=rates.prefill_settings(cfg)))
+            if prefill:
+                seconds += recorded * per_sample / prefill
+                text += f", then {recorded} recorded answers prefilled at {prefill:.0f} tok/s"
+                text += f" ({scaled.says('prefill')})" if scaled else ""
+        return Estimate(seconds, text, speed)
+
+
+class VocabMap(Stage):
+    name = "vocab_map"
+    typical_s = 10.0
+
+    def facts(self, r):
+        s = _read(r / VOCAB_STATS) or {}
+        return {"draft_vocab_size": s.get("draft_vocab_size"), "coverage": s.get("coverage"),
+                "distinct_tokens": s.get("distinct_completion_tokens"), "filled": s.get("filled")}
+
+    def line(self, f):
+        return (f"Vd {f['draft_vocab_size']} covers {_pct(f['coverage'])} of completion tokens "
+                f"({f['distinct_tokens']} distinct)")
+
+
+class Extract(Stage):
+    """Shards by the hf backend (a job each), by one vLLM capture server, or packed from
+    what generation captured; the manifest verifies them all."""
+
+    name = "extract"
+    gpu_key = ("extract", "gpus")
+    note = "starts only after the server stopped: both need the GPU"
+
+    def gpus(self, cfg):
+        # the vllm backend and captured states: the extraction server holds server.gpus
+        from_vllm = (cfg["extract"].get("backend") == "vllm"
+                     or cfg.get("generate", {}).get("capture_hidden_states"))
+        return cfg["server" if from_vllm else "extract"].get("gpus", 0)
+
+    def read_progress(self, r, path):
+        """A job that writes every shard (the vllm backend, captured states, extract.jobs:
+        one) rewrites its progress file every few seconds at most, so the file can lag a
+        whole shard behind (a status read 0/31 after the first shard was packed): the
+        samples of the shards it wrote since it started count as done as well."""
+        record = _read(path)
+        if (not record or record.get("state") != "running"
+                or path.stem not in ("extract_vllm", "extract_all")):
+            return record
+        since = _timestamp(record.get("started_at"))
+        if since is None:
+            return record
+        packed = (record.get("resumed_from") or 0) + _packed_samples(r, since)
+        if record.get("total"):
+            packed = min(packed, record["total"])
+        return {**record, "done": packed} if packed > (record.get("done") or 0) else record
+
+    def facts(self, r):
+        m = _read(r / MANIFEST) or {}
+        return {"shards": m.get("num_shards"), "samples": m.get("num_samples"),
+                "tokens": m.get("tokens"), "truncated": m.get("truncated"),
+                "bytes": m.get("bytes"), "dtype": m.get("dtype"),
+                "aux_layer_ids": m.get("aux_layer_ids"),
+                "teacher_agreement": m.get("teacher_agreement")}
+
+    def line(self, f):
+        gib = (f["bytes"] or 0) / 2**30
+        return (f"{f['shards']} shards, {f['samples']} samples, {f['tokens']} tokens, "
+                f"{gib:.2f} GiB {f['dtype']}, layers {f['aux_layer_ids']}; teacher agreement "
+                f"{_pct(f['teacher_agreement'])}")
+
+    def kind(self, cfg):
+        # packing captured states reads and writes files: no model's work
+        return None if cfg["generate"].get("capture_hidden_states") else "prefill"
+
+    def planned_rate(self, cfg, before=None):
+        target = cfg["target"]["model"]
+        if cfg["extract"]["backend"] == "vllm":
+            return _rate("extract_vllm", "tokens_per_s", target, before=before,
+                         benchmark=lambda: (_read(BENCHMARKS / "extract.json") or {}).get(
+                             "vllm_backend_tokens_per_s"), settings=rates.prefill_settings(cfg))
+        return _rate("extract", "tokens_per_s", target, before=before)
+
+    def rate_files(self, r, cfg):
+        vllm = str(r / PROGRESS / "extract_vllm.json")
+        files = super().rate_files(r, cfg)
+        return ([f for f in files if f == vllm] if cfg["extract"]["backend"] == "vllm"
+                else [f for f in files if f != vllm])
+
+    def estimate(self, r, cfg, progress):
+        target, totals = cfg["target"]["model"], _token_totals(r, cfg)
+        # train.data stream: only the held-out split is extracted here
+        splits = ("eval",) if cfg["train"].get("data") == "stream" else ("train", "eval")
+        tokens = (sum(totals[split]["tokens"] for split in splits if split in totals)
+                  if totals is not None else None)
+        if cfg["generate"].get("capture_hidden_states"):
+            # generation saved the states: the stage reads, checks and packs them
+            if tokens is None:
+                return Estimate(None, NO_TOKENS)
+            rate, basis = _rate("extract_pack", "tokens_per_s", target)
+            if rate is None:
+                rate, basis = PACK_TOKENS_PER_S, "typical"
+            return Estimate(tokens / rate,
+                            f"packing {tokens} captured tokens at {rate:.0f} tok/s ({basis})"
+                            + _guessed(totals))
+        rate, basis, speed = _at_machine_speed(self, "prefill", r, cfg,
+                                               lambda before: self.planned_rate(cfg, before))
+        if tokens is None or rate is None:
+            return Estimate(None, basis if totals else NO_TOKENS)
+        if cfg["extract"]["backend"] == "vllm":
+            # one capture server; every sequence (train and held-out) is a prefill request
+            return Estimate(_server_start("extract_vllm", target) + tokens / rate,
+                            f"server start + {tokens} tokens of prefill at {rate:.0f} tok/s "
+                            f"({basis})" + _guessed(totals), speed)
+        done = len(glob.glob(str(r / HIDDEN / "shard_*.safetensors")))
+        left = tokens * (1 - done / max(cfg["extract"]["num_shards"], 1))
+        return Estimate(left / rate, f"{left:.0f} tokens at {rate:.0f} tok/s ({basis})"
+                        + _guessed(totals), speed)
+
+
+# what status keeps of drafter/stats.json's ``shipped`` (``eaglet.stages.train.best.Best.ship``)
+SHIPPED_KEYS = ("choice", "step", "epoch", "heldout_al", "best_epoch", "best_heldout_al",
+                "last_epoch", "last_epoch_al", "note")
+
+
+def _epoch(value: Any) -> str:
+    return "?" if value is None else f"{value:g}"
+
+
+def _shipped_line(s: dict) -> str:
+    """Which epoch's weights the drafter ships and their held-out simulated AL: training
+    ships the best held-out evaluation, which on small data is often not the last, so the
+    last evaluation's AL alone would misstate the drafter that evaluate serves."""
+    if s.get("heldout_al") is None:
+        return f"ships the last epoch {_epoch(s.get('epoch'))} (no held-out split to choose by)"
+    if s.get("choice") == "best":
+        last = ("" if s.get("last_epoch_al") is None else
+                f"; last epoch {_epoch(s.get('last_epoch'))} had {s['last_epoch_al']:.2f}")
+        return f"ships epoch {_epoch(s.get('epoch'))} (held-out AL {s['heldout_al']:.2f}{last})"
+    best = s.get("best_heldout_al")
+    which = ", the best" if best is not None and best <= s["heldout_al"] else ""
+    return (f"ships the last epoch {_epoch(s.get('epoch'))} "
+            f"(held-out AL {s['heldout_al']:.2f}{which})")
+
+
+# what status keeps of drafter/stats.json's ``stream`` (train_stream.StateFeed.summary)
+STREAM_KEYS = ("requests", "saved_files", "reread_files", "cache_files", "cache_bytes",
+               "trainer_wait_s", "trainer_wait_start_s", "feed_wait_s", "server_idle_s",
+               "server_start_s", "window", "ranks", "overlap")
+
+
+def _stream_line(s: dict, elapsed_s: float | None) -> str:
+    """How a streamed training got its states, and which side waited for the other: the
+    trainer for the server's states, or the feed (its window full) for the trainer."""
+    got = (f"states streamed: {s.get('requests') or 0} prefill requests, "
+           f"{s.get('saved_files') or 0} saved by generation or an earlier run, "
+           f"{s.get('reread_files') or 0} read again (cache "
+           f"{s.get('cache_files') or 0} files, {human_size(s.get('cache_bytes') or 0)})")
+    start = s.get("trainer_wait_start_s")
+    if start is None:  # a run from before the feed timed the wait during the start itself
+        start = s.get("server_start_s") or 0.0
+    waited = max((s.get("trainer_wait_s") or 0.0) - start, 0.0)
+    whole = f" of {elapsed_s:.0f} s" if elapsed_s else ""
+    return (f"{got}; the trainer waited {waited:.0f} s{whole} for states (besides "
+            f"{start:.0f} s while the server started), the server "
+            f"{s.get('server_idle_s') or 0:.0f} s "
+            f"with no request (the feed {s.get('feed_wait_s') or 0:.0f} s for the trainer"
+            + (f", its window of {s['window']} samples full" if s.get("window") else "")
+            + ("; the two took turns, train.stream_overlap" if s.get("overlap") is False
+               else "")
+            + (f"; {s['ranks']} training ranks, each with a feed of its own: the longest "
+               f"rank's wait, the shortest's idle time" if (s.get("ranks") or 1) > 1 else "")
+            + ")")
+
+
+class Train(Stage):
+    name = "train"
+    gpu_key = ("train", "gpus")
+
+    def facts(self, r):
+        rows = _training_rows(r)
+        out: dict[str, Any] = {}
+        for split in ("train", "eval"):
+            last = [row for row in rows if row.get("split") == split]
+            if last:
+                out[f"{split}_acc_0"] = float(last[-1]["acc_0"])
+                out[f"{split}_simulated_al"] = float(last[-1]["sim_al"])
+        if rows:
+            out["steps"] = int(rows[-1]["step"])
+        stats = _read(r / DRAFTER_STATS) or {}
+        shipped = stats.get("shipped")
+        if isinstance(shipped, dict):
+            out["shipped"] = {key: shipped.get(key) for key in SHIPPED_KEYS}
+        if isinstance(stats.get("stream"), dict):  # train.data stream
+            out["stream"] = {key: stats["stream"].get(key) for key in STREAM_KEYS}
+            out["elapsed_s"] = stats.get("elapsed_s")
+        return out
+
+    def line(self, f):
+        parts = [f"step {f.get('steps')}"]
+        # the eval row is the last evaluation's; the shipped drafter's is said instead
+        splits = ("train",) if f.get("shipped") else ("train", "eval")
+        for split in splits:
+            if f"{split}_acc_0" in f:
+                parts.append(f"{split} acc_0 {f[f'{split}_acc_0']:.3f}, simulated AL "
+                             f"{f[f'{split}_simulated_al']:.2f}")
+        if f.get("shipped"):
+            parts.append(_shipped_line(f["shipped"]))
+        if f.get("stream"):
+            parts.append(_stream_line(f["stream"], f.get("elapsed_s")))
+        return "; ".join(parts)
+
+    def read_progress(self, r, path):
+        """The progress file, its count raised to the newest checkpoint where the process
+        wrote one after its last progress report and was then stopped (a kill between the
+        two read "INTERRUPTED 1/12 steps" beside "resuming from the checkpoint at step 4")."""
+        progress = super().read_progress(r, path)
+        step, _ = _checkpointed_steps(r)
+        if (progress and step and progress.get("state") == "running"
+                and process_alive(progress) is False and step > int(progress.get("done") or 0)):
+            progress = {**progress, "done": step}
+        return progress
+
+    def kind(self, cfg):
+        return "training"
+
+    def planned_rate(self, cfg, before=None):
+        train = cfg["train"]
+        return _train_rate(cfg["target"]["model"], train["ttt_steps"],
+                           train["max_len"] or train["max_tokens_per_batch"], before,
+                           rates.train_settings(train, rates.training_ranks(cfg)))
+
+    def estimate(self, r, cfg, progress):
+        totals, epochs = _token_totals(r, cfg), cfg["train"]["epochs"]
+        rate, basis, speed = _at_machine_speed(self, "training", r, cfg,
+                                               lambda before: self.planned_rate(cfg, before))
+        if totals is None or rate is None:
+            return Estimate(None, basis if totals else NO_TOKENS)
+        tokens = totals["train"]["tokens"] * epochs
+        text = f"{epochs} epochs x {totals['train']['tokens']} tokens" + _guessed(totals)
+        step, steps = _checkpointed_steps(r)
+        running = _read(r / self.progress) or {}
+        if (running.get("state") == "running" and running.get("resumed_from") is not None
+                and process_alive(running) is not False):
+            # a training under way resumed from where its progress says, not from the
+            # checkpoints it has written since
+            step = int(running["resumed_from"])
+        left = max(steps - step, 0) / steps if step else 1.0
+        if step:  # a rerun continues from the newest checkpoint
+            tokens *= left
+            text += f", resuming from the checkpoint at step {step}/{steps}"
+        seconds, text = tokens / rate, f"{text} at {rate:.0f} tok/s ({basis})"
+        if cfg["train"].get("data") == "stream":
+            seconds, text = self._streamed(r, cfg, totals, left, seconds, text)
+        return Estimate(seconds, text, speed)
+
+    @staticmethod
+    def _streamed(r, cfg, totals, left: float, seconds: float, text: str) -> tuple:
+        """train.data stream: the server's prefill of the samples still to train on (every
+        epoch's without a cache, the first epoch's with one, assuming it holds every
+        sample), beside the training where the two overlap (training GPUs of its own), on top
+        of it where they take turns (``train.stream_overlap``: on the CPU engine's cores, or
+        on the server's GPUs)."""
+        extract = Extract()
+        rate, basis, _ = _at_machine_speed(extract, "prefill", r, cfg,
+                                           lambda before: extract.planned_rate(cfg, before))
+        if rate is None:
+            return seconds, text + "; the server's prefill not estimated (" + basis + ")"
+        train = cfg["train"]
+        passes = train["epochs"] if not train.get("stream_cache_gib") else 1
+        tokens = totals["train"]["tokens"] * passes * left
+        prefill = _server_start("extract_vllm", cfg["target"]["model"]) + tokens / rate
+        # the run trains on the CPU where it says so, or where it counts no GPU at all
+        on_cpu = train["device"] == "cpu" or (train["device"] == "auto" and not
+                                              (cfg["server"]["gpus"] or train["gpus"]))
+        beside = stream_overlaps(train.get("stream_overlap", "auto"), cfg["server"]["gpus"],
+                                 train["gpus"], on_cpu)
+        total = max(seconds, prefill) if beside else seconds + prefill
+        return total, (f"{text}; states streamed: server start + {tokens:.0f} tokens of "
+                       f"prefill at {rate:.0f} tok/s ({basis}), "
+                       + ("beside the training" if beside else
+                          "taking turns with it" if cfg["server"]["gpus"] else
+                          "on the same cores"))
+
+
+class Evaluate(Stage):
+    name = "evaluate"
+    gpu_key = ("server", "gpus")
+    note = "vLLM server again"
+    # its units are whole engine runs of very different lengths (the target alone is the
+    # fastest, the drafter at concurrency 16 the slowest): a rate per run predicts nothing
+    settles_at = 1.0
+    plans_from_progress = True   # whether the sweep chose a schedule to check
+
+    def facts(self, r):
+        v = (_read(r / ACCEPTANCE) or {}).get("verdict", {})
+        keys = ("acceptance_length", "speedup_by_concurrency", "ngram_acceptance_length",
+                "speeds_up_serving", "serve_never_slower_than_target", "warnings")
+        return {key: v.get(key) for key in keys}
+
+    def line(self, f):
+        if f.get("acceptance_length") is None:
+            return "no drafter run"
+        speedups = f.get("speedup_by_concurrency") or {}
+        text = f"AL {f['acceptance_length']:.2f}, best k " + ", ".join(
+            f"{x:.2f}x at concurrency {c}" for c, x in speedups.items())
+        if f.get("ngram_acceptance_length"):
+            text += f" (ngram AL {f['ngram_acceptance_length']:.2f})"
+        slow = [c for c, pays in (f.get("speeds_up_serving") or {}).items() if not pays]
+        if slow:
+            text += f"; does NOT speed serving up at concurrency {', '.join(slow)}"
+        if f.get("serve_never_slower_than_target") is False:
+            text += "; serve.json slower than the target alone somewhere"
+        return text
+
+    def kind(self, cfg):
+        return "decode"
+
+    def planned_rate(self, cfg, before=None):
+        first = cfg["evaluate"]["concurrency"][0]
+        return _rate("evaluate", "baseline_tokens_per_s", cfg["target"]["model"],
+                     benchmark=lambda: _bench_generate(first), before=before,
+                     settings=rates.evaluate_settings(cfg))
+
+    def measured(self, r, cfg):
+        """The target alone's decode rate at the first concurrency, as a finished evaluation
+        measured it (its progress counts whole engine runs, server starts and all)."""
+        result = _read(r / ACCEPTANCE) or {}
+        first = (result.get("concurrency") or [None])[0]
+        with contextlib.suppress(LookupError, TypeError, ValueError, ZeroDivisionError):
+            levels = [lv for lv in result["runs"][0]["levels"] if lv["concurrency"] == first]
+            wall = sum(float(lv["wall_s"]) for lv in levels)
+            rate = sum(float(lv["output_tokens"]) for lv in levels) / wall
+            if rate > 0:
+                started = (_read(r / progress_file("evaluate")) or {}).get("started_at")
+                return Measurement(rate, wall, started if _timestamp(started) else None)
+        return None
+
+    def decode_rates(self, r, cfg) -> tuple[Callable[[int], float] | None, str, Speed | None]:
+        """The target's decode tokens/s at each concurrency of the sweep, what it rests on,
+        and the measurement of this run it rests on: generation's rate where it has worked
+        a minute or finished (the same engine and target on this machine), else an earlier
+        evaluation's or the benchmark's at the first level, at this machine's speed where a
+        stage measured one. The benchmark's server rates scale it to the other levels (how
+        decode grows with more requests in flight)."""
+        machine = machine_speed(r, cfg)
+        generated = machine.measured_by("generate")
+        at = cfg["evaluate"]["concurrency"][0]
+        earlier, source = self.planned_rate(cfg, machine.since)
+        if earlier is not None and getattr(source, "here", False):
+            # an earlier evaluation's own rate on this machine: generation's long answers
+            # at its concurrency decode faster per request than the sweep's short ones (the
+            # benchmark's curve put a demo's c=1 at 18 tok/s where its evaluation measured
+            # 13.5, and generation's 72 tok/s at 32 planned one 1.3x long)
+            rate, speed = earlier, None
+            basis = f"decode {rate:.0f} tok/s at concurrency {at} (an earlier evaluation)"
+        elif generated is not None:
+            at, rate, speed = cfg["generate"]["concurrency"], generated.rate, generated
+            basis = (f"decode {rate:.0f} tok/s at concurrency {at}, measured by generate"
+                     + (f" (x{speed.factor:.2f} the benchmark's)" if speed.factor else ""))
+        else:
+            rate, source, speed = _at_machine_speed(self, "decode", r, cfg,
+                                                    lambda before: self.planned_rate(cfg, before))
+            if rate is None:
+                return None, source, None
+            basis = f"decode {rate:.0f} tok/s at concurrency {at} ({source})"
+        base = _bench_generate(at)
+
+        def rate_at(concurrency: int) -> float:
+            level = _bench_generate(concurrency)
+            return rate * (level / base if level and base else 1.0)
+
+        return rate_at, basis, speed
+
+    def estimate(self, r, cfg, progress):
+        ev, target = cfg["evaluate"], cfg["target"]["model"]
+        plan, replays = run_plan(ev)
+        _, n_eval = _prompt_counts(r)
+        if n_eval is None:
+            return Estimate(None, "prompt count unknown")
+        # the sets of their own are read by the stage itself: assume the held-out split's size
+        sizes = [min(n_eval, ev["max_prompts"] or n_eval)] * (1 + len(ev["prompt_sets"]))
+        rate_at, basis, speed = self.decode_rates(r, cfg)
+        if rate_at is None:
+            return Estimate(None, basis)
+        start, measure = _server_start("generate", target), 0.0
+        for c in ev["concurrency"]:
+            requests = sum(len(level_prompts(range(n), c, ev["rounds"])) for n in sizes)
+            measure += requests * ev["max_tokens"] * COMPLETION_FILL_GUESS / rate_at(c)
+        measure *= len(ev.get("temperature") or [0])   # every level at each temperature
+        # the derived k schedule gets a run of its own unless it is one fixed k or k 0
+        # everywhere (nothing to check): counted until the sweep has chosen, or the last
+        # minutes read near zero (interleaved, it is measured beside the target alone once
+        # more: two runs); a running evaluation's progress says whether it chose one (its
+        # total grows by the check)
+        check = ev["schedule"] and len(ev["concurrency"]) > 1
+        decided = _schedule_check_decided(progress, len(plan), replays)
+        if decided is not None:
+            check = check and decided
+        # side by side or one at a time, as the stage itself decides (evaluate.interleave)
+        together = placement(cfg, recorded_target_dir(r, target), len(plan)).together
+        runs = len(plan) + ((2 if together else 1) if check else 0)
+        if together:
+            # the sweep's servers start up together; the check's one server on its own
+            starts = _together_start(target, len(plan), start) + (start if check else 0.0)
+        else:
+            starts = runs * start
+        seconds = starts + runs * measure + OFFLINE_REPLAY_SHARE * replays * (start + measure)
+        schedule = ("" if not (ev["schedule"] and len(ev["concurrency"]) > 1) else
+                    " (the schedule's check counted until the sweep has chosen)"
+                    if decided is None else " (the sweep chose a schedule to check)" if check
+                    else " (the sweep chose no schedule to check)")
+        return Estimate(seconds,
+                        f"{runs} vLLM runs {'side by side' if together else 'one at a time'}"
+                        f"{schedule} x {len(sizes)} prompt sets at concurrency "
+                        f"{ev['concurrency']}, {basis}"
+                        + (f", {replays} offline replays" if replays else ""), speed)
+
+
+def _schedule_check_decided(progress: dict | None, runs: int, replays: int) -> bool | None:
+    """Whether a running evaluation checks a derived k schedule in a run of its own: True once
+    its progress counts that run (the total grew past its ``runs`` engine runs and
+    ``replays`` offline replays), False once its sweep has finished without it (all ``runs``
+    done, the total as planned), None before (or without progress)."""
+    if not progress or progress.get("state") not in ("running", "finished"):
+        return None
+    try:
+        done, total = int(progress.get("done") or 0), int(progress.get("total") or 0)
+    except (TypeError, ValueError):
+        return None
+    if total > runs + replays:
+        return True
+    return False if total == runs + replays and done >= runs else None
+
+
+def _together_start(target: str, servers: int, start: float) -> float:
+    """Seconds for ``servers`` vLLM servers started together to be ready: an earlier
+    evaluation's measurement, scaled to this many (on a few CPU cores their start-ups share
+    the cores), else as long as one after another."""
+    entry = rates.lookup_entry("evaluate", "sweep_start_s", target)
+    if entry is None:
+        return servers * start
+    return float(entry["sweep_start_s"]) * servers / float(entry.get("sweep_servers") or servers)
+
+
+class Scaling(Stage):
+    """Optional (scaling.enabled): the drafter trained again on nested subsets of the samples
+    and the fit that predicts the data a target AL needs (eaglet.stages.scaling)."""
+    name = "scaling"
+    gpu_key = ("train", "gpus")
+
+    def enabled(self, cfg: dict) -> bool:
+        return bool(cfg.get("scaling", {}).get("enabled"))
+
+    def facts(self, r):
+        s = _read(r / SCALING) or {}
+        return {"sentence": s.get("sentence"), "check": s.get("check")}
+
+    def line(self, f):
+        return f.get("sentence") or "no prediction"
+
+    def estimate(self, r, cfg, progress):
+        # the subsets not trained yet, each its share of the full training
+        left = sum(f for f in cfg["scaling"]["fractions"]
+                   if not (r / SCALING_RUNS / fraction_name(f) / "stats.json").exists())
+        totals, train = _token_totals(r, cfg), cfg["train"]
+        rate, basis, speed = _at_machine_speed(
+            self, "training", r, cfg, lambda before: Train().planned_rate(cfg, before))
+        if totals is None or rate is None:
+            return Estimate(None, basis if totals else NO_TOKENS)
+        epochs = train["epochs"]
+        tokens = totals["train"]["tokens"] * epochs * left
+        return Estimate(tokens / rate, f"{left:g} x {epochs} epochs x {totals['train']['tokens']} "
+                        f"tokens at {rate:.0f} tok/s ({basis})", speed)
+
+
+# The stages in the workflow's order. Status also reads a results dir without Snakemake
+# (--no-snakemake, a copied results dir, no workflow at hand), so their order, rules and
+# outputs are listed here, in one place; tests/test_status.py checks them against the jobs
+# of a Snakemake dry run.
+STAGES: list[Stage] = [PrepareTarget(), PreparePrompts(), Generate(), VocabMap(), Extract(),
+                       Train(), Evaluate()]
+# stages a config turns on (``enabled(cfg)``), after all of the above
+OPTIONAL_STAGES: list[Stage] = [Scaling()]
+_BY_NAME = {s.name: s for s in STAGES + OPTIONAL_STAGES}
+
+
+def _grounded(planned: Estimate, kind: str | None) -> bool:
+    """Whether a plan rests on this machine's own measure of the stage's kind of work: this
+    run's speed of that kind, or an earlier run's rate here."""
+    if planned.speed is not None:
+        return planned.speed.kind == kind
+    return EARLIER_RUN in planned.basis
+
+
+def estimate(stage: str, r: Path, cfg: dict, progress: dict | None) -> Estimate:
+    """Time left of ``stage``: a running stage's own ETA once it has settled, else the
+    stage's plan (less the time it has run, while it runs)."""
+    running = bool(progress) and progress.get("state") == "running"
+    own = progress.get("eta_s") if running else None
+    spec = _BY_NAME.get(stage)
+    if own is not None:
+        done, total = progress.get("done"), progress.get("total")
+        if spec is None or not total or done is None or done / total >= spec.settles_at:
+            return Estimate(own, "this run's progress")
+        planned = spec.estimate(r, cfg, progress if spec.plans_from_progress else None)
+        if planned.seconds is None:
+            return Estimate(own, "this run's progress")
+        elapsed = progress.get("elapsed_s") or 0.0
+        if planned.seconds <= elapsed:  # the plan is spent and the stage goes on: the plan was
+            return Estimate(own, f"this run's progress ({done}/{total} done; its plan of "  # wrong
+                                 f"{format_duration(planned.seconds)} is spent)")
+        if (spec.settles_at < 1.0 and elapsed >= MEASURED_AFTER_S
+                and not _grounded(planned, spec.kind(cfg))):
+            # a plan from another kind of work's speed (or from the reference and benchmarks
+            # alone) is a guess next to a minute of the stage's own work: a first run's
+            # training, planned by extraction's prefill speed, read 0.7 minutes left where
+            # its own 144 of 705 steps in 59 s said 3.8 (4.1 in truth)
+            return Estimate(own, f"this run's progress ({done}/{total} done in "
+                                 f"{format_duration(elapsed)}; its plan rested on "
+                                 f"{planned.basis})")
+        return Estimate(planned.seconds - elapsed,
+                        f"{planned.basis}, less the {format_duration(elapsed)} it has run "
+                        f"({done}/{total} done: its own rate is not settled)", planned.speed)
+    if spec is None:
+        return Estimate(None, "unknown stage")
+    planned = spec.estimate(r, cfg, progress)
+    if running and planned.seconds is not None:
+        # no rate of its own yet (nothing done: a server starting, an interleaved evaluation
+        # that finishes its runs together): the plan, less the time it has run
+        elapsed = progress.get("elapsed_s") or 0.0
+        return Estimate(max(planned.seconds - elapsed, 0.0),
+                        f"{planned.basis}, less the {format_duration(elapsed)} it has run",
+                        planned.speed)
+    return planned
+
+
+def machine_speed(r: Path, cfg: dict) -> Machine:
+    """This run's measurements of the machine, each beside the rate its plan assumed."""
+    measured = []
+    for stage in STAGES:
+        kind = stage.kind(cfg)
+        found = stage.measured(r, cfg) if kind else None
+        if found is not None:
+            measured.append((stage, kind, found))
+    starts = [m.started_at for _, _, m in measured if m.started_at]
+    since = min(starts, key=_timestamp) if starts else None
+    return Machine([Speed(stage.name, kind, m.rate, stage.planned_rate(cfg, BENCHMARKS_ONLY)[0],
+                          m.elapsed_s) for stage, kind, m in measured], since)
+
+
+def _at_machine_speed(stage: Stage, kind: str, r: Path, cfg: dict,
+                      lookup: Callable[[str | None], tuple[float | None, str]]
+                      ) -> tuple[float | None, str, Speed | None]:
+    """The rate a plan of ``kind`` work by ``stage`` rests on, its basis and the speed that
+    scaled it: ``lookup(before)``, an earlier run's rate on this machine (the rates history
+    before ``before``) as it is; else the benchmarks' times this machine's speed where
+    another stage of this run measured one (:class:`Speed`); else ``lookup(None)`` as it
+    is."""
+    machine = machine_speed(r, cfg)
+    rate, basis = lookup(machine.since)
+    if rate is not None and getattr(basis, "here", False):
+        # this machine already: scaled by nothing
+        return rate, basis, None
+    speed = machine.speed(kind, stage.name)
+    if speed is not None and rate is not None:
+        return rate * speed.factor, f"{basis}, {speed.says(kind)}", speed
+    rate, basis = lookup(None)
+    return rate, basis, None
