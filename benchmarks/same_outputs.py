@@ -130,16 +130,16 @@ def main() -> int:
             found[label] = digests(results)
     names = sorted(set(found["before"]) | set(found["now"]))
     missing = ("-", "-")
-    same = [n for n in names if found["before"].get(n, missing)[0] == found["now"].get(n)[0]]
-    same_bytes = [n for n in names if found["before"].get(n, missing)[1] == found["now"].get(n)[1]]
+    pairs = {n: (found["before"].get(n, missing), found["now"].get(n, missing)) for n in names}
+    same = [n for n, (before, now) in pairs.items() if before[0] == now[0]]
+    same_bytes = [n for n, (before, now) in pairs.items() if before[1] == now[1]]
     lines = [f"The tiny config (extract.backend hf) through training, before "
              f"({commit(args.before.resolve())}) and now ({commit(HERE)}): "
              f"{len(same)} of {len(names)} outputs hold the same content, {len(same_bytes)} "
              f"are the same bytes.", "",
              "| output | content before | content now | same content | same bytes |",
              "|---|---|---|---|---|"]
-    for name in names:
-        before, now = found["before"].get(name, missing), found["now"].get(name, missing)
+    for name, (before, now) in pairs.items():
         lines.append(f"| `{name}` | {before[0][:16]} | {now[0][:16]} | "
                      f"{'yes' if before[0] == now[0] else '**no**'} | "
                      f"{'yes' if before[1] == now[1] else 'no'} |")

@@ -56,7 +56,6 @@ PER_POSITION_PNG = "eval/per_position.png"
 ACCEPTANCE_LENGTH_PNG = "eval/acceptance_length.png"
 SPEEDUP_PNG = "eval/speedup.png"
 TRAINING_CURVES_PNG = "eval/training_curves.png"
-FIGURES = (PER_POSITION_PNG, ACCEPTANCE_LENGTH_PNG, SPEEDUP_PNG, TRAINING_CURVES_PNG)
 SCALING = "eval/scaling.json"
 SCALING_RUNS = "scaling"               # scaling/<fraction>/: one subset's training
 
@@ -65,11 +64,6 @@ LOGS = "logs"
 
 RUN_CONFIG = "run/config.json"         # the validated config of the run (`eaglet status`)
 RUN_SNAKEMAKE = "run/snakemake.json"   # who runs it: pid and command
-
-
-def shard_name(index: int | str) -> str:
-    """A shard's file name without its suffix (``.safetensors``, ``.json``): ``shard_00003``."""
-    return f"shard_{index:05d}" if isinstance(index, int) else f"shard_{index}"
 
 
 def progress_file(job: str) -> str:

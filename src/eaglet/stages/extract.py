@@ -31,6 +31,7 @@ import torch
 
 from eaglet.core import rates
 from eaglet.core.io import read_json, read_jsonl, write_json
+from eaglet.core.layout import LOGS
 from eaglet.core.progress import Progress
 from eaglet.data import shards
 from eaglet.engine import extraction as extract_vllm
@@ -579,7 +580,7 @@ def _reextract_with_vllm(cfg: dict, info: dict, bad: list[tuple], records: dict[
             records[data], count, [str(p) for p in paths],
             [str(p.with_suffix(".json")) for p in paths], work, split)[index])
     extract_vllm.extract_shards(cfg, info, jobs, work,
-                                Path(hidden_dir).parent / "logs" / "extract" / "manifest.server.log")
+                                Path(hidden_dir).parent / LOGS / "extract" / "manifest.server.log")
 
 
 def computed_by(entries: list[dict]) -> list[dict]:
