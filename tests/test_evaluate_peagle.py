@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from eaglet.model import config as model_config
-from eaglet.model import peagle
+from eaglet.model import methods, peagle
 from eaglet.model.config import DrafterConfig
-from eaglet.model.replay import target_features
+from eaglet.model.replay import draft_parallel, target_features
 from eaglet.stages.evaluate import replay as evaluate_replay
 from eaglet.stages.evaluate import runs as evaluate_runs
 from eaglet.stages.evaluate import schedule as evaluate_schedule
@@ -30,7 +30,7 @@ K = 3
 @pytest.fixture(scope="module")
 def drafters(tmp_path_factory):
     """A tiny target saved to disk, and a P-EAGLE and an EAGLE-3 drafter of it exported as
-    training exports them (``peagle.export``), random weights (large enough that the drafts
+    training exports them (``methods.export``), random weights (large enough that the drafts
     vary with the context rather than repeat one token)."""
     root = tmp_path_factory.mktemp("drafters")
     target = make_tiny_llama(root / "target")
@@ -43,12 +43,12 @@ def drafters(tmp_path_factory):
     out = {"root": root, "target": target, "target_dir": str(root / "target")}
     for method in model_config.METHODS:
         torch.manual_seed(1)
-        model = peagle.make_drafter(method, target_config, config, embed,
+        model = methods.make_drafter(method, target_config, config, embed,
                                     draft_ids - torch.arange(len(draft_ids)), t2d)
         with torch.no_grad():
             for param in model.parameters():
                 torch.nn.init.normal_(param, std=0.5)
-        peagle.export(model.eval(), root / method)
+        methods.export(model.eval(), root / method)
         out[method] = str(root / method)
     return out
 
@@ -220,7 +220,7 @@ def parallel_answers(drafter: peagle.PEagleDrafter, target, prompts: list[list[i
         for _ in range(rounds):
             ids.append(prompt[0])                            # the target's own (bonus) token
             aux = target_features(target, drafter.config.aux_layer_ids, ids)
-            ids += peagle.draft_parallel(drafter, aux, torch.tensor(ids), len(ids) - 2, K)
+            ids += draft_parallel(drafter, aux, torch.tensor(ids), len(ids) - 2, K)
         sequences.append((prompt, ids[len(prompt):]))
     return sequences
 

@@ -24,11 +24,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eaglet.model import config as model_config
-from eaglet.model import peagle
+from eaglet.model import methods, peagle
 from eaglet.model.attention import attention_blocks
 from eaglet.model.config import DrafterConfig
 from eaglet.model.drafter import Eagle3Drafter
-from eaglet.model.replay import draft_chain, target_features
+from eaglet.model.replay import draft_chain, draft_parallel, offline_acceptance, target_features
 from eaglet.stages.train.data import make_batch
 from eaglet.stages.train.step import batch_sums
 from tests.test_train import FAST, read_log, run, world  # noqa: F401 (world: a fixture)
@@ -123,7 +123,7 @@ def test_masked_steps_read_no_token_and_nothing_fed_back():
         torch.testing.assert_close(a[:7], b, rtol=1e-5, atol=1e-6)
     # step 0 is EAGLE-3's: the chain drafter's first draft with the same weights
     assert (draft_chain(model, aux, ids[0], 6, K)[0]
-            == peagle.draft_parallel(model, aux, ids[0], 6, K)[0])
+            == draft_parallel(model, aux, ids[0], 6, K)[0])
 
 
 # -- training --------------------------------------------------------------------------------
@@ -169,16 +169,16 @@ def test_make_drafter_picks_the_method_and_the_targets_bos_as_mask():
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[:len(DRAFT_IDS)] = True
     target = {"vocab_size": V, "bos_token_id": 5, "eos_token_id": [7, 8], "pad_token_id": None}
-    plain = peagle.make_drafter("eagle3", target, config, embed, d2t, t2d)
-    parallel = peagle.make_drafter("peagle", target, config, embed, d2t, t2d)
+    plain = methods.make_drafter("eagle3", target, config, embed, d2t, t2d)
+    parallel = methods.make_drafter("peagle", target, config, embed, d2t, t2d)
     assert type(plain) is Eagle3Drafter and isinstance(parallel, peagle.PEagleDrafter)
     assert parallel.mask_token_id == 5
     assert peagle.mask_token_id({"vocab_size": V, "eos_token_id": [7, 8]}) == 7
     assert peagle.mask_token_id({"text_config": {"vocab_size": V, "bos_token_id": 9}}) == 9
     with pytest.raises(ValueError, match="none of"):
-        peagle.make_drafter("medusa", target, config, embed, d2t, t2d)
+        methods.make_drafter("medusa", target, config, embed, d2t, t2d)
     with pytest.raises(ValueError, match="drafter_attention: llama"):
-        peagle.make_drafter("peagle", target, replace(config, attention_kind="mla"), embed,
+        methods.make_drafter("peagle", target, replace(config, attention_kind="mla"), embed,
                             d2t, t2d)
 
 
@@ -210,17 +210,17 @@ def test_export_round_trips_and_is_a_plain_eagle3_checkpoint_plus_the_mask(tmp_p
     from tests.tiny_llama import make_tiny_llama
     target = make_tiny_llama(tmp_path / "target")
     model = tiny_peagle(embed=target.model.embed_tokens.weight.detach()[:V], mask_token_id=3)
-    config = peagle.export(model, tmp_path / "drafter")
+    config = methods.export(model, tmp_path / "drafter")
     written = json.loads((tmp_path / "drafter" / "config.json").read_text())
     assert written == config
     assert (written["mask_token_id"], written["parallel_drafting"]) == (3, True)
     weights = load_file(str(tmp_path / "drafter" / "model.safetensors"))
     torch.testing.assert_close(weights["mask_hidden"], model.mask_hidden.detach())
-    assert model_config.is_parallel(tmp_path / "drafter")
+    assert model_config.exported_method(tmp_path / "drafter") == "peagle"
     assert model_config.speculative_config(tmp_path / "drafter", 3)["parallel_drafting"] is True
     # an EAGLE-3 drafter keeps its own checkpoint and serves without parallel drafting
     plain = Eagle3Drafter(model.config, model.embed_tokens, model.d2t, model.t2d)
-    peagle.export(plain, tmp_path / "plain")
+    methods.export(plain, tmp_path / "plain")
     assert "mask_hidden" not in load_file(str(tmp_path / "plain" / "model.safetensors"))
     assert "parallel_drafting" not in model_config.speculative_config(tmp_path / "plain", 3)
 
@@ -239,13 +239,13 @@ def test_vllm_reads_the_export_and_drafts_what_eaglet_computes(tmp_path):
     draft_ids = torch.arange(0, VOCAB, 2)
     t2d = torch.zeros(VOCAB, dtype=torch.bool)
     t2d[draft_ids] = True
-    model = peagle.make_drafter("peagle", target_config, config,
+    model = methods.make_drafter("peagle", target_config, config,
                                 target.model.embed_tokens.weight.detach(),
                                 draft_ids - torch.arange(len(draft_ids)), t2d)
     for param in model.parameters():
         torch.nn.init.normal_(param, std=0.2)
     model.eval()
-    peagle.export(model, tmp_path / "drafter")
+    methods.export(model, tmp_path / "drafter")
     ids = torch.randint(0, VOCAB, (20,))
     aux = torch.randn(19, 3 * HIDDEN)
     anchors = [0, 7, 17]
@@ -273,7 +273,7 @@ def test_vllm_reads_the_export_and_drafts_what_eaglet_computes(tmp_path):
                                  [torch.tensor([p])] * K)).squeeze(1)
         torch.testing.assert_close(theirs[:, targets], ours, rtol=1e-4, atol=1e-4)
         assert torch.isinf(theirs[:, ~t2d]).all()
-        assert theirs.argmax(-1).tolist() == peagle.draft_parallel(model, aux, ids, p, K)
+        assert theirs.argmax(-1).tolist() == draft_parallel(model, aux, ids, p, K)
 
 
 # -- the offline replay ----------------------------------------------------------------------
@@ -294,7 +294,7 @@ def test_offline_replay_counts_the_parallel_drafts_as_vllm_would():
         sequences = [(p, target.generate(torch.tensor([p]), do_sample=False, max_new_tokens=16,
                                          pad_token_id=0)[0, len(p):].tolist()) for p in prompts]
     drafter = tiny_peagle(seed=4, embed=target.model.embed_tokens.weight.detach())
-    before = peagle.offline_acceptance(target, drafter, sequences, k=3)
+    before = offline_acceptance(target, drafter, sequences, k=3, draft=draft_parallel)
     assert before["draft_tokens"] == 3 * before["drafts"] > 0
     assert before["acceptance_length"] == pytest.approx(1 + sum(before["per_position_rate"]))
 
@@ -321,7 +321,7 @@ def test_offline_replay_counts_the_parallel_drafts_as_vllm_would():
         loss.backward()
         optimizer.step()
     drafter.eval()
-    after = peagle.offline_acceptance(target, drafter, sequences, k=3)
+    after = offline_acceptance(target, drafter, sequences, k=3, draft=draft_parallel)
     rates = after["per_position_rate"]
     assert all(a >= b for a, b in zip(rates, rates[1:]))  # a later position needs the earlier
     assert after["acceptance_length"] > before["acceptance_length"] + 0.5

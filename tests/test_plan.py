@@ -13,7 +13,7 @@ import torch
 
 from eaglet.model.config import DRAFTER_VARIANTS, METHODS, DrafterConfig
 from eaglet.model.drafter import Eagle3Drafter, num_params
-from eaglet.model.peagle import make_drafter
+from eaglet.model.methods import make_drafter
 from eaglet.stages.train.data import make_batch
 from eaglet.stages.train.step import batch_sums
 from eaglet.tools import plan
@@ -374,14 +374,15 @@ def test_mla_drafter_size_is_the_model_drafter_py_builds():
 
 KINDS = [(attention, variant, method) for attention in ("llama", "mla")
          for variant in DRAFTER_VARIANTS for method in METHODS
-         if not (attention == "mla" and method == "peagle")]
+         if not (attention == "mla" and method == "peagle")
+         and not (method == "dflash" and (attention, variant) != ("llama", "eagle3"))]
 
 
 @pytest.mark.parametrize("attention,variant,method", KINDS)
 def test_drafter_size_counts_every_weight_of_each_method_and_variant(attention, variant, method):
     """The plan counts the parameters of the drafter train.py builds (``from_target`` and
     ``make_drafter``) for each train.drafter_attention, drafter_variant and method: EAGLE-3.1's
-    fc_norm and P-EAGLE's mask_hidden included."""
+    fc_norm, P-EAGLE's mask_hidden and DFlash's layers (two here) and mask embedding included."""
     target = {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
               "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 500,
               "bos_token_id": 1, "q_lora_rank": 16, "kv_lora_rank": 32,
@@ -390,8 +391,9 @@ def test_drafter_size_counts_every_weight_of_each_method_and_variant(attention, 
     keep = torch.arange(100)
     t2d = torch.zeros(500, dtype=torch.bool)
     t2d[keep] = True
-    model = make_drafter(method, target, config, torch.randn(500, 64), keep - keep, t2d)
-    s = plan.shape_from_target_config(target, 100, "tiny", attention, variant, method)
+    layers = 2 if method == "dflash" else 1
+    model = make_drafter(method, target, config, torch.randn(500, 64), keep - keep, t2d, layers)
+    s = plan.shape_from_target_config(target, 100, "tiny", attention, variant, method, layers)
     assert plan.drafter_params(s) == num_params(model)
     extra = plan.drafter_extra_params(s)
     assert ("fc_norm" in extra) == config.fc_norm
@@ -413,6 +415,9 @@ def test_the_plan_knows_the_settings_the_drafter_knows():
         plan.with_drafter(plan.PRESETS["kimi-k2.5"], "mla", method="peagle")
     with pytest.raises(ValueError, match="drafter_variant"):
         plan.with_drafter(plan.PRESETS["kimi-k2.5"], "llama", variant="eagle4")
+    for attention, variant in (("mla", "eagle3"), ("llama", "eagle3.1")):
+        with pytest.raises(ValueError, match="dflash"):
+            plan.with_drafter(plan.PRESETS["kimi-k2.5"], attention, variant, "dflash")
 
 
 def test_plan_of_a_run_reads_its_target(tmp_path, capsys):

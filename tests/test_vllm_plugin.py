@@ -204,3 +204,25 @@ def test_the_replays_target_distribution_is_the_rejection_samplers_after_top_k_a
         torch.testing.assert_close(got, want[row], rtol=1e-5, atol=1e-7)
         cut_something += int((got == 0).sum())
     assert cut_something > vocab  # the cut left tokens out: the check compared cut rows
+
+
+def test_the_grouped_norm_fix_normalizes_each_layer_by_its_own_weight():
+    """DFlash's context keys of all layers go through one rms_norm call with a weight row per
+    layer: the wrapped kernel is right where vLLM's own may not be (its CPU kernel applies
+    row 0 to every layer), and a call with one weight row passes straight through."""
+    pytest.importorskip("vllm")
+    import torch
+    from vllm import _custom_ops as ops
+
+    from eaglet.engine import plugin
+
+    original = getattr(ops.rms_norm, "__wrapped__", ops.rms_norm)
+    wrapped = plugin.grouped_rms_norm(original)
+    assert plugin._norm_mismatch(wrapped) is None
+    if plugin._norm_mismatch(original) is not None:   # this vLLM's kernel: the bug is there
+        assert "off by" in plugin._norm_mismatch(original)
+    x, w = torch.randn(5, 2, 8), torch.rand(8) + 0.5
+    plain, through = torch.empty_like(x), torch.empty_like(x)
+    original(plain, x, w, 1e-6)
+    wrapped(through, x, w, 1e-6)
+    assert torch.equal(plain, through)

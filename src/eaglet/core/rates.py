@@ -71,6 +71,15 @@ def train_settings(train: dict, ranks: int = 1) -> dict:
             "method": train.get("method", "eagle3"), "ranks": ranks if ranks > 1 else None}
 
 
+def train_passes(train: dict) -> int:
+    """The drafter layer passes one training token costs (``train``: the config's train
+    section), which a training rate is scaled by between runs: a TTT step each (EAGLE-3,
+    P-EAGLE); DFlash's block of ttt_steps + 1 slots through each of its layers."""
+    if train.get("method") == "dflash":
+        return (train["ttt_steps"] + 1) * train.get("dflash_layers", 1)
+    return train["ttt_steps"]
+
+
 def training_ranks(cfg: dict) -> int:
     """The data-parallel processes rule train runs (scripts/train.py): one per GPU of its own,
     or with train.data stream and train.gpus 0 one on each of the server's GPUs."""

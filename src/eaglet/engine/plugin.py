@@ -9,9 +9,18 @@ temperature > 0 is not the model's. The fix replaces ``expand_batch_to_tokens`` 
 keeps the dtype, only where vLLM's own function is seen to be wrong: a vLLM that fixed its
 fallback, or an engine that runs the Triton kernel, is left alone.
 
+It also fixes the CPU kernel of ``rms_norm`` where DFlash needs it: vLLM's DFlash drafter
+(``qwen3_dflash.DFlashQwen3Model._normalize_context_k``) normalizes the context keys of all its
+layers in one call, input [L, tokens, heads, head_dim] with a weight [L, head_dim], one row per
+layer; the CPU kernel applies row 0 to every layer, so a DFlash drafter of two or more layers
+drafts from wrong keys, silently. The fix (:func:`fix_grouped_norm_if_needed`) wraps
+``vllm._custom_ops.rms_norm`` to call it once per layer for such a weight, again only where
+the kernel is seen to be wrong.
+
 vLLM loads general plugins in every process (API server, engine core, workers), before the
-worker installs the platform's fallback kernels; the check therefore runs right after that
-installation when it cannot run yet.
+worker installs the platform's fallback kernels; the expand check therefore runs right after
+that installation when it cannot run yet, and so does the norm check (in the worker, which
+imports vLLM's kernels anyway; the API server never loads them).
 """
 from __future__ import annotations
 
@@ -131,6 +140,63 @@ def fix_if_needed() -> bool | None:
     return True
 
 
+# -- the grouped RMSNorm of DFlash's context keys ---------------------------------------------
+
+NORM_MODULE = "vllm._custom_ops"
+
+
+def grouped_rms_norm(original: Callable) -> Callable:
+    """``original`` (vLLM's ``rms_norm(out, input, weight, epsilon)``), called once per layer
+    where ``weight`` holds one row per layer ([L, D] beside an input [L, ..., D]), as DFlash's
+    grouped key norm calls it; any other call passes straight through."""
+
+    def rms_norm(out, input, weight, epsilon):
+        if (weight.dim() == 2 and input.dim() >= 3 and weight.shape[0] == input.shape[0]
+                and out.shape == input.shape):
+            for i in range(weight.shape[0]):
+                original(out[i], input[i].contiguous(), weight[i].contiguous(), epsilon)
+            return None
+        return original(out, input, weight, epsilon)
+
+    setattr(rms_norm, _MARK, True)
+    rms_norm.__wrapped__ = original
+    return rms_norm
+
+
+def _norm_mismatch(rms_norm: Callable) -> str | None:
+    """None if ``rms_norm`` normalizes a [2, 3, 2, 8] input by a [2, 8] weight row per layer,
+    else how far off it is."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)  # vLLM's seeded generators stay untouched
+    x = torch.randn(2, 3, 2, 8, generator=generator)
+    weight = torch.rand(2, 8, generator=generator) + 0.5
+    out = torch.empty_like(x)
+    rms_norm(out, x, weight, 1e-6)
+    want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight[:, None, None]
+    error = float((out - want).abs().max())
+    return None if error < 1e-4 else f"off by up to {error:.3g}"
+
+
+def fix_grouped_norm_if_needed() -> bool:
+    """Check vLLM's ``rms_norm`` with one weight row per layer and wrap it if it applies the
+    first row to every layer: True if wrapped, False if correct (or wrapped already)."""
+    import importlib
+
+    ops = importlib.import_module(NORM_MODULE)
+    current = ops.rms_norm
+    if getattr(current, _MARK, False):
+        return False
+    wrong = _norm_mismatch(current)
+    if wrong is None:
+        log.debug("eaglet: vLLM's rms_norm takes one weight per layer; nothing to fix")
+        return False
+    rebound = _replace_everywhere(current, grouped_rms_norm(current))
+    log.info("eaglet: wrapped %s to normalize layer by layer: with one weight row per layer "
+             "(DFlash's context keys) it was %s", ", ".join(rebound), wrong)
+    return True
+
+
 def _check_after_platform_kernels(platform_cls: type) -> None:
     """Wrap the platform's ``register_triton_kernel_overrides`` (called by each worker after
     the plugins load) so the check runs once the fallback kernels are in place."""
@@ -147,6 +213,12 @@ def _check_after_platform_kernels(platform_cls: type) -> None:
         except Exception:
             log.warning("eaglet: checking vLLM's rejection sampler expand failed; "
                         "left as it is", exc_info=True)
+        try:
+            fix_grouped_norm_if_needed()
+        except Exception:
+            log.warning("eaglet: checking vLLM's rms_norm with one weight per layer failed; "
+                        "left as it is (a DFlash drafter of 2+ layers may draft wrongly on "
+                        "the CPU engine)", exc_info=True)
 
     setattr(register_triton_kernel_overrides, _MARK, True)
     register_triton_kernel_overrides.__wrapped__ = original
@@ -164,8 +236,10 @@ def register() -> None:
             # platforms run the Triton kernel, which keeps the dtype.
             log.debug("eaglet: %s platform, no CPU expand to check", current_platform.device_type)
             return
-        if fix_if_needed() is None:
-            _check_after_platform_kernels(type(current_platform))
+        fix_if_needed()
+        # the expand once the kernels are in (where it could not be checked yet), and the
+        # grouped norm in the worker, which loads the kernels anyway
+        _check_after_platform_kernels(type(current_platform))
     except Exception:
         log.warning("eaglet: the vLLM plugin eaglet_cpu_fixes failed and did nothing; vLLM "
                     "runs unpatched (sampled acceptance on its CPU engine may be wrong)",

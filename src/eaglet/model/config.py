@@ -206,20 +206,28 @@ def resolve_attention(name: str, device: object) -> str:
     return name
 
 
-METHODS = ("eagle3", "peagle")  # train.method
-METHOD_NAMES = {"eagle3": "EAGLE-3", "peagle": "P-EAGLE"}  # each of METHODS in words
+METHODS = ("eagle3", "peagle", "dflash")  # train.method
+METHOD_NAMES = {"eagle3": "EAGLE-3", "peagle": "P-EAGLE", "dflash": "DFlash"}  # in words
+DFLASH_ARCHITECTURE = "DFlashDraftModel"  # vLLM's qwen3_dflash.DFlashQwen3ForCausalLM
 
 
-def is_parallel(drafter_dir: str | Path) -> bool:
-    """Whether the exported drafter in ``drafter_dir`` drafts in parallel (P-EAGLE)."""
-    return bool(read_json(Path(drafter_dir) / "config.json").get("parallel_drafting"))
+def exported_method(drafter_dir: str | Path) -> str:
+    """The method (METHODS) of the drafter exported in ``drafter_dir``, from its config.json:
+    DFlash's architecture, P-EAGLE's ``parallel_drafting``, else EAGLE-3."""
+    config = read_json(Path(drafter_dir) / "config.json")
+    if DFLASH_ARCHITECTURE in (config.get("architectures") or []):
+        return "dflash"
+    return "peagle" if config.get("parallel_drafting") else "eagle3"
 
 
 def speculative_config(drafter_dir: str | Path, k: int) -> dict:
     """vLLM's ``--speculative-config`` for the drafter in ``drafter_dir``: a P-EAGLE one needs
     ``parallel_drafting`` there (vLLM does not read it from the drafter's config.json; without
-    it vLLM drafts k times autoregressively, with mask_hidden ignored)."""
-    spec = {"method": "eagle3", "model": str(drafter_dir), "num_speculative_tokens": k}
-    if is_parallel(drafter_dir):
+    it vLLM drafts k times autoregressively, with mask_hidden ignored); a DFlash one is served
+    by its own method, ``dflash`` (which drafts in parallel by itself)."""
+    method = exported_method(drafter_dir)
+    spec = {"method": "dflash" if method == "dflash" else "eagle3", "model": str(drafter_dir),
+            "num_speculative_tokens": k}
+    if method == "peagle":
         spec["parallel_drafting"] = True
     return spec

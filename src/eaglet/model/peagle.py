@@ -46,11 +46,9 @@ from torch import nn
 from eaglet.core.io import atomic_open, read_json, write_json
 from eaglet.data.shards import STORAGE_DTYPES
 from eaglet.model.attention import BLOCK_ROWS, attention_blocks
-from eaglet.model.config import METHODS, DrafterConfig, config_from_vllm
+from eaglet.model.config import DrafterConfig, config_from_vllm
 from eaglet.model.drafter import Eagle3Drafter
 from eaglet.model.export import export_drafter
-from eaglet.model.replay import (add_counts, empty_counts, expected_replay, replay, summarize,
-                                 target_distribution, target_features)
 from eaglet.target.checkpoint import load_target_embedding
 
 
@@ -115,22 +113,6 @@ class PEagleDrafter(Eagle3Drafter):
         return logits
 
 
-def make_drafter(method: str, target_config: dict, config: DrafterConfig,
-                 embed_tokens: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor
-                 ) -> Eagle3Drafter:
-    """The drafter ``train.method`` trains: EAGLE-3's, or P-EAGLE's with the target's mask
-    token."""
-    if method == "eagle3":
-        return Eagle3Drafter(config, embed_tokens, d2t, t2d)
-    if method == "peagle":
-        if config.attention_kind != "llama":
-            raise ValueError("train.method: peagle needs train.drafter_attention: llama (vLLM "
-                             "0.32 keeps the parallel-drafting mask_hidden only in its Llama "
-                             "EAGLE-3 drafter, llama_eagle3.py)")
-        return PEagleDrafter(config, embed_tokens, d2t, t2d, mask_token_id(target_config))
-    raise ValueError(f"train.method {method!r} is none of {', '.join(METHODS)}")
-
-
 # -- the checkpoint ---------------------------------------------------------------------------
 
 class _Eagle3View:
@@ -163,13 +145,6 @@ def export_peagle(model: PEagleDrafter, out_dir: str | Path, dtype: str = "float
     return config
 
 
-def export(model: Eagle3Drafter, out_dir: str | Path, dtype: str = "float32") -> dict:
-    """Either drafter in vLLM's format: P-EAGLE's with its extra tensor and keys."""
-    if isinstance(model, PEagleDrafter):
-        return export_peagle(model, out_dir, dtype)
-    return export_drafter(model, out_dir, dtype)
-
-
 def load_peagle(drafter_dir: str | Path, target_dir: str | Path,
                 dtype: torch.dtype = torch.float32) -> PEagleDrafter:
     """An exported P-EAGLE drafter with the target's embedding, ready to run (eval mode)."""
@@ -186,55 +161,3 @@ def load_peagle(drafter_dir: str | Path, target_dir: str | Path,
                           weights["t2d"], raw["mask_token_id"])
     model.load_state_dict(weights, strict=True)
     return model.to(dtype).eval()
-
-
-# -- offline acceptance -----------------------------------------------------------------------
-
-@torch.inference_mode()
-def draft_parallel(drafter: PEagleDrafter, aux: torch.Tensor, ids: torch.Tensor, p: int,
-                   k: int) -> list[int]:
-    """The ``k`` greedy drafts (target ids) of one parallel forward anchored at row ``p``:
-    rows ``0..p`` as EAGLE-3 reads them, then the masked slots; ``ids`` is the sequence."""
-    rows = p + 1
-    step_ids = ids[1:rows + 1].expand(k, rows)         # only step 0 is read
-    logits = drafter(aux[:rows], step_ids, torch.arange(rows),
-                     torch.zeros(rows, dtype=torch.long), [torch.tensor([p])] * k)
-    return [int(drafter.to_target_ids(z[0].argmax())) for z in logits]
-
-
-def replay_counts(drafter: PEagleDrafter, aux: torch.Tensor, prompt_ids: list[int],
-                  completion_ids: list[int], k: int) -> dict:
-    """vLLM's counters for one greedy sequence (``offline_eval.replay``: the same chain
-    acceptance), the drafts of each round from one parallel forward."""
-    ids = list(prompt_ids) + list(completion_ids)
-    aux = aux.to(drafter.fc.weight.dtype)
-    seq = torch.tensor(ids)
-    return replay(lambda p, n: draft_parallel(drafter, aux, seq, p, n), ids, len(prompt_ids), k)
-
-
-@torch.inference_mode()
-def expected_counts(drafter: PEagleDrafter, states: tuple[torch.Tensor, torch.Tensor],
-                    head: torch.Tensor, prompt_ids: list[int], completion_ids: list[int],
-                    k: int, temperature: float, top_p: float = 1.0, top_k: int = 0) -> dict:
-    """``offline_eval.expected_counts`` (the expected acceptance of one answer sampled at
-    ``temperature``, cut to ``top_p`` and ``top_k``) with the drafts of each round from one
-    parallel forward."""
-    aux, final = states
-    ids = list(prompt_ids) + list(completion_ids)
-    aux = aux.to(drafter.fc.weight.dtype)
-    seq = torch.tensor(ids)
-    prob, top = target_distribution(final, head, temperature, top_p, top_k)
-    return expected_replay(lambda p, n: draft_parallel(drafter, aux, seq, p, n), prob, ids,
-                           len(prompt_ids), k, top)
-
-
-def offline_acceptance(target_model, drafter: PEagleDrafter,
-                       sequences: list[tuple[list[int], list[int]]], k: int) -> dict:
-    """Acceptance over ``(prompt_ids, completion_ids)`` pairs as vLLM would count it, from a
-    forward of the target (transformers) for each."""
-    total = empty_counts(k)
-    for prompt_ids, completion_ids in sequences:
-        aux = target_features(target_model, drafter.config.aux_layer_ids,
-                              list(prompt_ids) + list(completion_ids))
-        add_counts(total, replay_counts(drafter, aux, prompt_ids, completion_ids, k))
-    return summarize(total, k)

@@ -79,6 +79,19 @@ def draft_chain(drafter: Eagle3Drafter, aux: torch.Tensor, ids: torch.Tensor, p:
     return drafts
 
 
+@torch.inference_mode()
+def draft_parallel(drafter, aux: torch.Tensor, ids: torch.Tensor, p: int, k: int) -> list[int]:
+    """The ``k`` greedy drafts (target ids) of a drafter that proposes a round in one forward
+    (P-EAGLE's masked slots after row ``p``, DFlash's block after the context of rows
+    ``0..p``), whose forward takes ``Eagle3Drafter.forward``'s arguments and reads only the
+    first step's ids: rows ``0..p`` and row ``p``'s k results; ``ids`` is the sequence."""
+    rows = p + 1
+    step_ids = ids[1:rows + 1].expand(k, rows)         # only step 0 is read
+    logits = drafter(aux[:rows], step_ids, torch.arange(rows),
+                     torch.zeros(rows, dtype=torch.long), [torch.tensor([p])] * k)
+    return [int(drafter.to_target_ids(z[0].argmax())) for z in logits]
+
+
 def replay(draft, ids: list[int], prompt_len: int, k: int) -> dict:
     """vLLM's counters for one greedy sequence (prompt + the target's own continuation);
     ``draft(p, k)`` returns the k draft tokens proposed from row ``p``."""
@@ -150,24 +163,27 @@ def summarize(total: dict, k: int) -> dict:
 
 
 def replay_counts(drafter: Eagle3Drafter, aux: torch.Tensor, prompt_ids: list[int],
-                  completion_ids: list[int], k: int) -> dict:
+                  completion_ids: list[int], k: int, draft: Callable = draft_chain) -> dict:
     """vLLM's counters for one greedy sequence, drafted from its aux states ``aux``
-    ([at least len(prompt) + len(completion) rows, 3H], any float dtype)."""
+    ([at least len(prompt) + len(completion) rows, 3H], any float dtype) the way ``draft``
+    drafts a round (``draft(drafter, aux, ids, p, k)``: EAGLE-3's chain of k forwards by
+    default; ``eaglet.model.methods.draft_function`` names each method's)."""
     ids = list(prompt_ids) + list(completion_ids)
     aux = aux.to(drafter.fc.weight.dtype)
     seq = torch.tensor(ids)
-    return replay(lambda p, n: draft_chain(drafter, aux, seq, p, n), ids, len(prompt_ids), k)
+    return replay(lambda p, n: draft(drafter, aux, seq, p, n), ids, len(prompt_ids), k)
 
 
 def offline_acceptance(target_model, drafter: Eagle3Drafter,
-                       sequences: list[tuple[list[int], list[int]]], k: int) -> dict:
+                       sequences: list[tuple[list[int], list[int]]], k: int,
+                       draft: Callable = draft_chain) -> dict:
     """Acceptance over ``(prompt_ids, completion_ids)`` pairs, as vLLM would count it, from a
-    forward of the target (transformers) for each."""
+    forward of the target (transformers) for each; ``draft`` as :func:`replay_counts`."""
     total = empty_counts(k)
     layer_ids = drafter.config.aux_layer_ids
     for prompt_ids, completion_ids in sequences:
         aux = target_features(target_model, layer_ids, list(prompt_ids) + list(completion_ids))
-        add_counts(total, replay_counts(drafter, aux, prompt_ids, completion_ids, k))
+        add_counts(total, replay_counts(drafter, aux, prompt_ids, completion_ids, k, draft))
     return summarize(total, k)
 
 
@@ -491,17 +507,19 @@ def expected_replay(draft, prob, ids: list[int], prompt_len: int, k: int,
 @torch.inference_mode()
 def expected_counts(drafter: Eagle3Drafter, states: tuple[torch.Tensor, torch.Tensor],
                     head: torch.Tensor, prompt_ids: list[int], completion_ids: list[int],
-                    k: int, temperature: float, top_p: float = 1.0, top_k: int = 0) -> dict:
+                    k: int, temperature: float, top_p: float = 1.0, top_k: int = 0,
+                    draft: Callable = draft_chain) -> dict:
     """:func:`expected_replay` of one answer sampled at ``temperature`` (cut to ``top_p`` and
-    ``top_k``), drafted from its aux states and verified against the target's distribution
-    from its final-norm states (``states``: both, [at least len(prompt) + len(completion)
-    rows, ...]) through the target's lm_head ``head`` [V, H]."""
+    ``top_k``), drafted from its aux states (``draft`` as :func:`replay_counts`) and verified
+    against the target's distribution from its final-norm states (``states``: both, [at
+    least len(prompt) + len(completion) rows, ...]) through the target's lm_head ``head``
+    [V, H]."""
     aux, final = states
     ids = list(prompt_ids) + list(completion_ids)
     aux = aux.to(drafter.fc.weight.dtype)
     seq = torch.tensor(ids)
     prob, top = target_distribution(final, head, temperature, top_p, top_k)
-    return expected_replay(lambda p, n: draft_chain(drafter, aux, seq, p, n), prob, ids,
+    return expected_replay(lambda p, n: draft(drafter, aux, seq, p, n), prob, ids,
                            len(prompt_ids), k, top)
 
 

@@ -127,6 +127,7 @@ class Shape:
     # train.drafter_variant (its norms, drafter.DRAFTER_VARIANTS) and train.method
     drafter_variant: str = "eagle3"
     method: str = "eagle3"
+    dflash_layers: int = 1  # train.dflash_layers (method dflash)
 
     @property
     def mla(self) -> bool:
@@ -162,13 +163,14 @@ class Shape:
 
 
 def with_drafter(s: Shape, attention: str, variant: str | None = None,
-                 method: str | None = None) -> Shape:
+                 method: str | None = None, dflash_layers: int | None = None) -> Shape:
     """``s`` with the drafter ``train.drafter_attention``, ``train.drafter_variant`` and
     ``train.method`` build (None: ``s``'s own); refuses as ``drafter.with_mla`` and
-    ``peagle.make_drafter`` do where the target has no MLA that the drafter can take, or
+    ``methods.make_drafter`` do where the target has no MLA that the drafter can take, or
     P-EAGLE meets MLA."""
     variant = s.drafter_variant if variant is None else variant
     method = s.method if method is None else method
+    dflash_layers = s.dflash_layers if dflash_layers is None else dflash_layers
     if attention not in ("llama", "mla"):
         raise ValueError(f"train.drafter_attention {attention!r} is none of llama, mla")
     if variant not in DRAFTER_VARIANTS:
@@ -184,7 +186,12 @@ def with_drafter(s: Shape, attention: str, variant: str | None = None,
         raise ValueError("train.method: peagle needs train.drafter_attention: llama (vLLM 0.32 "
                          "keeps mask_hidden only in its Llama EAGLE-3 drafter): plan with "
                          "--drafter-attention llama or --method eagle3")
-    return replace(s, drafter_attention=attention, drafter_variant=variant, method=method)
+    if method == "dflash" and (attention != "llama" or variant != "eagle3"):
+        raise ValueError("train.method: dflash takes train.drafter_attention: llama and "
+                         "train.drafter_variant: eagle3 (vLLM's DFlash drafter is a stack of Qwen3 "
+                         "layers with norms of its own): plan with --drafter-attention llama")
+    return replace(s, drafter_attention=attention, drafter_variant=variant, method=method,
+                   dflash_layers=dflash_layers)
 
 
 PRESETS = {
@@ -294,13 +301,26 @@ def drafter_extra_params(s: Shape) -> dict[str, int]:
     return {name: n for name, n in extra.items() if n}
 
 
+def dflash_layer_params(s: Shape) -> int:
+    """One DFlash layer (``dflash.DFlashLayer``): q/k/v of the [H] input, o_proj, the per-head
+    q_norm and k_norm, the MLP and two RMSNorms."""
+    h, d = s.hidden, s.head_dim
+    return (h * (s.d_heads + 2 * s.d_kv_heads) * d + s.d_heads * d * h + 2 * d
+            + 3 * h * s.d_intermediate + 2 * h)
+
+
 def drafter_params(s: Shape) -> int:
-    """Trainable parameters of the drafter ``train.method`` trains (``drafter.Eagle3Drafter``
-    or ``peagle.PEagleDrafter``): fc [3Ht -> H], the attention
+    """Trainable parameters of the drafter ``train.method`` trains (``drafter.Eagle3Drafter``,
+    ``peagle.PEagleDrafter`` or ``dflash.DFlashDrafter``): fc [3Ht -> H], the attention
     (:func:`drafter_attention_params`), the MLP, four RMSNorms (input, hidden,
-    post-attention, final), lm_head [H -> Vd] and :func:`drafter_extra_params`; the
-    exported checkpoint holds all of them (and the d2t/t2d maps beside)."""
+    post-attention, final), lm_head [H -> Vd] and :func:`drafter_extra_params`; DFlash's fc,
+    hidden_norm, ``dflash_layers`` layers (:func:`dflash_layer_params`), the final norm,
+    lm_head and its mask embedding [H]. The exported checkpoint holds all of them (and the
+    d2t/t2d maps beside)."""
     h = s.hidden
+    if s.method == "dflash":
+        return (NUM_AUX * h * h + h + s.dflash_layers * dflash_layer_params(s) + h
+                + h * s.draft_vocab + h)
     return (NUM_AUX * h * h
             + drafter_attention_params(s)
             + 3 * h * s.d_intermediate
@@ -311,7 +331,7 @@ def drafter_params(s: Shape) -> int:
 
 def shape_from_target_config(config: dict, draft_vocab: int, name: str,
                              drafter_attention: str = "llama", drafter_variant: str = "eagle3",
-                             method: str = "eagle3") -> Shape:
+                             method: str = "eagle3", dflash_layers: int = 1) -> Shape:
     """A target's shape from its ``config.json`` (as ``DrafterConfig.from_target``): its
     multi-head latent attention and experts where it has them, with the drafter
     ``drafter_attention``, ``drafter_variant`` and ``method`` (train.*) build for it."""
@@ -336,7 +356,7 @@ def shape_from_target_config(config: dict, draft_vocab: int, name: str,
                         **_quantized_experts(config))
         shape.assumptions.append(f"target: {experts} experts of width {width} in "
                                  f"{shape.moe_layers} layers counted")
-    return with_drafter(shape, drafter_attention, drafter_variant, method)
+    return with_drafter(shape, drafter_attention, drafter_variant, method, dflash_layers)
 
 
 def _quantized_experts(config: dict) -> dict:

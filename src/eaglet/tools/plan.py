@@ -168,15 +168,20 @@ def training(s: Shape, tokens: int, max_len: int | None, steps: int, precision: 
     inputs = tokens * (NUM_AUX + 1) * s.hidden * act + (
         tokens * (s.draft_vocab * act + 4) if fused_loss   # teacher logits, log-normalizer
         else tokens * s.draft_vocab * 4)                    # teacher probabilities
-    rows = ttt_rows_bytes(s, tokens, steps, act, fused_loss)
-    scores = ttt_attention_bytes(s, tokens, block, steps, act)
-    fused = ttt_attention_bytes(s, tokens, block, steps, act, fused=True, pad=sink_pad)
+    # DFlash: every row's block of steps + 1 slots through each of its layers, taken as that
+    # many TTT steps (its keys over the context and the block: a TTT step's with more own keys)
+    passes = (steps + 1) * s.dflash_layers if s.method == "dflash" else steps
+    rows = ttt_rows_bytes(s, tokens, passes, act, fused_loss)
+    scores = ttt_attention_bytes(s, tokens, block, passes, act)
+    fused = ttt_attention_bytes(s, tokens, block, passes, act, fused=True, pad=sink_pad)
     # backward of the last step's attention: float32 gradient of its scores (and a bf16 one)
     square = (tokens // block) * s.d_heads * block * block
     backward = square * (4 + (act if act != 4 else 0))
     out = dict(fixed)
     out["batch inputs and the teacher"] = inputs
-    out[f"TTT activations, {steps} steps (norms, projections, MLP, logits)"] = rows
+    what = (f"DFlash activations, {steps + 1} slots x {s.dflash_layers} layer(s)"
+            if s.method == "dflash" else f"TTT activations, {steps} steps")
+    out[f"{what} (norms, projections, MLP, logits)"] = rows
     if fused_loss:  # one chunk's float32 logits, probabilities and gradient at a time
         out["fused loss: one chunk of rows"] = LOSS_CHUNK_ELEMENTS * (4 + 4 + 4 + act)
     if attention in FUSED:
@@ -361,7 +366,7 @@ def plan(s: Shape, *, tokens: int, max_len: int | None, steps: int, batch_tokens
         "shard_bytes": shard_tokens * bytes_per_token(s.hidden, NUM_AUX, store_dtype),
     }
     # the drafter of the other train.drafter_attention, where it can be built (P-EAGLE: llama)
-    if s.kv_lora_rank and s.q_lora_rank and s.method != "peagle":
+    if s.kv_lora_rank and s.q_lora_rank and s.method == "eagle3":
         other = with_drafter(s, "llama" if s.mla else "mla")
         other_tr = training(other, tokens, max_len, steps, precision, embed_dtype=embed,
                             attention=attention, fused_loss=fused_loss)
@@ -415,7 +420,7 @@ def render(p: dict, store_dtype: str) -> str:
              f"   target {p['target_params'] / 1e9:.2f}B parameters, drafter "
              f"{p['drafter_params'] / 1e6:.1f}M trainable (train.drafter_attention "
              f"{p['drafter_attention']}, drafter_variant {p['drafter_variant']}, method "
-             f"{p['method']}{_extra_text(p['drafter_extra_params'])})"]
+             f"{p['method']}{_dflash_text(s)}{_extra_text(p['drafter_extra_params'])})"]
     if "other_drafter" in p:
         o = p["other_drafter"]
         lines.append(f"   with train.drafter_attention {o['drafter_attention']} instead: drafter "
@@ -449,6 +454,13 @@ def render(p: dict, store_dtype: str) -> str:
         lines.extend(_disk_lines(p["disk"]))
     lines.extend(_colocation_lines(p["colocation"], p["target_dtype"]))
     return "\n".join(lines)
+
+
+def _dflash_text(shape: dict) -> str:
+    """DFlash's depth, where the method is DFlash."""
+    if shape.get("method") != "dflash":
+        return ""
+    return f" of {shape['dflash_layers']} layer{'s' if shape['dflash_layers'] > 1 else ''}"
 
 
 def _extra_text(extra: dict[str, int]) -> str:
@@ -636,7 +648,7 @@ def build_parser():
     parser.add_argument("--drafter-variant", choices=sorted(DRAFTER_VARIANTS), default=None,
                         help="the drafter's norms (default: the config's train.drafter_variant)")
     parser.add_argument("--method", choices=METHODS, default=None,
-                        help="eagle3 or peagle (default: the config's train.method)")
+                        help="eagle3, peagle or dflash (default: the config's train.method)")
     parser.add_argument("--gpus", type=int, default=None,
                         help="GPUs the capture server and the trainer share (default: the "
                              "config's server.gpus, else 8)")
@@ -674,8 +686,8 @@ def main(argv: list[str] | None = None) -> int:
     served = None
     try:
         if args.preset:
-            shapes = [with_drafter(PRESETS[name], attention_kind, variant, method)
-                      for name in args.preset]
+            shapes = [with_drafter(PRESETS[name], attention_kind, variant, method,
+                                   train["dflash_layers"]) for name in args.preset]
             batches = args.max_tokens_per_batch or [2048, 8192]
         else:
             target = _run_target(cfg, results) or _target_files(cfg)
@@ -689,7 +701,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             shapes = [shape_from_target_config(target[0], cfg["vocab"]["draft_vocab_size"],
                                                cfg["target"]["model"], attention_kind,
-                                               variant, method)]
+                                               variant, method, train["dflash_layers"])]
             served = _served_bytes(target[1], cfg["target"]["dtype"])
             batches = args.max_tokens_per_batch or [train["max_tokens_per_batch"]]
     except (ValueError, TargetError) as error:

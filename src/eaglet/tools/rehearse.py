@@ -212,7 +212,7 @@ def rehearsal_config(user: dict, miniature: Path, results: Path,
 
 def check_drafter(config: dict, cfg: dict, report: Report) -> bool:
     """Whether the drafter the run's train settings name can be built for the target as
-    train.py builds it (``DrafterConfig.from_target``, ``peagle.make_drafter``) and so served
+    train.py builds it (``DrafterConfig.from_target``, ``methods.make_drafter``) and so served
     by vLLM: ``drafter_attention: mla`` is the target's own MLA (deepseek_eagle3 reads its
     kv_lora_rank, qk_nope/qk_rope/v_head_dim and loads the drafter only with a q_lora_rank);
     a target without it cannot have one, while ``llama`` fits any target (GPUs serve it
@@ -236,13 +236,22 @@ def check_drafter(config: dict, cfg: dict, report: Report) -> bool:
         report.add("drafter", False, f"{settings}: the target's config.json gives no {error}, "
                    f"which the drafter's shape is read from", "pass the target's own config.json")
         return False
+    if method == "dflash" and (attention != "llama" or variant != "eagle3"):
+        report.add("drafter", False, f"{settings}: DFlash is vLLM's own stack of Qwen3 layers "
+                   f"(qwen3_dflash.py), with neither MLA attention nor the EAGLE-3.1 norms",
+                   "set train.drafter_attention: llama and train.drafter_variant: eagle3, or "
+                   "another train.method")
+        return False
     if method == "peagle" and attention != "llama":
         report.add("drafter", False, f"{settings}: P-EAGLE needs Llama attention: vLLM 0.32 keeps "
                    f"the parallel-drafting mask_hidden only in its Llama EAGLE-3 drafter "
                    f"(llama_eagle3.py)", "set train.drafter_attention: llama, or train.method: "
                    "eagle3")
         return False
-    kind = ("the target's multi-head latent attention (Eagle3DeepseekV2ForCausalLM)"
+    layers = tr["dflash_layers"]
+    kind = (f"{layers} Qwen3 layer{'s' if layers > 1 else ''} drafting a block in one forward "
+            f"(DFlashDraftModel, served with method dflash)" if method == "dflash" else
+            "the target's multi-head latent attention (Eagle3DeepseekV2ForCausalLM)"
             if attention == "mla" else "Llama attention (LlamaForCausalLMEagle3)")
     report.add("drafter", True, f"{settings}: a drafter with {kind} can be built for this target")
     return True
@@ -273,7 +282,8 @@ def check_target(files: Path, user: dict, report: Report) -> None:
         shape = shape_from_target_config(config, cfg["vocab"]["draft_vocab_size"],
                                          str(cfg["target"]["model"]),
                                          tr["drafter_attention"] if buildable else "llama",
-                                         tr["drafter_variant"], tr["method"])
+                                         tr["drafter_variant"], tr["method"],
+                                         tr["dflash_layers"])
         tokens = tr["max_tokens_per_batch"]
         numbers = plan(shape, tokens=tokens, max_len=tr["max_len"] or tokens,
                        steps=tr["ttt_steps"], batch_tokens=ext["batch_tokens"],

@@ -6,11 +6,12 @@ from __future__ import annotations
 import logging
 import math
 from collections import defaultdict
+from functools import partial
 from pathlib import Path
 
 from eaglet.core.io import human_size, read_json
 from eaglet.core.progress import Progress
-from eaglet.model import export, peagle
+from eaglet.model import methods
 from eaglet.model import replay as offline_eval
 from eaglet.model.replay import (Features, StoredStates, TargetForwards, add_counts, coarser,
                                  empty_counts, summarize)
@@ -18,7 +19,7 @@ from eaglet.model.sizes import SERVED_BYTES, target_size
 from eaglet.stages.evaluate.metrics import (_answer_counts, _sum_deltas, acceptance,
                                             per_request_acceptance)
 from eaglet.stages.evaluate.placement import HOST_USABLE, host_memory_bytes
-from eaglet.stages.evaluate.runs import cut, drafter_method, sampling_text
+from eaglet.stages.evaluate.runs import cut, sampling_text
 from eaglet.stages.evaluate.schedule import fixed_k_runs
 from eaglet.target.checkpoint import TargetError, load_target_lm_head
 
@@ -177,29 +178,24 @@ def _replay_inputs(cfg: dict, target_path: str, drafter_dir: str, held_out_paths
 
 
 def load_for_replay(drafter_dir: str, target_path: str):
-    """The exported drafter, ready to replay as vLLM drafts with it: EAGLE-3's chain
-    (:func:`eaglet.model.export.load_drafter`) or P-EAGLE's parallel forward
-    (:func:`eaglet.model.peagle.load_peagle`), by :func:`drafter_method`."""
-    if drafter_method(drafter_dir) == "peagle":
-        return peagle.load_peagle(drafter_dir, target_path)
-    return export.load_drafter(drafter_dir, target_path)
+    """The exported drafter, whatever its method, ready to replay as vLLM drafts with it
+    (:func:`eaglet.model.methods.load`)."""
+    return methods.load(drafter_dir, target_path)
 
 
 def replay_sequences(drafter, sequences: list[tuple[list[int], list[int]]], ks: list[int],
                      features, temperature: float = 0.0, head=None, top_p: float = 1.0,
                      top_k: int = 0) -> dict:
     """:func:`eaglet.model.replay.replay_sequences` with the drafts the drafter makes in
-    vLLM: EAGLE-3's chain of k forwards, or a P-EAGLE drafter's one parallel forward per
-    round (:func:`eaglet.model.peagle.replay_counts`, :func:`eaglet.model.peagle.expected_counts`), with
-    the same counts, per-sequence counts and sources."""
-
-    if not isinstance(drafter, peagle.PEagleDrafter):
-        return offline_eval.replay_sequences(drafter, sequences, ks, features, temperature, head,
-                                             top_p=top_p, top_k=top_k)
-    return offline_eval.replay_sequences(drafter, sequences, ks, features, temperature, head,
-                                         greedy_counts=peagle.replay_counts,
-                                         sampled_counts=peagle.expected_counts,
-                                         top_p=top_p, top_k=top_k)
+    vLLM (:func:`eaglet.model.methods.draft_function`: EAGLE-3's chain of k forwards, or the
+    one forward per round of P-EAGLE and DFlash), with the same counts, per-sequence counts
+    and sources."""
+    draft = methods.draft_function(drafter)
+    return offline_eval.replay_sequences(
+        drafter, sequences, ks, features, temperature, head,
+        greedy_counts=partial(offline_eval.replay_counts, draft=draft),
+        sampled_counts=partial(offline_eval.expected_counts, draft=draft),
+        top_p=top_p, top_k=top_k)
 
 
 # the offline replay agrees with vLLM within: greedy, where it replays vLLM's answers exactly;

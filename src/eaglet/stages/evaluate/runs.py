@@ -9,7 +9,7 @@ from pathlib import Path
 from eaglet.core.io import read_json, read_jsonl
 from eaglet.data.prompts import load_source
 from eaglet.model import config as model_config
-from eaglet.model.config import DRAFTER_VARIANTS, METHOD_NAMES, is_parallel, norm_flags
+from eaglet.model.config import DRAFTER_VARIANTS, METHOD_NAMES, exported_method, norm_flags
 
 
 class EvaluationError(RuntimeError):
@@ -102,12 +102,12 @@ def drafted_k(run: dict, concurrency: int) -> int | None:
 
 def drafter_method(drafter_dir: str | os.PathLike | None) -> str:
     """The method the drafter in ``drafter_dir`` was trained with (``train.method``), as its
-    exported config.json says: a P-EAGLE export carries ``parallel_drafting``
-    (:func:`eaglet.model.peagle.export_peagle`). EAGLE-3 where no config.json is there yet (the
-    plan of a run not trained yet)."""
+    exported config.json says (:func:`eaglet.model.config.exported_method`: DFlash's
+    architecture, P-EAGLE's ``parallel_drafting``). EAGLE-3 where no config.json is there yet
+    (the plan of a run not trained yet)."""
     if drafter_dir is None or not (Path(drafter_dir) / "config.json").is_file():
         return "eagle3"
-    return "peagle" if is_parallel(drafter_dir) else "eagle3"
+    return exported_method(drafter_dir)
 
 
 def drafter_kind(drafter_dir: str | os.PathLike) -> tuple[str, str, str]:
@@ -133,8 +133,9 @@ def is_drafter(run: dict) -> bool:
 def speculative_config(run: dict) -> dict | None:
     if run["method"] == "baseline":
         return None
-    if run["method"] == "peagle":
-        # vLLM serves it as eagle3, with parallel_drafting in the speculative config itself
+    if run["method"] in ("peagle", "dflash"):
+        # P-EAGLE: served as eagle3 with parallel_drafting in the speculative config itself;
+        # DFlash: by its own method
         return {**model_config.speculative_config(run["drafter"], run["k"]), **run.get("extra", {})}
     spec = {"method": run["method"], "num_speculative_tokens": run["k"]}
     if run["method"] == "eagle3":

@@ -51,7 +51,7 @@ from eaglet.core import rates
 from eaglet.core.config import ConfigError, validate
 from eaglet.core.io import hold_directory, human_size, read_json, write_json
 from eaglet.core.progress import Progress
-from eaglet.model import peagle
+from eaglet.model import methods
 from eaglet.model.drafter import Eagle3Drafter, num_params
 from eaglet.stages.scripting import run_stage
 from eaglet.stages.train import checkpoints as ckpt
@@ -484,7 +484,8 @@ def _train(cfg, device, dist_, shard_paths, eval_shard_paths, vocab_map, target_
                 log.info("streamed states: %s", summary["stream"])
         if dist_.rank == 0:
             summary["shipped"] = training.ship()
-            peagle.export(trainer.model, out_dir, cfg["export_dtype"])  # either method
+            methods.export(trainer.model, out_dir, cfg["export_dtype"],  # any method
+                           block_size=cfg["ttt_steps"] + 1)
             write_csv(Path(out_dir) / "training_log.csv", training.log.rows,
                       training.log.columns)
             run = progress.report("finished")
@@ -492,7 +493,8 @@ def _train(cfg, device, dist_, shard_paths, eval_shard_paths, vocab_map, target_
             # `eaglet status` adds from the prefill's own rate
             if rate_key is not None and trainer.step > first_step and stream is None:
                 rates.record("train", rate_key, settings=rates.train_settings(cfg, dist_.world),
-                             tokens_per_s=run["tokens_per_s"], ttt_steps=cfg["ttt_steps"])
+                             tokens_per_s=run["tokens_per_s"],
+                             ttt_steps=rates.train_passes(cfg))  # what the rate scales by
         if dist_.world > 1:
             dist.barrier()
         summary.update(elapsed_s=time.monotonic() - started, peak_rss_mb=round(peak_rss_mb(), 1))

@@ -15,10 +15,10 @@ import torch
 
 from eaglet.data.shard_format import sha256_path
 from eaglet.data.vocab import load_vocab_map
-from eaglet.model import peagle
+from eaglet.model import methods
 from eaglet.model.config import DrafterConfig
 from eaglet.model.drafter import Eagle3Drafter
-from eaglet.model.init import init_from_target, init_lm_head
+from eaglet.model.init import init_lm_head
 from eaglet.stages.train import checkpoints as ckpt
 from eaglet.stages.train.data import (ShardInfo, TrainError, check_shards, check_vocab_map,
                                       index_shard, manifest_hashes)
@@ -83,12 +83,14 @@ def build_drafter(cfg: dict, inputs: Inputs, target_dir: str, rank: int
                                        cfg["drafter_variant"])
     embed = load_target_embedding(target_dir)
     teacher_head = load_target_lm_head(target_dir, torch.arange(d2t.numel()) + d2t)
-    model = peagle.make_drafter(cfg["method"], inputs.target_config, config, embed, d2t, t2d)
+    model = methods.make_drafter(cfg["method"], inputs.target_config, config, embed, d2t, t2d,
+                                 cfg["dflash_layers"])
     if cfg["lm_head_init"] == "target":
         init_lm_head(model, teacher_head)
     layer_init = {"setting": cfg["layer_init"]}
     if cfg["layer_init"] == "target":  # only the parts of the target's layer that fit
-        fit = init_from_target(model, target_dir, inputs.text["num_hidden_layers"] - 1)
+        fit = methods.init_layer_from_target(model, target_dir,
+                                             inputs.text["num_hidden_layers"] - 1)
         layer_init = fit.record()
         if rank == 0:
             log.log(logging.WARNING if fit.reasons else logging.INFO, "%s", fit.message())

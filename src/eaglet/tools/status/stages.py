@@ -11,10 +11,11 @@ from typing import Any, Callable
 from eaglet.core import rates
 from eaglet.core.config import stream_overlaps
 from eaglet.core.io import human_size
-from eaglet.core.layout import (ACCEPTANCE, DRAFTER_STATS, HIDDEN, MANIFEST, PROGRESS, PROMPT_STATS,
+from eaglet.core.layout import (ACCEPTANCE, DRAFTER_CONFIG, DRAFTER_STATS, HIDDEN, MANIFEST, PROGRESS, PROMPT_STATS,
                                 SCALING, SCALING_RUNS, STAGE_FILES, SYNTHETIC_STATS, TARGET_JSON,
                                 VOCAB_STATS, fraction_name, progress_file)
 from eaglet.core.progress import format_duration
+from eaglet.model.config import METHOD_NAMES, exported_method
 from eaglet.stages.evaluate.placement import placement, recorded_target_dir
 from eaglet.stages.evaluate.runs import level_prompts
 from eaglet.stages.evaluate.schedule import run_plan
@@ -353,6 +354,9 @@ class Train(Stage):
                 out[f"{split}_simulated_al"] = float(last[-1]["sim_al"])
         if rows:
             out["steps"] = int(rows[-1]["step"])
+        if (r / DRAFTER_CONFIG).is_file():  # the exported drafter's method (train.method)
+            with contextlib.suppress(OSError, ValueError):
+                out["method"] = exported_method(r / DRAFTER_CONFIG.rpartition("/")[0])
         stats = _read(r / DRAFTER_STATS) or {}
         shipped = stats.get("shipped")
         if isinstance(shipped, dict):
@@ -364,6 +368,8 @@ class Train(Stage):
 
     def line(self, f):
         parts = [f"step {f.get('steps')}"]
+        if f.get("method") in METHOD_NAMES:
+            parts[0] = f"{METHOD_NAMES[f['method']]} drafter, {parts[0]}"
         # the eval row is the last evaluation's; the shipped drafter's is said instead
         splits = ("train",) if f.get("shipped") else ("train", "eval")
         for split in splits:
@@ -392,7 +398,7 @@ class Train(Stage):
 
     def planned_rate(self, cfg, before=None):
         train = cfg["train"]
-        return _train_rate(cfg["target"]["model"], train["ttt_steps"],
+        return _train_rate(cfg["target"]["model"], rates.train_passes(train),
                            train["max_len"] or train["max_tokens_per_batch"], before,
                            rates.train_settings(train, rates.training_ranks(cfg)))
 
