@@ -28,6 +28,7 @@ from safetensors.torch import load_file, save_file
 
 from eaglet.model import dflash, methods
 from eaglet.model.config import DrafterConfig, exported_method, speculative_config
+from eaglet.model.export import export_speculators
 from eaglet.model.replay import draft_parallel
 from eaglet.stages.train.data import make_batch
 from eaglet.stages.train.step import batch_sums
@@ -230,6 +231,9 @@ def test_export_round_trips_with_the_config_vllm_reads(tmp_path):
     for p in (0, 4, 8):
         assert draft_parallel(loaded, aux, ids, p, K) == draft_parallel(model, aux, ids, p, K)
     assert methods.draft_function(loaded) is draft_parallel
+    # the speculators format describes EAGLE-3 drafters only: the refusal says how to serve it
+    with pytest.raises(ValueError, match='"method": "dflash"'):
+        export_speculators(tmp_path / "drafter", tmp_path / "speculators", str(target), K)
 
 
 # -- vLLM loads the export and drafts what eaglet computes ---------------------------------------

@@ -116,6 +116,46 @@ def test_the_drafters_attention_is_checked_against_the_targets(tmp_path):
     assert drafter.ok is False and "train.drafter_attention: llama" in drafter.fix
 
 
+def test_a_dflash_run_is_checked_on_the_target_and_rehearsed_where_the_engine_can_serve_it(
+        tmp_path):
+    """train.method dflash: buildable for any target with Llama attention and the plain
+    norms (the real target's check says so, naming DFlashDraftModel), refused with MLA
+    attention or the EAGLE-3.1 norms; rehearsed as DFlash where the CPU engine serves it beside
+    the miniature, and beside an MLA target (whose attention the CPU engine cannot pair with
+    DFlash's) with an MLA EAGLE-3 drafter, the scaled list saying why."""
+    from eaglet.core.config import validate
+
+    for name in ("qwen3-8b", "kimi-k2.5"):
+        user = yaml.safe_load((REPO / "configs" / f"{name}.yaml").read_text())
+        user["train"]["method"] = "dflash"
+        user["train"]["dflash_layers"] = 2
+        user["train"].pop("drafter_attention", None)
+        report = rehearse.Report()
+        rehearse.check_target(STANDINS / name, user, report)
+        [drafter] = [c for c in report.checks if c.stage == "drafter"]
+        assert drafter.ok and "2 Qwen3 layers" in drafter.detail, drafter.detail
+        assert "DFlashDraftModel" in drafter.detail and report.passed
+        assert any(c.stage == "plan" and c.ok for c in report.checks)
+        assert "method dflash of 2 layers" in report.plan
+        text = json.loads((STANDINS / name / "config.json").read_text())
+        cfg, scaled = rehearse.rehearsal_config(user, tmp_path / "mini", tmp_path / "r",
+                                                text.get("text_config", text))
+        validate(cfg)
+        if name == "qwen3-8b":
+            assert cfg["train"]["method"] == "dflash" and "drafter_attention" not in cfg["train"]
+        else:
+            assert cfg["train"]["method"] == "eagle3"
+            assert cfg["train"]["drafter_attention"] == "mla"
+            assert any(line.startswith("train.method: 'dflash' -> 'eagle3'") for line in scaled)
+    for bad in ({"drafter_attention": "mla"}, {"drafter_variant": "eagle3.1"}):
+        user = yaml.safe_load((REPO / "configs" / "kimi-k2.5.yaml").read_text())
+        user["train"].update({"method": "dflash", **bad})
+        report = rehearse.Report()
+        rehearse.check_target(STANDINS / "kimi-k2.5", user, report)
+        [drafter] = [c for c in report.checks if c.stage == "drafter"]
+        assert drafter.ok is False and "drafter_attention: llama" in drafter.fix
+
+
 def test_a_failed_stage_is_reported_by_its_own_exception_not_the_servers_shutdown(tmp_path):
     log = tmp_path / "snakemake.log"
     log.write_text(

@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import time
 from html import unescape
@@ -303,6 +304,53 @@ def test_trained_drafter_is_measured_in_vllm_and_reported(results, tmp_path):
     served = shlex.join(["--model", read_target(results / "target" / "target.json")["path"],
                          *serve["vllm_args"]])
     assert served in first_page, (served, first_page[:3000])
+
+
+def test_a_dflash_drafter_trains_and_is_served_beside_eagle3(results, tmp_path):
+    """train.method dflash on the same shards, in a results dir of its own (the finished
+    run's data linked, as the README says to compare methods): the export loads in vLLM as
+    its DFlash drafter (the mask embedding read), is served with method dflash beside the
+    first run's EAGLE-3 drafter in one evaluation (evaluate.compare_drafters), and eaglet's
+    offline replay of its one forward a round counts what vLLM counted. Two layers: vLLM's
+    CPU kernel normalizes the keys of a second layer wrongly unless eaglet's plugin fixes it
+    in the engine's worker, and the replay would then disagree."""
+    dflash = results.parent / "dflash"
+    dflash.mkdir()
+    for part in results.iterdir():
+        if part.name in ("drafter", "drafter_checkpoints", "eval", "logs", "run"):
+            continue
+        if part.is_dir():
+            shutil.copytree(part, dflash / part.name, copy_function=os.link)
+    overlay = tmp_path / "dflash.yaml"
+    overlay.write_text(f"train:\n  method: dflash\n  dflash_layers: 2\n"
+                       f"evaluate:\n  ngram: false\n  schedule: false\n"
+                       f"  compare_drafters: [{results / 'drafter'}]\n")
+    proc = workflow.run(dflash, "eval/acceptance.json", configs=(overlay,),
+                        extra=("--rerun-triggers", "mtime"), timeout=1800)
+    ran = proc.stdout + proc.stderr
+    assert "rule train" in ran and "rule extract" not in ran and "rule generate" not in ran
+    drafter = read_json(dflash / "drafter" / "config.json")
+    assert drafter["architectures"] == ["DFlashDraftModel"] and drafter["num_hidden_layers"] == 2
+    assert drafter["block_size"] == 4  # train.ttt_steps 3 masked slots after the bonus token
+    served = (dflash / "logs" / "evaluate.dflash_k3.server.log").read_text()
+    assert "Loaded DFlash mask embedding" in served
+    assert "wrapped vllm._custom_ops.rms_norm" in served  # the worker's grouped norm fixed
+    acceptance = read_json(dflash / "eval" / "acceptance.json")
+    runs = {r["name"]: r for r in acceptance["runs"]}
+    assert set(runs) == {"baseline", "dflash_k3", "eagle3_k3"}
+    assert runs["dflash_k3"]["method"] == "dflash" and runs["dflash_k3"]["drafts"] > 0
+    assert runs["eagle3_k3"]["compare"]
+    assert acceptance["verdict"]["method"] == "dflash"  # the run's own drafter is judged
+    table = {row["name"]: row for row in acceptance["methods"]}
+    assert table["dflash_k3"]["kind"] == "DFlash" and table["eagle3_k3"]["compared"]
+    for name in ("dflash_k3", "eagle3_k3"):
+        row = table[name]
+        assert row["acceptance_length"] == pytest.approx(1 + sum(row["per_position_rate"]))
+        # the replay of each drafter's own drafting agrees with vLLM's counters
+        assert acceptance["offline"][name]["ratio_offline_over_vllm"] == pytest.approx(
+            1.0, abs=0.01)
+    assert acceptance["offline"]["dflash_k3"]["acceptance_length"] > 1.0  # it drafts something
+    assert status(dflash, str(workflow.TINY))["train"]["facts"]["method"] == "dflash"
 
 
 def test_states_captured_while_generating_stream_into_training_like_the_extracted_ones(

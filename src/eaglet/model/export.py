@@ -21,6 +21,7 @@ today's keys), and their weights as vLLM names them: ``fc_norm.{i}.weight`` and
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -30,7 +31,8 @@ from safetensors.torch import load_file, save
 
 from eaglet.core.io import atomic_open, read_json, write_json
 from eaglet.data.shards import STORAGE_DTYPES
-from eaglet.model.config import NORM_FLAGS, DrafterConfig, config_from_vllm
+from eaglet.model.config import (METHOD_NAMES, NORM_FLAGS, DrafterConfig, config_from_vllm,
+                                 exported_method, speculative_config)
 from eaglet.model.drafter import Eagle3Drafter
 from eaglet.target.checkpoint import load_target_embedding
 
@@ -249,6 +251,11 @@ def export_speculators(drafter_dir: str | Path, out_dir: str | Path, verifier: s
     ``--speculative-config``; ``drafter_dir`` itself is left as it is."""
     drafter_dir, out_dir = Path(drafter_dir), Path(out_dir)
     drafter = read_json(drafter_dir / "config.json")
+    if exported_method(drafter_dir) != "eagle3":
+        method = exported_method(drafter_dir)
+        raise ValueError(f"the drafter in {drafter_dir} is a {METHOD_NAMES[method]} drafter, which "
+                         f"this speculators format (Eagle-3) does not describe: serve it with "
+                         f"--speculative-config {json.dumps(speculative_config(drafter_dir, num_speculative_tokens))}")
     if drafter.get("model_type", "llama") != "llama":
         raise ValueError(f"the drafter in {drafter_dir} has {drafter['model_type']} (MLA) "
                          f"attention, which vLLM 0.32's speculators format does not take (its "

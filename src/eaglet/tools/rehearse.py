@@ -179,7 +179,15 @@ def rehearsal_config(user: dict, miniature: Path, results: Path,
     if vocab > DRAFT_VOCAB:
         _set(cfg, "vocab.draft_vocab_size", DRAFT_VOCAB)
         scaled.append(f"vocab.draft_vocab_size: {vocab!r} -> {DRAFT_VOCAB} (the miniature's data)")
-    if (target_text or {}).get("kv_lora_rank") and _get(full, "train.drafter_attention") != "mla":
+    if (target_text or {}).get("kv_lora_rank") and _get(full, "train.method") == "dflash":
+        # DFlash's layers are Qwen3 attention, which the CPU engine cannot serve beside MLA
+        _set(cfg, "train.method", "eagle3")
+        scaled.append("train.method: 'dflash' -> 'eagle3' (vLLM's CPU engine cannot serve a "
+                      "DFlash drafter beside an MLA target: its attention finds no KV block "
+                      "size common with MLA's; GPUs serve it. The rehearsal shows the data, "
+                      "states and serving path with an MLA EAGLE-3 drafter; the check on the "
+                      "real target says whether DFlash can be built for it)")
+    if (target_text or {}).get("kv_lora_rank") and _get(cfg, "train.drafter_attention") != "mla":
         # vLLM's CPU engine finds no KV block size common to its MLA and its attention backends
         _set(cfg, "train.drafter_attention", "mla")
         scaled.append(f"train.drafter_attention: {_get(full, 'train.drafter_attention')!r} -> "

@@ -27,7 +27,8 @@ speculation slows serving down), written ready to serve in ``serve.json`` and ch
 more vLLM run at every concurrency.
 
 The drafter runs are named and served by the method it was trained with (``train.method``,
-read from its exported config.json: :func:`drafter_method`): EAGLE-3's ``eagle3_k3``, or
-P-EAGLE's ``peagle_k3`` served with ``"parallel_drafting": true`` (:mod:`eaglet.model.peagle`) and
-replayed offline with its one parallel forward per round.
+read from its exported config.json: :func:`drafter_method`): EAGLE-3's ``eagle3_k3``,
+P-EAGLE's ``peagle_k3`` served with ``"parallel_drafting": true`` (:mod:`eaglet.model.peagle`), or
+DFlash's ``dflash_k3`` served with ``"method": "dflash"`` (:mod:`eaglet.model.dflash`); the last
+two are replayed offline with their one forward per round.
 """
