@@ -19,7 +19,6 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -28,22 +27,23 @@ from safetensors.torch import load_file, save_file
 
 from eaglet.model import dflash, methods
 from eaglet.model.config import DrafterConfig, exported_method, speculative_config
+from eaglet.core.config import validate
 from eaglet.model.export import export_speculators
 from eaglet.model.replay import draft_parallel
+from eaglet.stages.evaluate import runs as evaluate_runs
+from eaglet.stages.evaluate import schedule as evaluate_schedule
 from eaglet.stages.train.data import make_batch
 from eaglet.stages.train.step import batch_sums
+from tests.test_peagle import H, V
+from tests.test_train import FAST, read_log, run, world  # noqa: F401 (world: a fixture)
+from tests.test_peagle import tiny_config as peagle_config
 
-V, H, K = 96, 32, 3
-DRAFT_IDS = torch.arange(0, V, 2)          # every other target id: d2t matters
+K = 3
 
 
 def tiny_config(**changes) -> DrafterConfig:
-    return replace(DrafterConfig(hidden_size=H, intermediate_size=64, num_attention_heads=4,
-                                 num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6,
-                                 rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
-                                 max_position_embeddings=256, vocab_size=V,
-                                 draft_vocab_size=len(DRAFT_IDS), target_hidden_size=H,
-                                 aux_layer_ids=[1, 2, 3]), **changes)
+    """test_peagle's tiny drafter shape, its aux layers from 1 (DFlash's ids are one less)."""
+    return peagle_config(**{"aux_layer_ids": [1, 2, 3], **changes})
 
 
 def tiny_dflash(seed: int = 0, layers: int = 1, embed: torch.Tensor | None = None,
@@ -198,6 +198,57 @@ def test_make_drafter_builds_dflash_on_the_targets_mask_token_and_refuses_what_v
                                  torch.zeros(V // 2, dtype=torch.long), t2d)
 
 
+def test_train_method_dflash_trains_exports_and_never_resumes_another_method(world, tmp_path):
+    """``train.method: dflash`` through the training run: the losses fall, every slot learns,
+    the export is the DFlash drafter (the target's bos as mask token, the block of ttt_steps +
+    1, the layers asked for) and loads back; a P-EAGLE run over its checkpoints starts over."""
+    result = run(world, tmp_path, {**FAST, "epochs": 4, "method": "dflash", "dflash_layers": 2})
+    out = tmp_path / "run" / "drafter"
+    trained = [r for r in read_log(out / "training_log.csv") if r["split"] == "train"]
+    assert float(trained[-1]["loss"]) < 0.5 * float(trained[0]["loss"])
+    assert float(trained[-1][f"acc_{FAST['ttt_steps'] - 1}"]) > 0  # the last slot learned too
+    config = json.loads((out / "config.json").read_text())
+    target = json.loads((Path(world["target"]) / "config.json").read_text())
+    assert config["dflash_config"]["mask_token_id"] == target["bos_token_id"]
+    assert config["block_size"] == FAST["ttt_steps"] + 1 and config["num_hidden_layers"] == 2
+    assert isinstance(methods.load(out, world["target"]), dflash.DFlashDrafter)
+    assert result["resumed_from_step"] == 0
+    again = run(world, tmp_path, {**FAST, "method": "peagle"})
+    assert again["resumed_from_step"] == 0
+    assert exported_method(out) == "peagle"
+
+
+@torch.inference_mode()
+def test_layer_init_target_starts_every_layer_as_the_targets_last(world):
+    """train.layer_init: target for DFlash: each layer takes the target's last layer where it
+    fits (a Llama layer: all but q_norm and k_norm, which it lacks and which stay at 1), the
+    context's hidden_norm its input norm, the final norm the target's; fc passes the deepest
+    aux feature through."""
+    from safetensors.torch import load_file as read
+
+    target_config = json.loads((Path(world["target"]) / "config.json").read_text())
+    config = DrafterConfig.from_target(target_config, 64, [1, 2, 3])
+    vocab = config.vocab_size
+    model = methods.make_drafter("dflash", target_config, config, torch.randn(vocab, 64),
+                                 torch.zeros(64, dtype=torch.long), torch.ones(vocab, dtype=bool),
+                                 2)
+    fit = methods.init_layer_from_target(model, world["target"], 3)
+    assert set(fit.parts) == {"attention", "mlp"} and not fit.reasons
+    weights = read(str(Path(world["target"]) / "model.safetensors"))
+    for layer in model.layers:
+        for name, param in layer.named_parameters():
+            stored = weights.get(f"model.layers.3.{name}")
+            if stored is None:  # q_norm, k_norm: a Llama layer has none
+                assert name.endswith(("q_norm.weight", "k_norm.weight")), name
+                assert torch.equal(param, torch.ones_like(param))
+            else:
+                assert torch.equal(param, stored), name
+    assert torch.equal(model.hidden_norm.weight, weights["model.layers.3.input_layernorm.weight"])
+    assert torch.equal(model.norm.weight, weights["model.norm.weight"])
+    aux = torch.randn(5, 3 * 64)
+    torch.testing.assert_close(model.fc(aux), aux[:, -64:])
+
+
 @torch.inference_mode()
 def test_export_round_trips_with_the_config_vllm_reads(tmp_path):
     model = tiny_dflash(seed=2, layers=2)
@@ -231,6 +282,15 @@ def test_export_round_trips_with_the_config_vllm_reads(tmp_path):
     for p in (0, 4, 8):
         assert draft_parallel(loaded, aux, ids, p, K) == draft_parallel(model, aux, ids, p, K)
     assert methods.draft_function(loaded) is draft_parallel
+    # the evaluation names, serves and tables it by its method and depth
+    assert evaluate_runs.drafter_kind(tmp_path / "drafter") == ("dflash", "dflash",
+                                                                 "DFlash, 2 layers")
+    ev = validate({"evaluate": {"num_speculative_tokens": [1, K]}})["evaluate"]
+    plan, _ = evaluate_schedule.run_plan(ev, str(tmp_path / "drafter"))
+    drafted = [r for r in plan if evaluate_runs.is_drafter(r)]
+    assert [r["name"] for r in drafted] == ["dflash_k1", f"dflash_k{K}"]
+    assert evaluate_runs.speculative_config(drafted[-1]) == {
+        "method": "dflash", "model": str(tmp_path / "drafter"), "num_speculative_tokens": K}
     # the speculators format describes EAGLE-3 drafters only: the refusal says how to serve it
     with pytest.raises(ValueError, match='"method": "dflash"'):
         export_speculators(tmp_path / "drafter", tmp_path / "speculators", str(target), K)
@@ -294,34 +354,21 @@ def test_vllm_loads_every_weight_and_drafts_what_eaglet_computes(tmp_path, layer
 
 
 def _vllm_side(target: str, drafter: str, inputs: str, out: str) -> None:
-    import socket
-
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
     from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
 
     from eaglet.engine import plugin
+    from tests.helpers.vllm_world import drafter_world
 
     plugin.register()  # as the engine does at start (its entry point), and then its worker:
     plugin.fix_grouped_norm_if_needed()
     data = load_file(inputs)
     k = int(data["k"])
-    args = EngineArgs(model=target, skip_tokenizer_init=True, dtype="float32", max_model_len=256,
-                      enforce_eager=True, speculative_config={
-                          "method": "dflash", "model": drafter, "num_speculative_tokens": k})
-    config = args.create_engine_config()
-    spec = config.speculative_config
-    hf = spec.draft_model_config.hf_config
-    result = {"mask_token_id": torch.tensor(hf.dflash_config["mask_token_id"])}
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    with set_current_vllm_config(config), torch.no_grad():
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
-        initialize_model_parallel(1, 1)
+    spec = {"method": "dflash", "model": drafter, "num_speculative_tokens": k}
+    with drafter_world(target, spec) as config:
+        spec = config.speculative_config
+        hf = spec.draft_model_config.hf_config
+        result = {"mask_token_id": torch.tensor(hf.dflash_config["mask_token_id"])}
         model = DFlashQwen3ForCausalLM(vllm_config=config)
         for param in model.parameters():  # ids (d2t) are never negative
             param.fill_(float("nan") if param.is_floating_point() else -1)

@@ -331,33 +331,20 @@ def test_offline_replay_counts_the_parallel_drafts_as_vllm_would():
 # -- the vLLM side (a subprocess) -------------------------------------------------------------
 
 def _vllm_side(target: str, drafter: str, inputs: str, out: str) -> None:
-    import socket
-
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
     from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
     from vllm.utils.cpu_triton_utils import _copy_and_expand_eagle_inputs_kernel_impl
 
+    from tests.helpers.vllm_world import drafter_world
+
     data = load_file(inputs)
     k = int(data["k"])
-    args = EngineArgs(model=target, skip_tokenizer_init=True, dtype="float32", max_model_len=256,
-                      enforce_eager=True, speculative_config={
-                          "method": "eagle3", "model": drafter, "num_speculative_tokens": k,
-                          "parallel_drafting": True})
-    config = args.create_engine_config()
-    spec = config.speculative_config
-    mask_id = spec.draft_model_config.hf_config.mask_token_id  # _init_parallel_drafting_params
-    result = {"parallel_drafting": torch.tensor(spec.parallel_drafting),
-              "mask_token_id": torch.tensor(mask_id)}
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    with set_current_vllm_config(config), torch.no_grad():
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
-        initialize_model_parallel(1, 1)
+    with drafter_world(target, {"method": "eagle3", "model": drafter, "num_speculative_tokens": k,
+                                "parallel_drafting": True}) as config:
+        spec = config.speculative_config
+        mask_id = spec.draft_model_config.hf_config.mask_token_id  # _init_parallel_drafting_params
+        result = {"parallel_drafting": torch.tensor(spec.parallel_drafting),
+                  "mask_token_id": torch.tensor(mask_id)}
         model = Eagle3LlamaForCausalLM(vllm_config=config)
         model.load_weights(iter(load_file(f"{drafter}/model.safetensors").items()))
         result["mask_hidden"] = model.mask_hidden.clone()

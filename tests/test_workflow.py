@@ -342,7 +342,7 @@ def test_a_dflash_drafter_trains_and_is_served_beside_eagle3(results, tmp_path):
     assert runs["eagle3_k3"]["compare"]
     assert acceptance["verdict"]["method"] == "dflash"  # the run's own drafter is judged
     table = {row["name"]: row for row in acceptance["methods"]}
-    assert table["dflash_k3"]["kind"] == "DFlash" and table["eagle3_k3"]["compared"]
+    assert table["dflash_k3"]["kind"] == "DFlash, 2 layers" and table["eagle3_k3"]["compared"]
     for name in ("dflash_k3", "eagle3_k3"):
         row = table[name]
         assert row["acceptance_length"] == pytest.approx(1 + sum(row["per_position_rate"]))

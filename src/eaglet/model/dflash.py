@@ -39,7 +39,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save
+from safetensors.torch import load_file
 from torch import nn
 
 from eaglet.core.io import atomic_open, read_json, write_json
@@ -47,7 +47,7 @@ from eaglet.data.shards import STORAGE_DTYPES
 from eaglet.model.attention import BLOCK_ROWS, attend, attention_blocks
 from eaglet.model.config import ATTENTION, DFLASH_ARCHITECTURE, DrafterConfig, config_from_vllm
 from eaglet.model.drafter import MLP, RMSNorm, compute_dtype
-from eaglet.model.export import vllm_config
+from eaglet.model.export import vllm_config, write_weights
 from eaglet.model.init import LayerFit, _misfit
 from eaglet.model.kernels import EAGER
 from eaglet.model.rope import rope_inv_freq
@@ -325,25 +325,8 @@ def export_dflash(model: DFlashDrafter, out_dir: str | Path, dtype: str = "float
     """Write ``config.json``, ``model.safetensors`` and ``mask_embedding.pt`` atomically;
     returns the config. ``block_size``: the trained block (train.ttt_steps + 1)."""
     out_dir = Path(out_dir)
-    expected = vllm_tensors(model)
-    state = {n: t for n, t in model.state_dict().items() if n != "mask_embedding"}
-    if "d2t" not in expected and state.pop("d2t").any():
-        raise RuntimeError("a draft vocabulary as large as the target's must map ids to themselves "
-                           "(d2t all 0)")
-    if set(state) != set(expected):
-        raise RuntimeError(f"DFlash tensors {sorted(state)} differ from the vLLM checkpoint's "
-                           f"{sorted(expected)}")
-    tensors = {}
-    for name, shape in expected.items():
-        tensor = state[name].detach().cpu()
-        if tuple(tensor.shape) != shape:
-            raise RuntimeError(f"{name} has shape {tuple(tensor.shape)}, vLLM expects {shape}")
-        if tensor.is_floating_point():
-            tensor = tensor.to(STORAGE_DTYPES[dtype])
-        tensors[name] = tensor.contiguous()
-    data = save(tensors, metadata={"format": "pt"})
-    with atomic_open(out_dir / "model.safetensors", "wb") as handle:
-        handle.write(data)
+    write_weights({n: t for n, t in model.state_dict().items() if n != "mask_embedding"},
+                  vllm_tensors(model), out_dir, dtype)
     with atomic_open(out_dir / MASK_EMBEDDING_FILE, "wb") as handle:
         torch.save({"mask_token_id": model.mask_token_id,
                     "embedding": model.mask_embedding.detach().cpu().to(STORAGE_DTYPES[dtype])},

@@ -183,17 +183,28 @@ def mla_fields(config: DrafterConfig) -> dict:
 
 def export_drafter(model: Eagle3Drafter, out_dir: str | Path, dtype: str = "float32") -> dict:
     """Write ``out_dir/config.json`` and ``out_dir/model.safetensors`` atomically; returns the config."""
-    out_dir = Path(out_dir)
-    expected = vllm_tensors(model.config)
-    state = model.state_dict()
-    if "d2t" not in expected and state.pop("d2t").any():
+    expected = {name: shape for name, (shape, _) in vllm_tensors(model.config).items()}
+    write_weights(model.state_dict(), expected, out_dir, dtype)
+    config = vllm_config(model.config, dtype)
+    write_json(Path(out_dir) / "config.json", config)
+    return config
+
+
+def write_weights(state: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]],
+                  out_dir: str | Path, dtype: str) -> None:
+    """``out_dir/model.safetensors`` (atomically) of the tensors ``state`` holds, which must be
+    exactly those vLLM loads, ``expected`` (name -> shape), floats in ``dtype``; ``d2t`` may
+    be in ``state`` and not expected only as the identity map (a full draft vocabulary, for
+    which vLLM has no parameter)."""
+    state = dict(state)
+    if "d2t" not in expected and "d2t" in state and state.pop("d2t").any():
         raise RuntimeError("a draft vocabulary as large as the target's must map ids to themselves "
                            "(d2t all 0)")
     if set(state) != set(expected):
         raise RuntimeError(f"drafter tensors {sorted(state)} differ from the vLLM checkpoint's "
                            f"{sorted(expected)}")
     tensors = {}
-    for name, (shape, _) in expected.items():
+    for name, shape in expected.items():
         tensor = state[name].detach().cpu()
         if tuple(tensor.shape) != shape:
             raise RuntimeError(f"{name} has shape {tuple(tensor.shape)}, vLLM expects {shape}")
@@ -201,11 +212,8 @@ def export_drafter(model: Eagle3Drafter, out_dir: str | Path, dtype: str = "floa
             tensor = tensor.to(STORAGE_DTYPES[dtype])
         tensors[name] = tensor.contiguous()
     data = save(tensors, metadata={"format": "pt"})
-    with atomic_open(out_dir / "model.safetensors", "wb") as handle:
+    with atomic_open(Path(out_dir) / "model.safetensors", "wb") as handle:
         handle.write(data)
-    config = vllm_config(model.config, dtype)
-    write_json(out_dir / "config.json", config)
-    return config
 
 
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose config format this follows

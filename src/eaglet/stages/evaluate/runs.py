@@ -112,11 +112,15 @@ def drafter_method(drafter_dir: str | os.PathLike | None) -> str:
 
 def drafter_kind(drafter_dir: str | os.PathLike) -> tuple[str, str, str]:
     """The exported drafter's method, and its method and variant as a run-name label and in
-    words: ``("peagle", "peagle", "P-EAGLE")``, ``("eagle3", "eagle31", "EAGLE-3.1")`` where
+    words: ``("peagle", "peagle", "P-EAGLE")``, ``("dflash", "dflash", "DFlash, 2 layers")``,
+    ``("eagle3", "eagle31", "EAGLE-3.1")`` where
     its config.json carries the norms of train.drafter_variant eagle3.1, else
     ``("eagle3", "eagle3", "EAGLE-3")``."""
 
     method = drafter_method(drafter_dir)
+    if method == "dflash":  # its depth (train.dflash_layers) in words
+        layers = read_json(Path(drafter_dir, "config.json")).get("num_hidden_layers", 1)
+        return method, method, f"DFlash, {layers} layer{'s' if layers > 1 else ''}"
     if method == "eagle3" and Path(drafter_dir, "config.json").is_file():
         flags = norm_flags(read_json(Path(drafter_dir, "config.json")))
         if all(flags[f] == v for f, v in DRAFTER_VARIANTS["eagle3.1"].items()):
