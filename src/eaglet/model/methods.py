@@ -57,11 +57,11 @@ def export(model: torch.nn.Module, out_dir: str | Path, dtype: str = "float32",
     return eagle3_export.export_drafter(model, out_dir, dtype)
 
 
-def load(drafter_dir: str | Path, target_dir: str | Path,
-         dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """The drafter exported in ``drafter_dir``, whatever its method, with the target's
-    embedding, ready to run (eval mode)."""
-    method = exported_method(drafter_dir)
+def load(drafter_dir: str | Path, target_dir: str | Path, dtype: torch.dtype = torch.float32,
+         method: str | None = None) -> torch.nn.Module:
+    """The drafter exported in ``drafter_dir``, whatever its method (``method``, else what its
+    config.json says), with the target's embedding, ready to run (eval mode)."""
+    method = method or exported_method(drafter_dir)
     if method == "dflash":
         return dflash.load_dflash(drafter_dir, target_dir, dtype)
     if method == "peagle":

@@ -19,7 +19,7 @@ from eaglet.model.sizes import SERVED_BYTES, target_size
 from eaglet.stages.evaluate.metrics import (_answer_counts, _sum_deltas, acceptance,
                                             per_request_acceptance)
 from eaglet.stages.evaluate.placement import HOST_USABLE, host_memory_bytes
-from eaglet.stages.evaluate.runs import cut, sampling_text
+from eaglet.stages.evaluate.runs import cut, drafter_method, sampling_text
 from eaglet.stages.evaluate.schedule import fixed_k_runs
 from eaglet.target.checkpoint import TargetError, load_target_lm_head
 
@@ -178,9 +178,9 @@ def _replay_inputs(cfg: dict, target_path: str, drafter_dir: str, held_out_paths
 
 
 def load_for_replay(drafter_dir: str, target_path: str):
-    """The exported drafter, whatever its method, ready to replay as vLLM drafts with it
-    (:func:`eaglet.model.methods.load`)."""
-    return methods.load(drafter_dir, target_path)
+    """The exported drafter, whatever its method (:func:`drafter_method`), ready to replay as
+    vLLM drafts with it (:func:`eaglet.model.methods.load`)."""
+    return methods.load(drafter_dir, target_path, method=drafter_method(drafter_dir))
 
 
 def replay_sequences(drafter, sequences: list[tuple[list[int], list[int]]], ks: list[int],
