@@ -34,7 +34,7 @@ from eaglet.stages.evaluate import runs as evaluate_runs
 from eaglet.stages.evaluate import schedule as evaluate_schedule
 from eaglet.stages.train.data import make_batch
 from eaglet.stages.train.step import batch_sums
-from tests.test_peagle import H, V
+from tests.test_peagle import H, V, same_drafts_as_vllm
 from tests.test_train import FAST, read_log, run, world  # noqa: F401 (world: a fixture)
 from tests.test_peagle import tiny_config as peagle_config
 
@@ -344,13 +344,7 @@ def test_vllm_loads_every_weight_and_drafts_what_eaglet_computes(tmp_path, layer
     assert out["mask_token_id"].item() == model.mask_token_id
     targets = model.to_target_ids(torch.arange(len(draft_ids)))
     for p in anchors:
-        theirs = out[f"logits.{p}"]                                     # [K, target vocab]
-        ours = torch.stack(model(aux[:p + 1], ids[1:p + 2].expand(K, p + 1), torch.arange(p + 1),
-                                 torch.zeros(p + 1, dtype=torch.long),
-                                 [torch.tensor([p])] * K)).squeeze(1)
-        torch.testing.assert_close(theirs[:, targets], ours, rtol=1e-4, atol=1e-4)
-        assert torch.isinf(theirs[:, ~t2d]).all()
-        assert theirs.argmax(-1).tolist() == draft_parallel(model, aux, ids, p, K)
+        same_drafts_as_vllm(model, out[f"logits.{p}"], aux, ids, p, K, targets, t2d)
 
 
 def _vllm_side(target: str, drafter: str, inputs: str, out: str) -> None:

@@ -267,13 +267,19 @@ def test_vllm_reads_the_export_and_drafts_what_eaglet_computes(tmp_path):
         assert layout.tolist() == list(range(p + K))
         assert out[f"ids.{p}"][p + 1:].tolist() == [model.mask_token_id] * (K - 1)
         assert out[f"ids.{p}"][:p + 1].tolist() == ids[1:p + 2].tolist()
-        theirs = out[f"logits.{p}"]                                     # [K, target vocab]
-        ours = torch.stack(model(aux[:p + 1], ids[1:p + 2].expand(K, p + 1), torch.arange(p + 1),
-                                 torch.zeros(p + 1, dtype=torch.long),
-                                 [torch.tensor([p])] * K)).squeeze(1)
-        torch.testing.assert_close(theirs[:, targets], ours, rtol=1e-4, atol=1e-4)
-        assert torch.isinf(theirs[:, ~t2d]).all()
-        assert theirs.argmax(-1).tolist() == draft_parallel(model, aux, ids, p, K)
+        same_drafts_as_vllm(model, out[f"logits.{p}"], aux, ids, p, K, targets, t2d)
+
+
+def same_drafts_as_vllm(model, theirs, aux, ids, p: int, k: int, targets, t2d) -> None:
+    """vLLM's logits [k, target vocab] of the round after row ``p`` are the one-forward
+    drafter's own (``model``: P-EAGLE or DFlash) at the draft vocabulary's target ids
+    ``targets``, -inf elsewhere, and their argmax the offline replay's drafts."""
+    ours = torch.stack(model(aux[:p + 1], ids[1:p + 2].expand(k, p + 1), torch.arange(p + 1),
+                             torch.zeros(p + 1, dtype=torch.long),
+                             [torch.tensor([p])] * k)).squeeze(1)
+    torch.testing.assert_close(theirs[:, targets], ours, rtol=1e-4, atol=1e-4)
+    assert torch.isinf(theirs[:, ~t2d]).all()
+    assert theirs.argmax(-1).tolist() == draft_parallel(model, aux, ids, p, k)
 
 
 # -- the offline replay ----------------------------------------------------------------------

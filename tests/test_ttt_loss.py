@@ -12,6 +12,8 @@ import torch
 
 from eaglet.model import loss as ttt_loss
 from eaglet.model.drafter import Eagle3Drafter, compile_drafter
+from eaglet.model.dflash import DFlashDrafter
+from eaglet.model.kernels import EAGER
 from eaglet.model.peagle import PEagleDrafter
 from eaglet.stages.train.loop import Dist, Trainer, settings
 from tests.test_drafter import DRAFT_VOCAB, VOCAB, H, sample, tiny_config, vocab_map
@@ -73,6 +75,7 @@ def trainer(tmp_path, method: str, fast: bool, variant: dict) -> Trainer:
         setattr(config, key, value)
     embed = torch.randn(VOCAB, H)
     model = (PEagleDrafter(config, embed, d2t, t2d, mask_token_id=1) if method == "peagle"
+             else DFlashDrafter(config, embed, d2t, t2d, mask_token_id=1) if method == "dflash"
              else Eagle3Drafter(config, embed, d2t, t2d))
     cfg = settings({"epochs": 10, "max_steps": 10, "lr": 3e-3, "warmup_steps": 2,
                     "ttt_steps": 4, "max_len": 64, "max_tokens_per_batch": 96,
@@ -84,7 +87,7 @@ def trainer(tmp_path, method: str, fast: bool, variant: dict) -> Trainer:
 
 @pytest.mark.parametrize("method, variant", [("eagle3", {}),
                                              ("eagle3", {"fc_norm": True, "norm_output": True}),
-                                             ("peagle", {})])
+                                             ("peagle", {}), ("dflash", {})])
 def test_ten_steps_of_the_fast_step_are_the_plain_steps(tmp_path, method, variant):
     """Fused loss and compiled kernels against the plain autograd step: the same losses and
     gradients at every one of ten AdamW steps over packed batches of several samples, and the
@@ -116,3 +119,7 @@ def test_compiled_kernels_can_be_switched_off_again():
     assert model.norm.kernels is model.midlayer.mlp.kernels is not type(model.norm).kernels
     compile_drafter(model, on=False)
     assert model.norm.kernels is model.midlayer.self_attn.kernels is type(model.norm).kernels
+    # any method's layers: DFlash's attention takes the compiled kernels too
+    block = DFlashDrafter(tiny_config(), torch.randn(VOCAB, H), *vocab_map(), mask_token_id=1)
+    compile_drafter(block)
+    assert block.layers[0].self_attn.kernels is block.norm.kernels is not EAGER

@@ -75,9 +75,14 @@ def train_passes(train: dict) -> int:
     """The drafter layer passes one training token costs (``train``: the config's train
     section), which a training rate is scaled by between runs: a TTT step each (EAGLE-3,
     P-EAGLE); DFlash's block of ttt_steps + 1 slots through each of its layers."""
-    if train.get("method") == "dflash":
-        return (train["ttt_steps"] + 1) * train.get("dflash_layers", 1)
-    return train["ttt_steps"]
+    return layer_passes(train.get("method", "eagle3"), train["ttt_steps"],
+                        train.get("dflash_layers", 1))
+
+
+def layer_passes(method: str, ttt_steps: int, dflash_layers: int = 1) -> int:
+    """:func:`train_passes` of ``method`` at ``ttt_steps``: DFlash's (ttt_steps + 1) slots
+    through each of its ``dflash_layers``, else one step a pass."""
+    return (ttt_steps + 1) * dflash_layers if method == "dflash" else ttt_steps
 
 
 def training_ranks(cfg: dict) -> int:

@@ -48,7 +48,7 @@ from eaglet.model.attention import BLOCK_ROWS, attend, attention_blocks
 from eaglet.model.config import ATTENTION, DFLASH_ARCHITECTURE, DrafterConfig, config_from_vllm
 from eaglet.model.drafter import MLP, RMSNorm, compute_dtype
 from eaglet.model.export import vllm_config, write_weights
-from eaglet.model.init import LayerFit, _misfit
+from eaglet.model.init import LayerFit, fit_target_layer
 from eaglet.model.kernels import EAGER
 from eaglet.model.rope import rope_inv_freq
 from eaglet.target.checkpoint import load_target_embedding, load_target_layer, target_layer_meta
@@ -233,24 +233,8 @@ def init_from_target(model: DFlashDrafter, target_dir, layer: int) -> LayerFit:
                 "mlp": {"post_attention_layernorm.weight": (h,),
                         **{f"mlp.{n}.weight": tuple(getattr(first.mlp, n).weight.shape)
                            for n in ("gate_proj", "up_proj", "down_proj")}}}
-    prefixes = {"attention": ("input_layernorm.", "self_attn."),
-                "mlp": ("post_attention_layernorm.", "mlp.")}
-    names = [n for n in meta if n != "norm" and not n.endswith("rotary_emb.inv_freq")]
-    parts, reasons = {}, {}
-    if not names or "norm" not in meta:
-        reason = ("the checkpoint holds no tensor of that layer" if not names
-                  else "the checkpoint holds no final norm")
-        reasons = {part: reason for part in expected}
-    else:
-        for part, tensors in expected.items():
-            own = [n for n in names if n.startswith(prefixes[part])]
-            reason = _misfit(tensors, meta, own)
-            if reason:
-                reasons[part] = reason
-            else:
-                parts[part] = list(tensors)
-    fit = LayerFit(layer, parts, reasons, "DFlash")
-    if not parts:
+    fit = fit_target_layer(model, meta, layer, expected, "DFlash")
+    if not fit.parts:
         return fit
     weights = load_target_layer(target_dir, layer, fit.names)
     with torch.no_grad():
@@ -258,13 +242,12 @@ def init_from_target(model: DFlashDrafter, target_dir, layer: int) -> LayerFit:
             for name, param in block.named_parameters():
                 if name in weights:  # the fitting parts' tensors alone were read
                     param.copy_(weights[name])
-        if "attention" in parts:
+        if "attention" in fit.parts:
             model.hidden_norm.weight.copy_(weights["input_layernorm.weight"])
         model.norm.weight.copy_(weights["norm"])
         model.fc.weight.zero_()
         model.fc.weight[:, -h:].copy_(torch.eye(h))
     return fit
-
 
 
 # -- the checkpoint ---------------------------------------------------------------------------

@@ -52,7 +52,7 @@ from torch import nn
 
 from eaglet.model.attention import BLOCK_ROWS, AttentionBlock, attend, attention_blocks
 from eaglet.model.config import ATTENTION, DrafterConfig
-from eaglet.model.kernels import EAGER, compiled_kernels
+from eaglet.model.kernels import EAGER, Kernels, compiled_kernels
 from eaglet.model.rope import mla_softmax_scale, rope_inv_freq, rotate_pairs
 
 # -- layers ----------------------------------------------------------------------------------
@@ -80,10 +80,11 @@ def compute_dtype(x: torch.Tensor) -> torch.Tensor:
 
 
 def compile_drafter(model: nn.Module, on: bool = True) -> None:
-    """Give every layer of ``model`` the compiled kernels (``on``) or the plain ones."""
+    """Give every layer of ``model`` that computes through kernels (its ``kernels``: norms,
+    MLPs, attentions of any method) the compiled ones (``on``) or the plain ones."""
     kernels = compiled_kernels() if on else EAGER
     for module in model.modules():
-        if isinstance(module, (RMSNorm, MLP, Attention, MLAAttention)):
+        if isinstance(getattr(module, "kernels", None), Kernels):
             module.kernels = kernels
 
 

@@ -135,12 +135,16 @@ class LayerFit:
 
 
 def fit_target_layer(model: Eagle3Drafter, meta: dict[str, tuple[tuple[int, ...], str]],
-                     layer: int | None = None) -> LayerFit:
+                     layer: int | None = None,
+                     shapes: dict[str, dict[str, tuple[int, ...]]] | None = None,
+                     style: str | None = None) -> LayerFit:
     """Which parts of the drafter's layer a target layer fits, from its tensors' names,
     shapes and dtypes (``target_layer_meta``, or ``tensor_meta`` of loaded weights): MLA
-    attention, MoE experts, other shapes and quantized weights do not."""
+    attention, MoE experts, other shapes and quantized weights do not. ``shapes``: by part
+    (LAYER_PARTS), the target tensors the layer takes (default: the EAGLE-3 layer's,
+    :func:`target_layer_shapes`); ``style``: the layer as the log names it."""
     h = model.config.hidden_size
-    style = "MLA" if model.config.attention_kind == "mla" else "Llama-style"
+    style = style or ("MLA" if model.config.attention_kind == "mla" else "Llama-style")
     names = [n for n in meta if n != "norm" and not n.endswith(IGNORED)]
     if not names:
         reason = "the checkpoint holds no tensor of that layer"
@@ -152,7 +156,7 @@ def fit_target_layer(model: Eagle3Drafter, meta: dict[str, tuple[tuple[int, ...]
     unclaimed = [n for n in names
                  if not any(n.startswith(p) for prefixes in LAYER_PARTS.values() for p in prefixes)]
     parts, reasons = {}, {}
-    for part, expected in target_layer_shapes(model).items():
+    for part, expected in (shapes or target_layer_shapes(model)).items():
         own = [n for n in names if n.startswith(LAYER_PARTS[part])]
         if part == "mlp":  # what follows attention: an MoE block by another name (Mixtral's
             own += unclaimed  # block_sparse_moe), extra norms

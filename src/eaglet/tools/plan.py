@@ -41,6 +41,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from eaglet.core import rates
 from eaglet.core.config import ConfigError, eval_shard_count, load_run_config, validate
 from eaglet.core.gpus import GPU_BYTES, GPU_NAME, GPU_USABLE
 from eaglet.core.io import read_json
@@ -170,7 +171,7 @@ def training(s: Shape, tokens: int, max_len: int | None, steps: int, precision: 
         else tokens * s.draft_vocab * 4)                    # teacher probabilities
     # DFlash: every row's block of steps + 1 slots through each of its layers, taken as that
     # many TTT steps (its keys over the context and the block: a TTT step's with more own keys)
-    passes = (steps + 1) * s.dflash_layers if s.method == "dflash" else steps
+    passes = rates.layer_passes(s.method, steps, s.dflash_layers)
     rows = ttt_rows_bytes(s, tokens, passes, act, fused_loss)
     scores = ttt_attention_bytes(s, tokens, block, passes, act)
     fused = ttt_attention_bytes(s, tokens, block, passes, act, fused=True, pad=sink_pad)

@@ -11,7 +11,7 @@ from typing import Any, Callable
 from eaglet.core import rates
 from eaglet.core.config import stream_overlaps
 from eaglet.core.io import human_size
-from eaglet.core.layout import (ACCEPTANCE, DRAFTER_CONFIG, DRAFTER_STATS, HIDDEN, MANIFEST, PROGRESS, PROMPT_STATS,
+from eaglet.core.layout import (ACCEPTANCE, DRAFTER, DRAFTER_CONFIG, DRAFTER_STATS, HIDDEN, MANIFEST, PROGRESS, PROMPT_STATS,
                                 SCALING, SCALING_RUNS, STAGE_FILES, SYNTHETIC_STATS, TARGET_JSON,
                                 VOCAB_STATS, fraction_name, progress_file)
 from eaglet.core.progress import format_duration
@@ -356,7 +356,7 @@ class Train(Stage):
             out["steps"] = int(rows[-1]["step"])
         if (r / DRAFTER_CONFIG).is_file():  # the exported drafter's method (train.method)
             with contextlib.suppress(OSError, ValueError):
-                out["method"] = exported_method(r / DRAFTER_CONFIG.rpartition("/")[0])
+                out["method"] = exported_method(r / DRAFTER)
         stats = _read(r / DRAFTER_STATS) or {}
         shipped = stats.get("shipped")
         if isinstance(shipped, dict):
