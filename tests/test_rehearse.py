@@ -251,3 +251,24 @@ def test_a_miniature_taught_too_briefly_says_it_did_not_learn_the_format(tmp_pat
     failure = learned["first_failure"]
     assert failure and not (failure["ended_turn"] and failure["closed_reasoning"])
     assert "template's rendering of the answer" in info["taught"]["format"]
+
+
+def test_an_error_inside_the_rehearsal_ends_in_its_fail_line_and_the_summary(
+        tmp_path, monkeypatch, capsys):
+    """A miniature that cannot be built (or any error past the config's check) is a FAIL
+    line of the report, with the summary and rehearsal.json, never a traceback."""
+    from eaglet.tools.miniature import MiniatureError
+
+    def cannot(*args, **kwargs):
+        raise MiniatureError("the parser names no markers")
+
+    monkeypatch.setattr(rehearse, "build", cannot)
+    out = tmp_path / "out"
+    code = rehearse.main(["--configfile", str(REPO / "configs" / "qwen3-8b.yaml"),
+                          "--target-files", str(STANDINS / "qwen3-8b"), "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 1
+    assert "FAIL miniature  MiniatureError: the parser names no markers" in printed, printed
+    assert "REHEARSAL FAILED" in printed
+    result = json.loads((out / "rehearsal.json").read_text())
+    assert not result["passed"] and result["checks"][-1]["stage"] == "miniature"

@@ -163,12 +163,44 @@ def test_crash_before_ready_raises_with_exit_code_and_log_tail(make_server, log_
     server = make_server("--ready-after", "1000", "--crash-after", "0.2")
 
     message = start_error(server)
-    assert "exited with code 3 before it was ready" in message
+    assert "exited (exit code 3) before it was ready" in message
     assert "boom: simulated crash" in message
     assert str(log_path) in message
     assert server.proc is None
     assert not pid_alive(logged_server_pid(log_path))
     assert "Fix:" not in message  # no advice for a failure it does not know
+
+
+# how vLLM 0.32's log reads when the engine core fails: the cause, then the API server's
+# wrapper of it and a screen of shutdown lines (the cause was 200 lines above the end)
+ENGINE_CORE_FAILURE = (
+    "(EngineCore pid=8123) Traceback (most recent call last):\n"
+    "(EngineCore pid=8123)   File \"gpu_model_runner.py\", line 5236, in _setup\n"
+    "(EngineCore pid=8123) RuntimeError: Model does not support EAGLE3 interface but "
+    "aux_hidden_state_outputs was requested\n"
+    + "(APIServer pid=8100) INFO shutting down worker\n" * 60
+    + "RuntimeError: Engine core initialization failed. See root cause above. Failed core "
+    "proc(s): {}\n" + "(APIServer pid=8100) INFO exiting\n" * 50)
+
+
+def test_a_server_that_dies_starting_is_reported_by_the_root_cause_in_its_log(make_server):
+    server = make_server("--ready-after", "1000", "--crash-after", "0.2",
+                         "--crash-message", ENGINE_CORE_FAILURE)
+    message = start_error(server)
+    cause = ("RuntimeError: Model does not support EAGLE3 interface but "
+             "aux_hidden_state_outputs was requested")
+    assert message.splitlines()[0].endswith(cause), message.splitlines()[0]
+    assert message.rstrip().endswith(f"The cause, from the server's log: {cause}")
+
+
+def test_a_server_stopped_by_a_signal_while_starting_is_not_said_to_have_failed_on_its_own(
+        make_server, log_path):
+    server = make_server("--ready-after", "1000", "--crash-after", "0.2",
+                         "--crash-message", "INFO received SIGTERM, shutting down",
+                         "--crash-code", "0")
+    message = start_error(server)
+    assert "exited (exit code 0) before it was ready (vLLM exits with code 0 when a signal" \
+        in message
 
 
 def test_a_server_without_room_for_its_kv_cache_names_the_setting_that_fixes_it(make_server):
@@ -306,7 +338,7 @@ def test_a_server_that_fails_to_start_stops_those_started_with_it(make_server, t
                make_server("--ready-after", "1000", "--crash-after", "0.2",
                            log_path=tmp_path / "crash.log"),
                make_server("--ready-after", "0.5", log_path=tmp_path / "waiting.log")]
-    with pytest.raises(ServerError, match="exited with code 3"):
+    with pytest.raises(ServerError, match=r"exited \(exit code 3\)"):
         with contextlib.ExitStack() as stack:
             start_together([(stack, server) for server in servers])
     # the one that was up was stopped by its stack, the one not yet waited for right away

@@ -249,3 +249,50 @@ def test_a_vocabulary_far_below_the_floor_stops_the_run_before_extraction(tmp_pa
     stats = build_vocab_map(records, 64, 4, tmp_path / "v.safetensors", tmp_path / "s.json",
                             min_coverage=0.0)
     assert stats["coverage"] < 0.5 and (tmp_path / "v.safetensors").exists()
+
+
+# -- the map's identity across rebuilds -------------------------------------------------------
+
+WRITE_MAP = """
+import sys
+from eaglet.data.vocab import build_vocab_map
+records = [{"id": f"p-{i}", "prompt_token_ids": [1], "completion_token_ids": [i % 7, 9, 11],
+            "sampling": {"temperature": 0.0}} for i in range(20)]
+build_vocab_map(records, 64, 8, sys.argv[1], sys.argv[1] + ".json")
+"""
+
+
+def test_an_identical_rebuild_of_the_map_keeps_the_trainings_fingerprint(tmp_path):
+    """safetensors writes the map's metadata in an order that changes between processes: the
+    same tensors rebuilt in another process may differ in their header's bytes. The training's
+    fingerprint holds what the map means, so a finished training is not thrown away."""
+    import os
+    import subprocess
+    import sys
+
+    from eaglet.data.shard_format import safetensors_digest, sha256_path
+    from eaglet.stages.train import checkpoints as ckpt
+    from eaglet.stages.train.setup import fingerprint_and_subset
+
+    paths = []
+    for seed in range(12):  # fresh processes, each with its own hash seed
+        path = tmp_path / f"map_{seed}.safetensors"
+        subprocess.run([sys.executable, "-c", WRITE_MAP, str(path)], check=True,
+                       env={**os.environ, "PYTHONHASHSEED": str(seed)})
+        paths.append(path)
+    assert len({sha256_path(p) for p in paths}) > 1, "the writer's header order never varied"
+    assert len({safetensors_digest(p) for p in paths}) == 1
+    prints = [fingerprint_and_subset({"lr": 1e-3}, [], 1, str(p), None)[0] for p in paths]
+    assert all(ckpt.same_training(prints[0], other) for other in prints[1:])
+    # another map is another training
+    other = tmp_path / "other.safetensors"
+    with open(other, "wb") as handle:
+        from safetensors.torch import save
+        handle.write(save({"d2t": torch.zeros(8, dtype=torch.int64),
+                           "t2d": torch.zeros(64, dtype=torch.bool)}))
+    changed = fingerprint_and_subset({"lr": 1e-3}, [], 1, str(other), None)[0]
+    assert ckpt.input_differences(prints[0], changed) == ["vocab_map_sha256"]
+    # a checkpoint of an earlier eaglet recorded the file's bytes: the same file still matches
+    earlier = {**prints[0], "inputs": {**prints[0]["inputs"],
+                                       "vocab_map_sha256": sha256_path(paths[0])}}
+    assert ckpt.input_differences(earlier, prints[0]) == []

@@ -28,6 +28,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="exit with code 3 after this many seconds")
     parser.add_argument("--crash-message", default="boom: simulated crash",
                         help="what the crash prints to stderr first")
+    parser.add_argument("--crash-code", type=int, default=3, help="the crash's exit code")
     parser.add_argument("--ignore-sigterm", action="store_true")
     parser.add_argument("--spawn-child", action="store_true",
                         help="start `sleep 600` in this process group")
@@ -55,10 +56,10 @@ def make_handler(started: float, ready_after: float):
     return Handler
 
 
-def crash_later(seconds: float, message: str) -> None:
+def crash_later(seconds: float, message: str, code: int = 3) -> None:
     def crash():
         print(message, file=sys.stderr, flush=True)
-        os._exit(3)
+        os._exit(code)
 
     timer = threading.Timer(seconds, crash)
     timer.daemon = True
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.spawn_child:
         spawn_child(args.child_pid_file)
     if args.crash_after is not None:
-        crash_later(args.crash_after, args.crash_message)
+        crash_later(args.crash_after, args.crash_message, args.crash_code)
     server = http.server.ThreadingHTTPServer(
         (args.host, args.port), make_handler(started, args.ready_after))
     print(f"health server for {args.model} listening on {args.host}:{args.port}", flush=True)

@@ -4,6 +4,7 @@ and the digests a manifest records (``eaglet.data.shards`` reads and writes the 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -27,6 +28,35 @@ def sha256_path(path: str | os.PathLike, block_bytes: int = 4 << 20) -> str:
         while count := handle.readinto(block):
             digest.update(view[:count])
     return digest.hexdigest()
+
+
+CONTENT_PREFIX = "safetensors-content-sha256:"
+
+
+def safetensors_digest(path: str | os.PathLike) -> str:
+    """A digest of what a safetensors file means, not of its bytes: its metadata (sorted by
+    key) and each tensor (by name: dtype, shape, data). safetensors writes its metadata in an
+    order that changes between processes, so two writes of the same tensors can differ in
+    their header's bytes; this digest is the same for both."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        size = int.from_bytes(handle.read(8), "little")
+        header = json.loads(handle.read(size))
+        start = 8 + size
+        digest.update(json.dumps(header.pop("__metadata__", {}), sort_keys=True).encode())
+        for name in sorted(header):
+            entry = header[name]
+            begin, end = entry["data_offsets"]
+            digest.update(json.dumps([name, entry["dtype"], entry["shape"]]).encode())
+            handle.seek(start + begin)
+            left = end - begin
+            while left:
+                block = handle.read(min(left, 4 << 20))
+                if not block:
+                    raise ValueError(f"{path}: truncated safetensors file")
+                digest.update(block)
+                left -= len(block)
+    return CONTENT_PREFIX + digest.hexdigest()
 
 
 def bytes_per_token(hidden_size: int, num_aux: int, dtype: str) -> int:

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -23,6 +25,8 @@ import urllib.request
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from eaglet.engine import support
 
 log = logging.getLogger("eaglet.engine.server")
 
@@ -90,6 +94,30 @@ KNOWN_FAILURES = [
      "the NUMA node has less free RAM than server.memory_utilization asks for: set "
      "server.kv_cache_gib (a size, not a share) or lower memory_utilization"),
 ]
+
+
+# vLLM's own lines that wrap the real error ("See root cause above")
+WRAPPER_ERRORS = ("root cause above", "Engine core initialization failed",
+                  "Worker failed with error", "EngineDeadError")
+_EXCEPTION_LINE = re.compile(r"\b((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception)): (\S.*)$")
+
+
+def root_cause(log_path: str | os.PathLike, max_bytes: int = 4 << 20) -> str | None:
+    """The exception a server's log ends on, skipping vLLM's own wrappers of it: the last
+    ``SomeError: message`` line that is not "Engine core initialization failed. See root cause
+    above" or the like (None where the log has none)."""
+    try:
+        with open(log_path, "rb") as handle:
+            handle.seek(max(0, os.path.getsize(log_path) - max_bytes))
+            text = handle.read().decode(errors="replace")
+    except OSError:
+        return None
+    found = None
+    for line in text.splitlines():
+        match = _EXCEPTION_LINE.search(line)
+        if match and not any(w in line for w in WRAPPER_ERRORS):
+            found = f"{match.group(1)}: {match.group(2).strip()}"
+    return found
 
 
 def exit_reason(returncode: int) -> str:
@@ -190,9 +218,14 @@ class VLLMServer:
             code = self.proc.poll()
             if code is not None:
                 tail = log_tail(self.log_path)
+                cause = root_cause(self.log_path)
+                stopped = (" (vLLM exits with code 0 when a signal stops it: SIGTERM from a "
+                           "person, Snakemake or the job scheduler)" if code == 0 else "")
                 raise ServerError(
-                    f"the vLLM server exited with code {code} before it was ready.\n"
-                    f"--- last lines of {self.log_path} ---\n{tail}{failure_advice(tail)}")
+                    f"the vLLM server exited ({exit_reason(code)}) before it was ready"
+                    f"{stopped}" + (f": {cause}" if cause else "") + "\n"
+                    f"--- last lines of {self.log_path} ---\n{tail}{failure_advice(tail)}"
+                    + (f"\nThe cause, from the server's log: {cause}" if cause else ""))
             if self.healthy():
                 self.ready_after_s = time.monotonic() - started
                 log.info("server ready at %s after %.0f s", self.url, self.ready_after_s)
@@ -402,19 +435,37 @@ def server_env(server: dict) -> dict[str, str] | None:
     return {**os.environ, **server["env"]} if server.get("env") else None
 
 
+def _model_config(model: str) -> dict | None:
+    """The config.json of a model served from a local directory (None for a hub id)."""
+    path = Path(model) / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def target_server(cfg: dict, model: str, log_path: str | os.PathLike,
                   extra_args: list[str] = (), target: dict | None = None) -> VLLMServer:
     """The target's vLLM server as the validated config's ``target`` (or the given
     ``target`` section) and ``server`` sections describe it, served as ``target``, plus
-    ``extra_args``; use it with ``with``."""
+    ``extra_args``; use it with ``with``. On vLLM's CPU engine (``server.gpus`` 0) every
+    model it runs gets the attention backend that takes its weights
+    (:func:`eaglet.engine.support.cpu_engine_args`), and a CPU the engine cannot run on is
+    named before anything starts."""
     server = cfg["server"]
+    target = target or cfg["target"]
+    args = server_args(target, server, "target") + list(extra_args)
+    if not server["gpus"]:  # vLLM's CPU engine
+        problem = support.cpu_engine_problem(support.cpu_flags())
+        if problem:
+            raise ServerError(f"vLLM's CPU engine cannot start: {problem}")
+        args = support.cpu_engine_args(args, _model_config(model), target["dtype"],
+                                       draft_config=_model_config)
     if server["gpus"] and server.get("kv_cache_gib") is not None:
         log.warning("server.kv_cache_gib is %s on a GPU server: each GPU's KV cache is that "
                     "size, whatever memory_utilization leaves free (config.yaml sets it for "
                     "the CPU demo); set kv_cache_gib: null to let vLLM size it",
                     server["kv_cache_gib"])
-    return VLLMServer(model=model, log_path=log_path,
-                      args=server_args(target or cfg["target"], server, "target")
-                      + list(extra_args),
-                      port=server["port"], startup_timeout_s=server["startup_timeout_s"],
+    return VLLMServer(model=model, log_path=log_path, args=args, port=server["port"],
+                      startup_timeout_s=server["startup_timeout_s"],
                       shutdown_grace_s=server["shutdown_grace_s"], env=server_env(server))

@@ -48,7 +48,8 @@ from eaglet.core.io import read_json
 from eaglet.core.layout import HIDDEN, SYNTHETIC_STATS, TARGET_JSON
 from eaglet.data import shard_format
 from eaglet.data.shard_format import bytes_per_token
-from eaglet.model.config import DRAFTER_VARIANTS, METHODS, resolve_attention
+from eaglet.engine.support import ask_in_subprocess, refusal
+from eaglet.model.config import DRAFTER_VARIANTS, METHOD_NAMES, METHODS, resolve_attention
 from eaglet.model.sizes import CHUNK_ELEMENTS as LOSS_CHUNK_ELEMENTS
 from eaglet.model.sizes import (DTYPE_BYTES, NUM_AUX, PRESETS, Shape, default_window,
                                 drafter_extra_params, drafter_params, serving_weights,
@@ -699,6 +700,11 @@ def main(argv: list[str] | None = None) -> int:
                       f"{configfile} {results}/target/target.json` first, or plan for a "
                       f"named shape: --preset {' --preset '.join(sorted(PRESETS))}",
                       file=sys.stderr)
+                return 2
+            refused = refusal(ask_in_subprocess(target[1] / "config.json"),
+                              METHOD_NAMES[method], str(cfg["target"]["model"]))
+            if refused:
+                print(f"eaglet plan: {refused}", file=sys.stderr)
                 return 2
             shapes = [shape_from_target_config(target[0], cfg["vocab"]["draft_vocab_size"],
                                                cfg["target"]["model"], attention_kind,

@@ -33,7 +33,8 @@ from eaglet.core.io import read_json, read_jsonl, write_json
 from eaglet.core.layout import (ACCEPTANCE, DRAFTER_STATS, DRAFTER_WEIGHTS, HIDDEN_EVAL, MANIFEST,
                                 PROGRESS, REPO, SYNTHETIC_STATS)
 from eaglet.data import shards
-from eaglet.model.config import DrafterConfig
+from eaglet.engine.support import ask_in_subprocess, refusal
+from eaglet.model.config import METHOD_NAMES, DrafterConfig
 from eaglet.model.sizes import shape_from_target_config
 from eaglet.stages.evaluate.replay import GREEDY_TOLERANCE, NOISE_ERRORS, within
 from eaglet.target.checkpoint import TargetError, check_run_fits, local_dir, snapshot, text_config
@@ -262,6 +263,28 @@ def check_drafter(config: dict, cfg: dict, report: Report) -> bool:
             "the target's multi-head latent attention (Eagle3DeepseekV2ForCausalLM)"
             if attention == "mla" else "Llama attention (LlamaForCausalLMEagle3)")
     report.add("drafter", True, f"{settings}: a drafter with {kind} can be built for this target")
+    return True
+
+
+def check_serving(files: Path, cfg: dict, report: Report) -> bool:
+    """Whether the installed vLLM serves the run's drafter for the real target: its model
+    class for the target's architecture must implement vLLM's EAGLE-3 interface (asked of
+    vLLM itself, :mod:`eaglet.engine.support`); a target it cannot serve one for is refused
+    here, before the miniature is built or any server starts."""
+    answers = ask_in_subprocess(files / "config.json")
+    method = METHOD_NAMES[cfg["train"]["method"]]
+    refused = refusal(answers, method, str(cfg["target"]["model"]))
+    if refused:
+        report.add("serving", False, refused, "choose a target vLLM serves a drafter for, or "
+                   "deploy one of the options above without training")
+        return False
+    if answers.get("eagle3") is None:
+        report.add("serving", None, f"vLLM could not be asked about this target's class here "
+                   f"({answers.get('error')}); the miniature's server is the check")
+    else:
+        report.add("serving", True, f"vLLM {answers['vllm_version']} serves "
+                   f"{answers['architecture']} with {answers['model_class']}, which gives the "
+                   f"aux hidden states {method} drafters read")
     return True
 
 
@@ -540,8 +563,28 @@ def rehearse(config_file: str, target_files_dir: str | None, out: Path, cores: i
     report = Report()
     spec = _get(user, "target.model") or ""
     files = target_files(spec, target_files_dir, out / "target-files")
-    check_target(files, user, report)
+    stage = "target"
+    try:
+        if check_serving(files, validate(copy.deepcopy(user)), report):
+            check_target(files, user, report)
+            stage = "miniature"
+            _rehearse_on_miniature(user, files, out, cores, teach_seconds, report)
+    except Exception as error:  # the report is the product: a failure is its FAIL line
+        log.debug("the rehearsal stopped", exc_info=True)
+        if stage == "miniature" and any(c.stage == "miniature" for c in report.checks):
+            stage = "workflow"  # the miniature was built: what failed came after it
+        report.add(stage, False, f"{type(error).__name__}: {error}")
+    report.times["total"] = time.monotonic() - started
+    write_json(out / "rehearsal.json", {"passed": report.passed,
+                                        "checks": [c.__dict__ for c in report.checks],
+                                        "scaled": report.scaled, "times_s": report.times,
+                                        "capture": report.capture, "plan": report.plan})
+    return report
 
+
+def _rehearse_on_miniature(user: dict, files: Path, out: Path, cores: int, teach_seconds: float,
+                           report: Report) -> None:
+    """Build (or reuse) the miniature, run the workflow on it, and read each stage's checks."""
     miniature = out / "miniature"
     stamp = {"files_sha256": _sha(files), "teach_seconds": teach_seconds,
              "teach_steps": [TEACH_STEPS, TEACH_BATCH], "sharpen": SHARPEN,
@@ -589,12 +632,6 @@ def rehearse(config_file: str, target_files_dir: str | None, out: Path, cores: i
     if code != 0:
         report.add("workflow", False, failed_rule(out / "snakemake.log")
                    or f"snakemake exited {code}", f"see {out / 'snakemake.log'}")
-    report.times["total"] = time.monotonic() - started
-    write_json(out / "rehearsal.json", {"passed": report.passed,
-                                        "checks": [c.__dict__ for c in report.checks],
-                                        "scaled": report.scaled, "times_s": report.times,
-                                        "capture": report.capture, "plan": report.plan})
-    return report
 
 
 def main(argv: list[str] | None = None) -> int:

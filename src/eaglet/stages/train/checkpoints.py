@@ -80,7 +80,10 @@ def input_differences(was: dict, now: dict) -> list[str]:
     """Which inputs the weights depend on differ between a checkpoint's fingerprint and this
     run's (a checkpoint written before inputs were recorded differs in all of them: nothing
     says it was trained on these)."""
-    before = was.get("inputs") or {}
+    before = dict(was.get("inputs") or {})
+    if before.get("vocab_map_sha256") == now.get("vocab_map_file_sha256"):
+        # an earlier eaglet's checkpoint recorded the map's bytes: the same file is the same map
+        before["vocab_map_sha256"] = now["inputs"]["vocab_map_sha256"]
     return [k for k in now["inputs"] if before.get(k) != now["inputs"][k]]
 
 
@@ -104,7 +107,9 @@ def same_training(was: dict | None, now: dict | None) -> bool:
 def fingerprint(cfg: dict, infos: list[ShardInfo], group: int, vocab_map_sha256: str) -> dict:
     """What a checkpoint must share with the run that resumes it: the settings, the data's
     order, and (``inputs``) every input the weights depend on: each shard's contents, the aux
-    layers its states are of, and the vocabulary map."""
+    layers its states are of, and the vocabulary map (``vocab_map_sha256``: the digest of
+    its tensors and metadata, :func:`eaglet.data.shard_format.safetensors_digest`, which an
+    identical rebuild keeps)."""
     samples = hashlib.sha256(json.dumps([i.sample_ids for i in infos]).encode()).hexdigest()
     return {"train": {k: v for k, v in cfg.items() if k not in RESUME_FREE},
             "shards": [Path(i.path).name for i in infos], "sample_ids_sha256": samples,

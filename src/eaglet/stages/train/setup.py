@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eaglet.data.shard_format import sha256_path
+from eaglet.data.shard_format import safetensors_digest, sha256_path
 from eaglet.data.vocab import load_vocab_map
 from eaglet.model import methods
 from eaglet.model.config import DrafterConfig
@@ -102,7 +102,9 @@ def fingerprint_and_subset(cfg: dict, infos: list[ShardInfo], group: int, vocab_
     """The run's fingerprint (what a checkpoint must match to be resumed; ``group``: the
     micro-batches of one optimizer step) and the global indices of ``train_samples``, the ids
     of the samples to train on (None: all, and no subset)."""
-    fingerprint = ckpt.fingerprint(cfg, infos, group, sha256_path(vocab_map))
+    fingerprint = ckpt.fingerprint(cfg, infos, group, safetensors_digest(vocab_map))
+    # what checkpoints of an earlier eaglet recorded: the file's bytes (matched once, below)
+    fingerprint["vocab_map_file_sha256"] = sha256_path(vocab_map)
     subset = None
     if train_samples is not None:
         index = {sid: i for i, sid in enumerate(s for info in infos for s in info.sample_ids)}

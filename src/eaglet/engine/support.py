@@ -1,0 +1,250 @@
+"""What the installed vLLM does with a target, asked of vLLM itself: the model class it serves
+the target's architecture with, whether that class gives the aux hidden states every method
+eaglet trains needs (vLLM's ``SupportsEagle3`` interface: EAGLE-3, P-EAGLE and DFlash drafters
+read them, and so does the ``extract_hidden_states`` capture), whether it serves the target
+with multi-head latent attention, and the engine settings a CPU needs.
+
+A target whose class lacks the interface fails deep inside the server ("Model does not support
+EAGLE3 interface but aux_hidden_state_outputs was requested") after generation, or, with the
+transformers extraction backend, at evaluation after every hour of training:
+:func:`refusal` says so before any stage runs, with what vLLM can serve instead.
+
+vLLM is imported only by :func:`ask` (in a process of its own through :func:`ask_in_subprocess`
+where the caller must stay free of PyTorch, as ``eaglet plan`` must); the rest is plain data.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+
+log = logging.getLogger("eaglet.engine.support")
+
+INTERFACE = "SupportsEagle3"
+
+# config.json keys that declare the target's own multi-token-prediction layers, which vLLM
+# serves with speculative method "mtp" (config/speculative.py reads these two)
+MTP_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers")
+
+# The weights' dtypes vLLM's AMX MLA backend takes (amx_mla.py, process_weights_after_loading:
+# bfloat16, float16, and quantized int8/fp8/mxfp4/int4 weights, which a checkpoint declares);
+# the CPU platform picks that backend for every MLA model on a CPU with AMX tiles unless
+# CPU_MLA is asked for (platforms/cpu.py, get_attn_backend_cls), and CPU_MLA takes any dtype
+AMX_MLA_DTYPES = ("bfloat16", "float16")
+CPU_MLA = "CPU_MLA"
+
+# the x86 instruction set vLLM's CPU kernels are built for at the least (vllm._C_AVX2; the
+# platform loads the AVX-512 build where the CPU has it: platforms/cpu.py, import_kernels)
+CPU_ENGINE_FLAG = "avx2"
+
+
+class UnsupportedTarget(RuntimeError):
+    """vLLM cannot serve a drafter of eaglet's for this target."""
+
+
+def text_part(config: dict) -> dict:
+    return config.get("text_config") or config
+
+
+def mtp_layers(config: dict) -> int:
+    """How many multi-token-prediction layers the target's config declares (0: none)."""
+    for part in (text_part(config), config):
+        for key in MTP_KEYS:
+            if isinstance(part.get(key), int) and part[key] > 0:
+                return part[key]
+    return 0
+
+
+def uses_mla(config: dict) -> bool:
+    """Whether vLLM serves the model of ``config`` (a config.json's dict) with multi-head
+    latent attention: vLLM's own answer (its architecture config's ``is_deepseek_mla``, for
+    a config with the latent rank its rule reads) where vLLM is importable, else that rank's
+    presence (``kv_lora_rank``)."""
+    text = text_part(config)
+    if text.get("kv_lora_rank") is None and "compress_ratios" not in text:
+        return False  # vLLM's rule needs one of them: no need to import it
+    try:
+        import vllm.config  # noqa: F401  (breaks the convertor module's import circle)
+        from transformers import PretrainedConfig
+        from vllm.transformers_utils.model_arch_config_convertor import (
+            ModelArchConfigConvertorBase)
+
+        hf_text = PretrainedConfig(**text)
+        hf = PretrainedConfig(**config) if text is not config else hf_text
+        return bool(ModelArchConfigConvertorBase(hf, hf_text).is_deepseek_mla())
+    except Exception as error:  # not importable here, or another vLLM: the config's sign
+        log.debug("vLLM's MLA rule not asked (%s: %s)", type(error).__name__, error)
+        return text.get("kv_lora_rank") is not None
+
+
+def cpu_attention_backend(mla: bool, dtype: str) -> str | None:
+    """The attention backend to ask of vLLM's CPU engine for a model served in ``dtype``:
+    CPU_MLA for an MLA model whose weights the AMX MLA backend would refuse (float32), so that
+    the same configuration serves on every x86 CPU, with AMX or without; None (vLLM's own
+    choice) otherwise."""
+    return CPU_MLA if mla and dtype not in AMX_MLA_DTYPES else None
+
+
+def cpu_engine_problem(flags: Iterable[str]) -> str | None:
+    """Why vLLM's CPU engine cannot run on a CPU with these /proc/cpuinfo ``flags`` (x86), or
+    None."""
+    flags = set(flags)
+    if flags and CPU_ENGINE_FLAG not in flags:
+        return (f"this CPU lacks {CPU_ENGINE_FLAG.upper()}, the least instruction set vLLM's CPU "
+                f"engine is built for (its kernels come as AVX2 and AVX-512 builds): serve on a "
+                f"machine whose /proc/cpuinfo flags list {CPU_ENGINE_FLAG}, or on GPUs")
+    return None
+
+
+def cpu_engine_args(args: list[str], model_config: dict | None, dtype: str,
+                    draft_config=None) -> list[str]:
+    """``args`` of a server on vLLM's CPU engine with the attention backend each model needs
+    (:func:`cpu_attention_backend`): the target's through ``--attention-backend``, the draft
+    model's through the speculative config's ``attention_backend`` (vLLM never gives a draft
+    the target's backend: it chooses again, and would pick AMX MLA for an MLA drafter).
+    ``draft_config(path)`` reads a drafter's config.json; a speculative method without a model
+    of its own (``extract_hidden_states``, ``mtp``) runs the target's layers. A backend the
+    args already name is kept."""
+    out = list(args)
+    if model_config is None:
+        return out
+    backend = cpu_attention_backend(uses_mla(model_config), dtype)
+    if backend and "--attention-backend" not in out:
+        out += ["--attention-backend", backend]
+    if "--speculative-config" in out:
+        at = out.index("--speculative-config") + 1
+        spec = json.loads(out[at])
+        if spec.get("model"):
+            drafter = draft_config(spec["model"]) if draft_config else None
+        else:
+            drafter = None if spec.get("method") in DRAFTER_FREE else model_config
+        backend = cpu_attention_backend(uses_mla(drafter), dtype) if drafter else None
+        if backend and "attention_backend" not in spec:
+            out[at] = json.dumps({**spec, "attention_backend": backend})
+    return out
+
+
+# speculative methods that run no model layers
+DRAFTER_FREE = ("ngram", "suffix")
+
+
+def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> set[str]:
+    """The first processor's flags (empty where the file has none: not Linux, not x86)."""
+    try:
+        for line in Path(cpuinfo).read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return set()
+
+
+def ask(config: dict) -> dict:
+    """vLLM's answers for the target of ``config`` (a config.json's dict), in this process:
+    ``vllm_version``, the ``architecture`` of config.architectures vLLM registers first (as it
+    resolves a model), its ``model_class``, whether it implements ``SupportsEagle3``
+    (``eagle3``: None where the class could not be loaded here, with the ``error``), ``mla``,
+    and the ``mtp_layers`` the config declares."""
+    import vllm
+    import vllm.config  # noqa: F401
+    from vllm.model_executor.models import ModelRegistry
+    from vllm.model_executor.models.interfaces import supports_eagle3
+
+    out = {"vllm_version": vllm.__version__, "architectures": config.get("architectures") or [],
+           "architecture": None, "model_class": None, "eagle3": None, "error": None,
+           "mla": uses_mla(config), "mtp_layers": mtp_layers(config)}
+    supported = ModelRegistry.get_supported_archs()
+    for arch in out["architectures"]:
+        if arch not in supported:
+            continue
+        out["architecture"] = arch
+        try:
+            cls = ModelRegistry._try_load_model_cls(arch)
+        except Exception as error:  # the module imports what this machine lacks
+            cls, out["error"] = None, f"{type(error).__name__}: {error}"
+        if cls is None:
+            out["error"] = out["error"] or f"vLLM could not load the class of {arch} here"
+        else:
+            out["model_class"] = f"{cls.__module__}.{cls.__qualname__}"
+            out["eagle3"] = bool(supports_eagle3(cls))
+        break
+    else:
+        out["error"] = (f"vLLM {vllm.__version__} registers none of the architectures "
+                        f"{out['architectures']}")
+    return out
+
+
+def ask_in_subprocess(config_path: str | Path, python: str = sys.executable,
+                      timeout_s: float = 300.0) -> dict:
+    """:func:`ask` in a process of its own (vLLM imports PyTorch); a dict with ``error`` alone
+    where that process fails (no vLLM installed, say)."""
+    try:
+        done = subprocess.run([python, "-m", "eaglet.engine.support", str(config_path)],
+                              capture_output=True, text=True, timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return {"error": f"{type(error).__name__}: {error}"}
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"error": f"vLLM could not be asked ({last})"}
+    return json.loads(lines[-1])
+
+
+def alternatives(answers: dict) -> list[str]:
+    """What vLLM serves for a target whose class lacks the interface: its own MTP layers where
+    its config declares them, and drafter-free n-gram lookup."""
+    out = []
+    if answers.get("mtp_layers"):
+        out.append(f"the target's own {answers['mtp_layers']} multi-token-prediction layer(s) "
+                   "(--speculative-config '{\"method\": \"mtp\", \"num_speculative_tokens\": "
+                   f"{answers['mtp_layers']}}}')")
+    out.append("n-gram lookup, which needs no drafter (--speculative-config '{\"method\": "
+               "\"ngram\", \"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4}')")
+    return out
+
+
+def refusal(answers: dict, method: str, target: str) -> str | None:
+    """Why eaglet cannot train a ``method`` drafter (in words: EAGLE-3, P-EAGLE, DFlash) for
+    ``target`` by vLLM's ``answers`` (:func:`ask`), with the options; None where it can, or
+    where vLLM could not say (the caller warns)."""
+    if answers.get("eagle3") is not False:
+        return None
+    options = "\n".join(f"  - {line}" for line in alternatives(answers))
+    return (f"vLLM {answers.get('vllm_version')} cannot serve {method} drafters for {target}: "
+            f"its class for {answers.get('architecture')}, {answers.get('model_class')}, does "
+            f"not implement {INTERFACE} (the aux hidden states that every EAGLE-3-style "
+            f"drafter, and vLLM's hidden-state capture for extraction, read). Neither "
+            f"extraction nor the evaluation could run. EAGLE-3, P-EAGLE and DFlash all need "
+            f"it. What vLLM serves for this target instead:\n{options}\n"
+            f"or a vLLM whose class for {answers.get('architecture')} implements {INTERFACE}.")
+
+
+def require_drafter_support(config_path: str | Path, method: str, target: str,
+                            python: str = sys.executable) -> dict:
+    """Raise :class:`UnsupportedTarget` (:func:`refusal`) where vLLM cannot serve the run's
+    drafter for the target whose config.json is ``config_path``; warn where vLLM could not be
+    asked. Returns vLLM's answers."""
+    answers = ask_in_subprocess(config_path, python)
+    message = refusal(answers, method, target)
+    if message:
+        raise UnsupportedTarget(message)
+    if answers.get("eagle3") is None:
+        log.warning("could not ask vLLM whether it serves a drafter for %s (%s): the first "
+                    "server will say", target, answers.get("error"))
+    return answers
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    path = Path(args[0])
+    config = json.loads((path / "config.json" if path.is_dir() else path).read_text())
+    print(json.dumps(ask(config)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""What the installed vLLM does with a target, asked of vLLM itself: the CPU engine's attention
+backend for MLA models (the same on a CPU with AMX and without), the CPU's instruction set,
+and a target whose class cannot serve a drafter refused before any stage or server starts."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from eaglet.core.config import validate
+from eaglet.engine import support
+from eaglet.engine.server import ServerError, target_server
+from eaglet.tools import plan, rehearse
+
+REPO = Path(__file__).resolve().parents[1]
+STANDINS = REPO / "tests" / "standins"
+KIMI = json.loads((STANDINS / "kimi-k2.5" / "config.json").read_text())
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64}
+MLA_DRAFTER = {"architectures": ["Eagle3DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+               "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64}
+LLAMA_DRAFTER = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama"}
+# flags of three x86 CPUs: AMX (Sapphire Rapids and later), AVX-512 without AMX, AVX2 only
+CPUS = {"amx": {"avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"},
+        "avx512": {"avx2", "avx512f"}, "avx2": {"avx2", "fma"}}
+
+
+def model_dir(tmp_path: Path, name: str, config: dict) -> str:
+    path = tmp_path / name
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+def cpu_server(tmp_path, model: str, dtype: str = "float32", extra=()):
+    cfg = validate({"server": {"gpus": 0}, "target": {"dtype": dtype}})
+    return target_server(cfg, model, tmp_path / "server.log", list(extra))
+
+
+def speculative(args: list[str]) -> dict:
+    return json.loads(args[args.index("--speculative-config") + 1])
+
+
+@pytest.mark.parametrize("cpu", sorted(CPUS))
+def test_an_mla_target_on_the_cpu_engine_gets_the_backend_that_takes_float32_on_any_cpu(
+        tmp_path, monkeypatch, cpu):
+    """vLLM's CPU platform serves MLA with its AMX backend where the CPU has AMX tiles, and
+    that backend refuses float32 weights: every server of an MLA model in float32 asks for
+    CPU_MLA, whatever CPU it lands on (the flags are the test's, not this machine's)."""
+    monkeypatch.setattr(support, "cpu_flags", lambda *a: CPUS[cpu])
+    kimi = model_dir(tmp_path, "kimi", KIMI)
+    args = cpu_server(tmp_path, kimi).args
+    assert args[args.index("--attention-backend") + 1] == "CPU_MLA"
+    # bfloat16 weights: the AMX backend takes them, vLLM's own choice stands
+    assert "--attention-backend" not in cpu_server(tmp_path, kimi, "bfloat16").args
+    # a model without MLA (the demo's Llama) is served as before
+    assert "--attention-backend" not in cpu_server(
+        tmp_path, model_dir(tmp_path, "llama", LLAMA)).args
+    # GPUs choose their own backends
+    gpu = validate({"server": {"gpus": 1}, "target": {"dtype": "float32"}})
+    assert "--attention-backend" not in target_server(gpu, kimi, tmp_path / "g.log").args
+
+
+def test_every_model_a_cpu_server_runs_gets_its_backend_the_drafter_through_its_own_setting(
+        tmp_path, monkeypatch):
+    """vLLM never gives a draft model the target's backend (it chooses again, and would pick
+    AMX MLA): an MLA drafter's backend goes in the speculative config; the capture and MTP
+    run the target's own layers; n-gram runs none."""
+    monkeypatch.setattr(support, "cpu_flags", lambda *a: CPUS["amx"])
+    kimi = model_dir(tmp_path, "kimi", KIMI)
+    llama = model_dir(tmp_path, "llama", LLAMA)
+
+    def spec_of(model: str, spec: dict) -> dict:
+        return speculative(cpu_server(tmp_path, model,
+                                      extra=["--speculative-config", json.dumps(spec)]).args)
+
+    mla = model_dir(tmp_path, "mla-drafter", MLA_DRAFTER)
+    assert spec_of(kimi, {"method": "eagle3", "model": mla})["attention_backend"] == "CPU_MLA"
+    assert spec_of(kimi, {"method": "extract_hidden_states"})["attention_backend"] == "CPU_MLA"
+    assert spec_of(kimi, {"method": "mtp"})["attention_backend"] == "CPU_MLA"
+    assert "attention_backend" not in spec_of(kimi, {"method": "ngram"})
+    plain = model_dir(tmp_path, "llama-drafter", LLAMA_DRAFTER)
+    assert "attention_backend" not in spec_of(llama, {"method": "eagle3", "model": plain})
+    assert "attention_backend" not in spec_of(llama, {"method": "extract_hidden_states"})
+    # a backend the user named is theirs
+    named = cpu_server(tmp_path, kimi, extra=["--attention-backend", "AMX_MLA"]).args
+    assert named.count("--attention-backend") == 1 and "AMX_MLA" in named
+
+
+def test_mla_is_what_vllm_says_it_is():
+    """vLLM's own rule decides (its model-arch config's is_deepseek_mla): a latent rank in a
+    config of a model vLLM does not serve with MLA does not make it MLA."""
+    assert support.uses_mla(KIMI) is True
+    assert support.uses_mla({**LLAMA, "kv_lora_rank": 512}) is False
+    assert support.uses_mla(LLAMA) is False
+
+
+def test_a_cpu_without_the_instructions_the_engine_needs_is_named_before_a_server_starts(
+        tmp_path, monkeypatch):
+    monkeypatch.setattr(support, "cpu_flags", lambda *a: {"sse4_2", "avx"})
+    with pytest.raises(ServerError, match="lacks AVX2"):
+        cpu_server(tmp_path, str(tmp_path / "no-model"))
+    assert not (tmp_path / "server.log").exists()
+    assert support.cpu_engine_problem(CPUS["avx2"]) is None
+    assert support.cpu_engine_problem(set()) is None  # no flags to read (not x86 Linux)
+
+
+# -- a target vLLM cannot serve a drafter for -------------------------------------------------
+
+GLM = STANDINS / "glm-4.5-air"
+
+
+def test_vllm_is_asked_which_targets_classes_serve_a_drafter():
+    glm = support.ask_in_subprocess(GLM / "config.json")
+    assert glm["eagle3"] is False and glm["mtp_layers"] == 1, glm
+    assert glm["model_class"] == "vllm.model_executor.models.glm4_moe.Glm4MoeForCausalLM"
+    message = support.refusal(glm, "EAGLE-3", "zai-org/GLM-4.5-Air")
+    for part in ("vLLM 0.32", "Glm4MoeForCausalLM", "SupportsEagle3", '"method": "mtp"',
+                 '"method": "ngram"', "zai-org/GLM-4.5-Air"):
+        assert part in message, (part, message)
+    qwen = support.ask_in_subprocess(STANDINS / "qwen3-8b" / "config.json")
+    assert qwen["eagle3"] is True and support.refusal(qwen, "DFlash", "qwen") is None
+    # without MTP layers, n-gram is the option
+    assert "mtp" not in support.refusal({**glm, "mtp_layers": 0}, "EAGLE-3", "t")
+
+
+def local_config(tmp_path: Path) -> Path:
+    user = yaml.safe_load((REPO / "tests" / "configs" / "glm-4.5-air.yaml").read_text())
+    target = tmp_path / "glm"
+    shutil.copytree(GLM, target)
+    user["target"]["model"] = str(target)
+    user["results_dir"] = str(tmp_path / "results")
+    path = tmp_path / "glm.yaml"
+    path.write_text(yaml.safe_dump(user))
+    return path
+
+
+def test_plan_refuses_a_target_vllm_cannot_serve_a_drafter_for(tmp_path, capsys):
+    assert plan.main(["--configfile", str(local_config(tmp_path))]) == 2
+    err = capsys.readouterr().err
+    assert "cannot serve EAGLE-3 drafters" in err and "Glm4MoeForCausalLM" in err, err
+
+
+def test_rehearse_refuses_it_before_building_a_miniature(tmp_path, capsys):
+    out = tmp_path / "out"
+    code = rehearse.main(["--configfile", str(REPO / "tests" / "configs" / "glm-4.5-air.yaml"),
+                          "--target-files", str(GLM), "--out", str(out)])
+    printed = capsys.readouterr().out
+    result = json.loads((out / "rehearsal.json").read_text())
+    assert code == 1 and not result["passed"]
+    failed = [c for c in result["checks"] if c["ok"] is False]
+    assert [c["stage"] for c in failed] == ["serving"], failed
+    assert "SupportsEagle3" in failed[0]["detail"] and '"method": "mtp"' in failed[0]["detail"]
+    assert "FAIL serving" in printed and "Traceback" not in printed
+    assert not (out / "miniature").exists() and not (out / "results").exists()
+
+
+def test_the_workflows_first_stage_refuses_it_before_any_server(tmp_path):
+    config = local_config(tmp_path)
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "snakemake"),
+         str(tmp_path / "results" / "target" / "target.json"), "--cores", "1",
+         "--configfile", str(config)],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    log = (tmp_path / "results" / "logs" / "prepare_target.log").read_text()
+    assert "cannot serve EAGLE-3 drafters" in log and "Glm4MoeForCausalLM" in log, log
+    assert not (tmp_path / "results" / "target" / "target.json").exists()
+    assert not list((tmp_path / "results" / "logs").glob("*server*"))
