@@ -480,6 +480,47 @@ def test_recorded_answers_become_samples_without_asking_any_server(tmp_path):
     assert stats["splits"]["train"]["truncated"] == 1
 
 
+def test_recorded_answers_prompts_are_rendered_by_the_server_and_kept(server, tmp_path):
+    """vLLM's rendering is the prompts' reference: a recorded answer's prompt is sent to the
+    server for one token, whose prompt ids replace the chat template's; they are kept, so a
+    rerun with no server up trains on the same ids; the template's difference is reported,
+    not counted as a mismatch."""
+    from eaglet.core.config import validate
+    from eaglet.core.io import read_json, read_jsonl, write_json, write_jsonl
+    from eaglet.stages.generate import run_stage
+    from tests.test_template_check import PLAIN_TEMPLATE, make_tokenizer
+
+    make_tokenizer(PLAIN_TEMPLATE).save_pretrained(tmp_path / "target")
+    write_json(tmp_path / "target.json", {"path": str(tmp_path / "target"), "spec": "t"})
+    train, held_out = prompts(2)
+    write_jsonl(tmp_path / "train.jsonl", [{**train, "answer": "Four."}])
+    write_jsonl(tmp_path / "eval.jsonl", [held_out])
+
+    def stage(url: str) -> dict:
+        cfg = validate({"server": {"url": url},
+                        "generate": {"max_tokens": 20, "max_template_mismatch_rate": 1.0}})
+        run_stage(cfg, str(tmp_path / "target.json"),
+                  {"train": str(tmp_path / "train.jsonl"), "eval": str(tmp_path / "eval.jsonl")},
+                  {"train": str(tmp_path / "out.jsonl"), "eval": str(tmp_path / "out_eval.jsonl")},
+                  str(tmp_path / "stats.json"), str(tmp_path / "partial.jsonl"), None, None,
+                  str(tmp_path / "server.log"))
+        return read_json(tmp_path / "stats.json")
+
+    stats = stage(server)
+    (recorded,) = read_jsonl(tmp_path / "out.jsonl")
+    # the scripted server renders every prompt as [1, 2, len(last message)]
+    assert recorded["prompt_token_ids"] == [1, 2, len("question 0")]
+    assert recorded["prompt_rendered_by"] == "server" and recorded["model"] == "dataset"
+    assert ScriptedChat.calls["question 0"] == 1  # one request, for its rendering
+    check = stats["template_check"]
+    assert check["template_differs"] == 2 and check["template_first_difference"]
+    assert all(m["part"] != "prompt" for m in check["mismatches"])
+    # a rerun with no server: the kept rendering, not the template's
+    (tmp_path / "out.jsonl").unlink()
+    stage("http://127.0.0.1:9")
+    assert read_jsonl(tmp_path / "out.jsonl")[0]["prompt_token_ids"] == [1, 2, len("question 0")]
+
+
 def test_a_template_that_renders_answers_apart_from_the_prompt_is_refused():
     from eaglet.stages.generate import dataset_record
     from tests.test_template_check import PLAIN_TEMPLATE, make_tokenizer

@@ -211,6 +211,32 @@ def test_server_with_other_template_fails_in_prompt(tokenizer):
     assert result.first_mismatch == len(ids(tokenizer, system_turn))
 
 
+def test_the_servers_rendering_is_the_reference_and_the_templates_difference_is_said(tokenizer):
+    """vLLM renders some targets otherwise than their chat template (gpt-oss through the
+    harmony encoding): the prompt the server rendered is the reference, and the template's
+    difference is a fact reported with where it starts, not a failed sample. A prompt other
+    than the server's rendering still fails."""
+    served = server_record(make_tokenizer(OTHER_TEMPLATE))
+    result = check_record(tokenizer, served, qwen_format(tokenizer),
+                          reference=served["prompt_token_ids"])
+    assert result.ok, result.reason
+    system_turn = "<|im_start|>system\nYou are terse.<|im_end|>"
+    assert result.template_differs.startswith(
+        f"prompt token {len(ids(tokenizer, system_turn))} of {len(served['prompt_token_ids'])}")
+    # the same rendering as the template's: nothing to say
+    plain = server_record(tokenizer)
+    assert check_record(tokenizer, plain, qwen_format(tokenizer),
+                        reference=plain["prompt_token_ids"]).template_differs is None
+    # ids the server did not render for these messages fail, whoever's template made them
+    other = check_record(tokenizer, served, qwen_format(tokenizer),
+                         reference=plain["prompt_token_ids"])
+    assert not other.ok and other.part == "prompt"
+    report = check_records(tokenizer, [served, plain], fmt=qwen_format(tokenizer),
+                           reference=lambda r: r["prompt_token_ids"])
+    assert report["mismatched"] == 0 and report["template_differs"] == 1
+    assert report["template_first_difference"]["difference"] == result.template_differs
+
+
 def test_plain_template_without_reasoning_passes(plain_tokenizer):
     result = check_record(plain_tokenizer, server_record(plain_tokenizer, reasoning=None))
     assert result.ok, result.reason
@@ -240,6 +266,8 @@ def test_check_records_of_nothing(tokenizer):
         "mismatches": [],
         "retokenized": 0,
         "retokenized_examples": [],
+        "template_differs": 0,
+        "template_first_difference": None,
         "format": {"reasoning_parser": None, "opener": None, "closer": None},
     }
 

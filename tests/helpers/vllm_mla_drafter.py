@@ -70,10 +70,16 @@ def main(target: str, drafter: str, inputs: str, out: str) -> None:
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
     from vllm.model_executor.models.deepseek_eagle3 import Eagle3DeepseekV2ForCausalLM
 
+    from eaglet.engine.support import cpu_attention_backend
+
+    # the backend eaglet's CPU servers ask for (a CPU with AMX would pick AMX MLA, which
+    # takes no float32 weights), for the target's layers and the drafter's alike
+    backend = cpu_attention_backend(mla=True, dtype="float32")
     args = EngineArgs(model=target, skip_tokenizer_init=True, dtype="float32", max_model_len=256,
-                      enforce_eager=True,
+                      enforce_eager=True, attention_backend=backend,
                       speculative_config={"method": "eagle3", "model": drafter,
-                                          "num_speculative_tokens": 3})
+                                          "num_speculative_tokens": 3,
+                                          "attention_backend": backend})
     config = args.create_engine_config()
     data = load_file(inputs)
     p, k = int(data["p"]), int(data["k"])

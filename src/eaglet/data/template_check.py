@@ -5,9 +5,12 @@ Training sequences are the token ids the server saw (``prompt_token_ids``) and e
 reasoning parser made of the emitted ids. The check establishes exactly what training relies
 on, for any chat template and any reasoning format:
 
-* **the prompt** is what the target's chat template renders for the messages with the
-  generation prompt (and the request's template variables): else the server used another
-  template or tokenizer, and the drafter would learn from prompts the target never sees;
+* **the prompt** is what the server renders for the messages with the generation prompt
+  (and the request's template variables): vLLM records the ids it rendered, and the server,
+  not the chat template, is what serving will use (vLLM renders gpt-oss through the harmony
+  encoding, not its template). Where no server rendering is at hand, the target's chat
+  template is the reference: another template or tokenizer then shows as a mismatch. Where
+  the server and the chat template disagree, the check counts it and says where, once;
 * **the completion** holds the parser's reasoning and then its content, in that order, in the
   text its ids decode to, separated and surrounded by nothing but the format's wrappers (the
   reasoning's opener and closer, a channel's name, the end of turn), with the reasoning's
@@ -31,8 +34,8 @@ apart, not mismatched; the ids stay the truth for training.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -113,6 +116,7 @@ class CheckResult:
     rendered_len: int
     part: str | None = None
     retokenized: bool = False
+    template_differs: str | None = None
 
 
 def assistant_message(record: Mapping[str, Any]) -> dict[str, str]:
@@ -411,20 +415,54 @@ def _opened_by_prompt(tokenizer, record: Mapping[str, Any], fmt: AnswerFormat) -
     return text.rfind(fmt.opener) > text.rfind(fmt.closer)
 
 
+def template_difference(tokenizer: PreTrainedTokenizerBase, record: Mapping[str, Any],
+                        reference: Sequence[int]) -> tuple[list[int] | None, str | None]:
+    """The chat template's rendering of the record's prompt, and where it differs from the
+    ``reference`` rendering (the server's), in words; (None, why) where the template cannot
+    render it."""
+    try:
+        template = render_ids(tokenizer, record["messages"], add_generation_prompt=True,
+                              template_kwargs=record.get("chat_template_kwargs"))
+    except Exception as error:  # a template the server does not use may not render at all
+        return None, f"the chat template cannot render it ({type(error).__name__}: {error})"
+    if template == list(reference):
+        return template, None
+    index = first_difference(reference, template)
+    index = len(reference) if index is None else index
+    return template, (f"prompt token {index} of {len(reference)}: the server renders "
+                      f"{describe_at(tokenizer, reference, index)}, the chat template "
+                      f"{describe_at(tokenizer, template, index)}")
+
+
 def check_record(tokenizer: PreTrainedTokenizerBase, record: Mapping[str, Any],
-                 fmt: AnswerFormat | None = None) -> CheckResult:
-    """Check one record (module doc): its prompt against the template's rendering, its
-    completion against its text fields and the run's answer format ``fmt`` (None: a server
-    without a reasoning parser, stopping at the tokenizer's eos)."""
+                 fmt: AnswerFormat | None = None,
+                 reference: Sequence[int] | None = None) -> CheckResult:
+    """Check one record (module doc): its prompt against the reference rendering of its
+    messages, its completion against its text fields and the run's answer format ``fmt``
+    (None: a server without a reasoning parser, stopping at the tokenizer's eos).
+
+    ``reference`` is the server's rendering of the messages where the caller has it: vLLM
+    does not always render with the chat template (gpt-oss prompts go through the harmony
+    encoding, which writes a system prompt, a date and template variables its own way), and
+    what the server renders is what serving will see. The chat template's rendering is then
+    compared too, and where it differs the result says where (``template_differs``): a fact
+    to report, not a fault of the sample. Without a reference, the chat template's rendering
+    is the reference."""
     fmt = fmt or answer_format(tokenizer, None)
     prompt = list(record["prompt_token_ids"])
-    rendered_prompt = render_ids(tokenizer, record["messages"], add_generation_prompt=True,
-                                 template_kwargs=record.get("chat_template_kwargs"))
+    differs = None
+    if reference is None:
+        rendered_prompt = render_ids(tokenizer, record["messages"], add_generation_prompt=True,
+                                     template_kwargs=record.get("chat_template_kwargs"))
+    else:
+        rendered_prompt = list(reference)
+        differs = template_difference(tokenizer, record, rendered_prompt)[1]
     if rendered_prompt != prompt:
         index = first_difference(prompt, rendered_prompt)
         if index is None:  # the template appends tokens after what the server fed the model
             index = len(prompt)
-        return mismatch(tokenizer, "prompt", prompt, rendered_prompt, index)
+        return replace(mismatch(tokenizer, "prompt", prompt, rendered_prompt, index),
+                       template_differs=differs)
     emitted = prompt + list(record["completion_token_ids"])
     problem = check_completion(tokenizer, record, fmt)
     if problem is not None:
@@ -432,7 +470,8 @@ def check_record(tokenizer: PreTrainedTokenizerBase, record: Mapping[str, Any],
         index += len(prompt)
         reason = (f"completion differs at token {index}: {why}: "
                   f"{describe_at(tokenizer, emitted, index)}")
-        return CheckResult(False, reason, index, len(emitted), len(emitted), "completion")
+        return CheckResult(False, reason, index, len(emitted), len(emitted), "completion",
+                           template_differs=differs)
     completion = list(record["completion_token_ids"])
     text = tokenizer.decode(completion, skip_special_tokens=False)
     canonical = text_ids(tokenizer, text)
@@ -440,8 +479,8 @@ def check_record(tokenizer: PreTrainedTokenizerBase, record: Mapping[str, Any],
         index = len(prompt) + (first_difference(completion, canonical) or 0)
         return CheckResult(True, f"completion ids split their text otherwise than the tokenizer "
                            f"at token {index}", index, len(emitted), len(prompt) + len(canonical),
-                           "completion", retokenized=True)
-    return CheckResult(True, "", None, len(emitted), len(emitted))
+                           "completion", retokenized=True, template_differs=differs)
+    return CheckResult(True, "", None, len(emitted), len(emitted), template_differs=differs)
 
 
 def check_records(
@@ -449,15 +488,25 @@ def check_records(
     records: Iterable[Mapping[str, Any]],
     max_listed: int = 20,
     fmt: AnswerFormat | None = None,
+    reference: Callable[[Mapping[str, Any]], Sequence[int] | None] | None = None,
 ) -> dict[str, Any]:
-    """Check every record; list the first ``max_listed`` mismatches."""
+    """Check every record; list the first ``max_listed`` mismatches. ``reference(record)``
+    gives the server's rendering of a record's prompt where the caller has it
+    (:func:`check_record`); the records whose chat-template rendering differs from it are
+    counted (``template_differs``) with the first difference."""
     fmt = fmt or answer_format(tokenizer, None)
     checked = 0
     mismatches: list[dict[str, Any]] = []
     retokenized: list[dict[str, Any]] = []
+    differs, first_difference_seen = 0, None
     for record in records:
         checked += 1
-        result = check_record(tokenizer, record, fmt)
+        result = check_record(tokenizer, record, fmt,
+                              reference(record) if reference is not None else None)
+        if result.template_differs:
+            differs += 1
+            first_difference_seen = first_difference_seen or {
+                "id": record.get("id"), "difference": result.template_differs}
         if result.ok and not result.retokenized:
             continue
         entry = {"id": record.get("id"), "part": result.part,
@@ -470,6 +519,8 @@ def check_records(
         "mismatches": mismatches[:max_listed],
         "retokenized": len(retokenized),
         "retokenized_examples": retokenized[:max_listed],
+        "template_differs": differs,
+        "template_first_difference": first_difference_seen,
         "format": {"reasoning_parser": fmt.parser, "opener": fmt.opener, "closer": fmt.closer},
     }
 

@@ -287,6 +287,77 @@ def recorded_content(tokenizer, messages: list[dict], template_kwargs: dict | No
     return text[len(opening):] if opening and text.startswith(opening) else text
 
 
+# -- the server's rendering of the recorded answers' prompts ----------------------------------
+#
+# A recorded answer's prompt ids are eaglet's own rendering (the chat template's) until the
+# server renders its messages: vLLM does not always render with the chat template, and the ids
+# the server renders are what serving will see. Each rendering is kept beside the partial file,
+# keyed by what it renders, so a rerun with no server up trains on the same ids.
+
+def _rendering_key(record: dict) -> str:
+    return json.dumps([record["messages"], record.get("chat_template_kwargs") or None],
+                      sort_keys=True)
+
+
+def rendered_path(partial_path: str | os.PathLike) -> Path:
+    return Path(partial_path).with_name(Path(partial_path).stem + ".server_prompts.jsonl")
+
+
+def apply_server_prompts(recorded: dict[str, dict], path: Path) -> int:
+    """Give recorded answers the server's prompt ids kept in ``path``; how many had one."""
+    kept = {}
+    for row in read_jsonl(path) if path.exists() else []:
+        kept[row["key"]] = row["prompt_token_ids"]
+    found = 0
+    for record in recorded.values():
+        ids = kept.get(_rendering_key(record)) if "skipped" not in record else None
+        if ids is not None:
+            record["prompt_token_ids"], record["prompt_rendered_by"] = ids, "server"
+            found += 1
+    return found
+
+
+def render_on_server(url: str, recorded: dict[str, dict], path: Path, gen: dict,
+                     model_name: str | None = None, health_check=None) -> int:
+    """The server's rendering of every recorded answer's prompt that has none yet: a chat
+    request for one token returns the prompt ids as the server rendered them (vLLM's
+    ``return_token_ids``), which replace eaglet's and are kept in ``path``."""
+    todo = [r for r in recorded.values()
+            if "skipped" not in r and r.get("prompt_rendered_by") != "server"]
+    if not todo:
+        return 0
+
+    async def run() -> None:
+        limits = httpx.Limits(max_connections=gen["concurrency"])
+        async with httpx.AsyncClient(base_url=url, limits=limits) as client:
+            model = await resolve_model_name(client, model_name)
+            gate = asyncio.Semaphore(gen["concurrency"])
+            with open(path, "a") as out:
+                async def one(record: dict) -> None:
+                    async with gate:
+                        payload = {"model": model, "messages": record["messages"],
+                                   "max_tokens": 1, "temperature": 0.0,
+                                   "return_token_ids": True,
+                                   "spaces_between_special_tokens": False,
+                                   **({"chat_template_kwargs": record["chat_template_kwargs"]}
+                                      if record.get("chat_template_kwargs") else {})}
+                        body = await with_retries(
+                            lambda: post_json(client, "/v1/chat/completions", payload,
+                                              gen["request_timeout_s"]),
+                            gen["max_retries"], 1.0, health_check)
+                        ids = parse_response(body)["prompt_token_ids"]
+                        record["prompt_token_ids"], record["prompt_rendered_by"] = ids, "server"
+                        out.write(json.dumps({"key": _rendering_key(record),
+                                              "prompt_token_ids": ids}) + "\n")
+                        out.flush()
+
+                await gather_or_cancel([one(r) for r in todo])
+
+    log.info("rendering the prompts of %d recorded answers on the server", len(todo))
+    asyncio.run(run())
+    return len(todo)
+
+
 def dataset_records(prompts: list[dict], tokenizer, gen: dict, stop_ids: set[int],
                     too_long) -> dict[str, dict]:
     """The samples of every prompt with a recorded answer (too long ones recorded as skipped)."""
@@ -679,9 +750,11 @@ def _run_stage(cfg, target_json, prompts, outputs, stats_path, partial_path, pro
                                too_long)
     everything = [p for split_prompts in by_split.values() for p in split_prompts
                   if p["id"] not in recorded]
+    server_prompts = rendered_path(partial_path)
     if recorded:
         log.info("%d prompts answered by their recorded answers (answers: dataset), %d to ask "
-                 "the target", len(recorded), len(everything))
+                 "the target; %d of their prompts as the server rendered them before",
+                 len(recorded), len(everything), apply_server_prompts(recorded, server_prompts))
     requests = sum(len(turn_ids(p)) for p in everything)
     progress = Progress("generate", total=requests, path=progress_path, log_path=log_path)
     server_cfg = cfg["server"]
@@ -698,6 +771,8 @@ def _run_stage(cfg, target_json, prompts, outputs, stats_path, partial_path, pro
         log.info("using the running server at %s", server_cfg["url"])
         settings = settings_from_config(cfg, server_cfg["url"].rstrip("/"))
         records = generate(everything, settings, partial_path, progress, too_long=too_long)
+        render_on_server(settings.base_url, recorded, server_prompts, gen,
+                         settings.model_name)
     else:
         progress.enter_phase("starting the vLLM server")
         capture = capture_options(cfg, target["path"], capture_dir) if capture_dir else []
@@ -709,6 +784,8 @@ def _run_stage(cfg, target_json, prompts, outputs, stats_path, partial_path, pro
                 settings.capture_dir = str(Path(capture_dir).resolve())
             records = generate(everything, settings, partial_path, progress,
                                health_check=server.check_alive, too_long=too_long)
+            render_on_server(server.url, recorded, server_prompts, gen,
+                             health_check=server.check_alive)
             if capture_dir and recorded:
                 progress.enter_phase(f"prefilling {len(recorded)} recorded answers for their "
                                      f"hidden states")
@@ -739,7 +816,18 @@ def _run_stage(cfg, target_json, prompts, outputs, stats_path, partial_path, pro
 
     fmt = answer_format(tokenizer, server_cfg["reasoning_parser"],
                         end_of_turn_ids(tokenizer, target["path"]), gen["chat_template_kwargs"])
-    template = check_records(tokenizer, [r for split in kept.values() for r in split], fmt=fmt)
+    # the server's rendering is the prompts' reference: the ids it recorded for its answers,
+    # its rendering of the recorded answers' prompts (the chat template's where it gave none)
+    template = check_records(
+        tokenizer, [r for split in kept.values() for r in split], fmt=fmt,
+        reference=lambda r: (r["prompt_token_ids"] if r.get("model") != RECORDED_ANSWER
+                             or r.get("prompt_rendered_by") == "server" else None))
+    if template["template_differs"]:
+        first = template["template_first_difference"]
+        log.warning("the server renders %d of %d prompts otherwise than the target's chat "
+                    "template (first: %s, %s); training uses the server's, which serving will "
+                    "see", template["template_differs"], template["checked"], first["id"],
+                    first["difference"])
     stats.update({
         "template_check": template,
         "this_run": {"generated": run["done"] - run["resumed_from"], "failed": run["failed"],
