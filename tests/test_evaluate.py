@@ -203,6 +203,35 @@ def test_verdict_of_a_drafter_that_helps_at_every_concurrency():
     assert serve["speculative_config"] == runs[2]["speculative_config"]
 
 
+def test_the_targets_own_mtp_layers_are_measured_beside_ngram_and_the_verdict_says_which_wins():
+    """A target whose config declares multi-token-prediction layers is served with them (vLLM's
+    method mtp, k = their count) beside ngram: what a user would deploy without training; the
+    verdict sets the drafter against both."""
+    from eaglet.core.config import validate
+    from eaglet.engine.support import mtp_layers
+    from eaglet.stages.evaluate.runs import speculative_config
+    from eaglet.stages.evaluate.schedule import run_plan
+
+    ev = validate({})["evaluate"]
+    assert [r["name"] for r in run_plan(ev, None, mtp_layers({"num_nextn_predict_layers": 1}))[0]][:3] \
+        == ["baseline", "ngram_k3", "mtp_k1"]
+    assert "mtp_k1" not in [r["name"] for r in run_plan(ev, None, 0)[0]]  # none declared
+    assert "mtp_k1" not in [r["name"] for r in run_plan({**ev, "mtp": False}, None, 1)[0]]
+    assert mtp_layers({"text_config": {"mtp_num_hidden_layers": 2}}) == 2
+    mtp = next(r for r in run_plan(ev, None, 1)[0] if r["method"] == "mtp")
+    assert speculative_config(mtp) == {"method": "mtp", "num_speculative_tokens": 1}
+    runs = judged(run("baseline", "baseline", same(10.0, 80.0)),
+                  run("ngram_k3", "ngram", same(11.0, 78.0), 2.0, 0.33, 3),
+                  run("mtp_k1", "mtp", same(14.0, 90.0), 1.8, 0.8, 1),
+                  run("eagle3_k3", "eagle3", same(13.0, 88.0), 2.5, 0.5, 3))
+    v = verdict(runs, SWEEP)
+    assert v["mtp_acceptance_length"] == 1.8 and v["beats_mtp"] and v["beats_ngram"]
+    assert v["mtp_speedup_by_concurrency"] == {"1": pytest.approx(1.4),
+                                               "16": pytest.approx(90 / 80)}
+    assert "(mtp 1.40x" in v["summary"] and "; mtp AL 1.80" in v["summary"]
+    assert v["best"] == "eagle3_k3"  # MTP is measured beside the drafter, never chosen
+
+
 def test_a_drafter_that_pays_at_1_and_halves_throughput_at_16_is_called_out():
     """The founding failure: 1.18x at concurrency 1, 0.46x at 16."""
     runs = judged(run("baseline", "baseline", same(10.0, 100.0)),

@@ -480,3 +480,29 @@ def test_the_stream_window_counts_every_training_ranks_feed():
     assert plan.stream_window_tokens(None, 16, 8, 8192, 8192) == 8 * (2 + 2) * 8192
     assert plan.stream_window_tokens(None, 16, 8, 8192, 65536) == 8 * (2 * 8192 + 65536)
     assert plan.stream_window_tokens(12, 16, 8, 100, 65536) == 8 * 2 * 100
+
+
+def test_a_quantized_targets_weights_are_sized_as_its_format_stores_them():
+    """vLLM serves gpt-oss's experts in mxfp4 (4-bit floats, one e8m0 exponent per 32) as its
+    config declares: sized at bfloat16, its 20.9B parameters would read 39 GiB where its
+    checkpoint holds about 13 GB. The format is read from the config, not from the model's
+    name: the same experts declared in fp8 blocks weigh a byte each and a float32 scale a
+    block."""
+    from eaglet.model.sizes import serving_weights, target_params
+
+    standin = Path(__file__).resolve().parent / "standins" / "gpt-oss-20b" / "config.json"
+    config = json.loads(standin.read_text())
+    mxfp4 = plan.shape_from_target_config(config, 32000, "gpt-oss-20b")
+    assert mxfp4.expert_format == "mxfp4" and 20.8e9 < target_params(mxfp4) < 21e9
+    served = sum(serving_weights(mxfp4, "bfloat16"))
+    assert 12.5 * 2**30 < served < 13.5 * 2**30, served / 2**30
+    plain = plan.shape_from_target_config({k: v for k, v in config.items()
+                                           if k != "quantization_config"}, 32000, "plain")
+    assert sum(serving_weights(plain, "bfloat16")) > 2.9 * served
+    fp8 = plan.shape_from_target_config(
+        {**config, "quantization_config": {"quant_method": "fp8",
+                                           "weight_block_size": [128, 128]}}, 32000, "fp8")
+    routed = 24 * 32 * 3 * 2880 * 2880
+    # a byte and a float32 scale a block, where mxfp4 has half a byte and a byte per 32
+    assert sum(serving_weights(fp8, "bfloat16")) - served == pytest.approx(
+        routed / 2 + routed / 16384 * 4 - routed / 32, rel=0.01)

@@ -214,7 +214,7 @@ ADDED_LATER = {"generate": {"capture_hidden_states": False, "chat_template_kwarg
                          "drafter_variant": "eagle3", "data": "shards", "dflash_layers": 1,
                          "stream_cache_gib": 0, "stream_ahead": None,
                          "stream_kv_cache_gib": None, "stream_overlap": "auto"},
-               "evaluate": {"compare_drafters": [], "top_p": 1.0, "top_k": 0}}
+               "evaluate": {"compare_drafters": [], "top_p": 1.0, "top_k": 0, "mtp": True}}
 
 
 def eval_shard_count(cfg: dict[str, Any]) -> int:

@@ -119,16 +119,24 @@ class CheckResult:
     template_differs: str | None = None
 
 
-def assistant_message(record: Mapping[str, Any]) -> dict[str, str]:
-    """The assistant turn a record's answer is as a message of a later turn: its reasoning
-    under both names vLLM hands a chat template (``reasoning_content``, which most templates
-    read, and ``reasoning``)."""
-    message = {"role": "assistant", "content": record.get("content") or ""}
-    reasoning = record.get("reasoning")
+REASONING_FIELDS = ("reasoning_content", "reasoning", "thinking")
+"""The names chat templates read an assistant message's reasoning under: vLLM hands a template
+``reasoning_content`` (which most read) and ``reasoning``; gpt-oss's template reads
+``thinking``. A message carries it under every one, and each template reads the one it knows."""
+
+
+def with_reasoning(message: dict[str, str], reasoning: str | None) -> dict[str, str]:
+    """``message`` with ``reasoning`` under every name of :data:`REASONING_FIELDS`."""
     if isinstance(reasoning, str) and reasoning:
-        message["reasoning_content"] = reasoning
-        message["reasoning"] = reasoning
+        message = {**message, **{name: reasoning for name in REASONING_FIELDS}}
     return message
+
+
+def assistant_message(record: Mapping[str, Any]) -> dict[str, str]:
+    """The assistant turn a record's answer is as a message of a later turn, its reasoning
+    under every name templates read it by (:data:`REASONING_FIELDS`)."""
+    return with_reasoning({"role": "assistant", "content": record.get("content") or ""},
+                          record.get("reasoning"))
 
 
 def render_ids(
@@ -190,9 +198,7 @@ def answer_opening(
     it."""
     if prompt is None:
         prompt = render_text(tokenizer, messages, True, template_kwargs)
-    answer = {"role": "assistant", "content": CONTENT_MARK}
-    if reasoning:
-        answer |= {"reasoning_content": reasoning, "reasoning": reasoning}
+    answer = with_reasoning({"role": "assistant", "content": CONTENT_MARK}, reasoning)
     text = render_text(tokenizer, [*messages, answer], False, template_kwargs)
     if not text.startswith(prompt):
         return None

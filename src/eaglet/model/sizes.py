@@ -118,10 +118,13 @@ class Shape:
     expert_intermediate: int = 0
     shared_experts: int = 0
     dense_layers: int = 0
-    # the routed experts as the server loads them: bits a weight plus one bfloat16 scale a
-    # group of expert_group weights (compressed-tensors pack-quantized); None: target.dtype
+    # the routed experts as the server loads them: bits a weight plus one scale of
+    # expert_scale_bytes a group of expert_group weights (compressed-tensors pack-quantized:
+    # a bfloat16 scale; mxfp4: an e8m0 exponent); None: target.dtype
     expert_bits: int | None = None
     expert_group: int = 32
+    expert_scale_bytes: int = 2
+    expert_format: str | None = None  # the quantization's name, as its config says it
     # train.drafter_attention: llama (GQA of heads x head_dim) or mla (the target's MLA)
     drafter_attention: str = "llama"
     # train.drafter_variant (its norms, drafter.DRAFTER_VARIANTS) and train.method
@@ -275,7 +278,7 @@ def serving_weights(s: Shape, dtype: str) -> tuple[int, int]:
     parts = _target_parts(s)
     replicated = parts["replicated"] * a
     routed = parts["routed experts"]
-    routed_bytes = (routed * s.expert_bits // 8 + routed // s.expert_group * 2
+    routed_bytes = (routed * s.expert_bits // 8 + routed // s.expert_group * s.expert_scale_bytes
                     if s.expert_bits else routed * a)
     return (target_params(s) - routed - parts["replicated"]) * a + routed_bytes, replicated
 
@@ -359,18 +362,36 @@ def shape_from_target_config(config: dict, draft_vocab: int, name: str,
     return with_drafter(shape, drafter_attention, drafter_variant, method, dflash_layers)
 
 
+# Quantization formats vLLM serves whose config.json says how an expert weight is stored:
+# bits a weight, weights a scale, bytes a scale. mxfp4 (gpt-oss): 4-bit floats in blocks of
+# 32 with one e8m0 exponent each (the OCP microscaling format); fp8 (DeepSeek-V3/R1): one
+# float32 scale a weight_block_size block (128 x 128 where the config names none).
+QUANTIZED_EXPERTS = {"mxfp4": (4, 32, 1), "fp8": (8, 128 * 128, 4)}
+
+
 def _quantized_experts(config: dict) -> dict:
-    """``expert_bits`` and ``expert_group`` of a compressed-tensors checkpoint with integer
-    weights, taken to be its experts' (as Kimi-K2's INT4 ones); empty otherwise."""
+    """How the target's quantization_config stores its routed experts (``expert_bits``,
+    ``expert_group``, ``expert_scale_bytes``, ``expert_format``): a compressed-tensors
+    checkpoint with integer weights (Kimi-K2's INT4 experts, a bfloat16 scale a group), or a
+    format of QUANTIZED_EXPERTS; empty where the experts are in target.dtype."""
     q = (config.get("quantization_config")
          or config.get("text_config", {}).get("quantization_config"))
-    if not q or q.get("quant_method") != "compressed-tensors":
+    method = (q or {}).get("quant_method")
+    if method in QUANTIZED_EXPERTS:
+        bits, group, scale = QUANTIZED_EXPERTS[method]
+        block = q.get("weight_block_size")
+        if block:
+            group = int(block[0]) * int(block[-1])
+        return {"expert_bits": bits, "expert_group": group, "expert_scale_bytes": scale,
+                "expert_format": method}
+    if method != "compressed-tensors":
         return {}
     for group in (q.get("config_groups") or {}).values():
         weights = group.get("weights") or {}
         if weights.get("type") == "int" and weights.get("num_bits"):
             return {"expert_bits": int(weights["num_bits"]),
-                    "expert_group": int(weights.get("group_size") or Shape.expert_group)}
+                    "expert_group": int(weights.get("group_size") or Shape.expert_group),
+                    "expert_format": f"INT{int(weights['num_bits'])}"}
     return {}
 
 

@@ -202,9 +202,11 @@ def build(source: Path, out: Path, *, trust_remote_code: bool, template_kwargs: 
     fmt = answer_format(tokenizer, reasoning_parser, _stop_ids(source, tokenizer),
                         template_kwargs)
     sequences, how = format_samples(tokenizer, template_kwargs or {}, fmt)
+    closer = closer_text(tokenizer, [{"role": "user", "content": "Hello"}],
+                         template_kwargs or {}, fmt)
     started = time.monotonic()
     taught = teach(model, sequences, teach_seconds)
-    learned = format_learned(model, tokenizer, sequences, fmt)
+    learned = format_learned(model, tokenizer, sequences, fmt, closer=closer)
     while (learned["in_format"] < learned["answers"]
            and time.monotonic() - started < teach_seconds):
         # not there yet: teach again from where it is, for what is left of the time
@@ -212,7 +214,7 @@ def build(source: Path, out: Path, *, trust_remote_code: bool, template_kwargs: 
                      again=taught["sharpened"])
         taught["steps"] += more["steps"]
         taught["loss_last"] = more["loss_last"]
-        learned = format_learned(model, tokenizer, sequences, fmt)
+        learned = format_learned(model, tokenizer, sequences, fmt, closer=closer)
     taught |= {"format": how, "learned": learned}
     model.save_pretrained(out, safe_serialization=True)
     # the target's own generation config (its stop tokens: a chat turn ends at <|im_end|>,
@@ -267,6 +269,28 @@ def answer_text(tokenizer, messages: list[dict], template_kwargs: dict, fmt,
         + (" (the generation prompt opens the reasoning)" if opened else ""))
 
 
+def closer_text(tokenizer, messages: list[dict], template_kwargs: dict, fmt) -> str | None:
+    """What the format writes between an answer's reasoning and its content: the parser's
+    closer where it names one (``</think>``); else what the template renders between them
+    (a harmony answer's ``<|end|><|start|>assistant<|channel|>final<|message|>``); None
+    without a reasoning parser, or where neither says."""
+    if not fmt.parser:
+        return None
+    if fmt.opener and fmt.closer:
+        return fmt.closer
+    reasoning = REASONING[0]
+    opening = answer_opening(tokenizer, messages, template_kwargs, reasoning)
+    if opening is None or reasoning not in opening:
+        return None
+    between = opening.partition(reasoning)[2]
+    return between if between.strip() else None
+
+
+def contains(ids: list[int], part: list[int]) -> bool:
+    """Whether ``part`` occurs in ``ids`` as a run of consecutive ids."""
+    return any(ids[i:i + len(part)] == part for i in range(len(ids) - len(part) + 1))
+
+
 def format_samples(tokenizer, template_kwargs: dict, fmt,
                    n: int = TEACH_SAMPLES) -> tuple[list[tuple[list[int], int]], str]:
     """Token ids of ``n`` conversations in the target's format, with the length of each
@@ -289,15 +313,15 @@ def format_samples(tokenizer, template_kwargs: dict, fmt,
 
 
 def format_learned(model, tokenizer, sequences: list[tuple[list[int], int]], fmt,
-                   prompts: int = FORMAT_PROMPTS) -> dict:
+                   prompts: int = FORMAT_PROMPTS, closer: str | None = None) -> dict:
     """Whether the taught model writes the format: greedy and sampled (temperature 1)
     answers to ``prompts`` of the taught prompts, each of which must close its reasoning
-    (where the run has a parser with markers) and end its turn within twice the longest taught
-    answer. Returns the counts and the first answer that did not, decoded."""
+    (write ``closer``, :func:`closer_text`, where the format has one) and end its turn within
+    twice the longest taught answer. Returns the counts and the first answer that did not,
+    decoded."""
     import torch
 
-    closer = (tokenizer.convert_tokens_to_ids(fmt.closer)
-              if fmt.parser and fmt.closer in tokenizer.get_vocab() else None)
+    closing = text_ids(tokenizer, closer) if closer else None
     longest = max(len(ids) - start for ids, start in sequences)
     torch.manual_seed(0)
     tried, good, failure = 0, 0, None
@@ -310,7 +334,7 @@ def format_learned(model, tokenizer, sequences: list[tuple[list[int], int]], fmt
                                      pad_token_id=min(fmt.stop_ids))
                 answer = out[0, start:].tolist()
                 ended = any(t in fmt.stop_ids for t in answer)
-                closed = closer is None or closer in answer
+                closed = closing is None or contains(answer, closing)
                 tried += 1
                 good += ended and closed
                 if not (ended and closed) and failure is None:

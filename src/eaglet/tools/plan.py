@@ -394,7 +394,7 @@ def plan(s: Shape, *, tokens: int, max_len: int | None, steps: int, batch_tokens
     out["colocation"] = {
         "ranks": ranks, "kv_tokens": None if kv_cache_bytes is not None else kv_tokens,
         "kv_bytes_per_token": kv_bytes_per_token(s, ranks, target_dtype),
-        "expert_bits": s.expert_bits, "server": server, "server_total": server_total,
+        "expert_bits": s.expert_bits, "expert_format": s.expert_format, "server": server, "server_total": server_total,
         "trainer": train_total, "teacher_check": teacher, "total": server_total + rank_total,
         "devices": colocation(server_total, rank_total),
         "overlap": overlap}  # train.stream_overlap: auto takes turns on shared GPUs
@@ -531,8 +531,8 @@ def _heldout_hint(d: dict) -> str:
 
 def _colocation_lines(c: dict, dtype: str) -> list[str]:
     server, ranks = c["server"], c["ranks"]
-    experts = (f"routed experts INT{c['expert_bits']}, the rest {dtype}" if c["expert_bits"]
-               else dtype)
+    experts = (f"routed experts {c.get('expert_format') or 'INT%d' % c['expert_bits']}, the "
+               f"rest {dtype}" if c["expert_bits"] else dtype)
     kv = ("KV cache as configured (train.stream_kv_cache_gib, else server.kv_cache_gib)"
           if c["kv_tokens"] is None else
           f"KV cache and captured states of {c['kv_tokens']:,} tokens (extract.concurrency "

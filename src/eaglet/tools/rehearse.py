@@ -380,10 +380,15 @@ def check_results(results: Path, cfg: dict, report: Report) -> None:
         return
     template = stats.get("template_check") or {}
     mismatched = template.get("mismatched", 0)
+    differs = template.get("template_differs") or 0
     report.add("generate", mismatched == 0,
-               f"{template.get('checked', 0)} samples checked (prompt ids as the chat template "
-               f"renders them, completion ids holding the parser's reasoning and content in "
-               f"their wrappers), {mismatched} mismatched",
+               f"{template.get('checked', 0)} samples checked (prompt ids as the server renders "
+               f"them, completion ids holding the parser's reasoning and content in their "
+               f"wrappers), {mismatched} mismatched"
+               + (f"; the server renders {differs} prompts otherwise than the chat template "
+                  f"(the server's are trained on): "
+                  f"{(template.get('template_first_difference') or {}).get('difference')}"
+                  if differs else ""),
                "" if not mismatched else "see synthetic/stats.json for the first differing token")
     records = [r for split in ("train", "eval")
                for r in read_jsonl(results / "synthetic" / f"{split}.jsonl")
@@ -622,6 +627,9 @@ def _rehearse_on_miniature(user: dict, files: Path, out: Path, cores: int, teach
     results = out / "results"
     cfg, report.scaled = rehearsal_config(
         user, miniature, results, text_config(json.loads((files / "config.json").read_text())))
+    report.scaled += [f"target's config: {change} (the miniature is float32 and unquantized on "
+                      f"the CPU engine; eaglet plan sizes the real one)"
+                      for change in info.get("changes", []) if change.endswith(" dropped")]
     config_path = out / "rehearsal.yaml"
     config_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     code = run_workflow(config_path, results, cores, out / "snakemake.log")

@@ -93,16 +93,21 @@ def serve_recommendation(choice: list[dict], runs: list[dict], drafter_dir: str)
     return out
 
 
-def run_plan(ev: dict, drafter_dir: str | None = None) -> tuple[list[dict], int]:
+def run_plan(ev: dict, drafter_dir: str | None = None,
+             mtp_layers: int = 0) -> tuple[list[dict], int]:
     """The stage's engine runs in order (the baseline first, which the others are measured
     against) and how many offline replays follow them (one per fixed-k drafter run and
     temperature). The drafter's runs are named by its method (:func:`drafter_method`:
-    ``eagle3_k3``, ``peagle_k3``). A run serving the derived k schedule may follow these, once
-    the sweep has chosen it."""
+    ``eagle3_k3``, ``peagle_k3``). ``mtp_layers``: the multi-token-prediction layers the
+    target's config declares, served by vLLM's method mtp at k = their count beside ngram
+    (``evaluate.mtp``). A run serving the derived k schedule may follow these, once the sweep
+    has chosen it."""
     plan = [{"name": "baseline", "method": "baseline"}]
     if ev["ngram"]:
         plan.append({"name": f"ngram_k{ev['ngram_k']}", "method": "ngram", "k": ev["ngram_k"],
                      "extra": ev["ngram_config"]})
+    if ev.get("mtp", True) and mtp_layers:
+        plan.append({"name": f"mtp_k{mtp_layers}", "method": "mtp", "k": mtp_layers})
     method = drafter_method(drafter_dir)
     plan += [{"name": f"{method}_k{k}", "method": method, "k": k, "drafter": drafter_dir}
              for k in ev["num_speculative_tokens"]]

@@ -8,13 +8,15 @@ import contextlib
 import json
 import logging
 import time
+from pathlib import Path
 
 import httpx
 
 from eaglet.core import rates
-from eaglet.core.io import write_json
+from eaglet.core.io import read_json, write_json
 from eaglet.core.progress import Progress
 from eaglet.engine.server import ServerError, start_together, target_server
+from eaglet.engine.support import mtp_layers
 from eaglet.stages.evaluate.metrics import (_answer_counts, _spec_counts, _sum_deltas, acceptance,
                                             counter_delta, per_request_acceptance, read_metrics,
                                             spec_counters)
@@ -280,7 +282,9 @@ def run_stage(cfg: dict, target_json: str, drafter_dir: str, prompts_path: str,
     target = read_target(target_json)
     prompt_sets, about = load_prompt_sets(ev, prompts_path, train_prompts_path)
     check_compare_drafters(ev)
-    plan, replays = run_plan(ev, drafter_dir)
+    config = Path(target["path"]) / "config.json"
+    plan, replays = run_plan(ev, drafter_dir,
+                             mtp_layers(read_json(config)) if config.is_file() else 0)
     place = placement(cfg, target["path"], len(plan))
     log.info("evaluation servers %s: %s", "side by side" if place.together else "one at a time",
              place.reason)

@@ -1,5 +1,5 @@
-"""The verdict's prose: which run to serve, against the target and ngram, with the warnings
-of low acceptance and of prompt sets that disagree."""
+"""The verdict's prose: which run to serve, against the target, ngram and the target's own
+MTP layers, with the warnings of low acceptance and of prompt sets that disagree."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from eaglet.stages.evaluate.statistics import (FASTER, NO_DIFFERENCE, SLOWER, _s
 
 LOW_ACCEPTANCE = 0.3   # share of draft tokens accepted below which a drafter is suspect
 DISAGREEMENT = 0.15    # relative AL gap between the held-out split and another set
+UNTRAINED = ("ngram", "mtp")  # vLLM's speculation a run needs no drafter for
 
 
 def verdict(runs: list[dict], concurrencies: list[int], serve: dict | None = None) -> dict:
@@ -23,7 +24,8 @@ def verdict(runs: list[dict], concurrencies: list[int], serve: dict | None = Non
     (:func:`against_each_other`): ``speeds_up_serving`` is true where the best k is measurably
     faster than the target alone, ``difference_by_concurrency`` says which of the three each
     concurrency is, and the warnings name only what was measurably slower."""
-    ngram = next((r for r in runs if r["method"] == "ngram"), None)
+    # what a user would deploy without training anything: vLLM's ngram, the target's own MTP
+    untrained = {m: next((r for r in runs if r["method"] == m), None) for m in UNTRAINED}
     drafts = fixed_k_runs(runs)
     warnings = [w for r in drafts for w in _run_warnings(r, drafts, concurrencies)]
     warnings += _disagreements(drafts, concurrencies)
@@ -48,15 +50,17 @@ def verdict(runs: list[dict], concurrencies: list[int], serve: dict | None = Non
         "share_of_ceiling": (best["acceptance_length"] or 1) / (best["k"] + 1),
         **_by_concurrency(measured),
     })
-    if ngram is not None and ngram["acceptance_length"]:
-        out["ngram_acceptance_length"] = ngram["acceptance_length"]
-        out["ngram_acceptance_length_per_request"] = ngram.get("acceptance_length_per_request")
-        out["beats_ngram"] = (best["acceptance_length"] or 1) > ngram["acceptance_length"]
-        ngram_measured = {str(c): at_concurrency(ngram, c) for c in concurrencies}
-        out.update({f"ngram_{key}": value
-                    for key, value in _by_concurrency(ngram_measured).items()})
-        out["against_ngram_by_concurrency"] = {
-            c: against_each_other(measured[c], ngram_measured[c]) for c in measured}
+    for m, other in untrained.items():
+        if other is None or not other["acceptance_length"]:
+            continue
+        out[f"{m}_acceptance_length"] = other["acceptance_length"]
+        out[f"{m}_acceptance_length_per_request"] = other.get("acceptance_length_per_request")
+        out[f"beats_{m}"] = (best["acceptance_length"] or 1) > other["acceptance_length"]
+        other_measured = {str(c): at_concurrency(other, c) for c in concurrencies}
+        out.update({f"{m}_{key}": value
+                    for key, value in _by_concurrency(other_measured).items()})
+        out[f"against_{m}_by_concurrency"] = {
+            c: against_each_other(measured[c], other_measured[c]) for c in measured}
     if serve is not None:
         out["serve_never_slower_than_target"] = serve["never_slower_than_target"]
         if not serve["never_slower_than_target"]:
@@ -73,7 +77,7 @@ def verdict(runs: list[dict], concurrencies: list[int], serve: dict | None = Non
             warnings.append(text)
     said = runs[0].get("sampling") or f"temperature {temperature:g}"
     out["summary"] = (f"At {said}: " if temperature else "") + _summary(
-        best, choice, measured, ngram)
+        best, choice, measured, [r for r in untrained.values() if r is not None])
     return out
 
 
@@ -136,16 +140,16 @@ def _disagreements(drafts: list[dict], concurrencies: list[int]) -> list[str]:
 
 
 def _summary(best: dict, choice: list[dict], measured: dict[str, dict],
-             ngram: dict | None) -> str:
+             untrained: list[dict]) -> str:
     parts, difference = [], {}
     for e in choice:
         c = e["concurrency"]
         entry = measured[str(c)]
         difference[c] = against_target(entry)
         text = f"at concurrency {c}: {e['best_run']} {_speed(entry)}"
-        if ngram:
-            other = at_concurrency(ngram, c)
-            text += f" (ngram {_speed(other)}{_versus_ngram(entry, other)})"
+        for run in untrained:
+            other = at_concurrency(run, c)
+            text += f" ({run['method']} {_speed(other)}{_versus(entry, other, run['method'])})"
         if difference[c] == NO_DIFFERENCE:
             text += ", no measurable difference from no drafter" + (
                 "" if e["k"] else " (serve.json drafts none there)")
@@ -154,8 +158,8 @@ def _summary(best: dict, choice: list[dict], measured: dict[str, dict],
         parts.append(text)
     sets = ", ".join(f"{s} {a['acceptance_length']:.2f}" for s, a in best["sets"].items()
                      if a["acceptance_length"])
-    ngram_al = (f"; ngram AL {ngram['acceptance_length']:.2f}"
-                if ngram and ngram["acceptance_length"] else "")
+    ngram_al = "".join(f"; {run['method']} AL {run['acceptance_length']:.2f}"
+                       for run in untrained if run["acceptance_length"])
     per_request = best.get("acceptance_length_per_request")
     al = f"AL {best['acceptance_length']:.2f}" + (f" ({per_request:.2f} per request)"
                                                   if per_request else "")
@@ -164,14 +168,14 @@ def _summary(best: dict, choice: list[dict], measured: dict[str, dict],
             + "; ".join(parts) + ". " + _ending(difference))
 
 
-def _versus_ngram(entry: dict, other: dict) -> str:
-    """The best k against ngram at one concurrency, where both speedups have intervals to
-    decide it (else the two speedups stand side by side, unjudged)."""
+def _versus(entry: dict, other: dict, name: str) -> str:
+    """The best k against ``name`` (ngram, mtp) at one concurrency, where both speedups have
+    intervals to decide it (else the two speedups stand side by side, unjudged)."""
     if None in (entry.get("speedup_low"), other.get("speedup_low")):
         return ""
     versus = against_each_other(entry, other)
-    return (": no measurable difference from ngram" if versus == NO_DIFFERENCE
-            else f": measurably {versus} than ngram")
+    return (f": no measurable difference from {name}" if versus == NO_DIFFERENCE
+            else f": measurably {versus} than {name}")
 
 
 def _ending(difference: dict[int, str]) -> str:
