@@ -2,7 +2,8 @@
 # results dir, the shard lists, the software of each job and its resources.
 import os
 
-from eaglet.core.config import eval_shard_count, outside_working_dir, stage_params, validate
+from eaglet.core.config import (eval_shard_count, outside_working_dir, record_settings,
+                                stage_params, validate)
 from eaglet.core import layout  # every results path, by name (layout.MANIFEST, ...)
 from eaglet.target.checkpoint import check_recorded_target
 
@@ -45,10 +46,24 @@ def hidden_files(split: str, suffix: str) -> list[str]:
     return [f"{R}/{layout.HIDDEN_EVAL}/shard_{i}{suffix}" for i in EVAL_SHARDS]
 
 
+def settings_file(stage: str, settings: dict) -> str:
+    """The file, under the results, holding the settings ``stage``'s outputs were made with: an
+    input of its jobs, rewritten when they change, so that the stage and every stage after it
+    run again from any checkout (Snakemake's own records of params stay in the workflow
+    directory, and a fresh clone or a copied results directory has none)."""
+    path = f"{R}/{layout.RUN_SETTINGS}/{stage}.json"
+    changed = record_settings(path, settings)
+    if changed:
+        logger.info(f"{stage}: settings changed since its outputs were made "
+                    f"({'; '.join(changed)}): it runs again, and what depends on it")
+    return path
+
+
 # generate.capture_hidden_states: the generation server saves every answer's hidden states
 # where the vllm extraction rule packs them from.
 CAPTURE = config["generate"]["capture_hidden_states"]
 GENERATE_PARAMS = dict(
+    target=config["target"],
     generate=stage_params(config, "generate"),
     **({"capture": {"dir": f"{R}/{layout.CAPTURE_REQUESTS}",
                     "aux_layer_ids": config["extract"]["aux_layer_ids"]}} if CAPTURE else {}),

@@ -1,3 +1,12 @@
+EVALUATE_SETTINGS = dict(
+    evaluate=stage_params(config, "evaluate"),
+    target=config["target"],
+    # prompts render through the chat template as generation rendered them
+    **({"chat_template_kwargs": config["generate"]["chat_template_kwargs"]}
+       if config["generate"]["chat_template_kwargs"] else {}),
+)
+
+
 rule evaluate:
     """Serve the target with vLLM: alone, with ngram speculation, and with the drafter at
     every k, each run at every concurrency of the sweep on every prompt set, at every
@@ -18,6 +27,7 @@ rule evaluate:
            else {}),
         # drafters served beside this run's for comparison: a new export reruns the sweep
         compared=[f"{d}/model.safetensors" for d in config["evaluate"]["compare_drafters"]],
+        settings=settings_file("evaluate", EVALUATE_SETTINGS),
     output:
         acceptance=report(
             f"{R}/{layout.ACCEPTANCE}",
@@ -26,11 +36,7 @@ rule evaluate:
         ),
         serve=f"{R}/{layout.SERVE}",
     params:
-        evaluate=stage_params(config, "evaluate"),
-        target=config["target"],
-        # prompts render through the chat template as generation rendered them
-        **({"chat_template_kwargs": config["generate"]["chat_template_kwargs"]}
-           if config["generate"]["chat_template_kwargs"] else {}),
+        **EVALUATE_SETTINGS,
         log_dir=f"{R}/{layout.LOGS}",
         progress=f"{R}/{layout.progress_file('evaluate')}",
     threads: MODEL_THREADS

@@ -14,6 +14,11 @@ EXTRACT_PARAMS = dict(
              if k not in ("gpus", "device", "concurrency", "jobs", "num_eval_shards")},
     target=config["target"],
 )
+EXTRACT_SETTINGS = settings_file("extract", EXTRACT_PARAMS)
+# The vocabulary stage stops a run whose draft vocabulary covers too little (vocab.min_coverage)
+# before extraction spends its hours: the map is an input, so Snakemake runs that stage first,
+# and an ancient one, so a map built again (the states do not depend on it) reruns nothing here.
+VOCAB_FIRST = ancient(f"{R}/{layout.VOCAB_MAP}")
 FROM_VLLM = config["extract"]["backend"] == "vllm" or CAPTURE
 # backend vllm: the server holds the GPUs (server.gpus), for every shard at once
 EXTRACT_RESOURCES = job_resources(
@@ -30,6 +35,8 @@ if FROM_VLLM:
             target=f"{R}/{layout.TARGET_JSON}",
             train=f"{R}/{layout.SYNTHETIC_TRAIN}",
             eval=f"{R}/{layout.SYNTHETIC_EVAL}",
+            settings=EXTRACT_SETTINGS,
+            vocab=VOCAB_FIRST,
         output:
             shards=hidden_files("train", ".safetensors"),
             metas=hidden_files("train", ".json"),
@@ -60,6 +67,8 @@ elif config["extract"]["jobs"] == "one":
             target=f"{R}/{layout.TARGET_JSON}",
             train=f"{R}/{layout.SYNTHETIC_TRAIN}",
             eval=f"{R}/{layout.SYNTHETIC_EVAL}",
+            settings=EXTRACT_SETTINGS,
+            vocab=VOCAB_FIRST,
         output:
             shards=hidden_files("train", ".safetensors"),
             metas=hidden_files("train", ".json"),
@@ -87,6 +96,8 @@ else:
         input:
             target=f"{R}/{layout.TARGET_JSON}",
             data=lambda w: f"{R}/{layout.SYNTHETIC_EVAL if w.split else layout.SYNTHETIC_TRAIN}",
+            settings=EXTRACT_SETTINGS,
+            vocab=VOCAB_FIRST,
         output:
             shard=f"{R}/{layout.HIDDEN}/{{split}}shard_{{i}}.safetensors",
             meta=f"{R}/{layout.HIDDEN}/{{split}}shard_{{i}}.json",

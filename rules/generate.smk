@@ -6,13 +6,13 @@ rule generate:
         target=f"{R}/{layout.TARGET_JSON}",
         train=f"{R}/{layout.PROMPTS_TRAIN}",
         eval=f"{R}/{layout.PROMPTS_EVAL}",
+        settings=settings_file("generate", GENERATE_PARAMS),
     output:
         train=f"{R}/{layout.SYNTHETIC_TRAIN}",
         eval=f"{R}/{layout.SYNTHETIC_EVAL}",
         stats=f"{R}/{layout.SYNTHETIC_STATS}",
     params:
         # what changes the samples; server lifecycle settings are read from config
-        target=config["target"],
         **GENERATE_PARAMS,
         partial=f"{R}/{layout.SYNTHETIC_PARTIAL}",
         progress=f"{R}/{layout.progress_file('generate')}",

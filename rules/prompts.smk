@@ -6,6 +6,7 @@ rule prepare_prompts:
     input:
         # the local prompt files: editing one reruns this stage and everything after it
         local_files(config["data"]),
+        settings=settings_file("prepare_prompts", {"data": config["data"]}),
     output:
         train=f"{R}/{layout.PROMPTS_TRAIN}",
         eval=f"{R}/{layout.PROMPTS_EVAL}",

@@ -16,6 +16,7 @@ rule scaling_train:
         shards=hidden_files("train", ".safetensors"),
         eval_shards=hidden_files("eval", ".safetensors"),
         vocab=f"{R}/{layout.VOCAB_MAP}",
+        settings=settings_file("train", TRAIN_SETTINGS),
     output:
         stats=f"{R}/{layout.SCALING_RUNS}/{{fraction}}/stats.json",
         subset=f"{R}/{layout.SCALING_RUNS}/{{fraction}}/subset.json",

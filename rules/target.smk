@@ -1,5 +1,7 @@
 rule prepare_target:
     """Resolve the target model; dequantize the embedded default into an HF directory."""
+    input:
+        settings=settings_file("prepare_target", {"model": config["target"]["model"]}),
     output:
         f"{R}/{layout.TARGET_JSON}",
     params:

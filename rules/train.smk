@@ -2,6 +2,11 @@
 # extraction backend and trains on the states as they come (eaglet.stages.train.stream); it
 # holds the server's GPUs and its own (train.gpus 0: the trainer shares the server's).
 TRAIN_GPUS = config["train"]["gpus"] + (config["server"]["gpus"] if STREAM else 0)
+TRAIN_SETTINGS = dict(
+    train=stage_params(config, "train", drop=("gpus",)),
+    # stream: what the streamed states depend on, as the extraction's (rules/extract.smk)
+    **({"stream": EXTRACT_PARAMS} if STREAM else {}),
+)
 
 
 rule train:
@@ -14,6 +19,7 @@ rule train:
         eval_shards=hidden_files("eval", ".safetensors"),
         vocab=f"{R}/{layout.VOCAB_MAP}",
         **({"data": f"{R}/{layout.SYNTHETIC_TRAIN}"} if STREAM else {}),
+        settings=settings_file("train", TRAIN_SETTINGS),
     output:
         config=f"{R}/{layout.DRAFTER_CONFIG}",
         weights=f"{R}/{layout.DRAFTER_WEIGHTS}",

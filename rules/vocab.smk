@@ -3,6 +3,8 @@ rule vocab_map:
     input:
         target=f"{R}/{layout.TARGET_JSON}",
         data=f"{R}/{layout.SYNTHETIC_TRAIN}",
+        settings=settings_file("vocab_map", {"draft_vocab_size":
+                                             config["vocab"]["draft_vocab_size"]}),
     output:
         map=f"{R}/{layout.VOCAB_MAP}",
         stats=f"{R}/{layout.VOCAB_STATS}",

@@ -163,6 +163,22 @@ def test_a_row_that_is_not_utf8_is_a_bad_row_and_the_good_rows_are_kept(tmp_path
     assert sorted(p["messages"][0]["content"] for p in train + held_out) == sorted(texts[:1] + texts[2:])
 
 
+def test_a_lone_surrogate_is_a_bad_row_named_by_source_and_row(tmp_path):
+    """JSON may escape half a UTF-16 pair ("\\ud800"): Python decodes it to a string that no
+    UTF-8 writer accepts, which stopped the stage with a bare UnicodeEncodeError. It is a bad
+    row like any other, counted and named; the good rows are kept."""
+    path = tmp_path / "surrogate.jsonl"
+    path.write_text('{"text": "good one"}\n{"text": "x \\ud800 y"}\n{"text": "good two"}\n')
+    data = data_config(source(type="file", path=str(path), text_field="text"), eval_fraction=0.5)
+    train, held_out, stats = run_prepare(tmp_path, data)
+    [counted] = stats["sources"]
+    assert (counted["rows"], counted["valid"], counted["bad"]) == (3, 2, 1)
+    [example] = counted["bad_examples"]
+    assert example["row"] == 2 and "lone surrogate" in example["reason"], example
+    assert sorted(p["messages"][0]["content"] for p in train + held_out) == ["good one",
+                                                                              "good two"]
+
+
 def test_bad_examples_are_capped_but_all_bad_rows_counted(tmp_path):
     path = write_jsonl_lines(tmp_path / "x.jsonl", [{"text": ""}] * 30 + [{"text": "ok"}])
     _, report = load_source(source(type="file", path=str(path), text_field="text"))

@@ -175,6 +175,26 @@ def test_truncated_record_passes(tokenizer):
     assert result.ok, result.reason
 
 
+def test_an_answer_cut_inside_a_multibyte_character_passes(tokenizer):
+    """max_tokens can end an answer inside an emoji or a CJK character: its ids decode to a
+    replacement character the server's content leaves out. The server says it cut the answer
+    (finish_reason length): that is no fault of the template, tokenizer or parser."""
+    for text in ("It is 😀", "答案是四"):
+        full = server_record(tokenizer, content=text)
+        cut = len(full["completion_token_ids"]) - 3  # <|im_end|> and the last 2 bytes
+        completion = full["completion_token_ids"][:cut]
+        assert tokenizer.decode(completion).endswith("\ufffd")
+        content = text[:-1]  # what vLLM's detokenizer gives: the whole characters
+        record = full | {"completion_token_ids": completion, "content": content,
+                         "finish_reason": "length"}
+        result = check_record(tokenizer, record, qwen_format(tokenizer))
+        assert result.ok, result.reason
+        # the same ids said to have stopped: the text lost is a fault
+        stopped = check_record(tokenizer, record | {"finish_reason": "stop"},
+                               qwen_format(tokenizer))
+        assert not stopped.ok
+
+
 def test_ids_after_the_end_of_turn_fail(tokenizer):
     record = server_record(tokenizer)
     stop = len(record["completion_token_ids"])

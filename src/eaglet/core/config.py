@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import logging
 import os
 from collections.abc import Mapping
 from importlib import resources
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
@@ -322,9 +324,6 @@ def load_run_config(results, config_path: str | None, workflow) -> dict:
     record (``results/run/config.json``), else ``config_path`` over the schema's defaults,
     else the workflow's config.yaml (as the Snakefile reads config.yaml only when no
     ``--configfile`` is given)."""
-    import json
-    from pathlib import Path
-
     try:
         recorded = json.loads((Path(results) / "run" / "config.json").read_text())
     except (OSError, ValueError):
@@ -362,3 +361,40 @@ def read_config_file(path) -> dict:
         raise ConfigError(f"config file {path} holds a {type(loaded).__name__}, not a mapping "
                           f"of settings (target:, generate:, ...)")
     return loaded
+
+
+def differences(was: Any, now: Any, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two settings trees, as ``key: was -> now``."""
+    if isinstance(was, dict) and isinstance(now, dict):
+        return [line for key in sorted(set(was) | set(now), key=str)
+                for line in differences(was.get(key), now.get(key), f"{prefix}{key}.")]
+    return [] if was == now else [f"{prefix.rstrip('.')}: {was!r} -> {now!r}"]
+
+
+def record_settings(path: str | os.PathLike, settings: dict[str, Any]) -> list[str]:
+    """Keep ``settings`` (what a stage's outputs depend on) in ``path``, a file every one of
+    the stage's jobs takes as an input, and say what changed.
+
+    Snakemake reruns a job whose settings changed only from its own records in the workflow
+    directory's ``.snakemake/``, which another checkout, or a copied results directory, does
+    not have: the outputs then stay as they were made, silently. This file lives with the
+    results: rewritten when the settings differ from those it holds, it is newer than the
+    stage's outputs, so Snakemake reruns the stage (and, through its outputs, every stage
+    after it) from any checkout. Written the first time dated at the epoch: results made
+    before it existed are taken as made with these settings, not rebuilt. Returns the
+    differences (empty when nothing changed)."""
+    path = Path(path)
+    settings = json.loads(json.dumps(settings))  # as JSON holds them (tuples as lists)
+    try:
+        was = json.loads(path.read_text())
+    except (OSError, ValueError):
+        was = None
+    if was == settings:
+        return []
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(settings, indent=1, sort_keys=True) + "\n")
+    if was is None:
+        os.utime(tmp, (0, 0))
+    os.replace(tmp, path)
+    return [] if was is None else differences(was, settings)

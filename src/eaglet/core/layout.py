@@ -64,6 +64,7 @@ LOGS = "logs"
 
 RUN_CONFIG = "run/config.json"         # the validated config of the run (`eaglet status`)
 RUN_SNAKEMAKE = "run/snakemake.json"   # who runs it: pid and command
+RUN_SETTINGS = "run/settings"          # per stage: the settings its outputs were made with
 
 
 def progress_file(job: str) -> str:

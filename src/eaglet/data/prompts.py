@@ -354,6 +354,11 @@ def _require_text(value: Any, what: str) -> str:
         raise _BadRow(f"{what} is {_kind(value)}, not a string")
     if not value.strip():
         raise _BadRow(f"{what} is empty")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:  # JSON's "\ud800" escapes decode to lone surrogates
+        raise _BadRow(f"{what} holds a lone surrogate ({value[exc.start:exc.end]!r} at "
+                      f"character {exc.start}): no text a tokenizer can encode") from None
     return value
 
 

@@ -303,7 +303,12 @@ def check_completion(tokenizer: PreTrainedTokenizerBase, record: Mapping[str, An
         return (f"ids follow the end of turn at completion token {stop}: the server stops at "
                 f"its first", stop + 1)
     body = ids[:stop] if stop is not None else ids
-    answer = Completion(tokenizer, body, tokenizer.decode(body, skip_special_tokens=False))
+    text = tokenizer.decode(body, skip_special_tokens=False)
+    if record.get("finish_reason") == "length":
+        # cut by max_tokens inside a character: its first bytes decode to replacement
+        # characters, which the server's text leaves out
+        text = text.rstrip("\ufffd")
+    answer = Completion(tokenizer, body, text)
     reasoning = (record.get("reasoning") or "").strip()
     content = (record.get("content") or "").strip()
     if reasoning and not fmt.parser:

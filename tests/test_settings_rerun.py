@@ -1,0 +1,108 @@
+"""A run's settings live with its results (results/run/settings/<stage>.json), so a changed
+setting reruns what it affects from any checkout: Snakemake's own records of params stay in
+the workflow directory's .snakemake/, which a fresh clone pointed at existing results, or a
+copied results directory, does not have (it then said "Nothing to be done" and the drafter
+kept a vocabulary of 2048 where the config said 1024)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from eaglet.core.config import differences, record_settings
+
+REPO = Path(__file__).resolve().parents[1]
+SNAKEMAKE = Path(sys.executable).parent / "snakemake"
+
+
+def dry_run(workdir: Path, config: Path) -> subprocess.CompletedProcess:
+    workdir.mkdir(parents=True, exist_ok=True)
+    return subprocess.run([str(SNAKEMAKE), "-s", str(REPO / "Snakefile"), "--directory",
+                           str(workdir), "-n", "--cores", "1", "--configfile", str(config)],
+                          capture_output=True, text=True, timeout=300)
+
+
+def jobs(done: subprocess.CompletedProcess) -> set[str]:
+    """The jobs a dry run would run (its table of job counts)."""
+    assert done.returncode == 0, done.stderr[-2000:]
+    text = done.stdout + done.stderr
+    if "Nothing to be done" in text:
+        return set()
+    table = text.split("Job stats:", 1)[1].split("total", 1)[0]
+    return {m.group(1) for m in re.finditer(r"^(\w+)\s+\d+\s*$", table, re.M)} - {"job"}
+
+
+def write_outputs(done: subprocess.CompletedProcess) -> None:
+    """Every output the dry run lists, made in the order of its jobs, each a moment newer
+    than the last: a finished run's results."""
+    text = done.stdout + done.stderr
+    stamp = time.time() - 1000  # newer than the code (Snakemake reruns outputs older than it)
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("output: "):
+            for path in line[len("output: "):].split(", "):
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+                Path(path).write_text("made\n")
+                stamp += 10
+                os.utime(path, (stamp, stamp))
+
+
+def config_file(tmp_path: Path, name: str, **changes) -> Path:
+    config = yaml.safe_load((REPO / "tests" / "configs" / "tiny.yaml").read_text())
+    config["results_dir"] = str(tmp_path / "results")
+    config.setdefault("evaluate", {})["prompt_sets"] = []
+    for dotted, value in changes.items():
+        section, key = dotted.split("__")
+        config.setdefault(section, {})[key] = value
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_a_changed_setting_reruns_what_it_affects_from_another_checkout(tmp_path):
+    first = tmp_path / "checkout-1"
+    plan = dry_run(first, config_file(tmp_path, "a"))
+    # the vocabulary's coverage stop comes before extraction, whatever order Snakemake picks:
+    # the map is one of extraction's inputs
+    extract = (plan.stdout + plan.stderr).split("rule extract_vllm:", 1)[1].split("output:")[0]
+    assert "vocab/vocab_map.safetensors" in extract
+    write_outputs(plan)
+    # another checkout (no .snakemake records) on the same results, the same settings: nothing
+    assert jobs(dry_run(tmp_path / "checkout-2", config_file(tmp_path, "a"))) == set()
+    # the draft vocabulary changed: the map and all after it, not generation or extraction
+    rerun = dry_run(tmp_path / "checkout-3", config_file(tmp_path, "b",
+                                                         vocab__draft_vocab_size=1024))
+    assert jobs(rerun) >= {"vocab_map", "train", "evaluate"}, rerun.stdout[-3000:]
+    assert not jobs(rerun) & {"generate", "extract_vllm", "prepare_prompts"}
+    assert "vocab_map: settings changed since its outputs were made " \
+           "(draft_vocab_size: 2048 -> 1024)" in rerun.stdout + rerun.stderr
+    # generation's answers changed: generation and every stage after it
+    longer = dry_run(tmp_path / "checkout-4", config_file(
+        tmp_path, "c", vocab__draft_vocab_size=1024, generate__max_tokens=32))
+    assert {"generate", "vocab_map", "extract_vllm", "train", "evaluate"} <= jobs(longer)
+    recorded = json.loads((tmp_path / "results" / "run" / "settings" / "generate.json")
+                          .read_text())
+    assert recorded["generate"]["max_tokens"] == 32
+
+
+def test_settings_are_recorded_dated_at_the_epoch_the_first_time_and_their_changes_said(
+        tmp_path):
+    """Results made before the settings were recorded are taken as made with them (not all
+    rebuilt on the first run after an upgrade); a change dates the file now, and is said."""
+    path = tmp_path / "settings" / "train.json"
+    assert record_settings(path, {"train": {"lr": 1e-3, "epochs": 2}}) == []
+    assert path.stat().st_mtime == 0
+    assert record_settings(path, {"train": {"lr": 1e-3, "epochs": 2}}) == []
+    assert path.stat().st_mtime == 0  # unchanged: not rewritten
+    assert record_settings(path, {"train": {"lr": 2e-3, "epochs": 2}}) == [
+        "train.lr: 0.001 -> 0.002"]
+    assert path.stat().st_mtime > 1e9
+    assert differences({"a": {"b": [1, 2]}}, {"a": {"b": [1, 2], "c": None}}) == []
+    assert differences({"a": 1}, {"a": 1, "x": 2}) == ["x: None -> 2"]
