@@ -1211,3 +1211,35 @@ def test_a_rehearsal_evaluates_at_0_and_the_served_temperature_only():
         "evaluate.temperature: [0, 0.6, 1.0] -> [0, 1.0] (0 and the served temperature)"])
     assert rehearsed([0, 1.0]) == ([0, 1.0], [])   # the shipped configs' lists, as they are
     assert rehearsed([0.6])[0] == [0, 0.6]         # the exact greedy check is rehearsed too
+
+
+def test_an_evaluation_still_running_keeps_a_second_one_off_its_directory(tmp_path,
+                                                                            monkeypatch):
+    """kill -9 of Snakemake during evaluate leaves the evaluation running; its rerun started
+    a second one beside it (six servers on two cores, both writing eval/). The rerun is
+    refused before any server starts, naming the live pid."""
+    import subprocess
+    import sys
+
+    from eaglet.core.io import DirectoryBusy
+    from eaglet.stages.evaluate import stage as evaluate_stage
+
+    started = []
+    monkeypatch.setattr(evaluate_stage, "_run_stage", lambda *a: started.append(a))
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom eaglet.core.io import hold_directory\n"
+         "with hold_directory(sys.argv[1], 'evaluate'):\n    print('held', flush=True)\n"
+         "    time.sleep(60)\n", str(tmp_path / "eval")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(DirectoryBusy, match=rf"evaluate .*pid {holder.pid} .*kill "):
+            evaluate_stage.run_stage({}, "t.json", "d", "p.jsonl",
+                                     str(tmp_path / "eval" / "acceptance.json"), str(tmp_path))
+        assert not started
+    finally:
+        holder.kill()
+        holder.wait()
+    evaluate_stage.run_stage({}, "t.json", "d", "p.jsonl",
+                             str(tmp_path / "eval" / "acceptance.json"), str(tmp_path))
+    assert len(started) == 1  # the directory is free once the first is gone

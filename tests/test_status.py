@@ -193,6 +193,33 @@ def test_a_generate_whose_server_died_shows_failed_with_the_reason(tmp_path):
     assert "FAILED: the vLLM server died" in status.render(status.collect(r, _full_config(r), None))
 
 
+def test_a_refused_rerun_is_not_the_stages_failure_once_its_holder_is_gone(tmp_path):
+    """A rerun refused beside a live train (its checkpoints held) logs "train failed: ... held
+    by another train process, pid N ... still running". Once that process has ended, the
+    refusal says nothing of the stage: status shows what the stage itself did, not a live
+    holder that is gone; while the holder lives, the refusal stands."""
+    import socket
+    import subprocess
+
+    r = tmp_path / "results"
+    (r / "drafter").mkdir(parents=True)
+    for name in ("config.json", "model.safetensors", "training_log.csv"):
+        (r / "drafter" / name).write_text("{}")
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    refusal = (f"ERROR eaglet.stages.train: train failed: train: results/drafter_checkpoints is "
+               f"held by another train process, pid {{pid}} on host {socket.gethostname()} "
+               f"(since 2026-01-01T10:00:00+00:00), still running: two would write the same "
+               f"files. Stop it first (kill {{pid}} on {socket.gethostname()}), or wait for it, "
+               f"then rerun.")
+    _log(r / "logs" / "train.log", refusal.format(pid=ended.pid),
+         "INFO eaglet.stages.train.loop: exported the drafter")
+    assert status.stage_status(_stage("train"), r, _full_config(r), set())["state"] == "completed"
+    _log(r / "logs" / "train.log", refusal.format(pid=os.getpid()))  # the holder still runs
+    shown = status.stage_status(_stage("train"), r, _full_config(r), set())
+    assert shown["state"] == "failed" and "held by another train process" in shown["error"]
+
+
 def test_a_killed_stage_without_a_failure_is_interrupted(tmp_path):
     r = tmp_path / "results"
     _dead_progress(r, "generate")

@@ -644,3 +644,54 @@ def test_feature_noise_is_scaled_to_each_layers_rms_per_row():
     assert ratio[0].sub(0.2).abs().max() < 0.08                   # the loud row's own scale
     assert not torch.equal(add_feature_noise(aux, 3, 0.2, generator), noisy)
     assert torch.equal(add_feature_noise(aux, 3, 0.0), aux)
+
+
+SIGTERMED = """
+import json, os, signal, sys
+from pathlib import Path
+from eaglet.stages.train import loop
+from tests.test_train import FAST, run
+
+world, tmp = json.loads(sys.argv[1]), Path(sys.argv[2])
+step, taken = loop.Trainer.train_step, []
+
+def step_then_terminated(self, *args, **kwargs):  # SIGTERM during step 3, as a scheduler
+    out = step(self, *args, **kwargs)           # sends it at a time limit or on preemption
+    taken.append(1)
+    if len(taken) == 3:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return out
+
+loop.Trainer.train_step = step_then_terminated
+run(world, tmp, {**FAST, "checkpoint_every": 100}, "term")
+"""
+
+
+def test_sigterm_checkpoints_and_says_so_and_the_rerun_resumes_to_the_same_weights(world,
+                                                                                    tmp_path):
+    """A scheduler ends a job with SIGTERM at its time limit or on preemption, then SIGKILL
+    after a grace period. The trainer stops after its current step, writes a checkpoint (even
+    between its regular ones) and says so; the requeued job resumes from it and ships the
+    weights an uninterrupted run ships."""
+    import json
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, "-c", SIGTERMED,
+                           json.dumps({k: (v if isinstance(v, str) else [str(p) for p in v])
+                                       for k, v in world.items() if k != "root"}),
+                           str(tmp_path)], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode != 0
+    assert "received SIGTERM at step" in done.stderr and "checkpoint written" in done.stderr
+    saved = sorted(p.name for p in (tmp_path / "term" / "ckpt").glob("step_*"))
+    assert saved and not (tmp_path / "term" / "drafter" / "model.safetensors").exists()
+    stopped_at = int(saved[-1].split("_")[1])
+    assert stopped_at == 3  # the step it was in, not a regular checkpoint (every 100 steps)
+    resumed = run(world, tmp_path, {**FAST, "checkpoint_every": 100}, "term")
+    assert resumed["resumed_from_step"] == stopped_at
+    whole = run(world, tmp_path, {**FAST, "checkpoint_every": 100}, "whole")
+    ours, theirs = weights(tmp_path / "term" / "drafter"), weights(tmp_path / "whole" / "drafter")
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        assert torch.allclose(ours[name], theirs[name], atol=1e-6), name

@@ -8,6 +8,7 @@ instead of a traceback buried in Snakemake's output.
 from __future__ import annotations
 
 import logging
+import logging.handlers
 import sys
 import traceback
 from collections.abc import Callable
@@ -19,9 +20,13 @@ FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def setup_logging(log_path: str | None, level: int = logging.INFO) -> None:
+    """The stage's log lines to stderr and to ``log_path``. The file is watched: Snakemake
+    removes a job's log before the job runs, so a rerun refused beside a live stage (which
+    holds its directory) deleted the live stage's log, and its lines went on into a file no
+    path names; a watched handler opens the path again on its next line."""
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
     if log_path:
-        handlers.append(logging.FileHandler(log_path))
+        handlers.append(logging.handlers.WatchedFileHandler(log_path))
     logging.basicConfig(level=level, format=FORMAT, handlers=handlers, force=True)
 
 

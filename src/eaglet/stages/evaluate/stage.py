@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 
 from eaglet.core import rates
-from eaglet.core.io import read_json, write_json
+from eaglet.core.io import hold_directory, read_json, write_json
 from eaglet.core.progress import Progress
 from eaglet.engine.server import ServerError, start_together, target_server
 from eaglet.engine.support import mtp_layers
@@ -276,8 +276,19 @@ def run_stage(cfg: dict, target_json: str, drafter_dir: str, prompts_path: str,
               train_prompts_path: str | None = None,
               held_out_paths: list[str] | None = None) -> dict:
     """The stage: every engine run in vLLM, the k schedule, the offline replay (from the
-    held-out shards ``held_out_paths`` where they store the answers' states), the verdict."""
+    held-out shards ``held_out_paths`` where they store the answers' states), the verdict.
+    It holds the directory it writes (``eval/``): an evaluation left running by a killed
+    Snakemake and its rerun would each start their servers on the same machine (each speed
+    table measured under the other's load) and write the same files; the second is refused,
+    naming the first, before any server starts."""
+    with hold_directory(Path(out_path).parent, "evaluate"):
+        return _run_stage(cfg, target_json, drafter_dir, prompts_path, out_path, log_dir,
+                          progress_path, log_path, serve_path, train_prompts_path,
+                          held_out_paths)
 
+
+def _run_stage(cfg, target_json, drafter_dir, prompts_path, out_path, log_dir, progress_path,
+               log_path, serve_path, train_prompts_path, held_out_paths) -> dict:
     ev = cfg["evaluate"]
     target = read_target(target_json)
     prompt_sets, about = load_prompt_sets(ev, prompts_path, train_prompts_path)

@@ -38,6 +38,7 @@ import contextlib
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -51,6 +52,7 @@ from eaglet.core import rates
 from eaglet.core.config import ConfigError, validate
 from eaglet.core.io import hold_directory, human_size, read_json, write_json
 from eaglet.core.progress import Progress
+from eaglet.engine.server import Terminated
 from eaglet.model import methods
 from eaglet.model.drafter import Eagle3Drafter, num_params
 from eaglet.stages.scripting import run_stage
@@ -358,7 +360,8 @@ class TrainingRun:
                   max(map(len, upcoming), default=0))
         feed = trainer.prefetcher()
         try:
-            return self._run(progress, stop_after_steps, feed)
+            with stop_signals() as self.stopping:
+                return self._run(progress, stop_after_steps, feed)
         finally:
             if feed is not None:
                 feed.close()
@@ -402,16 +405,63 @@ class TrainingRun:
             due = (trainer.step % cfg["eval_every"] == 0) if cfg["eval_every"] else epoch_end
             if len(trainer.eval_data) and (due or last):
                 self.best.consider(self.log_row("eval", trainer.evaluate()), trainer.model)
-            if trainer.step % cfg["checkpoint_every"] == 0 or last:
+            saved = trainer.step % cfg["checkpoint_every"] == 0 or last
+            if saved:
                 self.save_checkpoint()
+            if self.stop_requested() and not last:
+                # a scheduler's time limit or preemption: what is done is kept, within the
+                # grace period before its SIGKILL, and the requeued job resumes from here
+                if not saved:
+                    self.save_checkpoint()
+                message = (f"received {self.stopping['signal']} at step {trainer.step} of "
+                           f"{trainer.total_steps}: checkpoint written, a rerun resumes "
+                           f"from step {trainer.step}")
+                if trainer.dist.rank == 0:
+                    log.warning("%s", message)
+                raise Terminated(message)
             if stop_after_steps is not None and trainer.step >= stop_after_steps and not last:
                 return False
         return True
+
+    def stop_requested(self) -> bool:
+        """Whether any rank received SIGTERM (or SIGHUP) since training started: every rank
+        stops after the same step, so that the checkpoint holds all of them."""
+        asked = torch.tensor([1.0 if self.stopping["signal"] else 0.0],
+                             device=self.trainer.device)
+        if self.trainer.dist.world > 1:
+            asked = self.trainer.dist.all_reduce(asked, dist.ReduceOp.MAX)
+            if asked.item() and not self.stopping["signal"]:
+                self.stopping["signal"] = "SIGTERM (on another rank)"
+        return bool(asked.item())
 
     def ship(self) -> dict:
         """Put the weights to export in the drafter (:meth:`Best.ship`): the best held-out
         evaluation's, else the last; returns what was chosen and against what."""
         return self.best.ship(self.trainer.model, self.log.rows, self.trainer.step)
+
+
+@contextlib.contextmanager
+def stop_signals():
+    """While the block runs, SIGTERM and SIGHUP (a scheduler's time limit or preemption, a
+    Snakemake stopping its jobs) only note which arrived (``["signal"]``), for the loop to stop
+    after its step with a checkpoint; the previous handlers come back after. Outside the main
+    thread nothing changes."""
+    state = {"signal": None}
+
+    def note(signum, frame):
+        state["signal"] = signal.Signals(signum).name
+
+    previous = {}
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        try:
+            previous[sig] = signal.signal(sig, note)
+        except ValueError:  # not the main thread
+            pass
+    try:
+        yield state
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def train(cfg: dict, shard_paths: list[str], eval_shard_paths: list[str], vocab_map: str,

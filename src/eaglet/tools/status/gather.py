@@ -7,6 +7,7 @@ import glob
 import os
 import re
 import shlex
+import socket
 import subprocess
 import sys
 import time
@@ -25,6 +26,18 @@ from eaglet.tools.status.stages import OPTIONAL_STAGES, STAGES, Stage, estimate
 _FAILED = re.compile(r" ERROR eaglet\.[\w.]+: [\w\[\]]+ failed: (?P<why>.*)")
 
 
+_HELD = re.compile(r"is held by another \w+ process, pid (?P<pid>\d+) on host (?P<host>\S+)")
+
+
+def _refusal_of_the_past(why: str) -> bool:
+    """Whether ``why`` is a rerun refused beside a live job of its stage (the directory it
+    writes was held) whose holder has ended since: the stage itself did not fail, and the
+    holder's own lines follow in the same log."""
+    held = _HELD.search(why)
+    return bool(held) and held["host"] == socket.gethostname() and not pid_alive(
+        int(held["pid"]))
+
+
 def _last_error(log: Path) -> tuple[str, float] | None:
     """The reason a stage's job last failed, as its ``run_stage`` logged it, and when (the
     log's modification time). Snakemake deletes a job's log before running it again, so a
@@ -39,7 +52,7 @@ def _last_error(log: Path) -> tuple[str, float] | None:
             continue
         for line in reversed(lines[-200:]):
             match = _FAILED.search(line)
-            if match:
+            if match and not _refusal_of_the_past(match["why"]):
                 found.append((match["why"][:300], mtime))
                 break
     return max(found, key=lambda f: f[1]) if found else None
