@@ -4,6 +4,8 @@ resumes from, and the capture options it starts the server with."""
 
 from __future__ import annotations
 
+import os
+
 import json
 
 import pytest
@@ -145,7 +147,39 @@ def test_packed_shards_are_kept_and_moved_without_a_server(tiny, tmp_path, monke
     assert [m["backend"] for m in metas] == ["vllm", "vllm"]
     for job, digest in zip(jobs, hashes):
         assert shards.digest_path(job.shard_path) == digest and job.meta_path.exists()
-        assert not job.staged_path.exists()
+        # the packed name stays, the same bytes on disk (a hard link, no second copy)
+        assert os.path.samefile(job.staged_path, job.shard_path)
+
+
+def test_a_rerun_after_snakemake_deleted_the_outputs_extracts_only_a_damaged_shard(
+        tiny, tmp_path, monkeypatch):
+    """Snakemake deletes every output of the one extraction job before running it again (one
+    damaged shard, one edited prompt): the intact shards come back from their packed names,
+    checked by their digests, and only the damaged one is extracted again."""
+    from eaglet.data import shards
+    from eaglet.engine.extraction import Extractor, extract_shards
+
+    cfg, info, jobs, work = packed_run(tiny, tmp_path)
+    with one_thread():
+        extract_shards(cfg, info, jobs, work, tmp_path / "server.log")
+    intact = shards.digest_path(jobs[0].shard_path)
+    with open(jobs[1].shard_path, "r+b") as handle:  # damaged in place
+        handle.seek(-8, os.SEEK_END)
+        handle.write(b"\xff" * 8)
+    for job in jobs:  # what Snakemake does before the rerun
+        job.shard_path.unlink()
+        job.meta_path.unlink()
+    sent = []
+
+    def stream(self, sample_ids, seqs, paths, consume, progress, ahead=None):
+        sent.extend(sample_ids)
+        raise RuntimeError("extracting again")
+    monkeypatch.setattr(Extractor, "ensure_server", lambda self: None)
+    monkeypatch.setattr(Extractor, "stream", stream)
+    with one_thread(), pytest.raises(RuntimeError, match="extracting again"):
+        extract_shards(cfg, info, jobs, work, tmp_path / "server.log")
+    assert sent == [r["id"] for r in jobs[1].records]  # the damaged shard's samples alone
+    assert shards.digest_path(jobs[0].staged_path) == intact
 
 
 def test_a_packed_shard_of_other_samples_is_not_reused(tiny, tmp_path, monkeypatch):

@@ -17,8 +17,10 @@ next ones. The window runs at most one shard ahead of the shard being packed: th
 files on disk stay within two shards, the states in memory within one.
 
 Resume: a request whose file exists (and holds the same token ids) is not sent again; a shard
-is packed into ``<work>/shards/`` and its request files are removed; the packed shards are
-moved to their final names when all are done, so a failed run keeps everything it finished.
+is packed into ``<work>/shards/`` and its request files are removed; the packed shards get
+their final names when all are done (hard links: the packed names stay), so a failed run keeps
+everything it finished, and a rerun that Snakemake starts by deleting the outputs (one shard
+damaged, one prompt edited) extracts only the shards whose samples or bytes changed.
 """
 
 from __future__ import annotations
@@ -572,9 +574,23 @@ def extract_shards(cfg: dict, info: dict, jobs: list[ShardJob], work_dir: Path,
         stats["parts_s"] = dict(extractor.times.seconds)
     for job in jobs:  # all shards are good: give them their final names
         job.shard_path.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(job.staged_path, job.shard_path)
-        os.replace(job.staged_meta_path, job.meta_path)
+        publish(job.staged_path, job.shard_path)
+        publish(job.staged_meta_path, job.meta_path)
     return [metas[i] for i in range(len(jobs))]
+
+
+def publish(staged: Path, final: Path) -> None:
+    """Give a packed shard (or its record) its final name and keep the packed name too: a
+    hard link, the same bytes on disk under both. Snakemake deletes a job's outputs before it
+    runs the job again (one damaged shard, one edited prompt), so without the packed name
+    every intact shard was extracted again, hours of a real run; with it the rerun finds them
+    packed, checks each by its digest and keeps those that match. Where the filesystem has no
+    hard links, the shard is moved, as before."""
+    final.unlink(missing_ok=True)
+    try:
+        os.link(staged, final)
+    except OSError:
+        os.replace(staged, final)
 
 
 def staged_problem(job: ShardJob, expected: dict, max_len: int) -> str | None:
