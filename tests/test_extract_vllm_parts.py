@@ -472,3 +472,40 @@ def test_a_split_with_more_shards_than_samples_names_its_own_setting(tmp_path, s
                                               rf"of {split} samples"):
         shard_jobs(records, 3, paths, [p.replace(".safetensors", ".json") for p in paths],
                    tmp_path, split)
+
+
+def test_the_disk_check_counts_the_request_files_and_a_full_disk_names_its_path(
+        tmp_path, monkeypatch):
+    """The up-front check left out the request files the server saves beside the shards (every
+    captured layer, in the served dtype, for up to two shards at once); a disk that filled up
+    anyway said only "[Errno 28] No space left on device"."""
+    import errno
+
+    from eaglet.core.io import write_json, write_jsonl
+    from eaglet.engine import extraction
+    from eaglet.engine.extraction import ShardJob, request_bytes
+    from eaglet.target.states import ExtractionError
+
+    records = [{"id": f"s{i}", "prompt_token_ids": [1] * 10, "completion_token_ids": [2] * 6}
+               for i in range(6)]
+    jobs = [ShardJob(f"shard {i}", records[i:i + 1 + i], tmp_path / "a", tmp_path / "b",
+                     tmp_path / "c", tmp_path / "d") for i in range(3)]
+    # the two largest shards: 3 and 2 samples of 16 tokens, 4 layers of 8, float32
+    assert request_bytes(jobs, 64, 4, 8, "float32") == (48 + 32) * 4 * 8 * 4
+    assert request_bytes(jobs, 12, 4, 8, "bfloat16") == (36 + 24) * 4 * 8 * 2  # cut at max_len
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "work" / "x"))
+    monkeypatch.setattr(extraction, "extract_shards", full)
+    write_json(tmp_path / "target.json", {"path": str(tmp_path), "spec": "t"})
+    write_jsonl(tmp_path / "train.jsonl", records)
+    splits = {"train": {"data": str(tmp_path / "train.jsonl"),
+                        "shards": [str(tmp_path / "h" / "shard_00000.safetensors")],
+                        "metas": [str(tmp_path / "h" / "shard_00000.json")]}}
+    with pytest.raises(ExtractionError) as info:
+        extraction.run_stage(validate({}), str(tmp_path / "target.json"), splits,
+                             str(tmp_path / "work"), str(tmp_path / "server.log"))
+    message = str(info.value)
+    assert f"the disk of {tmp_path / 'work'} filled up" in message
+    assert str(tmp_path / "work" / "x") in message and "GiB free now" in message
+    assert "rerun to go on" in message

@@ -521,6 +521,36 @@ def test_recorded_answers_prompts_are_rendered_by_the_server_and_kept(server, tm
     assert read_jsonl(tmp_path / "out.jsonl")[0]["prompt_token_ids"] == [1, 2, len("question 0")]
 
 
+def test_a_template_that_raises_for_some_prompts_is_said_with_them_before_any_server(
+        tmp_path):
+    """A chat template that raises for some prompts (here: a system message it refuses)
+    stopped generation after the server started, with the template's own text alone. Every
+    prompt is rendered first: those that fail are named with their source and row, and no
+    server is asked (server.url points nowhere)."""
+    from eaglet.core.config import validate
+    from eaglet.core.io import write_json, write_jsonl
+    from eaglet.stages.generate import TemplateError, run_stage
+    from tests.test_template_check import PLAIN_TEMPLATE, make_tokenizer
+
+    strict = ("{% for m in messages %}{% if m.role == 'system' %}"
+              "{{ raise_exception('System role not supported') }}{% endif %}{% endfor %}"
+              + PLAIN_TEMPLATE)
+    make_tokenizer(strict).save_pretrained(tmp_path / "target")
+    write_json(tmp_path / "target.json", {"path": str(tmp_path / "target"), "spec": "t"})
+    rows = prompts(3)
+    rows[1]["messages"] = [{"role": "system", "content": "Be brief."}, *rows[1]["messages"]]
+    write_jsonl(tmp_path / "train.jsonl", rows)
+    cfg = validate({"server": {"url": "http://127.0.0.1:9"}})
+    with pytest.raises(TemplateError) as info:
+        run_stage(cfg, str(tmp_path / "target.json"), {"train": str(tmp_path / "train.jsonl")},
+                  {"train": str(tmp_path / "out.jsonl")}, str(tmp_path / "stats.json"),
+                  str(tmp_path / "partial.jsonl"), None, None, str(tmp_path / "server.log"))
+    message = str(info.value)
+    assert "chat template cannot render 1 of 3 prompts" in message
+    assert f"{rows[1]['id']} (test, row 1): TemplateError: System role not supported" in message
+    assert not (tmp_path / "partial.jsonl").exists()
+
+
 def test_a_template_that_renders_answers_apart_from_the_prompt_is_refused():
     from eaglet.stages.generate import dataset_record
     from tests.test_template_check import PLAIN_TEMPLATE, make_tokenizer

@@ -1271,3 +1271,24 @@ def test_a_finished_run_has_no_time_left_not_an_unknown_one(tmp_path, history):
         (s["stage"], s["state"]) for s in report["stages"] if s["state"] != "completed"]
     assert report["remaining_s"] == 0
     assert "nothing: the run is complete" in status.render(report)
+
+
+def test_status_says_when_the_runs_record_is_unreadable_or_another_config_differs(tmp_path):
+    """An unreadable run/config.json made status estimate silently from ./config.yaml (42
+    minutes said where 5 were left); status given another run's config said nothing of the
+    mismatch."""
+    from eaglet.core.config import run_config_notes, validate
+
+    r = tmp_path / "results"
+    (r / "run").mkdir(parents=True)
+    (r / "run" / "config.json").write_text('{"vocab": {"draft_vocab_size": 20')  # torn
+    [note] = run_config_notes(r, None, validate({}))
+    assert "cannot be read" in note and "the workflow's config.yaml" in note
+    (r / "run" / "config.json").write_text(json.dumps(validate({"vocab": {
+        "draft_vocab_size": 2048}})))
+    assert run_config_notes(r, None, validate({})) == []  # its own record: nothing to say
+    other = tmp_path / "other.yaml"
+    other.write_text("vocab: {draft_vocab_size: 1024}\n")
+    [note] = run_config_notes(r, str(other), validate({"vocab": {"draft_vocab_size": 1024}}))
+    assert "other settings than" in note and "vocab.draft_vocab_size: 2048 -> 1024" in note
+    assert run_config_notes(r, str(other), validate({"vocab": {"draft_vocab_size": 2048}})) == []

@@ -336,6 +336,32 @@ def load_run_config(results, config_path: str | None, workflow) -> dict:
     return validate(read_config_file(base_path) if base_path.exists() else {})
 
 
+def run_config_notes(results, config_path: str | None, cfg: dict) -> list[str]:
+    """What a reader of ``cfg`` (as :func:`load_run_config` gave it) must know: a run record
+    (``results/run/config.json``) that exists but cannot be read, so the settings came from
+    elsewhere; a ``config_path`` whose settings differ from the run's own record."""
+    path = Path(results) / "run" / "config.json"
+    if not path.exists():
+        return []
+    try:
+        recorded = validate(json.loads(path.read_text()))
+    except (OSError, ValueError, ConfigError) as error:
+        source = config_path or "the workflow's config.yaml"
+        return [f"{path} cannot be read ({type(error).__name__}: {error}): the settings below "
+                f"are {source}'s, which may not be this run's (the next snakemake run writes "
+                f"the record again)"]
+    if config_path is None:
+        return []
+    changed = [line for line in differences(recorded, cfg) if not line.startswith("report")]
+    if not changed:
+        return []
+    shown = "; ".join(changed[:6]) + (f"; and {len(changed) - 6} more" if len(changed) > 6
+                                      else "")
+    return [f"the run in {results} was made with other settings than {config_path} "
+            f"({shown}): the estimates follow {config_path}, as the next snakemake run with it "
+            f"would (it reruns what those settings affect)"]
+
+
 def read_config_file(path) -> dict:
     """A config file's settings (not yet validated); a missing, unreadable or malformed file
     is a :class:`ConfigError` that names it and says what is wrong, never a traceback."""

@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import itertools
 import logging
 import os
+import shutil
 import threading
 import time
 from collections import defaultdict
@@ -547,7 +549,8 @@ def extract_shards(cfg: dict, info: dict, jobs: list[ShardJob], work_dir: Path,
     expected = {"aux_layer_ids": aux_ids, "dtype": ext["dtype"], "target": identity}
     todo = [job for job in jobs if staged_problem(job, expected, ext["max_len"])]
     needed = sum(estimate_bytes(job.records, ext["max_len"], target.hidden_size, ext["dtype"])
-                 for job in todo)
+                 for job in todo) + request_bytes(todo, ext["max_len"], len(layer_ids),
+                                                  target.hidden_size, cfg["target"]["dtype"])
     check_disk(work_dir, needed)
     if progress is not None:
         progress.restart(already_done=sum(len(j.records) for j in jobs if j not in todo))
@@ -591,6 +594,17 @@ def publish(staged: Path, final: Path) -> None:
         os.link(staged, final)
     except OSError:
         os.replace(staged, final)
+
+
+def request_bytes(jobs: list[ShardJob], max_len: int, layers: int, hidden: int,
+                  dtype: str) -> int:
+    """The most the request files the server saves hold at once: every captured layer of
+    every token, in the served dtype, for the two largest shards (the request window runs at
+    most one shard ahead of the one being packed)."""
+    width = TORCH_DTYPES.get(dtype, torch.bfloat16).itemsize
+    tokens = sorted((sum(min(len(r["prompt_token_ids"]) + len(r["completion_token_ids"]),
+                             max_len) for r in job.records) for job in jobs), reverse=True)
+    return sum(tokens[:2]) * layers * hidden * width
 
 
 def staged_problem(job: ShardJob, expected: dict, max_len: int) -> str | None:
@@ -644,7 +658,20 @@ def run_stage(cfg: dict, target_json: str, splits: dict[str, dict], work_dir: st
     started = time.monotonic()
     stats: dict = {}
     with hold_directory(work, "extract_vllm"):  # its request files and shards in the making
-        metas = extract_shards(cfg, info, jobs, work, server_log, progress, stats=stats)
+        try:
+            metas = extract_shards(cfg, info, jobs, work, server_log, progress, stats=stats)
+        except OSError as error:
+            if error.errno != errno.ENOSPC:
+                raise
+            free = shutil.disk_usage(work).free
+            where = error.filename or "a shard or a request file"
+            raise ExtractionError(
+                f"the disk of {work} filled up while extracting ({where}: {error.strerror}); "
+                f"{free / 2**30:.2f} GiB free now. The "
+                f"shards packed so far are kept under {work / 'shards'} and the saved requests "
+                f"under {work / 'requests'}: free space (or point results_dir at a larger disk, "
+                f"or store fp8 shards, extract.dtype: fp8) and rerun to go on from there.") \
+                from None
     run = progress.report("finished")
     if run["done"] > run["resumed_from"]:  # prefill and packing run at rates of their own
         rates.record(RATE_PREFILL if stats["server_started"] else RATE_PACK, info["spec"],

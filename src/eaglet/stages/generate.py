@@ -208,6 +208,32 @@ def too_long_check(tokenizer, max_model_len: int, template_kwargs: dict | None =
     return check
 
 
+class TemplateError(RuntimeError):
+    """The target's chat template cannot render some prompts."""
+
+
+def check_renderable(prompts: list[dict], system_prompt: str | None, tokenizer,
+                     template_kwargs: dict | None, listed: int = 5) -> None:
+    """Render every prompt's first turn through the target's chat template before any server
+    starts: a template that raises for some prompts (a role it refuses, a strict alternation)
+    stopped generation after the server had started, with only the template's own text.
+    Raises :class:`TemplateError` naming each failing prompt, its source and row."""
+    failed = []
+    for prompt in prompts:
+        try:
+            render_ids(tokenizer, build_messages(prompt, system_prompt), True, template_kwargs)
+        except Exception as error:  # jinja's TemplateError, or what the template raises
+            failed.append((prompt, f"{type(error).__name__}: {error}"))
+    if failed:
+        names = "\n".join(f"  {p['id']} ({p.get('source')}, row {p.get('row')}): {why}"
+                          for p, why in failed[:listed])
+        raise TemplateError(
+            f"the target's chat template cannot render {len(failed)} of {len(prompts)} "
+            f"prompts (generate.chat_template_kwargs {template_kwargs or {}}):\n{names}\n"
+            f"Fix or drop those rows of their source, or fix the template (the target's "
+            f"tokenizer_config.json or chat_template.jinja); nothing was sent to a server.")
+
+
 def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool):
     """The target's tokenizer, with the model's own code only when the config trusts it
     (``target.trust_remote_code``; the server gets the same setting). A tokenizer that is
@@ -755,6 +781,7 @@ def _run_stage(cfg, target_json, prompts, outputs, stats_path, partial_path, pro
         log.info("%d prompts answered by their recorded answers (answers: dataset), %d to ask "
                  "the target; %d of their prompts as the server rendered them before",
                  len(recorded), len(everything), apply_server_prompts(recorded, server_prompts))
+    check_renderable(everything, gen["system_prompt"], tokenizer, gen["chat_template_kwargs"])
     requests = sum(len(turn_ids(p)) for p in everything)
     progress = Progress("generate", total=requests, path=progress_path, log_path=log_path)
     server_cfg = cfg["server"]

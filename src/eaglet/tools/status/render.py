@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from eaglet.core.config import ConfigError, load_run_config
+from eaglet.core.config import ConfigError, load_run_config, run_config_notes
 from eaglet.core.progress import format_duration
 from eaglet.tools.status.gather import collect, snakemake_config_args
 from eaglet.tools.status.stages import _BY_NAME, STAGES
@@ -132,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
               f"Give the results_dir of a run, e.g. --results {shlex.quote(cfg['results_dir'])}",
               file=sys.stderr)
         return 2
+    for note in run_config_notes(results, args.config, cfg):
+        print(f"eaglet status: note: {note}", file=sys.stderr)
     config_args = snakemake_config_args(results, args.config)
     workflow = None if args.no_snakemake else Path(args.workflow)
     while True:
