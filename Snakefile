@@ -22,12 +22,24 @@ from eaglet.tools.report_page import REPORT_KEY, report_texts
 config[REPORT_KEY] = report_texts(R)
 
 
+import time
+
+RUN_STARTED = time.time()
+
+
 onstart:
     # what `eaglet status` reads: the validated config of this run and who runs it
     from eaglet.core.io import write_json
     import os, sys
     write_json(f"{R}/{layout.RUN_CONFIG}", {k: v for k, v in config.items() if k != REPORT_KEY})
     write_json(f"{R}/{layout.RUN_SNAKEMAKE}", {"pid": os.getpid(), "command": " ".join(sys.argv)})
+
+
+onerror:
+    # a cluster job's real cause is in SLURM's log of it, which Snakemake does not show
+    from eaglet.core.cluster import slurm_log_errors
+    for line in slurm_log_errors(".", RUN_STARTED):
+        logger.error(f"SLURM log of a failed job: {line}")
 
 
 include: "rules/target.smk"

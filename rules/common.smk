@@ -5,6 +5,7 @@ import os
 from eaglet.core.config import (eval_shard_count, outside_working_dir, record_settings,
                                 stage_params, validate)
 from eaglet.core import layout  # every results path, by name (layout.MANIFEST, ...)
+from eaglet.core.cluster import ClusterError, job_threads, misfits, partitions
 from eaglet.target.checkpoint import check_recorded_target
 
 _validated = validate(config)
@@ -75,7 +76,27 @@ GENERATE_PARAMS = dict(
 # and HF extraction, and vLLM's CPU engine, computed on one core however many the run had.
 # Locally a model job gets every core of the run (--cores; Snakemake runs nothing beside it).
 # A cluster run has no --cores: its GPU jobs get the profile's cpus_per_gpu instead.
-MODEL_THREADS = workflow.resource_settings.cores or 1
+# Inside a SLURM job its own Snakemake runs with every core of the node: the job's threads
+# are what SLURM gave it (eaglet.core.cluster.job_threads).
+MODEL_THREADS = job_threads(workflow.resource_settings.cores)
+
+# Submitting to SLURM: every stage's memory and time must fit a node of the partition it goes
+# to (the profile routes the model stages to EAGLET_SLURM_GPU_PARTITION), else sbatch refuses
+# each job in turn; say so before anything is submitted.
+if getattr(workflow.executor_plugin, "name", None) == "slurm" and not workflow.remote_exec:
+    _parts = partitions()
+    if _parts:
+        _partition = os.environ.get("EAGLET_SLURM_PARTITION") or None
+        _model_partition = os.environ.get("EAGLET_SLURM_GPU_PARTITION") or _partition
+        _misfits = misfits(config["resources"], _parts,
+                           {stage: _model_partition for stage in config["resources"]})
+        if _misfits:
+            raise ClusterError(
+                "the cluster cannot run these jobs as the config sizes them:\n  "
+                + "\n  ".join(_misfits) + "\nSet resources.<stage>.mem_mb and runtime "
+                "(minutes) in your config to what the partition's nodes have (sinfo -o "
+                "'%P %m %l %c' lists them), or send the jobs to a larger partition "
+                "(EAGLET_SLURM_PARTITION, EAGLET_SLURM_GPU_PARTITION); nothing was submitted.")
 
 
 def job_resources(stage: str, gpus: int) -> dict:

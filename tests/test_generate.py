@@ -34,6 +34,7 @@ class ScriptedChat(BaseHTTPRequestHandler):
     template_kwargs: dict[str, dict | None] = {}  # prompt text -> its chat_template_kwargs
     seeds: dict[str, object] = {}  # prompt text -> its request's seed ("none": no seed sent)
     sampled: dict[str, dict] = {}  # prompt text -> its request's top_k and min_p, where sent
+    capture_dir: Path | None = None  # set: a capturing server, saving every request's states
 
     def log_message(self, *args):  # keep pytest output clean
         pass
@@ -70,13 +71,19 @@ class ScriptedChat(BaseHTTPRequestHandler):
             return self._send(status, {"error": f"scripted {status}"})
         assert request["return_token_ids"] is True
         assert request["spaces_between_special_tokens"] is False  # the text as the ids spell it
-        self._send(200, {
+        body = {
             "prompt_token_ids": [1, 2, len(text)],
             "choices": [{"message": {"content": text.upper(), "reasoning": None},
                          "token_ids": [ord(c) for c in text[:4]] + [2],
                          "finish_reason": "stop"}],
             "usage": {"prompt_tokens": 3, "completion_tokens": 5},
-        })
+        }
+        if ScriptedChat.capture_dir is not None and not request.get("kv_transfer_params"):
+            # a capturing server saves every request's states, at a path of its own choosing
+            saved = ScriptedChat.capture_dir / f"req-{len(ScriptedChat.conversations)}.safetensors"
+            threading.Timer(0.2, lambda: saved.write_bytes(b"states")).start()
+            body["kv_transfer_params"] = {"hidden_states_path": str(saved)}
+        self._send(200, body)
 
     def _prefill(self, request):
         ScriptedChat.prefills.append(request["prompt"])
@@ -92,7 +99,7 @@ class ScriptedChat(BaseHTTPRequestHandler):
 def server():
     ScriptedChat.plan, ScriptedChat.calls, ScriptedChat.conversations = {}, Counter(), []
     ScriptedChat.transfer, ScriptedChat.template_kwargs, ScriptedChat.seeds = {}, {}, {}
-    ScriptedChat.sampled = {}
+    ScriptedChat.sampled, ScriptedChat.capture_dir = {}, None
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), ScriptedChat)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
@@ -519,6 +526,22 @@ def test_recorded_answers_prompts_are_rendered_by_the_server_and_kept(server, tm
     (tmp_path / "out.jsonl").unlink()
     stage("http://127.0.0.1:9")
     assert read_jsonl(tmp_path / "out.jsonl")[0]["prompt_token_ids"] == [1, 2, len("question 0")]
+
+
+def test_rendering_on_a_capturing_server_leaves_no_states_behind(server, tmp_path):
+    """A capturing server saves the states of every request, the one-token rendering of a
+    recorded answer's prompt too: those files are no sample's and are removed once written
+    (they were left among the samples' states, for training to find)."""
+    from eaglet.core.config import validate
+    from eaglet.stages.generate import render_on_server
+
+    ScriptedChat.capture_dir = tmp_path / "requests"
+    ScriptedChat.capture_dir.mkdir()
+    recorded = {p["id"]: {**p, "model": "dataset"} for p in prompts(3)}
+    assert render_on_server(server, recorded, tmp_path / "rendered.jsonl",
+                            validate({})["generate"]) == 3
+    assert all(r["prompt_rendered_by"] == "server" for r in recorded.values())
+    assert not list(ScriptedChat.capture_dir.iterdir())
 
 
 def test_a_template_that_raises_for_some_prompts_is_said_with_them_before_any_server(

@@ -21,8 +21,8 @@ import httpx
 from transformers import AutoTokenizer
 
 from eaglet.core import rates
-from eaglet.core.io import (atomic_open, hold_directory, read_jsonl, request_path, write_json,
-                            write_jsonl, writer_done)
+from eaglet.core.io import (atomic_open, hold_directory, read_jsonl, request_lock, request_path,
+                            write_json, write_jsonl, writer_done)
 from eaglet.core.progress import Progress, now_iso
 from eaglet.data.prompts import RECORDED_ANSWER
 from eaglet.data.template_check import (answer_format, answer_opening, check_records, enforce,
@@ -373,6 +373,10 @@ def render_on_server(url: str, recorded: dict[str, dict], path: Path, gen: dict,
                             gen["max_retries"], 1.0, health_check)
                         ids = parse_response(body)["prompt_token_ids"]
                         record["prompt_token_ids"], record["prompt_rendered_by"] = ids, "server"
+                        # a capturing server saved this request's states too: not a sample's
+                        saved = (body.get("kv_transfer_params") or {}).get("hidden_states_path")
+                        if saved:
+                            await asyncio.to_thread(discard_saved, Path(saved))
                         out.write(json.dumps({"key": _rendering_key(record),
                                               "prompt_token_ids": ids}) + "\n")
                         out.flush()
@@ -657,6 +661,14 @@ def wait_for_saved(path: Path, timeout_s: float = SAVE_WAIT_S) -> bool:
             return False
         time.sleep(0.05)
     return True
+
+
+def discard_saved(path: Path) -> None:
+    """Remove the states a capturing server saved for a request that is no sample's, once its
+    writer is done (the connector writes after it answers), and the lock beside them."""
+    wait_for_saved(path)
+    path.unlink(missing_ok=True)
+    request_lock(path).unlink(missing_ok=True)
 
 
 def generate(prompts: list[dict], settings: GenerationSettings, partial_path,
