@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 CORES  ?= 2
 
-.PHONY: install demo test test-rehearsals clean peer-bench-install
+.PHONY: install demo test test-slurm test-rehearsals clean peer-bench-install
 
 install: $(VENV)/.installed
 
@@ -25,6 +25,11 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest -v --durations=15
+
+# the cluster path on a real scheduler: a one-node SLURM of Debian's packages started on this
+# machine (as root; tests/slurm/cluster.sh), the tiny workflow through profiles/slurm
+test-slurm: install
+	EAGLET_SLURM=1 $(BIN)/python -m pytest -v -m slurm tests/test_slurm.py
 
 # every shipped config rehearsed on its stand-in (make test rehearses configs/kimi-k2.5.yaml)
 test-rehearsals: install

@@ -138,8 +138,15 @@ def test_packed_shards_are_kept_and_moved_without_a_server(tiny, tmp_path, monke
     from eaglet.data import shards
     from eaglet.engine.extraction import Extractor, extract_shards
 
+    from eaglet.core.io import request_path
+
     cfg, info, jobs, work = packed_run(tiny, tmp_path)
     hashes = [shards.digest_path(job.staged_path) for job in jobs]
+    # states saved again for the same samples (generation capturing them): not needed
+    saved_again = [request_path(work / "requests", r["id"]) for r in jobs[0].records]
+    for path in saved_again:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"states")
     monkeypatch.setattr(Extractor, "ensure_server",
                         lambda self: pytest.fail("a server was started"))
     with one_thread():
@@ -149,6 +156,7 @@ def test_packed_shards_are_kept_and_moved_without_a_server(tiny, tmp_path, monke
         assert shards.digest_path(job.shard_path) == digest and job.meta_path.exists()
         # the packed name stays, the same bytes on disk (a hard link, no second copy)
         assert os.path.samefile(job.staged_path, job.shard_path)
+    assert not any(path.exists() for path in saved_again)
 
 
 def test_a_rerun_after_snakemake_deleted_the_outputs_extracts_only_a_damaged_shard(

@@ -564,6 +564,8 @@ def extract_shards(cfg: dict, info: dict, jobs: list[ShardJob], work_dir: Path,
             log.info("%s: packed by an earlier run, kept", job.label)
             metas[index] = read_json(job.staged_meta_path)
             enforce_agreement(metas[index], ext["min_teacher_agreement"])
+            for record in job.records:  # states saved again (by generation) are not needed
+                remove_request(request_path(extractor.requests, record["id"]))
     with contextlib.ExitStack() as stack:
         extractor.stack = stack
         written = pack_shards(extractor, todo, target, ext, aux_ids, identity, progress)

@@ -1,0 +1,156 @@
+"""The cluster path on a real scheduler: a one-node SLURM of Debian's packages on this machine
+(tests/slurm/cluster.sh), the tiny workflow submitted through profiles/slurm job by job to its
+report, on a cluster that binds no CPUs, with a training job whose time limit is shorter than
+its work (SLURM ends it, Snakemake submits it again, it resumes from its checkpoint to the
+weights an uninterrupted training gives); a cluster without accounting, followed with squeue;
+a config too large for the partition, refused before anything is submitted.
+
+`make test-slurm` runs it (EAGLET_SLURM=1; root, as CI is); elsewhere it is skipped. It starts
+and stops the daemons itself; where apt or the daemons are not there, it says so and skips."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from safetensors.torch import load_file
+
+REPO = Path(__file__).resolve().parents[1]
+CLUSTER = REPO / "tests" / "slurm" / "cluster.sh"
+SNAKEMAKE = Path(sys.executable).parent / "snakemake"
+MODEL_RULES = ("generate", "extract_vllm", "hidden_manifest", "train", "evaluate")
+
+pytestmark = [pytest.mark.slurm, pytest.mark.skipif(
+    not os.environ.get("EAGLET_SLURM"),
+    reason="a real SLURM cluster on this machine: make test-slurm (EAGLET_SLURM=1, as root)")]
+
+
+def cluster(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([str(CLUSTER), *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO)
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    """The daemons' packages installed (or the module skipped, saying why); each test starts
+    the cluster it needs, and it is stopped after."""
+    if os.geteuid() != 0:
+        pytest.skip("the SLURM daemons are started as root")
+    done = cluster("install", timeout=900)
+    if done.returncode != 0:
+        pytest.skip(f"SLURM could not be installed here: {done.stderr.strip()[-500:]}")
+    yield
+    cluster("stop")
+
+
+def up(*settings: str) -> None:
+    cluster("stop")
+    done = cluster("start", *settings)
+    if done.returncode != 0:
+        cluster("stop")
+        pytest.skip(f"the SLURM daemons did not start: {(done.stdout + done.stderr)[-800:]}")
+
+
+def config_file(tmp_path: Path, name: str, **sections) -> Path:
+    config = yaml.safe_load((REPO / "tests" / "configs" / "tiny.yaml").read_text())
+    config["results_dir"] = str(tmp_path / "results")  # its resources fit a CPU node
+    for section, values in sections.items():
+        if values is None:
+            config.pop(section, None)
+        else:
+            config.setdefault(section, {}).update(values)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def submit(config: Path, *targets: str, timeout: float, extra=()) -> subprocess.CompletedProcess:
+    """snakemake with profiles/slurm, from the repository root (its .snakemake/ holds the
+    plugin's SLURM logs); the output also goes to a file beside the config."""
+    threads = [f"{rule}=2" for rule in MODEL_RULES]  # a model job holds the node's 2 CPUs
+    command = [str(SNAKEMAKE), *targets, "--workflow-profile", "profiles/slurm",
+               "--configfile", str(config), "--set-threads", *threads, *extra]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    (config.parent / f"{config.stem}.snakemake.log").write_text(done.stdout + done.stderr)
+    return done
+
+
+def sacct(*fields: str) -> list[list[str]]:
+    done = subprocess.run(["sacct", "-n", "-P", "-X", "-o", ",".join(fields)],
+                          capture_output=True, text=True, timeout=60)
+    return [line.split("|") for line in done.stdout.splitlines() if line.strip()]
+
+
+def test_the_tiny_workflow_runs_on_slurm_to_its_report_through_a_time_limit(slurm, tmp_path):
+    """Accounting on, CPU binding off (TaskPlugin=task/none: the jobs' own Snakemake asked srun
+    for the node's every core, more than the job held, and every model job failed). Training
+    is given one minute, less than its work: SLURM ends it (SIGTERM, then SIGKILL 20 s later),
+    it checkpoints, and Snakemake submits it again until it is done."""
+    up("accounting", "none")
+    config = config_file(tmp_path, "slurm", train={"epochs": 12},
+                         resources={"train": {"mem_mb": 6000, "runtime": 1}})
+    assert yaml.safe_load(config.read_text())["resources"]["generate"]["runtime"] == 30
+    done = submit(config, timeout=2400, extra=["--retries", "6"])
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-6000:]
+    results = tmp_path / "results"
+    acceptance = json.loads((results / "eval" / "acceptance.json").read_text())
+    assert acceptance["verdict"]["acceptance_length"] > 1.0
+    states = {(name, state) for name, state in sacct("JobName", "State")}
+    assert any(state == "TIMEOUT" for _, state in states), states
+    train_log = (results / "logs" / "train.log").read_text()
+    assert "received SIGTERM at step" in train_log and "checkpoint written" in train_log
+    assert "resum" in train_log
+    report = subprocess.run([str(SNAKEMAKE), "--report", str(tmp_path / "report.html"),
+                             "--configfile", str(config)], capture_output=True, text=True,
+                            timeout=600, cwd=REPO)
+    assert report.returncode == 0 and (tmp_path / "report.html").stat().st_size > 10_000
+
+    # the same training without a time limit, here, on the same states and threads: the
+    # resumed drafter is the one an uninterrupted training ships
+    again = tmp_path / "again"
+    shutil.copytree(results, again / "results", ignore=shutil.ignore_patterns(
+        "drafter*", "eval", "logs", "progress", "run"))
+    local = config_file(again, "local", train={"epochs": 12})
+    cmd = [str(SNAKEMAKE), str(again / "results" / "drafter" / "model.safetensors"),
+           "--cores", "2", "--workflow-profile", "profiles/default", "--configfile", str(local)]
+    alone = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, cwd=REPO)
+    assert alone.returncode == 0, (alone.stdout + alone.stderr)[-4000:]
+    ours = load_file(str(results / "drafter" / "model.safetensors"))
+    theirs = load_file(str(again / "results" / "drafter" / "model.safetensors"))
+    assert ours.keys() == theirs.keys()
+    worst = max(float((ours[k].float() - theirs[k].float()).abs().max()) for k in ours)
+    assert worst < 1e-4, worst
+
+
+def test_a_cluster_without_accounting_is_followed_with_squeue(slurm, tmp_path):
+    """Without slurmdbd the plugin's sacct queries fail, and it waited forever after its
+    jobs had finished. The profile reads the cluster's accounting and follows jobs with
+    squeue: the job finishes and Snakemake notices."""
+    up("none", "affinity")
+    config = config_file(tmp_path, "plain")
+    done = submit(config, str(tmp_path / "results" / "prompts" / "train.jsonl"), timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert (tmp_path / "results" / "prompts" / "train.jsonl").exists()
+
+
+def test_a_config_too_large_for_the_partition_is_refused_before_anything_is_submitted(
+        slurm, tmp_path):
+    """The schema's model-job sizes (32-64 GB, up to a day) fit GPU nodes, not this one:
+    sbatch refused each job in turn ("Memory specification can not be satisfied"). The run is
+    refused at once, the stages and their sizes named, and no job reaches the queue."""
+    up("accounting", "affinity")
+    before = len(sacct("JobID"))
+    config = config_file(tmp_path, "big", resources=None)
+    done = submit(config, timeout=300)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert "the cluster cannot run these jobs as the config sizes them" in output, output[-3000:]
+    assert "train: mem_mb 64000 is more than the" in output
+    assert len(sacct("JobID")) == before
