@@ -15,6 +15,7 @@ from eaglet.core.layout import (ACCEPTANCE, DRAFTER, DRAFTER_CONFIG, DRAFTER_STA
                                 SCALING, SCALING_RUNS, STAGE_FILES, SYNTHETIC_STATS, TARGET_JSON,
                                 VOCAB_STATS, fraction_name, progress_file)
 from eaglet.core.progress import format_duration
+from eaglet.engine.support import mtp_layers
 from eaglet.model.config import METHOD_NAMES, exported_method
 from eaglet.stages.evaluate.placement import placement, recorded_target_dir
 from eaglet.stages.evaluate.runs import level_prompts
@@ -546,7 +547,9 @@ class Evaluate(Stage):
 
     def estimate(self, r, cfg, progress):
         ev, target = cfg["evaluate"], cfg["target"]["model"]
-        plan, replays = run_plan(ev)
+        directory = recorded_target_dir(r, target)
+        config = _read(Path(directory) / "config.json") if directory else None
+        plan, replays = run_plan(ev, mtp_layers=mtp_layers(config) if config else 0)
         _, n_eval = _prompt_counts(r)
         if n_eval is None:
             return Estimate(None, "prompt count unknown")
