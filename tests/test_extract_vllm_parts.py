@@ -147,6 +147,8 @@ def test_packed_shards_are_kept_and_moved_without_a_server(tiny, tmp_path, monke
     for path in saved_again:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"states")
+    stale = work / "shards" / "train" / "shard_00009.safetensors"  # an earlier shard count's
+    stale.write_bytes(b"old states")
     monkeypatch.setattr(Extractor, "ensure_server",
                         lambda self: pytest.fail("a server was started"))
     with one_thread():
@@ -157,6 +159,7 @@ def test_packed_shards_are_kept_and_moved_without_a_server(tiny, tmp_path, monke
         # the packed name stays, the same bytes on disk (a hard link, no second copy)
         assert os.path.samefile(job.staged_path, job.shard_path)
     assert not any(path.exists() for path in saved_again)
+    assert not stale.exists()
 
 
 def test_a_rerun_after_snakemake_deleted_the_outputs_extracts_only_a_damaged_shard(

@@ -581,6 +581,12 @@ def extract_shards(cfg: dict, info: dict, jobs: list[ShardJob], work_dir: Path,
         job.shard_path.parent.mkdir(parents=True, exist_ok=True)
         publish(job.staged_path, job.shard_path)
         publish(job.staged_meta_path, job.meta_path)
+    # shards packed for an earlier run's jobs (another shard count, another split) hold disk
+    # that no output shares any more
+    current = {p for job in jobs for p in (job.staged_path, job.staged_meta_path)}
+    for path in (work_dir / "shards").rglob("shard_*"):
+        if path not in current:
+            path.unlink(missing_ok=True)
     return [metas[i] for i in range(len(jobs))]
 
 
