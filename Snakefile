@@ -28,6 +28,7 @@ RUN_STARTED = time.time()
 
 
 onstart:
+    check_cluster_fit()  # a cluster whose nodes cannot hold the jobs: nothing is submitted
     # what `eaglet status` reads: the validated config of this run and who runs it
     from eaglet.core.io import write_json
     import os, sys

@@ -80,23 +80,27 @@ GENERATE_PARAMS = dict(
 # are what SLURM gave it (eaglet.core.cluster.job_threads).
 MODEL_THREADS = job_threads(workflow.resource_settings.cores)
 
-# Submitting to SLURM: every stage's memory and time must fit a node of the partition it goes
-# to (the profile routes the model stages to EAGLET_SLURM_GPU_PARTITION), else sbatch refuses
-# each job in turn; say so before anything is submitted.
-if getattr(workflow.executor_plugin, "name", None) == "slurm" and not workflow.remote_exec:
-    _parts = partitions()
-    if _parts:
-        _partition = os.environ.get("EAGLET_SLURM_PARTITION") or None
-        _model_partition = os.environ.get("EAGLET_SLURM_GPU_PARTITION") or _partition
-        _misfits = misfits(config["resources"], _parts,
-                           {stage: _model_partition for stage in config["resources"]})
-        if _misfits:
-            raise ClusterError(
-                "the cluster cannot run these jobs as the config sizes them:\n  "
-                + "\n  ".join(_misfits) + "\nSet resources.<stage>.mem_mb and runtime "
-                "(minutes) in your config to what the partition's nodes have (sinfo -o "
-                "'%P %m %l %c' lists them), or send the jobs to a larger partition "
-                "(EAGLET_SLURM_PARTITION, EAGLET_SLURM_GPU_PARTITION); nothing was submitted.")
+def check_cluster_fit() -> None:
+    """Submitting to SLURM: every stage's memory and time must fit a node of the partition it
+    goes to (the profile routes the model stages to EAGLET_SLURM_GPU_PARTITION), else sbatch
+    refuses each job in turn; say so before anything is submitted. Called when the run starts
+    (the executor is known only then), not in dry runs or inside a job."""
+    if getattr(workflow.executor_plugin, "name", None) != "slurm" or workflow.remote_exec:
+        return
+    parts = partitions()
+    if not parts:
+        return
+    partition = os.environ.get("EAGLET_SLURM_PARTITION") or None
+    model_partition = os.environ.get("EAGLET_SLURM_GPU_PARTITION") or partition
+    problems = misfits(config["resources"], parts,
+                       {stage: model_partition for stage in config["resources"]})
+    if problems:
+        raise ClusterError(
+            "the cluster cannot run these jobs as the config sizes them:\n  "
+            + "\n  ".join(problems) + "\nSet resources.<stage>.mem_mb and runtime (minutes) "
+            "in your config to what the partition's nodes have (sinfo -o '%P %m %l %c' lists "
+            "them), or send the jobs to a larger partition (EAGLET_SLURM_PARTITION, "
+            "EAGLET_SLURM_GPU_PARTITION); nothing was submitted.")
 
 
 def job_resources(stage: str, gpus: int) -> dict:
