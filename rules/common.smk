@@ -1,9 +1,10 @@
 # Shared by all rule files, included first by the Snakefile. The validated config, the
 # results dir, the shard lists, the software of each job and its resources.
 import os
+import sys
 
-from eaglet.core.config import (eval_shard_count, outside_working_dir, record_settings,
-                                stage_params, validate)
+from eaglet.core.config import (eval_shard_count, outside_working_dir, previews_only,
+                                record_settings, stage_params, validate)
 from eaglet.core import layout  # every results path, by name (layout.MANIFEST, ...)
 from eaglet.core.cluster import ClusterError, job_threads, misfits, partitions
 from eaglet.target.checkpoint import check_recorded_target
@@ -53,11 +54,19 @@ def settings_file(stage: str, settings: dict) -> str:
     run again from any checkout (Snakemake's own records of params stay in the workflow
     directory, and a fresh clone or a copied results directory has none)."""
     path = f"{R}/{layout.RUN_SETTINGS}/{stage}.json"
-    changed = record_settings(path, settings)
+    changed = record_settings(path, settings, write=not PREVIEW)
     if changed:
         logger.info(f"{stage}: settings changed since its outputs were made "
-                    f"({'; '.join(changed)}): it runs again, and what depends on it")
+                    f"({'; '.join(changed)}): it runs again, and what depends on it"
+                    + (" (a command that runs no job records nothing: the preview below "
+                       "shows the rerun only where Snakemake's own records do)"
+                       if PREVIEW else ""))
     return path
+
+
+# A dry run, summary, lint or report records no settings: run with another config, it would
+# make the next real run rerun what that config changes (eaglet status runs a dry run).
+PREVIEW = previews_only(sys.argv)
 
 
 # generate.capture_hidden_states: the generation server saves every answer's hidden states

@@ -22,10 +22,15 @@ REPO = Path(__file__).resolve().parents[1]
 SNAKEMAKE = Path(sys.executable).parent / "snakemake"
 
 
-def dry_run(workdir: Path, config: Path) -> subprocess.CompletedProcess:
+def dry_run(workdir: Path, config: Path, *targets: str,
+            preview: bool = True) -> subprocess.CompletedProcess:
+    """snakemake from another checkout (``workdir``: its own .snakemake/); a dry run, or with
+    ``preview`` False a real run of ``targets`` (up to date ones: nothing runs, but the run's
+    settings are recorded, as any real run records them)."""
     workdir.mkdir(parents=True, exist_ok=True)
-    return subprocess.run([str(SNAKEMAKE), "-s", str(REPO / "Snakefile"), "--directory",
-                           str(workdir), "-n", "--cores", "1", "--configfile", str(config)],
+    return subprocess.run([str(SNAKEMAKE), *targets, "-s", str(REPO / "Snakefile"),
+                           "--directory", str(workdir), *(["-n"] if preview else []),
+                           "--cores", "1", "--configfile", str(config)],
                           capture_output=True, text=True, timeout=300)
 
 
@@ -76,20 +81,41 @@ def test_a_changed_setting_reruns_what_it_affects_from_another_checkout(tmp_path
     write_outputs(plan)
     # another checkout (no .snakemake records) on the same results, the same settings: nothing
     assert jobs(dry_run(tmp_path / "checkout-2", config_file(tmp_path, "a"))) == set()
-    # the draft vocabulary changed: the map and all after it, not generation or extraction
-    rerun = dry_run(tmp_path / "checkout-3", config_file(tmp_path, "b",
-                                                         vocab__draft_vocab_size=1024))
+    # the draft vocabulary changed: a dry run says so and records nothing (a dry run with
+    # another config, as `eaglet status --configfile` runs, must not make the next run
+    # rerun); the next real run records it and reruns the map and all after it, not
+    # generation or extraction
+    smaller = config_file(tmp_path, "b", vocab__draft_vocab_size=1024)
+    said = dry_run(tmp_path / "checkout-3", smaller)
+    assert "vocab_map: settings changed since its outputs were made " \
+           "(draft_vocab_size: 2048 -> 1024)" in said.stdout + said.stderr
+    settings = tmp_path / "results" / "run" / "settings"
+    assert json.loads((settings / "vocab_map.json").read_text())["draft_vocab_size"] == 2048
+    prompts = str(tmp_path / "results" / "prompts" / "train.jsonl")
+    recorded = dry_run(tmp_path / "checkout-3", smaller, prompts, preview=False)
+    assert recorded.returncode == 0, recorded.stderr[-2000:]
+    assert "Nothing to be done" in recorded.stdout + recorded.stderr  # it ran no job
+    rerun = dry_run(tmp_path / "checkout-3", smaller)
     assert jobs(rerun) >= {"vocab_map", "train", "evaluate"}, rerun.stdout[-3000:]
     assert not jobs(rerun) & {"generate", "extract_vllm", "prepare_prompts"}
-    assert "vocab_map: settings changed since its outputs were made " \
-           "(draft_vocab_size: 2048 -> 1024)" in rerun.stdout + rerun.stderr
     # generation's answers changed: generation and every stage after it
-    longer = dry_run(tmp_path / "checkout-4", config_file(
-        tmp_path, "c", vocab__draft_vocab_size=1024, generate__max_tokens=32))
-    assert {"generate", "vocab_map", "extract_vllm", "train", "evaluate"} <= jobs(longer)
-    recorded = json.loads((tmp_path / "results" / "run" / "settings" / "generate.json")
-                          .read_text())
-    assert recorded["generate"]["max_tokens"] == 32
+    longer = config_file(tmp_path, "c", vocab__draft_vocab_size=1024, generate__max_tokens=32)
+    dry_run(tmp_path / "checkout-4", longer, prompts, preview=False)
+    assert {"generate", "vocab_map", "extract_vllm", "train", "evaluate"} <= jobs(
+        dry_run(tmp_path / "checkout-4", longer))
+    assert json.loads((settings / "generate.json").read_text())["generate"]["max_tokens"] == 32
+
+
+def test_a_command_that_runs_no_job_records_no_settings():
+    from eaglet.core.config import previews_only
+
+    for argv in (["snakemake", "-n"], ["snakemake", "-np", "--cores", "2"],
+                 ["snakemake", "--dry-run"], ["snakemake", "--lint"],
+                 ["snakemake", "--report", "r.html"], ["snakemake", "--summary"]):
+        assert previews_only(argv), argv
+    for argv in (["snakemake", "--cores", "2"], ["snakemake", "-p", "--cores", "2"],
+                 ["snakemake", "--touch"], ["snakemake", "-c", "2", "results/x"]):
+        assert not previews_only(argv), argv
 
 
 def test_settings_are_recorded_dated_at_the_epoch_the_first_time_and_their_changes_said(

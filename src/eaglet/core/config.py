@@ -397,7 +397,28 @@ def differences(was: Any, now: Any, prefix: str = "") -> list[str]:
     return [] if was == now else [f"{prefix.rstrip('.')}: {was!r} -> {now!r}"]
 
 
-def record_settings(path: str | os.PathLike, settings: dict[str, Any]) -> list[str]:
+# Snakemake invocations that run no job: they must not record settings (a dry run with another
+# config, `eaglet status --configfile other.yaml`, would make the next real run rerun stages)
+PREVIEW_FLAGS = ("--dry-run", "--dryrun", "--dry_run", "--summary", "--detailed-summary",
+                 "--lint", "--list-rules", "--list", "--list-target-rules", "--dag",
+                 "--rulegraph", "--filegraph", "--d3dag", "--report", "--unlock",
+                 "--list-changes", "--lc", "--cleanup-metadata", "--printshellcmds-only")
+
+
+def previews_only(argv: list[str]) -> bool:
+    """Whether a Snakemake command line runs no job: a dry run (``-n``, ``-np``, ...), a
+    summary, lint, graph, report or unlock."""
+    for arg in argv[1:]:
+        if arg in PREVIEW_FLAGS or arg.split("=")[0] in PREVIEW_FLAGS:
+            return True
+        if arg.startswith("-") and not arg.startswith("--") and arg[1:].isalpha() \
+                and "n" in arg[1:]:
+            return True
+    return False
+
+
+def record_settings(path: str | os.PathLike, settings: dict[str, Any],
+                    write: bool = True) -> list[str]:
     """Keep ``settings`` (what a stage's outputs depend on) in ``path``, a file every one of
     the stage's jobs takes as an input, and say what changed.
 
@@ -408,7 +429,9 @@ def record_settings(path: str | os.PathLike, settings: dict[str, Any]) -> list[s
     stage's outputs, so Snakemake reruns the stage (and, through its outputs, every stage
     after it) from any checkout. Written the first time dated at the epoch: results made
     before it existed are taken as made with these settings, not rebuilt. Returns the
-    differences (empty when nothing changed)."""
+    differences (empty when nothing changed). ``write`` False (a command that runs no job):
+    a file there already is not rewritten, the differences only are returned (a missing one
+    is written, dated at the epoch: the jobs need it as an input)."""
     path = Path(path)
     settings = json.loads(json.dumps(settings))  # as JSON holds them (tuples as lists)
     try:
@@ -417,6 +440,8 @@ def record_settings(path: str | os.PathLike, settings: dict[str, Any]) -> list[s
         was = None
     if was == settings:
         return []
+    if not write and was is not None:
+        return differences(was, settings)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(settings, indent=1, sort_keys=True) + "\n")
