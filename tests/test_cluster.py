@@ -98,11 +98,11 @@ class FakeCluster:
         return subprocess.run(cmd, cwd=REPO, env=self.env, text=True, capture_output=True,
                               timeout=timeout)
 
-    def run(self, targets=()):
+    def run(self, targets=(), extra=()):
         return self.snakemake(
             "--slurm-logdir", str(self.tmp / "slurm_logs"),
             "--slurm-init-seconds-before-status-checks", "1",
-            "--seconds-between-status-checks", "1", "--latency-wait", "5",
+            "--seconds-between-status-checks", "1", "--latency-wait", "5", *extra,
             targets=targets)
 
     def plan(self):
@@ -229,8 +229,11 @@ def test_a_failed_slurm_job_fails_the_run(tmp_path):
     cluster = FakeCluster(tmp_path)
     jobs = cluster.plan()
     cluster.expect(jobs, states={"prepare_prompts": "FAILED"})
-    # two independent jobs: one fails, the other still completes (keep-going)
-    proc = cluster.run(targets=["prompts/train.jsonl", "target/target.json"])
+    # two independent jobs: one fails, the other still completes (keep-going); the failed
+    # one is not submitted again (the profile's retries are for time limits and preemption,
+    # tests/test_slurm.py)
+    proc = cluster.run(targets=["prompts/train.jsonl", "target/target.json"],
+                       extra=("--retries", "0"))
     assert proc.returncode != 0
     assert re.search(r"SLURM-job '\d+' failed, SLURM status is: 'FAILED'", proc.stderr), \
         proc.stderr[-4000:]
