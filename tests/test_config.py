@@ -428,3 +428,15 @@ def test_the_workflow_extracts_every_held_out_shard_the_config_asks_for(tmp_path
     manifest = next(j for j in jobs if j.rule == "hidden_manifest")
     assert {Path(i).name for i in manifest.input if "/eval/shard_" in i} >= {
         "shard_00000.safetensors", "shard_00001.safetensors"}
+
+
+def test_every_shipped_config_is_valid():
+    """Each config a user may copy validates against the schema (several are otherwise read
+    only by their rehearsals, which make test-rehearsals runs)."""
+    from eaglet.core.config import read_config_file, validate
+
+    shipped = sorted((REPO_ROOT / "configs").glob("*.yaml")) + sorted(
+        (REPO_ROOT / "tests" / "configs").glob("*.yaml"))
+    assert len(shipped) >= 8
+    for path in shipped:
+        validate(read_config_file(path))
