@@ -22,6 +22,8 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
+from eaglet.target.checkpoint import text_config
+
 log = logging.getLogger("eaglet.engine.support")
 
 INTERFACE = "SupportsEagle3"
@@ -46,13 +48,9 @@ class UnsupportedTarget(RuntimeError):
     """vLLM cannot serve a drafter of eaglet's for this target."""
 
 
-def text_part(config: dict) -> dict:
-    return config.get("text_config") or config
-
-
 def mtp_layers(config: dict) -> int:
     """How many multi-token-prediction layers the target's config declares (0: none)."""
-    for part in (text_part(config), config):
+    for part in (text_config(config), config):
         for key in MTP_KEYS:
             if isinstance(part.get(key), int) and part[key] > 0:
                 return part[key]
@@ -64,7 +62,7 @@ def uses_mla(config: dict) -> bool:
     latent attention: vLLM's own answer (its architecture config's ``is_deepseek_mla``, for
     a config with the latent rank its rule reads) where vLLM is importable, else that rank's
     presence (``kv_lora_rank``)."""
-    text = text_part(config)
+    text = text_config(config)
     if text.get("kv_lora_rank") is None and "compress_ratios" not in text:
         return False  # vLLM's rule needs one of them: no need to import it
     try:
