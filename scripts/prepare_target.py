@@ -1,6 +1,6 @@
 """Snakemake entry point of rule prepare_target."""
 from eaglet.engine.support import require_drafter_support
-from eaglet.model.config import METHOD_NAMES
+from eaglet.core.methods import words
 from eaglet.stages.scripting import run_stage
 from eaglet.target.checkpoint import prepare_target
 
@@ -12,4 +12,4 @@ run_stage("prepare_target", smk.log[0], lambda: require_drafter_support(
     prepare_target(smk.params.model, smk.params.out_dir,
                    draft_vocab_size=smk.config["vocab"]["draft_vocab_size"],
                    aux_layer_ids=smk.config["extract"]["aux_layer_ids"])["path"] + "/config.json",
-    METHOD_NAMES[smk.config["train"]["method"]], smk.params.model))
+    words(smk.config["train"]["method"]), smk.params.model))

@@ -26,7 +26,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eaglet.model import dflash, methods
-from eaglet.model.config import DrafterConfig, exported_method, speculative_config
+from eaglet.core import methods as records
+from eaglet.model.config import DrafterConfig
 from eaglet.core.config import validate
 from eaglet.model.export import export_speculators
 from eaglet.model.replay import draft_parallel
@@ -215,7 +216,7 @@ def test_train_method_dflash_trains_exports_and_never_resumes_another_method(wor
     assert result["resumed_from_step"] == 0
     again = run(world, tmp_path, {**FAST, "method": "peagle"})
     assert again["resumed_from_step"] == 0
-    assert exported_method(out) == "peagle"
+    assert records.exported(out) is records.PEAGLE
 
 
 @torch.inference_mode()
@@ -267,8 +268,8 @@ def test_export_round_trips_with_the_config_vllm_reads(tmp_path):
     mask = torch.load(tmp_path / "drafter" / dflash.MASK_EMBEDDING_FILE, weights_only=True)
     assert mask["mask_token_id"] == 1
     torch.testing.assert_close(mask["embedding"], model.mask_embedding)
-    assert exported_method(tmp_path / "drafter") == "dflash"
-    assert speculative_config(tmp_path / "drafter", K) == {
+    assert records.exported(tmp_path / "drafter") is records.DFLASH
+    assert records.DFLASH.speculative_config(tmp_path / "drafter", K) == {
         "method": "dflash", "model": str(tmp_path / "drafter"), "num_speculative_tokens": K}
     # the round trip: the same drafts from the same states
     target = tmp_path / "target"

@@ -27,7 +27,8 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from eaglet.model.config import DRAFTER_VARIANTS, NORM_FLAGS, DrafterConfig, config_from_vllm
+from eaglet.core.methods import EAGLE31
+from eaglet.model.config import NORM_FLAGS, DrafterConfig, config_from_vllm
 from eaglet.model.drafter import Eagle3Drafter
 from eaglet.model.export import export_drafter, export_speculators, load_drafter, vllm_tensors
 from eaglet.model.replay import draft_chain
@@ -40,7 +41,7 @@ HELPERS = Path(__file__).parent / "helpers"
 
 # every flag at least once, alone and with the others it is combined with
 FLAG_SETS = {
-    "eagle3.1": DRAFTER_VARIANTS["eagle3.1"],
+    "eagle3.1": EAGLE31.flags,
     "fc_norm": {"fc_norm": True},
     "norm_output": {"norm_output": True},
     "norm_before_fc": {"norm_before_fc": True},

@@ -117,14 +117,14 @@ GLM = STANDINS / "glm-4.5-air"
 
 def test_vllm_is_asked_which_targets_classes_serve_a_drafter():
     glm = support.ask_in_subprocess(GLM / "config.json")
-    assert glm["eagle3"] is False and glm["mtp_layers"] == 1, glm
+    assert glm["supports_eagle3"] is False and glm["mtp_layers"] == 1, glm
     assert glm["model_class"] == "vllm.model_executor.models.glm4_moe.Glm4MoeForCausalLM"
     message = support.refusal(glm, "EAGLE-3", "zai-org/GLM-4.5-Air")
     for part in ("vLLM 0.32", "Glm4MoeForCausalLM", "SupportsEagle3", '"method": "mtp"',
                  '"method": "ngram"', "zai-org/GLM-4.5-Air"):
         assert part in message, (part, message)
     qwen = support.ask_in_subprocess(STANDINS / "qwen3-8b" / "config.json")
-    assert qwen["eagle3"] is True and support.refusal(qwen, "DFlash", "qwen") is None
+    assert qwen["supports_eagle3"] is True and support.refusal(qwen, "DFlash", "qwen") is None
     # without MTP layers, n-gram is the option
     assert "mtp" not in support.refusal({**glm, "mtp_layers": 0}, "EAGLE-3", "t")
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eaglet.model import config as model_config
+from eaglet.core import methods as records
 from eaglet.model import methods, peagle
 from eaglet.model.config import DrafterConfig
 from eaglet.model.replay import draft_parallel, target_features
@@ -41,7 +41,7 @@ def drafters(tmp_path_factory):
     t2d[draft_ids] = True
     embed = target.model.embed_tokens.weight.detach()
     out = {"root": root, "target": target, "target_dir": str(root / "target")}
-    for method in model_config.METHODS:
+    for method in records.METHODS:
         torch.manual_seed(1)
         model = methods.make_drafter(method, target_config, config, embed,
                                     draft_ids - torch.arange(len(draft_ids)), t2d)
@@ -54,7 +54,6 @@ def drafters(tmp_path_factory):
 
 
 def test_the_method_is_read_from_the_exported_drafter(drafters):
-    assert set(model_config.METHOD_NAMES) == set(model_config.METHODS)
     assert evaluate_runs.drafter_method(drafters["peagle"]) == "peagle"
     assert evaluate_runs.drafter_method(drafters["eagle3"]) == "eagle3"
     # nothing trained yet (the plan `eaglet status` makes): EAGLE-3's names

@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eaglet.model import config as model_config
+from eaglet.core import methods as records
 from eaglet.model import methods, peagle
 from eaglet.model.attention import attention_blocks
 from eaglet.model.config import DrafterConfig
@@ -216,13 +216,15 @@ def test_export_round_trips_and_is_a_plain_eagle3_checkpoint_plus_the_mask(tmp_p
     assert (written["mask_token_id"], written["parallel_drafting"]) == (3, True)
     weights = load_file(str(tmp_path / "drafter" / "model.safetensors"))
     torch.testing.assert_close(weights["mask_hidden"], model.mask_hidden.detach())
-    assert model_config.exported_method(tmp_path / "drafter") == "peagle"
-    assert model_config.speculative_config(tmp_path / "drafter", 3)["parallel_drafting"] is True
+    assert records.exported(tmp_path / "drafter") is records.PEAGLE
+    assert records.exported(tmp_path / "drafter").speculative_config(
+        tmp_path / "drafter", 3)["parallel_drafting"] is True
     # an EAGLE-3 drafter keeps its own checkpoint and serves without parallel drafting
     plain = Eagle3Drafter(model.config, model.embed_tokens, model.d2t, model.t2d)
     methods.export(plain, tmp_path / "plain")
     assert "mask_hidden" not in load_file(str(tmp_path / "plain" / "model.safetensors"))
-    assert "parallel_drafting" not in model_config.speculative_config(tmp_path / "plain", 3)
+    assert records.exported(tmp_path / "plain") is records.EAGLE3
+    assert "parallel_drafting" not in records.EAGLE3.speculative_config(tmp_path / "plain", 3)
 
 
 @torch.inference_mode()

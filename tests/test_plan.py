@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from eaglet.model.config import DRAFTER_VARIANTS, METHODS, DrafterConfig
+from eaglet.core import methods
+from eaglet.model.config import DrafterConfig
 from eaglet.model.drafter import Eagle3Drafter, num_params
 from eaglet.model.methods import make_drafter
 from eaglet.stages.train.data import make_batch
@@ -372,10 +373,9 @@ def test_mla_drafter_size_is_the_model_drafter_py_builds():
         plan.shape_from_target_config({**target, "kv_lora_rank": None}, 100, "t", "mla")
 
 
-KINDS = [(attention, variant, method) for attention in ("llama", "mla")
-         for variant in DRAFTER_VARIANTS for method in METHODS
-         if not (attention == "mla" and method == "peagle")
-         and not (method == "dflash" and (attention, variant) != ("llama", "eagle3"))]
+# every build of every method: the settings its record takes (refusals: test_method_records)
+KINDS = [(attention, variant, m.name) for m in methods.METHODS.values()
+         for attention in m.attentions for variant in m.variants]
 
 
 @pytest.mark.parametrize("attention,variant,method", KINDS)
@@ -410,7 +410,7 @@ def test_drafter_size_counts_every_weight_of_each_method_and_variant(attention, 
 
 
 def test_the_plan_knows_the_settings_the_drafter_knows():
-    assert plan.METHODS == METHODS  # plan keeps its own copy (peagle imports the engine's)
+    # the plan refuses with the method's own reason what training would refuse
     with pytest.raises(ValueError, match="train.drafter_attention: llama"):
         plan.with_drafter(plan.PRESETS["kimi-k2.5"], "mla", method="peagle")
     with pytest.raises(ValueError, match="drafter_variant"):

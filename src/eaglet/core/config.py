@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from eaglet.core import methods
+
 if TYPE_CHECKING:
     import jsonschema
 
@@ -212,8 +214,9 @@ def lookup(cfg: dict[str, Any], key: str) -> Any:
 ADDED_LATER = {"generate": {"capture_hidden_states": False, "chat_template_kwargs": None},
                "train": {"loss_on_prompt": False, "feature_noise": 0.0, "host_ram_mb": 4096,
                          "prefetch_batches": None, "attention": "auto",
-                         "drafter_attention": "llama", "method": "eagle3",
-                         "drafter_variant": "eagle3", "data": "shards", "dflash_layers": 1,
+                         "drafter_attention": "llama", "method": methods.DEFAULT.name,
+                         "drafter_variant": methods.EAGLE3_LAYER.name, "data": "shards",
+                         "dflash_layers": 1,
                          "stream_cache_gib": 0, "stream_ahead": None,
                          "stream_kv_cache_gib": None, "stream_overlap": "auto"},
                "evaluate": {"compare_drafters": [], "top_p": 1.0, "top_k": 0, "mtp": True}}

@@ -13,6 +13,7 @@ import platform
 from datetime import datetime
 from pathlib import Path
 
+from eaglet.core import methods
 from eaglet.core.layout import BENCHMARK_RESULTS
 from eaglet.core.progress import now_iso
 
@@ -68,21 +69,15 @@ def train_settings(train: dict, ranks: int = 1) -> dict:
     method (the TTT steps are scaled for, not matched) and its number of data-parallel
     ``ranks`` (None for one: a rate recorded before ranks were kept was one process's)."""
     return {"max_tokens_per_batch": train["max_tokens_per_batch"],
-            "method": train.get("method", "eagle3"), "ranks": ranks if ranks > 1 else None}
+            "method": train.get("method", methods.DEFAULT.name), "ranks": ranks if ranks > 1 else None}
 
 
 def train_passes(train: dict) -> int:
     """The drafter layer passes one training token costs (``train``: the config's train
     section), which a training rate is scaled by between runs: a TTT step each (EAGLE-3,
     P-EAGLE); DFlash's block of ttt_steps + 1 slots through each of its layers."""
-    return layer_passes(train.get("method", "eagle3"), train["ttt_steps"],
-                        train.get("dflash_layers", 1))
-
-
-def layer_passes(method: str, ttt_steps: int, dflash_layers: int = 1) -> int:
-    """:func:`train_passes` of ``method`` at ``ttt_steps``: DFlash's (ttt_steps + 1) slots
-    through each of its ``dflash_layers``, else one step a pass."""
-    return (ttt_steps + 1) * dflash_layers if method == "dflash" else ttt_steps
+    return methods.method(train.get("method", methods.DEFAULT.name)).layer_passes(train["ttt_steps"],
+                                                       train.get("dflash_layers", 1))
 
 
 def training_ranks(cfg: dict) -> int:

@@ -22,6 +22,7 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
+from eaglet.core.methods import SPECULATIONS
 from eaglet.target.checkpoint import text_config
 
 log = logging.getLogger("eaglet.engine.support")
@@ -126,8 +127,8 @@ def cpu_engine_args(args: list[str], model_config: dict | None, dtype: str,
     return out
 
 
-# speculative methods that run no model layers
-DRAFTER_FREE = ("ngram", "suffix")
+# vLLM's speculative methods that run no model layers
+DRAFTER_FREE = tuple(name for name, s in SPECULATIONS.items() if not s.runs_layers)
 
 
 def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> set[str]:
@@ -145,7 +146,7 @@ def ask(config: dict) -> dict:
     """vLLM's answers for the target of ``config`` (a config.json's dict), in this process:
     ``vllm_version``, the ``architecture`` of config.architectures vLLM registers first (as it
     resolves a model), its ``model_class``, whether it implements ``SupportsEagle3``
-    (``eagle3``: None where the class could not be loaded here, with the ``error``), ``mla``,
+    (``supports_eagle3``: None where the class could not be loaded here, with the ``error``), ``mla``,
     and the ``mtp_layers`` the config declares."""
     import vllm
     import vllm.config  # noqa: F401
@@ -153,7 +154,8 @@ def ask(config: dict) -> dict:
     from vllm.model_executor.models.interfaces import supports_eagle3
 
     out = {"vllm_version": vllm.__version__, "architectures": config.get("architectures") or [],
-           "architecture": None, "model_class": None, "eagle3": None, "error": None,
+           "architecture": None, "model_class": None, "supports_eagle3": None,
+           "error": None,
            "mla": uses_mla(config), "mtp_layers": mtp_layers(config)}
     supported = ModelRegistry.get_supported_archs()
     for arch in out["architectures"]:
@@ -168,7 +170,7 @@ def ask(config: dict) -> dict:
             out["error"] = out["error"] or f"vLLM could not load the class of {arch} here"
         else:
             out["model_class"] = f"{cls.__module__}.{cls.__qualname__}"
-            out["eagle3"] = bool(supports_eagle3(cls))
+            out["supports_eagle3"] = bool(supports_eagle3(cls))
         break
     else:
         out["error"] = (f"vLLM {vllm.__version__} registers none of the architectures "
@@ -209,7 +211,7 @@ def refusal(answers: dict, method: str, target: str) -> str | None:
     """Why eaglet cannot train a ``method`` drafter (in words: EAGLE-3, P-EAGLE, DFlash) for
     ``target`` by vLLM's ``answers`` (:func:`ask`), with the options; None where it can, or
     where vLLM could not say (the caller warns)."""
-    if answers.get("eagle3") is not False:
+    if answers.get("supports_eagle3") is not False:
         return None
     options = "\n".join(f"  - {line}" for line in alternatives(answers))
     return (f"vLLM {answers.get('vllm_version')} cannot serve {method} drafters for {target}: "
@@ -230,7 +232,7 @@ def require_drafter_support(config_path: str | Path, method: str, target: str,
     message = refusal(answers, method, target)
     if message:
         raise UnsupportedTarget(message)
-    if answers.get("eagle3") is None:
+    if answers.get("supports_eagle3") is None:
         log.warning("could not ask vLLM whether it serves a drafter for %s (%s): the first "
                     "server will say", target, answers.get("error"))
     return answers

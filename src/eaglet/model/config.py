@@ -1,14 +1,13 @@
-"""The drafter's configuration, torch-free: its shape from the target's config, the methods
-and variants eaglet trains, their RoPE settings, the TTT attention's kernel on a device, and
+"""The drafter's configuration, torch-free: its shape from the target's config (the
+variant's norms, :mod:`eaglet.core.methods`), its RoPE settings, the TTT attention's kernel on a device, and
 what an exported config.json says (read by ``eaglet plan``, ``eaglet status`` and the report
 without loading PyTorch)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
-from eaglet.core.io import read_json
+from eaglet.core.methods import ATTENTION_KINDS, EAGLE3_LAYER, VARIANTS
 
 
 @dataclass
@@ -56,17 +55,18 @@ class DrafterConfig:
 
     @classmethod
     def from_target(cls, target: dict, draft_vocab_size: int, aux_layer_ids: list[int],
-                    attention: str = "llama", variant: str = "eagle3") -> "DrafterConfig":
+                    attention: str = "llama",
+                    variant: str = EAGLE3_LAYER.name) -> "DrafterConfig":
         """The drafter's shape from the target's ``config.json`` (dict): every field is read
         here. ``attention`` (train.drafter_attention) picks the layer's attention kind,
-        ``variant`` (train.drafter_variant) its norms (DRAFTER_VARIANTS)."""
+        ``variant`` (train.drafter_variant) its norms (:data:`eaglet.core.methods.VARIANTS`)."""
         target = target.get("text_config", target)  # multimodal wrappers nest the LM config
         if attention not in ATTENTION_KINDS:
             raise ValueError(f"train.drafter_attention {attention!r} is none of "
                              f"{', '.join(ATTENTION_KINDS)}")
-        if variant not in DRAFTER_VARIANTS:
+        if variant not in VARIANTS:
             raise ValueError(f"train.drafter_variant {variant!r} is none of "
-                             f"{', '.join(DRAFTER_VARIANTS)}")
+                             f"{', '.join(VARIANTS)}")
         if target.get("hidden_act", "silu") != "silu":
             raise ValueError(f"the target uses hidden_act {target['hidden_act']!r}; the EAGLE-3 "
                              f"drafters vLLM loads (llama_eagle3, deepseek_eagle3) have a SiLU MLP")
@@ -85,14 +85,12 @@ class DrafterConfig:
             target_hidden_size=target["hidden_size"],
             aux_layer_ids=list(aux_layer_ids))
         config = with_mla(config, target) if attention == "mla" else config
-        return replace(config, **DRAFTER_VARIANTS[variant])
+        return replace(config, **VARIANTS[variant].flags)
 
 
 # the config.json keys vLLM 0.32's EAGLE-3 drafters read (llama_eagle3.py; deepseek_eagle3.py
 # all but norm_before_fc), each false when absent from a plain (non-speculators) config
 NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
-# train.drafter_variant: the flags each variant sets (the rest stay false)
-DRAFTER_VARIANTS = {"eagle3": {}, "eagle3.1": {"fc_norm": True, "norm_output": True}}
 
 
 def rope_parameters(config: dict) -> dict:
@@ -187,7 +185,6 @@ def norm_flags(config: dict) -> dict[str, bool]:
     return flags
 
 
-ATTENTION_KINDS = ("llama", "mla")  # train.drafter_attention
 ATTENTION = ("eager", "sdpa", "flex")  # train.attention: kernels of the TTT attention
 
 
@@ -204,30 +201,3 @@ def resolve_attention(name: str, device: object) -> str:
         raise ValueError("attention flex needs a CUDA device (PyTorch's flex attention has no "
                          "backward pass on CPU); use sdpa")
     return name
-
-
-METHODS = ("eagle3", "peagle", "dflash")  # train.method
-METHOD_NAMES = {"eagle3": "EAGLE-3", "peagle": "P-EAGLE", "dflash": "DFlash"}  # in words
-DFLASH_ARCHITECTURE = "DFlashDraftModel"  # vLLM's qwen3_dflash.DFlashQwen3ForCausalLM
-
-
-def exported_method(drafter_dir: str | Path) -> str:
-    """The method (METHODS) of the drafter exported in ``drafter_dir``, from its config.json:
-    DFlash's architecture, P-EAGLE's ``parallel_drafting``, else EAGLE-3."""
-    config = read_json(Path(drafter_dir) / "config.json")
-    if DFLASH_ARCHITECTURE in (config.get("architectures") or []):
-        return "dflash"
-    return "peagle" if config.get("parallel_drafting") else "eagle3"
-
-
-def speculative_config(drafter_dir: str | Path, k: int) -> dict:
-    """vLLM's ``--speculative-config`` for the drafter in ``drafter_dir``: a P-EAGLE one needs
-    ``parallel_drafting`` there (vLLM does not read it from the drafter's config.json; without
-    it vLLM drafts k times autoregressively, with mask_hidden ignored); a DFlash one is served
-    by its own method, ``dflash`` (which drafts in parallel by itself)."""
-    method = exported_method(drafter_dir)
-    spec = {"method": "dflash" if method == "dflash" else "eagle3", "model": str(drafter_dir),
-            "num_speculative_tokens": k}
-    if method == "peagle":
-        spec["parallel_drafting"] = True
-    return spec

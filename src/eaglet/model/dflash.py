@@ -43,9 +43,11 @@ from safetensors.torch import load_file
 from torch import nn
 
 from eaglet.core.io import atomic_open, read_json, write_json
+from eaglet.core import methods
+from eaglet.core.methods import DFLASH
 from eaglet.data.shards import STORAGE_DTYPES
 from eaglet.model.attention import BLOCK_ROWS, attend, attention_blocks
-from eaglet.model.config import ATTENTION, DFLASH_ARCHITECTURE, DrafterConfig, config_from_vllm
+from eaglet.model.config import ATTENTION, DrafterConfig, config_from_vllm
 from eaglet.model.drafter import MLP, RMSNorm, compute_dtype
 from eaglet.model.export import vllm_config, write_weights
 from eaglet.model.init import LayerFit, fit_target_layer
@@ -289,7 +291,7 @@ def dflash_config(model: DFlashDrafter, dtype: str, block_size: int) -> dict:
     aux = list(model.config.aux_layer_ids)
     out = {k: v for k, v in base.items() if k not in ("eagle_config", "mlp_bias")}
     out.update({
-        "architectures": [DFLASH_ARCHITECTURE], "model_type": "qwen3",
+        "architectures": [DFLASH.architecture], "model_type": "qwen3",
         "num_hidden_layers": model.num_layers,
         "layer_types": ["full_attention"] * model.num_layers,
         "num_key_value_heads": model.config.num_key_value_heads,
@@ -321,17 +323,12 @@ def export_dflash(model: DFlashDrafter, out_dir: str | Path, dtype: str = "float
     return config
 
 
-def is_dflash(config: dict) -> bool:
-    """Whether an exported config.json is a DFlash drafter's."""
-    return DFLASH_ARCHITECTURE in (config.get("architectures") or [])
-
-
 def load_dflash(drafter_dir: str | Path, target_dir: str | Path,
                 dtype: torch.dtype = torch.float32) -> DFlashDrafter:
     """An exported DFlash drafter with the target's embedding, ready to run (eval mode)."""
     drafter_dir = Path(drafter_dir)
     raw = read_json(drafter_dir / "config.json")
-    if not is_dflash(raw):
+    if methods.from_config(raw) is not DFLASH:
         raise ValueError(f"{drafter_dir}/config.json is not a DFlash drafter's "
                          f"(architectures {raw.get('architectures')})")
     config = config_from_vllm({**raw, "eagle_config": {

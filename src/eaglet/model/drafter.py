@@ -25,7 +25,7 @@ attention (``MLAAttention``), the layer vLLM's ``deepseek_eagle3.py`` builds: ev
 holds, with keys of qk_nope + qk_rope and values of v_head_dim per head, and RoPE (GPT-J
 layout, DeepSeek's YaRN) on the rope part only.
 
-``train.drafter_variant: eagle3.1`` (``DRAFTER_VARIANTS``) switches on the flags vLLM reads from
+``train.drafter_variant: eagle3.1`` (``eaglet.core.methods.VARIANTS``) switches on the flags vLLM reads from
 a drafter's config.json, each applied where vLLM's forward applies it:
 
     fc_norm               aux = cat(fc_norm.i(aux_i)): one RMSNorm per aux feature, before fc

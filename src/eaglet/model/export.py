@@ -29,10 +29,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save
 
+from eaglet.core import methods
 from eaglet.core.io import atomic_open, read_json, write_json
 from eaglet.data.shards import STORAGE_DTYPES
-from eaglet.model.config import (METHOD_NAMES, NORM_FLAGS, DrafterConfig, config_from_vllm,
-                                 exported_method, speculative_config)
+from eaglet.model.config import NORM_FLAGS, DrafterConfig, config_from_vllm
 from eaglet.model.drafter import Eagle3Drafter
 from eaglet.target.checkpoint import load_target_embedding
 
@@ -233,7 +233,7 @@ def speculators_config(config: dict, verifier: str, verifier_architectures: list
     reads them. The weights keep their names: vLLM maps ``midlayer.`` to ``layers.0.``."""
     return {
         "architectures": ["Eagle3Speculator"],
-        "speculators_model_type": "eagle3",
+        "speculators_model_type": methods.EAGLE3.served_as,
         "speculators_version": SPECULATORS_VERSION,
         "transformer_layer_config": {k: v for k, v in config.items()
                                      if k not in EAGLE_KEYS + NORM_FLAGS},
@@ -243,7 +243,7 @@ def speculators_config(config: dict, verifier: str, verifier_architectures: list
             config["eagle_config"]["eagle_aux_hidden_state_layer_ids"],
         **{flag: bool(config.get(flag, False)) for flag in NORM_FLAGS},
         "speculators_config": {
-            "algorithm": "eagle3",
+            "algorithm": methods.EAGLE3.served_as,
             "proposal_methods": [{"proposal_type": "greedy",
                                   "speculative_tokens": num_speculative_tokens}],
             "default_proposal_method": "greedy",
@@ -259,11 +259,12 @@ def export_speculators(drafter_dir: str | Path, out_dir: str | Path, verifier: s
     ``--speculative-config``; ``drafter_dir`` itself is left as it is."""
     drafter_dir, out_dir = Path(drafter_dir), Path(out_dir)
     drafter = read_json(drafter_dir / "config.json")
-    if exported_method(drafter_dir) != "eagle3":
-        method = exported_method(drafter_dir)
-        raise ValueError(f"the drafter in {drafter_dir} is a {METHOD_NAMES[method]} drafter, which "
+    method = methods.from_config(drafter)
+    if method is not methods.EAGLE3:
+        spec = method.speculative_config(drafter_dir, num_speculative_tokens)
+        raise ValueError(f"the drafter in {drafter_dir} is a {method.words} drafter, which "
                          f"this speculators format (Eagle-3) does not describe: serve it with "
-                         f"--speculative-config {json.dumps(speculative_config(drafter_dir, num_speculative_tokens))}")
+                         f"--speculative-config {json.dumps(spec)}")
     if drafter.get("model_type", "llama") != "llama":
         raise ValueError(f"the drafter in {drafter_dir} has {drafter['model_type']} (MLA) "
                          f"attention, which vLLM 0.32's speculators format does not take (its "

@@ -12,7 +12,7 @@ import struct
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from eaglet.model.config import DRAFTER_VARIANTS, METHODS
+from eaglet.core import methods
 
 # -- the target's size, as a server holds it (evaluate's placement reads it too) ----------
 
@@ -127,9 +127,9 @@ class Shape:
     expert_format: str | None = None  # the quantization's name, as its config says it
     # train.drafter_attention: llama (GQA of heads x head_dim) or mla (the target's MLA)
     drafter_attention: str = "llama"
-    # train.drafter_variant (its norms, drafter.DRAFTER_VARIANTS) and train.method
-    drafter_variant: str = "eagle3"
-    method: str = "eagle3"
+    # train.drafter_variant (its norms) and train.method (eaglet.core.methods)
+    drafter_variant: str = methods.EAGLE3_LAYER.name
+    method: str = methods.DEFAULT.name
     dflash_layers: int = 1  # train.dflash_layers (method dflash)
 
     @property
@@ -169,30 +169,20 @@ def with_drafter(s: Shape, attention: str, variant: str | None = None,
                  method: str | None = None, dflash_layers: int | None = None) -> Shape:
     """``s`` with the drafter ``train.drafter_attention``, ``train.drafter_variant`` and
     ``train.method`` build (None: ``s``'s own); refuses as ``drafter.with_mla`` and
-    ``methods.make_drafter`` do where the target has no MLA that the drafter can take, or
-    P-EAGLE meets MLA."""
+    ``methods.make_drafter`` do where the target has no MLA that the drafter can take, or the
+    method cannot be built so (:meth:`eaglet.core.methods.Method.refusal`)."""
     variant = s.drafter_variant if variant is None else variant
     method = s.method if method is None else method
     dflash_layers = s.dflash_layers if dflash_layers is None else dflash_layers
-    if attention not in ("llama", "mla"):
-        raise ValueError(f"train.drafter_attention {attention!r} is none of llama, mla")
-    if variant not in DRAFTER_VARIANTS:
-        raise ValueError(f"train.drafter_variant {variant!r} is none of "
-                         f"{', '.join(DRAFTER_VARIANTS)}")
-    if method not in METHODS:
-        raise ValueError(f"train.method {method!r} is none of {', '.join(METHODS)}")
+    record = methods.method(method)
+    refused = record.refusal(attention, variant)
+    if refused:
+        raise ValueError(f"{refused}: plan with another --drafter-attention, --drafter-variant "
+                         f"or --method")
     if attention == "mla" and not (s.kv_lora_rank and s.q_lora_rank):
         raise ValueError(f"train.drafter_attention: mla needs a target with multi-head latent "
                          f"attention and a q_lora_rank (DeepSeek-V2/V3, Kimi-K2); {s.name} has "
                          f"none: plan with --drafter-attention llama")
-    if attention == "mla" and method == "peagle":
-        raise ValueError("train.method: peagle needs train.drafter_attention: llama (vLLM 0.32 "
-                         "keeps mask_hidden only in its Llama EAGLE-3 drafter): plan with "
-                         "--drafter-attention llama or --method eagle3")
-    if method == "dflash" and (attention != "llama" or variant != "eagle3"):
-        raise ValueError("train.method: dflash takes train.drafter_attention: llama and "
-                         "train.drafter_variant: eagle3 (vLLM's DFlash drafter is a stack of Qwen3 "
-                         "layers with norms of its own): plan with --drafter-attention llama")
     return replace(s, drafter_attention=attention, drafter_variant=variant, method=method,
                    dflash_layers=dflash_layers)
 
@@ -296,11 +286,11 @@ def drafter_extra_params(s: Shape) -> dict[str, int]:
     each of the aux features' width [3Ht]: the per-feature RMSNorms before fc (fc_norm,
     eagle3.1; norm_output has no weights), the one norm over all of them (norm_before_fc,
     which no variant sets yet) and P-EAGLE's mask_hidden."""
-    flags = DRAFTER_VARIANTS[s.drafter_variant]
+    flags = methods.VARIANTS[s.drafter_variant].flags
     width = NUM_AUX * s.hidden  # target_hidden_size = hidden (DrafterConfig.from_target)
     extra = {"fc_norm": width if flags.get("fc_norm") else 0,
              "input_norm": width if flags.get("norm_before_fc") else 0,
-             "mask_hidden": width if s.method == "peagle" else 0}
+             "mask_hidden": width if methods.method(s.method).mask_hidden else 0}
     return {name: n for name, n in extra.items() if n}
 
 
@@ -321,7 +311,7 @@ def drafter_params(s: Shape) -> int:
     lm_head and its mask embedding [H]. The exported checkpoint holds all of them (and the
     d2t/t2d maps beside)."""
     h = s.hidden
-    if s.method == "dflash":
+    if methods.method(s.method).block:
         return (NUM_AUX * h * h + h + s.dflash_layers * dflash_layer_params(s) + h
                 + h * s.draft_vocab + h)
     return (NUM_AUX * h * h
@@ -333,8 +323,9 @@ def drafter_params(s: Shape) -> int:
 
 
 def shape_from_target_config(config: dict, draft_vocab: int, name: str,
-                             drafter_attention: str = "llama", drafter_variant: str = "eagle3",
-                             method: str = "eagle3", dflash_layers: int = 1) -> Shape:
+                             drafter_attention: str = "llama",
+                             drafter_variant: str = methods.EAGLE3_LAYER.name,
+                             method: str = methods.DEFAULT.name, dflash_layers: int = 1) -> Shape:
     """A target's shape from its ``config.json`` (as ``DrafterConfig.from_target``): its
     multi-head latent attention and experts where it has them, with the drafter
     ``drafter_attention``, ``drafter_variant`` and ``method`` (train.*) build for it."""

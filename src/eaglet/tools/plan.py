@@ -41,7 +41,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from eaglet.core import rates
+from eaglet.core import methods, rates
 from eaglet.core.config import ConfigError, eval_shard_count, load_run_config, validate
 from eaglet.core.gpus import GPU_BYTES, GPU_NAME, GPU_USABLE
 from eaglet.core.io import read_json
@@ -49,7 +49,7 @@ from eaglet.core.layout import HIDDEN, SYNTHETIC_STATS, TARGET_JSON
 from eaglet.data import shard_format
 from eaglet.data.shard_format import bytes_per_token
 from eaglet.engine.support import ask_in_subprocess, refusal
-from eaglet.model.config import DRAFTER_VARIANTS, METHOD_NAMES, METHODS, resolve_attention
+from eaglet.model.config import resolve_attention
 from eaglet.model.sizes import CHUNK_ELEMENTS as LOSS_CHUNK_ELEMENTS
 from eaglet.model.sizes import (DTYPE_BYTES, NUM_AUX, PRESETS, Shape, default_window,
                                 drafter_extra_params, drafter_params, serving_weights,
@@ -172,7 +172,7 @@ def training(s: Shape, tokens: int, max_len: int | None, steps: int, precision: 
         else tokens * s.draft_vocab * 4)                    # teacher probabilities
     # DFlash: every row's block of steps + 1 slots through each of its layers, taken as that
     # many TTT steps (its keys over the context and the block: a TTT step's with more own keys)
-    passes = rates.layer_passes(s.method, steps, s.dflash_layers)
+    passes = methods.method(s.method).layer_passes(steps, s.dflash_layers)
     rows = ttt_rows_bytes(s, tokens, passes, act, fused_loss)
     scores = ttt_attention_bytes(s, tokens, block, passes, act)
     fused = ttt_attention_bytes(s, tokens, block, passes, act, fused=True, pad=sink_pad)
@@ -181,8 +181,9 @@ def training(s: Shape, tokens: int, max_len: int | None, steps: int, precision: 
     backward = square * (4 + (act if act != 4 else 0))
     out = dict(fixed)
     out["batch inputs and the teacher"] = inputs
-    what = (f"DFlash activations, {steps + 1} slots x {s.dflash_layers} layer(s)"
-            if s.method == "dflash" else f"TTT activations, {steps} steps")
+    method = methods.method(s.method)
+    what = (f"{method.words} activations, {steps + 1} slots x {s.dflash_layers} layer(s)"
+            if method.block else f"TTT activations, {steps} steps")
     out[f"{what} (norms, projections, MLP, logits)"] = rows
     if fused_loss:  # one chunk's float32 logits, probabilities and gradient at a time
         out["fused loss: one chunk of rows"] = LOSS_CHUNK_ELEMENTS * (4 + 4 + 4 + act)
@@ -367,9 +368,11 @@ def plan(s: Shape, *, tokens: int, max_len: int | None, steps: int, batch_tokens
         "shard_tokens": shard_tokens,
         "shard_bytes": shard_tokens * bytes_per_token(s.hidden, NUM_AUX, store_dtype),
     }
-    # the drafter of the other train.drafter_attention, where it can be built (P-EAGLE: llama)
-    if s.kv_lora_rank and s.q_lora_rank and s.method == "eagle3":
-        other = with_drafter(s, "llama" if s.mla else "mla")
+    # the drafter of the other train.drafter_attention, where its method can be built so
+    other_attention = "llama" if s.mla else "mla"
+    if (s.kv_lora_rank and s.q_lora_rank
+            and not methods.method(s.method).refusal(other_attention, s.drafter_variant)):
+        other = with_drafter(s, other_attention)
         other_tr = training(other, tokens, max_len, steps, precision, embed_dtype=embed,
                             attention=attention, fused_loss=fused_loss)
         out["other_drafter"] = {"drafter_attention": other.drafter_attention,
@@ -459,10 +462,9 @@ def render(p: dict, store_dtype: str) -> str:
 
 
 def _dflash_text(shape: dict) -> str:
-    """DFlash's depth, where the method is DFlash."""
-    if shape.get("method") != "dflash":
-        return ""
-    return f" of {shape['dflash_layers']} layer{'s' if shape['dflash_layers'] > 1 else ''}"
+    """The drafter's depth, where its method has one (DFlash's)."""
+    depth = methods.method(shape["method"]).depth(shape["dflash_layers"])
+    return f" of {depth}" if depth else ""
 
 
 def _extra_text(extra: dict[str, int]) -> str:
@@ -647,9 +649,9 @@ def build_parser():
     parser.add_argument("--drafter-attention", choices=("llama", "mla"), default=None,
                         help="the drafter's attention (default: the config's "
                              "train.drafter_attention)")
-    parser.add_argument("--drafter-variant", choices=sorted(DRAFTER_VARIANTS), default=None,
+    parser.add_argument("--drafter-variant", choices=sorted(methods.VARIANTS), default=None,
                         help="the drafter's norms (default: the config's train.drafter_variant)")
-    parser.add_argument("--method", choices=METHODS, default=None,
+    parser.add_argument("--method", choices=list(methods.METHODS), default=None,
                         help="eagle3, peagle or dflash (default: the config's train.method)")
     parser.add_argument("--gpus", type=int, default=None,
                         help="GPUs the capture server and the trainer share (default: the "
@@ -702,7 +704,7 @@ def main(argv: list[str] | None = None) -> int:
                       file=sys.stderr)
                 return 2
             refused = refusal(ask_in_subprocess(target[1] / "config.json"),
-                              METHOD_NAMES[method], str(cfg["target"]["model"]))
+                              methods.words(method), str(cfg["target"]["model"]))
             if refused:
                 print(f"eaglet plan: {refused}", file=sys.stderr)
                 return 2

@@ -15,7 +15,7 @@ import matplotlib.ticker  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from eaglet.core.io import atomic_open, read_json  # noqa: E402
-from eaglet.model.config import METHOD_NAMES
+from eaglet.core.methods import NGRAM, words
 from eaglet.stages.evaluate.schedule import fixed_k_runs
 
 
@@ -68,9 +68,9 @@ def acceptance_length(acceptance: dict, path) -> None:
             ax.plot([r["k"] for r in eagle], [r["sets"][name]["acceptance_length"]
                                               for r in eagle], marker="o", color=color,
                     linestyle=("-", "--", ":", "-.")[j % 4],
-                    label=f"{METHOD_NAMES[method]}, {name}" + (f", T={t:g}" if t else ""))
+                    label=f"{words(method)}, {name}" + (f", T={t:g}" if t else ""))
         for run in acceptance["runs"]:
-            al = run["sets"][name]["acceptance_length"] if run["method"] == "ngram" else None
+            al = run["sets"][name]["acceptance_length"] if run["method"] == NGRAM.name else None
             if al:
                 t = run.get("temperature", 0)
                 ax.scatter([run["k"]], [al], marker="s" if not t else "D", color=color,
@@ -107,7 +107,7 @@ def speedup(acceptance: dict, path) -> None:
         points = run["by_concurrency"]
         ax.errorbar([p["concurrency"] for p in points], [p["speedup"] for p in points],
                     yerr=_error_bars(points), marker="o", capsize=3,
-                    linestyle=":" if run["method"] == "ngram" else "-", label=run["name"])
+                    linestyle=":" if run["method"] == NGRAM.name else "-", label=run["name"])
     ax.axhline(1.0, color="black", linewidth=0.8, label="target alone")
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_locator(matplotlib.ticker.FixedLocator(acceptance["concurrency"]))

@@ -28,13 +28,14 @@ from pathlib import Path
 
 import yaml
 
+from eaglet.core import methods
 from eaglet.core.config import ConfigError, read_config_file, validate
 from eaglet.core.io import read_json, read_jsonl, write_json
 from eaglet.core.layout import (ACCEPTANCE, DRAFTER_STATS, DRAFTER_WEIGHTS, HIDDEN_EVAL, MANIFEST,
                                 PROGRESS, REPO, SYNTHETIC_STATS)
 from eaglet.data import shards
 from eaglet.engine.support import ask_in_subprocess, refusal
-from eaglet.model.config import METHOD_NAMES, DrafterConfig
+from eaglet.model.config import DrafterConfig
 from eaglet.model.sizes import shape_from_target_config
 from eaglet.stages.evaluate.replay import GREEDY_TOLERANCE, NOISE_ERRORS, within
 from eaglet.target.checkpoint import TargetError, check_run_fits, local_dir, snapshot, text_config
@@ -180,14 +181,16 @@ def rehearsal_config(user: dict, miniature: Path, results: Path,
     if vocab > DRAFT_VOCAB:
         _set(cfg, "vocab.draft_vocab_size", DRAFT_VOCAB)
         scaled.append(f"vocab.draft_vocab_size: {vocab!r} -> {DRAFT_VOCAB} (the miniature's data)")
-    if (target_text or {}).get("kv_lora_rank") and _get(full, "train.method") == "dflash":
-        # DFlash's layers are Qwen3 attention, which the CPU engine cannot serve beside MLA
-        _set(cfg, "train.method", "eagle3")
-        scaled.append("train.method: 'dflash' -> 'eagle3' (vLLM's CPU engine cannot serve a "
-                      "DFlash drafter beside an MLA target: its attention finds no KV block "
-                      "size common with MLA's; GPUs serve it. The rehearsal shows the data, "
-                      "states and serving path with an MLA EAGLE-3 drafter; the check on the "
-                      "real target says whether DFlash can be built for it)")
+    method = methods.method(_get(full, "train.method"))
+    if (target_text or {}).get("kv_lora_rank") and not method.cpu_beside_mla:
+        # its layers' attention, which the CPU engine cannot serve beside MLA
+        _set(cfg, "train.method", methods.DEFAULT.name)
+        scaled.append(f"train.method: {method.name!r} -> {methods.DEFAULT.name!r} (vLLM's CPU "
+                      f"engine cannot serve a {method.words} drafter beside an MLA target: its "
+                      f"attention finds no KV block size common with MLA's; GPUs serve it. The "
+                      f"rehearsal shows the data, states and serving path with an MLA "
+                      f"{methods.DEFAULT.words} drafter; the check on the real target says "
+                      f"whether {method.words} can be built for it)")
     if (target_text or {}).get("kv_lora_rank") and _get(cfg, "train.drafter_attention") != "mla":
         # vLLM's CPU engine finds no KV block size common to its MLA and its attention backends
         _set(cfg, "train.drafter_attention", "mla")
@@ -245,22 +248,15 @@ def check_drafter(config: dict, cfg: dict, report: Report) -> bool:
         report.add("drafter", False, f"{settings}: the target's config.json gives no {error}, "
                    f"which the drafter's shape is read from", "pass the target's own config.json")
         return False
-    if method == "dflash" and (attention != "llama" or variant != "eagle3"):
-        report.add("drafter", False, f"{settings}: DFlash is vLLM's own stack of Qwen3 layers "
-                   f"(qwen3_dflash.py), with neither MLA attention nor the EAGLE-3.1 norms",
-                   "set train.drafter_attention: llama and train.drafter_variant: eagle3, or "
+    record = methods.method(method)
+    refused = record.refusal(attention, variant)
+    if refused:
+        report.add("drafter", False, f"{settings}: {refused}", "set the settings it names, or "
                    "another train.method")
         return False
-    if method == "peagle" and attention != "llama":
-        report.add("drafter", False, f"{settings}: P-EAGLE needs Llama attention: vLLM 0.32 keeps "
-                   f"the parallel-drafting mask_hidden only in its Llama EAGLE-3 drafter "
-                   f"(llama_eagle3.py)", "set train.drafter_attention: llama, or train.method: "
-                   "eagle3")
-        return False
-    layers = tr["dflash_layers"]
-    kind = (f"{layers} Qwen3 layer{'s' if layers > 1 else ''} drafting a block in one forward "
-            f"(DFlashDraftModel, served with method dflash)" if method == "dflash" else
-            "the target's multi-head latent attention (Eagle3DeepseekV2ForCausalLM)"
+    kind = (f"{record.depth(tr['dflash_layers'])} drafting a block in one forward "
+            f"({record.architecture}, served with method {record.served_as})" if record.block
+            else "the target's multi-head latent attention (Eagle3DeepseekV2ForCausalLM)"
             if attention == "mla" else "Llama attention (LlamaForCausalLMEagle3)")
     report.add("drafter", True, f"{settings}: a drafter with {kind} can be built for this target")
     return True
@@ -272,13 +268,13 @@ def check_serving(files: Path, cfg: dict, report: Report) -> bool:
     vLLM itself, :mod:`eaglet.engine.support`); a target it cannot serve one for is refused
     here, before the miniature is built or any server starts."""
     answers = ask_in_subprocess(files / "config.json")
-    method = METHOD_NAMES[cfg["train"]["method"]]
+    method = methods.words(cfg["train"]["method"])
     refused = refusal(answers, method, str(cfg["target"]["model"]))
     if refused:
         report.add("serving", False, refused, "choose a target vLLM serves a drafter for, or "
                    "deploy one of the options above without training")
         return False
-    if answers.get("eagle3") is None:
+    if answers.get("supports_eagle3") is None:
         report.add("serving", None, f"vLLM could not be asked about this target's class here "
                    f"({answers.get('error')}); the miniature's server is the check")
     else:

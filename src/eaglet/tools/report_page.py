@@ -31,7 +31,7 @@ from eaglet.core.layout import (ACCEPTANCE, DRAFTER_STATS, MANIFEST, PROMPT_STAT
                                 SYNTHETIC_STATS, TARGET_JSON, TRAINING_LOG, VOCAB_STATS)
 from eaglet.core.progress import format_duration, took
 from eaglet.engine.server import SERVER_MODULE
-from eaglet.model.config import METHOD_NAMES
+from eaglet.core.methods import words
 from eaglet.stages.evaluate.runs import is_drafter, sampling_text
 from eaglet.tools.status.stages import OPTIONAL_STAGES, STAGES
 
@@ -231,7 +231,7 @@ def methods_section(run: Results) -> list[str]:
             by_c = {e["concurrency"]: e for e in row["by_concurrency"]}
             rows.append([
                 row["name"] + (" (compared)" if row["compared"] else ""),
-                row.get("kind") or METHOD_NAMES.get(row["method"], row["method"]),
+                row.get("kind") or words(row["method"]),
                 "?" if row["training_minutes"] is None else f"{row['training_minutes']:.1f}",
                 _al(row["acceptance_length"]), _al(row["acceptance_length_per_request"]),
                 " ".join(f"{p:.2f}" for p in row["per_position_rate"]) or "none",
@@ -402,7 +402,7 @@ def per_position_caption(run: Results) -> str:
 def acceptance_length_caption(run: Results) -> str:
     def al(acc):
         return None if acc.get("acceptance_length") is None else f"{acc['acceptance_length']:.2f}"
-    parts = [f"{METHOD_NAMES.get(r['method'], r['method'])} k={r['k']}: "
+    parts = [f"{words(r['method'])} k={r['k']}: "
              f"{_sets_of(r, al) or 'no drafts'} (ceiling {r['k'] + 1})"
              for r in _speculative_runs(run.acceptance) if not r.get("schedule")]
     return text("In this run: " + "; ".join(parts) + ".") if parts else ""

@@ -6,10 +6,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from eaglet.core import methods
 from eaglet.core.io import read_json, read_jsonl
 from eaglet.data.prompts import load_source
-from eaglet.model import config as model_config
-from eaglet.model.config import DRAFTER_VARIANTS, METHOD_NAMES, exported_method, norm_flags
+from eaglet.model.config import norm_flags
 
 
 class EvaluationError(RuntimeError):
@@ -102,12 +102,10 @@ def drafted_k(run: dict, concurrency: int) -> int | None:
 
 def drafter_method(drafter_dir: str | os.PathLike | None) -> str:
     """The method the drafter in ``drafter_dir`` was trained with (``train.method``), as its
-    exported config.json says (:func:`eaglet.model.config.exported_method`: DFlash's
-    architecture, P-EAGLE's ``parallel_drafting``). EAGLE-3 where no config.json is there yet
-    (the plan of a run not trained yet)."""
-    if drafter_dir is None or not (Path(drafter_dir) / "config.json").is_file():
-        return "eagle3"
-    return exported_method(drafter_dir)
+    exported config.json says (:func:`eaglet.core.methods.exported`: DFlash's architecture,
+    P-EAGLE's ``parallel_drafting``). EAGLE-3 where no config.json is there yet (the plan of a
+    run not trained yet)."""
+    return methods.exported(drafter_dir).name
 
 
 def drafter_kind(drafter_dir: str | os.PathLike) -> tuple[str, str, str]:
@@ -117,33 +115,34 @@ def drafter_kind(drafter_dir: str | os.PathLike) -> tuple[str, str, str]:
     its config.json carries the norms of train.drafter_variant eagle3.1, else
     ``("eagle3", "eagle3", "EAGLE-3")``."""
 
-    method = drafter_method(drafter_dir)
-    if method == "dflash":  # its depth (train.dflash_layers) in words
-        layers = read_json(Path(drafter_dir, "config.json")).get("num_hidden_layers", 1)
-        return method, method, f"DFlash, {layers} layer{'s' if layers > 1 else ''}"
-    if method == "eagle3" and Path(drafter_dir, "config.json").is_file():
-        flags = norm_flags(read_json(Path(drafter_dir, "config.json")))
-        if all(flags[f] == v for f, v in DRAFTER_VARIANTS["eagle3.1"].items()):
-            return method, "eagle31", "EAGLE-3.1"
-    return method, method, METHOD_NAMES[method]
+    method = methods.exported(drafter_dir)
+    config_path = Path(drafter_dir, "config.json")
+    config = read_json(config_path) if config_path.is_file() else {}
+    if method.block:  # its depth (train.dflash_layers) in words
+        return method.name, method.name, (f"{method.words}, "
+                                          f"{method.depth(config.get('num_hidden_layers', 1))}")
+    variant = methods.variant_of(norm_flags(config)) if config else methods.EAGLE3_LAYER
+    if len(method.variants) > 1 and variant.flags:  # a variant of the EAGLE-3 layer
+        return method.name, variant.label, variant.words
+    return method.name, method.name, method.words
 
 
 def is_drafter(run: dict) -> bool:
     """Whether ``run`` serves the trained drafter (any method), not vLLM's own speculation or
     the target alone."""
-    return run["method"] in METHOD_NAMES
+    return run["method"] in methods.METHODS
 
 
 def speculative_config(run: dict) -> dict | None:
+    """vLLM's ``--speculative-config`` of ``run``: its drafter's (served as its method's record
+    says: :meth:`eaglet.core.methods.Method.speculative_config`), or vLLM's own speculation;
+    None for the target alone."""
     if run["method"] == "baseline":
         return None
-    if run["method"] in ("peagle", "dflash"):
-        # P-EAGLE: served as eagle3 with parallel_drafting in the speculative config itself;
-        # DFlash: by its own method
-        return {**model_config.speculative_config(run["drafter"], run["k"]), **run.get("extra", {})}
-    spec = {"method": run["method"], "num_speculative_tokens": run["k"]}
-    if run["method"] == "eagle3":
-        spec["model"] = run["drafter"]
+    if is_drafter(run):
+        spec = methods.method(run["method"]).speculative_config(run["drafter"], run["k"])
+    else:
+        spec = {"method": run["method"], "num_speculative_tokens": run["k"]}
     return {**spec, **run.get("extra", {})}
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from eaglet.core.methods import DEFAULT, MTP, NGRAM
 from eaglet.stages.evaluate.runs import (MAX_BATCH, EvaluationError, drafter_kind, drafter_method,
                                          is_drafter, temperatures)
 from eaglet.stages.evaluate.statistics import SLOWER, against_target, at_concurrency, speedup_at
@@ -104,10 +105,10 @@ def run_plan(ev: dict, drafter_dir: str | None = None,
     has chosen it."""
     plan = [{"name": "baseline", "method": "baseline"}]
     if ev["ngram"]:
-        plan.append({"name": f"ngram_k{ev['ngram_k']}", "method": "ngram", "k": ev["ngram_k"],
+        plan.append({"name": f"{NGRAM.name}_k{ev['ngram_k']}", "method": NGRAM.name, "k": ev["ngram_k"],
                      "extra": ev["ngram_config"]})
     if ev.get("mtp", True) and mtp_layers:
-        plan.append({"name": f"mtp_k{mtp_layers}", "method": "mtp", "k": mtp_layers})
+        plan.append({"name": f"{MTP.name}_k{mtp_layers}", "method": MTP.name, "k": mtp_layers})
     method = drafter_method(drafter_dir)
     plan += [{"name": f"{method}_k{k}", "method": method, "k": k, "drafter": drafter_dir}
              for k in ev["num_speculative_tokens"]]
@@ -118,7 +119,7 @@ def run_plan(ev: dict, drafter_dir: str | None = None,
     return plan, replays
 
 
-def compare_runs(ev: dict, own_method: str = "eagle3") -> list[dict]:
+def compare_runs(ev: dict, own_method: str = DEFAULT.name) -> list[dict]:
     """The engine runs of the drafters named in ``evaluate.compare_drafters`` (exported drafter
     directories, such as another run's ``drafter/``), each at every k of the sweep beside this
     run's drafter, so that two methods or recipes are measured on the same prompts, the same

@@ -14,6 +14,7 @@ import httpx
 
 from eaglet.core import rates
 from eaglet.core.io import hold_directory, read_json, write_json
+from eaglet.core.methods import drafts_every_step
 from eaglet.core.progress import Progress
 from eaglet.engine.server import ServerError, start_together, target_server
 from eaglet.engine.support import mtp_layers
@@ -206,7 +207,7 @@ def _run_result(run: dict, levels: list[dict], prompt_sets: dict, log_path: str)
               # served beside this run's drafter for comparison only (compare_runs)
               **({"compare": True, "kind": run["kind"]} if run.get("compare") else {})}
     if spec is not None and not result["drafts"]:
-        if run["method"] == "ngram":  # proposes only where an n-gram of the context recurs
+        if not drafts_every_step(run["method"]):  # n-gram lookup: only where one recurs
             log.warning("%s: ngram proposed no draft on these prompts (no n-gram of a prompt "
                         "or answer recurred in it)", name)
         else:  # a drafter model proposes at every step it is given

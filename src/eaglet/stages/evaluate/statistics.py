@@ -8,7 +8,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from eaglet.core.io import read_json
-from eaglet.model.config import METHOD_NAMES
+from eaglet.core.methods import words
 from eaglet.stages.evaluate.runs import drafter_kind, is_drafter
 
 # two-sided 95%: the share of Student's t distribution within +-t
@@ -151,7 +151,7 @@ def methods_table(runs: list[dict], concurrencies: list[int]) -> list[dict]:
         rows.append({"name": run["name"], "method": run["method"],
                      "kind": run.get("kind") or (drafter_kind(run["drafter"])[2]
                                                  if run.get("drafter")
-                                                 else METHOD_NAMES[run["method"]]),
+                                                 else words(run["method"])),
                      "drafter": run.get("drafter"),
                      "compared": bool(run.get("compare")), "k": run["k"],
                      "temperature": run.get("temperature", 0.0),

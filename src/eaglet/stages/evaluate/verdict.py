@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from eaglet.model.config import METHOD_NAMES
+from eaglet.core.methods import SPECULATIONS, words
 from eaglet.stages.evaluate.runs import HELD_OUT
 from eaglet.stages.evaluate.schedule import best_k_by_concurrency, fixed_k_runs
 from eaglet.stages.evaluate.statistics import (FASTER, NO_DIFFERENCE, SLOWER, _speed,
@@ -13,7 +13,7 @@ from eaglet.stages.evaluate.statistics import (FASTER, NO_DIFFERENCE, SLOWER, _s
 
 LOW_ACCEPTANCE = 0.3   # share of draft tokens accepted below which a drafter is suspect
 DISAGREEMENT = 0.15    # relative AL gap between the held-out split and another set
-UNTRAINED = ("ngram", "mtp")  # vLLM's speculation a run needs no drafter for
+UNTRAINED = tuple(SPECULATIONS)  # vLLM's speculation a run needs no drafter for
 
 
 def verdict(runs: list[dict], concurrencies: list[int], serve: dict | None = None) -> dict:
@@ -163,7 +163,7 @@ def _summary(best: dict, choice: list[dict], measured: dict[str, dict],
     per_request = best.get("acceptance_length_per_request")
     al = f"AL {best['acceptance_length']:.2f}" + (f" ({per_request:.2f} per request)"
                                                   if per_request else "")
-    return (f"{METHOD_NAMES[best['method']]} ({best['name']}) reaches {al} of a "
+    return (f"{words(best['method'])} ({best['name']}) reaches {al} of a "
             f"possible {best['k'] + 1} ({sets}){ngram_al}. Speedup over the target alone "
             + "; ".join(parts) + ". " + _ending(difference))
 

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
-from eaglet.core import rates
+from eaglet.core import methods, rates
 from eaglet.core.config import stream_overlaps
 from eaglet.core.io import human_size
 from eaglet.core.layout import (ACCEPTANCE, DRAFTER, DRAFTER_CONFIG, DRAFTER_STATS, HIDDEN, MANIFEST, PROGRESS, PROMPT_STATS,
@@ -16,7 +16,6 @@ from eaglet.core.layout import (ACCEPTANCE, DRAFTER, DRAFTER_CONFIG, DRAFTER_STA
                                 VOCAB_STATS, fraction_name, progress_file)
 from eaglet.core.progress import format_duration
 from eaglet.engine.support import mtp_layers
-from eaglet.model.config import METHOD_NAMES, exported_method
 from eaglet.stages.evaluate.placement import placement, recorded_target_dir
 from eaglet.stages.evaluate.runs import level_prompts
 from eaglet.stages.evaluate.schedule import run_plan
@@ -357,7 +356,7 @@ class Train(Stage):
             out["steps"] = int(rows[-1]["step"])
         if (r / DRAFTER_CONFIG).is_file():  # the exported drafter's method (train.method)
             with contextlib.suppress(OSError, ValueError):
-                out["method"] = exported_method(r / DRAFTER)
+                out["method"] = methods.exported(r / DRAFTER).name
         stats = _read(r / DRAFTER_STATS) or {}
         shipped = stats.get("shipped")
         if isinstance(shipped, dict):
@@ -369,8 +368,8 @@ class Train(Stage):
 
     def line(self, f):
         parts = [f"step {f.get('steps')}"]
-        if f.get("method") in METHOD_NAMES:
-            parts[0] = f"{METHOD_NAMES[f['method']]} drafter, {parts[0]}"
+        if f.get("method") in methods.METHODS:
+            parts[0] = f"{methods.words(f['method'])} drafter, {parts[0]}"
         # the eval row is the last evaluation's; the shipped drafter's is said instead
         splits = ("train",) if f.get("shipped") else ("train", "eval")
         for split in splits:
