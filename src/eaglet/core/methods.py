@@ -57,6 +57,7 @@ class Method:
     # a stack of train.dflash_layers layers drafting a block of ttt_steps + 1 slots, which
     # attends to the target's aux states of the whole context
     block: bool = False
+    layer_kind: str = ""   # the model family of its layers, where it is not the target's
     architecture: str | None = None   # the exported config.json's architecture that names it
     config_flag: str | None = None    # or the flag in it that does
     # whether vLLM's CPU engine serves it beside a target with MLA attention
@@ -72,19 +73,25 @@ class Method:
             return f"train.drafter_variant {variant!r} is none of {', '.join(VARIANTS)}"
         if attention in self.attentions and variant in self.variants:
             return None
+        return f"train.method: {self.name} needs {self.takes()} ({self.requirement})"
+
+    def takes(self) -> str:
+        """The settings it can be built with, as a config says them."""
         takes = f"train.drafter_attention: {' or '.join(self.attentions)}"
         if len(self.variants) < len(VARIANTS):
             takes += f" and train.drafter_variant: {' or '.join(self.variants)}"
-        return f"train.method: {self.name} needs {takes} ({self.requirement})"
+        return takes
 
     def layer_passes(self, ttt_steps: int, layers: int = 1) -> int:
         """The drafter layer passes one training token costs at ``ttt_steps``: a TTT step each,
         or a block's ttt_steps + 1 slots through each of its ``layers``."""
         return (ttt_steps + 1) * layers if self.block else ttt_steps
 
-    def depth(self, layers: int) -> str:
-        """Its depth in words where it has one (train.dflash_layers), else ''."""
-        return f"{layers} layer{'s' if layers > 1 else ''}" if self.block else ""
+    def depth(self, layers: int, kind: bool = False) -> str:
+        """Its depth in words where it has one (train.dflash_layers), else '' (``kind``: with
+        its layers' model family)."""
+        family = f"{self.layer_kind} " if kind and self.layer_kind else ""
+        return f"{layers} {family}layer{'s' if layers > 1 else ''}" if self.block else ""
 
     def speculative_config(self, drafter_dir: str | os.PathLike, k: int) -> dict:
         """vLLM's ``--speculative-config`` serving the drafter in ``drafter_dir`` at ``k``."""
@@ -104,6 +111,7 @@ PEAGLE = Method(
 DFLASH = Method(
     "dflash", "DFlash", served_as="dflash", architecture="DFlashDraftModel",
     attentions=("llama",), variants=(EAGLE3_LAYER.name,), parallel=True, block=True,
+    layer_kind="Qwen3",
     cpu_beside_mla=False,
     requirement="vLLM's DFlash drafter is a stack of Qwen3 layers with norms of its own, "
                 "qwen3_dflash.py: neither MLA attention nor the EAGLE-3.1 norms")

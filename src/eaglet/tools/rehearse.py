@@ -251,10 +251,10 @@ def check_drafter(config: dict, cfg: dict, report: Report) -> bool:
     record = methods.method(method)
     refused = record.refusal(attention, variant)
     if refused:
-        report.add("drafter", False, f"{settings}: {refused}", "set the settings it names, or "
-                   "another train.method")
+        report.add("drafter", False, f"{settings}: {refused}",
+                   f"set {record.takes()}, or another train.method")
         return False
-    kind = (f"{record.depth(tr['dflash_layers'])} drafting a block in one forward "
+    kind = (f"{record.depth(tr['dflash_layers'], kind=True)} drafting a block in one forward "
             f"({record.architecture}, served with method {record.served_as})" if record.block
             else "the target's multi-head latent attention (Eagle3DeepseekV2ForCausalLM)"
             if attention == "mla" else "Llama attention (LlamaForCausalLMEagle3)")
