@@ -41,7 +41,7 @@ LOCAL_IMPORTS: dict[str, str] = {
 # what a person runs to see where a run stands, and what every Snakefile parse imports:
 # none of them may load PyTorch (1.6 s of every `eaglet status` and `snakemake -n`)
 TORCH_FREE = ["eaglet.tools.status", "eaglet.tools.plan", "eaglet.tools.report_page",
-              "eaglet.tools.cli", "eaglet.core.config", "eaglet.core.io"]
+              "eaglet.tools.cli", "eaglet.core.config", "eaglet.core.io", "eaglet.core.dtypes"]
 
 
 def _is_type_checking(test: ast.expr) -> bool:

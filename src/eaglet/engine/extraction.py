@@ -45,6 +45,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from eaglet.core import rates
+from eaglet.core.dtypes import BYTES, torch_dtypes
 from eaglet.core.io import (hold_directory, read_json, read_jsonl, request_lock, request_path,
                             writer_done)
 from eaglet.core.progress import Progress
@@ -53,7 +54,7 @@ from eaglet.engine.client import RequestFailed, gather_or_cancel, post_json, wit
 from eaglet.engine.server import VLLMServer, target_server
 from eaglet.target.checkpoint import (EMBEDDING_NAMES, _read_tensor, _weight_files,
                                       read_target_config, text_config)
-from eaglet.target.states import (TORCH_DTYPES, ExtractionError, ShardStates, ShardTeacher, Target,
+from eaglet.target.states import (ExtractionError, ShardStates, ShardTeacher, Target,
                                   TeacherHead, check_disk, enforce_agreement, estimate_bytes,
                                   pick_device, resolve_aux_layer_ids, sequence, shard_problem,
                                   shard_records, target_identity, write_shard)
@@ -106,7 +107,7 @@ def load_head(target_dir: str | os.PathLike, dtype: str, device: str = "auto"
     if config.get("tie_word_embeddings", text.get("tie_word_embeddings", False)) or \
             not any(n in files for n in heads):
         heads += EMBEDDING_NAMES
-    torch_dtype = TORCH_DTYPES.get(dtype)
+    torch_dtype = torch_dtypes().get(dtype)  # auto: the checkpoint's
     lm_head = _read_tensor(files, heads, "lm_head", target_dir)
     norm = _read_tensor(files, FINAL_NORM_NAMES, "final norm", target_dir)
     if torch_dtype is not None:
@@ -609,7 +610,7 @@ def request_bytes(jobs: list[ShardJob], max_len: int, layers: int, hidden: int,
     """The most the request files the server saves hold at once: every captured layer of
     every token, in the served dtype, for the two largest shards (the request window runs at
     most one shard ahead of the one being packed)."""
-    width = TORCH_DTYPES.get(dtype, torch.bfloat16).itemsize
+    width = BYTES.get(dtype, 2)  # auto: counted as bfloat16
     tokens = sorted((sum(min(len(r["prompt_token_ids"]) + len(r["completion_token_ids"]),
                              max_len) for r in job.records) for job in jobs), reverse=True)
     return sum(tokens[:2]) * layers * hidden * width

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from eaglet.core import rates
+from eaglet.core.dtypes import torch_dtype
 from eaglet.core.io import read_json, read_jsonl, write_json
 from eaglet.core.layout import LOGS
 from eaglet.core.progress import Progress
@@ -37,7 +38,7 @@ from eaglet.data import shards
 from eaglet.engine import extraction as extract_vllm
 from eaglet.target.checkpoint import load_text_config
 from eaglet.target.hooks import AuxCapture, decoder_layers
-from eaglet.target.states import (BACKEND_ENGINES, TORCH_DTYPES, ExtractionError, ShardStates,
+from eaglet.target.states import (BACKEND_ENGINES, ExtractionError, ShardStates,
                                   Target, TeacherHead, check_disk, enforce_agreement,
                                   estimate_bytes, packed_sequences, pick_device, predicting_rows,
                                   record_shard, resolve_aux_layer_ids, sequence, shard_problem,
@@ -69,7 +70,7 @@ def load_target(path: str, dtype: str, device: str = "auto",
 
     if device == "sharded":  # split across every visible GPU (accelerate's device_map)
         log.info("loading the target %s in %s across the visible devices", path, dtype)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=TORCH_DTYPES[dtype],
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype),
                                                      trust_remote_code=trust_remote_code,
                                                      device_map="auto")
         dev = model.get_input_embeddings().weight.device  # where the input ids go
@@ -77,7 +78,7 @@ def load_target(path: str, dtype: str, device: str = "auto",
     else:
         dev = pick_device(device)
         log.info("loading the target %s in %s on %s", path, dtype, dev)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=TORCH_DTYPES[dtype],
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype),
                                                      trust_remote_code=trust_remote_code)
         model.to(dev).eval()
     config = model.config.get_text_config()

@@ -27,8 +27,6 @@ from eaglet.data import shards
 from eaglet.data.prompts import recorded_answer
 from eaglet.target.checkpoint import TEACHER_CHUNK_ROWS
 
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 class ExtractionError(RuntimeError):
     pass
