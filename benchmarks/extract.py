@@ -26,10 +26,10 @@ from eaglet.core.config import validate
 from eaglet.core.io import read_jsonl, write_json
 from eaglet.data import shards
 from eaglet.engine.capture import capture_layer_ids
-from eaglet.engine.extraction import capture_server, extract_shards, load_head, shard_jobs
+from eaglet.engine.extraction import capture_server, extract_shards, shard_jobs
 from eaglet.stages.extract import (extract_shard, forward_batch, load_target, right_padded,
                                    token_budget_batches)
-from eaglet.target.checkpoint import model_identity
+from eaglet.target.checkpoint import load_head, model_identity
 from eaglet.target.hooks import AuxCapture, decoder_layers
 from eaglet.target.states import resolve_aux_layer_ids, sequence
 
@@ -134,7 +134,7 @@ def vllm_backend(args, records: list[dict], tokens: int, hf_wall_s: float) -> di
     walls, metas = [], []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp) / "work"
-        head, _ = load_head(args.target, args.dtype, "cpu")
+        head = load_head(args.target, args.dtype)
         aux_ids = resolve_aux_layer_ids(None, head.num_layers)
         server = capture_server(cfg, args.target, capture_layer_ids(aux_ids, head.num_layers),
                                 work / "requests", OUT / "extract_vllm.server.log")

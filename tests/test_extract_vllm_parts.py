@@ -14,8 +14,8 @@ from safetensors.torch import save_file
 
 from eaglet.core.config import validate
 from eaglet.engine.capture import capture_args, capture_layer_ids
-from eaglet.engine.extraction import (capture_server, load_head, read_request, request_path,
-                                      split_states)
+from eaglet.engine.extraction import capture_server, read_request, request_path, split_states
+from eaglet.target.checkpoint import load_head
 from tests.tiny_llama import HIDDEN, LAYERS, make_tiny_llama, one_thread
 
 
@@ -37,7 +37,8 @@ def test_final_state_from_layer_L_is_what_the_lm_head_reads(tiny):
     """Layer L (the last layer's output before the final norm) through the checkpoint's norm
     equals transformers' last_hidden_state; aux ids map to HF hidden_states[i]."""
     model, directory = tiny
-    head, norm = load_head(directory, "float32", "cpu")
+    head = load_head(directory, "float32")
+    norm = head.norm
     assert torch.equal(head.lm_head, model.lm_head.weight)
     ids = torch.tensor([[5, 17, 42, 8, 99, 3]])
     with one_thread():
@@ -350,14 +351,15 @@ def test_pipelined_shards_are_those_written_one_shard_at_a_time(served, tmp_path
     from eaglet.data import shards
     from eaglet.engine.extraction import read_request
     from eaglet.target import states as extract_common
-    from eaglet.target.states import shard_states, target_identity, write_shard
+    from eaglet.target.states import Target, shard_states, target_identity, write_shard
 
     monkeypatch.setattr(extract_common, "TEACHER_CHUNK_ROWS", 16)
     model, info, records = served
     # the storage cast flips a near-tie of the tiny target's logits: not what this compares
     metas, jobs, _ = pipeline_run(served, tmp_path, monkeypatch, 3, dtype,
                                   min_teacher_agreement=0.0)
-    target, norm = load_head(info["path"], "float32", "cpu")
+    head = load_head(info["path"], "float32")
+    target, norm = Target.from_head(head, "cpu"), head.norm
     cfg = validate({"extract": {"dtype": dtype, "max_len": 64,
                                 "min_teacher_agreement": 0.0}})["extract"]
     layer_ids = capture_layer_ids([1, 3, 4], LAYERS)

@@ -45,18 +45,18 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from eaglet.core import rates
-from eaglet.core.dtypes import BYTES, torch_dtypes
+from eaglet.core.dtypes import BYTES
 from eaglet.core.io import (hold_directory, read_json, read_jsonl, request_lock, request_path,
                             writer_done)
 from eaglet.core.progress import Progress
 from eaglet.engine.capture import capture_args, capture_layer_ids
 from eaglet.engine.client import RequestFailed, gather_or_cancel, post_json, with_retries
 from eaglet.engine.server import VLLMServer, target_server
-from eaglet.target.checkpoint import (EMBEDDING_NAMES, _read_tensor, _weight_files,
-                                      read_target_config, text_config)
+from eaglet.target.checkpoint import load_head
+from eaglet.target.norm import FinalNorm
 from eaglet.target.states import (ExtractionError, ShardStates, ShardTeacher, Target,
                                   TeacherHead, check_disk, enforce_agreement, estimate_bytes,
-                                  pick_device, resolve_aux_layer_ids, sequence, shard_problem,
+                                  resolve_aux_layer_ids, sequence, shard_problem,
                                   shard_records, target_identity, write_shard)
 
 log = logging.getLogger("eaglet.engine.extraction")
@@ -64,9 +64,6 @@ log = logging.getLogger("eaglet.engine.extraction")
 # the rates `eaglet status` estimates this stage from: sequences sent as prefill requests, or
 # states that generation captured, only packed
 RATE_PREFILL, RATE_PACK = "extract_vllm", "extract_pack"
-FINAL_NORM_NAMES = ["model.norm.weight", "norm.weight", "model.language_model.norm.weight",
-                    "language_model.model.norm.weight"]
-LM_HEAD_NAMES = ["lm_head.weight", "model.lm_head.weight", "language_model.lm_head.weight"]
 
 
 # -- the server ------------------------------------------------------------------------------
@@ -79,44 +76,6 @@ def capture_server(cfg: dict, model_path: str, layer_ids: list[int], storage_dir
     target["max_model_len"] = max(target["max_model_len"], cfg["extract"]["max_len"] + 1)
     return target_server(cfg, model_path, log_path, capture_args(layer_ids, storage_dir),
                          target=target)
-
-
-# -- the teacher from the checkpoint ---------------------------------------------------------
-
-@dataclass
-class FinalNorm:
-    weight: torch.Tensor
-    eps: float
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """The Llama RMSNorm as transformers computes it: in float32, then the weight."""
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
-
-def load_head(target_dir: str | os.PathLike, dtype: str, device: str = "auto"
-              ) -> tuple[Target, FinalNorm]:
-    """The target's lm_head and final norm, read alone from its checkpoint (the rest of the
-    target is never loaded): what the teacher check needs beside the served states."""
-    target_dir = Path(target_dir)
-    config = read_target_config(target_dir)
-    text = text_config(config)
-    files = _weight_files(target_dir)
-    heads = list(LM_HEAD_NAMES)
-    if config.get("tie_word_embeddings", text.get("tie_word_embeddings", False)) or \
-            not any(n in files for n in heads):
-        heads += EMBEDDING_NAMES
-    torch_dtype = torch_dtypes().get(dtype)  # auto: the checkpoint's
-    lm_head = _read_tensor(files, heads, "lm_head", target_dir)
-    norm = _read_tensor(files, FINAL_NORM_NAMES, "final norm", target_dir)
-    if torch_dtype is not None:
-        lm_head, norm = lm_head.to(torch_dtype), norm.to(torch_dtype)
-    dev = pick_device(device)
-    target = Target(model=None, lm_head=lm_head.to(dev), device=dev,
-                    num_layers=text["num_hidden_layers"], hidden_size=text["hidden_size"],
-                    vocab_size=lm_head.shape[0])
-    return target, FinalNorm(norm, float(text.get("rms_norm_eps", 1e-6)))
 
 
 # -- one request -----------------------------------------------------------------------------
@@ -543,7 +502,8 @@ def extract_shards(cfg: dict, info: dict, jobs: list[ShardJob], work_dir: Path,
     shards' records. ``stats`` gets whether the server was started and the packing
     thread's seconds per part."""
     ext = cfg["extract"]
-    target, norm = load_head(info["path"], cfg["target"]["dtype"], ext["device"])
+    head = load_head(info["path"], cfg["target"]["dtype"])
+    target, norm = Target.from_head(head, ext["device"]), head.norm
     aux_ids = resolve_aux_layer_ids(ext["aux_layer_ids"], target.num_layers)
     layer_ids = capture_layer_ids(aux_ids, target.num_layers)
     identity = target_identity(info)

@@ -25,7 +25,7 @@ from eaglet.core.io import read_json, write_json
 from eaglet.core.progress import Progress
 from eaglet.data import shards
 from eaglet.data.prompts import recorded_answer
-from eaglet.target.checkpoint import TEACHER_CHUNK_ROWS
+from eaglet.target.checkpoint import TEACHER_CHUNK_ROWS, TargetHead
 
 
 class ExtractionError(RuntimeError):
@@ -70,6 +70,14 @@ class Target:
     num_layers: int
     hidden_size: int
     vocab_size: int
+
+    @classmethod
+    def from_head(cls, head: TargetHead, device: str = "auto") -> Target:
+        """The target as the teacher check holds it beside states computed elsewhere (by the
+        serving engine): its head alone, no model, the lm_head on ``device``."""
+        dev = pick_device(device)
+        return cls(None, head.lm_head.to(dev), dev, head.num_layers, head.hidden_size,
+                   head.lm_head.shape[0])
 
 
 def pick_device(name: str) -> torch.device:

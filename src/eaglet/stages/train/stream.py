@@ -54,14 +54,15 @@ import torch
 from eaglet.core.config import stream_overlaps
 from eaglet.core.io import read_json, read_jsonl, request_path
 from eaglet.engine.capture import capture_layer_ids
-from eaglet.engine.extraction import Extractor, load_head, remove_request
+from eaglet.engine.extraction import Extractor, remove_request
 from eaglet.model.sizes import default_window
 from eaglet.stages.train.data import Samples, ShardInfo, TrainError
 from eaglet.stages.train.feed_cache import StateFiles
 from eaglet.stages.train.feed_check import TeacherCheck
 from eaglet.stages.train.feed_loop import FeedLoop
 from eaglet.stages.train.feed_requests import FeedRequests, SharedServer
-from eaglet.target.states import (TeacherHead, is_greedy, resolve_aux_layer_ids, sequence,
+from eaglet.target.checkpoint import load_head
+from eaglet.target.states import (Target, TeacherHead, is_greedy, resolve_aux_layer_ids, sequence,
                                   shard_bounds, target_identity)
 
 log = logging.getLogger("eaglet.stages.train.loop")
@@ -398,7 +399,8 @@ def open_stream(stream: dict, train_cfg: dict, rank: int = 0, world: int = 1,
     if not records:
         raise TrainError(f"{stream['data']} holds no training samples: the generate stage "
                          f"produced none")
-    target, norm = load_head(info["path"], cfg["target"]["dtype"], ext["device"])
+    head = load_head(info["path"], cfg["target"]["dtype"])
+    target, norm = Target.from_head(head, ext["device"]), head.norm
     aux_ids = resolve_aux_layer_ids(ext["aux_layer_ids"], target.num_layers)
     seqs = sequences(records, ext["max_len"])
     infos = layout(records, seqs, ext["num_shards"], target.hidden_size, aux_ids,
