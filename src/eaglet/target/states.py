@@ -2,8 +2,9 @@
 before extraction (aux layer ids, disk, a finished shard that no longer fits the run) and the
 teacher-agreement check and write that make every shard.
 
-The ``hf`` backend (:mod:`eaglet.stages.extract`, the target run by transformers) and the ``vllm``
-backend (:mod:`eaglet.engine.extraction`, the states computed by the serving engine) differ only
+The ``hf`` backend (:mod:`eaglet.stages.extract.hf`, the target run by transformers) and the
+``vllm`` backend (:mod:`eaglet.stages.extract.vllm`, the states computed by the serving engine
+through :mod:`eaglet.engine.capture`) differ only
 in how they compute a sequence's states (the ``states`` function of :func:`shard_states`);
 what a shard holds and how it is checked is decided here, once.
 """

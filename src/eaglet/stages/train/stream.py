@@ -9,7 +9,7 @@ stream-trained drafter is the shard-trained one up to the engine's float roundin
 :class:`StateFeed` walks the samples in the order training will read them (every remaining
 epoch, from the data position a resumed run starts at) and keeps ``ahead`` of them requested
 or prepared ahead of the trainer (:meth:`StateFeed.window`): each one a prefill request to
-the capture server of the ``vllm`` extraction backend (:mod:`eaglet.engine.extraction`), whose
+the capture server of the ``vllm`` extraction backend (:mod:`eaglet.engine.capture`), whose
 connector saves the states to ``<work>/requests/<sample>.safetensors``; a packing thread
 reads each file in order, splits it into the aux and final-norm states, runs the teacher
 check and casts them to ``extract.dtype`` exactly as a shard stores them. A file that exists
@@ -53,8 +53,7 @@ import torch
 
 from eaglet.core.config import stream_overlaps
 from eaglet.core.io import read_json, read_jsonl, request_path
-from eaglet.engine.capture import capture_layer_ids
-from eaglet.engine.extraction import Extractor, remove_request
+from eaglet.engine.capture import Extractor, capture_layer_ids, remove_request
 from eaglet.model.sizes import default_window
 from eaglet.stages.train.data import Samples, ShardInfo, TrainError
 from eaglet.stages.train.feed_cache import StateFiles
