@@ -349,3 +349,13 @@ def test_the_blocker_itself_stops_torch(tmp_path):
     done = subprocess.run([sys.executable, "-c", "import eaglet.model.drafter"], env=env,
                           capture_output=True, text=True)
     assert done.returncode != 0 and "torch is blocked" in done.stderr
+
+
+def test_every_module_opens_with_a_docstring_that_says_what_it_holds():
+    """A module's first lines say what it is for: no placeholder (``TODO``, a word or two)."""
+    thin = []
+    for module in sorted(module_names()):
+        doc = ast.get_docstring(ast.parse(_path(PACKAGE, module).read_text())) or ""
+        if len(doc.split()) < 4 or doc.strip().upper().startswith("TODO"):
+            thin.append(f"{module}: {doc!r}")
+    assert not thin, "modules without a docstring that says what they hold:\n" + "\n".join(thin)

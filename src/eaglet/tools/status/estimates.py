@@ -1,4 +1,8 @@
-"""TODO docstring."""
+"""What ``eaglet status`` estimates time from: the rates measured by this run, by earlier runs
+(:mod:`eaglet.core.rates`) or by the shipped benchmarks, in that order (:func:`_rate`, each
+with its :class:`Basis`), the token totals of the prompts and answers (measured, projected or
+guessed), and the speed of this machine measured from the progress files of the stages that
+ran (:class:`Machine`)."""
 
 from __future__ import annotations
 

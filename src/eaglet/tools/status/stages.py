@@ -1,4 +1,8 @@
-"""TODO docstring."""
+"""The workflow's stages as ``eaglet status`` sees them: one :class:`Stage` per stage, which
+reads what the stage left behind (outputs, its stats or manifest, its progress file) into the
+lines status prints, and estimates the time the stage still needs (:func:`estimate`) from the
+config's sizes and the rates :mod:`eaglet.tools.status.estimates` finds, scaled by this
+machine's measured speed (:func:`machine_speed`)."""
 
 from __future__ import annotations
 
