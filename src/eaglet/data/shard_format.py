@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 from eaglet.core.dtypes import BYTES
+from eaglet.core.layout import shard_name
 
 FORMAT = "eaglet.hidden.v1"
 DIGEST_BLOCK = 8 << 20
@@ -69,4 +70,4 @@ def bytes_per_token(hidden_size: int, num_aux: int, dtype: str) -> int:
 
 
 def shard_path(directory: str | os.PathLike, index: int) -> Path:
-    return Path(directory) / f"shard_{index:05d}.safetensors"
+    return Path(directory) / shard_name(index)

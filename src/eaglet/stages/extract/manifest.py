@@ -11,7 +11,7 @@ import logging
 from pathlib import Path
 
 from eaglet.core.io import read_json, read_jsonl, write_json
-from eaglet.core.layout import LOGS
+from eaglet.core.layout import server_log
 from eaglet.data import shards
 from eaglet.stages.extract import vllm
 from eaglet.stages.extract.hf import extract_shard, hidden_size_of, load_target
@@ -96,7 +96,7 @@ def _reextract_with_vllm(cfg: dict, info: dict, bad: list[tuple], records: dict[
             records[data], count, [str(p) for p in paths],
             [str(p.with_suffix(".json")) for p in paths], work, split)[index])
     vllm.capture_shards(cfg, info, jobs, work,
-                        Path(hidden_dir).parent / LOGS / "extract" / "manifest.server.log")
+                        Path(hidden_dir).parent / server_log("extract/manifest"))
 
 
 def computed_by(entries: list[dict]) -> list[dict]:

@@ -41,6 +41,7 @@ import torch
 from eaglet.core import rates
 from eaglet.core.dtypes import BYTES
 from eaglet.core.io import hold_directory, read_json, read_jsonl, request_path
+from eaglet.core.layout import SHARD_GLOB
 from eaglet.core.progress import Progress
 from eaglet.engine.capture import (Extractor, PartTimes, capture_layer_ids, remove_request,
                                    split_states)
@@ -221,7 +222,7 @@ def capture_shards(cfg: dict, info: dict, jobs: list[StagedShard], work_dir: Pat
     # shards packed for an earlier run's jobs (another shard count, another split) hold disk
     # that no output shares any more
     current = {p for job in jobs for p in (job.staged_path, job.staged_meta_path)}
-    for path in (work_dir / "shards").rglob("shard_*"):
+    for path in (work_dir / "shards").rglob(SHARD_GLOB):
         if path not in current:
             path.unlink(missing_ok=True)
     return [metas[i] for i in range(len(jobs))]
