@@ -25,11 +25,11 @@ import torch
 from eaglet.core.config import validate
 from eaglet.core.io import read_jsonl, write_json
 from eaglet.data import shards
-from eaglet.engine.capture import capture_layer_ids
-from eaglet.engine.extraction import capture_server, extract_shards, load_head, shard_jobs
-from eaglet.stages.extract import (extract_shard, forward_batch, load_target, right_padded,
-                                   token_budget_batches)
-from eaglet.target.checkpoint import model_identity
+from eaglet.engine.capture import capture_layer_ids, capture_server
+from eaglet.stages.extract.hf import (extract_shard, forward_batch, load_target, right_padded,
+                                      token_budget_batches)
+from eaglet.stages.extract.vllm import capture_shards, staged_shards
+from eaglet.target.checkpoint import load_head, model_identity
 from eaglet.target.hooks import AuxCapture, decoder_layers
 from eaglet.target.states import resolve_aux_layer_ids, sequence
 
@@ -134,16 +134,16 @@ def vllm_backend(args, records: list[dict], tokens: int, hf_wall_s: float) -> di
     walls, metas = [], []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp) / "work"
-        head, _ = load_head(args.target, args.dtype, "cpu")
+        head = load_head(args.target, args.dtype)
         aux_ids = resolve_aux_layer_ids(None, head.num_layers)
         server = capture_server(cfg, args.target, capture_layer_ids(aux_ids, head.num_layers),
                                 work / "requests", OUT / "extract_vllm.server.log")
         with server:
             for repeat in range(args.repeats):
-                jobs = shard_jobs(records, 1, [f"{tmp}/out{repeat}.safetensors"],
-                                  [f"{tmp}/out{repeat}.json"], work, f"r{repeat}")
+                jobs = staged_shards(records, 1, [f"{tmp}/out{repeat}.safetensors"],
+                                     [f"{tmp}/out{repeat}.json"], work, f"r{repeat}")
                 start = time.perf_counter()
-                metas += extract_shards(cfg, info, jobs, work, OUT / "extract_vllm.server.log",
+                metas += capture_shards(cfg, info, jobs, work, OUT / "extract_vllm.server.log",
                                         server=server)
                 walls.append(time.perf_counter() - start)
     best = min(walls)

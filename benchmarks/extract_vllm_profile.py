@@ -8,7 +8,7 @@ times, every other round in the reverse order:
   concurrency (``extract.concurrency``);
 * capture: the extraction's server (the same plus the capture options), the same requests;
   each saves its states to a file that nothing reads (removed afterwards);
-* eaglet: ``extract_vllm.extract_shards`` on that server: the whole shard path once the
+* eaglet: ``extract_vllm.capture_shards`` on that server: the whole shard path once the
   server is ready (requests, reading the files, the teacher check, packing, writing) into
   ``--shards`` shards. It runs in a process of its own, with this checkout's ``src`` and,
   with ``--before-src DIR``, also with the code in DIR (e.g. the last commit's:
@@ -49,10 +49,11 @@ import httpx
 
 from eaglet.core.config import load
 from eaglet.core.io import read_json, read_jsonl, request_lock, write_json, writer_done
-from eaglet.engine import extraction as extract_vllm
-from eaglet.engine.capture import capture_layer_ids
-from eaglet.engine.extraction import capture_server, extract_shards, shard_jobs
+from eaglet.engine import capture
+from eaglet.engine.capture import capture_layer_ids, capture_server
 from eaglet.engine.server import VLLMServer, target_server
+from eaglet.stages.extract import vllm as extract_vllm
+from eaglet.stages.extract.vllm import capture_shards, staged_shards
 from eaglet.target.checkpoint import model_identity, read_target_config, text_config
 from eaglet.target import states as extract_common
 from eaglet.target.states import resolve_aux_layer_ids, sequence
@@ -183,7 +184,7 @@ class Wrapped:
     """Wall seconds in the functions of the extraction path, summed over threads: the parts
     of code from before the stage kept its own account."""
 
-    PARTS = [(extract_vllm, "read_request", "reading"), (extract_vllm, "split_states", "states"),
+    PARTS = [(capture, "read_request", "reading"), (extract_vllm, "split_states", "states"),
              (extract_common, "teacher_from_stored", "teacher"),
              (extract_vllm, "write_shard", "check and write")]
 
@@ -226,18 +227,18 @@ def eaglet_worker(spec: dict) -> dict:
     code version to measure on ``PYTHONPATH``)."""
     cfg = bench_config(spec["config"])
     if spec["normal_priority"]:
-        extract_vllm.Extractor.low_priority = False
+        capture.Extractor.low_priority = False
     records = read_jsonl(spec["data"])[:spec["samples"]]
     out, work = Path(spec["out"]), Path(spec["work"])
-    jobs = shard_jobs(records, spec["shards"],
-                      [str(out / f"shard_{i:05d}.safetensors") for i in range(spec["shards"])],
-                      [str(out / f"shard_{i:05d}.json") for i in range(spec["shards"])],
-                      work, spec["label"])
+    jobs = staged_shards(records, spec["shards"],
+                         [str(out / f"shard_{i:05d}.safetensors") for i in range(spec["shards"])],
+                         [str(out / f"shard_{i:05d}.json") for i in range(spec["shards"])],
+                         work, spec["label"])
     server = VLLMServer(model=spec["target"], log_path=spec["log"], port=spec["port"])
     stats: dict = {}
     with Wrapped() as wrapped:
         start, cpu = time.perf_counter(), own_cpu_s()
-        metas = extract_shards(cfg, spec["info"], jobs, work, spec["log"], server=server,
+        metas = capture_shards(cfg, spec["info"], jobs, work, spec["log"], server=server,
                                stats=stats)
         wall, cpu = time.perf_counter() - start, own_cpu_s() - cpu
     shutil.rmtree(out)

@@ -53,7 +53,7 @@ from eaglet.core.io import read_json, write_json
 from eaglet.data import shards as shard_format
 from eaglet.data.vocab import load_vocab_map
 from eaglet.stages.train.data import make_batch
-from eaglet.target.checkpoint import FINAL_NORM_NAMES, _read_tensor, _weight_files
+from eaglet.target.checkpoint import load_target_final_norm
 
 HERE = Path(__file__).parent
 PEER = HERE / ".peer"
@@ -102,8 +102,7 @@ def speculators_rows(samples) -> list[dict]:
 
 
 def final_norm_weight(target_dir: str) -> torch.Tensor:
-    files = _weight_files(Path(target_dir))
-    return _read_tensor(files, FINAL_NORM_NAMES, "final norm", target_dir).float()
+    return load_target_final_norm(target_dir).float()
 
 
 def prenorm_surrogate(final_hidden: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:

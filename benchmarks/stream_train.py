@@ -4,7 +4,7 @@ On the first ``--samples`` training samples of a finished run's ``synthetic/trai
 (its target, vocabulary map and held-out shard), in turn and each with a server of its own:
 
 * shards: the ``vllm`` extraction of those samples into ``--shards`` shards
-  (``extract_vllm.extract_shards``), then training on them;
+  (``extract_vllm.capture_shards``), then training on them;
 * stream, once per ``--cache-gib`` value and ``--overlap`` value: training with
   ``train.data: stream``, that ``train.stream_cache_gib`` (0: every epoch asks the engine
   again) and that ``train.stream_overlap`` (false: the server and the trainer take turns).
@@ -34,7 +34,7 @@ from pathlib import Path
 
 from eaglet.core.config import load
 from eaglet.core.io import read_json, read_jsonl, write_json, write_jsonl
-from eaglet.engine import extraction as extract_vllm
+from eaglet.stages.extract import vllm as extract_vllm
 from eaglet.stages.train.loop import settings, train
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -112,12 +112,12 @@ def main() -> None:
         # shards: extraction, then training
         hidden = tmp / "shards"
         paths = [hidden / f"shard_{i:05d}.safetensors" for i in range(args.shards)]
-        jobs = extract_vllm.shard_jobs(records, args.shards, [str(p) for p in paths],
-                                       [str(p.with_suffix(".json")) for p in paths],
-                                       hidden / "vllm", "train")
+        jobs = extract_vllm.staged_shards(records, args.shards, [str(p) for p in paths],
+                                          [str(p.with_suffix(".json")) for p in paths],
+                                          hidden / "vllm", "train")
         started = time.monotonic()
         with PeakDisk(hidden) as disk:
-            extract_vllm.extract_shards(cfg, info, jobs, hidden / "vllm", tmp / "shards.server.log")
+            extract_vllm.capture_shards(cfg, info, jobs, hidden / "vllm", tmp / "shards.server.log")
             extracted = time.monotonic() - started
             summary = train(train_cfg, [str(p) for p in paths], eval_shards, vocab, info["path"],
                             out_dir=str(tmp / "shards_drafter"),

@@ -51,7 +51,7 @@ if FROM_VLLM:
             **EXTRACT_RESOURCES,
         log:
             main=f"{R}/{layout.LOGS}/extract/vllm.log",
-            server=f"{R}/{layout.LOGS}/extract/vllm.server.log",
+            server=f"{R}/{layout.server_log('extract/vllm')}",
         conda:
             MODEL_ENV
         script:

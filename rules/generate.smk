@@ -21,7 +21,7 @@ rule generate:
         **job_resources("generate", config["server"]["gpus"]),
     log:
         main=f"{R}/{layout.log_file('generate')}",
-        server=f"{R}/{layout.LOGS}/generate.server.log",
+        server=f"{R}/{layout.server_log('generate')}",
     conda:
         MODEL_ENV
     script:

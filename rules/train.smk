@@ -40,7 +40,7 @@ rule train:
         **job_resources("train", TRAIN_GPUS),
     log:
         f"{R}/{layout.log_file('train')}",
-        **({"server": f"{R}/{layout.LOGS}/train.server.log"} if STREAM else {}),
+        **({"server": f"{R}/{layout.server_log('train')}"} if STREAM else {}),
     conda:
         MODEL_ENV
     script:

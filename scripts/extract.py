@@ -1,5 +1,5 @@
 """Snakemake entry point of rule extract (one shard of the training or held-out samples per job)."""
-from eaglet.stages.extract import run_shard
+from eaglet.stages.extract.hf import run_shard
 from eaglet.stages.scripting import run_stage
 
 smk = snakemake  # noqa: F821 (injected by Snakemake)

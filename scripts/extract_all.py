@@ -1,6 +1,6 @@
 """Snakemake entry point of rule extract_all (extract.jobs: one): every shard of the training
 and held-out samples from one job, the target loaded once."""
-from eaglet.stages.extract import ShardJob, run_shards
+from eaglet.stages.extract.hf import ShardJob, run_shards
 from eaglet.stages.scripting import run_stage
 
 smk = snakemake  # noqa: F821 (injected by Snakemake)

@@ -1,5 +1,5 @@
 """Snakemake entry point of rule extract_vllm (every shard from one vLLM server)."""
-from eaglet.engine.extraction import run_stage as run_extract
+from eaglet.stages.extract.vllm import run_stage as run_extract
 from eaglet.stages.scripting import run_stage
 
 smk = snakemake  # noqa: F821 (injected by Snakemake)

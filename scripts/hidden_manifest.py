@@ -1,5 +1,5 @@
 """Snakemake entry point of rule hidden_manifest."""
-from eaglet.stages.extract import build_manifest
+from eaglet.stages.extract.manifest import build_manifest
 from eaglet.stages.scripting import run_stage
 
 smk = snakemake  # noqa: F821 (injected by Snakemake)

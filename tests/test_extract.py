@@ -16,12 +16,14 @@ import torch
 from safetensors import safe_open
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import eaglet.stages.extract as extract_mod
+import eaglet.stages.extract.hf as extract_mod
+import eaglet.stages.extract.manifest as manifest_mod
 from eaglet.core.config import validate
 from eaglet.core.io import read_json, write_json, write_jsonl
 from eaglet.data import shards
-from eaglet.stages.extract import (ShardJob, build_manifest, extract_shard, forward_batch,
-                                   load_target, run_shard, run_shards, token_budget_batches)
+from eaglet.stages.extract.hf import (ShardJob, extract_shard, forward_batch, load_target,
+                                      run_shard, run_shards, token_budget_batches)
+from eaglet.stages.extract.manifest import build_manifest
 from eaglet.target.checkpoint import prepare_target
 from eaglet.target.hooks import AuxCapture, decoder_layers
 from eaglet.target.states import (ExtractionError, Target, check_disk, default_aux_layer_ids,
@@ -578,7 +580,7 @@ def extract_calls(monkeypatch):
         calls.append(Path(shard_path).name)
         return real(target, records, cfg, aux_layer_ids, identity, shard_path, meta_path, progress)
 
-    monkeypatch.setattr(extract_mod, "extract_shard", counting)
+    monkeypatch.setattr(manifest_mod, "extract_shard", counting)
     return calls
 
 
@@ -659,7 +661,7 @@ def test_one_job_stops_at_a_shard_that_fails_its_check(tiny, greedy, tmp_path):
 
 def test_manifest_reuses_matching_shards(tiny, extracted, hidden_copy, extract_calls, monkeypatch):
     before = [os.stat(shards.shard_path(hidden_copy, i)) for i in range(2)]
-    monkeypatch.setattr(extract_mod, "load_target",
+    monkeypatch.setattr(manifest_mod, "load_target",
                         lambda *a, **k: pytest.fail("loaded the target with nothing to extract"))
     manifest = manifest_of(tiny, extracted, hidden_copy)
     assert extract_calls == []
@@ -807,8 +809,9 @@ def test_run_shard_checks_disk_before_extracting(tiny, extracted, tmp_path, monk
 def no_disk(monkeypatch) -> None:
     monkeypatch.setattr(shutil, "disk_usage",
                         lambda path: SimpleNamespace(total=2**20, used=2**20 - 1000, free=1000))
-    monkeypatch.setattr(extract_mod, "load_target",
-                        lambda *a, **k: pytest.fail("loaded the model before checking the disk"))
+    for module in (extract_mod, manifest_mod):  # the hf jobs' and the manifest's loads
+        monkeypatch.setattr(module, "load_target",
+                            lambda *a, **k: pytest.fail("loaded the model before checking the disk"))
 
 
 def test_run_shard_checks_disk_before_loading_the_model(tiny, extracted, tmp_path, monkeypatch):

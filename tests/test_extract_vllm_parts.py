@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import save_file
 
 from eaglet.core.config import validate
-from eaglet.engine.capture import capture_args, capture_layer_ids
-from eaglet.engine.extraction import (capture_server, load_head, read_request, request_path,
-                                      split_states)
+from eaglet.engine.capture import (capture_args, capture_layer_ids, capture_server, read_request,
+                                   request_path, split_states)
+from eaglet.target.checkpoint import load_head
 from tests.tiny_llama import HIDDEN, LAYERS, make_tiny_llama, one_thread
 
 
@@ -37,7 +37,8 @@ def test_final_state_from_layer_L_is_what_the_lm_head_reads(tiny):
     """Layer L (the last layer's output before the final norm) through the checkpoint's norm
     equals transformers' last_hidden_state; aux ids map to HF hidden_states[i]."""
     model, directory = tiny
-    head, norm = load_head(directory, "float32", "cpu")
+    head = load_head(directory, "float32")
+    norm = head.norm
     assert torch.equal(head.lm_head, model.lm_head.weight)
     ids = torch.tensor([[5, 17, 42, 8, 99, 3]])
     with one_thread():
@@ -109,8 +110,8 @@ def test_server_gets_the_generation_settings_plus_capture(tmp_path):
 def packed_run(tiny, tmp_path):
     """A vLLM-backend run interrupted after packing both shards (packed here with the hf
     backend, which gives the same shard)."""
-    from eaglet.engine.extraction import shard_jobs
-    from eaglet.stages.extract import extract_shard, load_target
+    from eaglet.stages.extract.hf import extract_shard, load_target
+    from eaglet.stages.extract.vllm import staged_shards
     from eaglet.target.checkpoint import prepare_target
     from eaglet.target.states import target_identity
     from tests.tiny_llama import greedy_records
@@ -123,8 +124,8 @@ def packed_run(tiny, tmp_path):
                                 "aux_layer_ids": [1, 3, 4], "device": "cpu"}})
     work = tmp_path / "work"
     hidden = tmp_path / "hidden"
-    jobs = shard_jobs(records, 2, [str(hidden / f"shard_{i:05d}.safetensors") for i in range(2)],
-                      [str(hidden / f"shard_{i:05d}.json") for i in range(2)], work, "train")
+    jobs = staged_shards(records, 2, [str(hidden / f"shard_{i:05d}.safetensors") for i in range(2)],
+                         [str(hidden / f"shard_{i:05d}.json") for i in range(2)], work, "train")
     target = load_target(info["path"], "float32", "cpu")
     with one_thread():
         for job in jobs:
@@ -136,7 +137,8 @@ def packed_run(tiny, tmp_path):
 
 def test_packed_shards_are_kept_and_moved_without_a_server(tiny, tmp_path, monkeypatch):
     from eaglet.data import shards
-    from eaglet.engine.extraction import Extractor, extract_shards
+    from eaglet.engine.capture import Extractor
+    from eaglet.stages.extract.vllm import capture_shards
 
     from eaglet.core.io import request_path
 
@@ -152,7 +154,7 @@ def test_packed_shards_are_kept_and_moved_without_a_server(tiny, tmp_path, monke
     monkeypatch.setattr(Extractor, "ensure_server",
                         lambda self: pytest.fail("a server was started"))
     with one_thread():
-        metas = extract_shards(cfg, info, jobs, work, tmp_path / "server.log")
+        metas = capture_shards(cfg, info, jobs, work, tmp_path / "server.log")
     assert [m["backend"] for m in metas] == ["vllm", "vllm"]
     for job, digest in zip(jobs, hashes):
         assert shards.digest_path(job.shard_path) == digest and job.meta_path.exists()
@@ -168,11 +170,12 @@ def test_a_rerun_after_snakemake_deleted_the_outputs_extracts_only_a_damaged_sha
     damaged shard, one edited prompt): the intact shards come back from their packed names,
     checked by their digests, and only the damaged one is extracted again."""
     from eaglet.data import shards
-    from eaglet.engine.extraction import Extractor, extract_shards
+    from eaglet.engine.capture import Extractor
+    from eaglet.stages.extract.vllm import capture_shards
 
     cfg, info, jobs, work = packed_run(tiny, tmp_path)
     with one_thread():
-        extract_shards(cfg, info, jobs, work, tmp_path / "server.log")
+        capture_shards(cfg, info, jobs, work, tmp_path / "server.log")
     intact = shards.digest_path(jobs[0].shard_path)
     with open(jobs[1].shard_path, "r+b") as handle:  # damaged in place
         handle.seek(-8, os.SEEK_END)
@@ -188,13 +191,14 @@ def test_a_rerun_after_snakemake_deleted_the_outputs_extracts_only_a_damaged_sha
     monkeypatch.setattr(Extractor, "ensure_server", lambda self: None)
     monkeypatch.setattr(Extractor, "stream", stream)
     with one_thread(), pytest.raises(RuntimeError, match="extracting again"):
-        extract_shards(cfg, info, jobs, work, tmp_path / "server.log")
+        capture_shards(cfg, info, jobs, work, tmp_path / "server.log")
     assert sent == [r["id"] for r in jobs[1].records]  # the damaged shard's samples alone
     assert shards.digest_path(jobs[0].staged_path) == intact
 
 
 def test_a_packed_shard_of_other_samples_is_not_reused(tiny, tmp_path, monkeypatch):
-    from eaglet.engine.extraction import Extractor, extract_shards
+    from eaglet.engine.capture import Extractor
+    from eaglet.stages.extract.vllm import capture_shards
 
     cfg, info, jobs, work = packed_run(tiny, tmp_path)
     jobs[1].records[0] = {**jobs[1].records[0],
@@ -206,7 +210,7 @@ def test_a_packed_shard_of_other_samples_is_not_reused(tiny, tmp_path, monkeypat
         raise RuntimeError("would start the server")
     monkeypatch.setattr(Extractor, "ensure_server", no_server)
     with one_thread(), pytest.raises(RuntimeError, match="would start the server"):
-        extract_shards(cfg, info, jobs, work, tmp_path / "server.log")
+        capture_shards(cfg, info, jobs, work, tmp_path / "server.log")
     assert started == [1]
     assert not jobs[0].shard_path.exists()  # nothing is moved before every shard is done
 
@@ -218,7 +222,7 @@ def test_prefill_retries_a_busy_server_and_names_a_server_without_capture(tmp_pa
 
     import httpx
 
-    from eaglet.engine.extraction import prefill
+    from eaglet.engine.capture import prefill
     from eaglet.target.states import ExtractionError
 
     answers = [httpx.Response(503, text="busy"),
@@ -308,21 +312,22 @@ def connector_file(model, path, ids: list[int]) -> None:
 
 def pipeline_run(served, tmp_path, monkeypatch, num_shards: int, dtype: str = "float32",
                  answer=None, **extract):
-    """extract_shards with a stand-in server: each prefill request is answered by writing
+    """capture_shards with a stand-in server: each prefill request is answered by writing
     its file as the connector does (``answer(i, ids, path)`` may do otherwise); returns the
     metas, the jobs, and for each request the shards already written when it was sent."""
-    from eaglet.engine import extraction as extract_vllm
-    from eaglet.engine.extraction import shard_jobs
+    from eaglet.engine import capture
+    from eaglet.stages.extract import vllm as extract_vllm
+    from eaglet.stages.extract.vllm import staged_shards
 
     model, info, records = served
     cfg = validate({"extract": {"backend": "vllm", "device": "cpu", "dtype": dtype,
                                 "max_len": 64, "aux_layer_ids": [1, 3, 4], **extract},
                     "target": {"dtype": "float32"}})
     work, hidden = tmp_path / "work", tmp_path / "hidden"
-    jobs = shard_jobs(records, num_shards,
-                      [str(hidden / f"shard_{i:05d}.safetensors") for i in range(num_shards)],
-                      [str(hidden / f"shard_{i:05d}.json") for i in range(num_shards)],
-                      work, "train")
+    jobs = staged_shards(records, num_shards,
+                         [str(hidden / f"shard_{i:05d}.safetensors") for i in range(num_shards)],
+                         [str(hidden / f"shard_{i:05d}.json") for i in range(num_shards)],
+                         work, "train")
     written_when_sent = []
 
     async def prefill_each(url, work_items, concurrency, timeout, max_retries, after,
@@ -334,10 +339,10 @@ def pipeline_run(served, tmp_path, monkeypatch, num_shards: int, dtype: str = "f
             (answer or (lambda i, ids, path: connector_file(model, path, ids)))(i, ids, path)
             await after(i)
 
-    monkeypatch.setattr(extract_vllm, "prefill_each", prefill_each)
-    monkeypatch.setattr(extract_vllm.Extractor, "ensure_server", lambda self: None)
+    monkeypatch.setattr(capture, "prefill_each", prefill_each)
+    monkeypatch.setattr(capture.Extractor, "ensure_server", lambda self: None)
     with one_thread():
-        metas = extract_vllm.extract_shards(cfg, info, jobs, work, tmp_path / "server.log")
+        metas = extract_vllm.capture_shards(cfg, info, jobs, work, tmp_path / "server.log")
     return metas, jobs, written_when_sent
 
 
@@ -348,16 +353,17 @@ def test_pipelined_shards_are_those_written_one_shard_at_a_time(served, tmp_path
     the whole shard) give the same shard files, byte for byte, and the same teacher check,
     with teacher chunks that span sequences."""
     from eaglet.data import shards
-    from eaglet.engine.extraction import read_request
+    from eaglet.engine.capture import read_request
     from eaglet.target import states as extract_common
-    from eaglet.target.states import shard_states, target_identity, write_shard
+    from eaglet.target.states import Target, shard_states, target_identity, write_shard
 
     monkeypatch.setattr(extract_common, "TEACHER_CHUNK_ROWS", 16)
     model, info, records = served
     # the storage cast flips a near-tie of the tiny target's logits: not what this compares
     metas, jobs, _ = pipeline_run(served, tmp_path, monkeypatch, 3, dtype,
                                   min_teacher_agreement=0.0)
-    target, norm = load_head(info["path"], "float32", "cpu")
+    head = load_head(info["path"], "float32")
+    target, norm = Target.from_head(head, "cpu"), head.norm
     cfg = validate({"extract": {"dtype": dtype, "max_len": 64,
                                 "min_teacher_agreement": 0.0}})["extract"]
     layer_ids = capture_layer_ids([1, 3, 4], LAYERS)
@@ -389,7 +395,7 @@ def test_the_request_window_runs_at_most_one_shard_ahead_of_the_packing(served, 
     (here slower than the server): the request files on disk stay within two shards."""
     import time
 
-    from eaglet.engine.extraction import ShardPacker
+    from eaglet.stages.extract.vllm import ShardPacker
     from eaglet.target.states import shard_records
 
     _, _, records = served
@@ -431,8 +437,9 @@ def test_the_progress_clock_starts_when_the_server_is_up(served, tmp_path, monke
     import time
 
     from eaglet.core.progress import Progress
-    from eaglet.engine import extraction as extract_vllm
-    from eaglet.engine.extraction import shard_jobs
+    from eaglet.engine import capture
+    from eaglet.stages.extract import vllm as extract_vllm
+    from eaglet.stages.extract.vllm import staged_shards
     from eaglet.target.states import sequence
 
     model, info, records = served
@@ -454,16 +461,16 @@ def test_the_progress_clock_starts_when_the_server_is_up(served, tmp_path, monke
             connector_file(model, path, ids)
             await after(i)
 
-    monkeypatch.setattr(extract_vllm, "prefill_each", prefill_each)
-    monkeypatch.setattr(extract_vllm.Extractor, "ensure_server", start_server)
+    monkeypatch.setattr(capture, "prefill_each", prefill_each)
+    monkeypatch.setattr(capture.Extractor, "ensure_server", start_server)
     cfg = validate({"extract": {"backend": "vllm", "device": "cpu", "dtype": "float32",
                                 "max_len": 64, "aux_layer_ids": [1, 3, 4]},
                     "target": {"dtype": "float32"}})
-    jobs = shard_jobs(records, 2, [str(tmp_path / f"s{i}.safetensors") for i in range(2)],
-                      [str(tmp_path / f"s{i}.json") for i in range(2)], work, "train")
+    jobs = staged_shards(records, 2, [str(tmp_path / f"s{i}.safetensors") for i in range(2)],
+                         [str(tmp_path / f"s{i}.json") for i in range(2)], work, "train")
     progress = Progress("extract", total=len(records))
     with one_thread():
-        metas = extract_vllm.extract_shards(cfg, info, jobs, work, tmp_path / "server.log",
+        metas = extract_vllm.capture_shards(cfg, info, jobs, work, tmp_path / "server.log",
                                             progress)
     assert progress.started >= ready[0]
     assert progress.already_done == 2 and progress.done == len(records)
@@ -473,7 +480,7 @@ def test_the_progress_clock_starts_when_the_server_is_up(served, tmp_path, monke
 
 @pytest.mark.parametrize("split, setting", [("train", "num_shards"), ("eval", "num_eval_shards")])
 def test_a_split_with_more_shards_than_samples_names_its_own_setting(tmp_path, split, setting):
-    from eaglet.engine.extraction import shard_jobs
+    from eaglet.stages.extract.vllm import staged_shards
     from eaglet.target.states import ExtractionError
 
     paths = [str(tmp_path / f"shard_{i:05d}.safetensors") for i in range(3)]
@@ -481,8 +488,8 @@ def test_a_split_with_more_shards_than_samples_names_its_own_setting(tmp_path, s
     with pytest.raises(ExtractionError, match=rf"{split} shard 0 of 3 would hold no samples: "
                                               rf"lower extract.{setting} to at most the number "
                                               rf"of {split} samples"):
-        shard_jobs(records, 3, paths, [p.replace(".safetensors", ".json") for p in paths],
-                   tmp_path, split)
+        staged_shards(records, 3, paths, [p.replace(".safetensors", ".json") for p in paths],
+                      tmp_path, split)
 
 
 def test_the_disk_check_counts_the_request_files_and_a_full_disk_names_its_path(
@@ -493,21 +500,21 @@ def test_the_disk_check_counts_the_request_files_and_a_full_disk_names_its_path(
     import errno
 
     from eaglet.core.io import write_json, write_jsonl
-    from eaglet.engine import extraction
-    from eaglet.engine.extraction import ShardJob, request_bytes
+    from eaglet.stages.extract import vllm as extraction
+    from eaglet.stages.extract.vllm import StagedShard, request_bytes
     from eaglet.target.states import ExtractionError
 
     records = [{"id": f"s{i}", "prompt_token_ids": [1] * 10, "completion_token_ids": [2] * 6}
                for i in range(6)]
-    jobs = [ShardJob(f"shard {i}", records[i:i + 1 + i], tmp_path / "a", tmp_path / "b",
-                     tmp_path / "c", tmp_path / "d") for i in range(3)]
+    jobs = [StagedShard(f"shard {i}", records[i:i + 1 + i], tmp_path / "a", tmp_path / "b",
+                        tmp_path / "c", tmp_path / "d") for i in range(3)]
     # the two largest shards: 3 and 2 samples of 16 tokens, 4 layers of 8, float32
     assert request_bytes(jobs, 64, 4, 8, "float32") == (48 + 32) * 4 * 8 * 4
     assert request_bytes(jobs, 12, 4, 8, "bfloat16") == (36 + 24) * 4 * 8 * 2  # cut at max_len
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "work" / "x"))
-    monkeypatch.setattr(extraction, "extract_shards", full)
+    monkeypatch.setattr(extraction, "capture_shards", full)
     write_json(tmp_path / "target.json", {"path": str(tmp_path), "spec": "t"})
     write_jsonl(tmp_path / "train.jsonl", records)
     splits = {"train": {"data": str(tmp_path / "train.jsonl"),

@@ -18,9 +18,11 @@ from safetensors.torch import save_file
 from eaglet.core.config import validate
 from eaglet.core.io import read_json, request_path, write_jsonl
 from eaglet.data.shard_format import shard_path
-from eaglet.engine import extraction as extract_vllm
+from eaglet.engine import capture
 from eaglet.engine.capture import capture_layer_ids
-from eaglet.stages.extract import build_manifest, run_shard
+from eaglet.stages.extract import vllm as extract_vllm
+from eaglet.stages.extract.hf import run_shard
+from eaglet.stages.extract.manifest import build_manifest
 from eaglet.target.checkpoint import prepare_target
 from eaglet.target.states import installed_version
 from tests.tiny_llama import LAYERS, greedy_records, make_tiny_llama, one_thread
@@ -105,17 +107,17 @@ def test_the_manifest_of_vllm_shards_counts_the_states_generation_captured(
             write_request(tiny.model, path, ids)
             await after(i)
 
-    monkeypatch.setattr(extract_vllm, "prefill_each", prefill_each)
-    monkeypatch.setattr(extract_vllm.Extractor, "ensure_server", lambda self: None)
+    monkeypatch.setattr(capture, "prefill_each", prefill_each)
+    monkeypatch.setattr(capture.Extractor, "ensure_server", lambda self: None)
     data = tmp_path / "train.jsonl"
     write_jsonl(data, records)
     hidden = tmp_path / "hidden"
     paths = [shard_path(hidden, i) for i in range(2)]
-    jobs = extract_vllm.shard_jobs(records, 2, [str(p) for p in paths],
-                                   [str(p.with_suffix(".json")) for p in paths], work, "train")
+    jobs = extract_vllm.staged_shards(records, 2, [str(p) for p in paths],
+                                      [str(p.with_suffix(".json")) for p in paths], work, "train")
     cfg = stage_cfg("vllm")
     info = read_json(tiny.target_json)
-    metas = extract_vllm.extract_shards(cfg, info, jobs, work, tmp_path / "server.log")
+    metas = extract_vllm.capture_shards(cfg, info, jobs, work, tmp_path / "server.log")
     assert [m["captured_during_generation"] for m in metas] == [2, 1]
     assert all(m["engine"] == {"name": "vllm", "version": installed_version("vllm")}
                for m in metas)
@@ -129,7 +131,7 @@ def test_the_manifest_of_vllm_shards_counts_the_states_generation_captured(
 
 
 def test_a_shard_from_before_the_engine_was_recorded_counts_with_no_version():
-    from eaglet.stages.extract import computed_by
+    from eaglet.stages.extract.manifest import computed_by
 
     old = {"backend": "vllm", "num_samples": 5}
     new = {"backend": "vllm", "num_samples": 2, "captured_during_generation": 2,

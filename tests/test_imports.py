@@ -6,7 +6,8 @@ The packages, bottom up (each may import only from packages below it, and from i
 - ``data``: prompts, the template check, the draft vocabulary, the shard format
 - ``target``: resolving the target, its checkpoint's tensors, its states and head
 - ``model`` and ``engine``, side by side (neither imports the other): the drafter, and vLLM
-- ``stages``: generate, extract, train, evaluate, scaling (never a tool)
+- ``stages``: generate, extract, train, evaluate, scaling (never a tool; no stage imports
+  another, but where ``STAGE_USES`` says why)
 - ``tools``: status, plan, the report page, plots, rehearse, the command line
 
 Every import counts, at the top of a module or inside a function: a function-level import
@@ -38,10 +39,19 @@ LOCAL_IMPORTS: dict[str, str] = {
                  "`eaglet plan` must not import what `eaglet rehearse` needs (PyTorch)",
 }
 
+# Within ``stages``, each stage (``stages.<name>``, a module or a package) imports no other
+# stage: what two stages share sits below them (``target``, ``engine``, ``data``, ``core``) or
+# in one of these modules of ``stages`` that is no stage of its own
+STAGE_HELPERS = {"scripting"}
+# the imports of one stage from another that are the point of the stage, each with why
+STAGE_USES = {
+    ("scaling", "train"): "the scaling stage trains its drafters with the train stage's loop",
+}
+
 # what a person runs to see where a run stands, and what every Snakefile parse imports:
 # none of them may load PyTorch (1.6 s of every `eaglet status` and `snakemake -n`)
 TORCH_FREE = ["eaglet.tools.status", "eaglet.tools.plan", "eaglet.tools.report_page",
-              "eaglet.tools.cli", "eaglet.core.config", "eaglet.core.io"]
+              "eaglet.tools.cli", "eaglet.core.config", "eaglet.core.io", "eaglet.core.dtypes"]
 
 
 def _is_type_checking(test: ast.expr) -> bool:
@@ -220,6 +230,38 @@ def test_imports_run_one_way_through_the_packages():
                      + "\nMove what the lower package needs down, into it or below it.")
 
 
+def across_stages(graph: dict[str, dict[str, int]]) -> list[str]:
+    """Every import of one stage by another (``module:line -> module``) that neither
+    :data:`STAGE_HELPERS` nor :data:`STAGE_USES` allows."""
+    found = []
+    for module, edges in graph.items():
+        parts = module.split(".")
+        if parts[0] != "stages" or len(parts) < 2:
+            continue
+        for imported, line in edges.items():
+            theirs = imported.split(".")
+            if theirs[0] != "stages" or len(theirs) < 2 or theirs[1] == parts[1]:
+                continue
+            if theirs[1] in STAGE_HELPERS or (parts[1], theirs[1]) in STAGE_USES:
+                continue
+            found.append(f"{module}:{line} -> {imported}")
+    return sorted(found)
+
+
+def test_no_stage_imports_another_stage():
+    """What a stage shares with another (the capture that generation, the vllm extraction
+    backend and training's stream mode all use) lives below ``stages``: no stage reaches into
+    another's modules for it."""
+    graph = import_graph()
+    bad = across_stages(graph)
+    assert not bad, ("a stage imports another stage's modules (move what both need below "
+                     "``stages``, or name the use in STAGE_USES):\n" + "\n".join(bad))
+    made = {(m.split(".")[1], i.split(".")[1]) for m, edges in graph.items() for i in edges
+            if m.startswith("stages.") and i.startswith("stages.")}
+    unused = sorted(f"{a} -> {b}" for a, b in STAGE_USES if (a, b) not in made)
+    assert not unused, f"STAGE_USES names uses no module makes: {unused}"
+
+
 def test_no_function_level_import_of_an_eaglet_module_without_its_reason():
     graph = import_graph(local=True)
     hidden = sorted(f"{m}:{line} -> {i}" for m, edges in graph.items() if m not in LOCAL_IMPORTS
@@ -251,12 +293,17 @@ def test_the_checks_find_a_circle_a_wrong_way_import_and_a_hidden_one(tmp_path):
     _write(tmp_path, "stages.e", "import os\nfrom eaglet.tools.d import z\n")
     _write(tmp_path, "model.f", "from eaglet.engine.g import w\n")
     _write(tmp_path, "engine.g", "")
+    _write(tmp_path, "stages.train.h", "from eaglet.stages.extract.vllm import v\n"
+                                       "from eaglet.stages.scripting import u\n")
+    _write(tmp_path, "stages.extract.vllm", "")
+    _write(tmp_path, "stages.scripting", "")
     graph = import_graph(tmp_path)
     assert graph["core.a"] == {"core.b": 1} and graph["core.b"] == {"core.a": 5}
     assert graph["data.c"] == {"core.b": 4}
     assert circles(graph) == [["core.a", "core.b"]]
     assert one_circle(graph, ["core.a", "core.b"]) == "core.a:1 -> core.b:5 -> core.a"
     assert wrong_way(graph) == ["model.f:1 -> engine.g", "stages.e:2 -> tools.d"]
+    assert across_stages(graph) == ["stages.train.h:1 -> stages.extract.vllm"]
     assert import_graph(tmp_path, local=True)["core.b"] == {"core.a": 5}
     assert import_graph(tmp_path, local=True)["core.a"] == {}
 
@@ -302,3 +349,13 @@ def test_the_blocker_itself_stops_torch(tmp_path):
     done = subprocess.run([sys.executable, "-c", "import eaglet.model.drafter"], env=env,
                           capture_output=True, text=True)
     assert done.returncode != 0 and "torch is blocked" in done.stderr
+
+
+def test_every_module_opens_with_a_docstring_that_says_what_it_holds():
+    """A module's first lines say what it is for: no placeholder (``TODO``, a word or two)."""
+    thin = []
+    for module in sorted(module_names()):
+        doc = ast.get_docstring(ast.parse(_path(PACKAGE, module).read_text())) or ""
+        if len(doc.split()) < 4 or doc.strip().upper().startswith("TODO"):
+            thin.append(f"{module}: {doc!r}")
+    assert not thin, "modules without a docstring that says what they hold:\n" + "\n".join(thin)

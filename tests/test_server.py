@@ -532,7 +532,7 @@ def test_extraction_stops_when_its_server_exits_during_the_retries(tmp_path):
     the first one fails (nothing answers yet) and exits with code 3 a moment later: the retry
     after its exit reports the exit code and the log, not a connection error after every
     retry has run."""
-    from eaglet.engine.extraction import Extractor
+    from eaglet.engine.capture import Extractor
 
     log = tmp_path / "server.log"
     with open(log, "wb") as out:

@@ -235,7 +235,7 @@ def test_a_failed_extract_is_failed_not_outdated_with_old_facts(tmp_path):
     (r / "hidden" / "manifest.json").write_text(json.dumps({"num_shards": 2, "samples": 9}))
     os.utime(r / "hidden" / "manifest.json", (1_000_000, 1_000_000))  # from an earlier run
     _log(r / "logs" / "extract" / "shard_00001.log",
-         "ERROR eaglet.stages.extract: extract failed: teacher agreement 41.00% in shard_00001 is low")
+         "ERROR eaglet.stages.extract.hf: extract failed: teacher agreement 41.00% in shard_00001 is low")
     shown = status.stage_status(_stage("extract"), r, _full_config(r), {"extract"})
     assert shown["state"] == "failed" and "teacher agreement 41.00%" in shown["error"]
     assert "facts" not in shown

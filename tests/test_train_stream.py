@@ -36,7 +36,8 @@ def world(tmp_path_factory):
     from those files by the vllm extraction, the held-out shard, a vocabulary map."""
     from safetensors.torch import save
 
-    from eaglet.engine.extraction import Extractor, extract_shards, shard_jobs
+    from eaglet.engine.capture import Extractor
+    from eaglet.stages.extract.vllm import capture_shards, staged_shards
     from eaglet.target.checkpoint import prepare_target
 
     root = tmp_path_factory.mktemp("stream")
@@ -59,15 +60,15 @@ def world(tmp_path_factory):
                                            r["id"]),
                        r["prompt_token_ids"] + r["completion_token_ids"])
     shutil.copytree(files, work / "requests", dirs_exist_ok=True)
-    jobs = (shard_jobs(records, 3, [str(hidden / f"shard_{i:05d}.safetensors") for i in range(3)],
-                       [str(hidden / f"shard_{i:05d}.json") for i in range(3)], work, "train")
-            + shard_jobs(held_out, 1, [str(hidden / "eval" / "shard_00000.safetensors")],
-                         [str(hidden / "eval" / "shard_00000.json")], work, "eval"))
+    jobs = (staged_shards(records, 3, [str(hidden / f"shard_{i:05d}.safetensors") for i in range(3)],
+                          [str(hidden / f"shard_{i:05d}.json") for i in range(3)], work, "train")
+            + staged_shards(held_out, 1, [str(hidden / "eval" / "shard_00000.safetensors")],
+                            [str(hidden / "eval" / "shard_00000.json")], work, "eval"))
     Extractor.ensure_server, saved = (lambda self: pytest.fail("a server was started"),
                                       Extractor.ensure_server)
     try:
         with one_thread():
-            extract_shards(cfg, info, jobs, work, root / "server.log")
+            capture_shards(cfg, info, jobs, work, root / "server.log")
     finally:
         Extractor.ensure_server = saved
     t2d = torch.ones(VOCAB, dtype=torch.bool)
@@ -433,7 +434,7 @@ def _stream_rank(rank: int, world, tmp: Path, cfg: dict, port: int, name: str = 
 
     from transformers import LlamaForCausalLM
 
-    from eaglet.engine.extraction import Extractor
+    from eaglet.engine.capture import Extractor
 
     model = LlamaForCausalLM.from_pretrained(world["root"] / "model").eval()
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
@@ -617,7 +618,7 @@ def test_rank_0_starts_the_server_another_rank_wants_though_it_needs_none(world,
     rank's ``server.wanted`` still has it start the server and announce where it listens."""
     import time
 
-    from eaglet.engine.extraction import Extractor
+    from eaglet.engine.capture import Extractor
 
     started = []
 

@@ -26,7 +26,7 @@ from eaglet.core.config import load_run_config
 from eaglet.core.io import read_json, read_jsonl
 from eaglet.data import shards
 from eaglet.engine.server import port_is_free
-from eaglet.stages.extract import extract_shard, load_target
+from eaglet.stages.extract.hf import extract_shard, load_target
 from eaglet.target.checkpoint import read_target
 from eaglet.target.states import target_identity
 from eaglet.tools import status as eaglet_status

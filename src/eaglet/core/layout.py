@@ -77,6 +77,21 @@ def log_file(job: str) -> str:
     return f"{LOGS}/{job}.log"
 
 
+def server_log(job: str) -> str:
+    """The log of the vLLM server a job starts: ``logs/<job>.server.log``."""
+    return f"{LOGS}/{job}.server.log"
+
+
+# a hidden-state shard and its record (``.json``), in HIDDEN, HIDDEN_EVAL or the vllm backend's
+# packed shards under VLLM_WORK
+SHARD_GLOB = "shard_*"
+
+
+def shard_name(index: int) -> str:
+    """Shard ``index``'s file name: ``shard_00003.safetensors``."""
+    return f"shard_{index:05d}.safetensors"
+
+
 def fraction_name(fraction: float) -> str:
     """A fraction as its directory under scaling/ and its Snakemake wildcard (0.25, 0.5)."""
     return f"{fraction:g}"

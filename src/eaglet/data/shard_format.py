@@ -8,8 +8,9 @@ import json
 import os
 from pathlib import Path
 
-# bytes per element of each train.store_dtype (shards.STORAGE_DTYPES' torch dtypes)
-STORAGE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
+from eaglet.core.dtypes import BYTES
+from eaglet.core.layout import shard_name
+
 FORMAT = "eaglet.hidden.v1"
 DIGEST_BLOCK = 8 << 20
 DIGEST_PREFIX = "sha256-8MiB-blocks:"
@@ -65,8 +66,8 @@ def bytes_per_token(hidden_size: int, num_aux: int, dtype: str) -> int:
     width = hidden_size * (num_aux + 1)
     if dtype == "fp8":
         return 8 + 1 + 8 + width + 4 * (num_aux + 1)
-    return 8 + 1 + 8 + width * STORAGE_BYTES[dtype]
+    return 8 + 1 + 8 + width * BYTES[dtype]
 
 
 def shard_path(directory: str | os.PathLike, index: int) -> Path:
-    return Path(directory) / f"shard_{index:05d}.safetensors"
+    return Path(directory) / shard_name(index)

@@ -45,6 +45,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load as load_bytes
 
+from eaglet.core.dtypes import torch_dtypes
 from eaglet.core.io import umask
 from eaglet.data.shard_format import (  # noqa: F401 (the
     DIGEST_BLOCK,
@@ -56,8 +57,7 @@ from eaglet.data.shard_format import (  # noqa: F401 (the
     shard_path,  # read as shards.X)
 )
 
-STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
-                  "float16": torch.float16, "fp8": torch.float8_e4m3fn}
+STORAGE_DTYPES = torch_dtypes()  # extract.dtype's name -> the torch dtype a shard holds
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 
 

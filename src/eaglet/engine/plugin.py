@@ -28,6 +28,8 @@ import logging
 import sys
 from collections.abc import Callable
 
+from eaglet.target.norm import rms_norm
+
 # A child of vLLM's logger, so the lines go where vLLM's go (its handler, its level).
 log = logging.getLogger("vllm.eaglet_plugin")
 
@@ -173,7 +175,7 @@ def _norm_mismatch(rms_norm: Callable) -> str | None:
     weight = torch.rand(2, 8, generator=generator) + 0.5
     out = torch.empty_like(x)
     rms_norm(out, x, weight, 1e-6)
-    want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight[:, None, None]
+    want = rms_norm(x, weight[:, None, None], 1e-6)
     error = float((out - want).abs().max())
     return None if error < 1e-4 else f"off by up to {error:.3g}"
 

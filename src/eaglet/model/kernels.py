@@ -10,13 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from eaglet.model.rope import rotate
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x) in float32, rounded to x's dtype, times the weight (vLLM's and HF's order)."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+from eaglet.target.norm import rms_norm
 
 
 def gated_silu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

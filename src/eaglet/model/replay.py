@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from eaglet.core.dtypes import MANTISSA_BITS
 from eaglet.data import shards
 from eaglet.model.attention import attention_blocks
 from eaglet.model.drafter import Eagle3Drafter
@@ -194,9 +195,6 @@ def offline_acceptance(target_model, drafter: Eagle3Drafter,
 # greedy answer to the same prompt is the stored answer or its beginning, the stored rows up
 # to the answer's length are exactly the states a forward of that sequence would give (in
 # the storage dtype): a 1T target need not be loaded to replay its drafter.
-
-# mantissa bits of each storage and serving dtype: which one rounds the states more
-MANTISSA_BITS = {"float32": 24, "float16": 11, "bfloat16": 8, "fp8": 4}
 
 
 def coarser(stored: str, served: str) -> bool:

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from eaglet.core import methods
+from eaglet.core.dtypes import BYTES, SERVED_BYTES
 
 # -- the target's size, as a server holds it (evaluate's placement reads it too) ----------
 
-SERVED_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # safetensors dtypes: bytes per element; the float ones are cast to the serving dtype
 _FLOATS = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
 _ELEMENT_BYTES = {**_FLOATS, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "U64": 8, "I32": 4, "U32": 4,
@@ -82,7 +82,7 @@ def target_size(target_dir: str | os.PathLike, dtype: str) -> TargetSize | None:
                       f"the parameter count of its config.json ({params / 1e9:.1f}B)")
 
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "auto": 2}
+DTYPE_BYTES = {**BYTES, "auto": 2}
 NUM_AUX = 3
 
 

@@ -27,9 +27,8 @@ from eaglet.core.progress import Progress, now_iso
 from eaglet.data.prompts import RECORDED_ANSWER
 from eaglet.data.template_check import (answer_format, answer_opening, check_records, enforce,
                                         render_ids)
-from eaglet.engine.capture import capture_args, capture_layer_ids
+from eaglet.engine.capture import capture_args, capture_layer_ids, prefill_each
 from eaglet.engine.client import RequestFailed, gather_or_cancel, post_json, with_retries
-from eaglet.engine.extraction import prefill_each
 from eaglet.engine.server import ServerError, target_server
 from eaglet.target.checkpoint import read_target, read_target_config, text_config
 from eaglet.target.states import (

@@ -20,8 +20,10 @@ from typing import TYPE_CHECKING
 
 from safetensors import safe_open
 
+from eaglet.core.dtypes import SERVED_BYTES, torch_dtype
 from eaglet.core.io import human_size, read_json, write_json
 from eaglet.data.shard_format import sha256_path
+from eaglet.target.norm import FinalNorm
 
 if TYPE_CHECKING:
     import torch
@@ -285,9 +287,11 @@ LAYOUTS = [
     # a bare decoder saved alone (LlamaModel): layers.N., an lm_head only if tied
     Layout("", "lm_head.weight"),
 ]
-# the names every layout gives these tensors (other modules read them through _read_tensor)
+# the names every layout gives these tensors (a checkpoint may also nest its lm_head under
+# model.); :func:`load_head` looks for them by name, whatever the layout
 EMBEDDING_NAMES = [layout.embedding for layout in LAYOUTS]
 FINAL_NORM_NAMES = [layout.final_norm for layout in LAYOUTS]
+LM_HEAD_NAMES = [*dict.fromkeys(layout.lm_head for layout in LAYOUTS), "model.lm_head.weight"]
 
 
 def _weight_files(target_dir: Path) -> dict[str, Path]:
@@ -357,6 +361,36 @@ def load_target_lm_head(target_dir: str | Path, draft_to_target: torch.Tensor) -
     if tied_embeddings(read_target_config(target_dir)) or layout.lm_head not in files:
         heads.append(layout.embedding)
     return _read_tensor(files, heads, "lm_head", target_dir)[draft_to_target].contiguous()
+
+
+@dataclass
+class TargetHead:
+    """What the teacher check needs of the target beside states computed elsewhere: its
+    full-vocabulary lm_head [V, H] and final norm, and its shape."""
+
+    lm_head: torch.Tensor
+    norm: FinalNorm
+    num_layers: int
+    hidden_size: int
+
+
+def load_head(target_dir: str | Path, dtype: str | None = None) -> TargetHead:
+    """The target's lm_head (the embedding when tied, or when there is no lm_head) and final
+    norm, read alone from its checkpoint (the rest of the target is never loaded), cast to
+    ``dtype`` (``auto`` or None: as stored)."""
+    target_dir = Path(target_dir)
+    config = read_target_config(target_dir)
+    text = text_config(config)
+    files = _weight_files(target_dir)
+    heads = list(LM_HEAD_NAMES)
+    if tied_embeddings(config) or not any(name in files for name in heads):
+        heads += EMBEDDING_NAMES
+    lm_head = _read_tensor(files, heads, "lm_head", target_dir)
+    norm = _read_tensor(files, FINAL_NORM_NAMES, "final norm", target_dir)
+    if dtype in SERVED_BYTES:
+        lm_head, norm = lm_head.to(torch_dtype(dtype)), norm.to(torch_dtype(dtype))
+    return TargetHead(lm_head, FinalNorm(norm, float(text.get("rms_norm_eps", 1e-6))),
+                      text["num_hidden_layers"], text["hidden_size"])
 
 
 def load_target_final_norm(target_dir: str | Path) -> torch.Tensor:

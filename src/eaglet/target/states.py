@@ -2,8 +2,9 @@
 before extraction (aux layer ids, disk, a finished shard that no longer fits the run) and the
 teacher-agreement check and write that make every shard.
 
-The ``hf`` backend (:mod:`eaglet.stages.extract`, the target run by transformers) and the ``vllm``
-backend (:mod:`eaglet.engine.extraction`, the states computed by the serving engine) differ only
+The ``hf`` backend (:mod:`eaglet.stages.extract.hf`, the target run by transformers) and the
+``vllm`` backend (:mod:`eaglet.stages.extract.vllm`, the states computed by the serving engine
+through :mod:`eaglet.engine.capture`) differ only
 in how they compute a sequence's states (the ``states`` function of :func:`shard_states`);
 what a shard holds and how it is checked is decided here, once.
 """
@@ -25,9 +26,7 @@ from eaglet.core.io import read_json, write_json
 from eaglet.core.progress import Progress
 from eaglet.data import shards
 from eaglet.data.prompts import recorded_answer
-from eaglet.target.checkpoint import TEACHER_CHUNK_ROWS
-
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from eaglet.target.checkpoint import TEACHER_CHUNK_ROWS, TargetHead
 
 
 class ExtractionError(RuntimeError):
@@ -72,6 +71,14 @@ class Target:
     num_layers: int
     hidden_size: int
     vocab_size: int
+
+    @classmethod
+    def from_head(cls, head: TargetHead, device: str = "auto") -> Target:
+        """The target as the teacher check holds it beside states computed elsewhere (by the
+        serving engine): its head alone, no model, the lm_head on ``device``."""
+        dev = pick_device(device)
+        return cls(None, head.lm_head.to(dev), dev, head.num_layers, head.hidden_size,
+                   head.lm_head.shape[0])
 
 
 def pick_device(name: str) -> torch.device:

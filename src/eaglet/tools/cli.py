@@ -1,4 +1,5 @@
-"""The `eaglet` command."""
+"""The `eaglet` command line: its subcommands (rehearse, status, plan, speculators), each of which
+loads its own modules only when it runs."""
 
 from __future__ import annotations
 

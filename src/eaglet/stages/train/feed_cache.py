@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from eaglet.core.io import request_path
-from eaglet.engine.extraction import holds_states, remove_request
+from eaglet.engine.capture import holds_states, remove_request
 
 
 class StateFiles:

@@ -23,7 +23,7 @@ import torch
 
 from eaglet.data import shards as shard_format
 from eaglet.engine.client import gather_or_cancel
-from eaglet.engine.extraction import read_request, split_states
+from eaglet.engine.capture import read_request, split_states
 from eaglet.stages.train.data import TrainError
 
 

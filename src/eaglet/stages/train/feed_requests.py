@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 
 from eaglet.core.io import atomic_open, read_json
-from eaglet.engine.extraction import prefill
+from eaglet.engine.capture import prefill
 from eaglet.engine.server import ServerError, VLLMServer
 from eaglet.stages.train.data import TrainError
 

@@ -9,7 +9,7 @@ stream-trained drafter is the shard-trained one up to the engine's float roundin
 :class:`StateFeed` walks the samples in the order training will read them (every remaining
 epoch, from the data position a resumed run starts at) and keeps ``ahead`` of them requested
 or prepared ahead of the trainer (:meth:`StateFeed.window`): each one a prefill request to
-the capture server of the ``vllm`` extraction backend (:mod:`eaglet.engine.extraction`), whose
+the capture server of the ``vllm`` extraction backend (:mod:`eaglet.engine.capture`), whose
 connector saves the states to ``<work>/requests/<sample>.safetensors``; a packing thread
 reads each file in order, splits it into the aux and final-norm states, runs the teacher
 check and casts them to ``extract.dtype`` exactly as a shard stores them. A file that exists
@@ -53,15 +53,15 @@ import torch
 
 from eaglet.core.config import stream_overlaps
 from eaglet.core.io import read_json, read_jsonl, request_path
-from eaglet.engine.capture import capture_layer_ids
-from eaglet.engine.extraction import Extractor, load_head, remove_request
+from eaglet.engine.capture import Extractor, capture_layer_ids, remove_request
 from eaglet.model.sizes import default_window
 from eaglet.stages.train.data import Samples, ShardInfo, TrainError
 from eaglet.stages.train.feed_cache import StateFiles
 from eaglet.stages.train.feed_check import TeacherCheck
 from eaglet.stages.train.feed_loop import FeedLoop
 from eaglet.stages.train.feed_requests import FeedRequests, SharedServer
-from eaglet.target.states import (TeacherHead, is_greedy, resolve_aux_layer_ids, sequence,
+from eaglet.target.checkpoint import load_head
+from eaglet.target.states import (Target, TeacherHead, is_greedy, resolve_aux_layer_ids, sequence,
                                   shard_bounds, target_identity)
 
 log = logging.getLogger("eaglet.stages.train.loop")
@@ -398,7 +398,8 @@ def open_stream(stream: dict, train_cfg: dict, rank: int = 0, world: int = 1,
     if not records:
         raise TrainError(f"{stream['data']} holds no training samples: the generate stage "
                          f"produced none")
-    target, norm = load_head(info["path"], cfg["target"]["dtype"], ext["device"])
+    head = load_head(info["path"], cfg["target"]["dtype"])
+    target, norm = Target.from_head(head, ext["device"]), head.norm
     aux_ids = resolve_aux_layer_ids(ext["aux_layer_ids"], target.num_layers)
     seqs = sequences(records, ext["max_len"])
     infos = layout(records, seqs, ext["num_shards"], target.hidden_size, aux_ids,

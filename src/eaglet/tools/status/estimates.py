@@ -1,4 +1,8 @@
-"""TODO docstring."""
+"""What ``eaglet status`` estimates time from: the rates measured by this run, by earlier runs
+(:mod:`eaglet.core.rates`) or by the shipped benchmarks, in that order (:func:`_rate`, each
+with its :class:`Basis`), the token totals of the prompts and answers (measured, projected or
+guessed), and the speed of this machine measured from the progress files of the stages that
+ran (:class:`Machine`)."""
 
 from __future__ import annotations
 
@@ -16,8 +20,8 @@ from typing import Any, Callable
 
 from eaglet.core import rates
 from eaglet.core.layout import (BENCHMARK_RESULTS, CHECKPOINTS, HIDDEN, HIDDEN_EVAL, PROMPT_STATS,
-                                PROMPTS_TRAIN, SYNTHETIC_PARTIAL, SYNTHETIC_STATS, TRAINING_LOG,
-                                VLLM_WORK)
+                                PROMPTS_TRAIN, SHARD_GLOB, SYNTHETIC_PARTIAL, SYNTHETIC_STATS,
+                                TRAINING_LOG, VLLM_WORK)
 from eaglet.engine.server import pid_alive
 
 BENCHMARKS = BENCHMARK_RESULTS
@@ -252,8 +256,8 @@ def _timestamp(iso: str | None) -> float | None:
 
 # a shard's .json beside its .safetensors: where a job writes them directly (hf backend), and
 # where the vllm backend stages them until every shard is packed (hidden/vllm/shards/<split>)
-SHARD_METAS = (f"{HIDDEN}/shard_*.json", f"{HIDDEN_EVAL}/shard_*.json",
-               f"{VLLM_WORK}/shards/*/shard_*.json")
+SHARD_METAS = (f"{HIDDEN}/{SHARD_GLOB}.json", f"{HIDDEN_EVAL}/{SHARD_GLOB}.json",
+               f"{VLLM_WORK}/shards/*/{SHARD_GLOB}.json")
 
 
 def _packed_samples(r: Path, since: float) -> int:

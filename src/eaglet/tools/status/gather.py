@@ -1,4 +1,7 @@
-"""TODO docstring."""
+"""``eaglet status``'s collection of a run: for each stage whether it finished, runs (its
+progress file's pid, or a log newer than the running Snakemake's start) or failed (the last
+error line of its log), which outputs Snakemake would make again, and a stale Snakemake lock
+with the command that removes it (:func:`collect`)."""
 
 from __future__ import annotations
 

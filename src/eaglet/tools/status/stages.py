@@ -1,4 +1,8 @@
-"""TODO docstring."""
+"""The workflow's stages as ``eaglet status`` sees them: one :class:`Stage` per stage, which
+reads what the stage left behind (outputs, its stats or manifest, its progress file) into the
+lines status prints, and estimates the time the stage still needs (:func:`estimate`) from the
+config's sizes and the rates :mod:`eaglet.tools.status.estimates` finds, scaled by this
+machine's measured speed (:func:`machine_speed`)."""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ from eaglet.core import methods, rates
 from eaglet.core.config import stream_overlaps
 from eaglet.core.io import human_size
 from eaglet.core.layout import (ACCEPTANCE, DRAFTER, DRAFTER_CONFIG, DRAFTER_STATS, HIDDEN, MANIFEST, PROGRESS, PROMPT_STATS,
-                                SCALING, SCALING_RUNS, STAGE_FILES, SYNTHETIC_STATS, TARGET_JSON,
+                                SCALING, SCALING_RUNS, SHARD_GLOB, STAGE_FILES, SYNTHETIC_STATS, TARGET_JSON,
                                 VOCAB_STATS, fraction_name, progress_file)
 from eaglet.core.progress import format_duration
 from eaglet.engine.support import mtp_layers
@@ -279,7 +283,7 @@ class Extract(Stage):
             return Estimate(_server_start("extract_vllm", target) + tokens / rate,
                             f"server start + {tokens} tokens of prefill at {rate:.0f} tok/s "
                             f"({basis})" + _guessed(totals), speed)
-        done = len(glob.glob(str(r / HIDDEN / "shard_*.safetensors")))
+        done = len(glob.glob(str(r / HIDDEN / f"{SHARD_GLOB}.safetensors")))
         left = tokens * (1 - done / max(cfg["extract"]["num_shards"], 1))
         return Estimate(left / rate, f"{left:.0f} tokens at {rate:.0f} tok/s ({basis})"
                         + _guessed(totals), speed)
