@@ -7,6 +7,7 @@ from eaglet.core.config import (eval_shard_count, outside_working_dir, previews_
                                 record_settings, stage_params, validate)
 from eaglet.core import layout  # every results path, by name (layout.MANIFEST, ...)
 from eaglet.core.cluster import ClusterError, job_threads, misfits, partitions
+from eaglet.model.published import apply as start_settings
 from eaglet.target.checkpoint import check_recorded_target
 
 _validated = validate(config)
@@ -16,6 +17,10 @@ config.update(_validated)
 R = config["results_dir"]
 if outside_working_dir(R):
     logger.warning(outside_working_dir(R))
+# train.init_from: the starting drafter decides the method, vocabulary and aux layers
+START = config["train"]["init_from"]
+for _note in start_settings(config, f"{R}/{layout.START_DRAFTER}"):
+    logger.info(_note)
 # settings the prepared target cannot honour stop here, before any stage runs
 check_recorded_target(f"{R}/{layout.TARGET_JSON}", config["target"]["model"],
                       config["vocab"]["draft_vocab_size"], config["extract"]["aux_layer_ids"])

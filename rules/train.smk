@@ -9,6 +9,28 @@ TRAIN_SETTINGS = dict(
 )
 
 
+if START:
+
+    rule start_drafter:
+        """train.init_from: the published drafter to start from, read in its own format,
+        checked against the target and written in eaglet's export layout."""
+        input:
+            target=f"{R}/{layout.TARGET_JSON}",
+            settings=settings_file("start_drafter", {"init_from": START}),
+        output:
+            weights=f"{R}/{layout.START_DRAFTER_WEIGHTS}",
+            record=f"{R}/{layout.START_RECORD}",
+        params:
+            init_from=START,
+            seed=config["train"]["seed"],
+        log:
+            f"{R}/{layout.log_file('start_drafter')}",
+        conda:
+            MODEL_ENV
+        script:
+            "../scripts/start_drafter.py"
+
+
 rule train:
     """Train the EAGLE-3 drafter with training-time test and export it as vLLM loads it.
     Resumes from drafter_checkpoints/ after an interruption."""
@@ -19,6 +41,7 @@ rule train:
         eval_shards=hidden_files("eval", ".safetensors"),
         vocab=f"{R}/{layout.VOCAB_MAP}",
         **({"data": f"{R}/{layout.SYNTHETIC_TRAIN}"} if STREAM else {}),
+        **({"start": f"{R}/{layout.START_DRAFTER_WEIGHTS}"} if START else {}),
         settings=settings_file("train", TRAIN_SETTINGS),
     output:
         config=f"{R}/{layout.DRAFTER_CONFIG}",

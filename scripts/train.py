@@ -21,6 +21,8 @@ args = {"cfg": dict(smk.params.train), "shard_paths": list(smk.input.shards),
         "out_dir": str(Path(smk.output.weights).parent), "checkpoint_dir": smk.params.checkpoints,
         "progress_path": smk.params.progress, "log_path": smk.log[0],
         "manifest": smk.input.manifest}
+if "start" in smk.input.keys():  # train.init_from: the drafter rule start_drafter wrote
+    args["cfg"]["init_from"] = str(Path(smk.input.start).parent)
 stream = smk.params.get("stream")
 if stream is not None:  # train.data stream (eaglet.stages.train.stream)
     cfg = {"extract": {**smk.config["extract"], **stream["extract"]}, "target": stream["target"],

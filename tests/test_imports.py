@@ -37,6 +37,8 @@ KNOWN_CIRCLES: dict[frozenset, str] = {}
 LOCAL_IMPORTS: dict[str, str] = {
     "tools.cli": "each subcommand loads its own modules when it runs: `eaglet status` and "
                  "`eaglet plan` must not import what `eaglet rehearse` needs (PyTorch)",
+    "model.published": "every Snakefile parse reads a starting drafter's settings from it "
+                       "(train.init_from), which must not load PyTorch; converting one does",
 }
 
 # Within ``stages``, each stage (``stages.<name>``, a module or a package) imports no other

@@ -213,7 +213,7 @@ def lookup(cfg: dict[str, Any], key: str) -> Any:
 # params leave them out at that value, so that a run made before them is not redone.
 ADDED_LATER = {"generate": {"capture_hidden_states": False, "chat_template_kwargs": None},
                "train": {"loss_on_prompt": False, "feature_noise": 0.0, "host_ram_mb": 4096,
-                         "prefetch_batches": None, "attention": "auto",
+                         "prefetch_batches": None, "attention": "auto", "init_from": None,
                          "drafter_attention": "llama", "method": methods.DEFAULT.name,
                          "drafter_variant": methods.EAGLE3_LAYER.name, "data": "shards",
                          "dflash_layers": 1,

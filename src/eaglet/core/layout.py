@@ -43,6 +43,11 @@ VLLM_WORK = "hidden/vllm"              # the vllm backend's request files and pa
 CAPTURE_REQUESTS = "hidden/vllm/requests"   # what generation captured (capture_hidden_states)
 
 DRAFTER = "drafter"
+# train.init_from: the starting drafter in eaglet's export layout, and the record of its tensors
+START_DRAFTER = "start_drafter"
+START_DRAFTER_WEIGHTS = "start_drafter/model.safetensors"
+START_RECORD_NAME = "start.json"
+START_RECORD = f"{START_DRAFTER}/{START_RECORD_NAME}"
 DRAFTER_WEIGHTS = "drafter/model.safetensors"
 DRAFTER_CONFIG = "drafter/config.json"
 DRAFTER_STATS = "drafter/stats.json"

@@ -150,10 +150,54 @@ def build_vocab_map(records: list[dict], vocab_size: int, draft_vocab_size: int,
             f"data, of {len(both)} distinct tokens), or lower vocab.min_coverage (0 allows any "
             f"vocabulary) to go on with this one.")
     warn_low_coverage(stats, stats["draft_vocab_size_for_floor"])
+    write_vocab_map(out_path, d2t, t2d)
+    write_json(stats_path, stats)
+    return stats
+
+
+def write_vocab_map(out_path: str | os.PathLike, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
     with atomic_open(out_path, "wb") as handle:
-        handle.write(save({"d2t": d2t, "t2d": t2d},
-                          metadata={"draft_vocab_size": str(draft_vocab_size),
-                                    "target_vocab_size": str(vocab_size)}))
+        handle.write(save({"d2t": d2t.to(torch.int64), "t2d": t2d.to(torch.bool)},
+                          metadata={"draft_vocab_size": str(d2t.numel()),
+                                    "target_vocab_size": str(t2d.numel())}))
+
+
+def adopt_vocab_map(records: list[dict], d2t: torch.Tensor, t2d: torch.Tensor, source: str,
+                    out_path: str | os.PathLike, stats_path: str | os.PathLike) -> dict:
+    """The starting drafter's vocabulary map (``train.init_from``) as the run's: its lm_head
+    rows are those tokens, so it is kept as it is; the stats say how much of this run's
+    completion tokens it covers beside a map of the same size built from this data, with a
+    warning where it covers less (what fine-tuning cannot add: tokens it can never propose)."""
+    counts = count_completion_tokens(records)
+    total = sum(counts.values())
+    if not total:
+        raise ValueError("the synthetic data has no completion tokens to measure the starting "
+                         "drafter's vocabulary on")
+    size, vocab_size = d2t.numel(), t2d.numel()
+    ids = (torch.arange(size) + d2t.to(torch.int64)).tolist()
+    bad = [t for t in counts if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"token ids {sorted(bad)[:5]} are outside the starting drafter's "
+                         f"vocabulary of {vocab_size}: it was trained for another tokenizer")
+    covered = sum(counts[t] for t in ids)
+    own, _ = choose_draft_tokens(counts, vocab_size, size)
+    stats = {"draft_vocab_size": size, "target_vocab_size": vocab_size, "from": source,
+             "distinct_completion_tokens": len(counts), "completion_tokens": total,
+             "coverage": covered / total,
+             "coverage_of_a_map_from_this_data": sum(counts[t] for t in own) / total,
+             "coverage_floor": COVERAGE_FLOOR,
+             "draft_vocab_size_for_floor": size_for_coverage(counts, counts, COVERAGE_FLOOR)}
+    log.info("the starting drafter's vocabulary of %d (%s) covers %.2f%% of %d completion "
+             "tokens; a map of that size from this data would cover %.2f%%", size, source,
+             100 * stats["coverage"], total, 100 * stats["coverage_of_a_map_from_this_data"])
+    if stats["coverage"] < stats["coverage_of_a_map_from_this_data"] - 0.01:
+        log.warning("the starting drafter's vocabulary covers %.2f%% of this run's completion "
+                    "tokens, a map built from them %.2f%%: it can never propose the other "
+                    "%.2f%%, however it is fine-tuned (training from scratch keeps the better "
+                    "map)", 100 * stats["coverage"],
+                    100 * stats["coverage_of_a_map_from_this_data"], 100 * (1 - stats["coverage"]))
+    warn_low_coverage(stats, stats["draft_vocab_size_for_floor"])
+    write_vocab_map(out_path, d2t, t2d)
     write_json(stats_path, stats)
     return stats
 

@@ -8,8 +8,13 @@ from pathlib import Path
 
 from eaglet.core import methods
 from eaglet.core.io import read_json, read_jsonl
+from eaglet.core.layout import START_RECORD_NAME
 from eaglet.data.prompts import load_source
 from eaglet.model.config import norm_flags
+
+
+# the runs of train.init_from's starting drafter, served as published beside the fine-tuned one
+START_LABEL = "start"
 
 
 class EvaluationError(RuntimeError):
@@ -116,15 +121,22 @@ def drafter_kind(drafter_dir: str | os.PathLike) -> tuple[str, str, str]:
     ``("eagle3", "eagle3", "EAGLE-3")``."""
 
     method = methods.exported(drafter_dir)
+    if Path(drafter_dir, START_RECORD_NAME).is_file():  # train.init_from's, as published
+        return method.name, START_LABEL, f"{_kind(drafter_dir, method)[1]}, as published"
+    return (method.name, *_kind(drafter_dir, method))
+
+
+def _kind(drafter_dir: str | os.PathLike, method: methods.Method) -> tuple[str, str]:
+    """(run-name label, words) of the drafter exported in ``drafter_dir``."""
     config_path = Path(drafter_dir, "config.json")
     config = read_json(config_path) if config_path.is_file() else {}
     if method.block:  # its depth (train.dflash_layers) in words
-        return method.name, method.name, (f"{method.words}, "
-                                          f"{method.depth(config.get('num_hidden_layers', 1))}")
+        return method.name, (f"{method.words}, "
+                             f"{method.depth(config.get('num_hidden_layers', 1))}")
     variant = methods.variant_of(norm_flags(config)) if config else methods.EAGLE3_LAYER
     if len(method.variants) > 1 and variant.flags:  # a variant of the EAGLE-3 layer
-        return method.name, variant.label, variant.words
-    return method.name, method.name, method.words
+        return variant.label, variant.words
+    return method.name, method.words
 
 
 def is_drafter(run: dict) -> bool:

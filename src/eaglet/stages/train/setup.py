@@ -10,9 +10,12 @@ import hashlib
 import json
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from eaglet.core.io import read_json
+from eaglet.core.layout import START_RECORD_NAME
 from eaglet.data.shard_format import safetensors_digest, sha256_path
 from eaglet.data.vocab import load_vocab_map
 from eaglet.model import methods
@@ -78,6 +81,8 @@ def build_drafter(cfg: dict, inputs: Inputs, target_dir: str, rank: int
     started from (``train()``'s summary holds it). Rank 0 logs what the layer took."""
     d2t, t2d = inputs.d2t, inputs.t2d
     torch.manual_seed(cfg["seed"])
+    if cfg.get("init_from"):
+        return start_drafter(cfg["init_from"], inputs, target_dir, rank)
     config = DrafterConfig.from_target(inputs.target_config, d2t.numel(),
                                        inputs.infos[0].aux_layer_ids, cfg["drafter_attention"],
                                        cfg["drafter_variant"])
@@ -97,12 +102,43 @@ def build_drafter(cfg: dict, inputs: Inputs, target_dir: str, rank: int
     return model, teacher_head, layer_init
 
 
+def start_drafter(start_dir: str, inputs: Inputs, target_dir: str, rank: int
+                  ) -> tuple[torch.nn.Module, torch.Tensor, dict]:
+    """``train.init_from``: the starting drafter, as rule start_drafter wrote it in eaglet's
+    export layout (``start_dir``), to be fine-tuned; its vocabulary map is the run's (the vocab
+    stage adopted it) and its aux layers the shards' (extraction captured them). Rank 0 logs
+    which tensors came from the drafter and which are new."""
+    model = methods.load(start_dir, target_dir)
+    if not (torch.equal(model.d2t.cpu(), inputs.d2t) and torch.equal(model.t2d.cpu(), inputs.t2d)):
+        raise TrainError(f"the starting drafter in {start_dir} drafts another vocabulary than "
+                         f"the run's map: the vocab stage adopts the drafter's (rerun it)")
+    aux = list(inputs.infos[0].aux_layer_ids)
+    if list(model.config.aux_layer_ids) != aux:
+        raise TrainError(f"the starting drafter in {start_dir} reads target layers "
+                         f"{list(model.config.aux_layer_ids)}, the shards hold {aux}: extraction "
+                         f"captures the drafter's layers (rerun it)")
+    record = read_json(Path(start_dir) / START_RECORD_NAME)
+    if rank == 0:
+        log.info("fine-tuning the drafter of %s (%s): %d tensors from it%s%s%s",
+                 record["source"], record["format"], len(record["from_drafter"]),
+                 f"; new (initialized): {', '.join(record['new'])}" if record["new"] else "",
+                 f"; derived: {', '.join(record['derived'])}" if record["derived"] else "",
+                 f"; left out (not the drafter's): {', '.join(record['left_out'])}"
+                 if record["left_out"] else "")
+    teacher_head = load_target_lm_head(target_dir, torch.arange(inputs.d2t.numel()) + inputs.d2t)
+    return model.train(), teacher_head, {"setting": "init_from", "source": record["source"],
+                                         "format": record["format"],
+                                         "new": record["new"]}
+
+
 def fingerprint_and_subset(cfg: dict, infos: list[ShardInfo], group: int, vocab_map: str,
                            train_samples: list[str] | None) -> tuple[dict, set[int] | None]:
     """The run's fingerprint (what a checkpoint must match to be resumed; ``group``: the
     micro-batches of one optimizer step) and the global indices of ``train_samples``, the ids
     of the samples to train on (None: all, and no subset)."""
     fingerprint = ckpt.fingerprint(cfg, infos, group, safetensors_digest(vocab_map))
+    if cfg.get("init_from"):  # the starting drafter's weights, not only where they lie
+        fingerprint["start_drafter"] = safetensors_digest(Path(cfg["init_from"]) / "model.safetensors")
     # what checkpoints of an earlier eaglet recorded: the file's bytes (matched once, below)
     fingerprint["vocab_map_file_sha256"] = sha256_path(vocab_map)
     subset = None
