@@ -19,7 +19,7 @@ include: "rules/common.smk"
 # report/*.rst with the config as all they get of the run (eaglet.tools.report_page).
 from eaglet.tools.report_page import REPORT_KEY, report_texts
 
-config[REPORT_KEY] = report_texts(R)
+config[REPORT_KEY] = report_texts(R, config)
 
 
 import time

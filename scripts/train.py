@@ -12,6 +12,7 @@ from eaglet.stages.scripting import run_stage
 from eaglet.stages.train.loop import launch_torchrun, train
 from eaglet.stages.train.stream import stream_devices
 from eaglet.target.checkpoint import read_target
+from eaglet.tools.model_card import write_card
 
 smk = snakemake  # noqa: F821 (injected by Snakemake)
 target = read_target(smk.input.target)
@@ -45,6 +46,8 @@ def body() -> None:
         launch_torchrun(args, nproc)
     else:
         train(**args)
+    # the exported drafter's model card (not evaluated yet: the evaluation rewrites it)
+    write_card(smk.config["results_dir"], smk.config)
 
 
 run_stage("train", smk.log[0], body, gpus=gpus)

@@ -264,7 +264,7 @@ def test_the_serve_command_is_a_literal_block_ready_to_copy(results):
     body = rendered(first_page(results))
     blocks = [html.unescape(b) for b in re.findall(r'<pre class="literal-block">(.*?)</pre>',
                                                    body, re.S)]
-    assert len(blocks) == 1
+    assert len(blocks) == 2  # the serve command, then the model card (test_model_card.py)
     command = shlex.split(blocks[0])
     assert command[:5] == ["python", "-m", "vllm.entrypoints.openai.api_server", "--model",
                            str(results / "target")]

@@ -255,8 +255,9 @@ def speculators_config(config: dict, verifier: str, verifier_architectures: list
 def export_speculators(drafter_dir: str | Path, out_dir: str | Path, verifier: str,
                        num_speculative_tokens: int) -> dict:
     """A speculators-format copy of an exported drafter in ``out_dir`` (``config.json``, and
-    ``model.safetensors`` linked or copied), so ``vllm serve out_dir`` needs no
-    ``--speculative-config``; ``drafter_dir`` itself is left as it is."""
+    ``model.safetensors`` linked or copied, and its model card ``README.md`` where it has
+    one), so ``vllm serve out_dir`` needs no ``--speculative-config``; ``drafter_dir`` itself
+    is left as it is."""
     drafter_dir, out_dir = Path(drafter_dir), Path(out_dir)
     drafter = read_json(drafter_dir / "config.json")
     method = methods.from_config(drafter)
@@ -281,6 +282,10 @@ def export_speculators(drafter_dir: str | Path, out_dir: str | Path, verifier: s
         os.link(drafter_dir / "model.safetensors", weights)
     except OSError:  # another filesystem
         shutil.copyfile(drafter_dir / "model.safetensors", weights)
+    card = drafter_dir / "README.md"  # its model card (eaglet.tools.model_card), the same
+    if card.is_file():
+        with atomic_open(out_dir / "README.md") as handle:
+            handle.write(card.read_text())
     write_json(out_dir / "config.json", config)
     return config
 

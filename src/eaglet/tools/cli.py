@@ -1,5 +1,5 @@
-"""The `eaglet` command line: its subcommands (rehearse, status, plan, speculators), each of which
-loads its own modules only when it runs."""
+"""The `eaglet` command line: its subcommands (rehearse, status, plan, speculators, publish), each
+of which loads its own modules only when it runs."""
 
 from __future__ import annotations
 
@@ -21,10 +21,12 @@ def _main_of(command: str):
         return plan_main
     if command == "speculators":
         return speculators_main
+    if command == "publish":
+        return publish_main
     return None
 
 
-COMMANDS = ("rehearse", "status", "plan", "speculators")
+COMMANDS = ("rehearse", "status", "plan", "speculators", "publish")
 
 
 def usage(command: str) -> str:
@@ -50,7 +52,9 @@ def main(argv: list[str] | None = None) -> int:
               "               architecture, template and tokenizer, toy widths) in minutes on\n"
               "               the CPU: what would fail, stage by stage, before the real run\n"
               "  speculators  a speculators-format copy of a drafter: `vllm serve OUT_DIR`\n"
-              "               serves the target with it, no --speculative-config needed\n\n"
+              "               serves the target with it, no --speculative-config needed\n"
+              "  publish      upload an exported drafter and its model card (README.md) to the\n"
+              "               Hugging Face Hub\n\n"
               "`eaglet COMMAND --help` explains a command's options.")
         return 0
     command = _main_of(argv[0])
@@ -75,6 +79,32 @@ def speculators_main(argv: list[str]) -> int:
     export_speculators(args.drafter_dir, args.out_dir, args.target, args.k)
     print(f"wrote {args.out_dir}: serve it with "
           f"python -m vllm.entrypoints.openai.api_server --model {args.out_dir}")
+    return 0
+
+
+def publish_main(argv: list[str]) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="eaglet publish",
+        description="Upload an exported drafter (config.json, model.safetensors and its model "
+                    "card README.md) to the Hugging Face Hub as REPO_ID, creating the repo. "
+                    "Needs a token with write access (`hf auth login` or HF_TOKEN) and the "
+                    "network.")
+    parser.add_argument("drafter_dir", help="the exported drafter (e.g. results/drafter, or "
+                        "its speculators-format copy)")
+    parser.add_argument("repo_id", help="the Hub repo to create or update: OWNER/NAME")
+    parser.add_argument("--private", action="store_true", help="create the repo private")
+    args = parser.parse_args(argv)
+    from eaglet.tools.model_card import PublishError, publish  # after parsing
+
+    try:
+        url = publish(args.drafter_dir, args.repo_id, private=args.private)
+    except PublishError as exc:
+        print(f"eaglet publish: {exc}", file=sys.stderr)
+        return 1
+    print(f"published {args.drafter_dir} as {url} (its README.md serves the drafter from "
+          f"{args.repo_id})")
     return 0
 
 

@@ -33,6 +33,7 @@ from eaglet.core.progress import format_duration, took
 from eaglet.engine.server import SERVER_MODULE
 from eaglet.core.methods import words
 from eaglet.stages.evaluate.runs import is_drafter, sampling_text
+from eaglet.tools.model_card import model_card
 from eaglet.tools.status.stages import OPTIONAL_STAGES, STAGES
 
 # the config entry the Snakefile fills and report/*.rst print; not a setting, so it never
@@ -156,9 +157,10 @@ def _speedups(run: dict) -> str:
 
 # -- the first page --------------------------------------------------------------------------
 
-def first_page(results: str | os.PathLike | Results) -> str:
-    """The report's first page: the verdict, the headline numbers, the serve command and the
-    run, or, before evaluation, what the run has done so far."""
+def first_page(results: str | os.PathLike | Results, cfg: dict | None = None) -> str:
+    """The report's first page: the verdict, the headline numbers, the serve command, the
+    run and the drafter's model card, or, before evaluation, what the run has done so far.
+    ``cfg``: the run's config, for the card (None: as the run recorded it)."""
     run = results if isinstance(results, Results) else Results(results)
     if run.acceptance is None:
         lines = heading(f"{run.dir}: not evaluated yet", "=") + [
@@ -170,7 +172,7 @@ def first_page(results: str | os.PathLike | Results) -> str:
     lines = heading(f"Verdict on the drafter for {spec}" if spec else "Verdict", "=")
     lines += (verdict_lines(run.acceptance) + headline_section(run) + methods_section(run)
               + serve_section(run))
-    return "\n".join(lines + run_section(run))
+    return "\n".join(lines + run_section(run) + card_section(run, cfg))
 
 
 def verdict_lines(acceptance: dict) -> list[str]:
@@ -277,6 +279,16 @@ def serve_section(run: Results) -> list[str]:
               "With the GPU package, ``vllm serve MODEL`` takes the same arguments after the "
               "model; add your server's own settings (dtype, tensor parallelism, ...).", ""]
     return lines
+
+
+def card_section(run: Results, cfg: dict | None = None) -> list[str]:
+    """The drafter's model card (``eaglet.tools.model_card``), as a literal block: the
+    markdown and its metadata block exactly as drafter/README.md holds them."""
+    card = model_card(run.dir, cfg)
+    return heading("Model card", "-") + [
+        "drafter/README.md: the card the evaluation writes into the exported drafter, ready "
+        "for ``eaglet publish`` (the speculators-format copy carries it too).", "", "::",
+        ""] + [f"    {line}" if line else "" for line in card.splitlines()] + [""]
 
 
 def run_section(run: Results) -> list[str]:
@@ -500,15 +512,16 @@ TEXTS: dict[str, Callable[[Results], str]] = {
 }
 
 
-def report_texts(results: str | os.PathLike) -> dict[str, str]:
-    """Every text report/*.rst prints, by name: ``first_page`` and one caption per result.
+def report_texts(results: str | os.PathLike, cfg: dict | None = None) -> dict[str, str]:
+    """Every text report/*.rst prints, by name: ``first_page`` and one caption per result;
+    ``cfg``: the run's config, for the model card (None: as the run recorded it).
     Never raises: the Snakefile computes them whenever it is read, and no run or dry run
     may stop over its report; a text that cannot be written from these results says why."""
     run = Results(results)
     out = {}
     for name, write in TEXTS.items():
         try:
-            out[name] = write(run)
+            out[name] = first_page(run, cfg) if write is first_page else write(run)
         except Exception as error:  # noqa: BLE001 (a result of another shape than expected)
             out[name] = text(f"This text could not be written from the results in {run.dir}: "
                              f"{type(error).__name__}: {error}")
