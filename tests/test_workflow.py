@@ -10,6 +10,7 @@ generation once more with the hidden states captured by vLLM as it generates
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import re
@@ -21,6 +22,7 @@ from html import unescape
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from eaglet.core.config import load_run_config
 from eaglet.core.io import read_json, read_jsonl
@@ -357,6 +359,53 @@ def test_a_dflash_drafter_trains_and_is_served_beside_eagle3(results, tmp_path):
             1.0, abs=0.01)
     assert acceptance["offline"]["dflash_k3"]["acceptance_length"] > 1.0  # it drafts something
     assert status(dflash, str(workflow.TINY))["train"]["facts"]["method"] == "dflash"
+
+
+def test_a_published_drafter_is_fine_tuned_and_served_beside_its_start(results, tmp_path):
+    """train.init_from: the first run's exported drafter, as a user would start from a
+    published one, fine-tuned on the same data in a results dir of its own: the start is
+    converted (every tensor from it, none new), its vocabulary map is the run's, training
+    starts from its weights (step 0's held-out AL is the start's, not a random drafter's),
+    and the evaluation serves it as published (start_k3) beside the fine-tune (eagle3_k3)."""
+    tuned = results.parent / "tuned"
+    tuned.mkdir()
+    for part in results.iterdir():
+        if part.name in ("drafter", "drafter_checkpoints", "eval", "logs", "run", "vocab"):
+            continue
+        if part.is_dir():
+            shutil.copytree(part, tuned / part.name, copy_function=os.link)
+    overlay = tmp_path / "tuned.yaml"
+    overlay.write_text(f"train:\n  init_from: {results / 'drafter'}\n  epochs: 1\n"
+                       f"evaluate:\n  ngram: false\n  schedule: false\n  offline: false\n")
+    proc = workflow.run(tuned, "eval/acceptance.json", configs=(overlay,),
+                        extra=("--rerun-triggers", "mtime"), timeout=1800)
+    ran = proc.stdout + proc.stderr
+    assert "rule start_drafter" in ran and "rule extract" not in ran, ran[-3000:]
+    record = read_json(tuned / "start_drafter" / "start.json")
+    assert record["format"] == "eaglet / vLLM EAGLE-3 layout" and not record["new"]
+    start_map = load_file(str(results / "drafter" / "model.safetensors"))
+    tuned_map = load_file(str(tuned / "vocab" / "vocab_map.safetensors"))
+    assert torch.equal(tuned_map["t2d"], start_map["t2d"].to(torch.bool))
+    vocab = read_json(tuned / "vocab" / "stats.json")
+    assert vocab["from"] == str(results / "drafter") and vocab["coverage"] > 0
+    # training started from the drafter: its step-0 held-out row is the start's quality,
+    # the first run's shipped held-out AL on the same held-out shards
+    first = read_json(results / "drafter" / "stats.json")
+    rows = list(csv.DictReader((tuned / "drafter" / "training_log.csv").open()))
+    step0 = next(r for r in rows if r["split"] == "eval")
+    assert int(step0["step"]) == 0
+    assert float(step0["sim_al"]) == pytest.approx(first["shipped"]["heldout_al"],
+                                                              rel=1e-3)
+    log = (tuned / "logs" / "train.log").read_text()
+    assert "fine-tuning the drafter of" in log and "0 tensors" not in log
+    stats = read_json(tuned / "drafter" / "stats.json")
+    assert stats["layer_init"]["setting"] == "init_from"
+    acceptance = read_json(tuned / "eval" / "acceptance.json")
+    runs = {r["name"]: r for r in acceptance["runs"]}
+    assert set(runs) == {"baseline", "eagle3_k3", "start_k3"}
+    assert runs["start_k3"]["compare"] and runs["start_k3"]["drafts"] > 0
+    table = {row["name"]: row for row in acceptance["methods"]}
+    assert table["start_k3"]["kind"] == "EAGLE-3, as published"
 
 
 def test_states_captured_while_generating_stream_into_training_like_the_extracted_ones(

@@ -372,6 +372,10 @@ class TrainingRun:
         world = trainer.dist.world
         window = torch.zeros(3, K, dtype=torch.float64, device=trainer.device)
         window_tokens, window_start = 0, time.monotonic()
+        if cfg.get("init_from") and trainer.step == 0 and len(trainer.eval_data):
+            # a fine-tune's step-0 row: the starting drafter's held-out quality, which the
+            # fine-tune must beat to ship other weights than the start's
+            self.best.consider(self.log_row("eval", trainer.evaluate()), trainer.model)
         while trainer.step < trainer.total_steps and trainer.epoch < cfg["epochs"]:
             plan = trainer.plan(trainer.epoch)
             steps = steps_in(plan, trainer.group)
