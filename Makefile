@@ -1,10 +1,10 @@
-# The two commands of the README: `make demo` and `make test`.
+# The two commands of the README: `make demo` and `make test`; `make lint` before them in CI.
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 CORES  ?= 2
 
-.PHONY: install demo test test-slurm test-rehearsals clean peer-bench-install
+.PHONY: install demo test lint format test-slurm test-rehearsals clean peer-bench-install
 
 install: $(VENV)/.installed
 
@@ -25,6 +25,20 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest -v --durations=15
+
+# the Python code by ruff (lint and format, configured in pyproject.toml), the Snakefile and
+# rules/*.smk by snakefmt, the workflow by Snakemake's own lint; `make format` rewrites what
+# the first three would refuse
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/snakefmt --check Snakefile rules
+	$(BIN)/snakemake --lint
+
+format: install
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+	$(BIN)/snakefmt Snakefile rules
 
 # the cluster path on a real scheduler: a one-node SLURM of Debian's packages started on this
 # machine (as root; tests/slurm/cluster.sh), the tiny workflow through profiles/slurm

@@ -134,7 +134,7 @@ PATIENCE_S, TRIES = 120.0, 2
 def clean_measure(measure, server, most_share: float = 0.1) -> dict:
     """``measure()`` once the machine is quiet, again (at most ``TRIES`` times) while other
     processes took more than ``most_share`` of the machine's cores during it."""
-    for attempt in range(TRIES):
+    for attempt in range(TRIES):  # noqa: B007 (read after the loop: the number of tries)
         wait_quiet(server, PATIENCE_S)
         out = measure()
         if out["others_cpu_s"] <= most_share * out["wall_s"] * os.cpu_count():
@@ -397,8 +397,8 @@ def main() -> None:
         for round_ in range(args.rounds):
             work = Path(tmp) / f"work{round_}"
             steps = [lambda: {"bare": run_bare(cfg, args, seqs, warm, tokens, logs)},
-                     lambda: run_capture_server(cfg, args, codes, seqs, warm, tokens, info,
-                                                work, logs, round_)]
+                     lambda work=work, round_=round_: run_capture_server(
+                         cfg, args, codes, seqs, warm, tokens, info, work, logs, round_)]
             for step in (reversed(steps) if round_ % 2 else steps):
                 for name, result in step().items():
                     runs[name].append(result)

@@ -77,11 +77,12 @@ from eaglet.model.config import DrafterConfig  # noqa: E402
 from eaglet.model.drafter import Eagle3Drafter, count_flops_per_token, num_params  # noqa: E402
 from eaglet.model.init import init_lm_head  # noqa: E402
 from eaglet.model.sizes import PRESETS, Shape  # noqa: E402
-from eaglet.stages.extract.hf import (extract_shards, finish_shard, forward_batch,
-                                      right_padded, stream_shard, token_budget_batches)
+from eaglet.stages.extract.hf import (  # noqa: E402
+    extract_shards, finish_shard, forward_batch, right_padded, stream_shard,
+    token_budget_batches)
 from eaglet.stages.train.data import Prefetcher, prefetch_depth  # noqa: E402
 from eaglet.stages.train.loop import Dist, Trainer  # noqa: E402
-from eaglet.target.hooks import AuxCapture, decoder_layers
+from eaglet.target.hooks import AuxCapture, decoder_layers  # noqa: E402
 from eaglet.target.states import Target, default_aux_layer_ids, sequence  # noqa: E402
 
 OUT = Path(__file__).parent / "results"

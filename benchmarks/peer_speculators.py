@@ -245,10 +245,12 @@ def try_cli(argv: list[str], timeout_s: int) -> dict:
                               capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return {"exit": "timeout", "seconds": timeout_s, "error": "still running (trained)"}
-    lines = [l for l in (proc.stdout + proc.stderr).splitlines() if l.strip()]
-    error = next((l for l in reversed(lines) if "Error" in l or "error" in l), lines[-1:] or [""])
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    error = next((line for line in reversed(lines) if "Error" in line or "error" in line),
+                 lines[-1:] or [""])
     # the last frame inside speculators, its path from the package on
-    trace = [l.strip() for l in lines if l.strip().startswith('File "') and "/speculators/" in l]
+    trace = [line.strip() for line in lines
+             if line.strip().startswith('File "') and "/speculators/" in line]
     where = None
     if trace:
         where = "speculators/" + trace[-1].split("/speculators/", 1)[1].replace('"', "")

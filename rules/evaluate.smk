@@ -15,6 +15,10 @@ rule evaluate:
     batch-size schedule of k (serve.json); replay the drafter offline (exactly at 0, its
     expected acceptance above)."""
     input:
+        # the offline replay reads the target's states of the held-out answers from here
+        # (** entries first: snakefmt puts them there, and would leave comments behind)
+        **({"held_out": hidden_files("eval", ".safetensors")} if config["evaluate"]["offline"]
+           else {}),
         target=f"{R}/{layout.TARGET_JSON}",
         drafter=f"{R}/{layout.DRAFTER_WEIGHTS}",
         drafter_config=f"{R}/{layout.DRAFTER_CONFIG}",
@@ -22,9 +26,6 @@ rule evaluate:
         train_prompts=f"{R}/{layout.PROMPTS_TRAIN}",
         prompt_sets=[s["source"]["path"] for s in config["evaluate"]["prompt_sets"]
                      if s["source"].get("path")],
-        # the offline replay reads the target's states of the held-out answers from here
-        **({"held_out": hidden_files("eval", ".safetensors")} if config["evaluate"]["offline"]
-           else {}),
         # drafters served beside this run's for comparison: a new export reruns the sweep
         compared=[f"{d}/model.safetensors" for d in config["evaluate"]["compare_drafters"]],
         settings=settings_file("evaluate", EVALUATE_SETTINGS),

@@ -35,13 +35,16 @@ rule train:
     """Train the EAGLE-3 drafter with training-time test and export it as vLLM loads it.
     Resumes from drafter_checkpoints/ after an interruption."""
     input:
+        # stream: the generated training answers, whose states the server makes as training
+        # asks (** entries first: snakefmt puts them there, and would leave comments behind)
+        **({"data": f"{R}/{layout.SYNTHETIC_TRAIN}"} if STREAM else {}),
+        # train.init_from: the drafter rule start_drafter wrote, to fine-tune
+        **({"start": f"{R}/{layout.START_DRAFTER_WEIGHTS}"} if START else {}),
         target=f"{R}/{layout.TARGET_JSON}",
         manifest=f"{R}/{layout.MANIFEST}",
         shards=hidden_files("train", ".safetensors"),
         eval_shards=hidden_files("eval", ".safetensors"),
         vocab=f"{R}/{layout.VOCAB_MAP}",
-        **({"data": f"{R}/{layout.SYNTHETIC_TRAIN}"} if STREAM else {}),
-        **({"start": f"{R}/{layout.START_DRAFTER_WEIGHTS}"} if START else {}),
         settings=settings_file("train", TRAIN_SETTINGS),
     output:
         config=f"{R}/{layout.DRAFTER_CONFIG}",
@@ -52,12 +55,12 @@ rule train:
             category="Training",
         ),
     params:
-        train=stage_params(config, "train", drop=("gpus",)),
-        checkpoints=f"{R}/{layout.CHECKPOINTS}",
-        progress=f"{R}/{layout.progress_file('train')}",
         # stream: what the streamed states depend on, as the extraction's (rules/extract.smk),
         # and where the server saves them (the vllm extraction's, and capture's, directory)
         **({"stream": {**EXTRACT_PARAMS, "work": f"{R}/{layout.VLLM_WORK}"}} if STREAM else {}),
+        train=stage_params(config, "train", drop=("gpus",)),
+        checkpoints=f"{R}/{layout.CHECKPOINTS}",
+        progress=f"{R}/{layout.progress_file('train')}",
     threads: MODEL_THREADS
     resources:
         **job_resources("train", TRAIN_GPUS),

@@ -51,7 +51,7 @@ def tiny_model(seed: int = 0) -> Eagle3Drafter:
     d2t, t2d = vocab_map()
     model = Eagle3Drafter(tiny_config(), torch.randn(VOCAB, H), d2t, t2d)
     with torch.no_grad():  # norms away from 1 so that a misplaced norm shows
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.ndim == 1:
                 p.uniform_(0.5, 1.5)
     return model.eval()
@@ -615,14 +615,14 @@ def test_drafter_gradients_are_the_same_with_every_attention():
     model = tiny_model()
     pieces = [sample(7, 1), sample(5, 2), sample(9, 3)]
     got = {}
-    for attention in ("eager", "sdpa"):
-        model.attention = attention
+    for kind in ("eager", "sdpa"):
+        model.attention = kind
         model.zero_grad()
         _, logits = run_batch(model, pieces)
         gen = torch.Generator().manual_seed(5)
         sum((z * torch.randn(z.shape, generator=gen)).sum() for z in logits).backward()
-        got[attention] = ([z.detach() for z in logits],
-                          {n: p.grad.clone() for n, p in model.named_parameters()})
+        got[kind] = ([z.detach() for z in logits],
+                     {n: p.grad.clone() for n, p in model.named_parameters()})
     for a, b in zip(got["eager"][0], got["sdpa"][0]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     for name, grad in got["eager"][1].items():

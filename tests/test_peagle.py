@@ -186,7 +186,7 @@ def test_train_method_peagle_trains_exports_and_never_resumes_as_eagle3(world, t
     """``train.method: peagle`` through the training run: the losses fall, the export is the
     parallel drafter (mask token: the target's bos), and an EAGLE-3 run over its
     checkpoints starts over instead of resuming them."""
-    result = run(world, tmp_path, {**FAST, "epochs": 4, "method": "peagle"})
+    run(world, tmp_path, {**FAST, "epochs": 4, "method": "peagle"})
     out = tmp_path / "run" / "drafter"
     evals = [r for r in read_log(out / "training_log.csv") if r["split"] == "eval"]
     assert float(evals[-1]["loss"]) < float(evals[0]["loss"])

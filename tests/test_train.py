@@ -690,7 +690,7 @@ def test_sigterm_checkpoints_and_says_so_and_the_rerun_resumes_to_the_same_weigh
     assert stopped_at == 3  # the step it was in, not a regular checkpoint (every 100 steps)
     resumed = run(world, tmp_path, {**FAST, "checkpoint_every": 100}, "term")
     assert resumed["resumed_from_step"] == stopped_at
-    whole = run(world, tmp_path, {**FAST, "checkpoint_every": 100}, "whole")
+    run(world, tmp_path, {**FAST, "checkpoint_every": 100}, "whole")
     ours, theirs = weights(tmp_path / "term" / "drafter"), weights(tmp_path / "whole" / "drafter")
     assert ours.keys() == theirs.keys()
     for name in ours:

@@ -323,7 +323,7 @@ def test_a_stopped_stream_run_resumes_to_the_uninterrupted_weights(world, tmp_pa
     """Stopped mid-epoch (as if killed) with requests in flight and files left on disk, the
     rerun resumes from the checkpoint, asks for what it still needs, and ends with the
     weights of an uninterrupted run: no sample trained twice in an epoch, none skipped."""
-    requests = Requests(world["model"], monkeypatch)
+    Requests(world["model"], monkeypatch)  # answers the run's prefill requests
     cfg = {**TRAIN, "data": "stream", "stream_ahead": 3}
     whole = run(world, tmp_path, "whole", cfg, stream_args(world, requests_dir(world, tmp_path / "a",
                                                                                False)))

@@ -121,7 +121,7 @@ def claim(n: int, gpus: list[str] | None = None, directory: Path | None = None,
             log.info("waiting for %d free GPUs (held: %s)", n, holders)
             announced = True
         time.sleep(POLL_S)
-    for gpu, fd in got:
+    for _gpu, fd in got:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()}\n".encode(), 0)
         _held.append(fd)

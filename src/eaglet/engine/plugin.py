@@ -165,16 +165,16 @@ def grouped_rms_norm(original: Callable) -> Callable:
     return rms_norm
 
 
-def _norm_mismatch(rms_norm: Callable) -> str | None:
-    """None if ``rms_norm`` normalizes a [2, 3, 2, 8] input by a [2, 8] weight row per layer,
-    else how far off it is."""
+def _norm_mismatch(kernel: Callable) -> str | None:
+    """None if ``kernel`` (vLLM's ``rms_norm(out, input, weight, epsilon)``) normalizes a
+    [2, 3, 2, 8] input by a [2, 8] weight row per layer, else how far off it is."""
     import torch
 
     generator = torch.Generator().manual_seed(0)  # vLLM's seeded generators stay untouched
     x = torch.randn(2, 3, 2, 8, generator=generator)
     weight = torch.rand(2, 8, generator=generator) + 0.5
     out = torch.empty_like(x)
-    rms_norm(out, x, weight, 1e-6)
+    kernel(out, x, weight, 1e-6)
     want = rms_norm(x, weight[:, None, None], 1e-6)
     error = float((out - want).abs().max())
     return None if error < 1e-4 else f"off by up to {error:.3g}"

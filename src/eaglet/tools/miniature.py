@@ -141,7 +141,8 @@ def shrink(text: dict) -> tuple[dict, list[str]]:
                     first.setdefault(kind, value[index])
                 sample = next(iter(value))
                 width = len(str(sample))
-                name = (lambda i: i) if isinstance(sample, int) else (lambda i: str(i).zfill(width))
+                name = ((lambda i: i) if isinstance(sample, int)
+                        else (lambda i, width=width: str(i).zfill(width)))
                 out[key] = {name(i): first[kind] for i, kind in enumerate(kinds[:depth])
                             if kind in first and (isinstance(types, list) or name(i) in value)}
                 changes.append(f"{key}: the overrides of each kind of layer kept for the "
