@@ -83,7 +83,8 @@ from eaglet.stages.extract.hf import (  # noqa: E402
 from eaglet.stages.train.data import Prefetcher, prefetch_depth  # noqa: E402
 from eaglet.stages.train.loop import Dist, Trainer  # noqa: E402
 from eaglet.target.hooks import AuxCapture, decoder_layers  # noqa: E402
-from eaglet.target.states import Target, default_aux_layer_ids, sequence  # noqa: E402
+from eaglet.core.methods import default_aux_layer_ids  # noqa: E402
+from eaglet.target.states import Target, sequence  # noqa: E402
 
 OUT = Path(__file__).parent / "results"
 PEAK_FLOPS = 989e12        # H200 dense bf16 (the datasheet's number without sparsity)

@@ -8,7 +8,7 @@ from eaglet.core.config import (eval_shard_count, outside_working_dir, previews_
 from eaglet.core import layout  # every results path, by name (layout.MANIFEST, ...)
 from eaglet.core.cluster import ClusterError, job_threads, misfits, partitions
 from eaglet.model.published import apply as start_settings
-from eaglet.target.checkpoint import check_recorded_target
+from eaglet.target.checkpoint import check_recorded_target, read_target
 
 _validated = validate(config)
 config.clear()
@@ -19,7 +19,15 @@ if outside_working_dir(R):
     logger.warning(outside_working_dir(R))
 # train.init_from: the starting drafter decides the method, vocabulary and aux layers
 START = config["train"]["init_from"]
-for _note in start_settings(config, f"{R}/{layout.START_DRAFTER}"):
+def _target_config():
+    """The prepared target's config.json, where it is prepared (None before)."""
+    try:
+        return f"{read_target(f'{R}/{layout.TARGET_JSON}')['path']}/config.json"
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+for _note in start_settings(config, f"{R}/{layout.START_DRAFTER}", _target_config()):
     logger.info(_note)
 # settings the prepared target cannot honour stop here, before any stage runs
 check_recorded_target(f"{R}/{layout.TARGET_JSON}", config["target"]["model"],

@@ -26,7 +26,8 @@ from eaglet.stages.extract.hf import (ShardJob, extract_shard, forward_batch, lo
 from eaglet.stages.extract.manifest import build_manifest
 from eaglet.target.checkpoint import prepare_target
 from eaglet.target.hooks import AuxCapture, decoder_layers
-from eaglet.target.states import (ExtractionError, Target, check_disk, default_aux_layer_ids,
+from eaglet.core.methods import default_aux_layer_ids
+from eaglet.target.states import (ExtractionError, Target, check_disk,
                                   predicting_rows, resolve_aux_layer_ids, sequence, shard_bounds,
                                   target_identity, teacher_from_stored)
 from tests.tiny_llama import (LAYERS, greedy_records, make_tiny_llama, one_thread, random_records,

@@ -18,7 +18,7 @@ from eaglet.data.vocab import adopt_vocab_map, load_vocab_map
 from eaglet.model import methods, published
 from eaglet.model.config import DrafterConfig
 from eaglet.model.export import export_speculators
-from eaglet.target.states import default_aux_layer_ids
+from eaglet.core.methods import default_aux_layer_ids
 from tests.tiny_llama import LAYERS, VOCAB, make_tiny_llama
 
 DRAFT = 40
@@ -179,3 +179,15 @@ def test_a_hub_id_that_cannot_be_reached_says_so(monkeypatch):
         published.read("nobody-here/no-such-drafter")
     with pytest.raises(published.DrafterFormatError, match="no directory there"):
         published.read("./no/such/dir")
+
+
+def test_the_targets_default_layers_stay_unset(world, tmp_path):
+    """A drafter reading the target's default aux layers leaves extract.aux_layer_ids unset
+    once the target is prepared: set, it would count as a changed setting and redo a finished
+    extraction."""
+    cfg = validate({"train": {"init_from": str(world["root"] / "eaglet")}})
+    published.apply(cfg, "s", world["target"] / "config.json")
+    assert cfg["extract"]["aux_layer_ids"] is None
+    cfg = validate({"train": {"init_from": str(world["root"] / "eaglet")}})
+    published.apply(cfg, "s")  # before the target is prepared: the drafter's, named
+    assert cfg["extract"]["aux_layer_ids"] == default_aux_layer_ids(LAYERS)

@@ -119,6 +119,12 @@ METHODS = {m.name: m for m in (EAGLE3, PEAGLE, DFLASH)}
 DEFAULT = EAGLE3
 
 
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """vLLM's default EAGLE-3 aux layers of a target of ``num_layers``: early, middle and late
+    (what a drafter whose config names none reads)."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
 def method(name: str) -> Method:
     """The record of ``train.method`` ``name``."""
     if name not in METHODS:

@@ -236,10 +236,9 @@ def convert(published: Published, target_dir: str | os.PathLike, out_dir: str | 
     check_fits(published, target)
     config = dict(published.config)
     if not (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"):
-        from eaglet.target.states import default_aux_layer_ids
         config["eagle_config"] = {**config.get("eagle_config", {}),
                                   "eagle_aux_hidden_state_layer_ids":
-                                      default_aux_layer_ids(target["num_hidden_layers"])}
+                                      methods.default_aux_layer_ids(target["num_hidden_layers"])}
     record = {"source": str(published.path), "format": published.format,
               "method": published.method.name, "from_drafter": [], "new": [], "derived": [],
               "left_out": []}
@@ -291,17 +290,27 @@ def convert(published: Published, target_dir: str | os.PathLike, out_dir: str | 
     return record
 
 
-def apply(cfg: dict, start_dir: str) -> list[str]:
+def apply(cfg: dict, start_dir: str, target_config: str | os.PathLike | None = None
+          ) -> list[str]:
     """Give the run ``cfg`` (validated) the settings its starting drafter decides
     (``train.init_from``; :meth:`Published.settings`), and serve that drafter, converted into
     ``start_dir``, beside the fine-tuned one (``evaluate.compare_drafters``). Returns a line per
-    setting it changed."""
+    setting it changed. ``target_config``: the prepared target's config.json where it exists:
+    aux layers equal to the target's default ones leave ``extract.aux_layer_ids`` unset (set,
+    they would count as changed settings and redo a finished extraction)."""
     spec = cfg["train"].get("init_from")
     if not spec:
         return []
     published = read(spec)
+    settings = published.settings()
+    if target_config and Path(target_config).is_file() and "extract.aux_layer_ids" in settings:
+        text = read_json(target_config)
+        layers = text.get("text_config", text)["num_hidden_layers"]
+        if (cfg["extract"]["aux_layer_ids"] is None
+                and settings["extract.aux_layer_ids"] == methods.default_aux_layer_ids(layers)):
+            del settings["extract.aux_layer_ids"]
     notes = []
-    for dotted, value in published.settings().items():
+    for dotted, value in settings.items():
         section, key = dotted.split(".")
         if cfg[section].get(key) != value:
             notes.append(f"{dotted}: {cfg[section].get(key)!r} -> {value!r} (the starting "

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from eaglet.core.io import read_json, write_json
+from eaglet.core.methods import default_aux_layer_ids
 from eaglet.core.progress import Progress
 from eaglet.data import shards
 from eaglet.data.prompts import recorded_answer
@@ -31,11 +32,6 @@ from eaglet.target.checkpoint import TEACHER_CHUNK_ROWS, TargetHead
 
 class ExtractionError(RuntimeError):
     pass
-
-
-def default_aux_layer_ids(num_layers: int) -> list[int]:
-    """vLLM's default EAGLE-3 aux layers: early, middle and late."""
-    return [2, num_layers // 2, num_layers - 3]
 
 
 def resolve_aux_layer_ids(configured: list[int] | None, num_layers: int) -> list[int]:

@@ -39,7 +39,7 @@ from eaglet.model.config import DrafterConfig
 from eaglet.model.sizes import shape_from_target_config
 from eaglet.stages.evaluate.replay import GREEDY_TOLERANCE, NOISE_ERRORS, within
 from eaglet.target.checkpoint import TargetError, check_run_fits, local_dir, snapshot, text_config
-from eaglet.target.states import default_aux_layer_ids
+from eaglet.core.methods import default_aux_layer_ids
 from eaglet.tools.miniature import SHARPEN, TEACH_BATCH, TEACH_STEPS, build
 from eaglet.tools.plan import plan, render
 
