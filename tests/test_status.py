@@ -14,6 +14,7 @@ import pytest
 from eaglet.core import rates
 from eaglet.core.progress import Progress
 from eaglet.tools import status
+from tests.helpers.paths import EAGLET, REPO, SNAKEMAKE, SRC, TINY, pythonpath_env
 
 
 @pytest.fixture
@@ -497,14 +498,6 @@ def test_interleaved_the_sweeps_servers_start_together_as_an_earlier_evaluation_
 
 # -- the command line --------------------------------------------------------------------------
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _env():
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(REPO / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])}
-
-
 def _finished_prompts(tmp_path):
     r = tmp_path / "results"
     _prompts(r, 30, 10)
@@ -514,18 +507,19 @@ def _finished_prompts(tmp_path):
 
 
 @pytest.mark.parametrize("command", [[sys.executable, "-m", "eaglet.tools.cli"],
-                                     [str(Path(sys.executable).parent / "eaglet")]],
+                                     [str(EAGLET)]],
                          ids=["python -m eaglet.tools.cli", "the eaglet console script"])
 def test_the_eaglet_command_prints_the_status_as_json(tmp_path, history, command):
     r = _finished_prompts(tmp_path)
     proc = subprocess.run([*command, "status", "--results", str(r), "--no-snakemake", "--json"],
-                          cwd=REPO, env=_env(), text=True, capture_output=True, timeout=120)
+                          cwd=REPO, env=pythonpath_env(SRC), text=True, capture_output=True,
+                          timeout=120)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["results"] == str(r)
     states = {s["stage"]: s["state"] for s in report["stages"]}
     assert states["prepare_prompts"] == "completed" and states["generate"] == "pending"
-    unknown = subprocess.run([*command, "stats"], cwd=REPO, env=_env(), text=True,
+    unknown = subprocess.run([*command, "stats"], cwd=REPO, env=pythonpath_env(SRC), text=True,
                              capture_output=True, timeout=120)
     assert unknown.returncode == 2 and "unknown command 'stats'" in unknown.stderr
 
@@ -534,7 +528,7 @@ def test_watch_redraws_the_status_until_stopped(tmp_path, history):
     r = _finished_prompts(tmp_path)
     proc = subprocess.Popen([sys.executable, "-m", "eaglet.tools.cli", "status", "--results", str(r),
                              "--no-snakemake", "--watch", "0.1"],
-                            cwd=REPO, env=_env(), text=True, stdout=subprocess.PIPE)
+                            cwd=REPO, env=pythonpath_env(SRC), text=True, stdout=subprocess.PIPE)
     screens = []
     try:
         for line in proc.stdout:  # blocks until the next line; ends if the process exits
@@ -567,10 +561,9 @@ def test_the_stages_are_the_workflows_rules_in_its_order(tmp_path, backend):
     overlay = tmp_path / "backend.yaml"
     overlay.write_text(f"extract:\n  backend: {backend}\n")
     proc = subprocess.run(
-        [str(Path(sys.executable).parent / "snakemake"), "-n", "--cores", "1", "--configfile",
-         str(REPO / "tests" / "configs" / "tiny.yaml"), str(overlay),
+        [str(SNAKEMAKE), "-n", "--cores", "1", "--configfile", str(TINY), str(overlay),
          "--config", f"results_dir={r}"],
-        cwd=REPO, env=_env(), text=True, capture_output=True, timeout=300)
+        cwd=REPO, env=pythonpath_env(SRC), text=True, capture_output=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     jobs = [job for job in parse_dry_run(proc.stdout) if job.rule not in NOT_STAGES]
     position = {rule: i for i, s in enumerate(status.STAGES) for rule in s.rules}

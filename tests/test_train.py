@@ -24,6 +24,7 @@ from eaglet.data import shards
 from eaglet.stages.train.data import (Samples, add_feature_noise, make_batch, step_micro_batches,
                                       steps_in)
 from eaglet.stages.train.loop import Dist, Trainer, TrainError, launch_torchrun, settings, train
+from tests.helpers.paths import REPO, pythonpath_env
 
 AUX_LAYERS = [1, 2, 3]
 VOCAB, DRAFT_VOCAB = 256, 160
@@ -677,7 +678,7 @@ def test_sigterm_checkpoints_and_says_so_and_the_rerun_resumes_to_the_same_weigh
     import subprocess
     import sys
 
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = pythonpath_env(REPO)
     done = subprocess.run([sys.executable, "-c", SIGTERMED,
                            json.dumps({k: (v if isinstance(v, str) else [str(p) for p in v])
                                        for k, v in world.items() if k != "root"}),
