@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import save_file
 
 from eaglet.core.config import validate
+from eaglet.core.io import request_path
 from eaglet.engine.capture import capture_args, capture_layer_ids
-from eaglet.engine.extraction import (capture_server, load_head, read_request, request_path,
-                                      split_states)
+from eaglet.engine.extraction import capture_server, load_head, read_request, split_states
 from tests.tiny_llama import HIDDEN, LAYERS, make_tiny_llama, one_thread
 
 

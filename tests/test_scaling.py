@@ -15,7 +15,8 @@ import torch
 
 from eaglet.core.io import write_json
 from eaglet.stages import scaling
-from eaglet.stages.train.loop import Dist, Trainer, TrainError, settings
+from eaglet.stages.train.data import TrainError
+from eaglet.stages.train.loop import Dist, Trainer, settings
 from tests.helpers.paths import REPO, SNAKEMAKE, SRC, TINY, pythonpath_env
 from tests.test_train import FAST, make_target, write_shards, write_vocab_map
 

@@ -21,9 +21,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from eaglet.core.io import atomic_open
 from eaglet.data import shards
-from eaglet.stages.train.data import (Samples, add_feature_noise, make_batch, step_micro_batches,
-                                      steps_in)
-from eaglet.stages.train.loop import Dist, Trainer, TrainError, launch_torchrun, settings, train
+from eaglet.stages.train.data import (Samples, TrainError, add_feature_noise, make_batch,
+                                      step_micro_batches, steps_in)
+from eaglet.stages.train.loop import Dist, Trainer, launch_torchrun, settings, train
 from tests.helpers.paths import REPO, pythonpath_env
 
 AUX_LAYERS = [1, 2, 3]
