@@ -9,7 +9,6 @@ eaglet, and each kind of real mismatch still fails."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -17,8 +16,8 @@ from transformers import AutoTokenizer
 
 from eaglet.data.template_check import answer_format, check_record, render_ids, text_ids
 from eaglet.tools.miniature import answer_text
+from tests.helpers.paths import STANDINS
 
-STANDINS = Path(__file__).resolve().parent / "standins"
 # stand-in: (reasoning parser, template variables, trust_remote_code)
 FAMILIES = {
     "kimi-k2.5": ("kimi_k2", {"thinking": True}, True),

@@ -8,6 +8,7 @@ import pytest
 
 from eaglet.tools import plan
 from eaglet.tools.cli import COMMANDS, main
+from tests.helpers.paths import STANDINS
 
 
 def options(text: str) -> set[str]:
@@ -72,9 +73,7 @@ def test_plan_reads_an_unprepared_targets_own_files_and_names_a_missing_director
     """eaglet plan refused a run whose target was not prepared yet (for a hub model that
     means its weights), with a hint lacking --configfile: it plans from the target's config
     files, as rehearse does; a local target.model that is no directory is said so."""
-    from pathlib import Path
-
-    standin = Path(__file__).parent / "standins" / "qwen3-8b"
+    standin = STANDINS / "qwen3-8b"
     config = tmp_path / "run.yaml"
     config.write_text(f"results_dir: {tmp_path / 'results'}\ntarget: {{model: {standin}}}\n")
     assert main(["plan", "--configfile", str(config)]) == 0

@@ -15,18 +15,15 @@ import os
 import re
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from snakemake.profiles import ProfileConfigFileParser
 
 from tests.fake_slurm import fake_slurm
+from tests.helpers.paths import REPO, SNAKEMAKE, TINY
 from tests.workflows.dryrun import parse_dry_run
 
-REPO = Path(__file__).resolve().parents[1]
-SNAKEMAKE = Path(sys.executable).parent / "snakemake"
-TINY = REPO / "tests" / "configs" / "tiny.yaml"
 SLURM_PROFILE = REPO / "profiles" / "slurm"
 
 CPU_RULES = {"prepare_target", "prepare_prompts", "vocab_map", "plots"}

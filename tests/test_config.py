@@ -12,9 +12,7 @@ import yaml
 
 from eaglet.core.config import (ADDED_LATER, ConfigError, cpu_tunings_on_gpus, eval_shard_count,
                                 load, schema, stage_params, validate)
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-SNAKEMAKE = REPO_ROOT / ".venv" / "bin" / "snakemake"
+from tests.helpers.paths import REPO, SNAKEMAKE
 
 
 def config_error(config: dict) -> str:
@@ -46,13 +44,13 @@ def lookup(cfg: dict, path: str):
 @pytest.mark.parametrize("path", ["config.yaml", "tests/configs/tiny.yaml",
                                   "configs/cpu-large.yaml"])
 def test_repo_configs_validate(path):
-    cfg = load(str(REPO_ROOT / path))
+    cfg = load(str(REPO / path))
 
     assert set(cfg) == set(schema()["properties"])  # every section, filled with defaults
 
 
 def test_repo_config_values_survive_validation():
-    cfg = load(str(REPO_ROOT / "config.yaml"))
+    cfg = load(str(REPO / "config.yaml"))
 
     assert cfg["server"]["kv_cache_gib"] == 2 and cfg["evaluate"]["kv_cache_gib"] == 0.5
     assert cfg["generate"]["max_tokens"] == 256  # not the schema's default of 512
@@ -120,7 +118,7 @@ def test_schema_defaults_carry_no_cpu_tuning():
 
 
 def test_every_cpu_tuning_of_config_yaml_is_named_with_its_value_in_a_gpu_run(caplog):
-    demo = yaml.safe_load((REPO_ROOT / "config.yaml").read_text())
+    demo = yaml.safe_load((REPO / "config.yaml").read_text())
     with caplog.at_level(logging.WARNING, logger="eaglet.core.config"):
         validate(with_gpus(demo))
     for key, value in [("target.dtype", "'float32'"), ("server.enforce_eager", "True"),
@@ -154,7 +152,7 @@ def test_cpu_tunings_are_warned_about_whichever_stage_holds_gpus():
 ])
 def test_configs_given_with_configfile_state_the_cpu_settings_they_need(path, needs):
     """They are validated over the schema's defaults, not merged over config.yaml."""
-    cfg = load(str(REPO_ROOT / path))
+    cfg = load(str(REPO / path))
     assert {key: lookup(cfg, key) for key in needs} == needs
     assert cfg["server"]["env"] == {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
@@ -266,7 +264,7 @@ def snakemake_dry_run(tmp_path, config: dict) -> subprocess.CompletedProcess:
     return subprocess.run(
         [str(SNAKEMAKE), "-n", "--cores", "1", "--configfile", str(configfile),
          "--config", f"results_dir={tmp_path / 'results'}"],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+        cwd=REPO, capture_output=True, text=True, timeout=120)
 
 
 def test_snakefile_rejects_an_unknown_key(tmp_path):
@@ -295,7 +293,7 @@ def test_snakefile_reads_config_yaml_only_without_a_configfile(tmp_path):
     assert "data/everyday_prompts.jsonl" not in output  # config.yaml's evaluate.prompt_sets
     demo = subprocess.run(
         [str(SNAKEMAKE), "-n", "--cores", "1", "--config", f"results_dir={tmp_path / 'demo'}"],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+        cwd=REPO, capture_output=True, text=True, timeout=120)
     output = demo.stdout + demo.stderr
     assert demo.returncode == 0, output
     assert "data/everyday_prompts.jsonl" in output
@@ -347,7 +345,7 @@ def dry_run_with_results_dir(tmp_path, value: str, *targets: str) -> subprocess.
     configfile = tmp_path / "config.yaml"
     configfile.write_text(yaml.safe_dump({"results_dir": value}))
     return subprocess.run([str(SNAKEMAKE), *targets, "-n", "--cores", "1", "--configfile",
-                           str(configfile)], cwd=REPO_ROOT, capture_output=True, text=True,
+                           str(configfile)], cwd=REPO, capture_output=True, text=True,
                           timeout=120)
 
 
@@ -418,7 +416,7 @@ def test_the_workflow_extracts_every_held_out_shard_the_config_asks_for(tmp_path
         "num_eval_shards": 2, "backend": backend}}))
     run = subprocess.run([str(SNAKEMAKE), str(tmp_path / "run" / "hidden" / "manifest.json"),
                           "-n", "--cores", "1", "--configfile", str(configfile)],
-                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
     jobs = parse_dry_run(run.stdout)
     held_out = sorted(o for j in jobs if j.rule == rule for o in j.output
@@ -435,8 +433,8 @@ def test_every_shipped_config_is_valid():
     only by their rehearsals, which make test-rehearsals runs)."""
     from eaglet.core.config import read_config_file, validate
 
-    shipped = sorted((REPO_ROOT / "configs").glob("*.yaml")) + sorted(
-        (REPO_ROOT / "tests" / "configs").glob("*.yaml"))
+    shipped = sorted((REPO / "configs").glob("*.yaml")) + sorted(
+        (REPO / "tests" / "configs").glob("*.yaml"))
     assert len(shipped) >= 8
     for path in shipped:
         validate(read_config_file(path))

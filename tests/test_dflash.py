@@ -35,6 +35,7 @@ from eaglet.stages.evaluate import runs as evaluate_runs
 from eaglet.stages.evaluate import schedule as evaluate_schedule
 from eaglet.stages.train.data import make_batch
 from eaglet.stages.train.step import batch_sums
+from tests.helpers.paths import REPO
 from tests.test_peagle import H, V, same_drafts_as_vllm
 from tests.test_train import FAST, read_log, run, world  # noqa: F401 (world: a fixture)
 from tests.test_peagle import tiny_config as peagle_config
@@ -335,7 +336,7 @@ def test_vllm_loads_every_weight_and_drafts_what_eaglet_computes(tmp_path, layer
         [sys.executable, "-m", "tests.test_dflash", str(tmp_path / "target"),
          str(tmp_path / "drafter"), str(tmp_path / "inputs.safetensors"),
          str(tmp_path / "out.safetensors")],
-        capture_output=True, text=True, timeout=600, cwd=Path(__file__).parent.parent,
+        capture_output=True, text=True, timeout=600, cwd=REPO,
         env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-4000:]
     out = load_file(str(tmp_path / "out.safetensors"))

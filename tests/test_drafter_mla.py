@@ -30,6 +30,7 @@ from eaglet.model.drafter import Eagle3Drafter
 from eaglet.model.export import export_drafter, export_speculators, load_drafter, vllm_tensors
 from eaglet.model.replay import draft_chain, replay_counts
 from eaglet.stages.train.loop import Dist, Trainer, settings
+from tests.helpers.paths import HELPERS
 from tests.test_train import (AUX_LAYERS, DRAFT_VOCAB, FAST, VOCAB, read_log, run, write_shards,
                               write_vocab_map)
 from tests.tiny_llama import one_thread
@@ -39,7 +40,7 @@ MLA_DIMS = {"kv_lora_rank": 32, "q_lora_rank": 16, "qk_nope_head_dim": 16,
             "qk_rope_head_dim": 8, "v_head_dim": 16}
 YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32,
         "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
-HELPER = Path(__file__).parent / "helpers" / "vllm_mla_drafter.py"
+HELPER = HELPERS / "vllm_mla_drafter.py"
 
 
 def make_mla_target(directory: Path) -> DeepseekV3ForCausalLM:

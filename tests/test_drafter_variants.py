@@ -35,9 +35,9 @@ from eaglet.model.replay import draft_chain
 from eaglet.stages.train import checkpoints as ckpt
 from eaglet.stages.train.data import TrainError
 from eaglet.stages.train.loop import settings
+from tests.helpers.paths import HELPERS
 from tests.test_drafter import DRAFT_VOCAB, VOCAB, H, K, run_batch, sample, tiny_config, vocab_map
 
-HELPERS = Path(__file__).parent / "helpers"
 
 # every flag at least once, alone and with the others it is combined with
 FLAG_SETS = {

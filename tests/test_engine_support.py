@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,9 +16,8 @@ from eaglet.core.config import validate
 from eaglet.engine import support
 from eaglet.engine.server import ServerError, target_server
 from eaglet.tools import plan, rehearse
+from tests.helpers.paths import REPO, SNAKEMAKE, STANDINS, TEST_CONFIGS
 
-REPO = Path(__file__).resolve().parents[1]
-STANDINS = REPO / "tests" / "standins"
 KIMI = json.loads((STANDINS / "kimi-k2.5" / "config.json").read_text())
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64}
 MLA_DRAFTER = {"architectures": ["Eagle3DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
@@ -130,7 +128,7 @@ def test_vllm_is_asked_which_targets_classes_serve_a_drafter():
 
 
 def local_config(tmp_path: Path) -> Path:
-    user = yaml.safe_load((REPO / "tests" / "configs" / "glm-4.5-air.yaml").read_text())
+    user = yaml.safe_load((TEST_CONFIGS / "glm-4.5-air.yaml").read_text())
     target = tmp_path / "glm"
     shutil.copytree(GLM, target)
     user["target"]["model"] = str(target)
@@ -148,7 +146,7 @@ def test_plan_refuses_a_target_vllm_cannot_serve_a_drafter_for(tmp_path, capsys)
 
 def test_rehearse_refuses_it_before_building_a_miniature(tmp_path, capsys):
     out = tmp_path / "out"
-    code = rehearse.main(["--configfile", str(REPO / "tests" / "configs" / "glm-4.5-air.yaml"),
+    code = rehearse.main(["--configfile", str(TEST_CONFIGS / "glm-4.5-air.yaml"),
                           "--target-files", str(GLM), "--out", str(out)])
     printed = capsys.readouterr().out
     result = json.loads((out / "rehearsal.json").read_text())
@@ -163,7 +161,7 @@ def test_rehearse_refuses_it_before_building_a_miniature(tmp_path, capsys):
 def test_the_workflows_first_stage_refuses_it_before_any_server(tmp_path):
     config = local_config(tmp_path)
     done = subprocess.run(
-        [str(Path(sys.executable).parent / "snakemake"),
+        [str(SNAKEMAKE),
          str(tmp_path / "results" / "target" / "target.json"), "--cores", "1",
          "--configfile", str(config)],
         cwd=REPO, capture_output=True, text=True, timeout=300)

@@ -18,6 +18,7 @@ from eaglet.stages.evaluate.schedule import (best_k_by_concurrency, schedule_ran
 from eaglet.stages.evaluate.statistics import NO_DIFFERENCE
 from eaglet.stages.evaluate.statistics import add_speedups, t_quantile
 from eaglet.stages.evaluate.verdict import verdict
+from tests.helpers.paths import REPO, pythonpath_env
 
 # the shape vLLM 0.32 serves on /metrics (trimmed), two engines to check the sums
 METRICS = """\
@@ -540,7 +541,6 @@ def test_a_drafter_vllm_refuses_is_named_and_every_server_started_with_it_stops(
         monkeypatch, tmp_path):
     """Side by side, the servers start together; the one that fails names its run, and the
     others (one up already, one still starting) are stopped with it."""
-    import os
     import re
     from pathlib import Path
 
@@ -551,13 +551,12 @@ def test_a_drafter_vllm_refuses_is_named_and_every_server_started_with_it_stops(
     behaviour = {"baseline": ["--ready-after", "0.5"],
                  "eagle3_k3": ["--ready-after", "1000", "--crash-after", "0.3"],
                  "ngram_k3": ["--ready-after", "0.5"]}
-    repo = str(Path(__file__).resolve().parents[1])
 
     def health_server(cfg, model, log_path, extra_args=()):
         name = Path(log_path).name.split(".")[1]  # evaluate.<run>.server.log
         return VLLMServer(model=model, log_path=log_path, args=behaviour[name],
                           module="tests.helpers.health_server",
-                          env={**os.environ, "PYTHONPATH": repo},
+                          env=pythonpath_env(REPO),
                           startup_timeout_s=10, shutdown_grace_s=0.5)
 
     monkeypatch.setattr(evaluate, "target_server", health_server)

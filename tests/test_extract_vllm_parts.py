@@ -13,8 +13,9 @@ import torch
 from safetensors.torch import save_file
 
 from eaglet.core.config import validate
+from eaglet.core.io import request_path
 from eaglet.engine.capture import (capture_args, capture_layer_ids, capture_server, read_request,
-                                   request_path, split_states)
+                                   split_states)
 from eaglet.target.checkpoint import load_head
 from tests.tiny_llama import HIDDEN, LAYERS, make_tiny_llama, one_thread
 

@@ -18,8 +18,8 @@ from transformers import AutoTokenizer
 
 from eaglet.data.template_check import answer_format, check_record, text_ids
 from eaglet.tools.miniature import answer_text, closer_text
+from tests.helpers.paths import STANDINS
 
-STANDINS = Path(__file__).resolve().parent / "standins"
 MESSAGES = [{"role": "system", "content": "You are a helpful assistant. Answer clearly."},
             {"role": "user", "content": "What is two and two? Say it briefly."}]
 REASONING, CONTENT = "The user asks a sum. Two and two make four.", "It is four."

@@ -17,8 +17,9 @@ import pytest
 
 from eaglet.core.config import validate
 from eaglet.data import shards
+from tests.helpers.paths import REPO
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
+SCRIPT = REPO / "benchmarks" / "gpu_check.py"
 
 
 @pytest.fixture(scope="module")

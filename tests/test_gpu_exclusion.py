@@ -12,18 +12,15 @@ from __future__ import annotations
 import itertools
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.paths import REPO, SNAKEMAKE, TINY
 from tests.workflows.dryrun import parse_dry_run
 
-REPO = Path(__file__).resolve().parents[1]
-SNAKEMAKE = Path(sys.executable).parent / "snakemake"
 MINI = REPO / "tests" / "workflows" / "gpu_exclusion" / "Snakefile"
 DEFAULT_PROFILE = REPO / "profiles" / "default"
-TINY = REPO / "tests" / "configs" / "tiny.yaml"
 SLEEP_S = 1.5
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from eaglet.core import gpus
+from tests.helpers.paths import SRC, pythonpath_env
 
 HOLDER = """
 import os, sys, time
@@ -26,13 +27,11 @@ except Exception as exc:
     sys.exit(3)
 time.sleep(60)
 """
-SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
 def fake_env(tmp_path: Path, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
-    env.update({gpus.LIST_ENV: "0,1,2,3", gpus.LOCK_DIR_ENV: str(tmp_path / "slots"),
-                "PYTHONPATH": SRC + os.pathsep + env.get("PYTHONPATH", "")})
+    env = {k: v for k, v in pythonpath_env(SRC).items() if k != "CUDA_VISIBLE_DEVICES"}
+    env.update({gpus.LIST_ENV: "0,1,2,3", gpus.LOCK_DIR_ENV: str(tmp_path / "slots")})
     env.pop(gpus.WAIT_ENV, None)
     env.update(extra)
     return env

@@ -24,7 +24,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "src" / "eaglet"
+from tests.helpers.paths import REPO, SRC
+
+PACKAGE = SRC / "eaglet"
 
 # bottom up; a package imports only from packages of a lower rank (and from itself)
 RANKS = {"core": 0, "data": 1, "target": 2, "model": 3, "engine": 3, "stages": 4, "tools": 5}
@@ -337,10 +339,9 @@ def test_status_plan_the_report_and_the_snakefile_parse_never_import_torch(tmp_p
             "print('ok')\n")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
-    root = PACKAGE.parents[1]
     done = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--cores", "1",
                            "--config", f"results_dir={tmp_path / 'results'}"],
-                          env=env, capture_output=True, text=True, cwd=root)
+                          env=env, capture_output=True, text=True, cwd=REPO)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     assert "torch is blocked" not in done.stdout + done.stderr
 

@@ -31,6 +31,7 @@ from eaglet.model.drafter import Eagle3Drafter
 from eaglet.model.replay import draft_chain, draft_parallel, offline_acceptance, target_features
 from eaglet.stages.train.data import make_batch
 from eaglet.stages.train.step import batch_sums
+from tests.helpers.paths import REPO
 from tests.test_train import FAST, read_log, run, world  # noqa: F401 (world: a fixture)
 
 V, H, K = 96, 32, 4
@@ -257,7 +258,7 @@ def test_vllm_reads_the_export_and_drafts_what_eaglet_computes(tmp_path):
         [sys.executable, "-m", "tests.test_peagle", str(tmp_path / "target"),
          str(tmp_path / "drafter"),
          str(tmp_path / "inputs.safetensors"), str(tmp_path / "out.safetensors")],
-        capture_output=True, text=True, timeout=600, cwd=Path(__file__).parent.parent,
+        capture_output=True, text=True, timeout=600, cwd=REPO,
         env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-4000:]
     out = load_file(str(tmp_path / "out.safetensors"))

@@ -6,12 +6,13 @@ tests skip.
 
 import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+from tests.helpers.paths import REPO
+
+BENCH = REPO / "benchmarks"
 if (BENCH / ".peer").is_dir() and str(BENCH / ".peer") not in sys.path:
     sys.path.insert(0, str(BENCH / ".peer"))
 pytest.importorskip("speculators")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,8 +18,8 @@ from eaglet.stages.train.data import make_batch
 from eaglet.stages.train.step import batch_sums
 from eaglet.tools import plan
 from eaglet.tools.cli import main as cli_main
+from tests.helpers.paths import REPO, STANDINS
 
-REPO = Path(__file__).resolve().parents[1]
 GIB = 2 ** 30
 
 
@@ -490,7 +489,7 @@ def test_a_quantized_targets_weights_are_sized_as_its_format_stores_them():
     block."""
     from eaglet.model.sizes import serving_weights, target_params
 
-    standin = Path(__file__).resolve().parent / "standins" / "gpt-oss-20b" / "config.json"
+    standin = STANDINS / "gpt-oss-20b" / "config.json"
     config = json.loads(standin.read_text())
     mxfp4 = plan.shape_from_target_config(config, 32000, "gpt-oss-20b")
     assert mxfp4.expert_format == "mxfp4" and 20.8e9 < target_params(mxfp4) < 21e9

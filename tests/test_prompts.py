@@ -18,8 +18,9 @@ from eaglet.core.config import validate
 from eaglet.core.io import read_json, read_jsonl
 from eaglet.data.prompts import (HUMANEVAL_INSTRUCTION, PromptSourceError, load_source,
                                  prepare_prompts, prompt_id, split_score)
+from tests.helpers.paths import REPO
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "prepare_prompts.py"
+SCRIPT = REPO / "scripts" / "prepare_prompts.py"
 
 
 def data_config(*sources: dict, **data) -> dict:

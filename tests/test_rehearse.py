@@ -13,9 +13,7 @@ import yaml
 
 from eaglet.tools import rehearse
 from eaglet.tools.miniature import LAYERS, shrink
-
-REPO = Path(__file__).resolve().parents[1]
-STANDINS = REPO / "tests" / "standins"
+from tests.helpers.paths import REPO, STANDINS
 
 
 def test_the_miniature_keeps_the_attention_and_moe_kind_and_shrinks_sizes():

@@ -13,7 +13,6 @@ import json
 import re
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 
 import jinja2
@@ -23,11 +22,9 @@ from docutils.core import publish_parts
 from eaglet.core.io import write_json
 from eaglet.stages.evaluate import stage as evaluate
 from eaglet.tools.report_page import REPORT_KEY, first_page, report_texts, text
+from tests.helpers.paths import REPO, SNAKEMAKE, TINY
 from tests.workflows.dryrun import parse_dry_run
 
-REPO = Path(__file__).resolve().parents[1]
-SNAKEMAKE = Path(sys.executable).parent / "snakemake"
-TINY = REPO / "tests" / "configs" / "tiny.yaml"
 SETS = ("heldout", "everyday")
 CONCURRENCY = [1, 16]
 # output tokens/s per (run, set, concurrency); the drafts of each run per set:

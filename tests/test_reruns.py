@@ -5,16 +5,12 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import yaml
 
+from tests.helpers.paths import REPO, SNAKEMAKE, TINY
 from tests.workflows.dryrun import parse_dry_run
-
-REPO = Path(__file__).resolve().parents[1]
-SNAKEMAKE = Path(sys.executable).parent / "snakemake"
-TINY = REPO / "tests" / "configs" / "tiny.yaml"
 
 
 def snakemake(results: Path, configfile: Path, *args: str) -> subprocess.CompletedProcess:

@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,10 +15,11 @@ import torch
 
 from eaglet.core.io import write_json
 from eaglet.stages import scaling
-from eaglet.stages.train.loop import Dist, Trainer, TrainError, settings
+from eaglet.stages.train.data import TrainError
+from eaglet.stages.train.loop import Dist, Trainer, settings
+from tests.helpers.paths import REPO, SNAKEMAKE, SRC, TINY, pythonpath_env
 from tests.test_train import FAST, make_target, write_shards, write_vocab_map
 
-REPO = Path(__file__).resolve().parent.parent
 
 
 # -- the fit ---------------------------------------------------------------------------------
@@ -227,11 +226,9 @@ def _dry_run_rules(tmp_path: Path, enabled: bool) -> list[str]:
     from tests.workflows.dryrun import parse_dry_run
     overlay = tmp_path / f"scaling_{enabled}.yaml"
     overlay.write_text(f"scaling:\n  enabled: {str(enabled).lower()}\n  fractions: [0.25, 0.5]\n")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-        [str(REPO / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    env = pythonpath_env(SRC, OMP_NUM_THREADS="1")
     proc = subprocess.run(
-        [str(Path(sys.executable).parent / "snakemake"), "-n", "--cores", "1", "--configfile",
-         str(REPO / "tests" / "configs" / "tiny.yaml"), str(overlay),
+        [str(SNAKEMAKE), "-n", "--cores", "1", "--configfile", str(TINY), str(overlay),
          "--config", f"results_dir={tmp_path / 'results'}"],
         cwd=REPO, env=env, text=True, capture_output=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr

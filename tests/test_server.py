@@ -26,8 +26,8 @@ import pytest
 from eaglet.core.config import validate
 from eaglet.engine.server import (PortInUseError, ServerError, Terminated, VLLMServer, free_port,
                                   port_is_free, server_args, start_together, target_server)
+from tests.helpers.paths import REPO, pythonpath_env
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 HEALTH_SERVER = "tests.helpers.health_server"
 
 # a stop() that never returns must fail its test, not hang the suite
@@ -38,8 +38,7 @@ pytestmark = pytest.mark.timeout(60)
 
 def child_env() -> dict[str, str]:
     """The environment with the repo root on PYTHONPATH, so `-m tests.helpers...` resolves."""
-    paths = [str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+    return pythonpath_env(REPO)
 
 
 def pid_alive(pid: int) -> bool:
@@ -383,7 +382,7 @@ def test_signal_to_owner_stops_the_server(tmp_path, log_path, child_pid_file, si
     info_path = tmp_path / "server.json"
     driver = subprocess.Popen(
         [sys.executable, str(script), str(info_path), str(log_path), str(child_pid_file)],
-        cwd=REPO_ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True)
     try:
         info = json.loads(wait_for_file(info_path, timeout=15))

@@ -10,16 +10,13 @@ import json
 import os
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import yaml
 
 from eaglet.core.config import differences, record_settings
-
-REPO = Path(__file__).resolve().parents[1]
-SNAKEMAKE = Path(sys.executable).parent / "snakemake"
+from tests.helpers.paths import REPO, SNAKEMAKE, TINY
 
 
 def dry_run(workdir: Path, config: Path, *targets: str,
@@ -60,7 +57,7 @@ def write_outputs(done: subprocess.CompletedProcess) -> None:
 
 
 def config_file(tmp_path: Path, name: str, **changes) -> Path:
-    config = yaml.safe_load((REPO / "tests" / "configs" / "tiny.yaml").read_text())
+    config = yaml.safe_load(TINY.read_text())
     config["results_dir"] = str(tmp_path / "results")
     config.setdefault("evaluate", {})["prompt_sets"] = []
     for dotted, value in changes.items():

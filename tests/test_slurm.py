@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,9 +21,9 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-REPO = Path(__file__).resolve().parents[1]
-CLUSTER = REPO / "tests" / "slurm" / "cluster.sh"
-SNAKEMAKE = Path(sys.executable).parent / "snakemake"
+from tests.helpers.paths import REPO, SNAKEMAKE, TESTS, TINY
+
+CLUSTER = TESTS / "slurm" / "cluster.sh"
 MODEL_RULES = ("generate", "extract_vllm", "hidden_manifest", "train", "evaluate")
 
 pytestmark = [pytest.mark.slurm, pytest.mark.skipif(
@@ -59,7 +58,7 @@ def up(*settings: str) -> None:
 
 
 def config_file(tmp_path: Path, name: str, **sections) -> Path:
-    config = yaml.safe_load((REPO / "tests" / "configs" / "tiny.yaml").read_text())
+    config = yaml.safe_load(TINY.read_text())
     config["results_dir"] = str(tmp_path / "results")  # its resources fit a CPU node
     for section, values in sections.items():
         if values is None:

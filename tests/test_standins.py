@@ -11,7 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-STANDINS = Path(__file__).parent / "standins"
+from tests.helpers.paths import STANDINS
+
 KIMI = STANDINS / "kimi-k2.5"
 QWEN = STANDINS / "qwen3-8b"
 

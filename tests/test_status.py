@@ -12,8 +12,13 @@ from pathlib import Path
 import pytest
 
 from eaglet.core import rates
-from eaglet.core.progress import Progress
+from eaglet.core.layout import BENCHMARK_RESULTS
+from eaglet.core.progress import Progress, took
+from eaglet.stages.evaluate.schedule import run_plan
 from eaglet.tools import status
+from eaglet.tools.status.estimates import _bench_generate, _server_start, _token_totals, _train_rate
+from eaglet.tools.status.stages import _BY_NAME
+from tests.helpers.paths import EAGLET, REPO, SNAKEMAKE, SRC, TINY, pythonpath_env
 
 
 @pytest.fixture
@@ -25,8 +30,8 @@ def history(tmp_path, monkeypatch):
 
 def test_train_rate_is_scaled_to_this_runs_ttt_steps(history):
     rates.record("train", "embedded:m", tokens_per_s=600.0, ttt_steps=3)
-    same, basis_same = status._train_rate("embedded:m", 3)
-    more, basis_more = status._train_rate("embedded:m", 6)
+    same, basis_same = _train_rate("embedded:m", 3)
+    more, basis_more = _train_rate("embedded:m", 6)
     assert same == pytest.approx(600.0) and basis_same == "an earlier run"
     assert more == pytest.approx(300.0) and "scaled to 6" in basis_more
 
@@ -38,7 +43,7 @@ def test_rate_lookup_prefers_the_same_target(history):
     assert rates.lookup_entry("train", "tokens_per_s", "embedded:b")["ttt_steps"] == 3
     # another target's rate is no rate for this one (a miniature's, rehearsed before the run)
     assert rates.lookup("train", "tokens_per_s", "nothing-recorded") is None
-    assert status._train_rate("nothing-recorded", 3) == (None, "no rate measured yet")
+    assert _train_rate("nothing-recorded", 3) == (None, "no rate measured yet")
 
 
 def test_a_rate_measured_at_other_settings_plans_nothing(history, tmp_path):
@@ -80,7 +85,7 @@ def test_a_rate_of_no_work_is_not_recorded_and_an_old_one_is_ignored(history):
     history.write_text(json.dumps({"stage": "train", "target": "embedded:m",
                                    "device": rates.device_kind(), "tokens_per_s": 0.0,
                                    "ttt_steps": 3}) + "\n")
-    assert status._train_rate("embedded:m", 3) == (None, "no rate measured yet")
+    assert _train_rate("embedded:m", 3) == (None, "no rate measured yet")
     rates.record("train", "embedded:m", tokens_per_s=300.0, ttt_steps=3)
     history.write_text(history.read_text() + json.dumps(
         {"stage": "train", "target": "embedded:m", "device": rates.device_kind(),
@@ -89,18 +94,18 @@ def test_a_rate_of_no_work_is_not_recorded_and_an_old_one_is_ignored(history):
 
 
 def test_no_history_no_train_rate(history):
-    assert status._train_rate("embedded:m", 3) == (None, "no rate measured yet")
+    assert _train_rate("embedded:m", 3) == (None, "no rate measured yet")
 
 
 def test_without_history_training_is_estimated_from_the_benchmark_of_the_targets_shape(history):
     """A fresh clone has no earlier run: the training benchmark's row for the embedded
     target's shape, the one nearest the run's sample length, scaled to its TTT steps."""
-    rows = [r for r in json.loads((status.BENCHMARKS / "train.json").read_text()).values()
+    rows = [r for r in json.loads((BENCHMARK_RESULTS / "train.json").read_text()).values()
             if r["shape"] == "smollm2-135m"]
     assert len({r["sample_len"] for r in rows}) >= 2
     for max_len in (256, 2048):
         nearest = min(rows, key=lambda r: abs(r["sample_len"] - max_len))
-        rate, basis = status._train_rate("embedded:smollm2-135m-instruct", 3, max_len)
+        rate, basis = _train_rate("embedded:smollm2-135m-instruct", 3, max_len)
         assert rate == pytest.approx(nearest["tokens_per_s"] * nearest["ttt_steps"] / 3)
         assert basis.startswith(f"benchmarks/results, {nearest['sample_len']}-token samples")
 
@@ -132,8 +137,8 @@ def test_a_finished_stage_took_from_its_first_start_to_its_last_end(tmp_path):
     assert status.stage_status(stage, r, cfg, set())["took_s"] == pytest.approx(190.0)
     assert "[3m10s]" in status.render(status.collect(r, _full_config(r), None))
     # a shard still running: the stage has not finished, so no duration
-    assert status.took([{"state": "running", "started_at": "2026-01-01T10:00:00+00:00",
-                          "updated_at": "2026-01-01T10:01:00+00:00"}]) is None
+    assert took([{"state": "running", "started_at": "2026-01-01T10:00:00+00:00",
+                  "updated_at": "2026-01-01T10:01:00+00:00"}]) is None
 
 
 def _full_config(r):
@@ -480,7 +485,7 @@ def test_interleaved_the_sweeps_servers_start_together_as_an_earlier_evaluation_
     rates.record("evaluate", target, baseline_tokens_per_s=20.0)
     rates.record("generate", target, server_start_s=30.0)
     cfg["evaluate"] = {**cfg["evaluate"], "interleave": True, "offline": False}
-    assert len(status.run_plan(cfg["evaluate"])[0]) == 3  # the target alone, ngram, k 3
+    assert len(run_plan(cfg["evaluate"])[0]) == 3  # the target alone, ngram, k 3
     unmeasured = status.estimate("evaluate", r, cfg, None).seconds
     rates.record("evaluate", target, sweep_servers=3, sweep_start_s=45.0)
     measured = status.estimate("evaluate", r, cfg, None).seconds
@@ -497,14 +502,6 @@ def test_interleaved_the_sweeps_servers_start_together_as_an_earlier_evaluation_
 
 # -- the command line --------------------------------------------------------------------------
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _env():
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(REPO / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])}
-
-
 def _finished_prompts(tmp_path):
     r = tmp_path / "results"
     _prompts(r, 30, 10)
@@ -514,18 +511,19 @@ def _finished_prompts(tmp_path):
 
 
 @pytest.mark.parametrize("command", [[sys.executable, "-m", "eaglet.tools.cli"],
-                                     [str(Path(sys.executable).parent / "eaglet")]],
+                                     [str(EAGLET)]],
                          ids=["python -m eaglet.tools.cli", "the eaglet console script"])
 def test_the_eaglet_command_prints_the_status_as_json(tmp_path, history, command):
     r = _finished_prompts(tmp_path)
     proc = subprocess.run([*command, "status", "--results", str(r), "--no-snakemake", "--json"],
-                          cwd=REPO, env=_env(), text=True, capture_output=True, timeout=120)
+                          cwd=REPO, env=pythonpath_env(SRC), text=True, capture_output=True,
+                          timeout=120)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["results"] == str(r)
     states = {s["stage"]: s["state"] for s in report["stages"]}
     assert states["prepare_prompts"] == "completed" and states["generate"] == "pending"
-    unknown = subprocess.run([*command, "stats"], cwd=REPO, env=_env(), text=True,
+    unknown = subprocess.run([*command, "stats"], cwd=REPO, env=pythonpath_env(SRC), text=True,
                              capture_output=True, timeout=120)
     assert unknown.returncode == 2 and "unknown command 'stats'" in unknown.stderr
 
@@ -534,7 +532,7 @@ def test_watch_redraws_the_status_until_stopped(tmp_path, history):
     r = _finished_prompts(tmp_path)
     proc = subprocess.Popen([sys.executable, "-m", "eaglet.tools.cli", "status", "--results", str(r),
                              "--no-snakemake", "--watch", "0.1"],
-                            cwd=REPO, env=_env(), text=True, stdout=subprocess.PIPE)
+                            cwd=REPO, env=pythonpath_env(SRC), text=True, stdout=subprocess.PIPE)
     screens = []
     try:
         for line in proc.stdout:  # blocks until the next line; ends if the process exits
@@ -567,10 +565,9 @@ def test_the_stages_are_the_workflows_rules_in_its_order(tmp_path, backend):
     overlay = tmp_path / "backend.yaml"
     overlay.write_text(f"extract:\n  backend: {backend}\n")
     proc = subprocess.run(
-        [str(Path(sys.executable).parent / "snakemake"), "-n", "--cores", "1", "--configfile",
-         str(REPO / "tests" / "configs" / "tiny.yaml"), str(overlay),
+        [str(SNAKEMAKE), "-n", "--cores", "1", "--configfile", str(TINY), str(overlay),
          "--config", f"results_dir={r}"],
-        cwd=REPO, env=_env(), text=True, capture_output=True, timeout=300)
+        cwd=REPO, env=pythonpath_env(SRC), text=True, capture_output=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     jobs = [job for job in parse_dry_run(proc.stdout) if job.rule not in NOT_STAGES]
     position = {rule: i for i, s in enumerate(status.STAGES) for rule in s.rules}
@@ -865,12 +862,12 @@ def _generated(r):
 
 def _decoding(estimate, r, cfg):
     """An evaluation plan less its server starts (one per engine run)."""
-    runs = len(status.run_plan(cfg["evaluate"])[0])
-    return estimate.seconds - runs * status._server_start("generate", cfg["target"]["model"])
+    runs = len(run_plan(cfg["evaluate"])[0])
+    return estimate.seconds - runs * _server_start("generate", cfg["target"]["model"])
 
 
 def _extract_benchmark():
-    return json.loads((status.BENCHMARKS / "extract.json").read_text())["vllm_backend_tokens_per_s"]
+    return json.loads((BENCHMARK_RESULTS / "extract.json").read_text())["vllm_backend_tokens_per_s"]
 
 
 def test_a_generation_twice_as_fast_as_its_benchmark_halves_the_plans_after_it(tmp_path, history):
@@ -884,12 +881,12 @@ def test_a_generation_twice_as_fast_as_its_benchmark_halves_the_plans_after_it(t
     planned = {name: status.estimate(name, r, cfg, None)
                for name in ("extract", "train", "evaluate")}
     assert all(e.seconds and e.speed is None for e in planned.values())
-    benchmark = status._bench_generate(cfg["generate"]["concurrency"])
+    benchmark = _bench_generate(cfg["generate"]["concurrency"])
     _worked(r, "generate", 2 * benchmark)
     # the finished stage records its rate, as generate does: not the rate its plan assumed
     rates.record("generate", target, completion_tokens_per_s=2 * benchmark)
     now = {name: status.estimate(name, r, cfg, None) for name in planned}
-    start = status._server_start("extract_vllm", target)
+    start = _server_start("extract_vllm", target)
     assert now["extract"].seconds - start == pytest.approx((planned["extract"].seconds - start) / 2)
     assert now["train"].seconds == pytest.approx(planned["train"].seconds / 2)
     assert _decoding(now["evaluate"], r, cfg) == pytest.approx(
@@ -912,7 +909,7 @@ def test_a_kind_measured_directly_beats_another_kinds_speed(tmp_path, history):
     generation to do again is planned at the decode speed evaluation measured."""
     r = tmp_path / "results"
     cfg = _generated(r)
-    gen_bench = status._bench_generate(cfg["generate"]["concurrency"])
+    gen_bench = _bench_generate(cfg["generate"]["concurrency"])
     train_plan = status.estimate("train", r, cfg, None).seconds
     _worked(r, "generate", 2 * gen_bench, elapsed_s=120.0)
     _worked(r, "extract_vllm", 3 * _extract_benchmark(), elapsed_s=600.0)
@@ -923,7 +920,7 @@ def test_a_kind_measured_directly_beats_another_kinds_speed(tmp_path, history):
     assert "x3.00 this machine's speed from extract's prefill" in train.basis
     # an evaluation finished at 4x its plan's rate (the benchmark at its first concurrency)
     first = cfg["evaluate"]["concurrency"][0]
-    rate = 4 * status._bench_generate(first)
+    rate = 4 * _bench_generate(first)
     (r / "eval").mkdir()
     (r / "eval" / "acceptance.json").write_text(json.dumps({
         "concurrency": cfg["evaluate"]["concurrency"], "runs": [{"levels": [
@@ -935,7 +932,7 @@ def test_a_kind_measured_directly_beats_another_kinds_speed(tmp_path, history):
     assert "x4.00 this machine's decode speed measured by evaluate" in again.basis
     per_sample = cfg["generate"]["max_tokens"] * status.COMPLETION_FILL_GUESS
     assert again.seconds == pytest.approx(
-        status._server_start("generate", cfg["target"]["model"])
+        _server_start("generate", cfg["target"]["model"])
         + 40 * per_sample / (4 * gen_bench))
 
 
@@ -946,7 +943,7 @@ def test_a_stage_at_work_for_less_than_a_minute_does_not_measure_the_machine(tmp
     r = tmp_path / "results"
     cfg = _generated(r)
     planned = status.estimate("train", r, cfg, None)
-    benchmark = status._bench_generate(cfg["generate"]["concurrency"])
+    benchmark = _bench_generate(cfg["generate"]["concurrency"])
     _worked(r, "generate", 2 * benchmark, elapsed_s=50.0, state="running", done=10)
     assert status.estimate("train", r, cfg, None) == planned
     _worked(r, "generate", 2 * benchmark, elapsed_s=61.0, state="running", done=10)
@@ -966,7 +963,7 @@ def test_without_a_measurement_of_this_run_the_plans_are_as_before(tmp_path, his
     expected = {
         "train": (train["epochs"] * 9000 / 500.0,
                   f"{train['epochs']} epochs x 9000 tokens at 500 tok/s (an earlier run)"),
-        "extract": (status._server_start("extract_vllm", target) + 12000 / _extract_benchmark(),
+        "extract": (_server_start("extract_vllm", target) + 12000 / _extract_benchmark(),
                     f"server start + 12000 tokens of prefill at {_extract_benchmark():.0f} tok/s "
                     "(benchmarks/results)")}
     evaluation = status.estimate("evaluate", r, cfg, None)
@@ -1002,7 +999,7 @@ def test_a_running_training_is_not_planned_from_its_own_new_checkpoint(tmp_path,
     cfg = _full_config(r)
     rates.record("train", cfg["target"]["model"], tokens_per_s=1e6,  # a plan far too short
                  ttt_steps=cfg["train"]["ttt_steps"])
-    train = status._BY_NAME["train"]
+    train = _BY_NAME["train"]
     planned = train.estimate(r, cfg, None)
     assert "resuming" not in planned.basis
     left = status.estimate("train", r, cfg, record)
@@ -1021,7 +1018,6 @@ def test_a_running_evaluation_drops_the_schedule_check_its_sweep_did_not_choose(
     _prompts(r, 30, 10)
     cfg = _full_config(r)
     rates.record("evaluate", cfg["target"]["model"], baseline_tokens_per_s=20.0, server_start_s=30.0)
-    from eaglet.stages.evaluate.schedule import run_plan
     plan, replays = run_plan(cfg["evaluate"])
     units = len(plan) + replays
     with_check = status.estimate("evaluate", r, cfg, None).seconds
@@ -1052,7 +1048,7 @@ def test_an_earlier_run_on_this_machine_plans_its_stage_unscaled(tmp_path, histo
     cfg = _generated(r)
     target = cfg["target"]["model"]
     first = cfg["evaluate"]["concurrency"][0]
-    benchmark = status._bench_generate(cfg["generate"]["concurrency"])
+    benchmark = _bench_generate(cfg["generate"]["concurrency"])
     other = {**cfg, "evaluate": {**cfg["evaluate"], "concurrency": [first + 3]}}
 
     def earlier(stage, settings, **values):  # recorded by a run before this one
@@ -1089,7 +1085,7 @@ def test_an_earlier_run_on_another_machine_is_planned_at_this_machines_speed(tmp
     history.write_text(json.dumps(entry) + "\n")
     before = status.estimate("train", r, cfg, None)
     assert "an earlier run on another machine (nvidia:other)" in before.basis
-    _worked(r, "generate", 2 * status._bench_generate(cfg["generate"]["concurrency"]))
+    _worked(r, "generate", 2 * _bench_generate(cfg["generate"]["concurrency"]))
     after = status.estimate("train", r, cfg, None)
     assert after.seconds == pytest.approx(before.seconds / 2)
     assert after.speed.stage == "generate"
@@ -1211,7 +1207,7 @@ def test_a_first_run_plans_from_the_reference_run_at_this_machines_speed(
     monkeypatch.setenv("EAGLET_REFERENCE_RATES", str(reference))
     before = status.estimate("train", r, cfg, None)
     _reference(reference, cfg, generate=200.0, extract_vllm=500.0, train=900.0)
-    train_tokens = status._token_totals(r, cfg)["train"]["tokens"] * cfg["train"]["epochs"]
+    train_tokens = _token_totals(r, cfg)["train"]["tokens"] * cfg["train"]["epochs"]
     first = status.estimate("train", r, cfg, None)
     assert first.seconds == pytest.approx(train_tokens / 900.0)
     assert "the reference demo run (cpu:elsewhere)" in first.basis and first.speed is None

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,10 +11,8 @@ import yaml
 
 from eaglet.target.checkpoint import (TargetError, check_recorded_target, model_identity,
                                       prepare_target)
+from tests.helpers.paths import REPO, SNAKEMAKE
 from tests.tiny_llama import LAYERS, VOCAB, make_tiny_llama
-
-REPO = Path(__file__).resolve().parents[1]
-SNAKEMAKE = Path(sys.executable).parent / "snakemake"
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,8 @@ import importlib.util
 
 import pytest
 
-from eaglet.stages.train.loop import TrainError, settings
+from eaglet.stages.train.data import TrainError
+from eaglet.stages.train.loop import settings
 from eaglet.stages.train.tracking import Trackers, TrackingError, metrics_of
 
 

@@ -21,9 +21,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from eaglet.core.io import atomic_open
 from eaglet.data import shards
-from eaglet.stages.train.data import (Samples, add_feature_noise, make_batch, step_micro_batches,
-                                      steps_in)
-from eaglet.stages.train.loop import Dist, Trainer, TrainError, launch_torchrun, settings, train
+from eaglet.stages.train.data import (Samples, TrainError, add_feature_noise, make_batch,
+                                      step_micro_batches, steps_in)
+from eaglet.stages.train.loop import Dist, Trainer, launch_torchrun, settings, train
+from tests.helpers.paths import REPO, pythonpath_env
 
 AUX_LAYERS = [1, 2, 3]
 VOCAB, DRAFT_VOCAB = 256, 160
@@ -452,11 +453,22 @@ def test_a_truncated_eval_shard_is_named_and_set_aside(world, tmp_path):
     assert not bad.exists() and bad.with_name(bad.name + ".damaged").exists()
 
 
-def test_verified_shards_train_as_before(world, tmp_path):
+def test_verified_shards_train_to_the_weights_unverified_ones_give(world, tmp_path):
+    """Checking the shards against the manifest only reads them: the same shards without a
+    manifest train to the same weights and log."""
     train_paths, eval_paths, manifest = hidden_dir(world, tmp_path)
-    result = train_verified(world, tmp_path, train_paths, eval_paths, manifest,
-                            {**FAST, "epochs": 1})
-    assert result["steps"] > 0 and (tmp_path / "out" / "model.safetensors").exists()
+    cfg = {**FAST, "epochs": 1}
+    verified = train_verified(world, tmp_path, train_paths, eval_paths, manifest, cfg)
+    unverified = train(cfg, train_paths, eval_paths, world["vocab"], world["target"],
+                       str(tmp_path / "unverified" / "out"), str(tmp_path / "unverified" / "ckpt"),
+                       None, None)
+    assert verified["steps"] == unverified["steps"] > 0
+    a, b = weights(tmp_path / "out"), weights(tmp_path / "unverified" / "out")
+    assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
+    log_a = read_log(tmp_path / "out" / "training_log.csv")
+    log_b = read_log(tmp_path / "unverified" / "out" / "training_log.csv")
+    assert [(r["step"], r["split"], r["loss"], r["acc_0"]) for r in log_a] == \
+        [(r["step"], r["split"], r["loss"], r["acc_0"]) for r in log_b]
 
 
 def test_a_shard_missing_from_the_manifest_is_refused(world, tmp_path):
@@ -677,7 +689,7 @@ def test_sigterm_checkpoints_and_says_so_and_the_rerun_resumes_to_the_same_weigh
     import subprocess
     import sys
 
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = pythonpath_env(REPO)
     done = subprocess.run([sys.executable, "-c", SIGTERMED,
                            json.dumps({k: (v if isinstance(v, str) else [str(p) for p in v])
                                        for k, v in world.items() if k != "root"}),

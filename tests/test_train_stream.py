@@ -20,7 +20,8 @@ from safetensors.torch import load_file
 from eaglet.core.config import ConfigError, validate
 from eaglet.core.io import atomic_open, request_path, write_jsonl
 from eaglet.stages.train import stream as train_stream
-from eaglet.stages.train.loop import TrainError, train
+from eaglet.stages.train.data import TrainError
+from eaglet.stages.train.loop import train
 from tests.test_extract_vllm_parts import connector_file
 from tests.tiny_llama import VOCAB, greedy_records, make_tiny_llama, one_thread
 

@@ -5,12 +5,10 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-TINY = REPO / "tests" / "configs" / "tiny.yaml"
-SNAKEMAKE = Path(sys.executable).parent / "snakemake"
+from tests.helpers.paths import REPO, SNAKEMAKE, TINY
+
 
 
 def snakemake_cmd(results: Path, *targets: str, extra: tuple[str, ...] = (),

@@ -14,18 +14,14 @@ this machine's speed for that kind of work, and the plans of the other stages ar
 (by their own kind's where measured, else by another kind's).
 """
 
-from eaglet.core.progress import took
-from eaglet.stages.evaluate.schedule import run_plan
-from eaglet.tools.status.estimates import (BENCHMARKS, CHARS_PER_TOKEN, COMPLETION_FILL_GUESS,
+from eaglet.tools.status.estimates import (CHARS_PER_TOKEN, COMPLETION_FILL_GUESS,
                                            OFFLINE_REPLAY_SHARE, PACK_TOKENS_PER_S,
-                                           TEMPLATE_TOKENS_GUESS, Estimate, _bench_generate,
-                                           _server_start, _token_totals, _train_rate)
+                                           TEMPLATE_TOKENS_GUESS, Estimate)
 from eaglet.tools.status.gather import collect, snakemake_config_args, stage_status
 from eaglet.tools.status.render import main, order_line, render
-from eaglet.tools.status.stages import _BY_NAME, OPTIONAL_STAGES, STAGES, Generate, estimate
+from eaglet.tools.status.stages import OPTIONAL_STAGES, STAGES, Generate, estimate
 
-__all__ = ["BENCHMARKS", "CHARS_PER_TOKEN", "COMPLETION_FILL_GUESS", "OFFLINE_REPLAY_SHARE",
-           "OPTIONAL_STAGES", "PACK_TOKENS_PER_S", "STAGES", "TEMPLATE_TOKENS_GUESS", "Estimate",
-           "Generate", "_BY_NAME", "_bench_generate", "_server_start", "_token_totals",
-           "_train_rate", "collect", "estimate", "main", "order_line", "render", "run_plan",
-           "snakemake_config_args", "stage_status", "took"]
+__all__ = ["CHARS_PER_TOKEN", "COMPLETION_FILL_GUESS", "OFFLINE_REPLAY_SHARE", "OPTIONAL_STAGES",
+           "PACK_TOKENS_PER_S", "STAGES", "TEMPLATE_TOKENS_GUESS", "Estimate", "Generate",
+           "collect", "estimate", "main", "order_line", "render", "snakemake_config_args",
+           "stage_status"]
