@@ -32,13 +32,17 @@ onstart:
     # what `eaglet status` reads: the validated config of this run and who runs it
     from eaglet.core.io import write_json
     import os, sys
+
     write_json(f"{R}/{layout.RUN_CONFIG}", {k: v for k, v in config.items() if k != REPORT_KEY})
-    write_json(f"{R}/{layout.RUN_SNAKEMAKE}", {"pid": os.getpid(), "command": " ".join(sys.argv)})
+    write_json(
+        f"{R}/{layout.RUN_SNAKEMAKE}", {"pid": os.getpid(), "command": " ".join(sys.argv)}
+    )
 
 
 onerror:
     # a cluster job's real cause is in SLURM's log of it, which Snakemake does not show
     from eaglet.core.cluster import slurm_log_errors
+
     for line in slurm_log_errors(".", RUN_STARTED):
         logger.error(f"SLURM log of a failed job: {line}")
 

@@ -54,8 +54,8 @@ from eaglet.engine.capture import capture_layer_ids, capture_server
 from eaglet.engine.server import VLLMServer, target_server
 from eaglet.stages.extract import vllm as extract_vllm
 from eaglet.stages.extract.vllm import capture_shards, staged_shards
-from eaglet.target.checkpoint import model_identity, read_target_config, text_config
 from eaglet.target import states as extract_common
+from eaglet.target.checkpoint import model_identity, read_target_config, text_config
 from eaglet.target.states import resolve_aux_layer_ids, sequence
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,6 +64,7 @@ CLOCK = os.sysconf("SC_CLK_TCK")
 
 
 # -- CPU time ------------------------------------------------------------------------------
+
 
 def group_cpu_s(pgid: int) -> float:
     """User + system CPU seconds of every live process in process group ``pgid`` (a server
@@ -76,9 +77,9 @@ def group_cpu_s(pgid: int) -> float:
             stat = Path(f"/proc/{entry}/stat").read_text()
         except OSError:
             continue
-        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
-        if int(fields[2]) == pgid:                     # pgrp
-            total += int(fields[11]) + int(fields[12])   # utime, stime
+        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
+        if int(fields[2]) == pgid:  # pgrp
+            total += int(fields[11]) + int(fields[12])  # utime, stime
     return total / CLOCK
 
 
@@ -104,8 +105,12 @@ def others_cpu_s(server) -> float:
 def measured(server, into: dict):
     """Wall seconds and the CPU seconds of ``server``'s processes, of eaglet's (this process
     and the children it waited for) and of everything else on the machine."""
-    wall, srv, own, others = (time.perf_counter(), group_cpu_s(server.proc.pid), own_cpu_s(),
-                              others_cpu_s(server))
+    wall, srv, own, others = (
+        time.perf_counter(),
+        group_cpu_s(server.proc.pid),
+        own_cpu_s(),
+        others_cpu_s(server),
+    )
     yield
     into["wall_s"] = time.perf_counter() - wall
     into["server_cpu_s"] = group_cpu_s(server.proc.pid) - srv
@@ -113,8 +118,7 @@ def measured(server, into: dict):
     into["others_cpu_s"] = max(0.0, others_cpu_s(server) - others)
 
 
-def wait_quiet(server, patience_s: float, most_cores: float = 0.3, window_s: float = 5.0
-               ) -> None:
+def wait_quiet(server, patience_s: float, most_cores: float = 0.3, window_s: float = 5.0) -> None:
     """Wait (at most ``patience_s``) until the machine's other work stays under
     ``most_cores`` for ``window_s``."""
     deadline = time.monotonic() + patience_s
@@ -139,13 +143,17 @@ def clean_measure(measure, server, most_share: float = 0.1) -> dict:
         out = measure()
         if out["others_cpu_s"] <= most_share * out["wall_s"] * os.cpu_count():
             break
-        print(f"other processes used {out['others_cpu_s']:.0f} CPU s of the measure's "
-              f"{out['wall_s']:.0f} s", flush=True)
+        print(
+            f"other processes used {out['others_cpu_s']:.0f} CPU s of the measure's "
+            f"{out['wall_s']:.0f} s",
+            flush=True,
+        )
     out["tries"] = attempt + 1
     return out
 
 
 # -- requests ------------------------------------------------------------------------------
+
 
 async def send_all(url: str, payloads: list[dict], concurrency: int, timeout: float) -> None:
     gate = asyncio.Semaphore(concurrency)
@@ -180,13 +188,17 @@ def clear_captures(directory: Path) -> None:
 
 # -- the eaglet path, in a process of its own ----------------------------------------------
 
+
 class Wrapped:
     """Wall seconds in the functions of the extraction path, summed over threads: the parts
     of code from before the stage kept its own account."""
 
-    PARTS = [(capture, "read_request", "reading"), (extract_vllm, "split_states", "states"),
-             (extract_common, "teacher_from_stored", "teacher"),
-             (extract_vllm, "write_shard", "check and write")]
+    PARTS = [
+        (capture, "read_request", "reading"),
+        (extract_vllm, "split_states", "states"),
+        (extract_common, "teacher_from_stored", "teacher"),
+        (extract_vllm, "write_shard", "check and write"),
+    ]
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
@@ -202,6 +214,7 @@ class Wrapped:
             finally:
                 with self.lock:
                     self.seconds[name] += time.perf_counter() - start
+
         return run
 
     def __enter__(self):
@@ -228,34 +241,46 @@ def eaglet_worker(spec: dict) -> dict:
     cfg = bench_config(spec["config"])
     if spec["normal_priority"]:
         capture.Extractor.low_priority = False
-    records = read_jsonl(spec["data"])[:spec["samples"]]
+    records = read_jsonl(spec["data"])[: spec["samples"]]
     out, work = Path(spec["out"]), Path(spec["work"])
-    jobs = staged_shards(records, spec["shards"],
-                         [str(out / f"shard_{i:05d}.safetensors") for i in range(spec["shards"])],
-                         [str(out / f"shard_{i:05d}.json") for i in range(spec["shards"])],
-                         work, spec["label"])
+    jobs = staged_shards(
+        records,
+        spec["shards"],
+        [str(out / f"shard_{i:05d}.safetensors") for i in range(spec["shards"])],
+        [str(out / f"shard_{i:05d}.json") for i in range(spec["shards"])],
+        work,
+        spec["label"],
+    )
     server = VLLMServer(model=spec["target"], log_path=spec["log"], port=spec["port"])
     stats: dict = {}
     with Wrapped() as wrapped:
         start, cpu = time.perf_counter(), own_cpu_s()
-        metas = capture_shards(cfg, spec["info"], jobs, work, spec["log"], server=server,
-                               stats=stats)
+        metas = capture_shards(
+            cfg, spec["info"], jobs, work, spec["log"], server=server, stats=stats
+        )
         wall, cpu = time.perf_counter() - start, own_cpu_s() - cpu
     shutil.rmtree(out)
-    return {"path_wall_s": wall, "path_cpu_s": cpu,
-            "parts_s": stats.get("parts_s") or wrapped.parts(),
-            "parts_from": "stage" if stats.get("parts_s") else "wrapped functions",
-            "sha256": [m["sha256"] for m in metas],
-            "teacher_agreement": [m["teacher"]["agreement"] for m in metas],
-            "mean_logprob": [m["teacher"]["mean_logprob"] for m in metas]}
+    return {
+        "path_wall_s": wall,
+        "path_cpu_s": cpu,
+        "parts_s": stats.get("parts_s") or wrapped.parts(),
+        "parts_from": "stage" if stats.get("parts_s") else "wrapped functions",
+        "sha256": [m["sha256"] for m in metas],
+        "teacher_agreement": [m["teacher"]["agreement"] for m in metas],
+        "mean_logprob": [m["teacher"]["mean_logprob"] for m in metas],
+    }
 
 
 def through_eaglet(server, spec: dict, src: Path, tokens: int) -> dict:
     env = {**os.environ, "PYTHONPATH": str(src)}
     out: dict = {}
     with measured(server, out):
-        done = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], env=env,
-                              capture_output=True, text=True)
+        done = subprocess.run(
+            [sys.executable, __file__, "--worker", json.dumps(spec)],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
     if done.returncode:
         raise RuntimeError(f"the eaglet path with {src} failed:\n{done.stderr[-4000:]}")
     out.update(json.loads(done.stdout.strip().splitlines()[-1]))
@@ -264,6 +289,7 @@ def through_eaglet(server, spec: dict, src: Path, tokens: int) -> dict:
 
 
 # -- the measures --------------------------------------------------------------------------
+
 
 def bench_config(path: str) -> dict:
     cfg = load(path)
@@ -284,23 +310,31 @@ def run_bare(cfg, args, seqs, warm, tokens, logs: Path) -> dict:
         def bare():
             out = {"server_start_s": server.ready_after_s}
             with measured(server, out):
-                asyncio.run(send_all(server.url, prefill_payloads(seqs, None),
-                                     cfg["extract"]["concurrency"], 3600))
+                asyncio.run(
+                    send_all(
+                        server.url,
+                        prefill_payloads(seqs, None),
+                        cfg["extract"]["concurrency"],
+                        3600,
+                    )
+                )
             out["tokens_per_s"] = tokens / out["wall_s"]
             return out
 
         return clean_measure(bare, server)
 
 
-def run_capture_server(cfg, args, codes: dict[str, Path], seqs, warm, tokens, info,
-                       work: Path, logs: Path, round_: int) -> dict[str, dict]:
+def run_capture_server(
+    cfg, args, codes: dict[str, Path], seqs, warm, tokens, info, work: Path, logs: Path, round_: int
+) -> dict[str, dict]:
     layers = num_layers(args.target)
     aux_ids = resolve_aux_layer_ids(cfg["extract"]["aux_layer_ids"], layers)
     captures = work / "captures"
     captures.mkdir(parents=True, exist_ok=True)
     log_path = logs.with_name(logs.name + ".capture.server.log")
-    server = capture_server(cfg, args.target, capture_layer_ids(aux_ids, layers),
-                            work / "requests", log_path)
+    server = capture_server(
+        cfg, args.target, capture_layer_ids(aux_ids, layers), work / "requests", log_path
+    )
     results = {}
     with server:
         asyncio.run(send_all(server.url, prefill_payloads(warm, captures), 4, 600))
@@ -309,22 +343,37 @@ def run_capture_server(cfg, args, codes: dict[str, Path], seqs, warm, tokens, in
         def capture_only():
             out = {}
             with measured(server, out):
-                asyncio.run(send_all(server.url, prefill_payloads(seqs, captures),
-                                     cfg["extract"]["concurrency"], 3600))
+                asyncio.run(
+                    send_all(
+                        server.url,
+                        prefill_payloads(seqs, captures),
+                        cfg["extract"]["concurrency"],
+                        3600,
+                    )
+                )
             out["tokens_per_s"] = tokens / out["wall_s"]
             clear_captures(captures)
             return out
 
         def eaglet(code: str):
-            spec = {"config": args.config, "normal_priority": args.normal_priority,
-                    "data": args.data, "samples": args.samples, "shards": args.shards,
-                    "target": args.target, "info": info, "port": server.port,
-                    "log": str(log_path), "work": str(work), "out": str(work / f"out-{code}"),
-                    "label": f"{code}{round_}"}
+            spec = {
+                "config": args.config,
+                "normal_priority": args.normal_priority,
+                "data": args.data,
+                "samples": args.samples,
+                "shards": args.shards,
+                "target": args.target,
+                "info": info,
+                "port": server.port,
+                "log": str(log_path),
+                "work": str(work),
+                "out": str(work / f"out-{code}"),
+                "label": f"{code}{round_}",
+            }
             return lambda: through_eaglet(server, spec, codes[code], tokens)
 
         steps = [("capture", capture_only)] + [(f"eaglet {c}", eaglet(c)) for c in codes]
-        for name, step in (reversed(steps) if round_ % 2 else steps):
+        for name, step in reversed(steps) if round_ % 2 else steps:
             results[name] = clean_measure(step, server)
             results[name]["server_start_s"] = server.ready_after_s
     return results
@@ -336,11 +385,15 @@ def num_layers(target: str) -> int:
 
 def summarize(runs: list[dict], bare_best: float | None) -> dict:
     rates = [r["tokens_per_s"] for r in runs]
-    out = {"tokens_per_s_best": max(rates), "tokens_per_s_min": min(rates),
-           "tokens_per_s_median": statistics.median(rates),
-           "server_cores_busy": [r["server_cpu_s"] / r["wall_s"] for r in runs],
-           "eaglet_cpu_s": [r["eaglet_cpu_s"] for r in runs],
-           "others_cpu_s": [r["others_cpu_s"] for r in runs], "runs": runs}
+    out = {
+        "tokens_per_s_best": max(rates),
+        "tokens_per_s_min": min(rates),
+        "tokens_per_s_median": statistics.median(rates),
+        "server_cores_busy": [r["server_cpu_s"] / r["wall_s"] for r in runs],
+        "eaglet_cpu_s": [r["eaglet_cpu_s"] for r in runs],
+        "others_cpu_s": [r["others_cpu_s"] for r in runs],
+        "runs": runs,
+    }
     if bare_best:
         out["over_bare_best"] = max(rates) / bare_best
         out["over_bare_median"] = statistics.median(rates) / bare_best
@@ -351,21 +404,39 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", help="the target's HF directory")
     parser.add_argument("--data", help="synthetic/train.jsonl")
-    parser.add_argument("--config", default=str(ROOT / "config.yaml"),
-                        help="the run's config (target and server settings, extract section)")
+    parser.add_argument(
+        "--config",
+        default=str(ROOT / "config.yaml"),
+        help="the run's config (target and server settings, extract section)",
+    )
     parser.add_argument("--samples", type=int, default=120)
-    parser.add_argument("--shards", type=int, default=2,
-                        help="shards the samples are packed into (the demo: about 62 a shard)")
+    parser.add_argument(
+        "--shards",
+        type=int,
+        default=2,
+        help="shards the samples are packed into (the demo: about 62 a shard)",
+    )
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--before-src", help="a source tree (its src/) to measure beside this one")
     parser.add_argument("--label", default="side by side", help="the name of this run's results")
-    parser.add_argument("--normal-priority", action="store_true",
-                        help="the packing thread at the normal priority (A/B of that choice)")
+    parser.add_argument(
+        "--normal-priority",
+        action="store_true",
+        help="the packing thread at the normal priority (A/B of that choice)",
+    )
     parser.add_argument("--out", default=str(OUT), help="results go to OUT.json and OUT.md")
-    parser.add_argument("--patience", type=float, default=120.0,
-                        help="seconds a measure waits for the machine to be quiet")
-    parser.add_argument("--tries", type=int, default=2,
-                        help="times a measure is taken while other work shares the machine")
+    parser.add_argument(
+        "--patience",
+        type=float,
+        default=120.0,
+        help="seconds a measure waits for the machine to be quiet",
+    )
+    parser.add_argument(
+        "--tries",
+        type=int,
+        default=2,
+        help="times a measure is taken while other work shares the machine",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     global PATIENCE_S, TRIES
@@ -384,10 +455,12 @@ def main() -> None:
 
     cfg = bench_config(args.config)
     everything_read = read_jsonl(args.data)
-    records = everything_read[:args.samples]
+    records = everything_read[: args.samples]
     seqs = [sequence(r, cfg["extract"]["max_len"])[0] for r in records]
-    warm = [sequence(r, cfg["extract"]["max_len"])[0]
-            for r in (everything_read[args.samples:args.samples + 4] or records[:4])]
+    warm = [
+        sequence(r, cfg["extract"]["max_len"])[0]
+        for r in (everything_read[args.samples : args.samples + 4] or records[:4])
+    ]
     tokens = sum(map(len, seqs))
     info = {"spec": "benchmark", "path": args.target, **model_identity(Path(args.target))}
     runs: dict[str, list[dict]] = defaultdict(list)
@@ -396,32 +469,55 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.rounds):
             work = Path(tmp) / f"work{round_}"
-            steps = [lambda: {"bare": run_bare(cfg, args, seqs, warm, tokens, logs)},
-                     lambda work=work, round_=round_: run_capture_server(
-                         cfg, args, codes, seqs, warm, tokens, info, work, logs, round_)]
-            for step in (reversed(steps) if round_ % 2 else steps):
+            steps = [
+                lambda: {"bare": run_bare(cfg, args, seqs, warm, tokens, logs)},
+                lambda work=work, round_=round_: run_capture_server(
+                    cfg, args, codes, seqs, warm, tokens, info, work, logs, round_
+                ),
+            ]
+            for step in reversed(steps) if round_ % 2 else steps:
                 for name, result in step().items():
                     runs[name].append(result)
-            print(f"round {round_}: " + ", ".join(
-                f"{name} {r[-1]['tokens_per_s']:.0f}" for name, r in runs.items())
-                + " tokens/s", flush=True)
+            print(
+                f"round {round_}: "
+                + ", ".join(f"{name} {r[-1]['tokens_per_s']:.0f}" for name, r in runs.items())
+                + " tokens/s",
+                flush=True,
+            )
     best_bare = max(r["tokens_per_s"] for r in runs["bare"])
     result = {
-        "samples": len(records), "tokens": tokens, "shards": args.shards,
+        "samples": len(records),
+        "tokens": tokens,
+        "shards": args.shards,
         "loss_tokens": sum(sum(sequence(r, cfg["extract"]["max_len"])[1]) for r in records),
-        "concurrency": cfg["extract"]["concurrency"], "target_dtype": cfg["target"]["dtype"],
-        "shard_dtype": cfg["extract"]["dtype"], "cores": os.cpu_count(),
-        "low_priority": not args.normal_priority, "rounds": args.rounds,
+        "concurrency": cfg["extract"]["concurrency"],
+        "target_dtype": cfg["target"]["dtype"],
+        "shard_dtype": cfg["extract"]["dtype"],
+        "cores": os.cpu_count(),
+        "low_priority": not args.normal_priority,
+        "rounds": args.rounds,
         "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "measures": {name: summarize(r, None if name == "bare" else best_bare)
-                     for name, r in runs.items()},
-        "same_shards": {name: len({tuple(x["sha256"]) for x in r}) == 1
-                        for name, r in runs.items() if name.startswith("eaglet")},
+        "measures": {
+            name: summarize(r, None if name == "bare" else best_bare) for name, r in runs.items()
+        },
+        "same_shards": {
+            name: len({tuple(x["sha256"]) for x in r}) == 1
+            for name, r in runs.items()
+            if name.startswith("eaglet")
+        },
     }
     if len(codes) > 1:
-        result["same_shards"]["across code versions"] = len(
-            {tuple(x["sha256"]) for name, r in runs.items() if name.startswith("eaglet")
-             for x in r}) == 1
+        result["same_shards"]["across code versions"] = (
+            len(
+                {
+                    tuple(x["sha256"])
+                    for name, r in runs.items()
+                    if name.startswith("eaglet")
+                    for x in r
+                }
+            )
+            == 1
+        )
     path = out.with_suffix(".json")
     everything = read_json(path) if path.exists() else {}
     everything[args.label] = result
@@ -440,9 +536,11 @@ def write_tables(path: Path, tables: str) -> None:
 
 
 def table(everything: dict) -> str:
-    lines = ["| run | measure | tokens/s best | spread (min-median) | x bare (best) | "
-             "server cores busy | eaglet CPU s | other processes' CPU s |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| run | measure | tokens/s best | spread (min-median) | x bare (best) | "
+        "server cores busy | eaglet CPU s | other processes' CPU s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for label, result in everything.items():
         for name, m in result["measures"].items():
             lines.append(
@@ -451,9 +549,15 @@ def table(everything: dict) -> str:
                 f"{m.get('over_bare_best', 1.0):.2f} | "
                 f"{', '.join(f'{c:.2f}' for c in m['server_cores_busy'])} | "
                 f"{', '.join(f'{c:.0f}' for c in m['eaglet_cpu_s'])} | "
-                f"{', '.join(f'{c:.0f}' for c in m['others_cpu_s'])} |")
-    lines += ["", "Eaglet's side per part, wall seconds of each round:", "",
-              "| run | measure | part | seconds |", "|---|---|---|---|"]
+                f"{', '.join(f'{c:.0f}' for c in m['others_cpu_s'])} |"
+            )
+    lines += [
+        "",
+        "Eaglet's side per part, wall seconds of each round:",
+        "",
+        "| run | measure | part | seconds |",
+        "|---|---|---|---|",
+    ]
     for label, result in everything.items():
         for name, m in result["measures"].items():
             parts = defaultdict(list)
@@ -461,14 +565,20 @@ def table(everything: dict) -> str:
                 for part, seconds in (run.get("parts_s") or {}).items():
                     parts[part].append(seconds)
             for part, seconds in sorted(parts.items(), key=lambda kv: -max(kv[1])):
-                lines.append(f"| {label} | {name} | {part} | "
-                             f"{', '.join(f'{s:.1f}' for s in seconds)} |")
-    lines += ["", "| run | samples | tokens | loss tokens | shards | the same shards |",
-              "|---|---|---|---|---|---|"]
+                lines.append(
+                    f"| {label} | {name} | {part} | {', '.join(f'{s:.1f}' for s in seconds)} |"
+                )
+    lines += [
+        "",
+        "| run | samples | tokens | loss tokens | shards | the same shards |",
+        "|---|---|---|---|---|---|",
+    ]
     for label, result in everything.items():
         same = ", ".join(f"{k}: {v}" for k, v in result["same_shards"].items())
-        lines.append(f"| {label} | {result['samples']} | {result['tokens']} | "
-                     f"{result['loss_tokens']} | {result['shards']} | {same} |")
+        lines.append(
+            f"| {label} | {result['samples']} | {result['tokens']} | "
+            f"{result['loss_tokens']} | {result['shards']} | {same} |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -72,45 +72,97 @@ import yaml  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
 from eaglet.core.io import write_json  # noqa: E402
+from eaglet.core.methods import default_aux_layer_ids  # noqa: E402
 from eaglet.data import shards  # noqa: E402
 from eaglet.model.config import DrafterConfig  # noqa: E402
 from eaglet.model.drafter import Eagle3Drafter, count_flops_per_token, num_params  # noqa: E402
 from eaglet.model.init import init_lm_head  # noqa: E402
 from eaglet.model.sizes import PRESETS, Shape  # noqa: E402
 from eaglet.stages.extract.hf import (  # noqa: E402
-    extract_shards, finish_shard, forward_batch, right_padded, stream_shard,
-    token_budget_batches)
+    extract_shards,
+    finish_shard,
+    forward_batch,
+    right_padded,
+    stream_shard,
+    token_budget_batches,
+)
 from eaglet.stages.train.data import Prefetcher, prefetch_depth  # noqa: E402
 from eaglet.stages.train.loop import Dist, Trainer  # noqa: E402
 from eaglet.target.hooks import AuxCapture, decoder_layers  # noqa: E402
-from eaglet.core.methods import default_aux_layer_ids  # noqa: E402
 from eaglet.target.states import Target, sequence  # noqa: E402
 
 OUT = Path(__file__).parent / "results"
-PEAK_FLOPS = 989e12        # H200 dense bf16 (the datasheet's number without sparsity)
-NAIVE_ANCHOR = 17_000      # tokens/s of a naive plain-PyTorch TTT-7 step at the 8B shape (31 GiB)
-SPECFORGE = 30_600         # SpecForge's published step: Qwen3-8B drafter, 4 x 2,048 tokens in 0.268 s
-GOALS = {"extraction_over_forward": 0.85, "train_llama_tokens_per_s": 32_000,
-         "train_kimi_tokens_per_s": 14_000, "shard_over_plain": 0.9}
+PEAK_FLOPS = 989e12  # H200 dense bf16 (the datasheet's number without sparsity)
+NAIVE_ANCHOR = 17_000  # tokens/s of a naive plain-PyTorch TTT-7 step at the 8B shape (31 GiB)
+SPECFORGE = 30_600  # SpecForge's published step: Qwen3-8B drafter, 4 x 2,048 tokens in 0.268 s
+GOALS = {
+    "extraction_over_forward": 0.85,
+    "train_llama_tokens_per_s": 32_000,
+    "train_kimi_tokens_per_s": 14_000,
+    "shard_over_plain": 0.9,
+}
 # the step's variants, each a (train.fused_loss, train.compile); the last is the GPU default
-VARIANTS = {"plain": (False, False), "fused_loss": (True, False),
-            "fused_loss+compile": (True, True)}
+VARIANTS = {
+    "plain": (False, False),
+    "fused_loss": (True, False),
+    "fused_loss+compile": (True, True),
+}
 
 SHAPES = {
     "full": {"llama": PRESETS["llama-3.1-8b"], "kimi": PRESETS["kimi-k2.5"]},
-    "tiny": {"llama": Shape("tiny-llama", hidden=64, layers=8, heads=4, kv_heads=2, head_dim=16,
-                            intermediate=128, vocab=512, draft_vocab=128),
-             "kimi": Shape("tiny-kimi", hidden=96, layers=8, heads=4, kv_heads=4, head_dim=24,
-                           intermediate=192, vocab=640, draft_vocab=128)},
+    "tiny": {
+        "llama": Shape(
+            "tiny-llama",
+            hidden=64,
+            layers=8,
+            heads=4,
+            kv_heads=2,
+            head_dim=16,
+            intermediate=128,
+            vocab=512,
+            draft_vocab=128,
+        ),
+        "kimi": Shape(
+            "tiny-kimi",
+            hidden=96,
+            layers=8,
+            heads=4,
+            kv_heads=4,
+            head_dim=24,
+            intermediate=192,
+            vocab=640,
+            draft_vocab=128,
+        ),
+    },
 }
 SIZES = {  # what each section runs over
-    "full": {"samples": 64, "sample_len": 2048, "prompt_len": 512, "repeats": 2, "shards": 4,
-             "train_tokens": {"llama": 8192, "kimi": 2048}, "train_sample_len": 2048,
-             "train_steps": 5, "train_warmup": 3, "profile_steps": 2,
-             "disk_bytes": 4_000_000_000},
-    "tiny": {"samples": 4, "sample_len": 64, "prompt_len": 16, "repeats": 1, "batch_tokens": 128,
-             "shards": 2, "train_tokens": {"llama": 128, "kimi": 128}, "train_sample_len": 64,
-             "train_steps": 2, "train_warmup": 1, "profile_steps": 1, "disk_bytes": 8_000_000},
+    "full": {
+        "samples": 64,
+        "sample_len": 2048,
+        "prompt_len": 512,
+        "repeats": 2,
+        "shards": 4,
+        "train_tokens": {"llama": 8192, "kimi": 2048},
+        "train_sample_len": 2048,
+        "train_steps": 5,
+        "train_warmup": 3,
+        "profile_steps": 2,
+        "disk_bytes": 4_000_000_000,
+    },
+    "tiny": {
+        "samples": 4,
+        "sample_len": 64,
+        "prompt_len": 16,
+        "repeats": 1,
+        "batch_tokens": 128,
+        "shards": 2,
+        "train_tokens": {"llama": 128, "kimi": 128},
+        "train_sample_len": 64,
+        "train_steps": 2,
+        "train_warmup": 1,
+        "profile_steps": 1,
+        "disk_bytes": 8_000_000,
+    },
 }
 # seconds a section is expected to take on the H200: it is skipped when it would end past
 # the budget (nothing is expected of the tiny run but speed)
@@ -118,6 +170,7 @@ ESTIMATES = {"extraction": 120, "train_llama": 120, "train_kimi": 80, "profile":
 
 
 # -- small helpers ---------------------------------------------------------------------------
+
 
 class Clock:
     def __init__(self, budget_s: float):
@@ -142,7 +195,9 @@ def schema_defaults(section: str) -> dict:
     ``eaglet.core.config.validate`` fills in, read without jsonschema."""
     schema = yaml.safe_load((REPO / "src" / "eaglet" / "core" / "config_schema.yaml").read_text())
     properties = schema["properties"][section]["properties"]
-    return {key: copy.deepcopy(sub["default"]) for key, sub in properties.items() if "default" in sub}
+    return {
+        key: copy.deepcopy(sub["default"]) for key, sub in properties.items() if "default" in sub
+    }
 
 
 def sync(device: torch.device) -> None:
@@ -172,24 +227,39 @@ def target_config(shape: Shape) -> dict:
     """The target's config.json fields that ``DrafterConfig.from_target`` reads, with the
     drafter layer's heads and width where plan.py gives them apart (default RoPE: the
     scaling variant does not change the cost)."""
-    return {"hidden_size": shape.hidden, "num_hidden_layers": shape.layers,
-            "num_attention_heads": shape.d_heads, "num_key_value_heads": shape.d_kv_heads,
-            "head_dim": shape.head_dim, "intermediate_size": shape.d_intermediate,
-            "vocab_size": shape.vocab, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072}
+    return {
+        "hidden_size": shape.hidden,
+        "num_hidden_layers": shape.layers,
+        "num_attention_heads": shape.d_heads,
+        "num_key_value_heads": shape.d_kv_heads,
+        "head_dim": shape.head_dim,
+        "intermediate_size": shape.d_intermediate,
+        "vocab_size": shape.vocab,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 131072,
+    }
 
 
 # -- extraction ------------------------------------------------------------------------------
+
 
 def build_target(shape: Shape, device: torch.device, dtype: torch.dtype) -> Target:
     """A random-weight ``LlamaForCausalLM`` of ``shape``, created on ``device`` in ``dtype``
     (no float32 copy, no host detour), wrapped as extraction's ``Target``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(hidden_size=shape.hidden, intermediate_size=shape.intermediate,
-                         num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
-                         num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim,
-                         vocab_size=shape.vocab, max_position_embeddings=131072,
-                         tie_word_embeddings=False, attn_implementation="sdpa")
+    config = LlamaConfig(
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
+        vocab_size=shape.vocab,
+        max_position_embeddings=131072,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
     before = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -205,21 +275,29 @@ def build_target(shape: Shape, device: torch.device, dtype: torch.dtype) -> Targ
 def synthetic_records(count: int, length: int, prompt_len: int, vocab: int) -> list[dict]:
     """Records as generation writes them (the fields extraction reads), of random token ids."""
     rows = torch.randint(0, vocab, (count, length), generator=torch.Generator().manual_seed(0))
-    return [{"id": f"gpu-check-{i:04d}", "prompt_token_ids": row[:prompt_len],
-             "completion_token_ids": row[prompt_len:], "sampling": {"temperature": 0.0}}
-            for i, row in enumerate(rows.tolist())]
+    return [
+        {
+            "id": f"gpu-check-{i:04d}",
+            "prompt_token_ids": row[:prompt_len],
+            "completion_token_ids": row[prompt_len:],
+            "sampling": {"temperature": 0.0},
+        }
+        for i, row in enumerate(rows.tolist())
+    ]
 
 
 @torch.inference_mode()
 def plain_forward(target: Target, seqs: list[list[int]], batch_tokens: int) -> None:
     """The decoder alone over the same right-padded batches (no mask, as extraction runs it)."""
     for batch in token_budget_batches([len(s) for s in seqs], batch_tokens):
-        target.model.get_decoder()(input_ids=right_padded([seqs[i] for i in batch], target.device),
-                                   use_cache=False)
+        target.model.get_decoder()(
+            input_ids=right_padded([seqs[i] for i in batch], target.device), use_cache=False
+        )
 
 
-def hooked_forward(target: Target, seqs: list[list[int]], batch_tokens: int,
-                   aux_ids: list[int]) -> None:
+def hooked_forward(
+    target: Target, seqs: list[list[int]], batch_tokens: int, aux_ids: list[int]
+) -> None:
     """The forward with eaglet's hooks, the aux and final states gathered on the device."""
     capture = AuxCapture(decoder_layers(target.model), aux_ids)
     try:
@@ -235,16 +313,28 @@ def removed(*paths: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def extraction(shape: Shape, size: dict, device: torch.device, dtype: torch.dtype,
-               work: Path, keep: Path | None) -> dict:
-    cfg = {**schema_defaults("extract"), "max_len": size["sample_len"], "dtype": "bfloat16",
-           "min_teacher_agreement": 0.0}  # random tokens are no greedy completion
+def extraction(
+    shape: Shape,
+    size: dict,
+    device: torch.device,
+    dtype: torch.dtype,
+    work: Path,
+    keep: Path | None,
+) -> dict:
+    cfg = {
+        **schema_defaults("extract"),
+        "max_len": size["sample_len"],
+        "dtype": "bfloat16",
+        "min_teacher_agreement": 0.0,
+    }  # random tokens are no greedy completion
     if "batch_tokens" in size:
         cfg["batch_tokens"] = size["batch_tokens"]
     build_s, target = timed(device, build_target, shape, device, dtype)
     say(f"extraction: {shape.name} target built in {build_s:.1f}s")
     aux_ids = default_aux_layer_ids(shape.layers)
-    records = synthetic_records(size["samples"], size["sample_len"], size["prompt_len"], shape.vocab)
+    records = synthetic_records(
+        size["samples"], size["sample_len"], size["prompt_len"], shape.vocab
+    )
     seqs = [sequence(r, cfg["max_len"])[0] for r in records]
     tokens = sum(len(s) for s in seqs)
     shard = work / "shard_00000.safetensors"
@@ -252,16 +342,23 @@ def extraction(shape: Shape, size: dict, device: torch.device, dtype: torch.dtyp
     def run_extract(recs, overlap=True):
         removed(shard, shard.with_suffix(".json"))
         start = time.perf_counter()
-        opened = stream_shard(target, recs, cfg, aux_ids, {"spec": "gpu_check"}, shard,
-                              overlap=overlap)
-        meta = finish_shard(target, opened, cfg, aux_ids, {"spec": "gpu_check"}, shard,
-                            shard.with_suffix(".json"))
+        opened = stream_shard(
+            target, recs, cfg, aux_ids, {"spec": "gpu_check"}, shard, overlap=overlap
+        )
+        meta = finish_shard(
+            target, opened, cfg, aux_ids, {"spec": "gpu_check"}, shard, shard.with_suffix(".json")
+        )
         return time.perf_counter() - start, meta
 
     count = size["shards"]
-    parts = [(records[k * len(records) // count:(k + 1) * len(records) // count],
-              work / f"shard_{k + 1:05d}.safetensors", work / f"shard_{k + 1:05d}.json")
-             for k in range(count)]
+    parts = [
+        (
+            records[k * len(records) // count : (k + 1) * len(records) // count],
+            work / f"shard_{k + 1:05d}.safetensors",
+            work / f"shard_{k + 1:05d}.json",
+        )
+        for k in range(count)
+    ]
 
     def run_shards():
         for _, path, meta_path in parts:
@@ -274,8 +371,10 @@ def extraction(shape: Shape, size: dict, device: torch.device, dtype: torch.dtyp
     plain_forward(target, seqs[:warm], cfg["batch_tokens"])
     hooked_forward(target, seqs[:warm], cfg["batch_tokens"], aux_ids)
     run_extract(records[:warm])
-    say(f"extraction: warmed up; {len(records)} samples, {tokens} tokens, "
-        f"batch_tokens {cfg['batch_tokens']}")
+    say(
+        f"extraction: warmed up; {len(records)} samples, {tokens} tokens, "
+        f"batch_tokens {cfg['batch_tokens']}"
+    )
     plain, hooked, extracted, serial, overlapped, meta, metas = [], [], [], [], [], None, None
     for repeat in range(size["repeats"]):  # alternate, keep the best of each
         if repeat and CLOCK.left() < 2 * ESTIMATES["extraction"] / size["repeats"]:
@@ -288,28 +387,43 @@ def extraction(shape: Shape, size: dict, device: torch.device, dtype: torch.dtyp
         serial.append(run_extract(records, overlap=False)[0])
         overlapped_s, metas = run_shards()
         overlapped.append(overlapped_s)
-        say(f"extraction: repeat {repeat + 1}: plain forward {tokens / plain[-1]:.0f}, hooked "
+        say(
+            f"extraction: repeat {repeat + 1}: plain forward {tokens / plain[-1]:.0f}, hooked "
             f"forward {tokens / hooked[-1]:.0f}, eaglet extraction {tokens / seconds:.0f} "
             f"(writer not overlapped: {tokens / serial[-1]:.0f}), {count} shards in one job "
-            f"{tokens / overlapped_s:.0f} tokens/s")
+            f"{tokens / overlapped_s:.0f} tokens/s"
+        )
     seconds, meta = run_extract(records)  # the shard the test reads back: the overlapped path's
     with safe_open(str(shard), framework="pt") as handle:
         tokens_in_file = handle.get_slice("input_ids").get_shape()[0]
     if tokens_in_file != tokens or meta["tokens"] != tokens:
         raise RuntimeError(f"the shard holds {tokens_in_file} tokens, {tokens} were extracted")
     if sum(m["tokens"] for m in metas) != tokens:
-        raise RuntimeError(f"the {count} shards hold {sum(m['tokens'] for m in metas)} tokens, "
-                           f"{tokens} were extracted")
+        raise RuntimeError(
+            f"the {count} shards hold {sum(m['tokens'] for m in metas)} tokens, "
+            f"{tokens} were extracted"
+        )
     result = {
-        "shape": shape.name, "layers": shape.layers, "hidden": shape.hidden,
-        "vocab": shape.vocab, "target_dtype": str(dtype).removeprefix("torch."),
+        "shape": shape.name,
+        "layers": shape.layers,
+        "hidden": shape.hidden,
+        "vocab": shape.vocab,
+        "target_dtype": str(dtype).removeprefix("torch."),
         "attention": getattr(target.model.config, "_attn_implementation", None),
-        "aux_layer_ids": aux_ids, "samples": len(records), "sample_len": size["sample_len"],
-        "prompt_len": size["prompt_len"], "batch_tokens": cfg["batch_tokens"],
-        "shard_dtype": cfg["dtype"], "teacher_check": "min_teacher_agreement 0 (random tokens)",
-        "teacher_agreement": meta["teacher"]["agreement"], "build_s": build_s,
-        "tokens": tokens, "repeats": len(extracted),
-        "plain_forward_s": min(plain), "hooked_forward_s": min(hooked), "extraction_s": min(extracted),
+        "aux_layer_ids": aux_ids,
+        "samples": len(records),
+        "sample_len": size["sample_len"],
+        "prompt_len": size["prompt_len"],
+        "batch_tokens": cfg["batch_tokens"],
+        "shard_dtype": cfg["dtype"],
+        "teacher_check": "min_teacher_agreement 0 (random tokens)",
+        "teacher_agreement": meta["teacher"]["agreement"],
+        "build_s": build_s,
+        "tokens": tokens,
+        "repeats": len(extracted),
+        "plain_forward_s": min(plain),
+        "hooked_forward_s": min(hooked),
+        "extraction_s": min(extracted),
         "plain_forward_tokens_per_s": tokens / min(plain),
         "hooked_forward_tokens_per_s": tokens / min(hooked),
         "extraction_tokens_per_s": tokens / min(extracted),
@@ -318,15 +432,23 @@ def extraction(shape: Shape, size: dict, device: torch.device, dtype: torch.dtyp
         "extraction_not_overlapped_s": min(serial),
         "extraction_not_overlapped_tokens_per_s": tokens / min(serial),
         "extraction_not_overlapped_over_forward": min(hooked) / min(serial),
-        "shards_in_one_job": count, "shards_in_one_job_s": min(overlapped),
+        "shards_in_one_job": count,
+        "shards_in_one_job_s": min(overlapped),
         "shards_in_one_job_tokens_per_s": tokens / min(overlapped),
         "shards_in_one_job_over_forward": min(hooked) / min(overlapped),
         "shards_in_one_job_bytes": sum(m["bytes"] for m in metas),
-        "shard_bytes": meta["bytes"], "shard_sha256": meta["sha256"],
+        "shard_bytes": meta["bytes"],
+        "shard_sha256": meta["sha256"],
         "shard_gb_per_s": meta["bytes"] / min(extracted) / 1e9,
-        "shard_tokens_in_file": tokens_in_file, "peak_memory_gib": peak_memory_gib(device),
-        "all_s": {"plain": plain, "hooked": hooked, "extraction": extracted,
-                  "not_overlapped": serial, "shards_in_one_job": overlapped},
+        "shard_tokens_in_file": tokens_in_file,
+        "peak_memory_gib": peak_memory_gib(device),
+        "all_s": {
+            "plain": plain,
+            "hooked": hooked,
+            "extraction": extracted,
+            "not_overlapped": serial,
+            "shards_in_one_job": overlapped,
+        },
     }
     if keep is not None:  # for the test: the shard itself, to read back
         shutil.move(shard, keep)
@@ -336,6 +458,7 @@ def extraction(shape: Shape, size: dict, device: torch.device, dtype: torch.dtyp
 
 # -- training --------------------------------------------------------------------------------
 
+
 class RandomSamples:
     """Stands in for ``train.Samples``: fixed random samples, in the tuple its ``get`` returns
     (states in bfloat16, as a bf16 shard maps them; the step widens them on the device)."""
@@ -343,13 +466,18 @@ class RandomSamples:
     def __init__(self, config: DrafterConfig, count: int, length: int):
         g = torch.Generator().manual_seed(0)
         self.lengths = [length] * count
-        self.pieces = [(f"r{s}", torch.randint(0, config.vocab_size, (length,), generator=g),
-                        torch.ones(length, dtype=torch.uint8),
-                        # the target's argmax, in the draft vocabulary (d2t = 0: same ids)
-                        torch.randint(0, config.draft_vocab_size, (length,), generator=g),
-                        torch.randn(length, config.fc_input_size, generator=g).bfloat16(),
-                        torch.randn(length, config.hidden_size, generator=g).bfloat16())
-                       for s in range(count)]
+        self.pieces = [
+            (
+                f"r{s}",
+                torch.randint(0, config.vocab_size, (length,), generator=g),
+                torch.ones(length, dtype=torch.uint8),
+                # the target's argmax, in the draft vocabulary (d2t = 0: same ids)
+                torch.randint(0, config.draft_vocab_size, (length,), generator=g),
+                torch.randn(length, config.fc_input_size, generator=g).bfloat16(),
+                torch.randn(length, config.hidden_size, generator=g).bfloat16(),
+            )
+            for s in range(count)
+        ]
 
         # one "shard" holding them all, as train_data.plan_epoch reads samples
         self.infos, self.first = [SimpleNamespace(lengths=self.lengths)], [0]
@@ -362,8 +490,14 @@ class RandomSamples:
         return (sid, *(t[:max_len] for t in tensors))
 
 
-def random_trainer(cfg: dict, config: DrafterConfig, samples: RandomSamples,
-                   device: torch.device, dtype: torch.dtype, work: Path) -> Trainer:
+def random_trainer(
+    cfg: dict,
+    config: DrafterConfig,
+    samples: RandomSamples,
+    device: torch.device,
+    dtype: torch.dtype,
+    work: Path,
+) -> Trainer:
     """eaglet's ``Trainer`` around random samples and random target weights (in place of what
     ``Trainer.from_files`` reads from the shards, the vocabulary map and the target)."""
     t2d = torch.arange(config.vocab_size) < config.draft_vocab_size
@@ -372,48 +506,77 @@ def random_trainer(cfg: dict, config: DrafterConfig, samples: RandomSamples,
     # in the target's dtype, as a checkpoint gives them; drawn on the device (the Kimi-K2.5
     # embedding is 1.2G numbers)
     embed = torch.randn(config.vocab_size, config.hidden_size, device=device, dtype=dtype) * 0.02
-    teacher_head = torch.randn(config.draft_vocab_size, config.hidden_size, device=device,
-                               dtype=dtype) * 0.02
+    teacher_head = (
+        torch.randn(config.draft_vocab_size, config.hidden_size, device=device, dtype=dtype) * 0.02
+    )
     model = Eagle3Drafter(config, embed, d2t, t2d)
     init_lm_head(model, teacher_head)  # train.lm_head_init: target
-    return Trainer(cfg, model, teacher_head, samples, samples, work / "checkpoints", device,
-                   Dist())
+    return Trainer(cfg, model, teacher_head, samples, samples, work / "checkpoints", device, Dist())
 
 
-def step_runner(shape: Shape, size: dict, device: torch.device, dtype: torch.dtype, work: Path,
-                tokens: int, fused: bool, compiled: bool, steps: int):
+def step_runner(
+    shape: Shape,
+    size: dict,
+    device: torch.device,
+    dtype: torch.dtype,
+    work: Path,
+    tokens: int,
+    fused: bool,
+    compiled: bool,
+    steps: int,
+):
     """A trainer of ``shape`` over one micro-batch of ``tokens`` random tokens a step, with the
     step's variant (``train.fused_loss``, ``train.compile``), and the function that runs its
     next step (packed ahead as ``TrainingRun.run`` packs, the wait for it inside the step)."""
-    cfg = {**schema_defaults("train"), "max_len": size["train_sample_len"],
-           "max_tokens_per_batch": tokens, "fused_loss": fused, "compile": compiled}
-    config = DrafterConfig.from_target(target_config(shape), shape.draft_vocab,
-                                       default_aux_layer_ids(shape.layers))
+    cfg = {
+        **schema_defaults("train"),
+        "max_len": size["train_sample_len"],
+        "max_tokens_per_batch": tokens,
+        "fused_loss": fused,
+        "compile": compiled,
+    }
+    config = DrafterConfig.from_target(
+        target_config(shape), shape.draft_vocab, default_aux_layer_ids(shape.layers)
+    )
     count = tokens // size["train_sample_len"]
     samples = RandomSamples(config, count, size["train_sample_len"])
     # the schedule spans exactly the steps run
-    trainer = random_trainer({**cfg, "epochs": steps, "max_steps": steps}, config, samples,
-                             device, dtype, work)
+    trainer = random_trainer(
+        {**cfg, "epochs": steps, "max_steps": steps}, config, samples, device, dtype, work
+    )
     micro = [list(range(count))]  # one micro-batch per step (grad_accum 1), every sample
-    feed = Prefetcher(lambda indices: trainer.host_batch(samples, indices),
-                      (((step, 0, 0), micro[0]) for step in range(steps)),
-                      max(1, prefetch_depth(cfg["prefetch_batches"], device)))
+    feed = Prefetcher(
+        lambda indices: trainer.host_batch(samples, indices),
+        (((step, 0, 0), micro[0]) for step in range(steps)),
+        max(1, prefetch_depth(cfg["prefetch_batches"], device)),
+    )
 
     def step() -> tuple[float, int, float]:
         seconds, (stats, rows) = timed(
-            device, lambda: trainer.train_step(micro, [feed.take((trainer.step, 0, 0))]))
+            device, lambda: trainer.train_step(micro, [feed.take((trainer.step, 0, 0))])
+        )
         trainer.step += 1
         return seconds, rows, float(stats[0].sum() / stats[1].sum())
+
     return trainer, feed, config, cfg, step
 
 
-def train_variant(shape: Shape, size: dict, device: torch.device, dtype: torch.dtype,
-                  work: Path, tokens: int, fused: bool, compiled: bool) -> dict:
+def train_variant(
+    shape: Shape,
+    size: dict,
+    device: torch.device,
+    dtype: torch.dtype,
+    work: Path,
+    tokens: int,
+    fused: bool,
+    compiled: bool,
+) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     steps = size["train_warmup"] + size["train_steps"]
-    trainer, feed, config, cfg, step = step_runner(shape, size, device, dtype, work, tokens,
-                                                   fused, compiled, steps)
+    trainer, feed, config, cfg, step = step_runner(
+        shape, size, device, dtype, work, tokens, fused, compiled, steps
+    )
     times, warmup, rows, losses = [], [], 0, []
     try:
         for k in range(steps):
@@ -427,28 +590,42 @@ def train_variant(shape: Shape, size: dict, device: torch.device, dtype: torch.d
     flops = count_flops_per_token(config, cfg["ttt_steps"], context)
     tokens_per_s = rows / step_s
     return {
-        "fused_loss": fused, "compile": compiled, "tokens_per_step": rows,
-        "trainable_params": num_params(trainer.model), "timed_steps": len(times),
-        "step_s": step_s, "step_s_all": times, "warmup_s": warmup,
-        "tokens_per_s": tokens_per_s, "flops_per_token": flops,
-        "model_tflops_per_s": flops * tokens_per_s / 1e12, "peak_flops": PEAK_FLOPS,
+        "fused_loss": fused,
+        "compile": compiled,
+        "tokens_per_step": rows,
+        "trainable_params": num_params(trainer.model),
+        "timed_steps": len(times),
+        "step_s": step_s,
+        "step_s_all": times,
+        "warmup_s": warmup,
+        "tokens_per_s": tokens_per_s,
+        "flops_per_token": flops,
+        "model_tflops_per_s": flops * tokens_per_s / 1e12,
+        "peak_flops": PEAK_FLOPS,
         "mfu": flops * tokens_per_s / PEAK_FLOPS if device.type == "cuda" else None,
-        "peak_memory_gib": peak_memory_gib(device), "losses": losses,
-        "ttt_steps": cfg["ttt_steps"], "config": config,
+        "peak_memory_gib": peak_memory_gib(device),
+        "losses": losses,
+        "ttt_steps": cfg["ttt_steps"],
+        "config": config,
     }
 
 
-def training(shape: Shape, size: dict, device: torch.device, dtype: torch.dtype, work: Path,
-             tokens: int) -> dict:
+def training(
+    shape: Shape, size: dict, device: torch.device, dtype: torch.dtype, work: Path, tokens: int
+) -> dict:
     """Every variant of the step (VARIANTS) at ``shape``; the section's own figures are the
     last (default) variant's, the others listed under ``variants`` with what each bought."""
     variants, errors = {}, {}
     for name, (fused, compiled) in VARIANTS.items():
         try:
-            variants[name] = train_variant(shape, size, device, dtype, work, tokens, fused, compiled)
-            say(f"  {shape.name} {name}: {variants[name]['tokens_per_s']:.0f} tokens/s, "
+            variants[name] = train_variant(
+                shape, size, device, dtype, work, tokens, fused, compiled
+            )
+            say(
+                f"  {shape.name} {name}: {variants[name]['tokens_per_s']:.0f} tokens/s, "
                 f"peak {variants[name]['peak_memory_gib'] or 0:.1f} GiB, first steps "
-                f"{', '.join(f'{t:.2f}' for t in variants[name]['warmup_s'])} s")
+                f"{', '.join(f'{t:.2f}' for t in variants[name]['warmup_s'])} s"
+            )
         except Exception:  # the other variants still tell something
             errors[name] = traceback.format_exc()
             say(f"  {shape.name} {name}: FAILED\n{errors[name]}")
@@ -459,21 +636,29 @@ def training(shape: Shape, size: dict, device: torch.device, dtype: torch.dtype,
     for v in variants.values():
         config = v.pop("config")
         if plain is not None:  # the same weights and batches: the same losses within bf16
-            v["max_loss_rel_diff"] = max(abs(a - b) / abs(b) for a, b in
-                                         zip(v["losses"], plain["losses"]))
+            v["max_loss_rel_diff"] = max(
+                abs(a - b) / abs(b) for a, b in zip(v["losses"], plain["losses"])
+            )
             v["over_plain"] = v["tokens_per_s"] / plain["tokens_per_s"]
     name = list(variants)[-1]
     best = variants[name]
     result = {
-        "shape": shape.name, "hidden": config.hidden_size, "heads": config.num_attention_heads,
-        "kv_heads": config.num_key_value_heads, "head_dim": config.head_dim,
-        "intermediate": config.intermediate_size, "target_vocab": config.vocab_size,
-        "draft_vocab": config.draft_vocab_size, "ttt_steps": best["ttt_steps"],
+        "shape": shape.name,
+        "hidden": config.hidden_size,
+        "heads": config.num_attention_heads,
+        "kv_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "intermediate": config.intermediate_size,
+        "target_vocab": config.vocab_size,
+        "draft_vocab": config.draft_vocab_size,
+        "ttt_steps": best["ttt_steps"],
         "precision": "bf16 autocast" if device.type == "cuda" else "float32",
         "driven_by": "Trainer.train_step on random bf16 samples packed ahead (no shards on disk)",
-        "sample_len": size["train_sample_len"], "variant": name,
+        "sample_len": size["train_sample_len"],
+        "variant": name,
         **{k: v for k, v in best.items() if k not in ("fused_loss", "compile", "ttt_steps")},
-        "variants": variants, "variant_errors": errors,
+        "variants": variants,
+        "variant_errors": errors,
     }
     if shape.name.startswith("Llama") or shape.name == "tiny-llama":
         result["naive_anchor_tokens_per_s"] = NAIVE_ANCHOR
@@ -490,8 +675,10 @@ CATEGORIES = [  # (category, patterns of kernel names), first match wins
     ("optimizer", ("adam", "multi_tensor", "foreach")),
     ("compiled (fused by inductor)", ("triton_",)),
     ("reductions", ("reduce", "softmax", "logsumexp", "argmax", "max", "sum", "norm")),
-    ("copies, casts, gathers", ("copy", "cat", "index", "gather", "scatter", "memcpy", "memset",
-                                "fill", "pad", "to_")),
+    (
+        "copies, casts, gathers",
+        ("copy", "cat", "index", "gather", "scatter", "memcpy", "memset", "fill", "pad", "to_"),
+    ),
     ("elementwise", ("elementwise", "vectorized", "unrolled", "mul", "add", "exp", "silu", "div")),
 ]
 
@@ -504,8 +691,9 @@ def category(name: str) -> str:
     return "other"
 
 
-def profile(shape: Shape, size: dict, device: torch.device, dtype: torch.dtype, work: Path,
-            tokens: int) -> dict:
+def profile(
+    shape: Shape, size: dict, device: torch.device, dtype: torch.dtype, work: Path, tokens: int
+) -> dict:
     """torch.profiler over ``profile_steps`` steps of the default variant, after its warm-up:
     the step's device time by kernel category and its costliest kernels."""
     from torch.profiler import ProfilerActivity
@@ -513,8 +701,9 @@ def profile(shape: Shape, size: dict, device: torch.device, dtype: torch.dtype, 
 
     fused, compiled = VARIANTS[list(VARIANTS)[-1]]
     steps = size["train_warmup"] + size["profile_steps"]
-    trainer, feed, _, _, step = step_runner(shape, size, device, dtype, work, tokens, fused,
-                                            compiled, steps)
+    trainer, feed, _, _, step = step_runner(
+        shape, size, device, dtype, work, tokens, fused, compiled, steps
+    )
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     try:
@@ -529,8 +718,14 @@ def profile(shape: Shape, size: dict, device: torch.device, dtype: torch.dtype, 
         on_device = getattr(event, "device_type", None) == torch.autograd.DeviceType.CUDA
         if cuda and not on_device:
             continue
-        us = (getattr(event, "self_device_time_total", None) or getattr(
-            event, "self_cuda_time_total", 0)) if cuda else event.self_cpu_time_total
+        us = (
+            (
+                getattr(event, "self_device_time_total", None)
+                or getattr(event, "self_cuda_time_total", 0)
+            )
+            if cuda
+            else event.self_cpu_time_total
+        )
         if us:
             kernels[event.key] = kernels.get(event.key, 0) + us
     total = sum(kernels.values()) or 1
@@ -540,17 +735,31 @@ def profile(shape: Shape, size: dict, device: torch.device, dtype: torch.dtype, 
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:25]
     steps_n = size["profile_steps"]
     return {
-        "variant": list(VARIANTS)[-1], "steps": steps_n, "tokens_per_step": tokens,
-        "wall_s_per_step": wall / steps_n, "device_s_per_step": total / 1e6 / steps_n,
-        "busy": total / 1e6 / wall if cuda else None, "kernels": len(kernels),
-        "by_category": {k: {"ms_per_step": v / 1e3 / steps_n, "share": v / total}
-                        for k, v in sorted(by_category.items(), key=lambda kv: -kv[1])},
-        "top": [{"kernel": k[:120], "ms_per_step": v / 1e3 / steps_n, "share": v / total,
-                 "category": category(k)} for k, v in top],
+        "variant": list(VARIANTS)[-1],
+        "steps": steps_n,
+        "tokens_per_step": tokens,
+        "wall_s_per_step": wall / steps_n,
+        "device_s_per_step": total / 1e6 / steps_n,
+        "busy": total / 1e6 / wall if cuda else None,
+        "kernels": len(kernels),
+        "by_category": {
+            k: {"ms_per_step": v / 1e3 / steps_n, "share": v / total}
+            for k, v in sorted(by_category.items(), key=lambda kv: -kv[1])
+        },
+        "top": [
+            {
+                "kernel": k[:120],
+                "ms_per_step": v / 1e3 / steps_n,
+                "share": v / total,
+                "category": category(k),
+            }
+            for k, v in top
+        ],
     }
 
 
 # -- disk ------------------------------------------------------------------------------------
+
 
 def disk(shape: Shape, size: dict, work: Path, repeats: int = 2) -> dict:
     """One shard of about ``disk_bytes`` through ``shards.write`` and as many bytes through a
@@ -573,31 +782,48 @@ def disk(shape: Shape, size: dict, work: Path, repeats: int = 2) -> dict:
             left = written.bytes if written else size["disk_bytes"]
             block = memoryview(os.urandom(min(16 << 20, left)))
             while left:
-                left -= handle.write(block[:min(left, len(block))])
+                left -= handle.write(block[: min(left, len(block))])
             handle.flush()
             os.fsync(handle.fileno())
         plain_times.append(time.perf_counter() - start)
         plain_bytes = plain.stat().st_size
         plain.unlink()
         start = time.perf_counter()
-        written = shards.write(path, ids, torch.ones(tokens, dtype=torch.uint8), offsets,
-                               torch.full((tokens,), -1), [aux[:n] for n in counts],
-                               [final[:n] for n in counts],
-                               sample_ids=[f"d{i}" for i in range(len(counts))],
-                               aux_layer_ids=[0, 1, 2], dtype="bfloat16",
-                               target={"spec": "gpu_check"})
+        written = shards.write(
+            path,
+            ids,
+            torch.ones(tokens, dtype=torch.uint8),
+            offsets,
+            torch.full((tokens,), -1),
+            [aux[:n] for n in counts],
+            [final[:n] for n in counts],
+            sample_ids=[f"d{i}" for i in range(len(counts))],
+            aux_layer_ids=[0, 1, 2],
+            dtype="bfloat16",
+            target={"spec": "gpu_check"},
+        )
         shard_times.append(time.perf_counter() - start)
         if path.stat().st_size != written.bytes:
-            raise RuntimeError(f"shards.write reported {written.bytes} bytes, the file has "
-                               f"{path.stat().st_size}")
+            raise RuntimeError(
+                f"shards.write reported {written.bytes} bytes, the file has {path.stat().st_size}"
+            )
         path.unlink()
     shard_s, plain_s = min(shard_times), min(plain_times)
     shard_rate, plain_rate = written.bytes / shard_s, plain_bytes / plain_s
-    return {"directory": str(work), "bytes": written.bytes, "plain_bytes": plain_bytes,
-            "tokens": tokens, "hidden": hidden, "shard_write_s": shard_s, "plain_write_s": plain_s,
-            "shard_write_s_all": shard_times, "plain_write_s_all": plain_times,
-            "shard_write_gb_per_s": shard_rate / 1e9, "plain_write_gb_per_s": plain_rate / 1e9,
-            "shard_over_plain": shard_rate / plain_rate}
+    return {
+        "directory": str(work),
+        "bytes": written.bytes,
+        "plain_bytes": plain_bytes,
+        "tokens": tokens,
+        "hidden": hidden,
+        "shard_write_s": shard_s,
+        "plain_write_s": plain_s,
+        "shard_write_s_all": shard_times,
+        "plain_write_s_all": plain_times,
+        "shard_write_gb_per_s": shard_rate / 1e9,
+        "plain_write_gb_per_s": plain_rate / 1e9,
+        "shard_over_plain": shard_rate / plain_rate,
+    }
 
 
 # -- the run ---------------------------------------------------------------------------------
@@ -625,69 +851,126 @@ def render(result: dict) -> str:
         return f"| {what} | {goal} | {fmt(v, spec)} | {status(v, least)} |"
 
     llama, kimi = (result["shapes"][k]["name"] for k in ("llama", "kimi"))
-    lines = [f"# GPU check: {result['device']}", "",
-             f"torch {result['torch']}, transformers {result['transformers']}, "
-             f"{result['elapsed_s']['total']:.0f} s in all{' (tiny shapes)' if result['tiny'] else ''}", "",
-             "| measure | goal | measured | |", "|---|---|---|---|",
-             row(f"extraction / hooked forward ({llama} target, one shard written)", ">= 0.85",
-                 value("extraction", "extraction_over_forward"), "{:.3f}",
-                 GOALS["extraction_over_forward"]),
-             row("extraction tokens/s", "-", value("extraction", "extraction_tokens_per_s"), "{:.0f}"),
-             row("  the same, writer not overlapped (/ hooked forward)", "-",
-                 value("extraction", "extraction_not_overlapped_over_forward"), "{:.3f}"),
-             row(f"  {value('extraction', 'shards_in_one_job') or '-'} shards in one job "
-                 f"(/ hooked forward)", "-", value("extraction", "shards_in_one_job_over_forward"),
-                 "{:.3f}"),
-             row("hooked forward tokens/s (3 aux layers)", "-",
-                 value("extraction", "hooked_forward_tokens_per_s"), "{:.0f}"),
-             row("plain forward tokens/s", "-", value("extraction", "plain_forward_tokens_per_s"),
-                 "{:.0f}"),
-             row(f"training tokens/s, {llama} drafter, TTT 7, "
-                 f"{result['sizes']['train_tokens']['llama']} tokens a step", ">= 32K",
-                 value("train_llama", "tokens_per_s"), "{:.0f}",
-                 GOALS["train_llama_tokens_per_s"]),
-             row("  MFU (of 989 TFLOP/s)", "-", value("train_llama", "mfu"), "{:.1%}"),
-             row("  peak memory GiB", "<= 60", value("train_llama", "peak_memory_gib"), "{:.1f}"),
-             row(f"training tokens/s, {kimi} drafter, TTT 7, "
-                 f"{result['sizes']['train_tokens']['kimi']} tokens a step", ">= 14K",
-                 value("train_kimi", "tokens_per_s"), "{:.0f}", GOALS["train_kimi_tokens_per_s"]),
-             row("  MFU (of 989 TFLOP/s)", "-", value("train_kimi", "mfu"), "{:.1%}"),
-             row("  peak memory GiB", "-", value("train_kimi", "peak_memory_gib"), "{:.1f}"),
-             row("shards.write / plain write, both fsynced", ">= 0.9",
-                 value("disk", "shard_over_plain"), "{:.2f}", GOALS["shard_over_plain"]),
-             row("  disk GB/s, shards.write", "-", value("disk", "shard_write_gb_per_s"), "{:.2f}"),
-             row("  disk GB/s, plain write", "-", value("disk", "plain_write_gb_per_s"), "{:.2f}"),
-             ""]
+    lines = [
+        f"# GPU check: {result['device']}",
+        "",
+        f"torch {result['torch']}, transformers {result['transformers']}, "
+        f"{result['elapsed_s']['total']:.0f} s in all{' (tiny shapes)' if result['tiny'] else ''}",
+        "",
+        "| measure | goal | measured | |",
+        "|---|---|---|---|",
+        row(
+            f"extraction / hooked forward ({llama} target, one shard written)",
+            ">= 0.85",
+            value("extraction", "extraction_over_forward"),
+            "{:.3f}",
+            GOALS["extraction_over_forward"],
+        ),
+        row("extraction tokens/s", "-", value("extraction", "extraction_tokens_per_s"), "{:.0f}"),
+        row(
+            "  the same, writer not overlapped (/ hooked forward)",
+            "-",
+            value("extraction", "extraction_not_overlapped_over_forward"),
+            "{:.3f}",
+        ),
+        row(
+            f"  {value('extraction', 'shards_in_one_job') or '-'} shards in one job "
+            f"(/ hooked forward)",
+            "-",
+            value("extraction", "shards_in_one_job_over_forward"),
+            "{:.3f}",
+        ),
+        row(
+            "hooked forward tokens/s (3 aux layers)",
+            "-",
+            value("extraction", "hooked_forward_tokens_per_s"),
+            "{:.0f}",
+        ),
+        row(
+            "plain forward tokens/s",
+            "-",
+            value("extraction", "plain_forward_tokens_per_s"),
+            "{:.0f}",
+        ),
+        row(
+            f"training tokens/s, {llama} drafter, TTT 7, "
+            f"{result['sizes']['train_tokens']['llama']} tokens a step",
+            ">= 32K",
+            value("train_llama", "tokens_per_s"),
+            "{:.0f}",
+            GOALS["train_llama_tokens_per_s"],
+        ),
+        row("  MFU (of 989 TFLOP/s)", "-", value("train_llama", "mfu"), "{:.1%}"),
+        row("  peak memory GiB", "<= 60", value("train_llama", "peak_memory_gib"), "{:.1f}"),
+        row(
+            f"training tokens/s, {kimi} drafter, TTT 7, "
+            f"{result['sizes']['train_tokens']['kimi']} tokens a step",
+            ">= 14K",
+            value("train_kimi", "tokens_per_s"),
+            "{:.0f}",
+            GOALS["train_kimi_tokens_per_s"],
+        ),
+        row("  MFU (of 989 TFLOP/s)", "-", value("train_kimi", "mfu"), "{:.1%}"),
+        row("  peak memory GiB", "-", value("train_kimi", "peak_memory_gib"), "{:.1f}"),
+        row(
+            "shards.write / plain write, both fsynced",
+            ">= 0.9",
+            value("disk", "shard_over_plain"),
+            "{:.2f}",
+            GOALS["shard_over_plain"],
+        ),
+        row("  disk GB/s, shards.write", "-", value("disk", "shard_write_gb_per_s"), "{:.2f}"),
+        row("  disk GB/s, plain write", "-", value("disk", "plain_write_gb_per_s"), "{:.2f}"),
+        "",
+    ]
     for section in ("train_llama", "train_kimi"):
         variants = s.get(section, {}).get("variants")
         if not variants:
             continue
-        lines += [f"Training step variants, {s[section]['shape']} "
-                  f"({s[section]['tokens_per_step']} tokens a step):", "",
-                  "| variant | tokens/s | x plain | MFU | peak GiB | max loss rel. diff vs plain | first steps s |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += [
+            f"Training step variants, {s[section]['shape']} "
+            f"({s[section]['tokens_per_step']} tokens a step):",
+            "",
+            "| variant | tokens/s | x plain | MFU | peak GiB | max loss rel. diff vs plain | first steps s |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for name, v in variants.items():
-            lines.append(f"| {name} | {v['tokens_per_s']:.0f} | {fmt(v.get('over_plain'), '{:.2f}')} | "
-                         f"{fmt(v['mfu'], '{:.1%}')} | {fmt(v['peak_memory_gib'], '{:.1f}')} | "
-                         f"{fmt(v.get('max_loss_rel_diff'), '{:.1e}')} | "
-                         f"{', '.join(f'{t:.2f}' for t in v['warmup_s'])} |")
-        lines += [f"Failed variant {n}: {e.strip().splitlines()[-1]}"
-                  for n, e in s[section].get("variant_errors", {}).items()]
+            lines.append(
+                f"| {name} | {v['tokens_per_s']:.0f} | {fmt(v.get('over_plain'), '{:.2f}')} | "
+                f"{fmt(v['mfu'], '{:.1%}')} | {fmt(v['peak_memory_gib'], '{:.1f}')} | "
+                f"{fmt(v.get('max_loss_rel_diff'), '{:.1e}')} | "
+                f"{', '.join(f'{t:.2f}' for t in v['warmup_s'])} |"
+            )
+        lines += [
+            f"Failed variant {n}: {e.strip().splitlines()[-1]}"
+            for n, e in s[section].get("variant_errors", {}).items()
+        ]
         lines.append("")
     if "profile" in s:
         p = s["profile"]
-        lines += [f"Where a step's device time goes ({p['variant']}, {p['tokens_per_step']} tokens, "
-                  f"{fmt(p['device_s_per_step'] * 1e3, '{:.1f}')} ms of kernels in "
-                  f"{fmt(p['wall_s_per_step'] * 1e3, '{:.1f}')} ms, {p['kernels']} kernels):", "",
-                  "| category | ms a step | share |", "|---|---|---|"]
-        lines += [f"| {k} | {v['ms_per_step']:.2f} | {v['share']:.1%} |"
-                  for k, v in p["by_category"].items()]
+        lines += [
+            f"Where a step's device time goes ({p['variant']}, {p['tokens_per_step']} tokens, "
+            f"{fmt(p['device_s_per_step'] * 1e3, '{:.1f}')} ms of kernels in "
+            f"{fmt(p['wall_s_per_step'] * 1e3, '{:.1f}')} ms, {p['kernels']} kernels):",
+            "",
+            "| category | ms a step | share |",
+            "|---|---|---|",
+        ]
+        lines += [
+            f"| {k} | {v['ms_per_step']:.2f} | {v['share']:.1%} |"
+            for k, v in p["by_category"].items()
+        ]
         lines.append("")
     lines += [f"Skipped {name}: {why}" for name, why in result["skipped"].items()]
-    lines += [f"Failed {name}: {err.strip().splitlines()[-1]}" for name, err in result["errors"].items()]
-    lines += ["", "Extraction: random token ids, extract.min_teacher_agreement 0. Training: "
-              "Trainer.train_step on random samples, one micro-batch a step, all variants from "
-              "the same weights over the same batches. Raw numbers: gpu_check.json."]
+    lines += [
+        f"Failed {name}: {err.strip().splitlines()[-1]}" for name, err in result["errors"].items()
+    ]
+    lines += [
+        "",
+        "Extraction: random token ids, extract.min_teacher_agreement 0. Training: "
+        "Trainer.train_step on random samples, one micro-batch a step, all variants from "
+        "the same weights over the same batches. Raw numbers: gpu_check.json.",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -697,17 +980,28 @@ def main() -> int:
     parser.add_argument("--out", default=str(OUT), help="where gpu_check.json and .md go")
     parser.add_argument("--tiny", action="store_true", help="toy shapes, any device (the test)")
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--sections", default=",".join(SECTIONS),
-                        help=f"comma-separated, of {', '.join(SECTIONS)}")
-    parser.add_argument("--budget-s", type=float, default=420,
-                        help="skip sections that would end later than this")
-    parser.add_argument("--variants", default=",".join(VARIANTS),
-                        help=f"the training step's variants to time, of {', '.join(VARIANTS)} "
-                             f"(the profile takes the last)")
-    parser.add_argument("--work", help="directory for shards and disk writes (default: a "
-                        "temporary one in --out, on the disk results go to)")
-    parser.add_argument("--keep-shard", action="store_true",
-                        help="keep the extracted shard as <out>/gpu_check_shard.safetensors")
+    parser.add_argument(
+        "--sections", default=",".join(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)}"
+    )
+    parser.add_argument(
+        "--budget-s", type=float, default=420, help="skip sections that would end later than this"
+    )
+    parser.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help=f"the training step's variants to time, of {', '.join(VARIANTS)} "
+        f"(the profile takes the last)",
+    )
+    parser.add_argument(
+        "--work",
+        help="directory for shards and disk writes (default: a "
+        "temporary one in --out, on the disk results go to)",
+    )
+    parser.add_argument(
+        "--keep-shard",
+        action="store_true",
+        help="keep the extracted shard as <out>/gpu_check_shard.safetensors",
+    )
     args = parser.parse_args()
     CLOCK = Clock(args.budget_s)
     wanted = args.sections.split(",")
@@ -719,8 +1013,9 @@ def main() -> int:
             del VARIANTS[name]
     if unknown := sorted(set(wanted) - set(SECTIONS)):
         parser.error(f"unknown sections {unknown}; known: {SECTIONS}")
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu")
-                          if args.device == "auto" else args.device)
+    device = torch.device(
+        ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    )
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     scale = "tiny" if args.tiny else "full"
     shapes, size = SHAPES[scale], SIZES[scale]
@@ -731,27 +1026,63 @@ def main() -> int:
     import transformers
 
     result = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda"
+        "device": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
         else f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
-        "torch": torch.__version__, "transformers": transformers.__version__,
-        "python": platform.python_version(), "tiny": args.tiny, "budget_s": args.budget_s,
-        "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"), "goals": GOALS,
-        "shapes": {k: {f: getattr(v, f) for f in ("name", "hidden", "layers", "heads", "kv_heads",
-                                                   "head_dim", "intermediate", "vocab", "draft_vocab")}
-                   for k, v in shapes.items()},
-        "sizes": size, "sections": {}, "skipped": {}, "errors": {}, "elapsed_s": {},
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "tiny": args.tiny,
+        "budget_s": args.budget_s,
+        "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "goals": GOALS,
+        "shapes": {
+            k: {
+                f: getattr(v, f)
+                for f in (
+                    "name",
+                    "hidden",
+                    "layers",
+                    "heads",
+                    "kv_heads",
+                    "head_dim",
+                    "intermediate",
+                    "vocab",
+                    "draft_vocab",
+                )
+            }
+            for k, v in shapes.items()
+        },
+        "sizes": size,
+        "sections": {},
+        "skipped": {},
+        "errors": {},
+        "elapsed_s": {},
     }
-    runs = {"extraction": lambda: extraction(shapes["llama"], size, device, dtype, work,
-                                             out / "gpu_check_shard.safetensors" if args.keep_shard else None),
-            "train_llama": lambda: training(shapes["llama"], size, device, dtype, work,
-                                            size["train_tokens"]["llama"]),
-            "train_kimi": lambda: training(shapes["kimi"], size, device, dtype, work,
-                                           size["train_tokens"]["kimi"]),
-            "profile": lambda: profile(shapes["llama"], size, device, dtype, work,
-                                       size["train_tokens"]["llama"]),
-            "disk": lambda: disk(shapes["llama"], size, work)}
-    say(f"gpu_check on {result['device']}, torch {torch.__version__}, {scale} shapes, "
-        f"sections {wanted}, budget {args.budget_s:.0f}s")
+    runs = {
+        "extraction": lambda: extraction(
+            shapes["llama"],
+            size,
+            device,
+            dtype,
+            work,
+            out / "gpu_check_shard.safetensors" if args.keep_shard else None,
+        ),
+        "train_llama": lambda: training(
+            shapes["llama"], size, device, dtype, work, size["train_tokens"]["llama"]
+        ),
+        "train_kimi": lambda: training(
+            shapes["kimi"], size, device, dtype, work, size["train_tokens"]["kimi"]
+        ),
+        "profile": lambda: profile(
+            shapes["llama"], size, device, dtype, work, size["train_tokens"]["llama"]
+        ),
+        "disk": lambda: disk(shapes["llama"], size, work),
+    }
+    say(
+        f"gpu_check on {result['device']}, torch {torch.__version__}, {scale} shapes, "
+        f"sections {wanted}, budget {args.budget_s:.0f}s"
+    )
     try:
         for name in SECTIONS:
             if name not in wanted:
@@ -759,8 +1090,10 @@ def main() -> int:
                 continue
             expected = 0 if args.tiny else ESTIMATES[name]
             if CLOCK.elapsed() + expected > args.budget_s:
-                result["skipped"][name] = (f"running late: {CLOCK.elapsed():.0f}s gone, about "
-                                           f"{expected}s needed, budget {args.budget_s:.0f}s")
+                result["skipped"][name] = (
+                    f"running late: {CLOCK.elapsed():.0f}s gone, about "
+                    f"{expected}s needed, budget {args.budget_s:.0f}s"
+                )
                 say(f"{name}: skipped, {result['skipped'][name]}")
                 continue
             say(f"{name}: start")
@@ -785,10 +1118,20 @@ def main() -> int:
 
 
 def summary(section: dict) -> dict:
-    keys = ("extraction_tokens_per_s", "extraction_over_forward",
-            "extraction_not_overlapped_over_forward", "shards_in_one_job_over_forward",
-            "tokens_per_s", "mfu", "peak_memory_gib", "shard_write_gb_per_s",
-            "plain_write_gb_per_s", "shard_over_plain", "device_s_per_step", "wall_s_per_step")
+    keys = (
+        "extraction_tokens_per_s",
+        "extraction_over_forward",
+        "extraction_not_overlapped_over_forward",
+        "shards_in_one_job_over_forward",
+        "tokens_per_s",
+        "mfu",
+        "peak_memory_gib",
+        "shard_write_gb_per_s",
+        "plain_write_gb_per_s",
+        "shard_over_plain",
+        "device_s_per_step",
+        "wall_s_per_step",
+    )
     return {k: round(section[k], 4) for k in keys if section.get(k) is not None}
 
 

@@ -67,8 +67,17 @@ def linked_copy(results: Path, to: Path, skip: tuple[str, ...]) -> None:
 def snakemake(config: dict, target: str, cores: int, where: Path) -> None:
     path = where / "benchmark_config.yaml"
     path.write_text(yaml.safe_dump(config))
-    cmd = [str(Path(sys.executable).parent / "snakemake"), "--cores", str(cores),
-           "--configfile", str(path), "--rerun-triggers", "mtime", "--", target]
+    cmd = [
+        str(Path(sys.executable).parent / "snakemake"),
+        "--cores",
+        str(cores),
+        "--configfile",
+        str(path),
+        "--rerun-triggers",
+        "mtime",
+        "--",
+        target,
+    ]
     print("$", " ".join(cmd), flush=True)
     subprocess.run(cmd, cwd=ROOT, check=True)
 
@@ -80,38 +89,81 @@ def table(acceptance: dict) -> list[dict]:
     rows = []
     for row in acceptance["methods"]:
         run, check = runs[row["name"]], offline.get(row["name"]) or {}
-        rows.append({
-            **{k: row[k] for k in ("name", "kind", "drafter", "compared", "k",
-                                   "acceptance_length", "acceptance_length_per_request",
-                                   "per_position_rate", "by_concurrency", "training_minutes")},
-            "sets": {name: {k: s.get(k) for k in ("acceptance_length",
-                                                   "acceptance_length_per_request", "drafts")}
-                     for name, s in (run.get("sets") or {}).items()},
-            "offline": {k: check.get(k) for k in ("acceptance_length", "vllm_acceptance_length",
-                                                  "ratio_offline_over_vllm", "drafts", "agrees")},
-        })
+        rows.append(
+            {
+                **{
+                    k: row[k]
+                    for k in (
+                        "name",
+                        "kind",
+                        "drafter",
+                        "compared",
+                        "k",
+                        "acceptance_length",
+                        "acceptance_length_per_request",
+                        "per_position_rate",
+                        "by_concurrency",
+                        "training_minutes",
+                    )
+                },
+                "sets": {
+                    name: {
+                        k: s.get(k)
+                        for k in ("acceptance_length", "acceptance_length_per_request", "drafts")
+                    }
+                    for name, s in (run.get("sets") or {}).items()
+                },
+                "offline": {
+                    k: check.get(k)
+                    for k in (
+                        "acceptance_length",
+                        "vllm_acceptance_length",
+                        "ratio_offline_over_vllm",
+                        "drafts",
+                        "agrees",
+                    )
+                },
+            }
+        )
     return rows
 
 
 def markdown(rows: list[dict]) -> str:
     fmt = lambda x, p=2: "-" if x is None else f"{x:.{p}f}"  # noqa: E731
     concurrencies = [c["concurrency"] for c in rows[0]["by_concurrency"]]
-    head = ["drafter", "training", "AL pooled (per request)", "heldout / everyday",
-            "accepted at positions", *[f"concurrency {c} (ms/step, alone)" for c in concurrencies],
-            "offline AL (vLLM's)"]
+    head = [
+        "drafter",
+        "training",
+        "AL pooled (per request)",
+        "heldout / everyday",
+        "accepted at positions",
+        *[f"concurrency {c} (ms/step, alone)" for c in concurrencies],
+        "offline AL (vLLM's)",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         sets = " / ".join(fmt(s["acceptance_length"], 3) for s in r["sets"].values())
-        speed = [f"{fmt(c['speedup'])}x [{fmt(c['speedup_low'])}, {fmt(c['speedup_high'])}] "
-                 f"({fmt(c['step_ms'], 1)}, {fmt(c['target_step_ms'], 1)})"
-                 for c in r["by_concurrency"]]
+        speed = [
+            f"{fmt(c['speedup'])}x [{fmt(c['speedup_low'])}, {fmt(c['speedup_high'])}] "
+            f"({fmt(c['step_ms'], 1)}, {fmt(c['target_step_ms'], 1)})"
+            for c in r["by_concurrency"]
+        ]
         o = r["offline"]
-        lines.append("| " + " | ".join([
-            r["kind"] + ("" if r["compared"] else " (the run's)"),
-            f"{fmt(r['training_minutes'], 1)} min",
-            f"{fmt(r['acceptance_length'], 3)} ({fmt(r['acceptance_length_per_request'], 3)})",
-            sets, " ".join(fmt(x) for x in r["per_position_rate"]), *speed,
-            f"{fmt(o['acceptance_length'], 4)} ({fmt(o['vllm_acceptance_length'], 4)})"]) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    r["kind"] + ("" if r["compared"] else " (the run's)"),
+                    f"{fmt(r['training_minutes'], 1)} min",
+                    f"{fmt(r['acceptance_length'], 3)} ({fmt(r['acceptance_length_per_request'], 3)})",
+                    sets,
+                    " ".join(fmt(x) for x in r["per_position_rate"]),
+                    *speed,
+                    f"{fmt(o['acceptance_length'], 4)} ({fmt(o['vllm_acceptance_length'], 4)})",
+                ]
+            )
+            + " |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -119,9 +171,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", default="results", help="a finished run (default results)")
     parser.add_argument("--configfile", default=str(ROOT / "config.yaml"))
-    parser.add_argument("--method", action="append", default=None,
-                        help="peagle, dflash, dflash:LAYERS, eagle31 (repeatable; default "
-                             "peagle, dflash, dflash:2)")
+    parser.add_argument(
+        "--method",
+        action="append",
+        default=None,
+        help="peagle, dflash, dflash:LAYERS, eagle31 (repeatable; default "
+        "peagle, dflash, dflash:2)",
+    )
     parser.add_argument("--cores", type=int, default=2)
     parser.add_argument("--out", default=str(OUT / "methods_dflash"))
     args = parser.parse_args()
@@ -145,8 +201,10 @@ def main() -> None:
     snakemake(cfg, str(where / "eval" / "acceptance.json"), args.cores, where)
     acceptance = read_json(where / "eval" / "acceptance.json")
     rows = table(acceptance)
-    write_json(Path(args.out + ".json"), {"results": str(results), "methods": rows,
-                                          "verdict": acceptance["verdict"]["summary"]})
+    write_json(
+        Path(args.out + ".json"),
+        {"results": str(results), "methods": rows, "verdict": acceptance["verdict"]["summary"]},
+    )
     Path(args.out + ".md").write_text(markdown(rows))
     print(markdown(rows))
 

@@ -38,8 +38,11 @@ OUT = Path(__file__).parent / "results"
 AUX_LAYERS = [1, 2, 3]  # of the tiny target's 4 layers (vLLM's DeepSeek model refuses 0)
 K = 3
 ATTEMPTS = ("plain", "capture", "speculative")
-KEYS = {"plain": "plain_serving", "capture": "hidden_state_capture",
-        "speculative": "mla_drafter_spec_decode"}
+KEYS = {
+    "plain": "plain_serving",
+    "capture": "hidden_state_capture",
+    "speculative": "mla_drafter_spec_decode",
+}
 
 
 def tiny_deepseek_v3(directory: Path, tokenizer_dir: Path) -> None:
@@ -47,16 +50,32 @@ def tiny_deepseek_v3(directory: Path, tokenizer_dir: Path) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     config = DeepseekV3Config(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-        moe_intermediate_size=32, num_hidden_layers=4, first_k_dense_replace=1,
-        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
-        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=4,
+        first_k_dense_replace=1,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        n_group=1,
+        topk_group=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=32,
         # DeepSeek-V3's MLA head shapes (the CPU MLA kernel refused a 16+8 head dim)
-        kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
         max_position_embeddings=1024,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
         # as the released DeepSeek-V3 config: vLLM then expects the router's correction bias
-        topk_method="noaux_tc", scoring_func="sigmoid")
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
+    )
     torch.manual_seed(0)
     DeepseekV3ForCausalLM(config).float().save_pretrained(directory)
     tokenizer.save_pretrained(directory)
@@ -64,10 +83,18 @@ def tiny_deepseek_v3(directory: Path, tokenizer_dir: Path) -> None:
 
 def complete(url: str, prompt: list[int], max_tokens: int) -> dict:
     """One greedy completion of token ids ``prompt``, with the answer's token ids."""
-    body = json.dumps({"model": "target", "prompt": prompt, "max_tokens": max_tokens,
-                       "temperature": 0, "return_token_ids": True}).encode()
-    request = urllib.request.Request(url + "/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
+    body = json.dumps(
+        {
+            "model": "target",
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "return_token_ids": True,
+        }
+    ).encode()
+    request = urllib.request.Request(
+        url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=300) as response:
         return json.loads(response.read())
 
@@ -75,9 +102,12 @@ def complete(url: str, prompt: list[int], max_tokens: int) -> dict:
 def attempt(model: Path, log: Path, extra: list[str], use=None) -> dict:
     """Serve ``model`` with ``extra`` arguments and send one completion; ``use(server)``, when
     given, does the attempt's work with the running server instead and returns its record."""
-    cfg = validate({"target": {"dtype": "float32", "max_model_len": 512},
-                    "server": {"memory_utilization": 0.25, "kv_cache_gib": 0.5,
-                               "enforce_eager": True}})
+    cfg = validate(
+        {
+            "target": {"dtype": "float32", "max_model_len": 512},
+            "server": {"memory_utilization": 0.25, "kv_cache_gib": 0.5, "enforce_eager": True},
+        }
+    )
     args = server_args(cfg["target"], cfg["server"], "target") + extra
     started = time.monotonic()
     try:
@@ -88,11 +118,15 @@ def attempt(model: Path, log: Path, extra: list[str], use=None) -> dict:
             answer = complete(server.url, [1, 2, 3, 4], 4)
         params = answer.get("kv_transfer_params") or {}
         saved = params.get("hidden_states_path")
-        return {"served": True, "ready_after_s": ready,
-                "hidden_states_file": Path(saved).name if saved else None}
+        return {
+            "served": True,
+            "ready_after_s": ready,
+            "hidden_states_file": Path(saved).name if saved else None,
+        }
     except (ServerError, urllib.error.HTTPError) as exc:
-        lines = [line for line in log_tail(log, 400).splitlines()
-                 if "Error" in line or "error" in line]
+        lines = [
+            line for line in log_tail(log, 400).splitlines() if "Error" in line or "error" in line
+        ]
         return {"served": False, "error": lines[-3:] or str(exc)[:2000]}
 
 
@@ -110,8 +144,12 @@ def mla_drafter(model: Path, directory: Path) -> dict:
     vocab = target["vocab_size"]
     config = DrafterConfig.from_target(target, vocab, AUX_LAYERS, "mla")
     torch.manual_seed(0)
-    drafter = Eagle3Drafter(config, load_target_embedding(model),
-                            torch.zeros(vocab, dtype=torch.long), torch.ones(vocab, dtype=torch.bool))
+    drafter = Eagle3Drafter(
+        config,
+        load_target_embedding(model),
+        torch.zeros(vocab, dtype=torch.long),
+        torch.ones(vocab, dtype=torch.bool),
+    )
     init_lm_head(drafter, load_target_lm_head(model, torch.arange(vocab)))
     fit = init_from_target(drafter, model, target["num_hidden_layers"] - 1)
     export_drafter(drafter, directory)
@@ -126,15 +164,23 @@ def prompts(vocab: int, count: int = 4, length: int = 12) -> list[list[int]]:
 def drafting(sent: list[list[int]], max_tokens: int):
     """The attempt's work on a server drafting with the drafter: greedy answers to ``sent``
     and vLLM's spec-decode counters over them."""
-    from eaglet.stages.evaluate.metrics import (acceptance, counter_delta, read_metrics,
-                                                spec_counters)
+    from eaglet.stages.evaluate.metrics import (
+        acceptance,
+        counter_delta,
+        read_metrics,
+        spec_counters,
+    )
 
     def use(server) -> dict:
         before = spec_counters(read_metrics(server.url))
         answers = [complete(server.url, prompt, max_tokens)["choices"][0] for prompt in sent]
         served = acceptance(counter_delta(before, spec_counters(read_metrics(server.url))), K)
-        return {"drafted": served["drafts"] > 0, "vllm": served,
-                "answers": [answer["token_ids"] for answer in answers]}
+        return {
+            "drafted": served["drafts"] > 0,
+            "vllm": served,
+            "answers": [answer["token_ids"] for answer in answers],
+        }
+
     return use
 
 
@@ -144,8 +190,9 @@ def summarized(record: dict) -> dict:
     return {**record, "answer_tokens": sum(map(len, answers))} if answers else record
 
 
-def replay(model: Path, drafter: Path, sent: list[list[int]], answers: list[list[int]],
-           served: dict) -> dict:
+def replay(
+    model: Path, drafter: Path, sent: list[list[int]], answers: list[list[int]], served: dict
+) -> dict:
     """eaglet's offline replay of the served answers (the target's features from a float32
     transformers forward), and whether it counts what vLLM counted."""
     from transformers import AutoModelForCausalLM
@@ -154,20 +201,30 @@ def replay(model: Path, drafter: Path, sent: list[list[int]], answers: list[list
     from eaglet.model.replay import offline_acceptance
 
     target = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-    replayed = offline_acceptance(target, load_drafter(drafter, model),
-                                  list(zip(sent, answers)), K)
+    replayed = offline_acceptance(target, load_drafter(drafter, model), list(zip(sent, answers)), K)
     keys = ("drafts", "draft_tokens", "accepted", "per_position")
-    vllm = [served["drafts"], served["draft_tokens"], served["accepted_tokens"],
-            [round(p * served["drafts"]) for p in served["per_position_rate"]]]
-    return {"offline_replay": {k: replayed[k] for k in ("acceptance_length", *keys)},
-            "vllm_equals_offline_replay": vllm == [replayed[k] for k in keys]}
+    vllm = [
+        served["drafts"],
+        served["draft_tokens"],
+        served["accepted_tokens"],
+        [round(p * served["drafts"]) for p in served["per_position_rate"]],
+    ]
+    return {
+        "offline_replay": {k: replayed[k] for k in ("acceptance_length", *keys)},
+        "vllm_equals_offline_replay": vllm == [replayed[k] for k in keys],
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokenizer", required=True, help="a model dir with a tokenizer")
-    parser.add_argument("--only", nargs="+", choices=ATTEMPTS, default=list(ATTEMPTS),
-                        help="attempts to run (the others keep their last results)")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=ATTEMPTS,
+        default=list(ATTEMPTS),
+        help="attempts to run (the others keep their last results)",
+    )
     args = parser.parse_args()
     path = OUT / "mla_probe.json"
     result = read_json(path) if path.exists() and len(args.only) < len(ATTEMPTS) else {}
@@ -178,22 +235,32 @@ def main() -> None:
         if "plain" in args.only:
             result[KEYS["plain"]] = attempt(model, OUT / "mla_probe.plain.log", [])
         if "capture" in args.only:
-            result[KEYS["capture"]] = attempt(model, OUT / "mla_probe.capture.log",
-                                              capture_args([1, 2, 4], Path(tmp) / "requests"))
+            result[KEYS["capture"]] = attempt(
+                model,
+                OUT / "mla_probe.capture.log",
+                capture_args([1, 2, 4], Path(tmp) / "requests"),
+            )
             shutil.rmtree(Path(tmp) / "requests", ignore_errors=True)
         if "speculative" in args.only:
             started = time.monotonic()
             drafter = Path(tmp) / "drafter"
             made = mla_drafter(model, drafter)
-            spec = json.dumps({"method": "eagle3", "model": str(drafter),
-                               "num_speculative_tokens": K})
+            spec = json.dumps(
+                {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": K}
+            )
             sent = prompts(read_json(model / "config.json")["vocab_size"])
-            record = attempt(model, OUT / "mla_probe.speculative.log",
-                             ["--speculative-config", spec], drafting(sent, 24))
+            record = attempt(
+                model,
+                OUT / "mla_probe.speculative.log",
+                ["--speculative-config", spec],
+                drafting(sent, 24),
+            )
             if record.get("drafted"):
                 record.update(replay(model, drafter, sent, record["answers"], record["vllm"]))
             record["drafter"] = {
-                "architectures": read_json(drafter / "config.json")["architectures"], **made}
+                "architectures": read_json(drafter / "config.json")["architectures"],
+                **made,
+            }
             record["wall_s"] = round(time.monotonic() - started)
             result[KEYS["speculative"]] = summarized(record)
     write_json(path, result)

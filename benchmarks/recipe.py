@@ -59,8 +59,9 @@ def _log_rows(training_log: Path) -> list[dict]:
 
 def _last_rows(training_log: Path) -> dict:
     rows = _log_rows(training_log)
-    return {split: next(r for r in reversed(rows) if r["split"] == split)
-            for split in ("train", "eval")}
+    return {
+        split: next(r for r in reversed(rows) if r["split"] == split) for split in ("train", "eval")
+    }
 
 
 def shipped_held_out(metrics: dict, training_log: Path) -> dict:
@@ -71,8 +72,14 @@ def shipped_held_out(metrics: dict, training_log: Path) -> dict:
     shipped = metrics.get("shipped") or {}
     if shipped.get("heldout_al") is None:
         return metrics["eval"]
-    row = next((r for r in _log_rows(training_log)
-                if r["split"] == "eval" and int(r["step"]) == shipped["step"]), metrics["eval"])
+    row = next(
+        (
+            r
+            for r in _log_rows(training_log)
+            if r["split"] == "eval" and int(r["step"]) == shipped["step"]
+        ),
+        metrics["eval"],
+    )
     return {**row, "sim_al": shipped["heldout_al"]}
 
 
@@ -80,36 +87,49 @@ def training_shards(results: Path) -> list[str]:
     return sorted(glob.glob(str(results / "hidden" / "shard_*.safetensors")))
 
 
-def run_variant(results: Path, variant: dict, base_train: dict, out_root: Path,
-                other: Path | None = None) -> dict:
+def run_variant(
+    results: Path, variant: dict, base_train: dict, out_root: Path, other: Path | None = None
+) -> dict:
     """Train the variant (or, with ``from_run``, read the run's own training: its recipe
     trained once already) and measure what it cost. ``"other": true``: every training shard
     of the ``other`` run as well (its data charged at that run's own rates), held out and
     scored on this run's split and vocabulary."""
     shards = training_shards(results)
     eval_shards = sorted(glob.glob(str(results / "hidden" / "eval" / "shard_*.safetensors")))
-    used = shards[:variant.get("shards", len(shards))]
+    used = shards[: variant.get("shards", len(shards))]
     extra = []
     if variant.get("other"):
         if other is None:
-            raise SystemExit(f"variant {variant['name']!r} trains on another run's shards too: "
-                             f"give that run with --other-results")
+            raise SystemExit(
+                f"variant {variant['name']!r} trains on another run's shards too: "
+                f"give that run with --other-results"
+            )
         extra = training_shards(other)
     if variant.get("from_run"):
         progress = read_json(results / "progress" / "train.json")
         training_log = results / "drafter" / "training_log.csv"
         stats = results / "drafter" / "stats.json"
-        metrics = {**_last_rows(training_log), "steps": progress["done"],
-                   "shipped": read_json(stats).get("shipped") if stats.exists() else None}
+        metrics = {
+            **_last_rows(training_log),
+            "steps": progress["done"],
+            "shipped": read_json(stats).get("shipped") if stats.exists() else None,
+        }
         train_s = progress["elapsed_s"]
     else:
         cfg = {**base_train, **variant.get("train", {}), "resume": False}
         run_dir = out_root / variant["name"].replace(" ", "_").replace(",", "")
         start = time.perf_counter()
-        metrics = train(cfg, used + extra, eval_shards,
-                        str(results / "vocab" / "vocab_map.safetensors"),
-                        str(results / "target"), str(run_dir / "drafter"),
-                        str(run_dir / "checkpoints"), None, None)
+        metrics = train(
+            cfg,
+            used + extra,
+            eval_shards,
+            str(results / "vocab" / "vocab_map.safetensors"),
+            str(results / "target"),
+            str(run_dir / "drafter"),
+            str(run_dir / "checkpoints"),
+            None,
+            None,
+        )
         train_s = time.perf_counter() - start
         training_log = run_dir / "drafter" / "training_log.csv"
     cost = data_cost_s(results, len(used), len(shards))
@@ -119,34 +139,43 @@ def run_variant(results: Path, variant: dict, base_train: dict, out_root: Path,
     held_out = shipped_held_out(metrics, training_log)
     shipped = metrics.get("shipped") or {}
     total_s = train_s + cost["generate_s"] + cost["extract_s"]
-    return {"name": variant["name"],
-            "shards": f"{len(used)}/{len(shards)}" + (f" + {len(extra)} other" if extra else ""),
-            "train": variant.get("train", {}), "steps": metrics["steps"],
-            "shipped": shipped.get("choice", "last"), "shipped_epoch": shipped.get("epoch"),
-            "train_min": train_s / 60, "data_min": (cost["generate_s"] + cost["extract_s"]) / 60,
-            "total_min": total_s / 60,
-            "held_out_acc_0": float(held_out["acc_0"]),
-            "held_out_sim_al": float(held_out["sim_al"]),
-            "train_sim_al": float(metrics["train"]["sim_al"]),
-            "sim_al_gain_per_cpu_hour": (float(held_out["sim_al"]) - 1) / (total_s / 3600)}
+    return {
+        "name": variant["name"],
+        "shards": f"{len(used)}/{len(shards)}" + (f" + {len(extra)} other" if extra else ""),
+        "train": variant.get("train", {}),
+        "steps": metrics["steps"],
+        "shipped": shipped.get("choice", "last"),
+        "shipped_epoch": shipped.get("epoch"),
+        "train_min": train_s / 60,
+        "data_min": (cost["generate_s"] + cost["extract_s"]) / 60,
+        "total_min": total_s / 60,
+        "held_out_acc_0": float(held_out["acc_0"]),
+        "held_out_sim_al": float(held_out["sim_al"]),
+        "train_sim_al": float(metrics["train"]["sim_al"]),
+        "sim_al_gain_per_cpu_hour": (float(held_out["sim_al"]) - 1) / (total_s / 3600),
+    }
 
 
 def render(rows: list[dict]) -> str:
-    lines = ["# Held-out simulated AL per CPU-minute (data and training recipe)", "",
-             "Each row is one training run on the shards of a finished workflow run; data "
-             "minutes are the generation and extraction time of the shards it used, as that "
-             "run measured them. Gain per CPU-hour = (held-out sim AL - 1) / total hours. "
-             "Minutes carry the machine's load while each ran: compare rows measured together.",
-             "",
-             "| variant | shards | train settings | steps | data min | train min | total min "
-             "| held-out acc_0 | held-out sim AL | train sim AL | gain / CPU-hour |",
-             "|" + "---|" * 11]
+    lines = [
+        "# Held-out simulated AL per CPU-minute (data and training recipe)",
+        "",
+        "Each row is one training run on the shards of a finished workflow run; data "
+        "minutes are the generation and extraction time of the shards it used, as that "
+        "run measured them. Gain per CPU-hour = (held-out sim AL - 1) / total hours. "
+        "Minutes carry the machine's load while each ran: compare rows measured together.",
+        "",
+        "| variant | shards | train settings | steps | data min | train min | total min "
+        "| held-out acc_0 | held-out sim AL | train sim AL | gain / CPU-hour |",
+        "|" + "---|" * 11,
+    ]
     for r in rows:
         lines.append(
             f"| {r['name']} | {r['shards']} | `{json.dumps(r['train'])}` | {r['steps']} | "
             f"{r['data_min']:.1f} | {r['train_min']:.1f} | {r['total_min']:.1f} | "
             f"{r['held_out_acc_0']:.3f} | {r['held_out_sim_al']:.3f} | {r['train_sim_al']:.3f} "
-            f"| {r['sim_al_gain_per_cpu_hour']:.2f} |")
+            f"| {r['sim_al_gain_per_cpu_hour']:.2f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -156,8 +185,10 @@ def main() -> None:
     parser.add_argument("--variants", required=True, help="JSON file: a list of variants")
     parser.add_argument("--only", nargs="*", help="run just these variant names")
     parser.add_argument("--out", default=str(OUT / "recipe"), help="run directories")
-    parser.add_argument("--other-results", help="a second finished run whose training shards "
-                        "variants with \"other\": true add")
+    parser.add_argument(
+        "--other-results",
+        help='a second finished run whose training shards variants with "other": true add',
+    )
     args = parser.parse_args()
     results = Path(args.results)
     run_cfg = validate(read_json(results / "run" / "config.json"))
@@ -167,8 +198,13 @@ def main() -> None:
     for variant in json.loads(Path(args.variants).read_text()):
         if args.only and variant["name"] not in args.only:
             continue
-        row = run_variant(results, variant, base_train, Path(args.out),
-                          Path(args.other_results) if args.other_results else None)
+        row = run_variant(
+            results,
+            variant,
+            base_train,
+            Path(args.out),
+            Path(args.other_results) if args.other_results else None,
+        )
         print(json.dumps(row))
         rows = [r for r in rows if r["name"] != row["name"]] + [row]
         write_json(table_path, rows)

@@ -36,9 +36,16 @@ from safetensors import safe_open
 HERE = Path(__file__).resolve().parents[1]
 TINY = HERE / "tests" / "configs" / "tiny.yaml"
 # the outputs whose bytes follow from the config alone (their .json sidecars carry times)
-COMPARED = ["prompts/train.jsonl", "prompts/eval.jsonl", "synthetic/train.jsonl",
-            "synthetic/eval.jsonl", "vocab/vocab_map.safetensors", "hidden/shard_*.safetensors",
-            "hidden/eval/shard_*.safetensors", "drafter/model.safetensors"]
+COMPARED = [
+    "prompts/train.jsonl",
+    "prompts/eval.jsonl",
+    "synthetic/train.jsonl",
+    "synthetic/eval.jsonl",
+    "vocab/vocab_map.safetensors",
+    "hidden/shard_*.safetensors",
+    "hidden/eval/shard_*.safetensors",
+    "drafter/model.safetensors",
+]
 
 
 def run(tree: Path, work: Path, cores: int) -> Path:
@@ -50,8 +57,16 @@ def run(tree: Path, work: Path, cores: int) -> Path:
     config = work / "tiny_hf.yaml"
     config.write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "PYTHONPATH": str(tree / "src")}
-    command = [sys.executable, "-m", "snakemake", "--cores", str(cores),
-               str(results / "drafter" / "model.safetensors"), "--configfile", str(config)]
+    command = [
+        sys.executable,
+        "-m",
+        "snakemake",
+        "--cores",
+        str(cores),
+        str(results / "drafter" / "model.safetensors"),
+        "--configfile",
+        str(config),
+    ]
     done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"the tiny run in {tree} failed:\n{done.stderr[-3000:]}")
@@ -64,10 +79,15 @@ WHEN = ("created_at",)
 
 def commit(tree: Path) -> str:
     """The checkout's commit, with a + where its files differ from it."""
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tree, capture_output=True,
-                          text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=tree,
-                           capture_output=True, text=True).stdout.strip()
+    head = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=tree, capture_output=True, text=True
+    ).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"],
+        cwd=tree,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     return head + ("+" if dirty else "")
 
 
@@ -84,15 +104,17 @@ def content(path: Path) -> str:
         with safe_open(str(path), "pt") as handle:
             meta = dict(handle.metadata() or {})
             if "target" in meta:
-                meta["target"] = json.dumps({k: v for k, v in json.loads(meta["target"]).items()
-                                             if k != "path"}, sort_keys=True)
+                meta["target"] = json.dumps(
+                    {k: v for k, v in json.loads(meta["target"]).items() if k != "path"},
+                    sort_keys=True,
+                )
             digest.update(json.dumps(meta, sort_keys=True).encode())
             for name in sorted(handle.keys()):
                 tensor = handle.get_tensor(name)
-                digest.update(name.encode() + str(tensor.dtype).encode()
-                              + str(tuple(tensor.shape)).encode())
-                digest.update(tensor.contiguous().view(-1).view(torch.uint8)
-                              .numpy().tobytes())
+                digest.update(
+                    name.encode() + str(tensor.dtype).encode() + str(tuple(tensor.shape)).encode()
+                )
+                digest.update(tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
         return digest.hexdigest()
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -106,7 +128,9 @@ def digests(results: Path) -> dict[str, tuple[str, str]]:
             raise SystemExit(f"{results} has no {pattern}")
         for path in paths:
             found[str(path.relative_to(results))] = (
-                content(path), hashlib.sha256(path.read_bytes()).hexdigest())
+                content(path),
+                hashlib.sha256(path.read_bytes()).hexdigest(),
+            )
     return found
 
 
@@ -115,34 +139,46 @@ def main() -> int:
     parser.add_argument("--before", type=Path, required=True, help="a checkout of earlier code")
     parser.add_argument("--cores", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None, help="markdown table (else stdout)")
-    parser.add_argument("--keep", type=Path, default=None,
-                        help="run in this directory and keep both runs' results")
-    parser.add_argument("--compare-only", action="store_true",
-                        help="compare the runs kept in --keep again, without running")
+    parser.add_argument(
+        "--keep", type=Path, default=None, help="run in this directory and keep both runs' results"
+    )
+    parser.add_argument(
+        "--compare-only",
+        action="store_true",
+        help="compare the runs kept in --keep again, without running",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         work = args.keep or Path(scratch)
         found = {}
         for label, tree in (("before", args.before.resolve()), ("now", HERE)):
             (work / label).mkdir(parents=True, exist_ok=True)
-            results = (work / label / "results" if args.compare_only
-                       else run(tree, work / label, args.cores))
+            results = (
+                work / label / "results"
+                if args.compare_only
+                else run(tree, work / label, args.cores)
+            )
             found[label] = digests(results)
     names = sorted(set(found["before"]) | set(found["now"]))
     missing = ("-", "-")
     pairs = {n: (found["before"].get(n, missing), found["now"].get(n, missing)) for n in names}
     same = [n for n, (before, now) in pairs.items() if before[0] == now[0]]
     same_bytes = [n for n, (before, now) in pairs.items() if before[1] == now[1]]
-    lines = [f"The tiny config (extract.backend hf) through training, before "
-             f"({commit(args.before.resolve())}) and now ({commit(HERE)}): "
-             f"{len(same)} of {len(names)} outputs hold the same content, {len(same_bytes)} "
-             f"are the same bytes.", "",
-             "| output | content before | content now | same content | same bytes |",
-             "|---|---|---|---|---|"]
+    lines = [
+        f"The tiny config (extract.backend hf) through training, before "
+        f"({commit(args.before.resolve())}) and now ({commit(HERE)}): "
+        f"{len(same)} of {len(names)} outputs hold the same content, {len(same_bytes)} "
+        f"are the same bytes.",
+        "",
+        "| output | content before | content now | same content | same bytes |",
+        "|---|---|---|---|---|",
+    ]
     for name, (before, now) in pairs.items():
-        lines.append(f"| `{name}` | {before[0][:16]} | {now[0][:16]} | "
-                     f"{'yes' if before[0] == now[0] else '**no**'} | "
-                     f"{'yes' if before[1] == now[1] else 'no'} |")
+        lines.append(
+            f"| `{name}` | {before[0][:16]} | {now[0][:16]} | "
+            f"{'yes' if before[0] == now[0] else '**no**'} | "
+            f"{'yes' if before[1] == now[1] else 'no'} |"
+        )
     text = "\n".join(lines) + "\n"
     if args.out:
         args.out.write_text(text)

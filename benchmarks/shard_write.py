@@ -46,17 +46,31 @@ def inputs(tokens: int, hidden: int) -> dict:
     aux = [torch.empty(n, 3 * hidden, dtype=torch.bfloat16).normal_(generator=g) for n in lengths]
     final = torch.empty(tokens, hidden, dtype=torch.bfloat16).normal_(generator=g)
     offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
-    return {"input_ids": torch.randint(0, 50_000, (tokens,), generator=g),
-            "loss_mask": torch.ones(tokens, dtype=torch.uint8), "offsets": offsets,
-            "teacher_argmax": torch.randint(-1, 50_000, (tokens,), generator=g),
-            "aux_rows": aux, "final": final,
-            "sample_ids": [f"p-{i:06d}" for i in range(len(lengths))]}
+    return {
+        "input_ids": torch.randint(0, 50_000, (tokens,), generator=g),
+        "loss_mask": torch.ones(tokens, dtype=torch.uint8),
+        "offsets": offsets,
+        "teacher_argmax": torch.randint(-1, 50_000, (tokens,), generator=g),
+        "aux_rows": aux,
+        "final": final,
+        "sample_ids": [f"p-{i:06d}" for i in range(len(lengths))],
+    }
 
 
 def write_shard(path: Path, x: dict, dtype: str) -> str:
-    return shards.write(path, x["input_ids"], x["loss_mask"], x["offsets"], x["teacher_argmax"],
-                        x["aux_rows"], x["final"], sample_ids=x["sample_ids"],
-                        aux_layer_ids=AUX_IDS, dtype=dtype, target={"spec": "benchmark"}).sha256
+    return shards.write(
+        path,
+        x["input_ids"],
+        x["loss_mask"],
+        x["offsets"],
+        x["teacher_argmax"],
+        x["aux_rows"],
+        x["final"],
+        sample_ids=x["sample_ids"],
+        aux_layer_ids=AUX_IDS,
+        dtype=dtype,
+        target={"spec": "benchmark"},
+    ).sha256
 
 
 def write_serial(path: Path, data: bytes, block: int = shards.CHUNK_BYTES // 2) -> str:
@@ -67,8 +81,8 @@ def write_serial(path: Path, data: bytes, block: int = shards.CHUNK_BYTES // 2) 
     view = memoryview(data)
     with atomic_open(path, "wb") as handle:
         for at in range(0, len(view), block):
-            handle.write(view[at:at + block])
-            digest.update(view[at:at + block])
+            handle.write(view[at : at + block])
+            digest.update(view[at : at + block])
     return digest.hexdigest()
 
 
@@ -87,13 +101,15 @@ def measure(dtype: str, args, directory: Path) -> dict:
     reference.unlink()
     if shards.digest_bytes(data) != digest:
         raise SystemExit(f"{dtype}: the writer's digest is not its file's")
-    paths = {"plain": lambda p: write_plain(p, data),
-             "serial": lambda p: write_serial(p, data),
-             "shards.write": lambda p: write_shard(p, x, dtype)}
+    paths = {
+        "plain": lambda p: write_plain(p, data),
+        "serial": lambda p: write_serial(p, data),
+        "shards.write": lambda p: write_shard(p, x, dtype),
+    }
     seconds: dict[str, list[float]] = {name: [] for name in paths}
     names = list(paths)
     for round_ in range(args.repeats):
-        for name in names[round_ % 3:] + names[:round_ % 3]:
+        for name in names[round_ % 3 :] + names[: round_ % 3]:
             path = directory / f"{name}.bin"
             start = time.perf_counter()
             paths[name](path)
@@ -102,8 +118,13 @@ def measure(dtype: str, args, directory: Path) -> dict:
                 raise SystemExit(f"{dtype}: {name} wrote other bytes")
             path.unlink()
     rate = {name: [len(data) / s / 1e9 for s in values] for name, values in seconds.items()}
-    row = {"dtype": dtype, "tokens": args.tokens, "hidden": args.hidden,
-           "file_mb": len(data) / 1e6, "repeats": args.repeats}
+    row = {
+        "dtype": dtype,
+        "tokens": args.tokens,
+        "hidden": args.hidden,
+        "file_mb": len(data) / 1e6,
+        "repeats": args.repeats,
+    }
     for name in names:
         row[f"{name} GB/s"] = statistics.median(rate[name])
         row[f"{name} GB/s range"] = f"{min(rate[name]):.2f}-{max(rate[name]):.2f}"
@@ -111,7 +132,8 @@ def measure(dtype: str, args, directory: Path) -> dict:
     row["shards.write / plain"] = statistics.median(ratios)
     row["/ plain range"] = f"{min(ratios):.2f}-{max(ratios):.2f}"
     row["shards.write / serial"] = statistics.median(
-        s / w for s, w in zip(seconds["serial"], seconds["shards.write"]))
+        s / w for s, w in zip(seconds["serial"], seconds["shards.write"])
+    )
     return row
 
 
@@ -125,20 +147,31 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=OUT) as tmp:  # on the disk results go to
         rows = [measure(dtype, args, Path(tmp)) for dtype in args.dtypes.split(",")]
-    device = (f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores), "
-              f"{shards._hash_threads()} digest threads")
+    device = (
+        f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores), "
+        f"{shards._hash_threads()} digest threads"
+    )
     write_json(OUT / "shard_write.json", {"device": device, "rows": rows})
     columns = list(rows[0])
-    lines = ["# Writing one shard: shards.write against a plain write of the same bytes", "",
-             f"{device}; the shard's states held in bf16 as per-sequence pieces of "
-             f"{SAMPLE_TOKENS} tokens. Rates are the medians of {args.repeats} rounds (ranges "
-             "beside them), the three ways alternated; every way fsyncs. plain: the bytes "
-             "written from memory; serial: the former writer (write and sha256 in one thread); "
-             "shards.write: block digests on a pool of threads beside the writes. fp8 also "
-             "quantizes its states, which plain and serial do not.", "",
-             "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c])
-                                for c in columns) + " |" for r in rows]
+    lines = [
+        "# Writing one shard: shards.write against a plain write of the same bytes",
+        "",
+        f"{device}; the shard's states held in bf16 as per-sequence pieces of "
+        f"{SAMPLE_TOKENS} tokens. Rates are the medians of {args.repeats} rounds (ranges "
+        "beside them), the three ways alternated; every way fsyncs. plain: the bytes "
+        "written from memory; serial: the former writer (write and sha256 in one thread); "
+        "shards.write: block digests on a pool of threads beside the writes. fp8 also "
+        "quantizes its states, which plain and serial do not.",
+        "",
+        "| " + " | ".join(columns) + " |",
+        "|" + "---|" * len(columns),
+    ]
+    lines += [
+        "| "
+        + " | ".join(f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]) for c in columns)
+        + " |"
+        for r in rows
+    ]
     (OUT / "shard_write.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -39,15 +39,28 @@ def commands(tree: Path, results: Path) -> dict[str, list[str]]:
     """The commands timed, as this checkout spells them (the CLI moved with the packages)."""
     cli = "eaglet.tools.cli" if (tree / "src/eaglet/tools/cli.py").exists() else "eaglet.cli"
     status = [sys.executable, "-m", cli, "status", "--results", str(results)]
-    return {"snakemake -n": [sys.executable, "-m", "snakemake", "-n", "--cores", "1", "--config",
-                             f"results_dir={results}"],
-            "eaglet status": status,
-            "eaglet status --no-snakemake": status + ["--no-snakemake"]}
+    return {
+        "snakemake -n": [
+            sys.executable,
+            "-m",
+            "snakemake",
+            "-n",
+            "--cores",
+            "1",
+            "--config",
+            f"results_dir={results}",
+        ],
+        "eaglet status": status,
+        "eaglet status --no-snakemake": status + ["--no-snakemake"],
+    }
 
 
 def timed(command: list[str], tree: Path, probe_dir: Path, record: Path) -> tuple[float, bool]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(probe_dir), str(tree / "src")]),
-           "EAGLET_STARTUP_PROBE": str(record)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(probe_dir), str(tree / "src")]),
+        "EAGLET_STARTUP_PROBE": str(record),
+    }
     record.write_text("")
     start = time.perf_counter()
     done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True)
@@ -79,18 +92,25 @@ def main() -> int:
                     seconds, imported = timed(command, tree, probe_dir, record)
                     times.setdefault((name, label), []).append(seconds)
                     torch.setdefault((name, label), set()).add(imported)
-    lines = [f"{args.repeats} runs each, the checkouts taking turns; {results.name}/ of a "
-             f"finished run; seconds, median (min-max)", "",
-             "| command | before | now | now/before | torch imported (before, now) |",
-             "|---|---|---|---|---|"]
+    lines = [
+        f"{args.repeats} runs each, the checkouts taking turns; {results.name}/ of a "
+        f"finished run; seconds, median (min-max)",
+        "",
+        "| command | before | now | now/before | torch imported (before, now) |",
+        "|---|---|---|---|---|",
+    ]
     for name in commands(HERE, results):
         before, now = times[(name, "before")], times[(name, "now")]
-        said = [", ".join(sorted({"yes" if t else "no" for t in torch[(name, label)]}))
-                for label in trees]
-        lines.append(f"| `{name}` | {statistics.median(before):.2f} ({min(before):.2f}-"
-                     f"{max(before):.2f}) | {statistics.median(now):.2f} ({min(now):.2f}-"
-                     f"{max(now):.2f}) | {statistics.median(now) / statistics.median(before):.2f}"
-                     f" | {said[0]}, {said[1]} |")
+        said = [
+            ", ".join(sorted({"yes" if t else "no" for t in torch[(name, label)]}))
+            for label in trees
+        ]
+        lines.append(
+            f"| `{name}` | {statistics.median(before):.2f} ({min(before):.2f}-"
+            f"{max(before):.2f}) | {statistics.median(now):.2f} ({min(now):.2f}-"
+            f"{max(now):.2f}) | {statistics.median(now) / statistics.median(before):.2f}"
+            f" | {said[0]}, {said[1]} |"
+        )
     text = "\n".join(lines) + "\n"
     if args.out:
         args.out.write_text(text)

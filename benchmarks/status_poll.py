@@ -39,8 +39,15 @@ BIN = Path(sys.executable).parent
 def poll(results: Path, every: float, env: dict) -> tuple[list[dict], float, float, int]:
     """Run the workflow and read status every ``every`` seconds; the readings, the start and
     end times and Snakemake's exit code."""
-    cmd = [str(BIN / "snakemake"), "--cores", "2", "--workflow-profile", "profiles/default",
-           "--config", f"results_dir={results}"]
+    cmd = [
+        str(BIN / "snakemake"),
+        "--cores",
+        "2",
+        "--workflow-profile",
+        "profiles/default",
+        "--config",
+        f"results_dir={results}",
+    ]
     readings = []
     started = time.time()
     results.mkdir(parents=True, exist_ok=True)
@@ -50,21 +57,41 @@ def poll(results: Path, every: float, env: dict) -> tuple[list[dict], float, flo
             time.sleep(every)
             if run.poll() is not None:
                 break
-            status = subprocess.run([str(BIN / "eaglet"), "status", "--results", str(results),
-                                     "--json", "--no-snakemake"], cwd=REPO, env=env,
-                                    capture_output=True, text=True)
+            status = subprocess.run(
+                [
+                    str(BIN / "eaglet"),
+                    "status",
+                    "--results",
+                    str(results),
+                    "--json",
+                    "--no-snakemake",
+                ],
+                cwd=REPO,
+                env=env,
+                capture_output=True,
+                text=True,
+            )
             try:
                 report = json.loads(status.stdout)
             except ValueError:
                 continue
-            readings.append({"at": time.time(), "remaining_s": report.get("remaining_s"),
-                             "running": [s["stage"] for s in report["stages"]
-                                         if s["state"] == "running"],
-                             "estimates": {s["stage"]: s.get("estimate_s")
-                                           for s in report["stages"]
-                                           if s.get("estimate_s") is not None},
-                             "bases": {s["stage"]: s.get("estimate_basis")
-                                       for s in report["stages"] if s.get("estimate_basis")}})
+            readings.append(
+                {
+                    "at": time.time(),
+                    "remaining_s": report.get("remaining_s"),
+                    "running": [s["stage"] for s in report["stages"] if s["state"] == "running"],
+                    "estimates": {
+                        s["stage"]: s.get("estimate_s")
+                        for s in report["stages"]
+                        if s.get("estimate_s") is not None
+                    },
+                    "bases": {
+                        s["stage"]: s.get("estimate_basis")
+                        for s in report["stages"]
+                        if s.get("estimate_basis")
+                    },
+                }
+            )
     return readings, started, time.time(), run.returncode
 
 
@@ -80,25 +107,39 @@ def judged(readings: list[dict], started: float, ended: float) -> list[dict]:
         ratio = said / true_left if said is not None and true_left > 0 else None
         training = "train" in r["running"]
         bound = 0.10 if training else 0.25
-        within = said is not None and (abs(said - true_left) <= bound * true_left
-                                       or abs(said - true_left) <= 0.05 * whole)
-        rows.append({"minutes_in": (r["at"] - started) / 60, "running": r["running"],
-                     "said_left_min": None if said is None else said / 60,
-                     "true_left_min": true_left / 60, "ratio": ratio,
-                     "counted": generating, "within": within, "bound": bound})
+        within = said is not None and (
+            abs(said - true_left) <= bound * true_left or abs(said - true_left) <= 0.05 * whole
+        )
+        rows.append(
+            {
+                "minutes_in": (r["at"] - started) / 60,
+                "running": r["running"],
+                "said_left_min": None if said is None else said / 60,
+                "true_left_min": true_left / 60,
+                "ratio": ratio,
+                "counted": generating,
+                "within": within,
+                "bound": bound,
+            }
+        )
     return rows
 
 
 def table(rows: list[dict]) -> list[str]:
-    lines = ["| minutes in | running | said left | truly left | said/true | |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| minutes in | running | said left | truly left | said/true | |",
+        "|---|---|---|---|---|---|",
+    ]
     for row in rows:
-        mark = ("-" if not row["counted"] else "ok" if row["within"]
-                else f"off (> {row['bound']:.0%})")
+        mark = (
+            "-" if not row["counted"] else "ok" if row["within"] else f"off (> {row['bound']:.0%})"
+        )
         said = "-" if row["said_left_min"] is None else f"{row['said_left_min']:.1f}"
         ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}"
-        lines.append(f"| {row['minutes_in']:.1f} | {', '.join(row['running']) or '(between)'} | "
-                     f"{said} | {row['true_left_min']:.1f} | {ratio} | {mark} |")
+        lines.append(
+            f"| {row['minutes_in']:.1f} | {', '.join(row['running']) or '(between)'} | "
+            f"{said} | {row['true_left_min']:.1f} | {ratio} | {mark} |"
+        )
     return lines
 
 
@@ -107,7 +148,7 @@ def keep_reference(rates_file: Path, out: Path = OUT / "reference_rates.jsonl") 
     was recorded: stage, target, device, settings, values)."""
     lines = [line for line in rates_file.read_text().splitlines() if line.strip()]
     for line in lines:
-        json.loads(line)   # a damaged line is no reference
+        json.loads(line)  # a damaged line is no reference
     out.write_text("\n".join(lines) + "\n")
 
 
@@ -116,10 +157,17 @@ def main() -> int:
     parser.add_argument("--history", choices=["fresh", "keep"], default="fresh")
     parser.add_argument("--every", type=float, default=60.0)
     parser.add_argument("--name", default=None, help="results file suffix (default: --history)")
-    parser.add_argument("--results", default=None, help="results directory (default: a fresh "
-                        "results-status-poll beside the repository's results)")
-    parser.add_argument("--reference", action="store_true",
-                        help="keep the fresh history's rates as the reference rates")
+    parser.add_argument(
+        "--results",
+        default=None,
+        help="results directory (default: a fresh "
+        "results-status-poll beside the repository's results)",
+    )
+    parser.add_argument(
+        "--reference",
+        action="store_true",
+        help="keep the fresh history's rates as the reference rates",
+    )
     args = parser.parse_args()
     if args.reference and args.history != "fresh":
         parser.error("--reference needs --history fresh: the reference is one run's rates")
@@ -135,22 +183,39 @@ def main() -> int:
     rows = judged(readings, started, ended)
     counted = [row for row in rows if row["counted"]]
     off = [row for row in counted if not row["within"]]
-    summary = {"history": args.history, "exit_code": code, "run_minutes": (ended - started) / 60,
-               "readings": len(rows), "counted": len(counted), "off": len(off),
-               "worst_ratio": max((row["ratio"] for row in counted if row["ratio"]),
-                                  key=lambda x: abs(x - 1), default=None),
-               "rows": rows, "raw": readings,
-               "measured_at": time.strftime("%Y-%m-%d %H:%M")}
+    summary = {
+        "history": args.history,
+        "exit_code": code,
+        "run_minutes": (ended - started) / 60,
+        "readings": len(rows),
+        "counted": len(counted),
+        "off": len(off),
+        "worst_ratio": max(
+            (row["ratio"] for row in counted if row["ratio"]),
+            key=lambda x: abs(x - 1),
+            default=None,
+        ),
+        "rows": rows,
+        "raw": readings,
+        "measured_at": time.strftime("%Y-%m-%d %H:%M"),
+    }
     (OUT / f"status_poll_{name}.json").write_text(json.dumps(summary, indent=1) + "\n")
-    kind = ("First run (no rates history)" if args.history == "fresh"
-            else "With this machine's history")
-    heading = (f"## {kind}, {name}: {summary['measured_at']}, run of "
-               f"{summary['run_minutes']:.1f} minutes")
-    lines = [heading, "", *table(rows), "",
-             f"{len(off)} of {len(counted)} readings after generation started off the goal "
-             f"(25% of the time left, 10% in training, or 5% of the run)."
-             + (f" Worst said/true: {summary['worst_ratio']:.2f}." if summary["worst_ratio"]
-                else ""), ""]
+    kind = (
+        "First run (no rates history)" if args.history == "fresh" else "With this machine's history"
+    )
+    heading = (
+        f"## {kind}, {name}: {summary['measured_at']}, run of {summary['run_minutes']:.1f} minutes"
+    )
+    lines = [
+        heading,
+        "",
+        *table(rows),
+        "",
+        f"{len(off)} of {len(counted)} readings after generation started off the goal "
+        f"(25% of the time left, 10% in training, or 5% of the run)."
+        + (f" Worst said/true: {summary['worst_ratio']:.2f}." if summary["worst_ratio"] else ""),
+        "",
+    ]
     path = OUT / "status_poll.md"
     text = path.read_text() if path.exists() else "# `eaglet status` against the truth\n\n"
     path.write_text(text.rstrip("\n") + "\n\n" + "\n".join(lines))

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import tempfile
 import threading
@@ -86,19 +85,23 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--shards", type=int, default=2)
     parser.add_argument("--cache-gib", type=float, nargs="+", default=[0.0])
-    parser.add_argument("--overlap", nargs="+", default=["auto"],
-                        choices=["auto", "true", "false"])
-    parser.add_argument("--out", default="stream_train",
-                        help="the results' name in benchmarks/results (.json and .md)")
+    parser.add_argument("--overlap", nargs="+", default=["auto"], choices=["auto", "true", "false"])
+    parser.add_argument(
+        "--out",
+        default="stream_train",
+        help="the results' name in benchmarks/results (.json and .md)",
+    )
     args = parser.parse_args()
 
     results = Path(args.results)
     cfg = load(args.configfile)
     cfg["extract"]["num_shards"] = args.shards
     info = read_json(results / "target" / "target.json")
-    records = read_jsonl(results / "synthetic" / "train.jsonl")[:args.samples]
-    tokens = sum(min(len(r["prompt_token_ids"]) + len(r["completion_token_ids"]),
-                     cfg["extract"]["max_len"]) for r in records)
+    records = read_jsonl(results / "synthetic" / "train.jsonl")[: args.samples]
+    tokens = sum(
+        min(len(r["prompt_token_ids"]) + len(r["completion_token_ids"]), cfg["extract"]["max_len"])
+        for r in records
+    )
     train_cfg = {k: v for k, v in cfg["train"].items() if k != "gpus"}
     train_cfg.update(epochs=args.epochs, max_steps=None)
     eval_shards = [str(results / "hidden" / "eval" / "shard_00000.safetensors")]
@@ -112,20 +115,39 @@ def main() -> None:
         # shards: extraction, then training
         hidden = tmp / "shards"
         paths = [hidden / f"shard_{i:05d}.safetensors" for i in range(args.shards)]
-        jobs = extract_vllm.staged_shards(records, args.shards, [str(p) for p in paths],
-                                          [str(p.with_suffix(".json")) for p in paths],
-                                          hidden / "vllm", "train")
+        jobs = extract_vllm.staged_shards(
+            records,
+            args.shards,
+            [str(p) for p in paths],
+            [str(p.with_suffix(".json")) for p in paths],
+            hidden / "vllm",
+            "train",
+        )
         started = time.monotonic()
         with PeakDisk(hidden) as disk:
             extract_vllm.capture_shards(cfg, info, jobs, hidden / "vllm", tmp / "shards.server.log")
             extracted = time.monotonic() - started
-            summary = train(train_cfg, [str(p) for p in paths], eval_shards, vocab, info["path"],
-                            out_dir=str(tmp / "shards_drafter"),
-                            checkpoint_dir=str(tmp / "shards_ckpt"), progress_path=None,
-                            log_path=None)
-        rows.append({"mode": "shards", "seconds": round(time.monotonic() - started, 1),
-                     "extract_s": round(extracted, 1), "peak_disk_bytes": disk.peak,
-                     "heldout_al": heldout_al(summary), "steps": summary["steps"]})
+            summary = train(
+                train_cfg,
+                [str(p) for p in paths],
+                eval_shards,
+                vocab,
+                info["path"],
+                out_dir=str(tmp / "shards_drafter"),
+                checkpoint_dir=str(tmp / "shards_ckpt"),
+                progress_path=None,
+                log_path=None,
+            )
+        rows.append(
+            {
+                "mode": "shards",
+                "seconds": round(time.monotonic() - started, 1),
+                "extract_s": round(extracted, 1),
+                "peak_disk_bytes": disk.peak,
+                "heldout_al": heldout_al(summary),
+                "steps": summary["steps"],
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
 
         for cache, overlap in [(c, o) for c in args.cache_gib for o in args.overlap]:
@@ -135,49 +157,84 @@ def main() -> None:
             (work / "requests").mkdir(parents=True)
             started = time.monotonic()
             with PeakDisk(work) as disk:
-                summary = train({**train_cfg, "data": "stream", "stream_cache_gib": cache,
-                                 "stream_overlap": overlap}, [],
-                                eval_shards, vocab, info["path"],
-                                out_dir=str(tmp / f"{name}_drafter"),
-                                checkpoint_dir=str(tmp / f"{name}_ckpt"),
-                                progress_path=None, log_path=None,
-                                stream={"cfg": cfg, "target_json": str(results / "target" /
-                                                                       "target.json"),
-                                        "data": str(data), "work_dir": str(work),
-                                        "server_log": str(tmp / "stream.server.log")})
+                summary = train(
+                    {
+                        **train_cfg,
+                        "data": "stream",
+                        "stream_cache_gib": cache,
+                        "stream_overlap": overlap,
+                    },
+                    [],
+                    eval_shards,
+                    vocab,
+                    info["path"],
+                    out_dir=str(tmp / f"{name}_drafter"),
+                    checkpoint_dir=str(tmp / f"{name}_ckpt"),
+                    progress_path=None,
+                    log_path=None,
+                    stream={
+                        "cfg": cfg,
+                        "target_json": str(results / "target" / "target.json"),
+                        "data": str(data),
+                        "work_dir": str(work),
+                        "server_log": str(tmp / "stream.server.log"),
+                    },
+                )
             seconds = time.monotonic() - started
             stream = summary["stream"]
             start = stream["server_start_s"] or 0.0
-            rows.append({"mode": "stream", "cache_gib": cache, "overlap": stream["overlap"],
-                         "seconds": round(seconds, 1),
-                         "peak_disk_bytes": disk.peak, "heldout_al": heldout_al(summary),
-                         "steps": summary["steps"],
-                         "trainer_idle_share": round(
-                             max(stream["trainer_wait_s"] - start, 0) / seconds, 3),
-                         "server_idle_share": round(
-                             stream["server_idle_s"] / max(seconds - start, 1e-9), 3),
-                         "stream": stream})
+            rows.append(
+                {
+                    "mode": "stream",
+                    "cache_gib": cache,
+                    "overlap": stream["overlap"],
+                    "seconds": round(seconds, 1),
+                    "peak_disk_bytes": disk.peak,
+                    "heldout_al": heldout_al(summary),
+                    "steps": summary["steps"],
+                    "trainer_idle_share": round(
+                        max(stream["trainer_wait_s"] - start, 0) / seconds, 3
+                    ),
+                    "server_idle_share": round(
+                        stream["server_idle_s"] / max(seconds - start, 1e-9), 3
+                    ),
+                    "stream": stream,
+                }
+            )
             print(json.dumps(rows[-1]), flush=True)
 
     base = rows[0]
     for row in rows[1:]:
         row["time_ratio"] = round(row["seconds"] / base["seconds"], 3)
         row["disk_ratio"] = round(row["peak_disk_bytes"] / base["peak_disk_bytes"], 4)
-        row["al_difference"] = (None if row["heldout_al"] is None or base["heldout_al"] is None
-                                else round(row["heldout_al"] - base["heldout_al"], 4))
+        row["al_difference"] = (
+            None
+            if row["heldout_al"] is None or base["heldout_al"] is None
+            else round(row["heldout_al"] - base["heldout_al"], 4)
+        )
     # the command as a user reruns it in a checkout: the run's directory by its own name
     argv = [Path(a).name if a in (args.results, args.configfile) else a for a in sys.argv[1:]]
-    report = {"command": " ".join(["benchmarks/stream_train.py", *argv]),
-              "samples": len(records), "tokens": tokens, "epochs": args.epochs,
-              "shards": args.shards, "train": settings(train_cfg), "rows": rows}
+    report = {
+        "command": " ".join(["benchmarks/stream_train.py", *argv]),
+        "samples": len(records),
+        "tokens": tokens,
+        "epochs": args.epochs,
+        "shards": args.shards,
+        "train": settings(train_cfg),
+        "rows": rows,
+    }
     out = RESULTS / args.out
     write_json(out.with_suffix(".json"), report)
-    lines = [f"# Stream mode beside shard mode ({len(records)} samples, {tokens} tokens, "
-             f"{args.epochs} epochs, one run)", "",
-             f"`{report['command']}`", "",
-             "| mode | cache GiB | overlap | seconds | x shards | peak disk | x shards | "
-             "held-out AL | trainer idle | server idle |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Stream mode beside shard mode ({len(records)} samples, {tokens} tokens, "
+        f"{args.epochs} epochs, one run)",
+        "",
+        f"`{report['command']}`",
+        "",
+        "| mode | cache GiB | overlap | seconds | x shards | peak disk | x shards | "
+        "held-out AL | trainer idle | server idle |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for row in rows:
         lines.append(
             f"| {row['mode']} | {row.get('cache_gib', '-')} | "
@@ -185,7 +242,8 @@ def main() -> None:
             f"{row.get('time_ratio', 1.0):.2f} | {row['peak_disk_bytes'] / 1e6:.1f} MB | "
             f"{row.get('disk_ratio', 1.0):.3f} | "
             f"{row['heldout_al'] if row['heldout_al'] is None else format(row['heldout_al'], '.3f')}"
-            f" | {row.get('trainer_idle_share', '-')} | {row.get('server_idle_share', '-')} |")
+            f" | {row.get('trainer_idle_share', '-')} | {row.get('server_idle_share', '-')} |"
+        )
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -29,7 +29,7 @@ import torch
 
 from eaglet.core.io import read_jsonl
 
-U16, U32 = 2.0 ** -8, 2.0 ** -24   # unit roundoff of bf16 (8 significant bits) and fp32
+U16, U32 = 2.0**-8, 2.0**-24  # unit roundoff of bf16 (8 significant bits) and fp32
 
 
 def seconds(fn, repeats: int = 3) -> list[float]:
@@ -54,7 +54,7 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
     finals = []
     with torch.inference_mode():
-        for record in read_jsonl(args.data)[:args.samples]:
+        for record in read_jsonl(args.data)[: args.samples]:
             ids = torch.tensor([record["prompt_token_ids"] + record["completion_token_ids"]])
             finals.append(model(ids[:, :1024], output_hidden_states=True).hidden_states[-1][0])
         h = torch.cat(finals)
@@ -79,26 +79,32 @@ def main() -> None:
         error = (screened - exact).abs().max(-1).values
         top2 = exact.topk(2).values
         margin = top2[:, 0] - top2[:, 1]
-        c = 2 * U16 + U16 ** 2 + 3 * width * U32    # input rounding + both accumulations
+        c = 2 * U16 + U16**2 + 3 * width * U32  # input rounding + both accumulations
         top = exact.max(-1).values.abs()
         bounds = {
             "Cauchy-Schwarz": c * h.norm(dim=1) * w.norm(dim=1).max(),
             "per dimension": c * (h.abs() @ w.abs().max(0).values),
             "per entry (a second product)": c * (h.abs() @ w.abs().T).max(-1).values,
         }
-        ambiguous = {name: float((margin < 2 * b + 2 * U16 * top).float().mean())
-                     for name, b in bounds.items()}
+        ambiguous = {
+            name: float((margin < 2 * b + 2 * U16 * top).float().mean())
+            for name, b in bounds.items()
+        }
     result = {
-        "rows": rows, "vocab": vocab, "hidden": width,
+        "rows": rows,
+        "vocab": vocab,
+        "hidden": width,
         "seconds_per_1024_rows_one_core": {k: [round(x, 3) for x in v] for k, v in timing.items()},
         "final_state_norm_median": float(h.norm(dim=1).median()),
         "head_row_norm_max": float(w.norm(dim=1).max()),
         "bf16_logit_error_row_max": {"median": float(error.median()), "max": float(error.max())},
-        "top_two_margin_quantiles": dict(zip(("10%", "25%", "50%"), margin.quantile(
-            torch.tensor([0.1, 0.25, 0.5])).tolist())),
+        "top_two_margin_quantiles": dict(
+            zip(("10%", "25%", "50%"), margin.quantile(torch.tensor([0.1, 0.25, 0.5])).tolist())
+        ),
         "rows_no_bound_proves": ambiguous,
-        "bf16_argmax_is_fp32_argmax": float((screened.argmax(-1) == exact.argmax(-1))
-                                            .float().mean()),
+        "bf16_argmax_is_fp32_argmax": float(
+            (screened.argmax(-1) == exact.argmax(-1)).float().mean()
+        ),
     }
     print(json.dumps(result, indent=1))
 

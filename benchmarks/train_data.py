@@ -40,16 +40,32 @@ import torch
 
 from eaglet.core.io import write_json
 from eaglet.data import shards
-from eaglet.stages.train.data import (Prefetcher, Samples, data_memory, index_shard, make_batch,
-                                      plan_epoch)
+from eaglet.stages.train.data import (
+    Prefetcher,
+    Samples,
+    data_memory,
+    index_shard,
+    make_batch,
+    plan_epoch,
+)
 
 OUT = Path(__file__).parent / "results"
 AUX_IDS = [2, 15, 27]
 VOCAB = 49152
-SETS = {"smollm2": {"hidden": 576, "tokens": 50_000, "shards": 4},
-        "large": {"hidden": 2048, "tokens": 80_000, "shards": 4}}
-CFG = {"seed": 0, "shuffle": True, "shards_in_memory": 0, "max_len": 2048,
-       "max_tokens_per_batch": 2048, "ttt_steps": 7, "prefetch_batches": 2, "host_ram_mb": 256}
+SETS = {
+    "smollm2": {"hidden": 576, "tokens": 50_000, "shards": 4},
+    "large": {"hidden": 2048, "tokens": 80_000, "shards": 4},
+}
+CFG = {
+    "seed": 0,
+    "shuffle": True,
+    "shards_in_memory": 0,
+    "max_len": 2048,
+    "max_tokens_per_batch": 2048,
+    "ttt_steps": 7,
+    "prefetch_batches": 2,
+    "host_ram_mb": 256,
+}
 PATHS = ["eager", "mapped", "mapped+prefetch"]
 
 
@@ -71,15 +87,23 @@ def write_set(directory: Path, hidden: int, tokens: int, count: int) -> list[tup
         n = sum(lengths)
         offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
         starts = torch.randint(0, 4096 - 600, (len(lengths),), generator=g).tolist()
-        aux = [block[a:a + n_, :3 * hidden] for a, n_ in zip(starts, lengths)]
-        final = [block[a:a + n_, 3 * hidden:] for a, n_ in zip(starts, lengths)]
+        aux = [block[a : a + n_, : 3 * hidden] for a, n_ in zip(starts, lengths)]
+        final = [block[a : a + n_, 3 * hidden :] for a, n_ in zip(starts, lengths)]
         mask = torch.ones(n, dtype=torch.uint8)
         path = shards.shard_path(directory, s)
-        written = shards.write(path, torch.randint(0, VOCAB, (n,), generator=g), mask, offsets,
-                               torch.randint(0, VOCAB, (n,), generator=g), aux, final,
-                               sample_ids=[f"s{s}-{i}" for i in range(len(lengths))],
-                               aux_layer_ids=AUX_IDS, dtype="bfloat16",
-                               target={"spec": "benchmark"})
+        written = shards.write(
+            path,
+            torch.randint(0, VOCAB, (n,), generator=g),
+            mask,
+            offsets,
+            torch.randint(0, VOCAB, (n,), generator=g),
+            aux,
+            final,
+            sample_ids=[f"s{s}-{i}" for i in range(len(lengths))],
+            aux_layer_ids=AUX_IDS,
+            dtype="bfloat16",
+            target={"spec": "benchmark"},
+        )
         out.append((str(path), written.sha256))
     return out
 
@@ -104,8 +128,14 @@ class EagerSamples:
         shard, local = self.loaded[number], index - self.first[number]
         rows = shard.sample(local)
         rows = slice(rows.start, min(rows.stop, rows.start + max_len))
-        return (shard.sample_ids[local], shard.input_ids[rows], shard.loss_mask[rows],
-                shard.teacher_argmax[rows], shard.aux_hidden[rows], shard.final_hidden[rows])
+        return (
+            shard.sample_ids[local],
+            shard.input_ids[rows],
+            shard.loss_mask[rows],
+            shard.teacher_argmax[rows],
+            shard.aux_hidden[rows],
+            shard.final_hidden[rows],
+        )
 
 
 def child(args) -> None:
@@ -121,13 +151,19 @@ def child(args) -> None:
         samples.preload()  # every shard hash-checked, as training does with shards_in_memory 0
     startup = time.perf_counter() - start
     plan = plan_epoch(samples, 0, CFG)
-    pack = lambda indices: make_batch([samples.get(i, CFG["max_len"]) for i in indices],  # noqa: E731
-                                      CFG["ttt_steps"], t2d)
+    pack = lambda indices: make_batch(
+        [samples.get(i, CFG["max_len"]) for i in indices],  # noqa: E731
+        CFG["ttt_steps"],
+        t2d,
+    )
     result = {"startup_s": startup, "batches": len(plan)}
     digest = hashlib.sha256()
     for label, step_s in (("data", 0.0), ("with_step", args.step_ms / 1000)):
-        feed = (Prefetcher(pack, ((i, m) for i, m in enumerate(plan)), CFG["prefetch_batches"])
-                if args.child == "mapped+prefetch" else None)
+        feed = (
+            Prefetcher(pack, ((i, m) for i, m in enumerate(plan)), CFG["prefetch_batches"])
+            if args.child == "mapped+prefetch"
+            else None
+        )
         tokens, start = 0, time.perf_counter()
         for i, indices in enumerate(plan):
             batch = (feed.take(i) if feed else pack(indices)).to(cpu)  # widened to float32
@@ -144,9 +180,13 @@ def child(args) -> None:
             feed.close()
         result[f"{label}_tokens_per_s"] = tokens / elapsed
         result[f"{label}_s"] = elapsed
-    result.update(tokens=tokens, batches_sha256=digest.hexdigest(), peak_rss=peak_rss(),
-                  extra_peak=peak_rss() - base,
-                  page_releases=getattr(getattr(samples, "memory", None), "releases", None))
+    result.update(
+        tokens=tokens,
+        batches_sha256=digest.hexdigest(),
+        peak_rss=peak_rss(),
+        extra_peak=peak_rss() - base,
+        page_releases=getattr(getattr(samples, "memory", None), "releases", None),
+    )
     print(json.dumps(result))
 
 
@@ -170,56 +210,96 @@ def main() -> None:
             disk = sum(Path(p).stat().st_size for p, _ in listing)
             got = {}
             for _ in range(args.rounds):  # alternated, the fastest of each kept: a shared
-                for path in PATHS:        # machine's load moves between runs
-                    cmd = [sys.executable, __file__, "--child", path, "--listing",
-                           str(Path(tmp) / "listing.json"), "--step-ms", str(args.step_ms)]
-                    r = json.loads(subprocess.run(cmd, check=True, capture_output=True,
-                                                  text=True).stdout)
+                for path in PATHS:  # machine's load moves between runs
+                    cmd = [
+                        sys.executable,
+                        __file__,
+                        "--child",
+                        path,
+                        "--listing",
+                        str(Path(tmp) / "listing.json"),
+                        "--step-ms",
+                        str(args.step_ms),
+                    ]
+                    r = json.loads(
+                        subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+                    )
                     r["first_epoch_tokens_per_s"] = r["tokens"] / (r["startup_s"] + r["data_s"])
                     if path in got:
                         for key in ("startup_s", "data_s", "with_step_s"):
                             r[key] = min(r[key], got[path][key])
-                        for key in ("data_tokens_per_s", "with_step_tokens_per_s",
-                                    "first_epoch_tokens_per_s"):
+                        for key in (
+                            "data_tokens_per_s",
+                            "with_step_tokens_per_s",
+                            "first_epoch_tokens_per_s",
+                        ):
                             r[key] = max(r[key], got[path][key])
                     got[path] = r
         if len({r["batches_sha256"] for r in got.values()}) != 1:
             raise SystemExit(f"{name}: the paths packed different batches")
         for path, r in got.items():
-            rows.append({"set": name, "hidden": spec["hidden"], "tokens": r["tokens"],
-                         "shards_mb": disk / 1e6, "path": path, "startup_s": r["startup_s"],
-                         "data_tokens_per_s": r["data_tokens_per_s"],
-                         "first_epoch_tokens_per_s": r["first_epoch_tokens_per_s"],
-                         "with_step_tokens_per_s": r["with_step_tokens_per_s"],
-                         "peak_rss_mb": r["peak_rss"] / 1e6,
-                         "extra_peak_mb": r["extra_peak"] / 1e6,
-                         "page_releases": r["page_releases"]})
+            rows.append(
+                {
+                    "set": name,
+                    "hidden": spec["hidden"],
+                    "tokens": r["tokens"],
+                    "shards_mb": disk / 1e6,
+                    "path": path,
+                    "startup_s": r["startup_s"],
+                    "data_tokens_per_s": r["data_tokens_per_s"],
+                    "first_epoch_tokens_per_s": r["first_epoch_tokens_per_s"],
+                    "with_step_tokens_per_s": r["with_step_tokens_per_s"],
+                    "peak_rss_mb": r["peak_rss"] / 1e6,
+                    "extra_peak_mb": r["extra_peak"] / 1e6,
+                    "page_releases": r["page_releases"],
+                }
+            )
         eager = got["eager"]
-        for r in rows[-len(PATHS):]:
+        for r in rows[-len(PATHS) :]:
             r["rss_growth_vs_eager"] = r["extra_peak_mb"] / (eager["extra_peak"] / 1e6)
             r["data_rate_vs_eager"] = r["data_tokens_per_s"] / eager["data_tokens_per_s"]
-            r["first_epoch_rate_vs_eager"] = (r["first_epoch_tokens_per_s"]
-                                              / eager["first_epoch_tokens_per_s"])
-            r["with_step_rate_vs_eager"] = (r["with_step_tokens_per_s"]
-                                            / eager["with_step_tokens_per_s"])
-    device = f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
-    write_json(OUT / "train_data.json", {"device": device, "step_ms": args.step_ms,
-                                         "rounds": args.rounds,
-                                         "cfg": CFG, "rows": rows})
+            r["first_epoch_rate_vs_eager"] = (
+                r["first_epoch_tokens_per_s"] / eager["first_epoch_tokens_per_s"]
+            )
+            r["with_step_rate_vs_eager"] = (
+                r["with_step_tokens_per_s"] / eager["with_step_tokens_per_s"]
+            )
+    device = (
+        f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    )
+    write_json(
+        OUT / "train_data.json",
+        {
+            "device": device,
+            "step_ms": args.step_ms,
+            "rounds": args.rounds,
+            "cfg": CFG,
+            "rows": rows,
+        },
+    )
     columns = list(rows[0])
-    lines = ["# Training data path: eager float32 shards (before) against mapped shards, "
-             "with and without the prefetcher", "",
-             f"{device}; bf16 shards; one shuffled epoch of micro-batches of "
-             f"{CFG['max_tokens_per_batch']} tokens, TTT {CFG['ttt_steps']}, widened to float32 "
-             f"as the step reads them. startup = index + hash check (+ load and widening, eager); "
-             f"data = packing alone; first_epoch = startup and packing; with_step = each micro-batch "
-             f"followed by a {args.step_ms:g} ms wait standing in for the device's step. "
-             f"extra_peak = peak RSS above the interpreter with torch imported; host_ram_mb "
-             f"{CFG['host_ram_mb']}. Fastest of {args.rounds} alternated runs per path. Every path "
-             f"packed the same batches (hashed).", "",
-             "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c])
-                                for c in columns) + " |" for r in rows]
+    lines = [
+        "# Training data path: eager float32 shards (before) against mapped shards, "
+        "with and without the prefetcher",
+        "",
+        f"{device}; bf16 shards; one shuffled epoch of micro-batches of "
+        f"{CFG['max_tokens_per_batch']} tokens, TTT {CFG['ttt_steps']}, widened to float32 "
+        f"as the step reads them. startup = index + hash check (+ load and widening, eager); "
+        f"data = packing alone; first_epoch = startup and packing; with_step = each micro-batch "
+        f"followed by a {args.step_ms:g} ms wait standing in for the device's step. "
+        f"extra_peak = peak RSS above the interpreter with torch imported; host_ram_mb "
+        f"{CFG['host_ram_mb']}. Fastest of {args.rounds} alternated runs per path. Every path "
+        f"packed the same batches (hashed).",
+        "",
+        "| " + " | ".join(columns) + " |",
+        "|" + "---|" * len(columns),
+    ]
+    lines += [
+        "| "
+        + " | ".join(f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c]) for c in columns)
+        + " |"
+        for r in rows
+    ]
     (OUT / "train_data.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

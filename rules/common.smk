@@ -3,8 +3,14 @@
 import os
 import sys
 
-from eaglet.core.config import (eval_shard_count, outside_working_dir, previews_only,
-                                record_settings, stage_params, validate)
+from eaglet.core.config import (
+    eval_shard_count,
+    outside_working_dir,
+    previews_only,
+    record_settings,
+    stage_params,
+    validate,
+)
 from eaglet.core import layout  # every results path, by name (layout.MANIFEST, ...)
 from eaglet.core.cluster import ClusterError, job_threads, misfits, partitions
 from eaglet.model.published import apply as start_settings
@@ -19,6 +25,8 @@ if outside_working_dir(R):
     logger.warning(outside_working_dir(R))
 # train.init_from: the starting drafter decides the method, vocabulary and aux layers
 START = config["train"]["init_from"]
+
+
 def _target_config():
     """The prepared target's config.json, where it is prepared (None before)."""
     try:
@@ -30,8 +38,12 @@ def _target_config():
 for _note in start_settings(config, f"{R}/{layout.START_DRAFTER}", _target_config()):
     logger.info(_note)
 # settings the prepared target cannot honour stop here, before any stage runs
-check_recorded_target(f"{R}/{layout.TARGET_JSON}", config["target"]["model"],
-                      config["vocab"]["draft_vocab_size"], config["extract"]["aux_layer_ids"])
+check_recorded_target(
+    f"{R}/{layout.TARGET_JSON}",
+    config["target"]["model"],
+    config["vocab"]["draft_vocab_size"],
+    config["extract"]["aux_layer_ids"],
+)
 
 # Software of every job, deployed with `--software-deployment-method conda` (runs from the
 # .venv ignore it). Model stages get the vLLM GPU engine when any of them holds GPUs, else the
@@ -69,11 +81,16 @@ def settings_file(stage: str, settings: dict) -> str:
     path = f"{R}/{layout.RUN_SETTINGS}/{stage}.json"
     changed = record_settings(path, settings, write=not PREVIEW)
     if changed:
-        logger.info(f"{stage}: settings changed since its outputs were made "
-                    f"({'; '.join(changed)}): it runs again, and what depends on it"
-                    + (" (a command that runs no job records nothing: the preview below "
-                       "shows the rerun only where Snakemake's own records do)"
-                       if PREVIEW else ""))
+        logger.info(
+            f"{stage}: settings changed since its outputs were made "
+            f"({'; '.join(changed)}): it runs again, and what depends on it"
+            + (
+                " (a command that runs no job records nothing: the preview below "
+                "shows the rerun only where Snakemake's own records do)"
+                if PREVIEW
+                else ""
+            )
+        )
     return path
 
 
@@ -88,8 +105,16 @@ CAPTURE = config["generate"]["capture_hidden_states"]
 GENERATE_PARAMS = dict(
     target=config["target"],
     generate=stage_params(config, "generate"),
-    **({"capture": {"dir": f"{R}/{layout.CAPTURE_REQUESTS}",
-                    "aux_layer_ids": config["extract"]["aux_layer_ids"]}} if CAPTURE else {}),
+    **(
+        {
+            "capture": {
+                "dir": f"{R}/{layout.CAPTURE_REQUESTS}",
+                "aux_layer_ids": config["extract"]["aux_layer_ids"],
+            }
+        }
+        if CAPTURE
+        else {}
+    ),
 )
 
 
@@ -101,6 +126,7 @@ GENERATE_PARAMS = dict(
 # Inside a SLURM job its own Snakemake runs with every core of the node: the job's threads
 # are what SLURM gave it (eaglet.core.cluster.job_threads).
 MODEL_THREADS = job_threads(workflow.resource_settings.cores)
+
 
 def check_cluster_fit() -> None:
     """Submitting to SLURM: every stage's memory and time must fit a node of the partition it
@@ -114,15 +140,18 @@ def check_cluster_fit() -> None:
         return
     partition = os.environ.get("EAGLET_SLURM_PARTITION") or None
     model_partition = os.environ.get("EAGLET_SLURM_GPU_PARTITION") or partition
-    problems = misfits(config["resources"], parts,
-                       {stage: model_partition for stage in config["resources"]})
+    problems = misfits(
+        config["resources"], parts, {stage: model_partition for stage in config["resources"]}
+    )
     if problems:
         raise ClusterError(
             "the cluster cannot run these jobs as the config sizes them:\n  "
-            + "\n  ".join(problems) + "\nSet resources.<stage>.mem_mb and runtime (minutes) "
+            + "\n  ".join(problems)
+            + "\nSet resources.<stage>.mem_mb and runtime (minutes) "
             "in your config to what the partition's nodes have (sinfo -o '%P %m %l %c' lists "
             "them), or send the jobs to a larger partition (EAGLET_SLURM_PARTITION, "
-            "EAGLET_SLURM_GPU_PARTITION); nothing was submitted.")
+            "EAGLET_SLURM_GPU_PARTITION); nothing was submitted."
+        )
 
 
 def job_resources(stage: str, gpus: int) -> dict:

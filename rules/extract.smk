@@ -10,8 +10,11 @@
 # them reruns nothing.
 EXTRACT_PARAMS = dict(
     # num_eval_shards: what it changes is which shard files there are
-    extract={k: v for k, v in config["extract"].items()
-             if k not in ("gpus", "device", "concurrency", "jobs", "num_eval_shards")},
+    extract={
+        k: v
+        for k, v in config["extract"].items()
+        if k not in ("gpus", "device", "concurrency", "jobs", "num_eval_shards")
+    },
     target=config["target"],
 )
 EXTRACT_SETTINGS = settings_file("extract", EXTRACT_PARAMS)
@@ -22,7 +25,8 @@ VOCAB_FIRST = ancient(f"{R}/{layout.VOCAB_MAP}")
 FROM_VLLM = config["extract"]["backend"] == "vllm" or CAPTURE
 # backend vllm: the server holds the GPUs (server.gpus), for every shard at once
 EXTRACT_RESOURCES = job_resources(
-    "extract", config["server"]["gpus"] if FROM_VLLM else config["extract"]["gpus"])
+    "extract", config["server"]["gpus"] if FROM_VLLM else config["extract"]["gpus"]
+)
 
 
 if FROM_VLLM:
@@ -42,21 +46,20 @@ if FROM_VLLM:
             metas=hidden_files("train", ".json"),
             eval_shards=hidden_files("eval", ".safetensors"),
             eval_metas=hidden_files("eval", ".json"),
-        params:
-            **EXTRACT_PARAMS,
-            work=f"{R}/{layout.VLLM_WORK}",
-            progress=f"{R}/{layout.progress_file('extract_vllm')}",
-        threads: MODEL_THREADS
-        resources:
-            **EXTRACT_RESOURCES,
         log:
             main=f"{R}/{layout.LOGS}/extract/vllm.log",
             server=f"{R}/{layout.server_log('extract/vllm')}",
         conda:
             MODEL_ENV
+        threads: MODEL_THREADS
+        resources:
+            **EXTRACT_RESOURCES,
+        params:
+            **EXTRACT_PARAMS,
+            work=f"{R}/{layout.VLLM_WORK}",
+            progress=f"{R}/{layout.progress_file('extract_vllm')}",
         script:
             "../scripts/extract_vllm.py"
-
 
 elif config["extract"]["jobs"] == "one":
 
@@ -74,19 +77,18 @@ elif config["extract"]["jobs"] == "one":
             metas=hidden_files("train", ".json"),
             eval_shards=hidden_files("eval", ".safetensors"),
             eval_metas=hidden_files("eval", ".json"),
-        params:
-            **EXTRACT_PARAMS,
-            progress=f"{R}/{layout.progress_file('extract_all')}",
-        threads: MODEL_THREADS
-        resources:
-            **EXTRACT_RESOURCES,
         log:
             f"{R}/{layout.LOGS}/extract/all.log",
         conda:
             MODEL_ENV
+        threads: MODEL_THREADS
+        resources:
+            **EXTRACT_RESOURCES,
+        params:
+            **EXTRACT_PARAMS,
+            progress=f"{R}/{layout.progress_file('extract_all')}",
         script:
             "../scripts/extract_all.py"
-
 
 else:
 
@@ -101,22 +103,23 @@ else:
         output:
             shard=f"{R}/{layout.HIDDEN}/{{split}}shard_{{i}}.safetensors",
             meta=f"{R}/{layout.HIDDEN}/{{split}}shard_{{i}}.json",
+        log:
+            f"{R}/{layout.LOGS}/extract/{{split}}shard_{{i}}.log",
         wildcard_constraints:
             split=r"(eval/)?",
             i=r"\d{5}",
+        conda:
+            MODEL_ENV
+        threads: MODEL_THREADS
+        resources:
+            **EXTRACT_RESOURCES,
         params:
             **EXTRACT_PARAMS,
             num_shards=lambda w: len(EVAL_SHARDS if w.split else TRAIN_SHARDS),
             # the held-out split's first shard keeps the name it had as the only one
-            progress=lambda w: f"{R}/{layout.PROGRESS}/extract_" + (
-                w.i if not w.split else "eval" if w.i == "00000" else f"eval_{w.i}") + ".json",
-        threads: MODEL_THREADS
-        resources:
-            **EXTRACT_RESOURCES,
-        log:
-            f"{R}/{layout.LOGS}/extract/{{split}}shard_{{i}}.log",
-        conda:
-            MODEL_ENV
+            progress=lambda w: f"{R}/{layout.PROGRESS}/extract_"
+            + (w.i if not w.split else "eval" if w.i == "00000" else f"eval_{w.i}")
+            + ".json",
         script:
             "../scripts/extract.py"
 
@@ -134,16 +137,16 @@ rule hidden_manifest:
         eval_metas=hidden_files("eval", ".json"),
     output:
         f"{R}/{layout.MANIFEST}",
-    params:
-        **EXTRACT_PARAMS,
-        num_shards=len(TRAIN_SHARDS),
-        hidden_dir=lambda wildcards, output: os.path.dirname(output[0]),
-    threads: MODEL_THREADS
-    resources:
-        **EXTRACT_RESOURCES,
     log:
         f"{R}/{layout.log_file('hidden_manifest')}",
     conda:
         MODEL_ENV
+    threads: MODEL_THREADS
+    resources:
+        **EXTRACT_RESOURCES,
+    params:
+        **EXTRACT_PARAMS,
+        num_shards=len(TRAIN_SHARDS),
+        hidden_dir=lambda wildcards, output: os.path.dirname(output[0]),
     script:
         "../scripts/hidden_manifest.py"

@@ -11,18 +11,18 @@ rule generate:
         train=f"{R}/{layout.SYNTHETIC_TRAIN}",
         eval=f"{R}/{layout.SYNTHETIC_EVAL}",
         stats=f"{R}/{layout.SYNTHETIC_STATS}",
-    params:
-        # what changes the samples; server lifecycle settings are read from config
-        **GENERATE_PARAMS,
-        partial=f"{R}/{layout.SYNTHETIC_PARTIAL}",
-        progress=f"{R}/{layout.progress_file('generate')}",
-    threads: MODEL_THREADS
-    resources:
-        **job_resources("generate", config["server"]["gpus"]),
     log:
         main=f"{R}/{layout.log_file('generate')}",
         server=f"{R}/{layout.server_log('generate')}",
     conda:
         MODEL_ENV
+    threads: MODEL_THREADS
+    resources:
+        **job_resources("generate", config["server"]["gpus"]),
+    params:
+        # what changes the samples; server lifecycle settings are read from config
+        **GENERATE_PARAMS,
+        partial=f"{R}/{layout.SYNTHETIC_PARTIAL}",
+        progress=f"{R}/{layout.progress_file('generate')}",
     script:
         "../scripts/generate.py"

@@ -11,11 +11,11 @@ rule prepare_prompts:
         train=f"{R}/{layout.PROMPTS_TRAIN}",
         eval=f"{R}/{layout.PROMPTS_EVAL}",
         stats=f"{R}/{layout.PROMPT_STATS}",
-    params:
-        data=config["data"],
     log:
         f"{R}/{layout.log_file('prepare_prompts')}",
     conda:
         CPU_ENV
+    params:
+        data=config["data"],
     script:
         "../scripts/prepare_prompts.py"

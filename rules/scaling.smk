@@ -2,7 +2,6 @@
 # eval/scaling.json only then.
 import re
 
-
 SCALING = config["scaling"]
 SCALING_FRACTIONS = [layout.fraction_name(f) for f in SCALING["fractions"]]
 
@@ -20,21 +19,21 @@ rule scaling_train:
     output:
         stats=f"{R}/{layout.SCALING_RUNS}/{{fraction}}/stats.json",
         subset=f"{R}/{layout.SCALING_RUNS}/{{fraction}}/subset.json",
+    log:
+        f"{R}/{layout.LOGS}/scaling/train_{{fraction}}.log",
     wildcard_constraints:
         fraction="|".join(re.escape(f) for f in SCALING_FRACTIONS) or "(?!)",
+    # after the stages the verdict needs: the subsets only add the prediction
+    priority: -1
+    conda:
+        MODEL_ENV
+    threads: MODEL_THREADS
+    resources:
+        **job_resources("train", config["train"]["gpus"]),
     params:
         train=stage_params(config, "train", drop=("gpus",)),
         checkpoints=lambda w: f"{R}/{layout.SCALING_RUNS}/{w.fraction}/checkpoints",
         progress=lambda w: f"{R}/{layout.PROGRESS}/scaling_{w.fraction}.json",
-    threads: MODEL_THREADS
-    # after the stages the verdict needs: the subsets only add the prediction
-    priority: -1
-    resources:
-        **job_resources("train", config["train"]["gpus"]),
-    log:
-        f"{R}/{layout.LOGS}/scaling/train_{{fraction}}.log",
-    conda:
-        MODEL_ENV
     script:
         "../scripts/scaling.py"
 
@@ -43,10 +42,12 @@ rule scaling:
     """Fit held-out simulated AL against ln(training tokens) over the subsets and the full
     run, and predict the training tokens scaling.target_al needs (eval/scaling.json)."""
     input:
-        subsets=expand(f"{R}/{layout.SCALING_RUNS}/{{fraction}}/stats.json",
-                       fraction=SCALING_FRACTIONS),
-        records=expand(f"{R}/{layout.SCALING_RUNS}/{{fraction}}/subset.json",
-                       fraction=SCALING_FRACTIONS),
+        subsets=expand(
+            f"{R}/{layout.SCALING_RUNS}/{{fraction}}/stats.json", fraction=SCALING_FRACTIONS
+        ),
+        records=expand(
+            f"{R}/{layout.SCALING_RUNS}/{{fraction}}/subset.json", fraction=SCALING_FRACTIONS
+        ),
         # the full run's point: drafter/stats.json, written beside its weights
         full=f"{R}/{layout.DRAFTER_WEIGHTS}",
         target=f"{R}/{layout.TARGET_JSON}",
@@ -54,14 +55,14 @@ rule scaling:
         shards=hidden_files("train", ".safetensors"),
     output:
         f"{R}/{layout.SCALING}",
+    log:
+        f"{R}/{layout.LOGS}/scaling/fit.log",
+    conda:
+        CPU_ENV
     params:
         max_len=config["train"]["max_len"] or config["train"]["max_tokens_per_batch"],
         target_al=SCALING["target_al"],
         # generation's GPUs: the prediction's hours are GPU-hours where it held any
         gpus=config["server"]["gpus"],
-    log:
-        f"{R}/{layout.LOGS}/scaling/fit.log",
-    conda:
-        CPU_ENV
     script:
         "../scripts/scaling.py"

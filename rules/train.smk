@@ -20,13 +20,13 @@ if START:
         output:
             weights=f"{R}/{layout.START_DRAFTER_WEIGHTS}",
             record=f"{R}/{layout.START_RECORD}",
-        params:
-            init_from=START,
-            seed=config["train"]["seed"],
         log:
             f"{R}/{layout.log_file('start_drafter')}",
         conda:
             MODEL_ENV
+        params:
+            init_from=START,
+            seed=config["train"]["seed"],
         script:
             "../scripts/start_drafter.py"
 
@@ -54,6 +54,14 @@ rule train:
             caption="../report/training_log.rst",
             category="Training",
         ),
+    log:
+        f"{R}/{layout.log_file('train')}",
+        **({"server": f"{R}/{layout.server_log('train')}"} if STREAM else {}),
+    conda:
+        MODEL_ENV
+    threads: MODEL_THREADS
+    resources:
+        **job_resources("train", TRAIN_GPUS),
     params:
         # stream: what the streamed states depend on, as the extraction's (rules/extract.smk),
         # and where the server saves them (the vllm extraction's, and capture's, directory)
@@ -61,13 +69,5 @@ rule train:
         train=stage_params(config, "train", drop=("gpus",)),
         checkpoints=f"{R}/{layout.CHECKPOINTS}",
         progress=f"{R}/{layout.progress_file('train')}",
-    threads: MODEL_THREADS
-    resources:
-        **job_resources("train", TRAIN_GPUS),
-    log:
-        f"{R}/{layout.log_file('train')}",
-        **({"server": f"{R}/{layout.server_log('train')}"} if STREAM else {}),
-    conda:
-        MODEL_ENV
     script:
         "../scripts/train.py"

@@ -15,11 +15,11 @@ rule vocab_map:
     output:
         map=f"{R}/{layout.VOCAB_MAP}",
         stats=f"{R}/{layout.VOCAB_STATS}",
-    params:
-        draft_vocab_size=config["vocab"]["draft_vocab_size"],
     log:
         f"{R}/{layout.log_file('vocab_map')}",
     conda:
         CPU_ENV
+    params:
+        draft_vocab_size=config["vocab"]["draft_vocab_size"],
     script:
         "../scripts/vocab_map.py"

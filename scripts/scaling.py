@@ -1,4 +1,5 @@
 """Snakemake entry point of rules scaling_train and scaling (rules/scaling.smk)."""
+
 from pathlib import Path
 
 from eaglet.stages.scaling import train_subset, write_prediction
@@ -9,13 +10,37 @@ smk = snakemake  # noqa: F821 (injected by Snakemake)
 
 if smk.rule == "scaling_train":
     gpus = int(smk.resources.get("gpu", 0))
-    run_stage("scaling", smk.log[0], lambda: train_subset(
-        dict(smk.params.train), float(smk.wildcards.fraction), list(smk.input.shards),
-        list(smk.input.eval_shards), smk.input.vocab, read_target(smk.input.target)["path"],
-        str(Path(smk.output.stats).parent), smk.params.checkpoints, smk.params.progress,
-        smk.log[0], smk.input.manifest, gpus), gpus=gpus)
+    run_stage(
+        "scaling",
+        smk.log[0],
+        lambda: train_subset(
+            dict(smk.params.train),
+            float(smk.wildcards.fraction),
+            list(smk.input.shards),
+            list(smk.input.eval_shards),
+            smk.input.vocab,
+            read_target(smk.input.target)["path"],
+            str(Path(smk.output.stats).parent),
+            smk.params.checkpoints,
+            smk.params.progress,
+            smk.log[0],
+            smk.input.manifest,
+            gpus,
+        ),
+        gpus=gpus,
+    )
 else:
     results = Path(smk.input.full).parent.parent
-    run_stage("scaling", smk.log[0], lambda: write_prediction(
-        results, [Path(p).parent for p in smk.input.subsets], list(smk.input.shards),
-        smk.params.max_len, smk.params.target_al, smk.output[0], smk.params.gpus))
+    run_stage(
+        "scaling",
+        smk.log[0],
+        lambda: write_prediction(
+            results,
+            [Path(p).parent for p in smk.input.subsets],
+            list(smk.input.shards),
+            smk.params.max_len,
+            smk.params.target_al,
+            smk.output[0],
+            smk.params.gpus,
+        ),
+    )

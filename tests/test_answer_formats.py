@@ -39,24 +39,42 @@ def family(request) -> SimpleNamespace:
     return SimpleNamespace(name=name, parser=parser, kwargs=kwargs, tokenizer=tokenizer, fmt=fmt)
 
 
-def served(family, completion: list[int], messages=MESSAGES, prompt: list[int] | None = None,
-           finish: str = "stop") -> dict:
+def served(
+    family,
+    completion: list[int],
+    messages=MESSAGES,
+    prompt: list[int] | None = None,
+    finish: str = "stop",
+) -> dict:
     """The record generation saves of an answer whose ids are ``completion``: the text fields
     as vLLM's reasoning parser makes them of the text of the ids (special tokens kept, the
     end of turn the server stopped at left out)."""
     from vllm.reasoning import ReasoningParserManager
 
     tok = family.tokenizer
-    body = completion[:-1] if finish == "stop" and completion[-1] in family.fmt.stop_ids else completion
+    body = (
+        completion[:-1]
+        if finish == "stop" and completion[-1] in family.fmt.stop_ids
+        else completion
+    )
     parser = ReasoningParserManager.get_reasoning_parser(family.parser)(
-        tok, chat_template_kwargs=family.kwargs)
-    request = SimpleNamespace(include_reasoning=True, tools=None, tool_choice=None,
-                              chat_template_kwargs=family.kwargs)
-    reasoning, content = parser.extract_reasoning(tok.decode(body, skip_special_tokens=False),
-                                                  request)
-    record = {"id": "p-0", "messages": messages, "reasoning": reasoning, "content": content,
-              "prompt_token_ids": prompt or render_ids(tok, messages, True, family.kwargs),
-              "completion_token_ids": completion, "finish_reason": finish}
+        tok, chat_template_kwargs=family.kwargs
+    )
+    request = SimpleNamespace(
+        include_reasoning=True, tools=None, tool_choice=None, chat_template_kwargs=family.kwargs
+    )
+    reasoning, content = parser.extract_reasoning(
+        tok.decode(body, skip_special_tokens=False), request
+    )
+    record = {
+        "id": "p-0",
+        "messages": messages,
+        "reasoning": reasoning,
+        "content": content,
+        "prompt_token_ids": prompt or render_ids(tok, messages, True, family.kwargs),
+        "completion_token_ids": completion,
+        "finish_reason": finish,
+    }
     if family.kwargs:
         record["chat_template_kwargs"] = family.kwargs
     return record
@@ -100,8 +118,9 @@ def test_a_later_turn_renders_the_earlier_answer_as_history_and_passes(family):
 
 def test_a_server_on_another_template_fails_in_the_prompt(family):
     other = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
-    prompt = family.tokenizer.apply_chat_template(MESSAGES, chat_template=other, tokenize=True,
-                                                  add_generation_prompt=True, return_dict=False)
+    prompt = family.tokenizer.apply_chat_template(
+        MESSAGES, chat_template=other, tokenize=True, add_generation_prompt=True, return_dict=False
+    )
     record = served(family, answer_ids(family), prompt=list(prompt))
     result = check_record(family.tokenizer, record, family.fmt)
     assert not result.ok and result.part == "prompt"

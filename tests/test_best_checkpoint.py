@@ -36,8 +36,9 @@ def curve(monkeypatch):
     def recorded(self):
         metrics = real(self)
         metrics["sim_al"] = state["als"][self.epoch]  # at an epoch's end: that epoch's index
-        state["seen"][self.step] = {k: v.detach().clone()
-                                    for k, v in self.model.state_dict().items()}
+        state["seen"][self.step] = {
+            k: v.detach().clone() for k, v in self.model.state_dict().items()
+        }
         state["evaluated"].append(self.step)
         return metrics
 
@@ -62,12 +63,23 @@ def test_the_best_heldout_epoch_ships_when_the_curve_turns(world, tmp_path, curv
     assert not same_weights(shipped, curve["seen"][evaluated[-1]])  # the last did not ship
     choice = result["shipped"]
     assert choice | {"note": None} == {
-        "choice": "best", "step": evaluated[1], "epoch": 2.0, "heldout_al": 1.6,
-        "best_step": evaluated[1], "best_epoch": 2.0, "best_heldout_al": 1.6,
-        "last_epoch": 4.0, "last_epoch_al": 1.3, "chosen_from_step": 0, "note": None}
-    line = (f"the best held-out weights ship (epoch 2, step {evaluated[1]}): held-out "
-            f"simulated AL 1.600, against 1.300 at the last evaluation (epoch 4, step "
-            f"{evaluated[-1]})")
+        "choice": "best",
+        "step": evaluated[1],
+        "epoch": 2.0,
+        "heldout_al": 1.6,
+        "best_step": evaluated[1],
+        "best_epoch": 2.0,
+        "best_heldout_al": 1.6,
+        "last_epoch": 4.0,
+        "last_epoch_al": 1.3,
+        "chosen_from_step": 0,
+        "note": None,
+    }
+    line = (
+        f"the best held-out weights ship (epoch 2, step {evaluated[1]}): held-out "
+        f"simulated AL 1.600, against 1.300 at the last evaluation (epoch 4, step "
+        f"{evaluated[-1]})"
+    )
     assert choice["note"] == line and line in caplog.text
     stats = json.loads((tmp_path / "run" / "drafter" / "stats.json").read_text())
     assert stats["shipped"] == choice and stats["steps"] == result["steps"]
@@ -75,10 +87,13 @@ def test_the_best_heldout_epoch_ships_when_the_curve_turns(world, tmp_path, curv
     assert result["eval"]["step"] == evaluated[-1] and result["eval"]["sim_al"] == 1.3
 
 
-@pytest.mark.parametrize("als, ships", [
-    ([1.2, 1.5, 1.5, 1.3], 3),   # a tie goes to the later epoch
-    ([1.2, 1.5, 1.3, 1.5], 4),   # ... the last one too: the last weights, none loaded
-])
+@pytest.mark.parametrize(
+    "als, ships",
+    [
+        ([1.2, 1.5, 1.5, 1.3], 3),  # a tie goes to the later epoch
+        ([1.2, 1.5, 1.3, 1.5], 4),  # ... the last one too: the last weights, none loaded
+    ],
+)
 def test_a_tie_goes_to_the_later_epoch(world, tmp_path, curve, als, ships):  # noqa: F811
     curve["als"] = als
     result = run(world, tmp_path, CFG)
@@ -88,22 +103,38 @@ def test_a_tie_goes_to_the_later_epoch(world, tmp_path, curve, als, ships):  # n
     assert (choice["step"], choice["epoch"], choice["heldout_al"]) == (step, float(ships), 1.5)
     assert choice["choice"] == ("last" if ships == EPOCHS else "best")
     if ships == EPOCHS:
-        assert choice["note"] == (f"the last weights ship (epoch 4, step {step}): their "
-                                  f"held-out simulated AL 1.500 is the best")
+        assert choice["note"] == (
+            f"the last weights ship (epoch 4, step {step}): their "
+            f"held-out simulated AL 1.500 is the best"
+        )
 
 
-def test_without_a_heldout_split_the_last_weights_ship_and_the_log_says_so(world, tmp_path,  # noqa: F811
-                                                                           caplog):
+def test_without_a_heldout_split_the_last_weights_ship_and_the_log_says_so(
+    world,
+    tmp_path,  # noqa: F811
+    caplog,
+):
     caplog.set_level("INFO", logger="eaglet.stages.train.loop")
     out, checkpoints = tmp_path / "drafter", tmp_path / "ckpt"
-    result = train(CFG, world["train"], [], world["vocab"], world["target"], str(out),
-                   str(checkpoints), None, None)
+    result = train(
+        CFG,
+        world["train"],
+        [],
+        world["vocab"],
+        world["target"],
+        str(out),
+        str(checkpoints),
+        None,
+        None,
+    )
     choice = result["shipped"]
     assert choice["choice"] == "last" and choice["step"] == result["steps"]
     assert choice["epoch"] == 4.0 and choice["heldout_al"] is None
     assert choice["best_heldout_al"] is None and choice["last_epoch_al"] is None
-    assert choice["note"] == (f"no held-out split, so no held-out simulated AL to choose by: "
-                              f"the last weights ship (epoch 4, step {result['steps']})")
+    assert choice["note"] == (
+        f"no held-out split, so no held-out simulated AL to choose by: "
+        f"the last weights ship (epoch 4, step {result['steps']})"
+    )
     assert choice["note"] in caplog.text
     newest = checkpoints / f"step_{result['steps']:08d}" / "model.safetensors"
     assert same_weights(weights(out), load_file(str(newest)))
@@ -126,8 +157,10 @@ def test_a_killed_and_resumed_run_still_ships_the_best_epoch(world, tmp_path, cu
     assert stop < ends[3]
     assert run(world, tmp_path, CFG, "killed", stop_after_steps=stop) == {"stopped_at_step": stop}
     checkpoints = tmp_path / "killed" / "ckpt"
-    assert [p.name for p in ckpt.checkpoints(checkpoints)] == [f"step_{ends[2]:08d}",
-                                                                f"step_{stop:08d}"]
+    assert [p.name for p in ckpt.checkpoints(checkpoints)] == [
+        f"step_{ends[2]:08d}",
+        f"step_{stop:08d}",
+    ]
     assert [p.name for p in ckpt.bests(checkpoints)] == [f"best_step_{ends[1]:08d}"]
     best_state = json.loads((ckpt.bests(checkpoints)[0] / "state.json").read_text())
     newest_state = json.loads((checkpoints / f"step_{stop:08d}" / "state.json").read_text())
@@ -151,23 +184,28 @@ def test_a_killed_and_resumed_run_still_ships_the_best_epoch(world, tmp_path, cu
     shutil.rmtree(ckpt.bests(tmp_path / "lost" / "ckpt")[0])
     caplog.set_level("INFO", logger="eaglet.stages.train.loop")
     lost = run(world, tmp_path, CFG, "lost")
-    assert (f"the weights of the best held-out evaluation before step {stop} (step "
-            f"{ends[1]}, simulated AL 1.600) are not in") in caplog.text
+    assert (
+        f"the weights of the best held-out evaluation before step {stop} (step "
+        f"{ends[1]}, simulated AL 1.600) are not in"
+    ) in caplog.text
     choice = lost["shipped"]
     assert choice["choice"] == "last" and choice["chosen_from_step"] == stop
     assert choice["best_step"] == ends[3] and choice["note"].endswith(
-        f"; chosen among the evaluations from step {stop} on")
+        f"; chosen among the evaluations from step {stop} on"
+    )
 
 
 def fingerprint(lr: float = 1e-3, vocab: str = "v") -> dict:
-    return {"train": {"lr": lr}, "shards": ["shard_00000.safetensors"],
-            "sample_ids_sha256": "s", "micro_batches_per_step": 1,
-            "inputs": {"shards_sha256": ["h"], "aux_layer_ids": [1, 2, 3],
-                       "vocab_map_sha256": vocab}}
+    return {
+        "train": {"lr": lr},
+        "shards": ["shard_00000.safetensors"],
+        "sample_ids_sha256": "s",
+        "micro_batches_per_step": 1,
+        "inputs": {"shards_sha256": ["h"], "aux_layer_ids": [1, 2, 3], "vocab_map_sha256": vocab},
+    }
 
 
-def test_best_weights_are_kept_while_a_checkpoint_names_them_and_only_for_their_training(
-        tmp_path):
+def test_best_weights_are_kept_while_a_checkpoint_names_them_and_only_for_their_training(tmp_path):
     """The bookkeeping beside the checkpoints: a best is kept while a kept checkpoint names
     it or it is newer than the newest checkpoint; a newer best replaces an unnamed one; a
     resumed run drops the bests newer than its checkpoint; a best of other settings or
@@ -183,8 +221,15 @@ def test_best_weights_are_kept_while_a_checkpoint_names_them_and_only_for_their_
         return record
 
     def checkpoint(step, named):
-        ckpt.save(tmp_path, step, model, optimizer, scheduler,
-                  {"step": step, "total_steps": 100, "fingerprint": fp, "best": named}, keep=1)
+        ckpt.save(
+            tmp_path,
+            step,
+            model,
+            optimizer,
+            scheduler,
+            {"step": step, "total_steps": 100, "fingerprint": fp, "best": named},
+            keep=1,
+        )
 
     def kept():
         return [int(p.name.rsplit("_", 1)[1]) for p in ckpt.bests(tmp_path)]
@@ -209,8 +254,10 @@ def test_best_weights_are_kept_while_a_checkpoint_names_them_and_only_for_their_
     assert ckpt.best_path(tmp_path, six, fingerprint(vocab="other")) is None
 
     assert ckpt.to_resume(tmp_path, fingerprint(vocab="other"), True, 0) is None
-    assert kept() == [] and sorted(p.name for p in (tmp_path / "set_aside").iterdir()) == \
-        ["best_step_00000006", "step_00000007"]
+    assert kept() == [] and sorted(p.name for p in (tmp_path / "set_aside").iterdir()) == [
+        "best_step_00000006",
+        "step_00000007",
+    ]
     best(2, 1.0)
     checkpoint(3, None)
     assert kept() == []  # a best no checkpoint names, older than the newest, goes at once

@@ -19,8 +19,13 @@ def test_the_usage_lists_every_option_of_eaglet_plan(capsys):
     assert main(["--help"]) == 0
     text = capsys.readouterr().out
     flags = {flag for action in plan.build_parser()._actions for flag in action.option_strings}
-    assert {"--tokens", "--drafter-attention", "--drafter-variant", "--method",
-            "--stream-window"} <= flags
+    assert {
+        "--tokens",
+        "--drafter-attention",
+        "--drafter-variant",
+        "--method",
+        "--stream-window",
+    } <= flags
     missing = flags - options(text)
     assert not missing, f"`eaglet --help` leaves out eaglet plan's {sorted(missing)}"
 
@@ -45,8 +50,10 @@ def test_an_unknown_command_is_refused(capsys):
 BAD_CONFIGS = {
     "a missing file": (None, "config file {path} does not exist"),
     "broken YAML": ("target: [1\n", "config file {path} is not valid YAML at line 2"),
-    "an invalid setting": ("target:\n  dtype: float64\n",
-                           "invalid configuration:\n  target.dtype: 'float64' is not one of"),
+    "an invalid setting": (
+        "target:\n  dtype: float64\n",
+        "invalid configuration:\n  target.dtype: 'float64' is not one of",
+    ),
     "not a mapping": ("- a\n- b\n", "config file {path} holds a list, not a mapping"),
 }
 
@@ -68,8 +75,7 @@ def test_a_bad_config_is_said_in_one_message_never_a_traceback(command, case, tm
     assert "Traceback" not in captured.err + captured.out
 
 
-def test_plan_reads_an_unprepared_targets_own_files_and_names_a_missing_directory(
-        tmp_path, capsys):
+def test_plan_reads_an_unprepared_targets_own_files_and_names_a_missing_directory(tmp_path, capsys):
     """eaglet plan refused a run whose target was not prepared yet (for a hub model that
     means its weights), with a hint lacking --configfile: it plans from the target's config
     files, as rehearse does; a local target.model that is no directory is said so."""
@@ -78,8 +84,9 @@ def test_plan_reads_an_unprepared_targets_own_files_and_names_a_missing_director
     config.write_text(f"results_dir: {tmp_path / 'results'}\ntarget: {{model: {standin}}}\n")
     assert main(["plan", "--configfile", str(config)]) == 0
     assert "hidden 4096, 36 layers, vocab 151936" in capsys.readouterr().out
-    config.write_text(f"results_dir: {tmp_path / 'results'}\n"
-                      f"target: {{model: {tmp_path / 'no' / 'such'}}}\n")
+    config.write_text(
+        f"results_dir: {tmp_path / 'results'}\ntarget: {{model: {tmp_path / 'no' / 'such'}}}\n"
+    )
     assert main(["plan", "--configfile", str(config)]) == 2
     err = capsys.readouterr().err
     assert "is a local path, and there is no directory there" in err and "hub" not in err

@@ -38,15 +38,25 @@ GPU_RULES = {
 # Every rule the workflow defines that runs a model (extract_vllm: the vllm backend's one job;
 # extract_all: the hf backend's with extract.jobs: one),
 # read from the rule files themselves
-MODEL_RULES = {name for path in (REPO / "rules").glob("*.smk")
-               for name in re.findall(r"^\s*rule (\w+):", path.read_text(), re.MULTILINE)
-               } - CPU_RULES - {"scaling"}  # the scaling stage's fit is CPU work
+MODEL_RULES = (
+    {
+        name
+        for path in (REPO / "rules").glob("*.smk")
+        for name in re.findall(r"^\s*rule (\w+):", path.read_text(), re.MULTILINE)
+    }
+    - CPU_RULES
+    - {"scaling"}
+)  # the scaling stage's fit is CPU work
 # Distinct values, so each request can be traced to its config key. `--config
 # server.gpus=1` is no valid Snakemake config entry (and `--config 'server={gpus: 1}'` reads
 # 1 as a string), so nested overrides go in a second config file.
 GPUS = {"server": 1, "extract": 1, "train": 2}
-RESOURCES = {"generate": (30001, 121), "extract": (30002, 122), "train": (30003, 123),
-             "evaluate": (30004, 124)}
+RESOURCES = {
+    "generate": (30001, 121),
+    "extract": (30002, 122),
+    "train": (30003, 123),
+    "evaluate": (30004, 124),
+}
 CPU_PARTITION, GPU_PARTITION = "eaglet_cpu", "eaglet_gpu"
 
 
@@ -55,15 +65,20 @@ def _overrides(path: Path) -> Path:
     lines = [f"{key}: {{gpus: {n}}}" for key, n in GPUS.items() if key != "extract"]
     lines.append(f"extract: {{gpus: {GPUS['extract']}, backend: hf}}")
     lines.append("resources:")
-    lines += [f"  {rule}: {{mem_mb: {mem}, runtime: {minutes}}}"
-              for rule, (mem, minutes) in RESOURCES.items()]
+    lines += [
+        f"  {rule}: {{mem_mb: {mem}, runtime: {minutes}}}"
+        for rule, (mem, minutes) in RESOURCES.items()
+    ]
     path.write_text("\n".join(lines) + "\n")
     return path
 
 
 def _clean_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "SBATCH_", "SRUN_", "EAGLET_SLURM_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "SBATCH_", "SRUN_", "EAGLET_SLURM_"))
+    }
     # a user's global profile or partition file must not change what is submitted
     for key in ("SNAKEMAKE_PROFILE", "SNAKEMAKE_SLURM_PARTITIONS"):
         env.pop(key, None)
@@ -81,26 +96,45 @@ class FakeCluster:
         self.results = tmp / "results"
         self.overrides = _overrides(tmp / "gpus.yaml")
         self.env = _clean_env()
-        self.env.update(PATH=f"{self.bin}{os.pathsep}{self.env.get('PATH', '')}",
-                        FAKE_SLURM_DIR=str(self.state), EAGLET_SLURM_PARTITION=CPU_PARTITION,
-                        EAGLET_SLURM_GPU_PARTITION=GPU_PARTITION,
-                        EAGLET_SLURM_ACCOUNT=fake_slurm.ACCOUNT)
+        self.env.update(
+            PATH=f"{self.bin}{os.pathsep}{self.env.get('PATH', '')}",
+            FAKE_SLURM_DIR=str(self.state),
+            EAGLET_SLURM_PARTITION=CPU_PARTITION,
+            EAGLET_SLURM_GPU_PARTITION=GPU_PARTITION,
+            EAGLET_SLURM_ACCOUNT=fake_slurm.ACCOUNT,
+        )
 
     def snakemake(self, *args: str, targets=(), timeout: float = 240):
         # targets first: --configfile and --config swallow every argument after them
-        cmd = [str(SNAKEMAKE), *[str(self.results / t) for t in targets],
-               "--workflow-profile", str(SLURM_PROFILE), *args,
-               "--configfile", str(TINY), str(self.overrides),
-               "--config", f"results_dir={self.results}"]
-        return subprocess.run(cmd, cwd=REPO, env=self.env, text=True, capture_output=True,
-                              timeout=timeout)
+        cmd = [
+            str(SNAKEMAKE),
+            *[str(self.results / t) for t in targets],
+            "--workflow-profile",
+            str(SLURM_PROFILE),
+            *args,
+            "--configfile",
+            str(TINY),
+            str(self.overrides),
+            "--config",
+            f"results_dir={self.results}",
+        ]
+        return subprocess.run(
+            cmd, cwd=REPO, env=self.env, text=True, capture_output=True, timeout=timeout
+        )
 
     def run(self, targets=(), extra=()):
         return self.snakemake(
-            "--slurm-logdir", str(self.tmp / "slurm_logs"),
-            "--slurm-init-seconds-before-status-checks", "1",
-            "--seconds-between-status-checks", "1", "--latency-wait", "5", *extra,
-            targets=targets)
+            "--slurm-logdir",
+            str(self.tmp / "slurm_logs"),
+            "--slurm-init-seconds-before-status-checks",
+            "1",
+            "--seconds-between-status-checks",
+            "1",
+            "--latency-wait",
+            "5",
+            *extra,
+            targets=targets,
+        )
 
     def plan(self):
         proc = self.snakemake("--dry-run")
@@ -116,8 +150,10 @@ class FakeCluster:
         spec = {}
         for job in jobs:
             state = states.get(job.rule, "COMPLETED")
-            spec[job.slurm_comment] = {"state": state,
-                                       "outputs": job.output if state == "COMPLETED" else []}
+            spec[job.slurm_comment] = {
+                "state": state,
+                "outputs": job.output if state == "COMPLETED" else [],
+            }
         (self.state / "jobs.json").write_text(json.dumps(spec, indent=1))
 
 
@@ -147,8 +183,9 @@ def test_every_job_of_the_dag_is_submitted_once(cluster_run):
     # Snakemake itself, asked again, finds every job done: each one it submitted was recorded
     # as finished (the fake writes the outputs, so their existence alone would prove nothing)
     again = cluster.snakemake("--dry-run")
-    assert again.returncode == 0 and "Nothing to be done" in again.stdout + again.stderr, \
+    assert again.returncode == 0 and "Nothing to be done" in again.stdout + again.stderr, (
         again.stdout[-3000:]
+    )
     # all submissions of one run carry its run id as job name: sacct/squeue query by it
     assert len({s["job_name"] for s in _submissions(cluster)}) == 1
 
@@ -214,9 +251,11 @@ def test_jobs_are_submitted_in_dependency_order(cluster_run):
     cluster, jobs, _ = cluster_run
     order = {}
     for index, sub in enumerate(_submissions(cluster)):
-        order.setdefault(sub["comment"].split("_wildcards_")[0][len("rule_"):], []).append(index)
+        order.setdefault(sub["comment"].split("_wildcards_")[0][len("rule_") :], []).append(index)
     first, last = ({r: min(i) for r, i in order.items()}, {r: max(i) for r, i in order.items()})
-    assert last["prepare_target"] < first["generate"] and last["prepare_prompts"] < first["generate"]
+    assert (
+        last["prepare_target"] < first["generate"] and last["prepare_prompts"] < first["generate"]
+    )
     assert last["generate"] < min(first["extract"], first["vocab_map"])
     assert last["extract"] < first["hidden_manifest"] < first["train"] < first["evaluate"]
     assert first["evaluate"] < first["plots"]
@@ -229,21 +268,29 @@ def test_a_failed_slurm_job_fails_the_run(tmp_path):
     # two independent jobs: one fails, the other still completes (keep-going); the failed
     # one is not submitted again (the profile's retries are for time limits and preemption,
     # tests/test_slurm.py)
-    proc = cluster.run(targets=["prompts/train.jsonl", "target/target.json"],
-                       extra=("--retries", "0"))
+    proc = cluster.run(
+        targets=["prompts/train.jsonl", "target/target.json"], extra=("--retries", "0")
+    )
     assert proc.returncode != 0
-    assert re.search(r"SLURM-job '\d+' failed, SLURM status is: 'FAILED'", proc.stderr), \
+    assert re.search(r"SLURM-job '\d+' failed, SLURM status is: 'FAILED'", proc.stderr), (
         proc.stderr[-4000:]
+    )
     assert not (cluster.results / "prompts" / "train.jsonl").exists()
     assert (cluster.results / "target" / "target.json").exists()
     # the plugin asked sacct why the job failed
-    assert any(c["command"] == "sacct" and "--format=Reason" in c["argv"]
-               for c in fake_slurm.calls(cluster.state))
+    assert any(
+        c["command"] == "sacct" and "--format=Reason" in c["argv"]
+        for c in fake_slurm.calls(cluster.state)
+    )
 
 
 def _render(monkeypatch, **env) -> dict:
-    for key in ("EAGLET_SLURM_PARTITION", "EAGLET_SLURM_GPU_PARTITION", "EAGLET_SLURM_ACCOUNT",
-                "EAGLET_SLURM_GPU_MODEL"):
+    for key in (
+        "EAGLET_SLURM_PARTITION",
+        "EAGLET_SLURM_GPU_PARTITION",
+        "EAGLET_SLURM_ACCOUNT",
+        "EAGLET_SLURM_GPU_MODEL",
+    ):
         monkeypatch.delenv(key, raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
@@ -256,8 +303,9 @@ def test_profile_takes_partition_account_and_gpu_model_from_the_environment(monk
     assert bare["executor"] == "slurm"
     assert "resources" not in bare  # no gpu cap on a cluster: every job has its own GPUs
     assert {"gpu=0", "mem_mb=8000", "runtime=60"} <= set(bare["default-resources"])
-    assert not any(r.startswith(("slurm_partition", "slurm_account"))
-                   for r in bare["default-resources"])
+    assert not any(
+        r.startswith(("slurm_partition", "slurm_account")) for r in bare["default-resources"]
+    )
     assert "set-resources" not in bare
 
     one = _render(monkeypatch, EAGLET_SLURM_PARTITION="all", EAGLET_SLURM_ACCOUNT="12345")
@@ -265,18 +313,30 @@ def test_profile_takes_partition_account_and_gpu_model_from_the_environment(monk
     assert {"slurm_partition='all'", "slurm_account='12345'"} <= set(one["default-resources"])
     assert "set-resources" not in one
 
-    split = _render(monkeypatch, EAGLET_SLURM_PARTITION="cpu", EAGLET_SLURM_GPU_PARTITION="gpu",
-                    EAGLET_SLURM_GPU_MODEL="h100")
+    split = _render(
+        monkeypatch,
+        EAGLET_SLURM_PARTITION="cpu",
+        EAGLET_SLURM_GPU_PARTITION="gpu",
+        EAGLET_SLURM_GPU_MODEL="h100",
+    )
     assert "slurm_partition='cpu'" in split["default-resources"]
     # scaling_train: the scaling stage's subset trainings (scaling.enabled; not in this DAG)
     assert MODEL_RULES == set(GPU_RULES) | {"extract_vllm", "extract_all", "scaling_train"}
     assert set(split["set-resources"]) == {
-        f"{rule}:{key}" for rule in MODEL_RULES
-        for key in ("slurm_partition='gpu'", "gpu_model='h100'")}
+        f"{rule}:{key}"
+        for rule in MODEL_RULES
+        for key in ("slurm_partition='gpu'", "gpu_model='h100'")
+    }
 
 
 def test_lint_is_clean():
     """`snakemake --lint` has no complaint (fails until the rules carry the lint fixes)."""
-    proc = subprocess.run([str(SNAKEMAKE), "--lint"], cwd=REPO, text=True,
-                          capture_output=True, timeout=120, env=_clean_env())
+    proc = subprocess.run(
+        [str(SNAKEMAKE), "--lint"],
+        cwd=REPO,
+        text=True,
+        capture_output=True,
+        timeout=120,
+        env=_clean_env(),
+    )
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]

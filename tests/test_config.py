@@ -10,8 +10,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eaglet.core.config import (ADDED_LATER, ConfigError, cpu_tunings_on_gpus, eval_shard_count,
-                                load, schema, stage_params, validate)
+from eaglet.core.config import (
+    ADDED_LATER,
+    ConfigError,
+    cpu_tunings_on_gpus,
+    eval_shard_count,
+    load,
+    schema,
+    stage_params,
+    validate,
+)
 from tests.helpers.paths import REPO, SNAKEMAKE
 
 
@@ -41,8 +49,10 @@ def lookup(cfg: dict, path: str):
 
 # -- valid configurations --------------------------------------------------------------------
 
-@pytest.mark.parametrize("path", ["config.yaml", "tests/configs/tiny.yaml",
-                                  "configs/cpu-large.yaml"])
+
+@pytest.mark.parametrize(
+    "path", ["config.yaml", "tests/configs/tiny.yaml", "configs/cpu-large.yaml"]
+)
 def test_repo_configs_validate(path):
     cfg = load(str(REPO / path))
 
@@ -84,10 +94,17 @@ def test_given_values_are_kept_and_siblings_defaulted():
 def test_source_defaults_are_filled():
     cfg = validate({"data": {"sources": [{"type": "hf", "name": "org/set", "text_field": "q"}]}})
 
-    assert cfg["data"]["sources"] == [{
-        "type": "hf", "name": "org/set", "text_field": "q",
-        "split": "train", "role_field": "role", "content_field": "content", "max_turns": 1,
-    }]
+    assert cfg["data"]["sources"] == [
+        {
+            "type": "hf",
+            "name": "org/set",
+            "text_field": "q",
+            "split": "train",
+            "role_field": "role",
+            "content_field": "content",
+            "max_turns": 1,
+        }
+    ]
 
 
 def test_validate_does_not_mutate_its_input():
@@ -100,6 +117,7 @@ def test_validate_does_not_mutate_its_input():
 
 
 # -- the schema's defaults are for GPUs; config.yaml holds the CPU demo's settings -----------
+
 
 def with_gpus(config: dict) -> dict:
     config = copy.deepcopy(config)
@@ -121,10 +139,14 @@ def test_every_cpu_tuning_of_config_yaml_is_named_with_its_value_in_a_gpu_run(ca
     demo = yaml.safe_load((REPO / "config.yaml").read_text())
     with caplog.at_level(logging.WARNING, logger="eaglet.core.config"):
         validate(with_gpus(demo))
-    for key, value in [("target.dtype", "'float32'"), ("server.enforce_eager", "True"),
-                       ("server.kv_cache_gib", "2"), ("evaluate.kv_cache_gib", "0.5"),
-                       ("server.env.VLLM_CPU_NUM_OF_RESERVED_CPU", "'0'"),
-                       ("evaluate.interleave", "True")]:
+    for key, value in [
+        ("target.dtype", "'float32'"),
+        ("server.enforce_eager", "True"),
+        ("server.kv_cache_gib", "2"),
+        ("evaluate.kv_cache_gib", "0.5"),
+        ("server.env.VLLM_CPU_NUM_OF_RESERVED_CPU", "'0'"),
+        ("evaluate.interleave", "True"),
+    ]:
         assert f"{key} is {value} in a run on GPUs (server.gpus 1)" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="eaglet.core.config"):
@@ -141,15 +163,34 @@ def test_cpu_tunings_are_warned_about_whichever_stage_holds_gpus():
         assert "set bfloat16" in warning  # the fix; NCCL_DEBUG is no CPU tuning
 
 
-@pytest.mark.parametrize("path, needs", [
-    ("configs/cpu-large.yaml", {"target.dtype": "float32", "server.enforce_eager": True,
-                                "server.kv_cache_gib": 2, "evaluate.kv_cache_gib": 0.5,
-                                "evaluate.interleave": True, "train.layer_init": "target",
-                                "train.loss_on_prompt": True, "extract.max_len": 2048}),
-    ("tests/configs/tiny.yaml", {"target.dtype": "float32", "server.enforce_eager": True,
-                                 "server.kv_cache_gib": 0.5, "train.layer_init": "target",
-                                 "train.loss_on_prompt": True}),
-])
+@pytest.mark.parametrize(
+    "path, needs",
+    [
+        (
+            "configs/cpu-large.yaml",
+            {
+                "target.dtype": "float32",
+                "server.enforce_eager": True,
+                "server.kv_cache_gib": 2,
+                "evaluate.kv_cache_gib": 0.5,
+                "evaluate.interleave": True,
+                "train.layer_init": "target",
+                "train.loss_on_prompt": True,
+                "extract.max_len": 2048,
+            },
+        ),
+        (
+            "tests/configs/tiny.yaml",
+            {
+                "target.dtype": "float32",
+                "server.enforce_eager": True,
+                "server.kv_cache_gib": 0.5,
+                "train.layer_init": "target",
+                "train.loss_on_prompt": True,
+            },
+        ),
+    ],
+)
 def test_configs_given_with_configfile_state_the_cpu_settings_they_need(path, needs):
     """They are validated over the schema's defaults, not merged over config.yaml."""
     cfg = load(str(REPO / path))
@@ -158,6 +199,7 @@ def test_configs_given_with_configfile_state_the_cpu_settings_they_need(path, ne
 
 
 # -- invalid configurations ------------------------------------------------------------------
+
 
 def test_unknown_top_level_key_names_it_and_the_allowed_keys():
     message = config_error({"bogus": 1})
@@ -188,11 +230,14 @@ def test_bad_type_names_the_key_path():
     assert "generate.concurrency: 'many' is not of type integer" in message
 
 
-@pytest.mark.parametrize(("config", "path", "value"), [
-    ({"extract": {"num_shards": 2.0}}, "extract.num_shards", "2.0"),
-    ({"target": {"max_model_len": 2048.0}}, "target.max_model_len", "2048.0"),
-    ({"extract": {"aux_layer_ids": [2, 15.0, 27]}}, "extract.aux_layer_ids.1", "15.0"),
-])
+@pytest.mark.parametrize(
+    ("config", "path", "value"),
+    [
+        ({"extract": {"num_shards": 2.0}}, "extract.num_shards", "2.0"),
+        ({"target": {"max_model_len": 2048.0}}, "target.max_model_len", "2048.0"),
+        ({"extract": {"aux_layer_ids": [2, 15.0, 27]}}, "extract.aux_layer_ids.1", "15.0"),
+    ],
+)
 def test_whole_number_floats_are_not_counts(config, path, value):
     """YAML reads 2.0 as a float: as a count it crashed extract.smk with a TypeError naming
     no key, and reached the server as --max-model-len 2048.0."""
@@ -207,13 +252,16 @@ def test_out_of_range_value_names_the_key_path():
     assert "generate.concurrency" in message and "minimum" in message
 
 
-@pytest.mark.parametrize(("config", "path"), [
-    ({"server": {"port": 70000}}, "server.port"),
-    ({"server": {"memory_utilization": 0}}, "server.memory_utilization"),
-    ({"server": {"kv_cache_gib": 0}}, "server.kv_cache_gib"),
-    ({"data": {"eval_fraction": 1}}, "data.eval_fraction"),
-    ({"data": {"sources": []}}, "data.sources"),
-])
+@pytest.mark.parametrize(
+    ("config", "path"),
+    [
+        ({"server": {"port": 70000}}, "server.port"),
+        ({"server": {"memory_utilization": 0}}, "server.memory_utilization"),
+        ({"server": {"kv_cache_gib": 0}}, "server.kv_cache_gib"),
+        ({"data": {"eval_fraction": 1}}, "data.eval_fraction"),
+        ({"data": {"sources": []}}, "data.sources"),
+    ],
+)
 def test_range_limits_of_other_keys(config, path):
     assert path in config_error(config)
 
@@ -225,7 +273,10 @@ def test_aux_layer_id_0_is_refused_with_the_reason_and_the_fix():
     assert "extract.aux_layer_ids.0: 0 is less than the minimum of 1" in message
     assert "no residual at layer 0" in message and "ids from 1 to L-1" in message
     assert validate({"extract": {"aux_layer_ids": [1, 15, 27]}})["extract"]["aux_layer_ids"] == [
-        1, 15, 27]
+        1,
+        15,
+        27,
+    ]
 
 
 @pytest.mark.parametrize("section", ["generate", "evaluate"])
@@ -233,8 +284,10 @@ def test_max_tokens_past_the_context_is_refused(section):
     """vLLM refuses every request whose max_tokens exceeds max_model_len, after the server
     has started: refused before any stage runs."""
     message = config_error({"target": {"max_model_len": 1024}, section: {"max_tokens": 1025}})
-    assert (f"{section}.max_tokens 1025 exceeds target.max_model_len 1024" in message
-            and f"lower {section}.max_tokens or raise target.max_model_len" in message)
+    assert (
+        f"{section}.max_tokens 1025 exceeds target.max_model_len 1024" in message
+        and f"lower {section}.max_tokens or raise target.max_model_len" in message
+    )
     validate({"target": {"max_model_len": 1024}, section: {"max_tokens": 1024}})
 
 
@@ -258,13 +311,26 @@ def test_every_error_is_reported_at_once():
 
 # -- the Snakefile validates -----------------------------------------------------------------
 
+
 def snakemake_dry_run(tmp_path, config: dict) -> subprocess.CompletedProcess:
     configfile = tmp_path / "config.yaml"
     configfile.write_text(yaml.safe_dump(config))
     return subprocess.run(
-        [str(SNAKEMAKE), "-n", "--cores", "1", "--configfile", str(configfile),
-         "--config", f"results_dir={tmp_path / 'results'}"],
-        cwd=REPO, capture_output=True, text=True, timeout=120)
+        [
+            str(SNAKEMAKE),
+            "-n",
+            "--cores",
+            "1",
+            "--configfile",
+            str(configfile),
+            "--config",
+            f"results_dir={tmp_path / 'results'}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_snakefile_rejects_an_unknown_key(tmp_path):
@@ -293,7 +359,11 @@ def test_snakefile_reads_config_yaml_only_without_a_configfile(tmp_path):
     assert "data/everyday_prompts.jsonl" not in output  # config.yaml's evaluate.prompt_sets
     demo = subprocess.run(
         [str(SNAKEMAKE), "-n", "--cores", "1", "--config", f"results_dir={tmp_path / 'demo'}"],
-        cwd=REPO, capture_output=True, text=True, timeout=120)
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     output = demo.stdout + demo.stderr
     assert demo.returncode == 0, output
     assert "data/everyday_prompts.jsonl" in output
@@ -305,8 +375,9 @@ def test_validated_config_is_plain_whatever_the_file_format():
     from collections import OrderedDict
 
     as_yaml = {"data": {"sources": [{"type": "humaneval", "tasks": ["complete"]}]}}
-    as_json = OrderedDict(data=OrderedDict(sources=[OrderedDict(type="humaneval",
-                                                                tasks=["complete"])]))
+    as_json = OrderedDict(
+        data=OrderedDict(sources=[OrderedDict(type="humaneval", tasks=["complete"])])
+    )
     plain, ordered = validate(as_yaml), validate(as_json)
     assert repr(ordered) == repr(plain)
     assert type(ordered["data"]["sources"][0]) is dict
@@ -314,20 +385,33 @@ def test_validated_config_is_plain_whatever_the_file_format():
 
 # -- results_dir -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("value, problem", [("", "is empty"), ("  ", "is empty"),
-                                            ("/", "is the filesystem root"),
-                                            ("//", "is the filesystem root"),
-                                            ("/tmp/..", "is the filesystem root"),
-                                            (".", "is the working directory itself")])
+
+@pytest.mark.parametrize(
+    "value, problem",
+    [
+        ("", "is empty"),
+        ("  ", "is empty"),
+        ("/", "is the filesystem root"),
+        ("//", "is the filesystem root"),
+        ("/tmp/..", "is the filesystem root"),
+        (".", "is the working directory itself"),
+    ],
+)
 def test_results_dir_that_would_scatter_outputs_is_refused(value, problem):
     message = config_error({"results_dir": value})
     assert "results_dir" in message and problem in message
     assert "such as results" in message  # the fix
 
 
-@pytest.mark.parametrize("value, spelled", [("results/", "results"), ("./results", "results"),
-                                            ("x/../results-2", "results-2"),
-                                            ("/tmp//run1/", "/tmp/run1")])
+@pytest.mark.parametrize(
+    "value, spelled",
+    [
+        ("results/", "results"),
+        ("./results", "results"),
+        ("x/../results-2", "results-2"),
+        ("/tmp//run1/", "/tmp/run1"),
+    ],
+)
 def test_results_dir_is_spelled_as_snakemake_matches_targets(value, spelled):
     assert validate({"results_dir": value})["results_dir"] == spelled
 
@@ -344,9 +428,13 @@ def test_results_dir_outside_the_working_directory_is_named_with_its_targets():
 def dry_run_with_results_dir(tmp_path, value: str, *targets: str) -> subprocess.CompletedProcess:
     configfile = tmp_path / "config.yaml"
     configfile.write_text(yaml.safe_dump({"results_dir": value}))
-    return subprocess.run([str(SNAKEMAKE), *targets, "-n", "--cores", "1", "--configfile",
-                           str(configfile)], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        [str(SNAKEMAKE), *targets, "-n", "--cores", "1", "--configfile", str(configfile)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @pytest.mark.parametrize("value", ["", "/"])
@@ -371,13 +459,18 @@ def test_settings_added_later_leave_the_params_of_earlier_runs_unchanged():
     without them: at the value that reproduces it they are left out (no rerun of hours of
     generation or training), and set to anything else they count."""
     cfg = validate({"train": {"gpus": 2}})
-    before = {k: v for k, v in cfg["train"].items()
-              if k != "gpus" and k not in ADDED_LATER["train"]}
+    before = {
+        k: v for k, v in cfg["train"].items() if k != "gpus" and k not in ADDED_LATER["train"]
+    }
     assert {"loss_on_prompt", "method", "drafter_variant"} <= set(ADDED_LATER["train"])
     assert stage_params(cfg, "train", drop=("gpus",)) == before
     assert "capture_hidden_states" not in stage_params(cfg, "generate")
-    cfg = validate({"train": {"loss_on_prompt": True, "feature_noise": 0.2, "attention": "eager"},
-                    "generate": {"capture_hidden_states": True}})
+    cfg = validate(
+        {
+            "train": {"loss_on_prompt": True, "feature_noise": 0.2, "attention": "eager"},
+            "generate": {"capture_hidden_states": True},
+        }
+    )
     assert stage_params(cfg, "train")["attention"] == "eager"  # the script must get it
     assert stage_params(cfg, "train")["loss_on_prompt"] is True
     assert stage_params(cfg, "train")["feature_noise"] == 0.2
@@ -393,39 +486,68 @@ def test_capture_during_sampled_generation_is_refused_naming_both_fixes():
     assert validate({"generate": {"capture_hidden_states": True}})["generate"]["temperature"] == 0
 
 
-@pytest.mark.parametrize("extract, data, count", [
-    ({}, {}, 1),                                              # 4 x 0.1 / 0.9 = 0.44
-    ({"num_shards": 64}, {"eval_fraction": 0.1}, 7),          # shards of the training ones' size
-    ({"num_shards": 64}, {"eval_fraction": 0.02}, 1),         # configs/kimi-k2.5.yaml: 1.31
-    ({"num_shards": 64}, {"eval_fraction": 0.1, "max_eval_prompts": 3}, 3),
-    ({"num_shards": 64, "num_eval_shards": 2}, {}, 2),        # as set
-])
+@pytest.mark.parametrize(
+    "extract, data, count",
+    [
+        ({}, {}, 1),  # 4 x 0.1 / 0.9 = 0.44
+        ({"num_shards": 64}, {"eval_fraction": 0.1}, 7),  # shards of the training ones' size
+        ({"num_shards": 64}, {"eval_fraction": 0.02}, 1),  # configs/kimi-k2.5.yaml: 1.31
+        ({"num_shards": 64}, {"eval_fraction": 0.1, "max_eval_prompts": 3}, 3),
+        ({"num_shards": 64, "num_eval_shards": 2}, {}, 2),  # as set
+    ],
+)
 def test_the_held_out_split_is_sharded_like_the_training_split(extract, data, count):
     assert eval_shard_count(validate({"extract": extract, "data": data})) == count
 
 
 @pytest.mark.parametrize("backend, rule", [("vllm", "extract_vllm"), ("hf", "extract")])
-def test_the_workflow_extracts_every_held_out_shard_the_config_asks_for(tmp_path, backend,
-                                                                        rule):
+def test_the_workflow_extracts_every_held_out_shard_the_config_asks_for(tmp_path, backend, rule):
     """extract.num_eval_shards 2: both held-out shards extracted (by the one vllm job, or a
     hf job each), and the manifest (and so training) reads both."""
     from tests.workflows.dryrun import parse_dry_run
 
     configfile = tmp_path / "config.yaml"
-    configfile.write_text(yaml.safe_dump({"results_dir": str(tmp_path / "run"), "extract": {
-        "num_eval_shards": 2, "backend": backend}}))
-    run = subprocess.run([str(SNAKEMAKE), str(tmp_path / "run" / "hidden" / "manifest.json"),
-                          "-n", "--cores", "1", "--configfile", str(configfile)],
-                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    configfile.write_text(
+        yaml.safe_dump(
+            {
+                "results_dir": str(tmp_path / "run"),
+                "extract": {"num_eval_shards": 2, "backend": backend},
+            }
+        )
+    )
+    run = subprocess.run(
+        [
+            str(SNAKEMAKE),
+            str(tmp_path / "run" / "hidden" / "manifest.json"),
+            "-n",
+            "--cores",
+            "1",
+            "--configfile",
+            str(configfile),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     jobs = parse_dry_run(run.stdout)
-    held_out = sorted(o for j in jobs if j.rule == rule for o in j.output
-                      if "/eval/" in o and o.endswith(".safetensors"))
-    assert [Path(o).name for o in held_out] == ["shard_00000.safetensors",
-                                                "shard_00001.safetensors"]
+    held_out = sorted(
+        o
+        for j in jobs
+        if j.rule == rule
+        for o in j.output
+        if "/eval/" in o and o.endswith(".safetensors")
+    )
+    assert [Path(o).name for o in held_out] == [
+        "shard_00000.safetensors",
+        "shard_00001.safetensors",
+    ]
     manifest = next(j for j in jobs if j.rule == "hidden_manifest")
     assert {Path(i).name for i in manifest.input if "/eval/shard_" in i} >= {
-        "shard_00000.safetensors", "shard_00001.safetensors"}
+        "shard_00000.safetensors",
+        "shard_00001.safetensors",
+    }
 
 
 def test_every_shipped_config_is_valid():
@@ -434,7 +556,8 @@ def test_every_shipped_config_is_valid():
     from eaglet.core.config import read_config_file, validate
 
     shipped = sorted((REPO / "configs").glob("*.yaml")) + sorted(
-        (REPO / "tests" / "configs").glob("*.yaml"))
+        (REPO / "tests" / "configs").glob("*.yaml")
+    )
     assert len(shipped) >= 8
     for path in shipped:
         validate(read_config_file(path))

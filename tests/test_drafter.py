@@ -31,11 +31,20 @@ H, VOCAB, DRAFT_VOCAB, K = 32, 50, 30, 4
 
 
 def tiny_config(rope=None) -> DrafterConfig:
-    return DrafterConfig(hidden_size=H, intermediate_size=64, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6,
-                         rope_parameters=rope or {"rope_theta": 10000.0, "rope_type": "default"},
-                         max_position_embeddings=128, vocab_size=VOCAB,
-                         draft_vocab_size=DRAFT_VOCAB, target_hidden_size=H, aux_layer_ids=[1, 2, 3])
+    return DrafterConfig(
+        hidden_size=H,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+        rope_parameters=rope or {"rope_theta": 10000.0, "rope_type": "default"},
+        max_position_embeddings=128,
+        vocab_size=VOCAB,
+        draft_vocab_size=DRAFT_VOCAB,
+        target_hidden_size=H,
+        aux_layer_ids=[1, 2, 3],
+    )
 
 
 def vocab_map():
@@ -64,8 +73,14 @@ def sample(length: int, seed: int) -> tuple:
     mask = (torch.arange(length) >= length // 3).to(torch.uint8)
     argmax = torch.cat([ids[1:], torch.randint(0, VOCAB, (1,), generator=gen)])
     argmax[::5] = torch.randint(0, VOCAB, (len(argmax[::5]),), generator=gen)  # not always the data
-    return (f"s{seed}", ids, mask, argmax, torch.randn(length, 3 * H, generator=gen),
-            torch.randn(length, H, generator=gen))
+    return (
+        f"s{seed}",
+        ids,
+        mask,
+        argmax,
+        torch.randn(length, 3 * H, generator=gen),
+        torch.randn(length, H, generator=gen),
+    )
 
 
 def run_batch(model, pieces, rows=None):
@@ -75,12 +90,17 @@ def run_batch(model, pieces, rows=None):
 
 # -- the plain reference ---------------------------------------------------------------------
 
+
 def reference_logits(model: Eagle3Drafter, piece) -> dict[tuple[int, int], torch.Tensor]:
     """{(row t, step k): logits} drafting one query at a time, as vLLM does."""
     _, ids, _, _, aux, _ = piece
     layer, attn, c = model.midlayer, model.midlayer.self_attn, model.config
-    hf = LlamaConfig(hidden_size=H, num_attention_heads=c.num_attention_heads, head_dim=c.head_dim,
-                     rope_parameters=c.rope_parameters)
+    hf = LlamaConfig(
+        hidden_size=H,
+        num_attention_heads=c.num_attention_heads,
+        head_dim=c.head_dim,
+        rope_parameters=c.rope_parameters,
+    )
     rope = LlamaRotaryEmbedding(hf)
     length = len(ids)
 
@@ -98,7 +118,7 @@ def reference_logits(model: Eagle3Drafter, piece) -> dict[tuple[int, int], torch
         heads = []
         for h in range(c.num_attention_heads):
             kv = h // group
-            scores = torch.stack([q[h] @ k[kv] for k in keys]) / c.head_dim ** 0.5
+            scores = torch.stack([q[h] @ k[kv] for k in keys]) / c.head_dim**0.5
             weights = torch.softmax(scores, 0)
             heads.append(sum(w * v[kv] for w, v in zip(weights, values)))
         residual = hidden + attn.o_proj(torch.cat(heads))
@@ -123,14 +143,19 @@ def reference_logits(model: Eagle3Drafter, piece) -> dict[tuple[int, int], torch
 
 # -- tests -----------------------------------------------------------------------------------
 
+
 def test_shapes_and_selected_rows():
     model = tiny_model()
     pieces = [sample(9, 1), sample(6, 2)]
     batch, logits = run_batch(model, pieces)
     assert batch.step_ids.shape == (K, 15) and len(logits) == K
     assert all(z.shape == (15, DRAFT_VOCAB) for z in logits)
-    rows = [torch.tensor([0, 3, 14]), torch.tensor([], dtype=torch.long), torch.tensor([2]),
-            torch.arange(15)]
+    rows = [
+        torch.tensor([0, 3, 14]),
+        torch.tensor([], dtype=torch.long),
+        torch.tensor([2]),
+        torch.arange(15),
+    ]
     _, picked = run_batch(model, pieces, rows)
     for z, full, r in zip(picked, logits, rows):
         assert z.shape == (len(r), DRAFT_VOCAB)
@@ -161,7 +186,7 @@ def test_packed_samples_never_attend_to_each_other():
         _, before = run_batch(model, [a, b, c])
         _, after = run_batch(model, [a, changed, c])
     for k in range(K):
-        torch.testing.assert_close(before[k][:8], after[k][:8], rtol=0, atol=0)   # a, before b
+        torch.testing.assert_close(before[k][:8], after[k][:8], rtol=0, atol=0)  # a, before b
         torch.testing.assert_close(before[k][14:], after[k][14:], rtol=0, atol=0)  # c, after b
         assert not torch.allclose(before[k][8:14], after[k][8:14])
 
@@ -245,10 +270,10 @@ def test_loss_and_metrics_match_a_plain_loop():
     assert batch.counts().tolist() == n_ref.tolist() and n_ref.min() > 0
     torch.testing.assert_close(ce.float(), ce_ref, rtol=1e-4, atol=1e-4)
     assert agree.tolist() == agree_ref.tolist()
-    loss = sum(0.8 ** k * ce_ref[k] / n_ref[k] for k in range(K))
+    loss = sum(0.8**k * ce_ref[k] / n_ref[k] for k in range(K))
     assert got["loss"] == pytest.approx(float(loss), rel=1e-4)
     acc = agree_ref / n_ref
-    assert got["sim_al"] == pytest.approx(1 + sum(float(acc[:k + 1].prod()) for k in range(K)))
+    assert got["sim_al"] == pytest.approx(1 + sum(float(acc[: k + 1].prod()) for k in range(K)))
 
 
 def test_agreement_maps_draft_ids_to_target_ids_with_d2t():
@@ -269,10 +294,16 @@ def test_agreement_maps_draft_ids_to_target_ids_with_d2t():
     aux[:, 0] = 5.0
     target_id = 3 + int(d2t[3])
     assert target_id != 3
-    hits = make_batch([(piece[0], ids, torch.ones_like(mask), torch.full_like(argmax, target_id),
-                        aux, final)], K, model.t2d)
-    misses = make_batch([(piece[0], ids, torch.ones_like(mask), torch.full_like(argmax, 3),
-                          aux, final)], K, torch.ones(VOCAB, dtype=torch.bool))
+    hits = make_batch(
+        [(piece[0], ids, torch.ones_like(mask), torch.full_like(argmax, target_id), aux, final)],
+        K,
+        model.t2d,
+    )
+    misses = make_batch(
+        [(piece[0], ids, torch.ones_like(mask), torch.full_like(argmax, 3), aux, final)],
+        K,
+        torch.ones(VOCAB, dtype=torch.bool),
+    )
     with torch.no_grad():
         _, agree = batch_sums(model, hits, torch.randn(DRAFT_VOCAB, H))
         assert agree.tolist() == hits.counts().tolist()
@@ -289,9 +320,14 @@ def test_export_writes_exactly_the_tensors_and_config_vllm_loads(tmp_path):
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["model_type"] == "llama"
     assert config["num_hidden_layers"] == 1 and config["tie_word_embeddings"] is False
     assert (config["vocab_size"], config["draft_vocab_size"], config["target_hidden_size"]) == (
-        VOCAB, DRAFT_VOCAB, H)
-    assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 2, 3],
-                                      "use_aux_hidden_state": True}
+        VOCAB,
+        DRAFT_VOCAB,
+        H,
+    )
+    assert config["eagle_config"] == {
+        "eagle_aux_hidden_state_layer_ids": [1, 2, 3],
+        "use_aux_hidden_state": True,
+    }
     assert config["rope_parameters"] == {"rope_theta": 10000.0, "rope_type": "default"}
     with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as handle:
         shapes = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
@@ -299,21 +335,32 @@ def test_export_writes_exactly_the_tensors_and_config_vllm_loads(tmp_path):
         assert handle.get_tensor("d2t").dtype == torch.int64
     assert shapes == {
         "fc.weight": (H, 3 * H),
-        "midlayer.input_layernorm.weight": (H,), "midlayer.hidden_norm.weight": (H,),
+        "midlayer.input_layernorm.weight": (H,),
+        "midlayer.hidden_norm.weight": (H,),
         "midlayer.post_attention_layernorm.weight": (H,),
-        "midlayer.self_attn.q_proj.weight": (32, 2 * H), "midlayer.self_attn.k_proj.weight": (16, 2 * H),
-        "midlayer.self_attn.v_proj.weight": (16, 2 * H), "midlayer.self_attn.o_proj.weight": (H, 32),
-        "midlayer.mlp.gate_proj.weight": (64, H), "midlayer.mlp.up_proj.weight": (64, H),
+        "midlayer.self_attn.q_proj.weight": (32, 2 * H),
+        "midlayer.self_attn.k_proj.weight": (16, 2 * H),
+        "midlayer.self_attn.v_proj.weight": (16, 2 * H),
+        "midlayer.self_attn.o_proj.weight": (H, 32),
+        "midlayer.mlp.gate_proj.weight": (64, H),
+        "midlayer.mlp.up_proj.weight": (64, H),
         "midlayer.mlp.down_proj.weight": (H, 64),
-        "norm.weight": (H,), "lm_head.weight": (DRAFT_VOCAB, H), "d2t": (DRAFT_VOCAB,), "t2d": (VOCAB,)}
+        "norm.weight": (H,),
+        "lm_head.weight": (DRAFT_VOCAB, H),
+        "d2t": (DRAFT_VOCAB,),
+        "t2d": (VOCAB,),
+    }
 
 
 def test_exported_drafter_loads_back_with_the_target_embedding(tmp_path):
     from safetensors.torch import save_file
+
     model = tiny_model()
     export_drafter(model, tmp_path / "drafter")
     (tmp_path / "target").mkdir()
-    save_file({"model.embed_tokens.weight": model.embed_tokens}, tmp_path / "target" / "model.safetensors")
+    save_file(
+        {"model.embed_tokens.weight": model.embed_tokens}, tmp_path / "target" / "model.safetensors"
+    )
     (tmp_path / "target" / "config.json").write_text("{}")
     loaded = load_drafter(tmp_path / "drafter", tmp_path / "target")
     pieces = [sample(7, 1), sample(5, 2)]
@@ -330,8 +377,12 @@ def test_full_vocabulary_drafter_is_exported_without_d2t(tmp_path):
     plain = tiny_model()
     config = tiny_config()
     config.draft_vocab_size = VOCAB
-    model = Eagle3Drafter(config, plain.embed_tokens, torch.zeros(VOCAB, dtype=torch.long),
-                          torch.ones(VOCAB, dtype=torch.bool))
+    model = Eagle3Drafter(
+        config,
+        plain.embed_tokens,
+        torch.zeros(VOCAB, dtype=torch.long),
+        torch.ones(VOCAB, dtype=torch.bool),
+    )
     export_drafter(model, tmp_path)
     with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as handle:
         assert "d2t" not in handle.keys() and "lm_head.weight" in handle.keys()
@@ -355,17 +406,30 @@ def llama3_inv_freq(theta, dim, factor, low_freq_factor, high_freq_factor, origi
         elif wavelen > low_freq_wavelen:
             out.append(freq / factor)
         else:
-            smooth = (original_max / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            smooth = (original_max / wavelen - low_freq_factor) / (
+                high_freq_factor - low_freq_factor
+            )
             out.append((1 - smooth) * freq / factor + smooth * freq)
     return torch.tensor(out)
 
 
 def test_scaled_rope_of_the_target_is_used():
     plain = tiny_model()
-    scaled = Eagle3Drafter(tiny_config({"rope_theta": 500000.0, "rope_type": "llama3", "factor": 8.0,
-                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                        "original_max_position_embeddings": 16}),
-                           plain.embed_tokens, plain.d2t, plain.t2d)
+    scaled = Eagle3Drafter(
+        tiny_config(
+            {
+                "rope_theta": 500000.0,
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            }
+        ),
+        plain.embed_tokens,
+        plain.d2t,
+        plain.t2d,
+    )
     # head_dim 8: four frequencies, wavelengths 6.3, 167, 4443 and 118K against the band
     # [16/4, 16/1]: the first is interpolated, the others divided by 8
     expected = llama3_inv_freq(500000.0, 8, 8.0, 1.0, 4.0, 16)
@@ -384,23 +448,30 @@ def test_layer_init_makes_the_drafter_the_targets_last_layer_on_the_deepest_feat
 
     target = make_tiny_llama(tmp_path)
     config = DrafterConfig.from_target(target.config.to_dict(), TARGET_VOCAB, [1, 2, LAYERS - 2])
-    model = Eagle3Drafter(config, target.model.embed_tokens.weight.detach(),
-                          torch.zeros(TARGET_VOCAB, dtype=torch.long),
-                          torch.ones(TARGET_VOCAB, dtype=torch.bool))
+    model = Eagle3Drafter(
+        config,
+        target.model.embed_tokens.weight.detach(),
+        torch.zeros(TARGET_VOCAB, dtype=torch.long),
+        torch.ones(TARGET_VOCAB, dtype=torch.bool),
+    )
     drafter_init.init_lm_head(model, target.lm_head.weight.detach())
     drafter_init.init_from_target_layer(model, load_target_layer(tmp_path, LAYERS - 1))
     with torch.no_grad():
-        for proj in (model.midlayer.self_attn.q_proj, model.midlayer.self_attn.k_proj,
-                     model.midlayer.self_attn.v_proj):
+        for proj in (
+            model.midlayer.self_attn.q_proj,
+            model.midlayer.self_attn.k_proj,
+            model.midlayer.self_attn.v_proj,
+        ):
             proj.weight[:, :HIDDEN] = 0
     aux = torch.randn(1, 3 * HIDDEN)
     [logits] = model(aux, torch.tensor([[5]]), torch.tensor([0]), torch.tensor([0]))
     with torch.no_grad():
-        state = aux[:, -HIDDEN:][None]                                   # [1, 1, H]
+        state = aux[:, -HIDDEN:][None]  # [1, 1, H]
         position = torch.tensor([[0]])
         rope = target.model.rotary_emb(state, position)
-        out = target.model.layers[LAYERS - 1](state, position_embeddings=rope,
-                                              position_ids=position)
+        out = target.model.layers[LAYERS - 1](
+            state, position_embeddings=rope, position_ids=position
+        )
         out = out[0] if isinstance(out, tuple) else out
         expected = target.lm_head(target.model.norm(out))[0]
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
@@ -414,23 +485,36 @@ def test_speculators_export_is_read_by_vllms_speculators_loader(tmp_path):
     plain = export_drafter(model, tmp_path / "drafter")
     before = (tmp_path / "drafter" / "config.json").read_text()
     (tmp_path / "target").mkdir()
-    (tmp_path / "target" / "config.json").write_text(json.dumps(
-        {"architectures": ["LlamaForCausalLM"]}))
-    config = export_speculators(tmp_path / "drafter", tmp_path / "spec", str(tmp_path / "target"), 3)
+    (tmp_path / "target" / "config.json").write_text(
+        json.dumps({"architectures": ["LlamaForCausalLM"]})
+    )
+    config = export_speculators(
+        tmp_path / "drafter", tmp_path / "spec", str(tmp_path / "target"), 3
+    )
     assert json.loads((tmp_path / "spec" / "config.json").read_text()) == config
     assert (tmp_path / "drafter" / "config.json").read_text() == before
-    assert ((tmp_path / "spec" / "model.safetensors").read_bytes()
-            == (tmp_path / "drafter" / "model.safetensors").read_bytes())
+    assert (tmp_path / "spec" / "model.safetensors").read_bytes() == (
+        tmp_path / "drafter" / "model.safetensors"
+    ).read_bytes()
     reader = base.SpeculatorsConfig
     assert reader.extract_vllm_speculative_config(json.loads(json.dumps(config))) == {
-        "method": "eagle3", "num_speculative_tokens": 3}
+        "method": "eagle3",
+        "num_speculative_tokens": 3,
+    }
     layer = reader.extract_transformers_pre_trained_config(json.loads(json.dumps(config)))
     assert layer["architectures"] == ["Eagle3LlamaForCausalLM"]
     assert layer["norm_before_residual"] is False  # vLLM's default there would be True
     assert layer["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
     assert (layer["draft_vocab_size"], layer["target_hidden_size"]) == (DRAFT_VOCAB, H)
-    shape_keys = ("hidden_size", "intermediate_size", "num_attention_heads",
-                  "num_key_value_heads", "head_dim", "vocab_size", "rope_parameters")
+    shape_keys = (
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "vocab_size",
+        "rope_parameters",
+    )
     assert {k: layer[k] for k in shape_keys} == {k: plain[k] for k in shape_keys}
     assert config["speculators_config"]["verifier"]["name_or_path"] == str(tmp_path / "target")
 
@@ -441,13 +525,29 @@ def test_speculators_export_is_read_by_vllms_speculators_loader(tmp_path):
 # exported names must land on exactly these parameters.
 SGLANG_PARAMS = {
     "model.embed_tokens.weight",  # shared from the target when the draft has none
-    "model.fc.weight", "model.norm.weight", "lm_head.weight",
-    *(f"model.midlayer.{name}.weight" for name in (
-        "input_layernorm", "hidden_norm", "post_attention_layernorm", "self_attn.qkv_proj",
-        "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")),
+    "model.fc.weight",
+    "model.norm.weight",
+    "lm_head.weight",
+    *(
+        f"model.midlayer.{name}.weight"
+        for name in (
+            "input_layernorm",
+            "hidden_norm",
+            "post_attention_layernorm",
+            "self_attn.qkv_proj",
+            "self_attn.o_proj",
+            "mlp.gate_up_proj",
+            "mlp.down_proj",
+        )
+    ),
 }
-SGLANG_STACKED = [(".qkv_proj", ".q_proj"), (".qkv_proj", ".k_proj"), (".qkv_proj", ".v_proj"),
-                  (".gate_up_proj", ".gate_proj"), (".gate_up_proj", ".up_proj")]
+SGLANG_STACKED = [
+    (".qkv_proj", ".q_proj"),
+    (".qkv_proj", ".k_proj"),
+    (".qkv_proj", ".v_proj"),
+    (".gate_up_proj", ".gate_proj"),
+    (".gate_up_proj", ".up_proj"),
+]
 
 
 def sglang_param_of(name: str) -> str | None:
@@ -472,16 +572,29 @@ def test_the_export_is_the_set_of_tensors_and_config_keys_sglang_loads(tmp_path)
     # the config keys its LlamaForCausalLMEagle3 and LlamaModel read
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]  # SGLang's EntryClass
     assert config["tie_word_embeddings"] is False  # True would make lm_head the embedding
-    assert (config["draft_vocab_size"], config["target_hidden_size"], config["num_hidden_layers"]
-            ) == (DRAFT_VOCAB, H, 1)  # [Vd, H] lm_head, fc from 3 x target H, no extra layers
-    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-                "head_dim", "rms_norm_eps", "hidden_act", "vocab_size", "rope_theta",
-                "max_position_embeddings"):
+    assert (
+        config["draft_vocab_size"],
+        config["target_hidden_size"],
+        config["num_hidden_layers"],
+    ) == (DRAFT_VOCAB, H, 1)  # [Vd, H] lm_head, fc from 3 x target H, no extra layers
+    for key in (
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "rms_norm_eps",
+        "hidden_act",
+        "vocab_size",
+        "rope_theta",
+        "max_position_embeddings",
+    ):
         assert key in config, key
     assert "bias" not in config  # SGLang builds fc without a bias unless told
 
 
 # -- the attention kernels -------------------------------------------------------------------
+
 
 def attention_reference(q, cache, segments, scale):
     """One query at a time over the explicit list of keys it sees: the step-0 keys of rows
@@ -495,18 +608,26 @@ def attention_reference(q, cache, segments, scale):
             keys = [cache[0][0][h, 0, i] for i in seen] + [k[h, 0, t] for k, _ in cache[1:]]
             values = [cache[0][1][h, 0, i] for i in seen] + [v[h, 0, t] for _, v in cache[1:]]
             keys, values = torch.stack(keys), torch.stack(values)
-            heads.append(torch.stack([torch.softmax(keys @ q[h, j, t] * scale, 0) @ values
-                                      for j in range(g)]))
+            heads.append(
+                torch.stack(
+                    [torch.softmax(keys @ q[h, j, t] * scale, 0) @ values for j in range(g)]
+                )
+            )
         rows.append(torch.stack(heads))
-    return torch.stack(rows, 2)                                       # [Hkv, G, n, D]
+    return torch.stack(rows, 2)  # [Hkv, G, n, D]
 
 
 def attention_inputs(n: int, steps: int, size: float = 1.0, seed: int = 0):
     """q [2, 3, n, 8] (GQA: 3 query heads per KV head) and a cache of 1 + steps entries."""
     gen = torch.Generator().manual_seed(seed)
     q = (torch.randn(2, 3, n, 8, generator=gen) * size).requires_grad_()
-    cache = [(torch.randn(2, 1, n, 8, generator=gen).requires_grad_(),
-              torch.randn(2, 1, n, 8, generator=gen).requires_grad_()) for _ in range(1 + steps)]
+    cache = [
+        (
+            torch.randn(2, 1, n, 8, generator=gen).requires_grad_(),
+            torch.randn(2, 1, n, 8, generator=gen).requires_grad_(),
+        )
+        for _ in range(1 + steps)
+    ]
     return q, cache
 
 
@@ -529,11 +650,14 @@ def test_fused_attention_equals_eager_and_the_one_query_reference(layout, steps)
     [block] = drafter.attention_blocks(segments)
     assert (block.mask is None) == (layout == "one sample")  # plain causal: no mask at all
     q, cache = attention_inputs(len(segments), steps, size=3.0)
-    scale = 8 ** -0.5
+    scale = 8**-0.5
     ref, ref_grads = outputs_and_gradients(
-        lambda q, c: attention_reference(q, c, segments.tolist(), scale), q, cache)
-    for fn in (lambda q, c: attention.ttt_attention(q, c, block.dense_mask(), scale),
-               lambda q, c: attention.sdpa_ttt_attention(q, c, block, scale)):
+        lambda q, c: attention_reference(q, c, segments.tolist(), scale), q, cache
+    )
+    for fn in (
+        lambda q, c: attention.ttt_attention(q, c, block.dense_mask(), scale),
+        lambda q, c: attention.sdpa_ttt_attention(q, c, block, scale),
+    ):
         out, grads = outputs_and_gradients(fn, q, cache)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
         for got, expected in zip(grads, ref_grads):
@@ -546,8 +670,8 @@ def test_fused_attention_stays_exact_with_large_scores():
     [block] = drafter.attention_blocks(segments)
     q, cache = attention_inputs(len(segments), 3, size=60.0, seed=3)
     with torch.no_grad():
-        ref = attention_reference(q, cache, segments.tolist(), 8 ** -0.5)
-        out = attention.sdpa_ttt_attention(q, cache, block, 8 ** -0.5)
+        ref = attention_reference(q, cache, segments.tolist(), 8**-0.5)
+        out = attention.sdpa_ttt_attention(q, cache, block, 8**-0.5)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 
@@ -565,7 +689,7 @@ def test_a_fused_query_sees_no_other_sample_and_no_other_rows_later_steps():
             k[..., 4:7, :] += 1.0
             v[..., 4:7, :] -= 1.0
         changed = attention.sdpa_ttt_attention(q, other, block, 0.3)
-        moved = (changed - base).abs().amax((0, 1, 3)) > 0                 # per row
+        moved = (changed - base).abs().amax((0, 1, 3)) > 0  # per row
         assert moved.tolist() == [False] * 4 + [True] * 3 + [False] * 5
         other = [(k.clone(), v.clone()) for k, v in cache]
         other[2][0][..., 5, :] += 1.0
@@ -579,12 +703,17 @@ def test_the_fused_masks_encode_the_ttt_pattern():
     its sample up to itself; flex attention's mask_mod says the same."""
     segments = torch.tensor([0, 0, 1, 1, 1])
     [block] = drafter.attention_blocks(segments)
-    expected = torch.tensor([[1, 0, 0, 0, 0, 0],
-                             [1, 1, 0, 0, 0, 0],
-                             [1, 1, 1, 0, 0, 0],
-                             [1, 0, 0, 1, 0, 0],
-                             [1, 0, 0, 1, 1, 0],
-                             [1, 0, 0, 1, 1, 1]], dtype=torch.bool)
+    expected = torch.tensor(
+        [
+            [1, 0, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0, 0],
+            [1, 1, 1, 0, 0, 0],
+            [1, 0, 0, 1, 0, 0],
+            [1, 0, 0, 1, 1, 0],
+            [1, 0, 0, 1, 1, 1],
+        ],
+        dtype=torch.bool,
+    )
     assert torch.equal(block.sink_mask(), expected)
     assert torch.equal(block.mask, expected[1:, 1:])
     index = torch.arange(6)
@@ -621,8 +750,10 @@ def test_drafter_gradients_are_the_same_with_every_attention():
         _, logits = run_batch(model, pieces)
         gen = torch.Generator().manual_seed(5)
         sum((z * torch.randn(z.shape, generator=gen)).sum() for z in logits).backward()
-        got[kind] = ([z.detach() for z in logits],
-                     {n: p.grad.clone() for n, p in model.named_parameters()})
+        got[kind] = (
+            [z.detach() for z in logits],
+            {n: p.grad.clone() for n, p in model.named_parameters()},
+        )
     for a, b in zip(got["eager"][0], got["sdpa"][0]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     for name, grad in got["eager"][1].items():
@@ -644,13 +775,20 @@ def test_rope_keyed_by_layer_type_takes_the_full_attention_layers_base():
     """Gemma 3/4 key their RoPE by layer type, and Gemma 4's full-attention layers rotate a
     quarter of each head (``proportional``): the drafter, one full-attention layer, rotates
     its whole head by that base, the form vLLM's Llama layer and the trainer share."""
-    target = {"rope_parameters": {
-        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
-                           "rope_theta": 1000000.0}}}
+    target = {
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {
+                "rope_type": "proportional",
+                "partial_rotary_factor": 0.25,
+                "rope_theta": 1000000.0,
+            },
+        }
+    }
     assert rope_parameters(target) == {"rope_type": "default", "rope_theta": 1000000.0}
-    partial = {"rope_parameters": {"rope_type": "default", "rope_theta": 5e5,
-                                   "partial_rotary_factor": 0.5}}
+    partial = {
+        "rope_parameters": {"rope_type": "default", "rope_theta": 5e5, "partial_rotary_factor": 0.5}
+    }
     assert rope_parameters(partial) == {"rope_type": "default", "rope_theta": 5e5}
     scaled = {"rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 4.0}}
     assert rope_parameters(scaled) == {"rope_type": "linear", "factor": 4.0, "rope_theta": 5e5}

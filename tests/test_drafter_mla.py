@@ -31,26 +31,59 @@ from eaglet.model.export import export_drafter, export_speculators, load_drafter
 from eaglet.model.replay import draft_chain, replay_counts
 from eaglet.stages.train.loop import Dist, Trainer, settings
 from tests.helpers.paths import HELPERS
-from tests.test_train import (AUX_LAYERS, DRAFT_VOCAB, FAST, VOCAB, read_log, run, write_shards,
-                              write_vocab_map)
+from tests.test_train import (
+    AUX_LAYERS,
+    DRAFT_VOCAB,
+    FAST,
+    VOCAB,
+    read_log,
+    run,
+    write_shards,
+    write_vocab_map,
+)
 from tests.tiny_llama import one_thread
 
 HIDDEN = 64
-MLA_DIMS = {"kv_lora_rank": 32, "q_lora_rank": 16, "qk_nope_head_dim": 16,
-            "qk_rope_head_dim": 8, "v_head_dim": 16}
-YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32,
-        "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+MLA_DIMS = {
+    "kv_lora_rank": 32,
+    "q_lora_rank": 16,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+}
+YARN = {
+    "type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
 HELPER = HELPERS / "vllm_mla_drafter.py"
 
 
 def make_mla_target(directory: Path) -> DeepseekV3ForCausalLM:
     torch.manual_seed(0)
     config = DeepseekV3Config(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, moe_intermediate_size=32,
-        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
-        num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
-        first_k_dense_replace=1, max_position_embeddings=256, tie_word_embeddings=False,
-        rope_scaling=YARN, **MLA_DIMS)
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        rope_scaling=YARN,
+        **MLA_DIMS,
+    )
     model = DeepseekV3ForCausalLM(config).eval()
     with torch.no_grad():  # a confident teacher, as in test_train
         model.lm_head.weight.mul_(40)
@@ -70,10 +103,16 @@ class CachedGreedy:
     def __call__(self, ids, output_hidden_states=False):
         if output_hidden_states:
             return self.lm(ids, output_hidden_states=True)
-        extends = (self.ids is not None and ids.shape[1] == self.ids.shape[1] + 1
-                   and torch.equal(ids[:, :-1], self.ids))
-        out = (self.lm(ids[:, -1:], past_key_values=self.cache, use_cache=True) if extends
-               else self.lm(ids, use_cache=True))
+        extends = (
+            self.ids is not None
+            and ids.shape[1] == self.ids.shape[1] + 1
+            and torch.equal(ids[:, :-1], self.ids)
+        )
+        out = (
+            self.lm(ids[:, -1:], past_key_values=self.cache, use_cache=True)
+            if extends
+            else self.lm(ids, use_cache=True)
+        )
         self.ids, self.cache = ids, out.past_key_values
         return out
 
@@ -86,8 +125,13 @@ def mla_world(tmp_path_factory):
         train_paths = write_shards(model, root / "hidden", 2, 8, seed=1)
         eval_paths = write_shards(model, root / "heldout", 1, 4, seed=2, prefix="e")
     vocab = write_vocab_map(train_paths, root / "vocab_map.safetensors")
-    return {"root": root, "target": str(root / "target"), "train": train_paths,
-            "eval": eval_paths, "vocab": vocab}
+    return {
+        "root": root,
+        "target": str(root / "target"),
+        "train": train_paths,
+        "eval": eval_paths,
+        "vocab": vocab,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -127,28 +171,39 @@ def chain_logits(model: Eagle3Drafter, aux, ids, p: int, drafts: list[int]) -> l
     """Draft-vocabulary logits of row ``p`` at each TTT step of the training forward, the
     steps after the first embedding ``drafts`` (target ids) as drafting does."""
     k = len(drafts)
-    steps = torch.stack([ids[1 + j:p + 2 + j] for j in range(k)])
+    steps = torch.stack([ids[1 + j : p + 2 + j] for j in range(k)])
     for j in range(1, k):
         steps[j, p] = drafts[j - 1]
     with torch.no_grad():
-        logits = model(aux[:p + 1], steps, torch.arange(p + 1), torch.zeros(p + 1, dtype=torch.long))
+        logits = model(
+            aux[: p + 1], steps, torch.arange(p + 1), torch.zeros(p + 1, dtype=torch.long)
+        )
     return [z[p] for z in logits]
 
 
 # -- the configuration ------------------------------------------------------------------------
 
+
 def test_the_drafter_takes_the_targets_mla_shapes_and_refuses_what_vllm_cannot_load(mla_world):
     target = target_config(mla_world)
     config = DrafterConfig.from_target({"text_config": target}, DRAFT_VOCAB, AUX_LAYERS, "mla")
     assert config.attention_kind == "mla" and config.q_lora_rank == 16
-    assert (config.kv_lora_rank, config.qk_nope_head_dim, config.qk_rope_head_dim,
-            config.v_head_dim) == (32, 16, 8, 16)
+    assert (
+        config.kv_lora_rank,
+        config.qk_nope_head_dim,
+        config.qk_rope_head_dim,
+        config.v_head_dim,
+    ) == (32, 16, 8, 16)
     assert config.num_key_value_heads == config.num_attention_heads == 4
     assert config.rope_parameters["rope_type"] == "yarn"
     assert DrafterConfig.from_target(target, DRAFT_VOCAB, AUX_LAYERS).attention_kind == "llama"
 
-    llama = {"hidden_size": HIDDEN, "intermediate_size": 128, "num_attention_heads": 4,
-             "vocab_size": VOCAB}
+    llama = {
+        "hidden_size": HIDDEN,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "vocab_size": VOCAB,
+    }
     with pytest.raises(ValueError, match="lacks kv_lora_rank.*set train.drafter_attention: llama"):
         DrafterConfig.from_target(llama, DRAFT_VOCAB, AUX_LAYERS, "mla")
     with pytest.raises(ValueError, match="no q_lora_rank.*fused_qkv_a_proj"):
@@ -167,12 +222,13 @@ def test_mla_rope_and_scale_follow_deepseek_yarn(mla_world):
     assert model.inv_freq[0] == plain[0] and model.inv_freq[-1] == pytest.approx(plain[-1] / 4)
     assert model.rope_scale == 1.0
     mscale = 0.1 * math.log(4.0) + 1
-    assert model.midlayer.self_attn.scale == pytest.approx(24 ** -0.5 * mscale ** 2)
+    assert model.midlayer.self_attn.scale == pytest.approx(24**-0.5 * mscale**2)
     cos, sin = model.rope(torch.tensor([5]))
     assert cos.shape == (1, 8) and torch.equal(cos[0, ::2], cos[0, 1::2])  # GPT-J pairs
 
 
 # -- training ----------------------------------------------------------------------------------
+
 
 def test_an_mla_drafter_trains_and_its_loss_falls(trained):
     out, result = trained
@@ -195,7 +251,7 @@ def test_mla_ttt_attention_kernels_agree_in_values_and_gradients(mla_world, atte
     model = random_drafter(mla_world)
     aux, ids = held_out_sequence(mla_world)
     n = len(ids) - 3
-    steps = torch.stack([ids[1 + j:n + 1 + j] for j in range(3)])
+    steps = torch.stack([ids[1 + j : n + 1 + j] for j in range(3)])
     segments = torch.tensor([0] * (n // 2) + [1] * (n - n // 2))
     positions = torch.cat([torch.arange(n // 2), torch.arange(n - n // 2)])
     results = {}
@@ -204,39 +260,56 @@ def test_mla_ttt_attention_kernels_agree_in_values_and_gradients(mla_world, atte
         model.zero_grad()
         logits = model(aux[:n], steps, positions, segments)
         sum(z.logsumexp(-1).sum() for z in logits).backward()
-        results[kind] = ([z.detach() for z in logits],
-                         {n_: p.grad.clone() for n_, p in model.named_parameters()})
+        results[kind] = (
+            [z.detach() for z in logits],
+            {n_: p.grad.clone() for n_, p in model.named_parameters()},
+        )
     for a, b in zip(results["eager"][0], results[attention][0]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     for name, grad in results["eager"][1].items():
         torch.testing.assert_close(results[attention][1][name], grad, rtol=1e-4, atol=1e-5)
 
 
-def test_layer_init_target_starts_the_mla_attention_from_the_targets_last_layer(mla_world, tmp_path):
+def test_layer_init_target_starts_the_mla_attention_from_the_targets_last_layer(
+    mla_world, tmp_path
+):
     """The target's last layer is MLA + MoE: its attention fits the MLA drafter's and is
     taken (the hidden half of q_a_proj and kv_a_proj_with_mqa, the rest whole); the MoE MLP
     does not, and stays random."""
     cfg = settings({**FAST, "layer_init": "target", "drafter_attention": "mla"})
-    trainer = Trainer.from_files(cfg, mla_world["train"], [], mla_world["vocab"],
-                                 mla_world["target"], str(tmp_path / "ckpt"), torch.device("cpu"),
-                                 Dist())
+    trainer = Trainer.from_files(
+        cfg,
+        mla_world["train"],
+        [],
+        mla_world["vocab"],
+        mla_world["target"],
+        str(tmp_path / "ckpt"),
+        torch.device("cpu"),
+        Dist(),
+    )
     assert trainer.layer_init["from_target"] == ["attention"]
     assert "mlp.experts.N.gate_proj.weight" in trainer.layer_init["random"]["mlp"]
-    last = {n[len("model.layers.3."):]: t
-            for n, t in load_file(str(Path(mla_world["target"]) / "model.safetensors")).items()
-            if n.startswith("model.layers.3.")}
+    last = {
+        n[len("model.layers.3.") :]: t
+        for n, t in load_file(str(Path(mla_world["target"]) / "model.safetensors")).items()
+        if n.startswith("model.layers.3.")
+    }
     attn, exact = trainer.model.midlayer.self_attn, dict(rtol=0, atol=0)
     for name in ("q_a_proj", "kv_a_proj_with_mqa"):
-        torch.testing.assert_close(getattr(attn, name).weight[:, HIDDEN:],
-                                   last[f"self_attn.{name}.weight"], **exact)
+        torch.testing.assert_close(
+            getattr(attn, name).weight[:, HIDDEN:], last[f"self_attn.{name}.weight"], **exact
+        )
     for name in ("q_a_layernorm", "q_b_proj", "kv_a_layernorm", "kv_b_proj", "o_proj"):
-        torch.testing.assert_close(getattr(attn, name).weight, last[f"self_attn.{name}.weight"],
-                                   **exact)
-    torch.testing.assert_close(trainer.model.midlayer.hidden_norm.weight,
-                               last["input_layernorm.weight"], **exact)
+        torch.testing.assert_close(
+            getattr(attn, name).weight, last[f"self_attn.{name}.weight"], **exact
+        )
+    torch.testing.assert_close(
+        trainer.model.midlayer.hidden_norm.weight, last["input_layernorm.weight"], **exact
+    )
 
 
 # -- the export --------------------------------------------------------------------------------
+
 
 def test_the_export_is_what_deepseek_eagle3_reads(mla_world, tmp_path):
     """Field by field what deepseek_eagle3.py's __init__ reads from the config (as
@@ -250,15 +323,34 @@ def test_the_export_is_what_deepseek_eagle3_reads(mla_world, tmp_path):
     assert config["model_type"] == "deepseek_v2"  # deepseek_v3 would become vLLM's MTP model
     read = AutoConfig.for_model(**json.loads((tmp_path / "drafter" / "config.json").read_text()))
     assert type(read).__name__ == "DeepseekV2Config"
-    for name in ("hidden_size", "intermediate_size", "num_attention_heads", "rms_norm_eps",
-                 "max_position_embeddings", "vocab_size", *MLA_DIMS):
+    for name in (
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "rms_norm_eps",
+        "max_position_embeddings",
+        "vocab_size",
+        *MLA_DIMS,
+    ):
         assert getattr(read, name) == target[name], name
     assert read.num_hidden_layers == 1 and read.hidden_act == "silu"
     assert read.rope_parameters["rope_type"] == "yarn"
-    assert {k: read.rope_parameters[k] for k in ("factor", "original_max_position_embeddings",
-                                                  "mscale", "mscale_all_dim", "rope_theta")} == {
-        "factor": 4.0, "original_max_position_embeddings": 64, "mscale": 1.0,
-        "mscale_all_dim": 1.0, "rope_theta": 10000.0}
+    assert {
+        k: read.rope_parameters[k]
+        for k in (
+            "factor",
+            "original_max_position_embeddings",
+            "mscale",
+            "mscale_all_dim",
+            "rope_theta",
+        )
+    } == {
+        "factor": 4.0,
+        "original_max_position_embeddings": 64,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "rope_theta": 10000.0,
+    }
     assert (read.draft_vocab_size, read.target_hidden_size) == (DRAFT_VOCAB, HIDDEN)
     assert read.eagle_config["eagle_aux_hidden_state_layer_ids"] == AUX_LAYERS
     assert read.norm_before_residual is False and not hasattr(read, "index_topk")
@@ -292,8 +384,10 @@ def stacked(exported: dict[str, torch.Tensor], expected: dict) -> dict[str, torc
         base, _, shard = destination.partition("[")
         param = f"{base}.weight" if shard else base
         parts.setdefault(param, []).append((shard, name))
-    return {param: torch.cat([exported[name] for _, name in sorted(names)])
-            for param, names in parts.items()}
+    return {
+        param: torch.cat([exported[name] for _, name in sorted(names)])
+        for param, names in parts.items()
+    }
 
 
 def test_vllm_loads_the_export_and_its_forward_equals_eaglets(mla_world, tmp_path):
@@ -308,22 +402,34 @@ def test_vllm_loads_the_export_and_its_forward_equals_eaglets(mla_world, tmp_pat
     export_drafter(model, tmp_path / "drafter")
     aux, ids = held_out_sequence(mla_world)
     p, k = len(ids) - 6, 3
-    save_file({"aux": aux, "ids": ids, "p": torch.tensor(p), "k": torch.tensor(k)},
-              str(tmp_path / "inputs.safetensors"))
+    save_file(
+        {"aux": aux, "ids": ids, "p": torch.tensor(p), "k": torch.tensor(k)},
+        str(tmp_path / "inputs.safetensors"),
+    )
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"}
-    done = subprocess.run([sys.executable, str(HELPER), mla_world["target"],
-                           str(tmp_path / "drafter"), str(tmp_path / "inputs.safetensors"),
-                           str(tmp_path / "vllm.safetensors")],
-                          capture_output=True, text=True, timeout=900, env=env)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(HELPER),
+            mla_world["target"],
+            str(tmp_path / "drafter"),
+            str(tmp_path / "inputs.safetensors"),
+            str(tmp_path / "vllm.safetensors"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     out = load_file(str(tmp_path / "vllm.safetensors"))
 
     exported = load_file(str(tmp_path / "drafter" / "model.safetensors"))
-    loaded = {n[len("loaded."):]: t for n, t in out.items() if n.startswith("loaded.")}
+    loaded = {n[len("loaded.") :]: t for n, t in out.items() if n.startswith("loaded.")}
     wanted = stacked(exported, vllm_tensors(model.config))
     assert set(loaded) - set(wanted) == {"model.embed_tokens.weight"}  # shared from the target
     for param, want in wanted.items():  # lm_head's rows are padded to a multiple of 64
-        torch.testing.assert_close(loaded[param][:len(want)], want, rtol=0, atol=0, msg=param)
+        torch.testing.assert_close(loaded[param][: len(want)], want, rtol=0, atol=0, msg=param)
     assert float(out["config.scale"]) == pytest.approx(model.midlayer.self_attn.scale, rel=1e-12)
 
     drafts = [int(out[f"logits.{j}"].argmax()) for j in range(k)]
@@ -337,6 +443,7 @@ def test_vllm_loads_the_export_and_its_forward_equals_eaglets(mla_world, tmp_pat
 
 
 # -- the offline replay ------------------------------------------------------------------------
+
 
 def test_the_offline_chain_drafts_what_the_training_forward_predicts(mla_world):
     """draft_chain (offline_eval) runs the MLA drafter and its k drafts are the argmaxes of
@@ -360,8 +467,9 @@ def test_the_trained_mla_drafter_replays_offline(mla_world, trained):
         rows = shard.sample(s)
         ids, mask = shard.input_ids[rows], shard.loss_mask[rows]
         prompt = int((mask == 0).sum())
-        counts = replay_counts(model, shard.aux_hidden[rows], ids[:prompt].tolist(),
-                               ids[prompt:].tolist(), 3)
+        counts = replay_counts(
+            model, shard.aux_hidden[rows], ids[:prompt].tolist(), ids[prompt:].tolist(), 3
+        )
         accepted, drafts = accepted + counts["accepted"], drafts + counts["drafts"]
         assert counts["draft_tokens"] == 3 * counts["drafts"]
     assert drafts > 0 and accepted > 0, (accepted, drafts)

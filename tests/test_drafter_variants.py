@@ -38,7 +38,6 @@ from eaglet.stages.train.loop import settings
 from tests.helpers.paths import HELPERS
 from tests.test_drafter import DRAFT_VOCAB, VOCAB, H, K, run_batch, sample, tiny_config, vocab_map
 
-
 # every flag at least once, alone and with the others it is combined with
 FLAG_SETS = {
     "eagle3.1": EAGLE31.flags,
@@ -49,11 +48,30 @@ FLAG_SETS = {
     "all but fc_norm": {"norm_before_fc": True, "norm_output": True, "norm_before_residual": True},
 }
 # the config.json keys of an EAGLE-3 export before the variants existed
-EAGLE3_KEYS = {"architectures", "model_type", "num_key_value_heads", "head_dim", "mlp_bias",
-               "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
-               "hidden_act", "rms_norm_eps", "rope_parameters", "rope_theta",
-               "max_position_embeddings", "vocab_size", "draft_vocab_size", "target_hidden_size",
-               "tie_word_embeddings", "attention_bias", "eagle_config", "dtype", "torch_dtype"}
+EAGLE3_KEYS = {
+    "architectures",
+    "model_type",
+    "num_key_value_heads",
+    "head_dim",
+    "mlp_bias",
+    "num_hidden_layers",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "hidden_act",
+    "rms_norm_eps",
+    "rope_parameters",
+    "rope_theta",
+    "max_position_embeddings",
+    "vocab_size",
+    "draft_vocab_size",
+    "target_hidden_size",
+    "tie_word_embeddings",
+    "attention_bias",
+    "eagle_config",
+    "dtype",
+    "torch_dtype",
+}
 
 
 def flagged_model(flags: dict, seed: int = 0) -> Eagle3Drafter:
@@ -79,23 +97,30 @@ def rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
-def reference_logits(model: Eagle3Drafter, piece, flags: dict
-                     ) -> dict[tuple[int, int], torch.Tensor]:
+def reference_logits(
+    model: Eagle3Drafter, piece, flags: dict
+) -> dict[tuple[int, int], torch.Tensor]:
     """{(row t, step k): logits} drafting one query at a time with ``flags`` (NORM_FLAGS)."""
     _, ids, _, _, aux, _ = piece
     on = {name: flags.get(name, False) for name in NORM_FLAGS}
     layer, attn, c = model.midlayer, model.midlayer.self_attn, model.config
     eps = c.rms_norm_eps
-    rope = LlamaRotaryEmbedding(LlamaConfig(
-        hidden_size=H, num_attention_heads=c.num_attention_heads, head_dim=c.head_dim,
-        rope_parameters=c.rope_parameters))
+    rope = LlamaRotaryEmbedding(
+        LlamaConfig(
+            hidden_size=H,
+            num_attention_heads=c.num_attention_heads,
+            head_dim=c.head_dim,
+            rope_parameters=c.rope_parameters,
+        )
+    )
 
     def combine(a):
         if on["norm_before_fc"]:
             a = rms(a, model.input_norm.weight, eps)
         if on["fc_norm"]:
-            a = torch.cat([rms(a[i * H:(i + 1) * H], model.fc_norm[i].weight, eps)
-                           for i in range(3)])
+            a = torch.cat(
+                [rms(a[i * H : (i + 1) * H], model.fc_norm[i].weight, eps) for i in range(3)]
+            )
         return model.fc(a)
 
     def project(token, hidden, position):
@@ -112,7 +137,7 @@ def reference_logits(model: Eagle3Drafter, piece, flags: dict
         group = c.num_attention_heads // c.num_key_value_heads
         heads = []
         for h in range(c.num_attention_heads):
-            scores = torch.stack([q[h] @ k[h // group] for k in keys]) / c.head_dim ** 0.5
+            scores = torch.stack([q[h] @ k[h // group] for k in keys]) / c.head_dim**0.5
             heads.append(sum(w * v[h // group] for w, v in zip(torch.softmax(scores, 0), values)))
         residual = normed if on["norm_before_residual"] else hidden
         residual = residual + attn.o_proj(torch.cat(heads))
@@ -147,15 +172,25 @@ def target_dir(tmp_path: Path, model: Eagle3Drafter) -> Path:
 
 # -- the setting ------------------------------------------------------------------------------
 
+
 def test_the_variant_sets_its_flags_and_unknown_or_unservable_ones_are_refused():
-    target = {"hidden_size": H, "intermediate_size": 64, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "vocab_size": VOCAB}
+    target = {
+        "hidden_size": H,
+        "intermediate_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": VOCAB,
+    }
     plain = DrafterConfig.from_target(target, DRAFT_VOCAB, [1, 2, 3])
     assert plain.norm_flags == dict.fromkeys(NORM_FLAGS, False)
     assert plain == DrafterConfig.from_target(target, DRAFT_VOCAB, [1, 2, 3], variant="eagle3")
     v31 = DrafterConfig.from_target(target, DRAFT_VOCAB, [1, 2, 3], variant="eagle3.1")
-    assert v31.norm_flags == {"norm_before_residual": False, "norm_before_fc": False,
-                              "fc_norm": True, "norm_output": True}
+    assert v31.norm_flags == {
+        "norm_before_residual": False,
+        "norm_before_fc": False,
+        "fc_norm": True,
+        "norm_output": True,
+    }
     assert replace(v31, **dict.fromkeys(NORM_FLAGS, False)) == plain  # nothing else changes
     with pytest.raises(ValueError, match="drafter_variant 'eagle4' is none of eagle3, eagle3.1"):
         DrafterConfig.from_target(target, DRAFT_VOCAB, [1, 2, 3], variant="eagle4")
@@ -176,14 +211,22 @@ def test_a_checkpoint_of_the_other_variant_is_not_resumed(tmp_path):
     model = flagged_model({})
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1)
-    ckpt.save(tmp_path, 5, model, optimizer, schedule,
-              {"fingerprint": was, "step": 5, "total_steps": 50}, 2)
+    ckpt.save(
+        tmp_path,
+        5,
+        model,
+        optimizer,
+        schedule,
+        {"fingerprint": was, "step": 5, "total_steps": 50},
+        2,
+    )
     with pytest.raises(TrainError, match="drafter_variant differ"):
         ckpt.to_resume(tmp_path, now, True, 0)
     assert ckpt.to_resume(tmp_path, was, True, 0) is not None
 
 
 # -- the model --------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", sorted(FLAG_SETS))
 def test_each_flag_is_applied_where_vllms_forward_applies_it(name):
@@ -206,15 +249,18 @@ def test_each_flag_is_applied_where_vllms_forward_applies_it(name):
     _, ids, _, _, aux, _ = pieces[0]
     p, k = len(ids) - 5, 3
     drafts = draft_chain(model, aux, ids, p, k)
-    steps = torch.stack([ids[1 + j:p + 2 + j] for j in range(k)])
+    steps = torch.stack([ids[1 + j : p + 2 + j] for j in range(k)])
     for j in range(1, k):
         steps[j, p] = drafts[j - 1]
     with torch.no_grad():
-        chain = model(aux[:p + 1], steps, torch.arange(p + 1), torch.zeros(p + 1, dtype=torch.long))
+        chain = model(
+            aux[: p + 1], steps, torch.arange(p + 1), torch.zeros(p + 1, dtype=torch.long)
+        )
     assert drafts == [int(model.to_target_ids(z[p].argmax())) for z in chain]
 
 
 # -- the export -------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", sorted(FLAG_SETS))
 def test_the_export_writes_the_flags_and_norms_vllm_reads_and_loads_back_the_same(tmp_path, name):
@@ -222,16 +268,19 @@ def test_the_export_writes_the_flags_and_norms_vllm_reads_and_loads_back_the_sam
     model = flagged_model(flags, seed=3)
     config = export_drafter(model, tmp_path / "drafter")
     assert {flag: config[flag] for flag in NORM_FLAGS} == {
-        flag: flags.get(flag, False) for flag in NORM_FLAGS}
+        flag: flags.get(flag, False) for flag in NORM_FLAGS
+    }
     assert set(config) == EAGLE3_KEYS | set(NORM_FLAGS)
     expected = vllm_tensors(model.config)
     with safe_open(str(tmp_path / "drafter" / "model.safetensors"), framework="pt") as handle:
         shapes = {n: tuple(handle.get_slice(n).get_shape()) for n in handle.keys()}
     assert shapes == {n: shape for n, (shape, _) in expected.items()}
     new = {n: expected[n][1] for n in shapes if n.startswith(("fc_norm.", "input_norm."))}
-    assert new == ({f"fc_norm.{i}.weight": f"model.fc_norm.{i}.weight" for i in range(3)}
-                   if flags.get("fc_norm") else {}) | (
-        {"input_norm.weight": "model.input_norm.weight"} if flags.get("norm_before_fc") else {})
+    assert new == (
+        {f"fc_norm.{i}.weight": f"model.fc_norm.{i}.weight" for i in range(3)}
+        if flags.get("fc_norm")
+        else {}
+    ) | ({"input_norm.weight": "model.input_norm.weight"} if flags.get("norm_before_fc") else {})
 
     loaded = load_drafter(tmp_path / "drafter", target_dir(tmp_path, model))
     assert loaded.config == model.config
@@ -271,8 +320,11 @@ def test_vllms_config_readers_get_the_flags_as_set(tmp_path):
         out = tmp_path / name.replace(" ", "_")
         model = flagged_model(flags)
         export_drafter(model, out / "drafter")
-        read = EAGLEConfig(get_config(str(out / "drafter"), trust_remote_code=False),
-                           method="eagle3", model_type="eagle")
+        read = EAGLEConfig(
+            get_config(str(out / "drafter"), trust_remote_code=False),
+            method="eagle3",
+            model_type="eagle",
+        )
         assert read.architectures == ["LlamaForCausalLMEagle3"]
         want = {flag: flags.get(flag, False) for flag in NORM_FLAGS}
         assert {flag: getattr(read, flag, False) for flag in NORM_FLAGS} == want, name
@@ -280,22 +332,37 @@ def test_vllms_config_readers_get_the_flags_as_set(tmp_path):
         spec = export_speculators(out / "drafter", out / "spec", str(target_dir(out, model)), 3)
         assert not set(NORM_FLAGS) & set(spec["transformer_layer_config"])
         layer = SpeculatorsConfig.extract_transformers_pre_trained_config(
-            json.loads(json.dumps(spec)))
+            json.loads(json.dumps(spec))
+        )
         assert {flag: layer[flag] for flag in NORM_FLAGS} == want, name
 
 
 # -- vLLM's own forward -----------------------------------------------------------------------
 
-def vllm_forward(helper: Path, target: str, drafter: Path, aux, ids, p: int, k: int,
-                 tmp_path: Path) -> dict[str, torch.Tensor]:
+
+def vllm_forward(
+    helper: Path, target: str, drafter: Path, aux, ids, p: int, k: int, tmp_path: Path
+) -> dict[str, torch.Tensor]:
     """What ``helper`` (tests/helpers) computes with vLLM's drafter model on the export."""
-    save_file({"aux": aux, "ids": ids, "p": torch.tensor(p), "k": torch.tensor(k)},
-              str(tmp_path / "inputs.safetensors"))
+    save_file(
+        {"aux": aux, "ids": ids, "p": torch.tensor(p), "k": torch.tensor(k)},
+        str(tmp_path / "inputs.safetensors"),
+    )
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"}
-    done = subprocess.run([sys.executable, str(helper), target, str(drafter),
-                           str(tmp_path / "inputs.safetensors"),
-                           str(tmp_path / "vllm.safetensors")],
-                          capture_output=True, text=True, timeout=900, env=env)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(helper),
+            target,
+            str(drafter),
+            str(tmp_path / "inputs.safetensors"),
+            str(tmp_path / "vllm.safetensors"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return load_file(str(tmp_path / "vllm.safetensors"))
 
@@ -313,24 +380,26 @@ def stacked(exported: dict[str, torch.Tensor], expected: dict) -> dict[str, torc
         base, _, shard = destination.partition("[")
         param = f"{base}.weight" if shard else base
         parts.setdefault(param, []).append((SHARD_ORDER.get(shard.rstrip("]"), 0), name))
-    return {param: torch.cat([exported[name] for _, name in sorted(names)])
-            for param, names in parts.items()}
+    return {
+        param: torch.cat([exported[name] for _, name in sorted(names)])
+        for param, names in parts.items()
+    }
 
 
 def check_vllm_equals_eaglet(out: dict, model: Eagle3Drafter, exported: dict, aux, ids, p, k):
     """Every exported tensor sits where ``vllm_tensors`` says vLLM puts it, and vLLM's chain
     of k draft logits equals eaglet's training forward and offline chain."""
-    loaded = {n[len("loaded."):]: t for n, t in out.items() if n.startswith("loaded.")}
+    loaded = {n[len("loaded.") :]: t for n, t in out.items() if n.startswith("loaded.")}
     wanted = stacked(exported, vllm_tensors(model.config))
     assert set(loaded) - set(wanted) == {"model.embed_tokens.weight"}  # shared from the target
     for param, want in wanted.items():  # lm_head's rows are padded to a multiple of 64
-        torch.testing.assert_close(loaded[param][:len(want)], want, rtol=0, atol=0, msg=param)
+        torch.testing.assert_close(loaded[param][: len(want)], want, rtol=0, atol=0, msg=param)
     drafts = [int(out[f"logits.{j}"].argmax()) for j in range(k)]
-    steps = torch.stack([ids[1 + j:p + 2 + j] for j in range(k)])
+    steps = torch.stack([ids[1 + j : p + 2 + j] for j in range(k)])
     for j in range(1, k):
         steps[j, p] = drafts[j - 1]
     with torch.no_grad():
-        ours = model(aux[:p + 1], steps, torch.arange(p + 1), torch.zeros(p + 1, dtype=torch.long))
+        ours = model(aux[: p + 1], steps, torch.arange(p + 1), torch.zeros(p + 1, dtype=torch.long))
     draft_ids = torch.arange(model.config.draft_vocab_size) + model.d2t
     for j in range(k):
         theirs = out[f"logits.{j}"]
@@ -359,8 +428,12 @@ def test_vllms_llama_drafter_loads_the_export_and_drafts_what_eaglet_drafts(tmp_
     t2d = torch.zeros(TARGET_VOCAB, dtype=torch.bool)
     t2d[keep] = True
     torch.manual_seed(6)
-    model = Eagle3Drafter(replace(config, **flags), target.model.embed_tokens.weight.detach(),
-                          keep - torch.arange(40), t2d)
+    model = Eagle3Drafter(
+        replace(config, **flags),
+        target.model.embed_tokens.weight.detach(),
+        keep - torch.arange(40),
+        t2d,
+    )
     with torch.no_grad():
         for param in model.parameters():
             if param.ndim == 1:
@@ -371,12 +444,22 @@ def test_vllms_llama_drafter_loads_the_export_and_drafts_what_eaglet_drafts(tmp_
     export_drafter(model, tmp_path / "drafter")
     length, p, k = 14, 9, 3
     aux = torch.randn(length, 3 * HIDDEN, generator=gen) * torch.tensor(
-        [1.0, 4.0, 16.0]).repeat_interleave(HIDDEN)
+        [1.0, 4.0, 16.0]
+    ).repeat_interleave(HIDDEN)
     ids = torch.randint(0, TARGET_VOCAB, (length + 1,), generator=gen)
-    out = vllm_forward(HELPERS / "vllm_llama_drafter.py", str(tmp_path / "target"),
-                       tmp_path / "drafter", aux, ids, p, k, tmp_path)
+    out = vllm_forward(
+        HELPERS / "vllm_llama_drafter.py",
+        str(tmp_path / "target"),
+        tmp_path / "drafter",
+        aux,
+        ids,
+        p,
+        k,
+        tmp_path,
+    )
     assert {f: bool(out[f"flags.{f}"]) for f in NORM_FLAGS} == {
-        f: flags.get(f, False) for f in NORM_FLAGS}
+        f: flags.get(f, False) for f in NORM_FLAGS
+    }
     exported = load_file(str(tmp_path / "drafter" / "model.safetensors"))
     check_vllm_equals_eaglet(out, model, exported, aux, ids, p, k)
 
@@ -391,15 +474,17 @@ def test_vllms_mla_drafter_applies_the_eagle31_flags_as_eaglet_does(tmp_path):
     from tests.test_train import VOCAB as MLA_VOCAB
 
     target = make_mla_target(tmp_path / "target")
-    config = DrafterConfig.from_target(target.config.to_dict(), MLA_DRAFT_VOCAB, AUX_LAYERS,
-                                       "mla", "eagle3.1")
+    config = DrafterConfig.from_target(
+        target.config.to_dict(), MLA_DRAFT_VOCAB, AUX_LAYERS, "mla", "eagle3.1"
+    )
     gen = torch.Generator().manual_seed(5)
     keep = torch.sort(torch.randperm(MLA_VOCAB, generator=gen)[:MLA_DRAFT_VOCAB]).values
     t2d = torch.zeros(MLA_VOCAB, dtype=torch.bool)
     t2d[keep] = True
     torch.manual_seed(6)
-    model = Eagle3Drafter(config, target.model.embed_tokens.weight.detach(),
-                          keep - torch.arange(MLA_DRAFT_VOCAB), t2d)
+    model = Eagle3Drafter(
+        config, target.model.embed_tokens.weight.detach(), keep - torch.arange(MLA_DRAFT_VOCAB), t2d
+    )
     with torch.no_grad():
         for param in model.parameters():
             if param.ndim == 1:
@@ -407,12 +492,24 @@ def test_vllms_mla_drafter_applies_the_eagle31_flags_as_eaglet_does(tmp_path):
     model.eval()
     written = export_drafter(model, tmp_path / "drafter")
     assert (written["fc_norm"], written["norm_output"], written["norm_before_fc"]) == (
-        True, True, False)
+        True,
+        True,
+        False,
+    )
     length, p, k = 14, 9, 3
     aux = torch.randn(length, 3 * HIDDEN, generator=gen) * torch.tensor(
-        [1.0, 4.0, 16.0]).repeat_interleave(HIDDEN)
+        [1.0, 4.0, 16.0]
+    ).repeat_interleave(HIDDEN)
     ids = torch.randint(0, MLA_VOCAB, (length + 1,), generator=gen)
-    out = vllm_forward(HELPERS / "vllm_mla_drafter.py", str(tmp_path / "target"),
-                       tmp_path / "drafter", aux, ids, p, k, tmp_path)
+    out = vllm_forward(
+        HELPERS / "vllm_mla_drafter.py",
+        str(tmp_path / "target"),
+        tmp_path / "drafter",
+        aux,
+        ids,
+        p,
+        k,
+        tmp_path,
+    )
     exported = load_file(str(tmp_path / "drafter" / "model.safetensors"))
     check_vllm_equals_eaglet(out, model, exported, aux, ids, p, k)

@@ -20,12 +20,20 @@ from tests.helpers.paths import REPO, SNAKEMAKE, STANDINS, TEST_CONFIGS
 
 KIMI = json.loads((STANDINS / "kimi-k2.5" / "config.json").read_text())
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64}
-MLA_DRAFTER = {"architectures": ["Eagle3DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
-               "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64}
+MLA_DRAFTER = {
+    "architectures": ["Eagle3DeepseekV2ForCausalLM"],
+    "model_type": "deepseek_v2",
+    "kv_lora_rank": 512,
+    "q_lora_rank": 1536,
+    "qk_rope_head_dim": 64,
+}
 LLAMA_DRAFTER = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama"}
 # flags of three x86 CPUs: AMX (Sapphire Rapids and later), AVX-512 without AMX, AVX2 only
-CPUS = {"amx": {"avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"},
-        "avx512": {"avx2", "avx512f"}, "avx2": {"avx2", "fma"}}
+CPUS = {
+    "amx": {"avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"},
+    "avx512": {"avx2", "avx512f"},
+    "avx2": {"avx2", "fma"},
+}
 
 
 def model_dir(tmp_path: Path, name: str, config: dict) -> str:
@@ -46,7 +54,8 @@ def speculative(args: list[str]) -> dict:
 
 @pytest.mark.parametrize("cpu", sorted(CPUS))
 def test_an_mla_target_on_the_cpu_engine_gets_the_backend_that_takes_float32_on_any_cpu(
-        tmp_path, monkeypatch, cpu):
+    tmp_path, monkeypatch, cpu
+):
     """vLLM's CPU platform serves MLA with its AMX backend where the CPU has AMX tiles, and
     that backend refuses float32 weights: every server of an MLA model in float32 asks for
     CPU_MLA, whatever CPU it lands on (the flags are the test's, not this machine's)."""
@@ -57,15 +66,17 @@ def test_an_mla_target_on_the_cpu_engine_gets_the_backend_that_takes_float32_on_
     # bfloat16 weights: the AMX backend takes them, vLLM's own choice stands
     assert "--attention-backend" not in cpu_server(tmp_path, kimi, "bfloat16").args
     # a model without MLA (the demo's Llama) is served as before
-    assert "--attention-backend" not in cpu_server(
-        tmp_path, model_dir(tmp_path, "llama", LLAMA)).args
+    assert (
+        "--attention-backend" not in cpu_server(tmp_path, model_dir(tmp_path, "llama", LLAMA)).args
+    )
     # GPUs choose their own backends
     gpu = validate({"server": {"gpus": 1}, "target": {"dtype": "float32"}})
     assert "--attention-backend" not in target_server(gpu, kimi, tmp_path / "g.log").args
 
 
 def test_every_model_a_cpu_server_runs_gets_its_backend_the_drafter_through_its_own_setting(
-        tmp_path, monkeypatch):
+    tmp_path, monkeypatch
+):
     """vLLM never gives a draft model the target's backend (it chooses again, and would pick
     AMX MLA): an MLA drafter's backend goes in the speculative config; the capture and MTP
     run the target's own layers; n-gram runs none."""
@@ -74,8 +85,9 @@ def test_every_model_a_cpu_server_runs_gets_its_backend_the_drafter_through_its_
     llama = model_dir(tmp_path, "llama", LLAMA)
 
     def spec_of(model: str, spec: dict) -> dict:
-        return speculative(cpu_server(tmp_path, model,
-                                      extra=["--speculative-config", json.dumps(spec)]).args)
+        return speculative(
+            cpu_server(tmp_path, model, extra=["--speculative-config", json.dumps(spec)]).args
+        )
 
     mla = model_dir(tmp_path, "mla-drafter", MLA_DRAFTER)
     assert spec_of(kimi, {"method": "eagle3", "model": mla})["attention_backend"] == "CPU_MLA"
@@ -99,7 +111,8 @@ def test_mla_is_what_vllm_says_it_is():
 
 
 def test_a_cpu_without_the_instructions_the_engine_needs_is_named_before_a_server_starts(
-        tmp_path, monkeypatch):
+    tmp_path, monkeypatch
+):
     monkeypatch.setattr(support, "cpu_flags", lambda *a: {"sse4_2", "avx"})
     with pytest.raises(ServerError, match="lacks AVX2"):
         cpu_server(tmp_path, str(tmp_path / "no-model"))
@@ -118,8 +131,14 @@ def test_vllm_is_asked_which_targets_classes_serve_a_drafter():
     assert glm["supports_eagle3"] is False and glm["mtp_layers"] == 1, glm
     assert glm["model_class"] == "vllm.model_executor.models.glm4_moe.Glm4MoeForCausalLM"
     message = support.refusal(glm, "EAGLE-3", "zai-org/GLM-4.5-Air")
-    for part in ("vLLM 0.32", "Glm4MoeForCausalLM", "SupportsEagle3", '"method": "mtp"',
-                 '"method": "ngram"', "zai-org/GLM-4.5-Air"):
+    for part in (
+        "vLLM 0.32",
+        "Glm4MoeForCausalLM",
+        "SupportsEagle3",
+        '"method": "mtp"',
+        '"method": "ngram"',
+        "zai-org/GLM-4.5-Air",
+    ):
         assert part in message, (part, message)
     qwen = support.ask_in_subprocess(STANDINS / "qwen3-8b" / "config.json")
     assert qwen["supports_eagle3"] is True and support.refusal(qwen, "DFlash", "qwen") is None
@@ -146,8 +165,16 @@ def test_plan_refuses_a_target_vllm_cannot_serve_a_drafter_for(tmp_path, capsys)
 
 def test_rehearse_refuses_it_before_building_a_miniature(tmp_path, capsys):
     out = tmp_path / "out"
-    code = rehearse.main(["--configfile", str(TEST_CONFIGS / "glm-4.5-air.yaml"),
-                          "--target-files", str(GLM), "--out", str(out)])
+    code = rehearse.main(
+        [
+            "--configfile",
+            str(TEST_CONFIGS / "glm-4.5-air.yaml"),
+            "--target-files",
+            str(GLM),
+            "--out",
+            str(out),
+        ]
+    )
     printed = capsys.readouterr().out
     result = json.loads((out / "rehearsal.json").read_text())
     assert code == 1 and not result["passed"]
@@ -161,10 +188,19 @@ def test_rehearse_refuses_it_before_building_a_miniature(tmp_path, capsys):
 def test_the_workflows_first_stage_refuses_it_before_any_server(tmp_path):
     config = local_config(tmp_path)
     done = subprocess.run(
-        [str(SNAKEMAKE),
-         str(tmp_path / "results" / "target" / "target.json"), "--cores", "1",
-         "--configfile", str(config)],
-        cwd=REPO, capture_output=True, text=True, timeout=300)
+        [
+            str(SNAKEMAKE),
+            str(tmp_path / "results" / "target" / "target.json"),
+            "--cores",
+            "1",
+            "--configfile",
+            str(config),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode != 0
     log = (tmp_path / "results" / "logs" / "prepare_target.log").read_text()
     assert "cannot serve EAGLE-3 drafters" in log and "Glm4MoeForCausalLM" in log, log

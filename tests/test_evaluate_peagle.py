@@ -43,8 +43,9 @@ def drafters(tmp_path_factory):
     out = {"root": root, "target": target, "target_dir": str(root / "target")}
     for method in records.METHODS:
         torch.manual_seed(1)
-        model = methods.make_drafter(method, target_config, config, embed,
-                                    draft_ids - torch.arange(len(draft_ids)), t2d)
+        model = methods.make_drafter(
+            method, target_config, config, embed, draft_ids - torch.arange(len(draft_ids)), t2d
+        )
         with torch.no_grad():
             for param in model.parameters():
                 torch.nn.init.normal_(param, std=0.5)
@@ -67,24 +68,36 @@ def test_a_peagle_drafters_runs_are_named_by_it_and_served_with_parallel_draftin
     ev = validate({"evaluate": {"num_speculative_tokens": [1, K], "offline": True}})["evaluate"]
     plan, replays = evaluate.run_plan(ev, drafters["peagle"])
     drafted = [r for r in plan if evaluate.is_drafter(r)]
-    assert [(r["name"], r["method"]) for r in drafted] == [("peagle_k1", "peagle"),
-                                                           (f"peagle_k{K}", "peagle")]
+    assert [(r["name"], r["method"]) for r in drafted] == [
+        ("peagle_k1", "peagle"),
+        (f"peagle_k{K}", "peagle"),
+    ]
     assert replays == 2 * len(evaluate.temperatures(ev))
     spec = evaluate.speculative_config(drafted[-1])
-    assert spec == {"method": "eagle3", "model": drafters["peagle"],
-                    "num_speculative_tokens": K, "parallel_drafting": True}
+    assert spec == {
+        "method": "eagle3",
+        "model": drafters["peagle"],
+        "num_speculative_tokens": K,
+        "parallel_drafting": True,
+    }
     # an EAGLE-3 drafter keeps its names and its speculative config, key for key
     plain, _ = evaluate.run_plan(ev, drafters["eagle3"])
     assert [r["name"] for r in plain if evaluate.is_drafter(r)] == ["eagle3_k1", f"eagle3_k{K}"]
     assert list(evaluate.speculative_config(plain[-1]).items()) == [
-        ("method", "eagle3"), ("num_speculative_tokens", K), ("model", drafters["eagle3"])]
+        ("method", "eagle3"),
+        ("num_speculative_tokens", K),
+        ("model", drafters["eagle3"]),
+    ]
     # the schedule of a P-EAGLE drafter is P-EAGLE's, parallel drafting and the batch sizes
     choice = [{"concurrency": 1, "k": K}, {"concurrency": 16, "k": 1}]
     schedule = evaluate.schedule_run(choice, drafters["peagle"])
     assert (schedule["name"], schedule["method"]) == ("peagle_schedule", "peagle")
     spec = evaluate.speculative_config(schedule)
     assert spec["parallel_drafting"] is True and spec["num_speculative_tokens"] == K
-    assert spec["num_speculative_tokens_per_batch_size"] == [[1, 4, K], [5, evaluate_runs.MAX_BATCH, 1]]
+    assert spec["num_speculative_tokens_per_batch_size"] == [
+        [1, 4, K],
+        [5, evaluate_runs.MAX_BATCH, 1],
+    ]
     assert evaluate.schedule_run(choice, drafters["eagle3"])["name"] == "eagle3_schedule"
 
 
@@ -93,17 +106,22 @@ def test_every_key_of_the_speculative_config_is_one_vllm_reads(drafters):
     misspelt parallel_drafting would be refused, or drafting fall back to k forwards)."""
     speculative = pytest.importorskip("vllm.config.speculative")
     fields = speculative.SpeculativeConfig.__dataclass_fields__
-    for choice in ([{"concurrency": 1, "k": K}], [{"concurrency": 1, "k": K},
-                                                  {"concurrency": 16, "k": 0}]):
-        runs = [{"name": "x", "method": "peagle", "k": K, "drafter": drafters["peagle"]},
-                evaluate.schedule_run(choice, drafters["peagle"])]
+    for choice in (
+        [{"concurrency": 1, "k": K}],
+        [{"concurrency": 1, "k": K}, {"concurrency": 16, "k": 0}],
+    ):
+        runs = [
+            {"name": "x", "method": "peagle", "k": K, "drafter": drafters["peagle"]},
+            evaluate.schedule_run(choice, drafters["peagle"]),
+        ]
         for r in filter(None, runs):
             assert set(evaluate.speculative_config(r)) <= set(fields)
-    assert fields["parallel_drafting"].default is False   # off unless the config says it
+    assert fields["parallel_drafting"].default is False  # off unless the config says it
 
 
-def test_the_servers_of_a_peagle_drafter_start_with_parallel_drafting(drafters, monkeypatch,
-                                                                     tmp_path):
+def test_the_servers_of_a_peagle_drafter_start_with_parallel_drafting(
+    drafters, monkeypatch, tmp_path
+):
     from eaglet.core.config import validate
 
     args = {}
@@ -131,12 +149,15 @@ def test_the_servers_of_a_peagle_drafter_start_with_parallel_drafting(drafters, 
 def peagle_runs(drafter_dir: str, spec_k: dict[int, tuple[float, float]]) -> list[dict]:
     """The target alone, ngram and the P-EAGLE drafter at each k of ``spec_k`` (its tokens/s
     at concurrency 1 and 16), as the stage records them."""
-    runs = [run("baseline", "baseline", same(10.0, 80.0)),
-            run("ngram_k3", "ngram", same(11.0, 60.0), 1.8, 0.3, 3)]
+    runs = [
+        run("baseline", "baseline", same(10.0, 80.0)),
+        run("ngram_k3", "ngram", same(11.0, 60.0), 1.8, 0.3, 3),
+    ]
     for k, (tps_1, tps_16) in spec_k.items():
         r = run(f"peagle_k{k}", "peagle", same(tps_1, tps_16), 1.5 + 0.2 * k, 0.5, k)
         r["speculative_config"] = evaluate.speculative_config(
-            {"method": "peagle", "k": k, "drafter": drafter_dir})
+            {"method": "peagle", "k": k, "drafter": drafter_dir}
+        )
         runs.append(r)
     return judged(*runs)
 
@@ -147,7 +168,7 @@ def test_the_verdict_and_serve_json_judge_the_peagle_runs(drafters):
     runs = peagle_runs(drafters["peagle"], {1: (12.0, 90.0), K: (15.0, 100.0)})
     choice = evaluate.best_k_by_concurrency(runs, SWEEP)
     assert [e["best_run"] for e in choice] == [f"peagle_k{K}"] * 2
-    assert evaluate.schedule_run(choice, drafters["peagle"]) is None   # one k everywhere
+    assert evaluate.schedule_run(choice, drafters["peagle"]) is None  # one k everywhere
     serve = evaluate.serve_recommendation(choice, runs, drafters["peagle"])
     assert (serve["method"], serve["checked_by"]) == ("peagle", f"peagle_k{K}")
     assert serve["speculative_config"]["parallel_drafting"] is True
@@ -160,7 +181,10 @@ def test_the_verdict_and_serve_json_judge_the_peagle_runs(drafters):
     assert v["speeds_up_serving"] == {"1": True, "16": True}
     # the report lists the drafter's runs first, ngram after
     assert [r["name"] for r in _speculative_runs({"runs": runs})] == [
-        "peagle_k1", f"peagle_k{K}", "ngram_k3"]
+        "peagle_k1",
+        f"peagle_k{K}",
+        "ngram_k3",
+    ]
 
 
 def test_the_acceptance_figure_draws_the_peagle_runs(drafters, monkeypatch, tmp_path):
@@ -168,10 +192,17 @@ def test_the_acceptance_figure_draws_the_peagle_runs(drafters, monkeypatch, tmp_
 
     runs = peagle_runs(drafters["peagle"], {1: (12.0, 90.0), K: (15.0, 100.0)})
     drawn = {}
-    monkeypatch.setattr(plots, "_save", lambda fig, path: drawn.update(
-        {line.get_label(): list(line.get_xdata()) for ax in fig.axes for line in ax.lines}))
-    plots.acceptance_length({"runs": [evaluate._public(r) for r in runs],
-                             "prompt_sets": {"heldout": {}}}, tmp_path / "al.png")
+    monkeypatch.setattr(
+        plots,
+        "_save",
+        lambda fig, path: drawn.update(
+            {line.get_label(): list(line.get_xdata()) for ax in fig.axes for line in ax.lines}
+        ),
+    )
+    plots.acceptance_length(
+        {"runs": [evaluate._public(r) for r in runs], "prompt_sets": {"heldout": {}}},
+        tmp_path / "al.png",
+    )
     assert drawn["P-EAGLE, heldout"] == [1, K]
 
 
@@ -181,22 +212,50 @@ def test_the_stage_names_serves_and_judges_a_peagle_drafter(drafters, monkeypatc
     from eaglet.core.config import validate
     from eaglet.core.io import read_json, write_json
 
-    machine = priced_machine(monkeypatch, {
-        "baseline": {1: 6.0, 16: 1.0}, "ngram_k3": {1: 7.0, 16: 2.0},
-        f"peagle_k{K}": {1: 5.0, 16: 1.5}, "peagle_schedule": {1: 5.0, 16: 1.1}})
-    cfg = validate({"evaluate": {"concurrency": [1, 16], "rounds": 2, "interleave": True,
-                                 "offline": False, "num_speculative_tokens": [K]},
-                    "server": {"memory_utilization": 0.3, "port": 8000}})
+    machine = priced_machine(
+        monkeypatch,
+        {
+            "baseline": {1: 6.0, 16: 1.0},
+            "ngram_k3": {1: 7.0, 16: 2.0},
+            f"peagle_k{K}": {1: 5.0, 16: 1.5},
+            "peagle_schedule": {1: 5.0, 16: 1.1},
+        },
+    )
+    cfg = validate(
+        {
+            "evaluate": {
+                "concurrency": [1, 16],
+                "rounds": 2,
+                "interleave": True,
+                "offline": False,
+                "num_speculative_tokens": [K],
+            },
+            "server": {"memory_utilization": 0.3, "port": 8000},
+        }
+    )
     write_json(tmp_path / "target.json", {"path": "target", "spec": "t"})
-    (tmp_path / "eval.jsonl").write_text("".join(
-        f'{{"id": "p{i}", "messages": [{{"role": "user", "content": "q{i}"}}]}}\n'
-        for i in range(16)))
-    result = evaluate.run_stage(cfg, str(tmp_path / "target.json"), drafters["peagle"],
-                                str(tmp_path / "eval.jsonl"), str(tmp_path / "acceptance.json"),
-                                str(tmp_path), serve_path=str(tmp_path / "serve.json"))
+    (tmp_path / "eval.jsonl").write_text(
+        "".join(
+            f'{{"id": "p{i}", "messages": [{{"role": "user", "content": "q{i}"}}]}}\n'
+            for i in range(16)
+        )
+    )
+    result = evaluate.run_stage(
+        cfg,
+        str(tmp_path / "target.json"),
+        drafters["peagle"],
+        str(tmp_path / "eval.jsonl"),
+        str(tmp_path / "acceptance.json"),
+        str(tmp_path),
+        serve_path=str(tmp_path / "serve.json"),
+    )
     assert machine.started == [["baseline", "ngram_k3", f"peagle_k{K}"], ["peagle_schedule"]]
-    assert [r["name"] for r in result["runs"]] == ["baseline", "ngram_k3", f"peagle_k{K}",
-                                                   "peagle_schedule"]
+    assert [r["name"] for r in result["runs"]] == [
+        "baseline",
+        "ngram_k3",
+        f"peagle_k{K}",
+        "peagle_schedule",
+    ]
     for r in result["runs"][2:]:
         assert r["method"] == "peagle" and r["speculative_config"]["parallel_drafting"] is True
     serve = read_json(tmp_path / "serve.json")
@@ -208,8 +267,10 @@ def test_the_stage_names_serves_and_judges_a_peagle_drafter(drafters, monkeypatc
 
 # -- the offline replay ----------------------------------------------------------------------
 
-def parallel_answers(drafter: peagle.PEagleDrafter, target, prompts: list[list[int]],
-                     rounds: int) -> list[tuple[list[int], list[int]]]:
+
+def parallel_answers(
+    drafter: peagle.PEagleDrafter, target, prompts: list[list[int]], rounds: int
+) -> list[tuple[list[int], list[int]]]:
     """Answers that take every draft of the P-EAGLE drafter: each round, the target's token
     (here the prompt's first token) and then the drafter's k parallel drafts; so vLLM with
     this drafter would accept k of k each round, AL k + 1."""
@@ -217,10 +278,10 @@ def parallel_answers(drafter: peagle.PEagleDrafter, target, prompts: list[list[i
     for prompt in prompts:
         ids = list(prompt)
         for _ in range(rounds):
-            ids.append(prompt[0])                            # the target's own (bonus) token
+            ids.append(prompt[0])  # the target's own (bonus) token
             aux = target_features(target, drafter.config.aux_layer_ids, ids)
             ids += draft_parallel(drafter, aux, torch.tensor(ids), len(ids) - 2, K)
-        sequences.append((prompt, ids[len(prompt):]))
+        sequences.append((prompt, ids[len(prompt) :]))
     return sequences
 
 
@@ -230,8 +291,10 @@ def test_the_offline_replay_of_a_peagle_drafter_is_its_parallel_forward(drafters
     from eaglet.model import replay as offline_eval
     from eaglet.model.replay import Features, summarize
 
-    assert not isinstance(evaluate_replay.load_for_replay(drafters["eagle3"], drafters["target_dir"]),
-                          peagle.PEagleDrafter)
+    assert not isinstance(
+        evaluate_replay.load_for_replay(drafters["eagle3"], drafters["target_dir"]),
+        peagle.PEagleDrafter,
+    )
     drafter = evaluate_replay.load_for_replay(drafters["peagle"], drafters["target_dir"])
     assert isinstance(drafter, peagle.PEagleDrafter)
     target = drafters["target"]
@@ -243,11 +306,16 @@ def test_the_offline_replay_of_a_peagle_drafter_is_its_parallel_forward(drafters
         chain = offline_eval.replay_sequences(drafter, sequences, [K], features)
         head = target.lm_head.weight.detach()
         expected = evaluate_replay.replay_sequences(
-            drafter, sequences, [K], Features(drafter.config.aux_layer_ids, None, lambda: target,
-                                              final=True), 1.0, head)
+            drafter,
+            sequences,
+            [K],
+            Features(drafter.config.aux_layer_ids, None, lambda: target, final=True),
+            1.0,
+            head,
+        )
     assert got["sources"]["forward"] == len(sequences)
     total = summarize(got["counts"][K], K)
-    assert total["acceptance_length"] == K + 1                       # every draft taken
+    assert total["acceptance_length"] == K + 1  # every draft taken
     assert [summarize(c, K)["acceptance_length"] for c in got["per_sequence"][K]] == [K + 1] * 2
     assert summarize(chain["counts"][K], K)["acceptance_length"] < K + 1
     # at a temperature: the answers took every draft, and the expected acceptance is the
@@ -265,21 +333,38 @@ def test_the_stages_offline_check_replays_a_peagle_drafter_against_vllms_counts(
 
     drafter = peagle.load_peagle(drafters["peagle"], drafters["target_dir"])
     with one_thread():
-        sequences = parallel_answers(drafter, drafters["target"], [[5, 9, 17, 4], [40, 2, 33]],
-                                     rounds=2)
-    answers = [{"id": f"p{i}", "prompt_token_ids": p, "token_ids": c,
-                "spec_decoding": {"drafts": 2, "draft_tokens": 2 * K, "accepted": 2 * K}}
-               for i, (p, c) in enumerate(sequences)]
+        sequences = parallel_answers(
+            drafter, drafters["target"], [[5, 9, 17, 4], [40, 2, 33]], rounds=2
+        )
+    answers = [
+        {
+            "id": f"p{i}",
+            "prompt_token_ids": p,
+            "token_ids": c,
+            "spec_decoding": {"drafts": 2, "draft_tokens": 2 * K, "accepted": 2 * K},
+        }
+        for i, (p, c) in enumerate(sequences)
+    ]
     delta = {"drafts": 4, "draft_tokens": 4 * K, "accepted": 4 * K, "per_position": [4] * K}
-    runs = [{"name": "baseline", "method": "baseline",
-             "levels": [{"set": "heldout", "concurrency": 1, "_answers": answers}]},
-            {"name": f"peagle_k{K}", "method": "peagle", "k": K, "drafter": drafters["peagle"],
-             "levels": [{"set": "heldout", "concurrency": 1, "_answers": answers,
-                         "_delta": delta}]}]
+    runs = [
+        {
+            "name": "baseline",
+            "method": "baseline",
+            "levels": [{"set": "heldout", "concurrency": 1, "_answers": answers}],
+        },
+        {
+            "name": f"peagle_k{K}",
+            "method": "peagle",
+            "k": K,
+            "drafter": drafters["peagle"],
+            "levels": [{"set": "heldout", "concurrency": 1, "_answers": answers, "_delta": delta}],
+        },
+    ]
     cfg = validate({"target": {"dtype": "float32"}})
     with one_thread():
-        out, report = evaluate.offline_check(cfg, drafters["target_dir"], drafters["peagle"],
-                                             runs, Progress("evaluate", total=1))
+        out, report = evaluate.offline_check(
+            cfg, drafters["target_dir"], drafters["peagle"], runs, Progress("evaluate", total=1)
+        )
     entry = out[f"peagle_k{K}"]
     assert entry["acceptance_length"] == entry["vllm_acceptance_length"] == K + 1
     assert entry["agrees"] and entry["ratio_offline_over_vllm"] == 1.0
@@ -288,23 +373,44 @@ def test_the_stages_offline_check_replays_a_peagle_drafter_against_vllms_counts(
     # (and the run's own drafter's check leaves it alone)
     runs[1].update(compare=True, name=f"peagle_k{K}")
     with one_thread():
-        compared, _ = evaluate.offline_check(cfg, drafters["target_dir"], drafters["peagle"],
-                                             runs, Progress("evaluate", total=1), compared=True)
-        own, _ = evaluate.offline_check(cfg, drafters["target_dir"], drafters["eagle3"], runs,
-                                        Progress("evaluate", total=1))
+        compared, _ = evaluate.offline_check(
+            cfg,
+            drafters["target_dir"],
+            drafters["peagle"],
+            runs,
+            Progress("evaluate", total=1),
+            compared=True,
+        )
+        own, _ = evaluate.offline_check(
+            cfg, drafters["target_dir"], drafters["eagle3"], runs, Progress("evaluate", total=1)
+        )
     assert compared == out and own == {}
 
 
 # -- drafters side by side -------------------------------------------------------------------
 
+
 def test_compared_drafters_are_named_by_their_method_and_never_judged(drafters, tmp_path):
-    ev = {"num_speculative_tokens": [1, K], "ngram": False, "offline": True,
-          "compare_drafters": [drafters["peagle"], drafters["eagle3"]], "temperature": [0]}
+    ev = {
+        "num_speculative_tokens": [1, K],
+        "ngram": False,
+        "offline": True,
+        "compare_drafters": [drafters["peagle"], drafters["eagle3"]],
+        "temperature": [0],
+    }
     plan, replays = evaluate.run_plan(ev, drafters["eagle3"])
-    assert [r["name"] for r in plan] == ["baseline", "eagle3_k1", f"eagle3_k{K}", "peagle_k1",
-                                         f"peagle_k{K}", "eagle3_3_k1", f"eagle3_3_k{K}"]
+    assert [r["name"] for r in plan] == [
+        "baseline",
+        "eagle3_k1",
+        f"eagle3_k{K}",
+        "peagle_k1",
+        f"peagle_k{K}",
+        "eagle3_3_k1",
+        f"eagle3_3_k{K}",
+    ]
     assert [r["drafter"] for r in plan if r.get("compare")] == [drafters["peagle"]] * 2 + [
-        drafters["eagle3"]] * 2
+        drafters["eagle3"]
+    ] * 2
     # the offline replay checks every drafter at each temperature, this run's and the
     # compared ones
     assert replays == 2 + 4
@@ -316,18 +422,21 @@ def test_compared_drafters_are_named_by_their_method_and_never_judged(drafters, 
     variant = tmp_path / "eagle31"
     shutil.copytree(drafters["eagle3"], variant)
     config = json.loads((variant / "config.json").read_text())
-    (variant / "config.json").write_text(json.dumps({**config, "fc_norm": True,
-                                                     "norm_output": True}))
+    (variant / "config.json").write_text(
+        json.dumps({**config, "fc_norm": True, "norm_output": True})
+    )
     assert evaluate_runs.drafter_kind(variant) == ("eagle3", "eagle31", "EAGLE-3.1")
-    assert [r["name"] for r in evaluate_schedule.compare_runs({**ev, "compare_drafters": [variant]})] == [
-        "eagle31_k1", f"eagle31_k{K}"]
+    assert [
+        r["name"] for r in evaluate_schedule.compare_runs({**ev, "compare_drafters": [variant]})
+    ] == ["eagle31_k1", f"eagle31_k{K}"]
     # a directory that holds no exported drafter is refused before any server starts
     with pytest.raises(evaluate.EvaluationError, match="no config.json or model.safetensors"):
         evaluate.check_compare_drafters({"compare_drafters": [str(tmp_path)]})
 
 
 def test_the_stage_serves_a_compared_drafter_beside_its_own_and_tables_both(
-        drafters, monkeypatch, tmp_path):
+    drafters, monkeypatch, tmp_path
+):
     """An EAGLE-3 run with a P-EAGLE drafter compared: both at k in the same sweep, round by
     round beside the target alone; the P-EAGLE drafter serves faster everywhere, yet the
     verdict, the schedule and serve.json are the run's own drafter's; the methods table has
@@ -336,26 +445,49 @@ def test_the_stage_serves_a_compared_drafter_beside_its_own_and_tables_both(
     from eaglet.core.io import read_json, write_json
     from eaglet.tools.report_page import Results, methods_section
 
-    machine = priced_machine(monkeypatch, {
-        "baseline": {1: 6.0, 16: 1.0}, f"eagle3_k{K}": {1: 5.0, 16: 1.5},
-        f"peagle_k{K}": {1: 4.0, 16: 0.8}, "eagle3_schedule": {1: 5.0, 16: 1.1}})
-    cfg = validate({"evaluate": {"concurrency": [1, 16], "rounds": 2, "interleave": True,
-                                 "offline": False, "ngram": False,
-                                 "num_speculative_tokens": [K],
-                                 "compare_drafters": [drafters["peagle"]]},
-                    "server": {"memory_utilization": 0.3, "port": 8000}})
+    machine = priced_machine(
+        monkeypatch,
+        {
+            "baseline": {1: 6.0, 16: 1.0},
+            f"eagle3_k{K}": {1: 5.0, 16: 1.5},
+            f"peagle_k{K}": {1: 4.0, 16: 0.8},
+            "eagle3_schedule": {1: 5.0, 16: 1.1},
+        },
+    )
+    cfg = validate(
+        {
+            "evaluate": {
+                "concurrency": [1, 16],
+                "rounds": 2,
+                "interleave": True,
+                "offline": False,
+                "ngram": False,
+                "num_speculative_tokens": [K],
+                "compare_drafters": [drafters["peagle"]],
+            },
+            "server": {"memory_utilization": 0.3, "port": 8000},
+        }
+    )
     write_json(tmp_path / "target.json", {"path": "target", "spec": "t"})
-    (tmp_path / "eval.jsonl").write_text("".join(
-        f'{{"id": "p{i}", "messages": [{{"role": "user", "content": "q{i}"}}]}}\n'
-        for i in range(16)))
+    (tmp_path / "eval.jsonl").write_text(
+        "".join(
+            f'{{"id": "p{i}", "messages": [{{"role": "user", "content": "q{i}"}}]}}\n'
+            for i in range(16)
+        )
+    )
     (Path(drafters["peagle"]) / "stats.json").write_text('{"elapsed_s": 90}')
     out = tmp_path / "eval"
     out.mkdir()
-    result = evaluate.run_stage(cfg, str(tmp_path / "target.json"), drafters["eagle3"],
-                                str(tmp_path / "eval.jsonl"), str(out / "acceptance.json"),
-                                str(tmp_path), serve_path=str(out / "serve.json"))
-    assert machine.started == [["baseline", f"eagle3_k{K}", f"peagle_k{K}"],
-                               ["eagle3_schedule"]]
+    result = evaluate.run_stage(
+        cfg,
+        str(tmp_path / "target.json"),
+        drafters["eagle3"],
+        str(tmp_path / "eval.jsonl"),
+        str(out / "acceptance.json"),
+        str(tmp_path),
+        serve_path=str(out / "serve.json"),
+    )
+    assert machine.started == [["baseline", f"eagle3_k{K}", f"peagle_k{K}"], ["eagle3_schedule"]]
     verdict = result["verdict"]
     assert verdict["best"] == f"eagle3_k{K}" and verdict["method"] == "eagle3"
     assert all(e["best_run"] == f"eagle3_k{K}" for e in verdict["best_k_by_concurrency"])
@@ -371,8 +503,7 @@ def test_the_stage_serves_a_compared_drafter_beside_its_own_and_tables_both(
     mine, other = at_1[f"eagle3_k{K}"], at_1[f"peagle_k{K}"]
     assert mine["target_step_ms"] / mine["step_ms"] == pytest.approx(0.6 / 1.25, rel=0.1)
     assert other["step_ms"] / mine["step_ms"] == pytest.approx(1.0 / 1.25, rel=0.1)
-    assert other["step_over_target_ms"] == pytest.approx(
-        other["step_ms"] - other["target_step_ms"])
+    assert other["step_over_target_ms"] == pytest.approx(other["step_ms"] - other["target_step_ms"])
     # the report's first page tables them side by side
     (tmp_path / "eval" / "acceptance.json").write_text(json.dumps(result))
     page = "\n".join(methods_section(Results(tmp_path))).replace("\\", "")

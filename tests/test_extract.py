@@ -20,18 +20,39 @@ import eaglet.stages.extract.hf as extract_mod
 import eaglet.stages.extract.manifest as manifest_mod
 from eaglet.core.config import validate
 from eaglet.core.io import read_json, write_json, write_jsonl
+from eaglet.core.methods import default_aux_layer_ids
 from eaglet.data import shards
-from eaglet.stages.extract.hf import (ShardJob, extract_shard, forward_batch, load_target,
-                                      run_shard, run_shards, token_budget_batches)
+from eaglet.stages.extract.hf import (
+    ShardJob,
+    extract_shard,
+    forward_batch,
+    load_target,
+    run_shard,
+    run_shards,
+    token_budget_batches,
+)
 from eaglet.stages.extract.manifest import build_manifest
 from eaglet.target.checkpoint import prepare_target
 from eaglet.target.hooks import AuxCapture, decoder_layers
-from eaglet.core.methods import default_aux_layer_ids
-from eaglet.target.states import (ExtractionError, Target, check_disk,
-                                  predicting_rows, resolve_aux_layer_ids, sequence, shard_bounds,
-                                  target_identity, teacher_from_stored)
-from tests.tiny_llama import (LAYERS, greedy_records, make_tiny_llama, one_thread, random_records,
-                              record)
+from eaglet.target.states import (
+    ExtractionError,
+    Target,
+    check_disk,
+    predicting_rows,
+    resolve_aux_layer_ids,
+    sequence,
+    shard_bounds,
+    target_identity,
+    teacher_from_stored,
+)
+from tests.tiny_llama import (
+    LAYERS,
+    greedy_records,
+    make_tiny_llama,
+    one_thread,
+    random_records,
+    record,
+)
 
 # ids of three distinct layers of the 6-layer model (its vLLM default is (2, 3, 3); see
 # test_default_aux_ids_of_a_six_layer_model_extract)
@@ -39,13 +60,21 @@ AUX = [1, 3, 4]
 
 
 def ext_cfg(**overrides) -> dict:
-    base = {"backend": "hf", "device": "cpu", "dtype": "float32", "max_len": 64, "batch_tokens": 48,
-            "num_shards": 2, "aux_layer_ids": AUX}
+    base = {
+        "backend": "hf",
+        "device": "cpu",
+        "dtype": "float32",
+        "max_len": 64,
+        "batch_tokens": 48,
+        "num_shards": 2,
+        "aux_layer_ids": AUX,
+    }
     base.update(overrides)
     return validate({"extract": base})["extract"]
 
 
 # -- fixtures --------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
@@ -59,8 +88,9 @@ def tiny(tmp_path_factory):
     model_dir = root / "model"
     model = make_tiny_llama(model_dir, seed=0)
     info = prepare_target(str(model_dir), root / "target")
-    return SimpleNamespace(model=model, dir=model_dir, info=info,
-                           target_json=root / "target" / "target.json")
+    return SimpleNamespace(
+        model=model, dir=model_dir, info=info, target_json=root / "target" / "target.json"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +112,7 @@ def reference_states(model, ids: list[int]):
 
 # -- layer ids -------------------------------------------------------------------------------
 
+
 def test_aux_id_i_is_the_input_of_decoder_layer_i(target):
     ids = [5, 17, 42, 99, 3, 250, 7, 1]
     hidden_states, logits = reference_states(target.model, ids)
@@ -94,11 +125,12 @@ def test_aux_id_i_is_the_input_of_decoder_layer_i(target):
             capture.close()
         assert aux.shape == (len(ids), 3 * target.hidden_size)
         for k, layer in enumerate(layer_ids):
-            got = aux[:, k * target.hidden_size:(k + 1) * target.hidden_size]
+            got = aux[:, k * target.hidden_size : (k + 1) * target.hidden_size]
             torch.testing.assert_close(got, hidden_states[layer], rtol=0, atol=1e-6)
     # id 0 is the embedding output itself
-    torch.testing.assert_close(hidden_states[0], target.model.get_input_embeddings()(torch.tensor(ids)),
-                               rtol=0, atol=0)
+    torch.testing.assert_close(
+        hidden_states[0], target.model.get_input_embeddings()(torch.tensor(ids)), rtol=0, atol=0
+    )
     # the final state is what lm_head reads (after the final norm); in transformers 5.19 that is
     # also hidden_states[-1], which is therefore *not* the output of the last decoder layer
     torch.testing.assert_close(final, hidden_states[-1], rtol=0, atol=1e-6)
@@ -120,8 +152,8 @@ def test_right_padding_does_not_change_any_sequence(target):
     assert aux.shape == (sum(map(len, seqs)), 3 * 64) and final.shape == (29, 64)
     start = 0
     for s, (aux1, final1) in zip(seqs, alone):
-        torch.testing.assert_close(aux[start:start + len(s)], aux1, rtol=0, atol=1e-5)
-        torch.testing.assert_close(final[start:start + len(s)], final1, rtol=0, atol=1e-5)
+        torch.testing.assert_close(aux[start : start + len(s)], aux1, rtol=0, atol=1e-5)
+        torch.testing.assert_close(final[start : start + len(s)], final1, rtol=0, atol=1e-5)
         start += len(s)
     assert not capture.captured  # everything taken, nothing left over for the next batch
 
@@ -156,6 +188,7 @@ def test_default_aux_ids_of_a_six_layer_model_extract(target):
 
 # -- the batch loop: packing on the device, copies to the host -------------------------------
 
+
 @torch.inference_mode()
 def per_sample_states(target, seqs, batch_tokens, layer_ids):
     """The batch loop as it was before the copies overlapped the forward: padding dropped by
@@ -169,16 +202,18 @@ def per_sample_states(target, seqs, batch_tokens, layer_ids):
             ids = torch.zeros(len(batch), longest, dtype=torch.long)
             attention = torch.zeros(len(batch), longest, dtype=torch.long)
             for row, i in enumerate(batch):
-                ids[row, :lengths[i]] = torch.tensor(seqs[i])
-                attention[row, :lengths[i]] = 1
-            out = target.model.get_decoder()(input_ids=ids, attention_mask=attention, use_cache=False)
+                ids[row, : lengths[i]] = torch.tensor(seqs[i])
+                attention[row, : lengths[i]] = 1
+            out = target.model.get_decoder()(
+                input_ids=ids, attention_mask=attention, use_cache=False
+            )
             keep = attention.bool()
             aux = torch.cat(capture.take(), dim=-1)[keep]
             final = out.last_hidden_state[keep]
             start = 0
             for i in batch:
-                aux_rows[i] = aux[start:start + lengths[i]].cpu()
-                final_rows[i] = final[start:start + lengths[i]].cpu()
+                aux_rows[i] = aux[start : start + lengths[i]].cpu()
+                final_rows[i] = final[start : start + lengths[i]].cpu()
                 start += lengths[i]
     finally:
         capture.close()
@@ -193,24 +228,27 @@ def uneven_seqs(n: int = 11, seed: int = 3) -> list[list[int]]:
 
 @pytest.mark.parametrize("depth, staged", [(2, None), (1, True), (2, True), (3, True)])
 @pytest.mark.parametrize("dtype", ["float32", "fp8"])
-def test_a_streamed_shard_holds_each_sample_s_states_and_teacher(target, depth, staged, dtype,
-                                                                 tmp_path):
+def test_a_streamed_shard_holds_each_sample_s_states_and_teacher(
+    target, depth, staged, dtype, tmp_path
+):
     """Batches of uneven sizes, longest first, written at their samples' places while the
     next batch runs (through reused staging buffers or not): every sample's stored states
     are its states computed alone with a padding mask (the oracle), and the teacher is the
     one computed from the stored final states afterwards (the former path)."""
     seqs = uneven_seqs()
-    records = [record(f"p-{i}", s[:len(s) // 2], s[len(s) // 2:]) for i, s in enumerate(seqs)]
+    records = [record(f"p-{i}", s[: len(s) // 2], s[len(s) // 2 :]) for i, s in enumerate(seqs)]
     cfg = ext_cfg(batch_tokens=60, dtype=dtype, min_teacher_agreement=0.0)  # random answers
     batches = token_budget_batches([len(s) for s in seqs], cfg["batch_tokens"])
     assert len(batches) >= 4 and len({len(b) for b in batches}) > 1
     seen = []
     progress = SimpleNamespace(advance=lambda done, tokens: seen.append((done, tokens)))
     path = tmp_path / "shard.safetensors"
-    shard = extract_mod.stream_shard(target, records, cfg, AUX, {"spec": "tiny"}, path,
-                                     progress, depth=depth, staged=staged)
-    meta = extract_mod.finish_shard(target, shard, cfg, AUX, {"spec": "tiny"}, path,
-                                    path.with_suffix(".json"))
+    shard = extract_mod.stream_shard(
+        target, records, cfg, AUX, {"spec": "tiny"}, path, progress, depth=depth, staged=staged
+    )
+    meta = extract_mod.finish_shard(
+        target, shard, cfg, AUX, {"spec": "tiny"}, path, path.with_suffix(".json")
+    )
     got = shards.load(path, meta["sha256"])
     want_aux, want_final = per_sample_states(target, seqs, cfg["batch_tokens"], AUX)
     want_aux, want_final = torch.cat(want_aux), torch.cat(want_final)
@@ -221,8 +259,9 @@ def test_a_streamed_shard_holds_each_sample_s_states_and_teacher(target, depth, 
     torch.testing.assert_close(got.aux_hidden, want_aux, **tolerance)
     torch.testing.assert_close(got.final_hidden, want_final, **tolerance)
     rows = predicting_rows(got.loss_mask, got.offsets)
-    argmax, logprob = teacher_from_stored(target, got.final_hidden, torch.roll(got.input_ids, -1),
-                                          rows)
+    argmax, logprob = teacher_from_stored(
+        target, got.final_hidden, torch.roll(got.input_ids, -1), rows
+    )
     assert torch.equal(got.teacher_argmax, argmax)
     assert torch.equal(torch.isnan(shard.logprob), torch.isnan(logprob))
     torch.testing.assert_close(shard.logprob[rows], logprob[rows], rtol=0, atol=1e-5)
@@ -242,11 +281,14 @@ def test_the_batch_writer_puts_every_row_at_its_place(depth, overlap, staged, tm
     lengths = [5, 1, 9, 3, 7, 1, 2, 4]
     starts = torch.tensor([0, *lengths]).cumsum(0).tolist()
     batches = [[2, 4], [0, 3, 7], [1, 5, 6]]  # out of shard order, as extraction runs them
-    fields = [shards.Field("aux_hidden", torch.float32, (sum(lengths), 6)),
-              shards.Field("final_hidden", torch.float32, (sum(lengths), 2))]
+    fields = [
+        shards.Field("aux_hidden", torch.float32, (sum(lengths), 6)),
+        shards.Field("final_hidden", torch.float32, (sum(lengths), 2)),
+    ]
     out = shards.ShardFile(tmp_path / "x.safetensors", fields, {})
-    writer = extract_mod.BatchWriter(out, sum(lengths), 16, torch.device("cpu"), depth, staged,
-                                     overlap=overlap)
+    writer = extract_mod.BatchWriter(
+        out, sum(lengths), 16, torch.device("cpu"), depth, staged, overlap=overlap
+    )
     for tag, batch in enumerate(batches):
         rows = sum(lengths[i] for i in batch)
         whole = tagged(rows, 8, tag)
@@ -255,9 +297,16 @@ def test_the_batch_writer_puts_every_row_at_its_place(depth, overlap, staged, tm
             places.append((starts[i], at, lengths[i]))
             at += lengths[i]
         teacher_rows = torch.tensor([starts[batch[0]]])
-        writer.put({"aux_hidden": whole[:, :6], "final_hidden": whole[:, 6:].contiguous(),
-                    "teacher_argmax": torch.tensor([tag]), "teacher_logprob": torch.tensor([-1.0])},
-                   places, teacher_rows)
+        writer.put(
+            {
+                "aux_hidden": whole[:, :6],
+                "final_hidden": whole[:, 6:].contiguous(),
+                "teacher_argmax": torch.tensor([tag]),
+                "teacher_logprob": torch.tensor([-1.0]),
+            },
+            places,
+            teacher_rows,
+        )
     writer.finish()
     out.close()
     with safe_open(str(tmp_path / "x.safetensors"), framework="pt") as handle:
@@ -266,8 +315,8 @@ def test_the_batch_writer_puts_every_row_at_its_place(depth, overlap, staged, tm
         whole, at = tagged(sum(lengths[i] for i in batch), 8, tag), 0
         for i in batch:
             span = slice(starts[i], starts[i] + lengths[i])
-            assert torch.equal(aux[span], whole[at:at + lengths[i], :6]), (tag, i)
-            assert torch.equal(final[span], whole[at:at + lengths[i], 6:]), (tag, i)
+            assert torch.equal(aux[span], whole[at : at + lengths[i], :6]), (tag, i)
+            assert torch.equal(final[span], whole[at : at + lengths[i], 6:]), (tag, i)
             at += lengths[i]
         assert writer.argmax[starts[batch[0]]] == tag and writer.logprob[starts[batch[0]]] == -1
     assert int((writer.argmax >= 0).sum()) == len(batches)
@@ -304,7 +353,10 @@ class DeviceWaits(TorchDispatchMode):
             self.reads.append(name)
         bool_index = name.startswith("aten.index") and any(
             isinstance(i, torch.Tensor) and i.dtype == torch.bool
-            for a in args if isinstance(a, (list, tuple)) for i in a)
+            for a in args
+            if isinstance(a, (list, tuple))
+            for i in a
+        )
         if name.startswith(self.SIZED) or bool_index:
             self.sized.append(name)
         return func(*args, **(kwargs or {}))
@@ -329,20 +381,23 @@ def test_forward_batch_does_not_wait_for_the_device(target):
 
 # -- batching and bounds ---------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("seed", range(5))
 @pytest.mark.parametrize("budget", [1, 16, 100, 1000])
 def test_token_budget_batches(seed, budget):
     g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(1, 120, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g).tolist()
+    lengths = torch.randint(
+        1, 120, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g
+    ).tolist()
     batches = token_budget_batches(lengths, budget)
     flat = [i for b in batches for i in b]
-    assert sorted(flat) == list(range(len(lengths)))                       # every index once
+    assert sorted(flat) == list(range(len(lengths)))  # every index once
     assert flat == sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))  # longest first
     for batch in batches:
         padded = max(lengths[i] for i in batch) * len(batch)
-        assert padded <= budget or len(batch) == 1                        # within the budget
+        assert padded <= budget or len(batch) == 1  # within the budget
         if max(lengths[i] for i in batch) > budget:
-            assert len(batch) == 1                                        # too long: alone
+            assert len(batch) == 1  # too long: alone
 
 
 def test_token_budget_batches_examples():
@@ -358,9 +413,9 @@ def test_shard_bounds_cover_everything_once(num_samples, num_shards):
     bounds = [shard_bounds(num_samples, num_shards, i) for i in range(num_shards)]
     assert bounds[0][0] == 0 and bounds[-1][1] == num_samples
     for (_, hi), (lo, _) in zip(bounds, bounds[1:]):
-        assert hi == lo                                                   # contiguous
+        assert hi == lo  # contiguous
     sizes = [hi - lo for lo, hi in bounds]
-    assert max(sizes) - min(sizes) <= 1                                   # balanced
+    assert max(sizes) - min(sizes) <= 1  # balanced
     assert [i for lo, hi in bounds for i in range(lo, hi)] == list(range(num_samples))
 
 
@@ -375,10 +430,18 @@ def test_sequence_mask_and_truncation():
 
 # -- extract_shard ---------------------------------------------------------------------------
 
+
 def extract(target, records, tmp_path, name="shard_00000", aux=AUX, identity=None, **cfg):
     path = tmp_path / f"{name}.safetensors"
-    meta = extract_shard(target, records, ext_cfg(**cfg), aux, identity or {"spec": "tiny"},
-                         path, path.with_suffix(".json"))
+    meta = extract_shard(
+        target,
+        records,
+        ext_cfg(**cfg),
+        aux,
+        identity or {"spec": "tiny"},
+        path,
+        path.with_suffix(".json"),
+    )
     return meta, path
 
 
@@ -391,12 +454,18 @@ def greedy_shard(target, greedy, tmp_path_factory):
 def test_greedy_shard_contents(greedy_shard, greedy):
     shard, meta = greedy_shard.shard, greedy_shard.meta
     ids = [t for r in greedy for t in r["prompt_token_ids"] + r["completion_token_ids"]]
-    mask = [m for r in greedy for m in [0] * len(r["prompt_token_ids"]) + [1] * len(r["completion_token_ids"])]
+    mask = [
+        m
+        for r in greedy
+        for m in [0] * len(r["prompt_token_ids"]) + [1] * len(r["completion_token_ids"])
+    ]
     lengths = [len(r["prompt_token_ids"]) + len(r["completion_token_ids"]) for r in greedy]
     # the fixture exercises padded multi-sequence batches (of unequal lengths)
-    assert any(len(b) > 1 and len({lengths[i] for i in b}) > 1
-               for b in token_budget_batches(lengths, ext_cfg()["batch_tokens"]))
-    assert shard.input_ids.tolist() == ids                    # in record order, not batch order
+    assert any(
+        len(b) > 1 and len({lengths[i] for i in b}) > 1
+        for b in token_budget_batches(lengths, ext_cfg()["batch_tokens"])
+    )
+    assert shard.input_ids.tolist() == ids  # in record order, not batch order
     assert shard.loss_mask.tolist() == mask
     assert shard.offsets.tolist() == [0, *torch.tensor(lengths).cumsum(0).tolist()]
     assert shard.sample_ids == [r["id"] for r in greedy]
@@ -419,14 +488,18 @@ def test_greedy_shard_teacher_agrees(greedy_shard, greedy):
     assert teacher["agreement"] == 1.0
     # the argmax token has probability >= 1/V
     assert -math.log(300) <= teacher["mean_logprob"] < 0
-    assert all(w["agreement"] == 1.0 and w["mean_logprob"] >= -math.log(300) for w in teacher["worst"])
+    assert all(
+        w["agreement"] == 1.0 and w["mean_logprob"] >= -math.log(300) for w in teacher["worst"]
+    )
     assert len(teacher["worst"]) == 5
 
 
 def test_stored_states_match_each_sequence_alone(greedy_shard, greedy, target):
     shard = greedy_shard.shard
     for s, r in enumerate(greedy):
-        hidden_states, logits = reference_states(target.model, r["prompt_token_ids"] + r["completion_token_ids"])
+        hidden_states, logits = reference_states(
+            target.model, r["prompt_token_ids"] + r["completion_token_ids"]
+        )
         rows = shard.sample(s)
         want_aux = torch.cat([hidden_states[i] for i in AUX], dim=-1)
         torch.testing.assert_close(shard.aux_hidden[rows], want_aux, rtol=0, atol=1e-5)
@@ -434,7 +507,7 @@ def test_stored_states_match_each_sequence_alone(greedy_shard, greedy, target):
         # the teacher at every row that predicts a completion token, -1 (not computed) elsewhere
         n_prompt = len(r["prompt_token_ids"])
         want = torch.full_like(shard.teacher_argmax[rows], -1)
-        want[n_prompt - 1:-1] = logits.argmax(-1)[n_prompt - 1:-1]
+        want[n_prompt - 1 : -1] = logits.argmax(-1)[n_prompt - 1 : -1]
         assert torch.equal(shard.teacher_argmax[rows], want)
 
 
@@ -459,7 +532,10 @@ def test_truncation_is_counted(target, greedy, tmp_path):
     assert meta["truncated"] == sum(n > 12 for n in full) > 0
     assert shard.offsets.diff().tolist() == [min(n, 12) for n in full]
     for s, r in enumerate(greedy[:3]):
-        assert shard.input_ids[shard.sample(s)].tolist() == (r["prompt_token_ids"] + r["completion_token_ids"])[:12]
+        assert (
+            shard.input_ids[shard.sample(s)].tolist()
+            == (r["prompt_token_ids"] + r["completion_token_ids"])[:12]
+        )
     assert meta["teacher"]["agreement"] == 1.0
 
 
@@ -475,8 +551,11 @@ def test_random_completions_fail_the_greedy_check(target, greedy, tmp_path):
     # the worst samples are named first (five at most)
     named = [r["id"] for r in greedy[:4] if r["id"] in message]
     assert len(named) == 3
-    assert message.index("Worst samples:") < max(message.index(r["id"]) for r in wrong) \
+    assert (
+        message.index("Worst samples:")
+        < max(message.index(r["id"]) for r in wrong)
         < min(message.index(i) for i in named)
+    )
     meta = read_json(tmp_path / "shard_00000.json")
     assert meta["teacher"]["agreement"] < 0.8
     assert {w["id"] for w in meta["teacher"]["worst"][:2]} == {r["id"] for r in wrong}
@@ -507,17 +586,22 @@ def test_threshold_is_configurable(target, greedy, tmp_path):
 def test_fp8_shards_are_smaller_and_still_agree(target, greedy, tmp_path):
     metas = {}
     for dtype in ("float32", "bfloat16", "fp8"):
-        meta, path = extract(target, greedy, tmp_path, name=f"shard_{dtype}", dtype=dtype,
-                             min_teacher_agreement=0.0)
+        meta, path = extract(
+            target, greedy, tmp_path, name=f"shard_{dtype}", dtype=dtype, min_teacher_agreement=0.0
+        )
         shard = shards.load(path)
         # the stored teacher is the argmax of what training will read back
         assert_teacher_of_stored_state(shard, target)
         metas[dtype] = meta
     ratio = metas["fp8"]["bytes"] / metas["bfloat16"]["bytes"]
-    summary = (f"\n[fp8 vs bf16] bytes fp8={metas['fp8']['bytes']} bf16={metas['bfloat16']['bytes']} "
-               f"f32={metas['float32']['bytes']} ratio={ratio:.3f}; agreement "
-               + " ".join(f"{d}={m['teacher']['agreement']:.4f}/{m['teacher']['mean_logprob']:.4f}"
-                          for d, m in metas.items()))
+    summary = (
+        f"\n[fp8 vs bf16] bytes fp8={metas['fp8']['bytes']} bf16={metas['bfloat16']['bytes']} "
+        f"f32={metas['float32']['bytes']} ratio={ratio:.3f}; agreement "
+        + " ".join(
+            f"{d}={m['teacher']['agreement']:.4f}/{m['teacher']['mean_logprob']:.4f}"
+            for d, m in metas.items()
+        )
+    )
     print(summary)  # shown with -s or on failure
     assert 0.5 <= ratio <= 0.6, summary
     assert metas["float32"]["teacher"]["agreement"] == 1.0
@@ -525,15 +609,20 @@ def test_fp8_shards_are_smaller_and_still_agree(target, greedy, tmp_path):
     assert metas["fp8"]["teacher"]["agreement"] >= 0.9, summary
     for meta in metas.values():
         assert meta["teacher"]["mean_logprob"] == pytest.approx(
-            metas["float32"]["teacher"]["mean_logprob"], abs=0.05)
+            metas["float32"]["teacher"]["mean_logprob"], abs=0.05
+        )
 
 
 # -- disk ------------------------------------------------------------------------------------
 
+
 def test_check_disk_names_both_numbers(tmp_path, monkeypatch):
     free = 3 * 2**30
-    monkeypatch.setattr(shutil, "disk_usage",
-                        lambda path: SimpleNamespace(total=10 * 2**30, used=7 * 2**30, free=free))
+    monkeypatch.setattr(
+        shutil,
+        "disk_usage",
+        lambda path: SimpleNamespace(total=10 * 2**30, used=7 * 2**30, free=free),
+    )
     check_disk(tmp_path / "hidden", free)  # exactly enough is enough
     assert (tmp_path / "hidden").is_dir()
     with pytest.raises(ExtractionError) as info:
@@ -543,6 +632,7 @@ def test_check_disk_names_both_numbers(tmp_path, monkeypatch):
 
 
 # -- the stage: run_shard, build_manifest ----------------------------------------------------
+
 
 def stage_cfg(**overrides) -> dict:
     return {"extract": ext_cfg(**overrides), "target": {"dtype": "float32"}}
@@ -555,13 +645,22 @@ def extracted(tiny, greedy, tmp_path_factory):
     data = root / "synthetic" / "train.jsonl"
     write_jsonl(data, greedy)
     hidden = root / "hidden"
-    metas = [run_shard(stage_cfg(), str(tiny.target_json), str(data), i, 2,
-                       str(shards.shard_path(hidden, i)),
-                       str(shards.shard_path(hidden, i).with_suffix(".json")),
-                       progress_path=str(root / "progress" / f"extract_{i}.json"))
-             for i in range(2)]
-    return SimpleNamespace(root=root, data=data, hidden=hidden, metas=metas,
-                           sha=[m["sha256"] for m in metas])
+    metas = [
+        run_shard(
+            stage_cfg(),
+            str(tiny.target_json),
+            str(data),
+            i,
+            2,
+            str(shards.shard_path(hidden, i)),
+            str(shards.shard_path(hidden, i).with_suffix(".json")),
+            progress_path=str(root / "progress" / f"extract_{i}.json"),
+        )
+        for i in range(2)
+    ]
+    return SimpleNamespace(
+        root=root, data=data, hidden=hidden, metas=metas, sha=[m["sha256"] for m in metas]
+    )
 
 
 @pytest.fixture
@@ -577,7 +676,9 @@ def extract_calls(monkeypatch):
     calls = []
     real = extract_mod.extract_shard
 
-    def counting(target, records, cfg, aux_layer_ids, identity, shard_path, meta_path, progress=None):
+    def counting(
+        target, records, cfg, aux_layer_ids, identity, shard_path, meta_path, progress=None
+    ):
         calls.append(Path(shard_path).name)
         return real(target, records, cfg, aux_layer_ids, identity, shard_path, meta_path, progress)
 
@@ -586,8 +687,14 @@ def extract_calls(monkeypatch):
 
 
 def manifest_of(tiny, extracted, hidden, cfg=None, target_json=None):
-    return build_manifest(cfg or stage_cfg(), str(target_json or tiny.target_json),
-                          str(extracted.data), 2, str(hidden), str(hidden / "manifest.json"))
+    return build_manifest(
+        cfg or stage_cfg(),
+        str(target_json or tiny.target_json),
+        str(extracted.data),
+        2,
+        str(hidden),
+        str(hidden / "manifest.json"),
+    )
 
 
 def assert_same_shard(a: Path, b: Path) -> None:
@@ -595,18 +702,29 @@ def assert_same_shard(a: Path, b: Path) -> None:
     test_rebuilt_shards_are_byte_identical)."""
     assert shards.read_metadata(a) == shards.read_metadata(b)
     sa, sb = shards.load(a), shards.load(b)
-    for name in ("input_ids", "loss_mask", "offsets", "teacher_argmax", "aux_hidden", "final_hidden"):
+    for name in (
+        "input_ids",
+        "loss_mask",
+        "offsets",
+        "teacher_argmax",
+        "aux_hidden",
+        "final_hidden",
+    ):
         assert torch.equal(getattr(sa, name), getattr(sb, name)), name
 
 
 def test_rebuilt_shards_are_byte_identical(target, greedy, tmp_path):
-    hashes = {extract(target, greedy[:2], tmp_path, name=f"shard_{k}")[0]["sha256"] for k in range(4)}
+    hashes = {
+        extract(target, greedy[:2], tmp_path, name=f"shard_{k}")[0]["sha256"] for k in range(4)
+    }
     assert len(hashes) == 1
 
 
 def test_run_shard_writes_contiguous_blocks(extracted, greedy, tiny):
-    assert [m["samples"] for m in extracted.metas] == [[r["id"] for r in greedy[:3]],
-                                                       [r["id"] for r in greedy[3:]]]
+    assert [m["samples"] for m in extracted.metas] == [
+        [r["id"] for r in greedy[:3]],
+        [r["id"] for r in greedy[3:]],
+    ]
     for i, meta in enumerate(extracted.metas):
         shard = shards.load(shards.shard_path(extracted.hidden, i))
         assert shard.target == target_identity(tiny.info)
@@ -621,23 +739,30 @@ def shard_job(data, count, index, directory) -> ShardJob:
     return ShardJob(str(data), count, index, str(path), str(path.with_suffix(".json")))
 
 
-def test_one_job_writes_every_shard_with_one_target_load(tiny, extracted, greedy, tmp_path,
-                                                         monkeypatch):
+def test_one_job_writes_every_shard_with_one_target_load(
+    tiny, extracted, greedy, tmp_path, monkeypatch
+):
     """extract.jobs: one: the training shards and the held-out one from one target load, the
     same bytes as one job per shard, each finished (digest, fsync, record) by a thread of its
     own beside the next shard's forward."""
     loads, writers = [], []
     real_load, real_finish = extract_mod.load_target, extract_mod.finish_shard
-    monkeypatch.setattr(extract_mod, "load_target", lambda *a, **k: loads.append(a) or real_load(*a, **k))
-    monkeypatch.setattr(extract_mod, "finish_shard", lambda *a, **k: writers.append(
-        threading.current_thread().name) or real_finish(*a, **k))
+    monkeypatch.setattr(
+        extract_mod, "load_target", lambda *a, **k: loads.append(a) or real_load(*a, **k)
+    )
+    monkeypatch.setattr(
+        extract_mod,
+        "finish_shard",
+        lambda *a, **k: writers.append(threading.current_thread().name) or real_finish(*a, **k),
+    )
     eval_data = tmp_path / "eval.jsonl"
     write_jsonl(eval_data, greedy[:2])
     hidden = tmp_path / "hidden"
     jobs = [shard_job(extracted.data, 2, i, hidden) for i in range(2)]
     jobs.append(shard_job(eval_data, 1, 0, hidden / "eval"))
-    metas = run_shards(stage_cfg(), str(tiny.target_json), jobs,
-                       progress_path=str(tmp_path / "progress.json"))
+    metas = run_shards(
+        stage_cfg(), str(tiny.target_json), jobs, progress_path=str(tmp_path / "progress.json")
+    )
     assert len(loads) == 1
     assert [m["sha256"] for m in metas[:2]] == extracted.sha  # as the per-shard jobs wrote them
     assert [shards.digest_path(j.shard) for j in jobs] == [m["sha256"] for m in metas]
@@ -662,8 +787,11 @@ def test_one_job_stops_at_a_shard_that_fails_its_check(tiny, greedy, tmp_path):
 
 def test_manifest_reuses_matching_shards(tiny, extracted, hidden_copy, extract_calls, monkeypatch):
     before = [os.stat(shards.shard_path(hidden_copy, i)) for i in range(2)]
-    monkeypatch.setattr(manifest_mod, "load_target",
-                        lambda *a, **k: pytest.fail("loaded the target with nothing to extract"))
+    monkeypatch.setattr(
+        manifest_mod,
+        "load_target",
+        lambda *a, **k: pytest.fail("loaded the target with nothing to extract"),
+    )
     manifest = manifest_of(tiny, extracted, hidden_copy)
     assert extract_calls == []
     after = [os.stat(shards.shard_path(hidden_copy, i)) for i in range(2)]
@@ -682,16 +810,19 @@ def test_manifest_reuses_matching_shards(tiny, extracted, hidden_copy, extract_c
     assert manifest["greedy"] is True and manifest["teacher_agreement"] == 1.0
     positions = sum(m["teacher"]["positions"] for m in metas)
     assert manifest["teacher_mean_logprob"] == pytest.approx(
-        sum(m["teacher"]["mean_logprob"] * m["teacher"]["positions"] for m in metas) / positions)
+        sum(m["teacher"]["mean_logprob"] * m["teacher"]["positions"] for m in metas) / positions
+    )
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "delete", "delete_sidecar"])
-def test_manifest_rebuilds_exactly_the_damaged_shard(tiny, extracted, hidden_copy, extract_calls, damage):
+def test_manifest_rebuilds_exactly_the_damaged_shard(
+    tiny, extracted, hidden_copy, extract_calls, damage
+):
     bad = shards.shard_path(hidden_copy, 1)
     good_stat = os.stat(shards.shard_path(hidden_copy, 0))
     data = bad.read_bytes()
     if damage == "truncate":
-        bad.write_bytes(data[:len(data) - 100])
+        bad.write_bytes(data[: len(data) - 100])
     elif damage == "flip":
         flipped = bytearray(data)
         flipped[len(data) // 2] ^= 0x01
@@ -709,63 +840,114 @@ def test_manifest_rebuilds_exactly_the_damaged_shard(tiny, extracted, hidden_cop
     assert manifest["tokens"] == sum(m["tokens"] for m in extracted.metas)
 
 
-def test_manifest_lists_and_rebuilds_the_eval_shard(tiny, extracted, greedy, hidden_copy, extract_calls):
+def test_manifest_lists_and_rebuilds_the_eval_shard(
+    tiny, extracted, greedy, hidden_copy, extract_calls
+):
     eval_data = hidden_copy.parent / "synthetic" / "eval.jsonl"
     write_jsonl(eval_data, greedy[:2])
     eval_shard = shards.shard_path(hidden_copy / "eval", 0)
-    run_shard(stage_cfg(), str(tiny.target_json), str(eval_data), 0, 1, str(eval_shard),
-              str(eval_shard.with_suffix(".json")))
+    run_shard(
+        stage_cfg(),
+        str(tiny.target_json),
+        str(eval_data),
+        0,
+        1,
+        str(eval_shard),
+        str(eval_shard.with_suffix(".json")),
+    )
     sha = shards.digest_path(eval_shard)
     extract_calls.clear()
     eval_shard.write_bytes(eval_shard.read_bytes()[:-100])  # truncated after extraction
-    manifest = build_manifest(stage_cfg(), str(tiny.target_json), str(extracted.data), 2,
-                              str(hidden_copy), str(hidden_copy / "manifest.json"),
-                              eval_data_path=str(eval_data))
+    manifest = build_manifest(
+        stage_cfg(),
+        str(tiny.target_json),
+        str(extracted.data),
+        2,
+        str(hidden_copy),
+        str(hidden_copy / "manifest.json"),
+        eval_data_path=str(eval_data),
+    )
     assert extract_calls == [eval_shard.name]  # only the damaged eval shard, from eval data
     assert [(s["file"], s["sha256"], s["samples"]) for s in manifest["eval_shards"]] == [
-        ("eval/shard_00000.safetensors", sha, [r["id"] for r in greedy[:2]])]
-    assert [s["file"] for s in manifest["shards"]] == ["shard_00000.safetensors",
-                                                      "shard_00001.safetensors"]
+        ("eval/shard_00000.safetensors", sha, [r["id"] for r in greedy[:2]])
+    ]
+    assert [s["file"] for s in manifest["shards"]] == [
+        "shard_00000.safetensors",
+        "shard_00001.safetensors",
+    ]
     assert manifest["num_shards"] == 2 and manifest["num_samples"] == len(greedy)
 
 
 def test_a_held_out_split_of_several_shards_is_listed_and_rebuilt_shard_by_shard(
-        tiny, extracted, greedy, hidden_copy, extract_calls):
+    tiny, extracted, greedy, hidden_copy, extract_calls
+):
     """extract.num_eval_shards 2: contiguous blocks of the held-out samples, as the training
     split's; the damaged one is extracted again from its own block, the other kept."""
     eval_data = hidden_copy.parent / "synthetic" / "eval.jsonl"
     write_jsonl(eval_data, greedy[:3])
     paths = [shards.shard_path(hidden_copy / "eval", i) for i in range(2)]
     for i, path in enumerate(paths):
-        run_shard(stage_cfg(), str(tiny.target_json), str(eval_data), i, 2, str(path),
-                  str(path.with_suffix(".json")))
+        run_shard(
+            stage_cfg(),
+            str(tiny.target_json),
+            str(eval_data),
+            i,
+            2,
+            str(path),
+            str(path.with_suffix(".json")),
+        )
     sha = [shards.digest_path(p) for p in paths]
     extract_calls.clear()
     paths[1].write_bytes(paths[1].read_bytes()[:-100])
-    manifest = build_manifest(stage_cfg(), str(tiny.target_json), str(extracted.data), 2,
-                              str(hidden_copy), str(hidden_copy / "manifest.json"),
-                              eval_data_path=str(eval_data), num_eval_shards=2)
+    manifest = build_manifest(
+        stage_cfg(),
+        str(tiny.target_json),
+        str(extracted.data),
+        2,
+        str(hidden_copy),
+        str(hidden_copy / "manifest.json"),
+        eval_data_path=str(eval_data),
+        num_eval_shards=2,
+    )
     assert extract_calls == [paths[1].name]
     assert [(s["file"], s["sha256"], s["samples"]) for s in manifest["eval_shards"]] == [
         ("eval/shard_00000.safetensors", sha[0], [greedy[0]["id"]]),
-        ("eval/shard_00001.safetensors", sha[1], [r["id"] for r in greedy[1:3]])]
+        ("eval/shard_00001.safetensors", sha[1], [r["id"] for r in greedy[1:3]]),
+    ]
     assert manifest["num_shards"] == 2
 
 
 def test_an_empty_held_out_shard_names_its_own_setting(tiny, greedy, tmp_path):
     data = tmp_path / "eval.jsonl"
     write_jsonl(data, greedy[:1])
-    shard = shards.shard_path(tmp_path / "hidden" / "eval", 0)   # the one sample is shard 1's
-    with pytest.raises(ExtractionError, match=r"held-out shard 0 of 2 has no samples: lower "
-                                              r"extract.num_eval_shards"):
-        run_shard(stage_cfg(), str(tiny.target_json), str(data), 0, 2, str(shard),
-                  str(shard.with_suffix(".json")))
+    shard = shards.shard_path(tmp_path / "hidden" / "eval", 0)  # the one sample is shard 1's
+    with pytest.raises(
+        ExtractionError,
+        match=r"held-out shard 0 of 2 has no samples: lower "
+        r"extract.num_eval_shards",
+    ):
+        run_shard(
+            stage_cfg(),
+            str(tiny.target_json),
+            str(data),
+            0,
+            2,
+            str(shard),
+            str(shard.with_suffix(".json")),
+        )
 
 
-@pytest.mark.parametrize("key, value", [("aux_layer_ids", [0, 1, 2]),
-                                        ("target", {"spec": "another/model", "config_sha256": "y"}),
-                                        ("dtype", "bfloat16")])
-def test_manifest_rebuilds_a_shard_from_another_run(tiny, extracted, hidden_copy, extract_calls, key, value):
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("aux_layer_ids", [0, 1, 2]),
+        ("target", {"spec": "another/model", "config_sha256": "y"}),
+        ("dtype", "bfloat16"),
+    ],
+)
+def test_manifest_rebuilds_a_shard_from_another_run(
+    tiny, extracted, hidden_copy, extract_calls, key, value
+):
     sidecar = shards.shard_path(hidden_copy, 0).with_suffix(".json")
     meta = read_json(sidecar)
     meta[key] = value
@@ -789,41 +971,74 @@ def test_manifest_follows_a_changed_run(tiny, extracted, hidden_copy, extract_ca
     extract_calls.clear()
     other = dict(read_json(tiny.target_json), config_sha256="0" * 64)
     write_json(tmp_path / "target.json", other)
-    manifest = manifest_of(tiny, extracted, hidden_copy, cfg=stage_cfg(aux_layer_ids=[1, 2, 5]),
-                           target_json=tmp_path / "target.json")
+    manifest = manifest_of(
+        tiny,
+        extracted,
+        hidden_copy,
+        cfg=stage_cfg(aux_layer_ids=[1, 2, 5]),
+        target_json=tmp_path / "target.json",
+    )
     assert len(extract_calls) == 2
     assert manifest["target"]["config_sha256"] == "0" * 64
-    assert all(shards.read_metadata(shards.shard_path(hidden_copy, i))["target"]["config_sha256"]
-               == "0" * 64 for i in range(2))
+    assert all(
+        shards.read_metadata(shards.shard_path(hidden_copy, i))["target"]["config_sha256"]
+        == "0" * 64
+        for i in range(2)
+    )
 
 
 def test_run_shard_checks_disk_before_extracting(tiny, extracted, tmp_path, monkeypatch):
-    monkeypatch.setattr(shutil, "disk_usage",
-                        lambda path: SimpleNamespace(total=2**20, used=2**20 - 1000, free=1000))
+    monkeypatch.setattr(
+        shutil,
+        "disk_usage",
+        lambda path: SimpleNamespace(total=2**20, used=2**20 - 1000, free=1000),
+    )
     hidden = tmp_path / "hidden"
     with pytest.raises(ExtractionError, match="not enough disk"):
-        run_shard(stage_cfg(), str(tiny.target_json), str(extracted.data), 0, 2,
-                  str(shards.shard_path(hidden, 0)), str(hidden / "shard_00000.json"))
+        run_shard(
+            stage_cfg(),
+            str(tiny.target_json),
+            str(extracted.data),
+            0,
+            2,
+            str(shards.shard_path(hidden, 0)),
+            str(hidden / "shard_00000.json"),
+        )
     assert not list(hidden.iterdir())
 
 
 def no_disk(monkeypatch) -> None:
-    monkeypatch.setattr(shutil, "disk_usage",
-                        lambda path: SimpleNamespace(total=2**20, used=2**20 - 1000, free=1000))
+    monkeypatch.setattr(
+        shutil,
+        "disk_usage",
+        lambda path: SimpleNamespace(total=2**20, used=2**20 - 1000, free=1000),
+    )
     for module in (extract_mod, manifest_mod):  # the hf jobs' and the manifest's loads
-        monkeypatch.setattr(module, "load_target",
-                            lambda *a, **k: pytest.fail("loaded the model before checking the disk"))
+        monkeypatch.setattr(
+            module,
+            "load_target",
+            lambda *a, **k: pytest.fail("loaded the model before checking the disk"),
+        )
 
 
 def test_run_shard_checks_disk_before_loading_the_model(tiny, extracted, tmp_path, monkeypatch):
     no_disk(monkeypatch)
     hidden = tmp_path / "hidden"
     with pytest.raises(ExtractionError, match="not enough disk"):
-        run_shard(stage_cfg(), str(tiny.target_json), str(extracted.data), 0, 2,
-                  str(shards.shard_path(hidden, 0)), str(hidden / "shard_00000.json"))
+        run_shard(
+            stage_cfg(),
+            str(tiny.target_json),
+            str(extracted.data),
+            0,
+            2,
+            str(shards.shard_path(hidden, 0)),
+            str(hidden / "shard_00000.json"),
+        )
 
 
-def test_manifest_checks_disk_before_extracting_a_shard_again(tiny, extracted, hidden_copy, monkeypatch):
+def test_manifest_checks_disk_before_extracting_a_shard_again(
+    tiny, extracted, hidden_copy, monkeypatch
+):
     bad = shards.shard_path(hidden_copy, 1)
     bad.write_bytes(bad.read_bytes()[:-100])
     no_disk(monkeypatch)
@@ -835,8 +1050,15 @@ def test_manifest_checks_disk_before_extracting_a_shard_again(tiny, extracted, h
 def test_run_shard_rejects_an_empty_shard(tiny, extracted, tmp_path):
     with pytest.raises(ExtractionError, match="lower extract.num_shards"):
         # 6 samples in 8 shards: shard 0 gets samples [0, 0)
-        run_shard(stage_cfg(), str(tiny.target_json), str(extracted.data), 0, 8,
-                  str(shards.shard_path(tmp_path, 0)), str(tmp_path / "shard_00000.json"))
+        run_shard(
+            stage_cfg(),
+            str(tiny.target_json),
+            str(extracted.data),
+            0,
+            8,
+            str(shards.shard_path(tmp_path, 0)),
+            str(tmp_path / "shard_00000.json"),
+        )
 
 
 def test_a_shard_that_failed_the_teacher_check_is_never_accepted(tiny, greedy, tmp_path):
@@ -845,9 +1067,13 @@ def test_a_shard_that_failed_the_teacher_check_is_never_accepted(tiny, greedy, t
     hidden = tmp_path / "hidden"
     cfg = stage_cfg()
     with pytest.raises(ExtractionError):
-        build_manifest(cfg, str(tiny.target_json), str(data), 1, str(hidden), str(hidden / "manifest.json"))
+        build_manifest(
+            cfg, str(tiny.target_json), str(data), 1, str(hidden), str(hidden / "manifest.json")
+        )
     with pytest.raises(ExtractionError):  # the second try must fail the same way
-        build_manifest(cfg, str(tiny.target_json), str(data), 1, str(hidden), str(hidden / "manifest.json"))
+        build_manifest(
+            cfg, str(tiny.target_json), str(data), 1, str(hidden), str(hidden / "manifest.json")
+        )
 
 
 def test_a_sharded_target_writes_the_same_shard(tiny, greedy, greedy_shard, tmp_path):
@@ -863,13 +1089,11 @@ def test_a_sharded_target_writes_the_same_shard(tiny, greedy, greedy_shard, tmp_
 def test_recorded_answers_are_left_out_of_the_greedy_check_and_reported(target, greedy, tmp_path):
     """answers: dataset: another writer's answers disagree with the target's argmax; the greedy
     check covers the target's own answers, the recorded ones are reported apart."""
-    recorded = [{**r, "model": "dataset", "sampling": None}
-                for r in random_records(n=2, seed=7)]
+    recorded = [{**r, "model": "dataset", "sampling": None} for r in random_records(n=2, seed=7)]
     meta, _ = extract(target, greedy[:4] + recorded, tmp_path)
     assert meta["greedy"] is True and meta["recorded_answers"] == 2
     assert meta["teacher"]["agreement"] == 1.0
-    assert meta["teacher"]["positions"] == sum(len(r["completion_token_ids"])
-                                               for r in greedy[:4])
+    assert meta["teacher"]["positions"] == sum(len(r["completion_token_ids"]) for r in greedy[:4])
     other = meta["teacher"]["recorded_answers"]
     assert other["positions"] == sum(len(r["completion_token_ids"]) for r in recorded)
     assert other["agreement"] < 0.5 and other["mean_logprob"] < -3

@@ -17,8 +17,15 @@ import pytest
 
 from eaglet.core.io import request_path
 from eaglet.engine.client import RequestFailed
-from eaglet.stages.generate import (GenerationSettings, Sampling, build_messages, collect, generate,
-                                    parse_response, read_partial)
+from eaglet.stages.generate import (
+    GenerationSettings,
+    Sampling,
+    build_messages,
+    collect,
+    generate,
+    parse_response,
+    read_partial,
+)
 
 SAMPLING = Sampling(temperature=0.0, top_p=1.0, max_tokens=8, seed=0)
 
@@ -26,7 +33,7 @@ SAMPLING = Sampling(temperature=0.0, top_p=1.0, max_tokens=8, seed=0)
 class ScriptedChat(BaseHTTPRequestHandler):
     """Answers each prompt with ids derived from its text; ``plan`` scripts failures."""
 
-    plan: dict[str, list[int]] = {}      # prompt text -> status codes to return first
+    plan: dict[str, list[int]] = {}  # prompt text -> status codes to return first
     calls: Counter = Counter()
     conversations: list[list[dict]] = []  # the messages of every request, in arrival order
     transfer: dict[str, dict | None] = {}  # prompt text -> the request's kv_transfer_params
@@ -63,8 +70,13 @@ class ScriptedChat(BaseHTTPRequestHandler):
         ScriptedChat.sampled[text] = {k: request[k] for k in ("top_k", "min_p") if k in request}
         if request.get("kv_transfer_params"):  # the connector saves after answering
             save_to = Path(request["kv_transfer_params"]["hidden_states_path"])
-            threading.Timer(0.3, lambda: (save_to.parent.mkdir(parents=True, exist_ok=True),
-                                          save_to.write_bytes(b"states"))).start()
+            threading.Timer(
+                0.3,
+                lambda: (
+                    save_to.parent.mkdir(parents=True, exist_ok=True),
+                    save_to.write_bytes(b"states"),
+                ),
+            ).start()
         statuses = ScriptedChat.plan.get(text, [])
         if statuses:
             status = statuses.pop(0)
@@ -73,9 +85,13 @@ class ScriptedChat(BaseHTTPRequestHandler):
         assert request["spaces_between_special_tokens"] is False  # the text as the ids spell it
         body = {
             "prompt_token_ids": [1, 2, len(text)],
-            "choices": [{"message": {"content": text.upper(), "reasoning": None},
-                         "token_ids": [ord(c) for c in text[:4]] + [2],
-                         "finish_reason": "stop"}],
+            "choices": [
+                {
+                    "message": {"content": text.upper(), "reasoning": None},
+                    "token_ids": [ord(c) for c in text[:4]] + [2],
+                    "finish_reason": "stop",
+                }
+            ],
             "usage": {"prompt_tokens": 3, "completion_tokens": 5},
         }
         if ScriptedChat.capture_dir is not None and not request.get("kv_transfer_params"):
@@ -91,8 +107,10 @@ class ScriptedChat(BaseHTTPRequestHandler):
         if request["prompt"][0] == 666:  # a server without the capture options
             return self._send(200, {"choices": [{"text": "x"}]})
         threading.Timer(0.3, lambda: path.write_bytes(b"states")).start()
-        self._send(200, {"choices": [{"text": "x"}],
-                         "kv_transfer_params": {"hidden_states_path": str(path)}})
+        self._send(
+            200,
+            {"choices": [{"text": "x"}], "kv_transfer_params": {"hidden_states_path": str(path)}},
+        )
 
 
 @pytest.fixture
@@ -108,13 +126,26 @@ def server():
 
 
 def prompts(n: int) -> list[dict]:
-    return [{"id": f"p-{i:016x}", "messages": [{"role": "user", "content": f"question {i}"}],
-             "source": "test", "row": i} for i in range(n)]
+    return [
+        {
+            "id": f"p-{i:016x}",
+            "messages": [{"role": "user", "content": f"question {i}"}],
+            "source": "test",
+            "row": i,
+        }
+        for i in range(n)
+    ]
 
 
 def settings(url: str, **kw) -> GenerationSettings:
-    return GenerationSettings(base_url=url, sampling=SAMPLING, concurrency=4,
-                              request_timeout_s=10, max_retries=kw.pop("max_retries", 2), **kw)
+    return GenerationSettings(
+        base_url=url,
+        sampling=SAMPLING,
+        concurrency=4,
+        request_timeout_s=10,
+        max_retries=kw.pop("max_retries", 2),
+        **kw,
+    )
 
 
 def test_every_prompt_answered_once_with_token_ids(server, tmp_path):
@@ -203,8 +234,12 @@ def test_read_partial_keeps_every_good_record_around_a_corrupt_middle_line(tmp_p
 
 def test_read_partial_prefers_an_answer_over_an_earlier_or_later_failure(tmp_path):
     partial = tmp_path / "p.jsonl"
-    rows = [{"id": "p-a", "error": "x"}, {"id": "p-a", "content": "ok"},
-            {"id": "p-a", "error": "late"}, {"id": "p-b", "error": "y"}]
+    rows = [
+        {"id": "p-a", "error": "x"},
+        {"id": "p-a", "content": "ok"},
+        {"id": "p-a", "error": "late"},
+        {"id": "p-b", "error": "y"},
+    ]
     partial.write_text("".join(json.dumps(r) + "\n" for r in rows))
     records = read_partial(partial)
     assert records["p-a"] == {"id": "p-a", "content": "ok"}
@@ -214,10 +249,18 @@ def test_read_partial_prefers_an_answer_over_an_earlier_or_later_failure(tmp_pat
 def test_collect_counts_failures_and_truncation():
     ps = prompts(3)
     records = {
-        ps[0]["id"]: {"id": ps[0]["id"], "finish_reason": "stop",
-                      "prompt_token_ids": [1, 2], "completion_token_ids": [3, 2]},
-        ps[1]["id"]: {"id": ps[1]["id"], "finish_reason": "length",
-                      "prompt_token_ids": [1], "completion_token_ids": [4, 5, 6]},
+        ps[0]["id"]: {
+            "id": ps[0]["id"],
+            "finish_reason": "stop",
+            "prompt_token_ids": [1, 2],
+            "completion_token_ids": [3, 2],
+        },
+        ps[1]["id"]: {
+            "id": ps[1]["id"],
+            "finish_reason": "length",
+            "prompt_token_ids": [1],
+            "completion_token_ids": [4, 5, 6],
+        },
         ps[2]["id"]: {"id": ps[2]["id"], "error": "HTTP 400"},
     }
     kept, counts = collect(ps, records, keep_truncated=True)
@@ -230,9 +273,17 @@ def test_collect_counts_failures_and_truncation():
 
 
 def test_parse_response_keeps_reasoning_under_either_name():
-    body = {"prompt_token_ids": [1], "usage": {},
-            "choices": [{"message": {"content": "a", "reasoning_content": "think"},
-                         "token_ids": [5], "finish_reason": "stop"}]}
+    body = {
+        "prompt_token_ids": [1],
+        "usage": {},
+        "choices": [
+            {
+                "message": {"content": "a", "reasoning_content": "think"},
+                "token_ids": [5],
+                "finish_reason": "stop",
+            }
+        ],
+    }
     assert parse_response(body)["reasoning"] == "think"
     body["choices"][0]["message"]["reasoning"] = "vllm 0.32 name"
     assert parse_response(body)["reasoning"] == "vllm 0.32 name"
@@ -247,8 +298,10 @@ def test_parse_response_without_token_ids_is_a_permanent_error():
 
 def test_system_prompt_added_only_where_missing():
     user = {"role": "user", "content": "q"}
-    assert build_messages({"messages": [user]}, "be brief")[0] == {"role": "system",
-                                                                 "content": "be brief"}
+    assert build_messages({"messages": [user]}, "be brief")[0] == {
+        "role": "system",
+        "content": "be brief",
+    }
     own = [{"role": "system", "content": "mine"}, user]
     assert build_messages({"messages": own}, "be brief") == own
     assert build_messages({"messages": [user]}, None) == [user]
@@ -265,11 +318,18 @@ def test_multi_turn_answers_every_turn_in_order_after_the_targets_own_answers(se
     # each turn's history holds the target's earlier answers (the server upper-cases)
     assert ScriptedChat.conversations == [
         [{"role": "user", "content": "question 0"}],
-        [{"role": "user", "content": "question 0"}, {"role": "assistant", "content": "QUESTION 0"},
-         {"role": "user", "content": "second ask"}],
-        [{"role": "user", "content": "question 0"}, {"role": "assistant", "content": "QUESTION 0"},
-         {"role": "user", "content": "second ask"},
-         {"role": "assistant", "content": "SECOND ASK"}, {"role": "user", "content": "third ask"}],
+        [
+            {"role": "user", "content": "question 0"},
+            {"role": "assistant", "content": "QUESTION 0"},
+            {"role": "user", "content": "second ask"},
+        ],
+        [
+            {"role": "user", "content": "question 0"},
+            {"role": "assistant", "content": "QUESTION 0"},
+            {"role": "user", "content": "second ask"},
+            {"role": "assistant", "content": "SECOND ASK"},
+            {"role": "user", "content": "third ask"},
+        ],
     ]
     pid = convo["id"]
     assert sorted(records) == [pid, f"{pid}.t2", f"{pid}.t3"]
@@ -293,15 +353,21 @@ def test_multi_turn_stops_at_a_failed_turn_and_resumes_from_it(server, tmp_path)
     assert ScriptedChat.calls == Counter({"second ask": 1, "third ask": 1})  # turn 1 kept
     assert second[pid]["created_at"] == first[pid]["created_at"]
     assert [r["id"] for r in collect([convo], second, keep_truncated=True)[0]] == [
-        pid, f"{pid}.t2", f"{pid}.t3"]
+        pid,
+        f"{pid}.t2",
+        f"{pid}.t3",
+    ]
 
 
 def test_a_prompt_too_long_for_the_context_is_skipped_not_sent_and_not_a_failure(server, tmp_path):
     partial = tmp_path / "p.jsonl"
     convo = conversation(0, ["a follow-up far too long " * 50, "never asked"])
     short = prompts(2)[1]
-    too_long = lambda messages: ("too long" if sum(len(m["content"]) for m in messages) > 200  # noqa: E731
-                                 else None)
+    too_long = lambda messages: (
+        "too long"
+        if sum(len(m["content"]) for m in messages) > 200  # noqa: E731
+        else None
+    )
     records = generate([convo, short], settings(server), partial, too_long=too_long)
     pid = convo["id"]
     assert records[f"{pid}.t2"]["skipped"] == "too long" and f"{pid}.t3" not in records
@@ -321,11 +387,15 @@ def test_too_long_check_counts_the_chat_template_tokens():
 
     tokenizer = make_tokenizer(PLAIN_TEMPLATE)  # one token per byte
     messages = [{"role": "user", "content": "x" * 40}]
-    rendered = len(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                 tokenize=True, return_dict=False))
+    rendered = len(
+        tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    )
     assert too_long_check(tokenizer, rendered + 1)(messages) is None
     assert too_long_check(tokenizer, rendered)(messages) == (
-        f"prompt of {rendered} tokens leaves no room within target.max_model_len={rendered}")
+        f"prompt of {rendered} tokens leaves no room within target.max_model_len={rendered}"
+    )
 
 
 def test_capture_asks_for_each_answers_states_at_the_path_extraction_reads(server, tmp_path):
@@ -338,8 +408,10 @@ def test_capture_asks_for_each_answers_states_at_the_path_extraction_reads(serve
     first_id, second_id = chat["id"], chat["id"] + ".t2"
     assert set(records) == {first_id, second_id}
     first, second = (ScriptedChat.transfer[t] for t in ("question 0", "and then?"))
-    assert first == {"include_output_tokens": True,
-                     "hidden_states_path": str(request_path(capture, first_id))}
+    assert first == {
+        "include_output_tokens": True,
+        "hidden_states_path": str(request_path(capture, first_id)),
+    }
     assert second["hidden_states_path"] == str(request_path(capture, second_id))
     # a record is written once its states are: both files are there when generation returns
     assert request_path(capture, first_id).exists() and request_path(capture, second_id).exists()
@@ -360,8 +432,10 @@ def test_recorded_answers_are_prefilled_on_the_capturing_server(server, tmp_path
     cfg = {"generate": validate({})["generate"]}
     capture = tmp_path / "requests"
     capture.mkdir()
-    recorded = [{"id": f"r{i}", "prompt_token_ids": [1, 2, i], "completion_token_ids": [7, i, 2]}
-                for i in range(3)]
+    recorded = [
+        {"id": f"r{i}", "prompt_token_ids": [1, 2, i], "completion_token_ids": [7, i, 2]}
+        for i in range(3)
+    ]
     request_path(capture, "r0").write_bytes(b"saved before")
     ScriptedChat.prefills = []
     assert prefill_recorded(server, recorded, str(capture), cfg) == 2
@@ -376,8 +450,9 @@ def test_recorded_answers_are_prefilled_on_the_capturing_server(server, tmp_path
 
 def test_template_variables_go_with_every_request_and_stay_in_every_record(server, tmp_path):
     switch = {"enable_thinking": False}
-    records = generate(prompts(2), settings(server, chat_template_kwargs=switch),
-                       tmp_path / "p.jsonl")
+    records = generate(
+        prompts(2), settings(server, chat_template_kwargs=switch), tmp_path / "p.jsonl"
+    )
     assert ScriptedChat.template_kwargs == {"question 0": switch, "question 1": switch}
     assert all(r["chat_template_kwargs"] == switch for r in records.values())
     assert "kv_transfer_params" not in ScriptedChat.transfer  # no capture asked for
@@ -399,9 +474,13 @@ def test_top_k_and_min_p_go_with_requests_where_set_and_records_keep_them(server
 
     gen = validate({"generate": {"temperature": 0.6, "top_k": 20, "min_p": 0.05}})["generate"]
     sampling = Sampling.from_config(gen)
-    records = generate(prompts(1), GenerationSettings(
-        base_url=server, sampling=sampling, concurrency=1, request_timeout_s=10, max_retries=0),
-        tmp_path / "a.jsonl")
+    records = generate(
+        prompts(1),
+        GenerationSettings(
+            base_url=server, sampling=sampling, concurrency=1, request_timeout_s=10, max_retries=0
+        ),
+        tmp_path / "a.jsonl",
+    )
     assert ScriptedChat.sampled == {"question 0": {"top_k": 20, "min_p": 0.05}}
     assert records["p-0000000000000000"]["sampling"]["top_k"] == 20
     generate(prompts(1), settings(server), tmp_path / "b.jsonl")
@@ -412,20 +491,23 @@ def test_top_k_and_min_p_go_with_requests_where_set_and_records_keep_them(server
     assert made_with(older) != answer_settings(sampling, None, False)
 
 
-@pytest.mark.parametrize("temperature, gpus, per_request, args", [
-    (1.0, 0, False, ["--seed", "7"]),   # sampled on vLLM's CPU engine: the engine is seeded
-    (0.0, 0, True, []),                 # greedy: no generator is drawn from
-    (1.0, 8, True, []),                 # GPU generators rewind; each request keeps its seed
-])
-def test_sampled_answers_on_the_cpu_engine_are_seeded_by_the_engine(temperature, gpus,
-                                                                    per_request, args):
+@pytest.mark.parametrize(
+    "temperature, gpus, per_request, args",
+    [
+        (1.0, 0, False, ["--seed", "7"]),  # sampled on vLLM's CPU engine: the engine is seeded
+        (0.0, 0, True, []),  # greedy: no generator is drawn from
+        (1.0, 8, True, []),  # GPU generators rewind; each request keeps its seed
+    ],
+)
+def test_sampled_answers_on_the_cpu_engine_are_seeded_by_the_engine(
+    temperature, gpus, per_request, args
+):
     """vLLM's CPU engine died (CPU Generator does not use offset) when a seeded request's
     long prompt was prefilled over two steps: there the server takes generate.seed."""
     from eaglet.core.config import validate
     from eaglet.stages.generate import engine_seeding
 
-    cfg = validate({"generate": {"temperature": temperature, "seed": 7},
-                    "server": {"gpus": gpus}})
+    cfg = validate({"generate": {"temperature": temperature, "seed": 7}, "server": {"gpus": gpus}})
     assert engine_seeding(cfg) == (per_request, args)
 
 
@@ -438,19 +520,23 @@ def test_answers_made_with_other_settings_are_asked_again(server, tmp_path):
     generate(prompts(3), settings(server), partial)  # same settings: nothing asked
     assert sum(ScriptedChat.calls.values()) == 3
     longer = Sampling(temperature=0.0, top_p=1.0, max_tokens=16, seed=0)
-    records = generate(prompts(3), GenerationSettings(
-        base_url=server, sampling=longer, concurrency=4, request_timeout_s=10, max_retries=0),
-        partial)
+    records = generate(
+        prompts(3),
+        GenerationSettings(
+            base_url=server, sampling=longer, concurrency=4, request_timeout_s=10, max_retries=0
+        ),
+        partial,
+    )
     assert sum(ScriptedChat.calls.values()) == 6
     assert all(r["sampling"]["max_tokens"] == 16 for r in records.values())
-    generate(prompts(3), settings(server, chat_template_kwargs={"enable_thinking": False}),
-             partial)
+    generate(prompts(3), settings(server, chat_template_kwargs={"enable_thinking": False}), partial)
     assert sum(ScriptedChat.calls.values()) == 9
     generate(prompts(3), settings(server, system_prompt="Be brief."), partial)
     assert sum(ScriptedChat.calls.values()) == 12
 
 
 # -- answers: dataset -------------------------------------------------------------------------
+
 
 def test_recorded_answers_become_samples_without_asking_any_server(tmp_path):
     """Every training prompt has a recorded answer: the stage renders each through the chat
@@ -466,19 +552,34 @@ def test_recorded_answers_become_samples_without_asking_any_server(tmp_path):
     write_json(tmp_path / "target.json", {"path": str(tmp_path / "target"), "spec": "t"})
     answers = ["Four.", "x" * 50]
     write_jsonl(tmp_path / "train.jsonl", [{**p, "answer": a} for p, a in zip(prompts(2), answers)])
-    cfg = validate({"server": {"url": "http://127.0.0.1:9"},
-                    "generate": {"max_tokens": 20, "system_prompt": "Be brief."}})
-    run_stage(cfg, str(tmp_path / "target.json"), {"train": str(tmp_path / "train.jsonl")},
-              {"train": str(tmp_path / "out.jsonl")}, str(tmp_path / "stats.json"),
-              str(tmp_path / "partial.jsonl"), None, None, str(tmp_path / "server.log"))
+    cfg = validate(
+        {
+            "server": {"url": "http://127.0.0.1:9"},
+            "generate": {"max_tokens": 20, "system_prompt": "Be brief."},
+        }
+    )
+    run_stage(
+        cfg,
+        str(tmp_path / "target.json"),
+        {"train": str(tmp_path / "train.jsonl")},
+        {"train": str(tmp_path / "out.jsonl")},
+        str(tmp_path / "stats.json"),
+        str(tmp_path / "partial.jsonl"),
+        None,
+        None,
+        str(tmp_path / "server.log"),
+    )
     short, cut = read_jsonl(tmp_path / "out.jsonl")
     messages = [{"role": "system", "content": "Be brief."}, *prompts(1)[0]["messages"]]
     assert short["messages"] == messages and short["model"] == "dataset"
     assert short["prompt_token_ids"] == tokenizer.apply_chat_template(
-        messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+        messages, tokenize=True, add_generation_prompt=True, return_dict=False
+    )
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     # the answer's ids and the end-of-turn id, not the newline the template renders after it
-    assert short["completion_token_ids"] == tokenizer.encode("Four.", add_special_tokens=False) + [end]
+    assert short["completion_token_ids"] == tokenizer.encode("Four.", add_special_tokens=False) + [
+        end
+    ]
     assert short["finish_reason"] == "stop" and short["content"] == "Four."
     assert cut["completion_token_ids"] == tokenizer.encode("x" * 20, add_special_tokens=False)
     assert cut["finish_reason"] == "length"
@@ -504,13 +605,23 @@ def test_recorded_answers_prompts_are_rendered_by_the_server_and_kept(server, tm
     write_jsonl(tmp_path / "eval.jsonl", [held_out])
 
     def stage(url: str) -> dict:
-        cfg = validate({"server": {"url": url},
-                        "generate": {"max_tokens": 20, "max_template_mismatch_rate": 1.0}})
-        run_stage(cfg, str(tmp_path / "target.json"),
-                  {"train": str(tmp_path / "train.jsonl"), "eval": str(tmp_path / "eval.jsonl")},
-                  {"train": str(tmp_path / "out.jsonl"), "eval": str(tmp_path / "out_eval.jsonl")},
-                  str(tmp_path / "stats.json"), str(tmp_path / "partial.jsonl"), None, None,
-                  str(tmp_path / "server.log"))
+        cfg = validate(
+            {
+                "server": {"url": url},
+                "generate": {"max_tokens": 20, "max_template_mismatch_rate": 1.0},
+            }
+        )
+        run_stage(
+            cfg,
+            str(tmp_path / "target.json"),
+            {"train": str(tmp_path / "train.jsonl"), "eval": str(tmp_path / "eval.jsonl")},
+            {"train": str(tmp_path / "out.jsonl"), "eval": str(tmp_path / "out_eval.jsonl")},
+            str(tmp_path / "stats.json"),
+            str(tmp_path / "partial.jsonl"),
+            None,
+            None,
+            str(tmp_path / "server.log"),
+        )
         return read_json(tmp_path / "stats.json")
 
     stats = stage(server)
@@ -538,14 +649,15 @@ def test_rendering_on_a_capturing_server_leaves_no_states_behind(server, tmp_pat
     ScriptedChat.capture_dir = tmp_path / "requests"
     ScriptedChat.capture_dir.mkdir()
     recorded = {p["id"]: {**p, "model": "dataset"} for p in prompts(3)}
-    assert render_on_server(server, recorded, tmp_path / "rendered.jsonl",
-                            validate({})["generate"]) == 3
+    assert (
+        render_on_server(server, recorded, tmp_path / "rendered.jsonl", validate({})["generate"])
+        == 3
+    )
     assert all(r["prompt_rendered_by"] == "server" for r in recorded.values())
     assert not list(ScriptedChat.capture_dir.iterdir())
 
 
-def test_a_template_that_raises_for_some_prompts_is_said_with_them_before_any_server(
-        tmp_path):
+def test_a_template_that_raises_for_some_prompts_is_said_with_them_before_any_server(tmp_path):
     """A chat template that raises for some prompts (here: a system message it refuses)
     stopped generation after the server started, with the template's own text alone. Every
     prompt is rendered first: those that fail are named with their source and row, and no
@@ -555,9 +667,10 @@ def test_a_template_that_raises_for_some_prompts_is_said_with_them_before_any_se
     from eaglet.stages.generate import TemplateError, run_stage
     from tests.test_template_check import PLAIN_TEMPLATE, make_tokenizer
 
-    strict = ("{% for m in messages %}{% if m.role == 'system' %}"
-              "{{ raise_exception('System role not supported') }}{% endif %}{% endfor %}"
-              + PLAIN_TEMPLATE)
+    strict = (
+        "{% for m in messages %}{% if m.role == 'system' %}"
+        "{{ raise_exception('System role not supported') }}{% endif %}{% endfor %}" + PLAIN_TEMPLATE
+    )
     make_tokenizer(strict).save_pretrained(tmp_path / "target")
     write_json(tmp_path / "target.json", {"path": str(tmp_path / "target"), "spec": "t"})
     rows = prompts(3)
@@ -565,9 +678,17 @@ def test_a_template_that_raises_for_some_prompts_is_said_with_them_before_any_se
     write_jsonl(tmp_path / "train.jsonl", rows)
     cfg = validate({"server": {"url": "http://127.0.0.1:9"}})
     with pytest.raises(TemplateError) as info:
-        run_stage(cfg, str(tmp_path / "target.json"), {"train": str(tmp_path / "train.jsonl")},
-                  {"train": str(tmp_path / "out.jsonl")}, str(tmp_path / "stats.json"),
-                  str(tmp_path / "partial.jsonl"), None, None, str(tmp_path / "server.log"))
+        run_stage(
+            cfg,
+            str(tmp_path / "target.json"),
+            {"train": str(tmp_path / "train.jsonl")},
+            {"train": str(tmp_path / "out.jsonl")},
+            str(tmp_path / "stats.json"),
+            str(tmp_path / "partial.jsonl"),
+            None,
+            None,
+            str(tmp_path / "server.log"),
+        )
     message = str(info.value)
     assert "chat template cannot render 1 of 3 prompts" in message
     assert f"{rows[1]['id']} (test, row 1): TemplateError: System role not supported" in message
@@ -579,14 +700,16 @@ def test_a_template_that_renders_answers_apart_from_the_prompt_is_refused():
     from tests.test_template_check import PLAIN_TEMPLATE, make_tokenizer
 
     # the generation prompt opens a "bot" turn, an answer renders as an "assistant" one
-    tokenizer = make_tokenizer(PLAIN_TEMPLATE.replace("<|im_start|>assistant\n{% endif %}",
-                                                      "<|im_start|>bot\n{% endif %}"))
+    tokenizer = make_tokenizer(
+        PLAIN_TEMPLATE.replace("<|im_start|>assistant\n{% endif %}", "<|im_start|>bot\n{% endif %}")
+    )
     gen = {"chat_template_kwargs": None, "system_prompt": None, "max_tokens": 8}
     with pytest.raises(RuntimeError, match="use answers: target"):
         dataset_record({**prompts(1)[0], "answer": "A"}, tokenizer, gen, {0})
 
 
 # -- the target's tokenizer ---------------------------------------------------------------------
+
 
 def tokenizer_shipped_as_code(directory: Path) -> Path:
     """A target tokenizer that is code: its class lives in a tokenization_*.py beside it,
@@ -597,11 +720,14 @@ def tokenizer_shipped_as_code(directory: Path) -> Path:
     (directory / "tokenization_tiny.py").write_text(
         "from transformers import PreTrainedTokenizerFast\n\n\n"
         "class TinyTokenizer(PreTrainedTokenizerFast):\n"
-        "    shipped_with_the_model = True\n")
+        "    shipped_with_the_model = True\n"
+    )
     config_path = directory / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
-    config.update(tokenizer_class="TinyTokenizer",
-                  auto_map={"AutoTokenizer": ["tokenization_tiny.TinyTokenizer", None]})
+    config.update(
+        tokenizer_class="TinyTokenizer",
+        auto_map={"AutoTokenizer": ["tokenization_tiny.TinyTokenizer", None]},
+    )
     config_path.write_text(json.dumps(config))
     return directory
 
@@ -615,7 +741,8 @@ def private_modules_cache(tmp_path, monkeypatch):
 
 
 def test_a_tokenizer_shipped_as_code_loads_only_when_the_config_trusts_it(
-        tmp_path, private_modules_cache):
+    tmp_path, private_modules_cache
+):
     from eaglet.stages.generate import load_tokenizer
 
     path = tokenizer_shipped_as_code(tmp_path / "target")
@@ -627,7 +754,8 @@ def test_a_tokenizer_shipped_as_code_loads_only_when_the_config_trusts_it(
 
 
 def test_the_generate_stage_loads_the_tokenizer_with_the_targets_trust_remote_code(
-        tmp_path, private_modules_cache):
+    tmp_path, private_modules_cache
+):
     """run_stage passes target.trust_remote_code to the tokenizer it loads (recorded answers
     need no server, so the stage runs to its end here)."""
     from eaglet.core.config import validate
@@ -639,11 +767,20 @@ def test_the_generate_stage_loads_the_tokenizer_with_the_targets_trust_remote_co
     write_jsonl(tmp_path / "train.jsonl", [{**prompts(1)[0], "answer": "Four."}])
 
     def run(trust: bool) -> None:
-        cfg = validate({"target": {"trust_remote_code": trust},
-                        "server": {"url": "http://127.0.0.1:9"}})
-        run_stage(cfg, str(tmp_path / "target.json"), {"train": str(tmp_path / "train.jsonl")},
-                  {"train": str(tmp_path / "out.jsonl")}, str(tmp_path / "stats.json"),
-                  str(tmp_path / "partial.jsonl"), None, None, str(tmp_path / "server.log"))
+        cfg = validate(
+            {"target": {"trust_remote_code": trust}, "server": {"url": "http://127.0.0.1:9"}}
+        )
+        run_stage(
+            cfg,
+            str(tmp_path / "target.json"),
+            {"train": str(tmp_path / "train.jsonl")},
+            {"train": str(tmp_path / "out.jsonl")},
+            str(tmp_path / "stats.json"),
+            str(tmp_path / "partial.jsonl"),
+            None,
+            None,
+            str(tmp_path / "server.log"),
+        )
 
     with pytest.raises(RuntimeError, match=r"target\.trust_remote_code"):
         run(trust=False)
@@ -665,9 +802,10 @@ def test_a_recorded_answer_after_a_prompt_that_opens_the_reasoning_round_trips()
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     prompt = {**prompts(1)[0], "answer": "It is four."}
     for kwargs, max_tokens, emitted, content in [
-            (None, 50, "</think>It is four.<|im_end|>", "It is four."),
-            ({"thinking": False}, 50, "It is four.<|im_end|>", "It is four."),
-            (None, 5, "</think>It i", "It i")]:
+        (None, 50, "</think>It is four.<|im_end|>", "It is four."),
+        ({"thinking": False}, 50, "It is four.<|im_end|>", "It is four."),
+        (None, 5, "</think>It i", "It i"),
+    ]:
         gen = {"chat_template_kwargs": kwargs, "system_prompt": None, "max_tokens": max_tokens}
         record = dataset_record(prompt, tokenizer, gen, {end})
         assert tokenizer.decode(record["completion_token_ids"]) == emitted

@@ -20,8 +20,10 @@ from eaglet.data.template_check import answer_format, check_record, text_ids
 from eaglet.tools.miniature import answer_text, closer_text
 from tests.helpers.paths import STANDINS
 
-MESSAGES = [{"role": "system", "content": "You are a helpful assistant. Answer clearly."},
-            {"role": "user", "content": "What is two and two? Say it briefly."}]
+MESSAGES = [
+    {"role": "system", "content": "You are a helpful assistant. Answer clearly."},
+    {"role": "user", "content": "What is two and two? Say it briefly."},
+]
 REASONING, CONTENT = "The user asks a sum. Two and two make four.", "It is four."
 SEPARATOR = "<|end|><|start|>assistant<|channel|>final<|message|>"
 
@@ -31,8 +33,11 @@ def target(tmp_path_factory) -> Path:
     """The stand-in's files with the tokenizer built from the installed encoding."""
     directory = tmp_path_factory.mktemp("gpt-oss") / "gpt-oss-20b"
     shutil.copytree(STANDINS / "gpt-oss-20b", directory)
-    subprocess.run([sys.executable, str(STANDINS / "make_harmony_tokenizer.py"), str(directory)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, str(STANDINS / "make_harmony_tokenizer.py"), str(directory)],
+        check=True,
+        capture_output=True,
+    )
     return directory
 
 
@@ -59,8 +64,10 @@ def server_prompt(messages: list[dict]) -> list[int]:
     the messages, through vLLM's own functions."""
     h = harmony()
     instructions, rest = h.extract_instructions_from_messages(messages)
-    return h.render_for_completion(h.build_harmony_preamble(instructions=instructions)
-                                   + h.parse_chat_inputs_to_harmony_messages(rest))
+    return h.render_for_completion(
+        h.build_harmony_preamble(instructions=instructions)
+        + h.parse_chat_inputs_to_harmony_messages(rest)
+    )
 
 
 def served(tokenizer, completion: list[int], messages=MESSAGES) -> dict:
@@ -69,28 +76,43 @@ def served(tokenizer, completion: list[int], messages=MESSAGES) -> dict:
     reasoning, the final channel's the content)."""
     from openai_harmony import Role
 
-    parsed = harmony().get_encoding().parse_messages_from_completion_tokens(
-        completion, Role.ASSISTANT)
+    parsed = (
+        harmony().get_encoding().parse_messages_from_completion_tokens(completion, Role.ASSISTANT)
+    )
     by_channel = {m.channel: "".join(c.text for c in m.content) for m in parsed}
-    return {"id": "p-0", "messages": messages, "reasoning": by_channel.get("analysis"),
-            "content": by_channel.get("final"), "prompt_token_ids": server_prompt(messages),
-            "completion_token_ids": completion, "finish_reason": "stop"}
+    return {
+        "id": "p-0",
+        "messages": messages,
+        "reasoning": by_channel.get("analysis"),
+        "content": by_channel.get("final"),
+        "prompt_token_ids": server_prompt(messages),
+        "completion_token_ids": completion,
+        "finish_reason": "stop",
+    }
 
 
 def answer(tokenizer, reasoning=REASONING, content=CONTENT) -> list[int]:
-    return text_ids(tokenizer, f"<|channel|>analysis<|message|>{reasoning}{SEPARATOR}{content}"
-                               "<|return|>")
+    return text_ids(
+        tokenizer, f"<|channel|>analysis<|message|>{reasoning}{SEPARATOR}{content}<|return|>"
+    )
 
 
 def test_the_standins_tokenizer_is_the_harmony_encoding(tokenizer):
     encoding = harmony().get_encoding()
-    for text in ("Hello world! How's it going?", "def f(x):\n    return x**2  # 你好 😀",
-                 "  spaces\n\n\nnewlines 12345 67 don't", "Ünïcödé — ‘quotes’ … ½"):
+    for text in (
+        "Hello world! How's it going?",
+        "def f(x):\n    return x**2  # 你好 😀",
+        "  spaces\n\n\nnewlines 12345 67 don't",
+        "Ünïcödé — ‘quotes’ … ½",
+    ):
         assert tokenizer.encode(text, add_special_tokens=False) == encoding.encode(
-            text, allowed_special=set()), text
+            text, allowed_special=set()
+        ), text
     for name in ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>"):
-        assert tokenizer.convert_tokens_to_ids(name) == encoding.encode(
-            name, allowed_special={name})[0]
+        assert (
+            tokenizer.convert_tokens_to_ids(name)
+            == encoding.encode(name, allowed_special={name})[0]
+        )
 
 
 def test_a_harmony_answer_checks_against_the_servers_rendering(tokenizer, fmt):
@@ -111,13 +133,20 @@ def test_a_harmony_answer_checks_against_the_servers_rendering(tokenizer, fmt):
 def test_a_lost_marker_and_another_tokenizer_still_fail(tokenizer, fmt):
     record = served(tokenizer, answer(tokenizer))
     reference = record["prompt_token_ids"]
-    lost = dict(record, completion_token_ids=text_ids(
-        tokenizer, f"<|channel|>analysis<|message|>{REASONING}{CONTENT}<|return|>"))
+    lost = dict(
+        record,
+        completion_token_ids=text_ids(
+            tokenizer, f"<|channel|>analysis<|message|>{REASONING}{CONTENT}<|return|>"
+        ),
+    )
     result = check_record(tokenizer, lost, fmt, reference=reference)
     assert not result.ok and result.part == "completion", result.reason
     other = AutoTokenizer.from_pretrained(STANDINS / "qwen3-8b")
-    foreign = dict(record, completion_token_ids=other.encode(
-        f"{REASONING} {CONTENT}", add_special_tokens=False) + [200002])
+    foreign = dict(
+        record,
+        completion_token_ids=other.encode(f"{REASONING} {CONTENT}", add_special_tokens=False)
+        + [200002],
+    )
     result = check_record(tokenizer, foreign, fmt, reference=reference)
     assert not result.ok and result.part == "completion", result.reason
     # a prompt the server did not render for these messages fails too
@@ -125,8 +154,7 @@ def test_a_lost_marker_and_another_tokenizer_still_fail(tokenizer, fmt):
     assert check_record(tokenizer, moved, fmt, reference=reference).part == "prompt"
 
 
-def test_the_miniature_is_taught_the_channels_from_the_field_the_template_reads(tokenizer,
-                                                                                 fmt):
+def test_the_miniature_is_taught_the_channels_from_the_field_the_template_reads(tokenizer, fmt):
     """gpt-oss's template reads an answer's reasoning from ``thinking``: offered under every
     name templates use, the template renders it, and its rendering is the taught format: the
     analysis channel, the final one, the end of the answer. What closes the reasoning is what

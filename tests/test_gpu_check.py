@@ -28,9 +28,22 @@ def run(tmp_path_factory) -> tuple[dict, Path, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     # the compiled variant is left out: it spends a minute compiling on CPU, and its
     # equality with the plain step is tests/test_ttt_loss.py's
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--out", str(out), "--keep-shard",
-                           "--variants", "plain,fused_loss"],
-                          capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--tiny",
+            "--out",
+            str(out),
+            "--keep-shard",
+            "--variants",
+            "plain,fused_loss",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return json.loads((out / "gpu_check.json").read_text()), out, proc.stdout
 
@@ -56,21 +69,34 @@ def test_extraction_rates_and_shard(run):
     ext = result["sections"]["extraction"]
     tokens = ext["tokens"]
     assert tokens == ext["samples"] * ext["sample_len"] > 0
-    for kind in ("plain_forward", "hooked_forward", "extraction", "shards_in_one_job",
-                 "extraction_not_overlapped"):
+    for kind in (
+        "plain_forward",
+        "hooked_forward",
+        "extraction",
+        "shards_in_one_job",
+        "extraction_not_overlapped",
+    ):
         assert ext[f"{kind}_s"] > 0
         assert close(ext[f"{kind}_tokens_per_s"], tokens / ext[f"{kind}_s"])
-    assert close(ext["shards_in_one_job_over_forward"],
-                 ext["shards_in_one_job_tokens_per_s"] / ext["hooked_forward_tokens_per_s"])
+    assert close(
+        ext["shards_in_one_job_over_forward"],
+        ext["shards_in_one_job_tokens_per_s"] / ext["hooked_forward_tokens_per_s"],
+    )
     # the same tokens in shards of their own: the shard file's bytes but for the headers
     assert ext["shards_in_one_job"] == 2
     assert abs(ext["shards_in_one_job_bytes"] - ext["shard_bytes"]) < 4096
-    assert close(ext["extraction_over_forward"],
-                 ext["extraction_tokens_per_s"] / ext["hooked_forward_tokens_per_s"])
-    assert close(ext["extraction_over_plain_forward"],
-                 ext["extraction_tokens_per_s"] / ext["plain_forward_tokens_per_s"])
-    assert close(ext["extraction_not_overlapped_over_forward"],
-                 ext["extraction_not_overlapped_tokens_per_s"] / ext["hooked_forward_tokens_per_s"])
+    assert close(
+        ext["extraction_over_forward"],
+        ext["extraction_tokens_per_s"] / ext["hooked_forward_tokens_per_s"],
+    )
+    assert close(
+        ext["extraction_over_plain_forward"],
+        ext["extraction_tokens_per_s"] / ext["plain_forward_tokens_per_s"],
+    )
+    assert close(
+        ext["extraction_not_overlapped_over_forward"],
+        ext["extraction_not_overlapped_tokens_per_s"] / ext["hooked_forward_tokens_per_s"],
+    )
     shard = shards.load(out / "gpu_check_shard.safetensors", ext["shard_sha256"])
     assert shard.num_tokens == tokens == ext["shard_tokens_in_file"]
     assert shard.num_samples == ext["samples"]
@@ -85,13 +111,20 @@ def test_training_rates(run, section):
     train = result["sections"][section]
     shape = result["shapes"]["llama" if section == "train_llama" else "kimi"]
     assert (train["hidden"], train["target_vocab"], train["draft_vocab"]) == (
-        shape["hidden"], shape["vocab"], shape["draft_vocab"])
+        shape["hidden"],
+        shape["vocab"],
+        shape["draft_vocab"],
+    )
     assert train["ttt_steps"] == 7 and train["tokens_per_step"] > 0 and train["step_s"] > 0
     assert train["step_s"] in train["step_s_all"]
     assert close(train["tokens_per_s"], train["tokens_per_step"] / train["step_s"])
-    assert close(train["model_tflops_per_s"], train["flops_per_token"] * train["tokens_per_s"] / 1e12)
+    assert close(
+        train["model_tflops_per_s"], train["flops_per_token"] * train["tokens_per_s"] / 1e12
+    )
     if train["mfu"] is not None:  # on a GPU
-        assert close(train["mfu"], train["flops_per_token"] * train["tokens_per_s"] / train["peak_flops"])
+        assert close(
+            train["mfu"], train["flops_per_token"] * train["tokens_per_s"] / train["peak_flops"]
+        )
     assert all(loss == loss and loss > 0 for loss in train["losses"])  # finite, steps ran
     if section == "train_llama":
         assert close(train["over_naive_anchor"], train["tokens_per_s"] / 17_000)
@@ -99,8 +132,10 @@ def test_training_rates(run, section):
     variants = train["variants"]
     assert list(variants) == ["plain", "fused_loss"] and train["variant"] == "fused_loss"
     assert variants["fused_loss"]["max_loss_rel_diff"] < 1e-5
-    assert close(variants["fused_loss"]["over_plain"],
-                 variants["fused_loss"]["tokens_per_s"] / variants["plain"]["tokens_per_s"])
+    assert close(
+        variants["fused_loss"]["over_plain"],
+        variants["fused_loss"]["tokens_per_s"] / variants["plain"]["tokens_per_s"],
+    )
 
 
 def test_profile_accounts_for_the_step(run):
@@ -116,8 +151,10 @@ def test_disk_rates(run):
     d = result["sections"]["disk"]
     assert d["bytes"] >= result["sizes"]["disk_bytes"] * 0.99
     for kind in ("shard", "plain"):
-        assert close(d[f"{kind}_write_gb_per_s"], d[f"{kind}_bytes" if kind == "plain" else "bytes"]
-                     / d[f"{kind}_write_s"] / 1e9)
+        assert close(
+            d[f"{kind}_write_gb_per_s"],
+            d[f"{kind}_bytes" if kind == "plain" else "bytes"] / d[f"{kind}_write_s"] / 1e9,
+        )
     assert close(d["shard_over_plain"], d["shard_write_gb_per_s"] / d["plain_write_gb_per_s"])
 
 
@@ -145,7 +182,9 @@ def test_imports_without_jsonschema(monkeypatch):
             raise ImportError("jsonschema is not installed on the device machine")
         return real(name, *args, **kwargs)
 
-    for name in [m for m in sys.modules if m == "jsonschema" or m.startswith(("jsonschema.", "eaglet"))]:
+    for name in [
+        m for m in sys.modules if m == "jsonschema" or m.startswith(("jsonschema.", "eaglet"))
+    ]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setattr(builtins, "__import__", refuse)
     assert load_script("gpu_check_without_jsonschema").SECTIONS

@@ -32,26 +32,41 @@ def _env() -> dict[str, str]:
 
 def run_mini(workdir: Path, *extra: str) -> dict[str, tuple[float, float]]:
     """Run the miniature workflow; every job's (start, end) by job name."""
-    cmd = [str(SNAKEMAKE), "--snakefile", str(MINI), "--directory", str(workdir),
-           "--cores", "2", "--workflow-profile", str(DEFAULT_PROFILE), *extra,
-           "--config", f"sleep={SLEEP_S}", "shards=3"]
-    proc = subprocess.run(cmd, cwd=REPO, text=True, capture_output=True, timeout=120,
-                          env=_env())
+    cmd = [
+        str(SNAKEMAKE),
+        "--snakefile",
+        str(MINI),
+        "--directory",
+        str(workdir),
+        "--cores",
+        "2",
+        "--workflow-profile",
+        str(DEFAULT_PROFILE),
+        *extra,
+        "--config",
+        f"sleep={SLEEP_S}",
+        "shards=3",
+    ]
+    proc = subprocess.run(cmd, cwd=REPO, text=True, capture_output=True, timeout=120, env=_env())
     assert proc.returncode == 0, proc.stderr[-4000:]
     spans = {}
     for path in sorted(workdir.glob("*/*.txt")):
         name, start, end = path.read_text().split()
         spans[name] = (float(start), float(end))
-    assert set(spans) == {"server", "extract_00000", "extract_00001", "extract_00002",
-                          "prepare"}, spans
+    assert set(spans) == {"server", "extract_00000", "extract_00001", "extract_00002", "prepare"}, (
+        spans
+    )
     for start, end in spans.values():
         assert end - start >= SLEEP_S * 0.9
     return spans
 
 
 def overlapping(spans: dict[str, tuple[float, float]], names) -> list[tuple[str, str]]:
-    return [(a, b) for a, b in itertools.combinations(sorted(names), 2)
-            if spans[a][0] < spans[b][1] and spans[b][0] < spans[a][1]]
+    return [
+        (a, b)
+        for a, b in itertools.combinations(sorted(names), 2)
+        if spans[a][0] < spans[b][1] and spans[b][0] < spans[a][1]
+    ]
 
 
 GPU_JOBS = ("server", "extract_00000", "extract_00001", "extract_00002")
@@ -61,8 +76,9 @@ def test_gpu_jobs_never_overlap_under_the_default_profile_cap(tmp_path):
     spans = run_mini(tmp_path)
     assert overlapping(spans, GPU_JOBS) == [], spans
     # the cap holds GPU jobs apart, not the whole workflow: the CPU job ran beside one
-    assert any(pair for pair in overlapping(spans, (*GPU_JOBS, "prepare"))
-               if "prepare" in pair), spans
+    assert any(pair for pair in overlapping(spans, (*GPU_JOBS, "prepare")) if "prepare" in pair), (
+        spans
+    )
 
 
 def test_gpu_jobs_overlap_when_the_cap_is_raised(tmp_path):
@@ -78,11 +94,18 @@ def dry_run_jobs(tmp_path_factory):
     # `--config server.gpus=1` is no valid Snakemake config entry (and `server={gpus: 1}`
     # reads 1 as a string): nested overrides go in a config file.
     overrides.write_text("server: {gpus: 1}\nextract: {gpus: 1, backend: hf}\n")
-    cmd = [str(SNAKEMAKE), "--dry-run", "--workflow-profile", str(DEFAULT_PROFILE),
-           "--configfile", str(TINY), str(overrides),
-           "--config", f"results_dir={tmp / 'results'}"]
-    proc = subprocess.run(cmd, cwd=REPO, text=True, capture_output=True, timeout=120,
-                          env=_env())
+    cmd = [
+        str(SNAKEMAKE),
+        "--dry-run",
+        "--workflow-profile",
+        str(DEFAULT_PROFILE),
+        "--configfile",
+        str(TINY),
+        str(overrides),
+        "--config",
+        f"results_dir={tmp / 'results'}",
+    ]
+    proc = subprocess.run(cmd, cwd=REPO, text=True, capture_output=True, timeout=120, env=_env())
     assert proc.returncode == 0, proc.stderr[-4000:]
     jobs = parse_dry_run(proc.stdout + "\n" + proc.stderr)
     assert jobs, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -123,8 +146,17 @@ def dry_run(tmp: Path, extract: str) -> list:
     tmp.mkdir(parents=True, exist_ok=True)
     overrides = tmp / "extract.yaml"
     overrides.write_text(f"extract: {{{extract}}}\n")
-    cmd = [str(SNAKEMAKE), "--dry-run", "--workflow-profile", str(DEFAULT_PROFILE),
-           "--configfile", str(TINY), str(overrides), "--config", f"results_dir={tmp / 'results'}"]
+    cmd = [
+        str(SNAKEMAKE),
+        "--dry-run",
+        "--workflow-profile",
+        str(DEFAULT_PROFILE),
+        "--configfile",
+        str(TINY),
+        str(overrides),
+        "--config",
+        f"results_dir={tmp / 'results'}",
+    ]
     proc = subprocess.run(cmd, cwd=REPO, text=True, capture_output=True, timeout=120, env=_env())
     assert proc.returncode == 0, proc.stderr[-4000:]
     return parse_dry_run(proc.stdout + "\n" + proc.stderr)
@@ -141,16 +173,26 @@ def test_one_extraction_job_writes_every_shard(tmp_path):
     assert len(all_jobs) == 1 and _gpu(all_jobs[0]) == 1 and all_jobs[0].threads == 2
     # relative to each results dir: the same shard files, and nothing else
     outputs = {str(Path(f).relative_to(tmp_path / "one" / "results")) for f in all_jobs[0].output}
-    assert outputs == {str(Path(f).relative_to(tmp_path / "per_shard" / "results"))
-                       for j in shard_jobs for f in j.output}
-    assert outputs == {f"hidden/{split}shard_{i}.{ext}" for split, i in
-                       (("", "00000"), ("", "00001"), ("eval/", "00000"))
-                       for ext in ("safetensors", "json")}
+    assert outputs == {
+        str(Path(f).relative_to(tmp_path / "per_shard" / "results"))
+        for j in shard_jobs
+        for f in j.output
+    }
+    assert outputs == {
+        f"hidden/{split}shard_{i}.{ext}"
+        for split, i in (("", "00000"), ("", "00001"), ("eval/", "00000"))
+        for ext in ("safetensors", "json")
+    }
 
     def downstream(jobs, root):
-        return {j.rule: sorted(str(Path(f).relative_to(root)) if f.startswith(str(root)) else f
-                               for f in j.input)
-                for j in jobs if j.rule not in ("extract", "extract_all")}
+        return {
+            j.rule: sorted(
+                str(Path(f).relative_to(root)) if f.startswith(str(root)) else f for f in j.input
+            )
+            for j in jobs
+            if j.rule not in ("extract", "extract_all")
+        }
 
     assert downstream(one, tmp_path / "one" / "results") == downstream(
-        per_shard, tmp_path / "per_shard" / "results")
+        per_shard, tmp_path / "per_shard" / "results"
+    )

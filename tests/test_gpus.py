@@ -38,8 +38,13 @@ def fake_env(tmp_path: Path, **extra: str) -> dict[str, str]:
 
 
 def start(n: int, env: dict[str, str]) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(n)], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(n)],
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     return proc, proc.stdout.readline().strip()
 
 
@@ -86,8 +91,13 @@ def test_waiting_job_starts_when_slots_free_up(tmp_path, procs):
     a, seen_a = start(4, env)
     procs.append(a)
     assert seen_a == "0,1,2,3"
-    waiter = subprocess.Popen([sys.executable, "-c", HOLDER, "3"], env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    waiter = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, "3"],
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     procs.append(waiter)
     with pytest.raises(subprocess.TimeoutExpired):
         waiter.wait(timeout=1.0)  # still waiting, not failed

@@ -12,8 +12,12 @@ import torch
 from safetensors.torch import load_file
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import PendingSave
 
-from eaglet.engine.connector import (EagletHiddenStatesConnector, gather_states, slot_mapping,
-                                     write_states)
+from eaglet.engine.connector import (
+    EagletHiddenStatesConnector,
+    gather_states,
+    slot_mapping,
+    write_states,
+)
 
 BLOCK = 4
 LAYERS = 3
@@ -33,8 +37,17 @@ def fake_cache() -> torch.Tensor:
 
 
 def expected_rows(slots: list[int]) -> torch.Tensor:
-    return torch.stack([torch.stack([s * 100 + layer * 10 + torch.arange(H, dtype=torch.float32)
-                                     for layer in range(LAYERS)]) for s in slots])
+    return torch.stack(
+        [
+            torch.stack(
+                [
+                    s * 100 + layer * 10 + torch.arange(H, dtype=torch.float32)
+                    for layer in range(LAYERS)
+                ]
+            )
+            for s in slots
+        ]
+    )
 
 
 def test_slot_mapping_follows_the_block_table_in_order():

@@ -38,9 +38,9 @@ KNOWN_CIRCLES: dict[frozenset, str] = {}
 # function-level imports of eaglet modules, each with why it is not at the top
 LOCAL_IMPORTS: dict[str, str] = {
     "tools.cli": "each subcommand loads its own modules when it runs: `eaglet status` and "
-                 "`eaglet plan` must not import what `eaglet rehearse` needs (PyTorch)",
+    "`eaglet plan` must not import what `eaglet rehearse` needs (PyTorch)",
     "model.published": "every Snakefile parse reads a starting drafter's settings from it "
-                       "(train.init_from), which must not load PyTorch; converting one does",
+    "(train.init_from), which must not load PyTorch; converting one does",
 }
 
 # Within ``stages``, each stage (``stages.<name>``, a module or a package) imports no other
@@ -54,13 +54,21 @@ STAGE_USES = {
 
 # what a person runs to see where a run stands, and what every Snakefile parse imports:
 # none of them may load PyTorch (1.6 s of every `eaglet status` and `snakemake -n`)
-TORCH_FREE = ["eaglet.tools.status", "eaglet.tools.plan", "eaglet.tools.report_page",
-              "eaglet.tools.cli", "eaglet.core.config", "eaglet.core.io", "eaglet.core.dtypes"]
+TORCH_FREE = [
+    "eaglet.tools.status",
+    "eaglet.tools.plan",
+    "eaglet.tools.report_page",
+    "eaglet.tools.cli",
+    "eaglet.core.config",
+    "eaglet.core.io",
+    "eaglet.core.dtypes",
+]
 
 
 def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
-        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _imports(node: ast.AST, modules: set[str], local: bool = False):
@@ -214,9 +222,11 @@ def test_no_import_circle_among_eaglet_modules():
     graph = import_graph()
     found = circles(graph)
     new = [g for g in found if frozenset(g) not in KNOWN_CIRCLES]
-    assert not new, "import circle(s) among eaglet's modules (line numbers are the imports):\n" \
-        + "\n".join(one_circle(graph, g) for g in new) \
+    assert not new, (
+        "import circle(s) among eaglet's modules (line numbers are the imports):\n"
+        + "\n".join(one_circle(graph, g) for g in new)
         + "\nMove what both sides need into a module below them both."
+    )
     gone = [sorted(k) for k in KNOWN_CIRCLES if sorted(k) not in found]
     assert not gone, f"the known circle(s) {gone} are gone: remove them from KNOWN_CIRCLES"
 
@@ -229,9 +239,12 @@ def test_every_module_sits_in_a_package_of_the_layering():
 
 def test_imports_run_one_way_through_the_packages():
     bad = wrong_way(import_graph())
-    assert not bad, ("imports from a package at or above the importer's (bottom up: "
-                     f"{', '.join(RANKS)}; model and engine side by side):\n" + "\n".join(bad)
-                     + "\nMove what the lower package needs down, into it or below it.")
+    assert not bad, (
+        "imports from a package at or above the importer's (bottom up: "
+        f"{', '.join(RANKS)}; model and engine side by side):\n"
+        + "\n".join(bad)
+        + "\nMove what the lower package needs down, into it or below it."
+    )
 
 
 def across_stages(graph: dict[str, dict[str, int]]) -> list[str]:
@@ -258,20 +271,32 @@ def test_no_stage_imports_another_stage():
     another's modules for it."""
     graph = import_graph()
     bad = across_stages(graph)
-    assert not bad, ("a stage imports another stage's modules (move what both need below "
-                     "``stages``, or name the use in STAGE_USES):\n" + "\n".join(bad))
-    made = {(m.split(".")[1], i.split(".")[1]) for m, edges in graph.items() for i in edges
-            if m.startswith("stages.") and i.startswith("stages.")}
+    assert not bad, (
+        "a stage imports another stage's modules (move what both need below "
+        "``stages``, or name the use in STAGE_USES):\n" + "\n".join(bad)
+    )
+    made = {
+        (m.split(".")[1], i.split(".")[1])
+        for m, edges in graph.items()
+        for i in edges
+        if m.startswith("stages.") and i.startswith("stages.")
+    }
     unused = sorted(f"{a} -> {b}" for a, b in STAGE_USES if (a, b) not in made)
     assert not unused, f"STAGE_USES names uses no module makes: {unused}"
 
 
 def test_no_function_level_import_of_an_eaglet_module_without_its_reason():
     graph = import_graph(local=True)
-    hidden = sorted(f"{m}:{line} -> {i}" for m, edges in graph.items() if m not in LOCAL_IMPORTS
-                    for i, line in edges.items())
-    assert not hidden, ("function-level imports of eaglet modules (import at the top; where a "
-                        "reason keeps one inside, name it in LOCAL_IMPORTS):\n" + "\n".join(hidden))
+    hidden = sorted(
+        f"{m}:{line} -> {i}"
+        for m, edges in graph.items()
+        if m not in LOCAL_IMPORTS
+        for i, line in edges.items()
+    )
+    assert not hidden, (
+        "function-level imports of eaglet modules (import at the top; where a "
+        "reason keeps one inside, name it in LOCAL_IMPORTS):\n" + "\n".join(hidden)
+    )
     stale = sorted(m for m in LOCAL_IMPORTS if not graph.get(m))
     assert not stale, f"LOCAL_IMPORTS names modules with no local import: {stale}"
 
@@ -290,15 +315,22 @@ def test_the_checks_find_a_circle_a_wrong_way_import_and_a_hidden_one(tmp_path):
     is named with its line; so is a function-level import."""
     _write(tmp_path, "core.a", "from eaglet.core.b import x\n")
     _write(tmp_path, "core.b", "import os\n\n\ndef f():\n    from eaglet.core import a\n")
-    _write(tmp_path, "data.c", "from typing import TYPE_CHECKING\n"
-                               "if TYPE_CHECKING:\n    from eaglet.tools.d import y\n"
-                               "from eaglet.core.b import x\n")
+    _write(
+        tmp_path,
+        "data.c",
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from eaglet.tools.d import y\n"
+        "from eaglet.core.b import x\n",
+    )
     _write(tmp_path, "tools.d", "from eaglet.core import a\n")
     _write(tmp_path, "stages.e", "import os\nfrom eaglet.tools.d import z\n")
     _write(tmp_path, "model.f", "from eaglet.engine.g import w\n")
     _write(tmp_path, "engine.g", "")
-    _write(tmp_path, "stages.train.h", "from eaglet.stages.extract.vllm import v\n"
-                                       "from eaglet.stages.scripting import u\n")
+    _write(
+        tmp_path,
+        "stages.train.h",
+        "from eaglet.stages.extract.vllm import v\nfrom eaglet.stages.scripting import u\n",
+    )
     _write(tmp_path, "stages.extract.vllm", "")
     _write(tmp_path, "stages.scripting", "")
     graph = import_graph(tmp_path)
@@ -323,25 +355,45 @@ def _without_torch(tmp_path: Path) -> dict[str, str]:
         "    def find_spec(self, name, path=None, target=None):\n"
         "        if name == 'torch' or name.startswith('torch.'):\n"
         "            raise ImportError('torch is blocked in this test')\n"
-        "sys.meta_path.insert(0, _NoTorch())\n")
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(blocker.parent), str(PACKAGE.parent), os.environ.get("PYTHONPATH", "")])}
+        "sys.meta_path.insert(0, _NoTorch())\n"
+    )
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [str(blocker.parent), str(PACKAGE.parent), os.environ.get("PYTHONPATH", "")]
+        ),
+    }
 
 
 def test_status_plan_the_report_and_the_snakefile_parse_never_import_torch(tmp_path):
     """Run with torch made unimportable: the modules a person or every Snakefile parse
     loads must import, and the Snakefile must parse (``snakemake -n`` on a config)."""
     env = _without_torch(tmp_path)
-    code = ("import importlib, sys\n"
-            f"for name in {TORCH_FREE!r}:\n"
-            "    importlib.import_module(name)\n"
-            "assert 'torch' not in sys.modules\n"
-            "print('ok')\n")
+    code = (
+        "import importlib, sys\n"
+        f"for name in {TORCH_FREE!r}:\n"
+        "    importlib.import_module(name)\n"
+        "assert 'torch' not in sys.modules\n"
+        "print('ok')\n"
+    )
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
-    done = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--cores", "1",
-                           "--config", f"results_dir={tmp_path / 'results'}"],
-                          env=env, capture_output=True, text=True, cwd=REPO)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "snakemake",
+            "-n",
+            "--cores",
+            "1",
+            "--config",
+            f"results_dir={tmp_path / 'results'}",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     assert "torch is blocked" not in done.stdout + done.stderr
 
@@ -349,8 +401,12 @@ def test_status_plan_the_report_and_the_snakefile_parse_never_import_torch(tmp_p
 def test_the_blocker_itself_stops_torch(tmp_path):
     """The torch-free check would pass vacuously if the blocker let torch through."""
     env = _without_torch(tmp_path)
-    done = subprocess.run([sys.executable, "-c", "import eaglet.model.drafter"], env=env,
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-c", "import eaglet.model.drafter"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode != 0 and "torch is blocked" in done.stderr
 
 

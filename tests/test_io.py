@@ -55,7 +55,7 @@ def test_writer_done_waits_for_the_lock_the_capture_writer_holds(tmp_path):
     waiter = threading.Thread(target=lambda: writer_done(path) and finished.set())
     waiter.start()
     assert not finished.wait(0.3)  # blocks while the writer holds the lock
-    os.close(fd)                  # the writer is done
+    os.close(fd)  # the writer is done
     assert finished.wait(10)
     waiter.join()
     assert writer_done(path, wait=False)
@@ -78,12 +78,16 @@ def test_a_held_directory_refuses_a_second_process_naming_the_first(tmp_path):
 
     from eaglet.core.io import DirectoryBusy, hold_directory
 
-    first = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)],
-                             stdout=subprocess.PIPE, text=True)
+    first = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert first.stdout.readline().strip() == "held"
-        with pytest.raises(DirectoryBusy, match=rf"pid {first.pid} on host .* still running.*"
-                                                rf"kill {first.pid}"):
+        with pytest.raises(
+            DirectoryBusy,
+            match=rf"pid {first.pid} on host .* still running.*"
+            rf"kill {first.pid}",
+        ):
             with hold_directory(tmp_path, "train"):
                 pass
     finally:

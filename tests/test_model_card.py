@@ -27,38 +27,71 @@ from eaglet.tools.report_page import first_page, report_texts
 from tests.test_report_page import plain, rendered, write_evaluation, write_run
 
 H, V, VD = 16, 64, 32
-CFG = {"target": {"model": "embedded:smollm2-135m-instruct"},
-       "train": {"method": "eagle3"},
-       "data": {"sources": [{"type": "sharegpt", "limit": 330, "answers": "dataset"},
-                            {"type": "humaneval", "limit": 40},
-                            {"type": "file", "path": "data/mine.jsonl", "text_field": "q"},
-                            {"type": "hf", "name": "org/chats", "split": "train"}]},
-       "evaluate": {"num_speculative_tokens": [2, 3]}}
+CFG = {
+    "target": {"model": "embedded:smollm2-135m-instruct"},
+    "train": {"method": "eagle3"},
+    "data": {
+        "sources": [
+            {"type": "sharegpt", "limit": 330, "answers": "dataset"},
+            {"type": "humaneval", "limit": 40},
+            {"type": "file", "path": "data/mine.jsonl", "text_field": "q"},
+            {"type": "hf", "name": "org/chats", "split": "train"},
+        ]
+    },
+    "evaluate": {"num_speculative_tokens": [2, 3]},
+}
 # the tensors the drafter exports (eaglet.model.export.vllm_tensors), at toy widths
-SHAPES = {"fc.weight": (H, 3 * H), "midlayer.input_layernorm.weight": (H,),
-          "midlayer.hidden_norm.weight": (H,), "midlayer.self_attn.q_proj.weight": (H, 2 * H),
-          "midlayer.self_attn.k_proj.weight": (H, 2 * H),
-          "midlayer.self_attn.v_proj.weight": (H, 2 * H),
-          "midlayer.self_attn.o_proj.weight": (H, H),
-          "midlayer.post_attention_layernorm.weight": (H,),
-          "midlayer.mlp.gate_proj.weight": (2 * H, H), "midlayer.mlp.up_proj.weight": (2 * H, H),
-          "midlayer.mlp.down_proj.weight": (H, 2 * H), "norm.weight": (H,),
-          "lm_head.weight": (VD, H), "d2t": (VD,), "t2d": (V,)}
+SHAPES = {
+    "fc.weight": (H, 3 * H),
+    "midlayer.input_layernorm.weight": (H,),
+    "midlayer.hidden_norm.weight": (H,),
+    "midlayer.self_attn.q_proj.weight": (H, 2 * H),
+    "midlayer.self_attn.k_proj.weight": (H, 2 * H),
+    "midlayer.self_attn.v_proj.weight": (H, 2 * H),
+    "midlayer.self_attn.o_proj.weight": (H, H),
+    "midlayer.post_attention_layernorm.weight": (H,),
+    "midlayer.mlp.gate_proj.weight": (2 * H, H),
+    "midlayer.mlp.up_proj.weight": (2 * H, H),
+    "midlayer.mlp.down_proj.weight": (H, 2 * H),
+    "norm.weight": (H,),
+    "lm_head.weight": (VD, H),
+    "d2t": (VD,),
+    "t2d": (V,),
+}
 
 
 def write_drafter(results: Path) -> None:
     """drafter/config.json and drafter/model.safetensors as training exports them."""
     drafter = results / "drafter"
     drafter.mkdir(parents=True, exist_ok=True)
-    write_json(drafter / "config.json", {
-        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
-        "num_key_value_heads": 2, "head_dim": 8, "num_hidden_layers": 1, "hidden_size": H,
-        "intermediate_size": 2 * H, "num_attention_heads": 2, "vocab_size": V,
-        "draft_vocab_size": VD, "target_hidden_size": H, "torch_dtype": "float32",
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 15, 27],
-                         "use_aux_hidden_state": True}})
-    save_file({name: np.zeros(shape, dtype=np.int64 if name in ("d2t", "t2d") else np.float32)
-               for name, shape in SHAPES.items()}, str(drafter / "model.safetensors"))
+    write_json(
+        drafter / "config.json",
+        {
+            "architectures": ["LlamaForCausalLMEagle3"],
+            "model_type": "llama",
+            "num_key_value_heads": 2,
+            "head_dim": 8,
+            "num_hidden_layers": 1,
+            "hidden_size": H,
+            "intermediate_size": 2 * H,
+            "num_attention_heads": 2,
+            "vocab_size": V,
+            "draft_vocab_size": VD,
+            "target_hidden_size": H,
+            "torch_dtype": "float32",
+            "eagle_config": {
+                "eagle_aux_hidden_state_layer_ids": [2, 15, 27],
+                "use_aux_hidden_state": True,
+            },
+        },
+    )
+    save_file(
+        {
+            name: np.zeros(shape, dtype=np.int64 if name in ("d2t", "t2d") else np.float32)
+            for name, shape in SHAPES.items()
+        },
+        str(drafter / "model.safetensors"),
+    )
 
 
 @pytest.fixture
@@ -97,17 +130,25 @@ def test_the_metadata_block_names_the_target_method_and_datasets(evaluated):
     assert meta["library_name"] == "vllm"
     assert meta["tags"] == ["speculative-decoding", methods.EAGLE3.name, "eaglet"]
     # Hub datasets only: the packaged sources' origins and the hf source, not a local file
-    assert meta["datasets"] == ["anon8231489123/ShareGPT_Vicuna_unfiltered",
-                                "openai/openai_humaneval", "org/chats"]
+    assert meta["datasets"] == [
+        "anon8231489123/ShareGPT_Vicuna_unfiltered",
+        "openai/openai_humaneval",
+        "org/chats",
+    ]
     assert "license" not in meta  # the run does not know one
     assert mc.front_matter(mc.model_card(evaluated, CFG)) == meta
 
 
 def test_a_hub_target_is_the_base_model_and_what_vllm_serves(evaluated):
     target = read_json(evaluated / "target" / "target.json")
-    write_json(evaluated / "target" / "target.json",
-               {**target, "spec": "meta-llama/Llama-3.1-8B-Instruct",
-                "hub_id": "meta-llama/Llama-3.1-8B-Instruct"})
+    write_json(
+        evaluated / "target" / "target.json",
+        {
+            **target,
+            "spec": "meta-llama/Llama-3.1-8B-Instruct",
+            "hub_id": "meta-llama/Llama-3.1-8B-Instruct",
+        },
+    )
     cfg = {**CFG, "target": {"model": "meta-llama/Llama-3.1-8B-Instruct"}}
     card = mc.model_card(evaluated, cfg)
     assert metadata(card)["base_model"] == "meta-llama/Llama-3.1-8B-Instruct"
@@ -145,10 +186,12 @@ def test_the_card_holds_the_verdict_the_drafter_and_the_data(evaluated):
     cells = [c.strip() for c in row.strip("|").split("|")]
     low = run["by_concurrency"][0]
     assert cells[1] == f"{run['acceptance_length']:.2f}"
-    assert cells[2:4] == [f"{run['sets'][s]['acceptance_length']:.2f}"
-                          for s in ("heldout", "everyday")]
-    assert cells[4] == (f"{low['speedup']:.2f}x [{low['speedup_low']:.2f}, "
-                        f"{low['speedup_high']:.2f}]")
+    assert cells[2:4] == [
+        f"{run['sets'][s]['acceptance_length']:.2f}" for s in ("heldout", "everyday")
+    ]
+    assert cells[4] == (
+        f"{low['speedup']:.2f}x [{low['speedup_low']:.2f}, {low['speedup_high']:.2f}]"
+    )
     params = sum(int(np.prod(s)) for n, s in SHAPES.items() if n not in ("d2t", "t2d"))
     assert f"Parameters: {params:,}" in card
     assert f"Draft vocabulary: {VD:,} of the target's {V:,} tokens" in card
@@ -218,6 +261,7 @@ def test_the_report_page_shows_the_card_once_evaluated(trained):
 
 # -- eaglet publish ---------------------------------------------------------------------------
 
+
 @pytest.fixture
 def card_dir(evaluated) -> Path:
     mc.write_card(evaluated, CFG)
@@ -237,24 +281,34 @@ def test_publish_refuses_a_bad_repo_id_and_a_local_base_model(card_dir, capsys):
     assert main(["publish", str(card_dir), "drafter"]) == 1
     assert "'drafter' is not a Hugging Face repo id: give OWNER/NAME" in capsys.readouterr().err
     card = (card_dir / "README.md").read_text()
-    (card_dir / "README.md").write_text(card.replace(
-        "base_model: HuggingFaceTB/SmolLM2-135M-Instruct", "base_model: /models/mine"))
+    (card_dir / "README.md").write_text(
+        card.replace("base_model: HuggingFaceTB/SmolLM2-135M-Instruct", "base_model: /models/mine")
+    )
     assert main(["publish", str(card_dir), "me/drafter"]) == 1
-    assert "base_model '/models/mine', which is not a Hugging Face model id" in \
-        capsys.readouterr().err
+    assert (
+        "base_model '/models/mine', which is not a Hugging Face model id" in capsys.readouterr().err
+    )
 
 
-def test_publish_uploads_the_folder_as_the_repo_with_the_card_naming_it(card_dir, monkeypatch,
-                                                                        capsys):
+def test_publish_uploads_the_folder_as_the_repo_with_the_card_naming_it(
+    card_dir, monkeypatch, capsys
+):
     import huggingface_hub
 
     calls = []
     monkeypatch.setattr(huggingface_hub, "get_token", lambda: "hf_test")
-    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo",
-                        lambda self, repo_id, **kw: calls.append(("create", repo_id, kw))
-                        or f"https://huggingface.co/{repo_id}")
-    monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder",
-                        lambda self, **kw: calls.append(("upload", kw["repo_id"], kw)))
+    monkeypatch.setattr(
+        huggingface_hub.HfApi,
+        "create_repo",
+        lambda self, repo_id, **kw: (
+            calls.append(("create", repo_id, kw)) or f"https://huggingface.co/{repo_id}"
+        ),
+    )
+    monkeypatch.setattr(
+        huggingface_hub.HfApi,
+        "upload_folder",
+        lambda self, **kw: calls.append(("upload", kw["repo_id"], kw)),
+    )
     assert main(["publish", str(card_dir), "me/drafter", "--private"]) == 0
     assert "published" in capsys.readouterr().out
     assert [c[:2] for c in calls] == [("create", "me/drafter"), ("upload", "me/drafter")]
@@ -268,8 +322,11 @@ def test_publish_says_where_the_token_is_missing(card_dir, monkeypatch, capsys):
     import huggingface_hub
 
     monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)
-    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo",
-                        lambda *a, **kw: pytest.fail("no upload without a token"))
+    monkeypatch.setattr(
+        huggingface_hub.HfApi,
+        "create_repo",
+        lambda *a, **kw: pytest.fail("no upload without a token"),
+    )
     assert main(["publish", str(card_dir), "me/drafter"]) == 1
     err = capsys.readouterr().err
     assert "no Hugging Face token" in err and "hf auth login" in err and "HF_TOKEN" in err
@@ -286,8 +343,9 @@ def test_publish_says_where_the_network_is_missing(card_dir, monkeypatch, capsys
 
     def unreachable(*args, **kwargs):
         if offline:  # what huggingface_hub raises with HF_HUB_OFFLINE=1
-            raise OfflineModeIsEnabled("Cannot reach https://huggingface.co/api/repos/create: "
-                                       "offline mode is enabled.")
+            raise OfflineModeIsEnabled(
+                "Cannot reach https://huggingface.co/api/repos/create: offline mode is enabled."
+            )
         raise httpx.ConnectError("[Errno -2] Name or service not known")
 
     monkeypatch.setattr(huggingface_hub, "get_token", lambda: "hf_test")

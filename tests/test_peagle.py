@@ -35,26 +35,42 @@ from tests.helpers.paths import REPO
 from tests.test_train import FAST, read_log, run, world  # noqa: F401 (world: a fixture)
 
 V, H, K = 96, 32, 4
-DRAFT_IDS = torch.arange(0, V, 2)          # every other target id: d2t matters
+DRAFT_IDS = torch.arange(0, V, 2)  # every other target id: d2t matters
 
 
 def tiny_config(**flags) -> DrafterConfig:
-    return replace(DrafterConfig(hidden_size=H, intermediate_size=64, num_attention_heads=4,
-                                 num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6,
-                                 rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
-                                 max_position_embeddings=256, vocab_size=V,
-                                 draft_vocab_size=len(DRAFT_IDS), target_hidden_size=H,
-                                 aux_layer_ids=[0, 1, 2]), **flags)
+    return replace(
+        DrafterConfig(
+            hidden_size=H,
+            intermediate_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            rms_norm_eps=1e-6,
+            rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
+            max_position_embeddings=256,
+            vocab_size=V,
+            draft_vocab_size=len(DRAFT_IDS),
+            target_hidden_size=H,
+            aux_layer_ids=[0, 1, 2],
+        ),
+        **flags,
+    )
 
 
-def tiny_peagle(seed: int = 0, embed: torch.Tensor | None = None, mask_token_id: int = 1,
-                **flags) -> peagle.PEagleDrafter:
+def tiny_peagle(
+    seed: int = 0, embed: torch.Tensor | None = None, mask_token_id: int = 1, **flags
+) -> peagle.PEagleDrafter:
     torch.manual_seed(seed)
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[DRAFT_IDS] = True
-    model = peagle.PEagleDrafter(tiny_config(**flags),
-                                 torch.randn(V, H) if embed is None else embed,
-                                 DRAFT_IDS - torch.arange(len(DRAFT_IDS)), t2d, mask_token_id)
+    model = peagle.PEagleDrafter(
+        tiny_config(**flags),
+        torch.randn(V, H) if embed is None else embed,
+        DRAFT_IDS - torch.arange(len(DRAFT_IDS)),
+        t2d,
+        mask_token_id,
+    )
     with torch.no_grad():
         for param in model.parameters():
             torch.nn.init.normal_(param, std=0.3)
@@ -63,13 +79,14 @@ def tiny_peagle(seed: int = 0, embed: torch.Tensor | None = None, mask_token_id:
 
 # -- the forward: vLLM's query, with eaglet's own layer ---------------------------------------
 
+
 def vllm_query(model: peagle.PEagleDrafter, aux: torch.Tensor, ids: torch.Tensor, p: int, k: int):
     """The drafter's query after the target verified rows 0..p and sampled token p+1, laid
     out as ``copy_and_expand_eagle_inputs`` lays it out (shifted ids, the bonus row, then k-1
     masked slots at positions p+1..): (input ids, positions, hidden states, sampled rows)."""
-    tokens = torch.cat([ids[1:p + 2], torch.full((k - 1,), model.mask_token_id)])
+    tokens = torch.cat([ids[1 : p + 2], torch.full((k - 1,), model.mask_token_id)])
     positions = torch.arange(p + k)
-    hidden = model.combine(aux[:p + 1])
+    hidden = model.combine(aux[: p + 1])
     masked = model.combine(model.mask_hidden[None]).expand(k - 1, -1)
     return tokens, positions, torch.cat([hidden, masked]), torch.arange(p, p + k)
 
@@ -79,11 +96,12 @@ def one_causal_forward(model: Eagle3Drafter, tokens, positions, hidden, sampled)
     blocks = attention_blocks(torch.zeros(len(tokens), dtype=torch.long))
     cos, sin = model.rope(positions)
     normed, _ = model.draft_step(model.embed_tokens[tokens], hidden, cos, sin, blocks, [], sampled)
-    return model.lm_head(normed)                                        # [k, Vd]
+    return model.lm_head(normed)  # [k, Vd]
 
 
-@pytest.mark.parametrize("flags", [{}, {"fc_norm": True, "norm_output": True}],
-                         ids=["eagle3", "eagle3.1"])
+@pytest.mark.parametrize(
+    "flags", [{}, {"fc_norm": True, "norm_output": True}], ids=["eagle3", "eagle3.1"]
+)
 @torch.inference_mode()
 def test_training_forward_is_vllms_one_forward_over_its_query(flags):
     """Every row of the packed TTT forward, at every step, is the logit vLLM's single forward
@@ -123,11 +141,11 @@ def test_masked_steps_read_no_token_and_nothing_fed_back():
     for a, b in zip(base, cut):
         torch.testing.assert_close(a[:7], b, rtol=1e-5, atol=1e-6)
     # step 0 is EAGLE-3's: the chain drafter's first draft with the same weights
-    assert (draft_chain(model, aux, ids[0], 6, K)[0]
-            == draft_parallel(model, aux, ids[0], 6, K)[0])
+    assert draft_chain(model, aux, ids[0], 6, K)[0] == draft_parallel(model, aux, ids[0], 6, K)[0]
 
 
 # -- training --------------------------------------------------------------------------------
+
 
 def sample(length: int, seed: int, head: torch.Tensor) -> tuple:
     """(id, input_ids, loss_mask, teacher_argmax, aux, final) like ``Samples.get``, the
@@ -168,7 +186,7 @@ def test_make_drafter_picks_the_method_and_the_targets_bos_as_mask():
     config = tiny_config()
     embed, d2t = torch.randn(V, H), torch.zeros(len(DRAFT_IDS), dtype=torch.long)
     t2d = torch.zeros(V, dtype=torch.bool)
-    t2d[:len(DRAFT_IDS)] = True
+    t2d[: len(DRAFT_IDS)] = True
     target = {"vocab_size": V, "bos_token_id": 5, "eos_token_id": [7, 8], "pad_token_id": None}
     plain = methods.make_drafter("eagle3", target, config, embed, d2t, t2d)
     parallel = methods.make_drafter("peagle", target, config, embed, d2t, t2d)
@@ -179,8 +197,9 @@ def test_make_drafter_picks_the_method_and_the_targets_bos_as_mask():
     with pytest.raises(ValueError, match="none of"):
         methods.make_drafter("medusa", target, config, embed, d2t, t2d)
     with pytest.raises(ValueError, match="drafter_attention: llama"):
-        methods.make_drafter("peagle", target, replace(config, attention_kind="mla"), embed,
-                            d2t, t2d)
+        methods.make_drafter(
+            "peagle", target, replace(config, attention_kind="mla"), embed, d2t, t2d
+        )
 
 
 def test_train_method_peagle_trains_exports_and_never_resumes_as_eagle3(world, tmp_path):
@@ -207,8 +226,10 @@ def test_train_method_peagle_trains_exports_and_never_resumes_as_eagle3(world, t
 
 # -- the export, read and run by vLLM's own code ----------------------------------------------
 
+
 def test_export_round_trips_and_is_a_plain_eagle3_checkpoint_plus_the_mask(tmp_path):
     from tests.tiny_llama import make_tiny_llama
+
     target = make_tiny_llama(tmp_path / "target")
     model = tiny_peagle(embed=target.model.embed_tokens.weight.detach()[:V], mask_token_id=3)
     config = methods.export(model, tmp_path / "drafter")
@@ -218,8 +239,12 @@ def test_export_round_trips_and_is_a_plain_eagle3_checkpoint_plus_the_mask(tmp_p
     weights = load_file(str(tmp_path / "drafter" / "model.safetensors"))
     torch.testing.assert_close(weights["mask_hidden"], model.mask_hidden.detach())
     assert records.exported(tmp_path / "drafter") is records.PEAGLE
-    assert records.exported(tmp_path / "drafter").speculative_config(
-        tmp_path / "drafter", 3)["parallel_drafting"] is True
+    assert (
+        records.exported(tmp_path / "drafter").speculative_config(tmp_path / "drafter", 3)[
+            "parallel_drafting"
+        ]
+        is True
+    )
     # an EAGLE-3 drafter keeps its own checkpoint and serves without parallel drafting
     plain = Eagle3Drafter(model.config, model.embed_tokens, model.d2t, model.t2d)
     methods.export(plain, tmp_path / "plain")
@@ -235,6 +260,7 @@ def test_vllm_reads_the_export_and_drafts_what_eaglet_computes(tmp_path):
     the logits of eaglet's forward (and so the drafts of the offline replay)."""
     pytest.importorskip("vllm")
     from tests.tiny_llama import HIDDEN, LAYERS, VOCAB, make_tiny_llama
+
     target = make_tiny_llama(tmp_path / "target")
     target_config = json.loads((tmp_path / "target" / "config.json").read_text())
     config = DrafterConfig.from_target(target_config, VOCAB // 2, [1, 2, LAYERS - 2])
@@ -242,9 +268,14 @@ def test_vllm_reads_the_export_and_drafts_what_eaglet_computes(tmp_path):
     draft_ids = torch.arange(0, VOCAB, 2)
     t2d = torch.zeros(VOCAB, dtype=torch.bool)
     t2d[draft_ids] = True
-    model = methods.make_drafter("peagle", target_config, config,
-                                target.model.embed_tokens.weight.detach(),
-                                draft_ids - torch.arange(len(draft_ids)), t2d)
+    model = methods.make_drafter(
+        "peagle",
+        target_config,
+        config,
+        target.model.embed_tokens.weight.detach(),
+        draft_ids - torch.arange(len(draft_ids)),
+        t2d,
+    )
     for param in model.parameters():
         torch.nn.init.normal_(param, std=0.2)
     model.eval()
@@ -252,14 +283,26 @@ def test_vllm_reads_the_export_and_drafts_what_eaglet_computes(tmp_path):
     ids = torch.randint(0, VOCAB, (20,))
     aux = torch.randn(19, 3 * HIDDEN)
     anchors = [0, 7, 17]
-    save_file({"aux": aux, "ids": ids, "anchors": torch.tensor(anchors), "k": torch.tensor(K)},
-              str(tmp_path / "inputs.safetensors"))
+    save_file(
+        {"aux": aux, "ids": ids, "anchors": torch.tensor(anchors), "k": torch.tensor(K)},
+        str(tmp_path / "inputs.safetensors"),
+    )
     done = subprocess.run(
-        [sys.executable, "-m", "tests.test_peagle", str(tmp_path / "target"),
-         str(tmp_path / "drafter"),
-         str(tmp_path / "inputs.safetensors"), str(tmp_path / "out.safetensors")],
-        capture_output=True, text=True, timeout=600, cwd=REPO,
-        env={**os.environ, "OMP_NUM_THREADS": "1"})
+        [
+            sys.executable,
+            "-m",
+            "tests.test_peagle",
+            str(tmp_path / "target"),
+            str(tmp_path / "drafter"),
+            str(tmp_path / "inputs.safetensors"),
+            str(tmp_path / "out.safetensors"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     out = load_file(str(tmp_path / "out.safetensors"))
     assert out["parallel_drafting"].item() and out["mask_token_id"].item() == model.mask_token_id
@@ -268,8 +311,8 @@ def test_vllm_reads_the_export_and_drafts_what_eaglet_computes(tmp_path):
     for p in anchors:
         layout = out[f"positions.{p}"]
         assert layout.tolist() == list(range(p + K))
-        assert out[f"ids.{p}"][p + 1:].tolist() == [model.mask_token_id] * (K - 1)
-        assert out[f"ids.{p}"][:p + 1].tolist() == ids[1:p + 2].tolist()
+        assert out[f"ids.{p}"][p + 1 :].tolist() == [model.mask_token_id] * (K - 1)
+        assert out[f"ids.{p}"][: p + 1].tolist() == ids[1 : p + 2].tolist()
         same_drafts_as_vllm(model, out[f"logits.{p}"], aux, ids, p, K, targets, t2d)
 
 
@@ -277,9 +320,15 @@ def same_drafts_as_vllm(model, theirs, aux, ids, p: int, k: int, targets, t2d) -
     """vLLM's logits [k, target vocab] of the round after row ``p`` are the one-forward
     drafter's own (``model``: P-EAGLE or DFlash) at the draft vocabulary's target ids
     ``targets``, -inf elsewhere, and their argmax the offline replay's drafts."""
-    ours = torch.stack(model(aux[:p + 1], ids[1:p + 2].expand(k, p + 1), torch.arange(p + 1),
-                             torch.zeros(p + 1, dtype=torch.long),
-                             [torch.tensor([p])] * k)).squeeze(1)
+    ours = torch.stack(
+        model(
+            aux[: p + 1],
+            ids[1 : p + 2].expand(k, p + 1),
+            torch.arange(p + 1),
+            torch.zeros(p + 1, dtype=torch.long),
+            [torch.tensor([p])] * k,
+        )
+    ).squeeze(1)
     torch.testing.assert_close(theirs[:, targets], ours, rtol=1e-4, atol=1e-4)
     assert torch.isinf(theirs[:, ~t2d]).all()
     assert theirs.argmax(-1).tolist() == draft_parallel(model, aux, ids, p, k)
@@ -287,21 +336,38 @@ def same_drafts_as_vllm(model, theirs, aux, ids, p: int, k: int, targets, t2d) -
 
 # -- the offline replay ----------------------------------------------------------------------
 
+
 def test_offline_replay_counts_the_parallel_drafts_as_vllm_would():
     """On a tiny target's greedy answers: the counts satisfy vLLM's identities, each round's
     drafts are one parallel forward's, and a drafter trained on the answers accepts more."""
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
-    target = LlamaForCausalLM(LlamaConfig(hidden_size=H, intermediate_size=64, num_hidden_layers=3,
-                                          num_attention_heads=4, num_key_value_heads=2,
-                                          vocab_size=V, max_position_embeddings=256)).eval()
+    target = LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=H,
+            intermediate_size=64,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=V,
+            max_position_embeddings=256,
+        )
+    ).eval()
     with torch.inference_mode():
         target.lm_head.weight.mul_(20)  # a peaked teacher: its greedy answers are learnable
         target.lm_head.weight[1::2] = 0  # and in the draft vocabulary (even ids)
     prompts = [[1, 5, 7, 9], [3, 4], [11, 2, 6]]
     with torch.inference_mode():
-        sequences = [(p, target.generate(torch.tensor([p]), do_sample=False, max_new_tokens=16,
-                                         pad_token_id=0)[0, len(p):].tolist()) for p in prompts]
+        sequences = [
+            (
+                p,
+                target.generate(
+                    torch.tensor([p]), do_sample=False, max_new_tokens=16, pad_token_id=0
+                )[0, len(p) :].tolist(),
+            )
+            for p in prompts
+        ]
     drafter = tiny_peagle(seed=4, embed=target.model.embed_tokens.weight.detach())
     before = offline_acceptance(target, drafter, sequences, k=3, draft=draft_parallel)
     assert before["draft_tokens"] == 3 * before["drafts"] > 0
@@ -315,8 +381,16 @@ def test_offline_replay_counts_the_parallel_drafts_as_vllm_would():
             final = target.model(seq[None]).last_hidden_state[0]
             argmax = target.lm_head(final).argmax(-1)
         aux = target_features(target, drafter.config.aux_layer_ids, seq.tolist()).clone()
-        pieces.append((f"s{i}", seq, (torch.arange(len(seq)) >= len(prompt) - 1).to(torch.uint8),
-                       argmax, aux, final))
+        pieces.append(
+            (
+                f"s{i}",
+                seq,
+                (torch.arange(len(seq)) >= len(prompt) - 1).to(torch.uint8),
+                argmax,
+                aux,
+                final,
+            )
+        )
     batch = make_batch(pieces, 3, drafter.t2d, prompt_loss=True)
     head = target.lm_head.weight.detach()[drafter.to_target_ids(torch.arange(len(DRAFT_IDS)))]
     drafter.train()
@@ -339,6 +413,7 @@ def test_offline_replay_counts_the_parallel_drafts_as_vllm_would():
 
 # -- the vLLM side (a subprocess) -------------------------------------------------------------
 
+
 def _vllm_side(target: str, drafter: str, inputs: str, out: str) -> None:
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
     from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
@@ -348,17 +423,26 @@ def _vllm_side(target: str, drafter: str, inputs: str, out: str) -> None:
 
     data = load_file(inputs)
     k = int(data["k"])
-    with drafter_world(target, {"method": "eagle3", "model": drafter, "num_speculative_tokens": k,
-                                "parallel_drafting": True}) as config:
+    with drafter_world(
+        target,
+        {
+            "method": "eagle3",
+            "model": drafter,
+            "num_speculative_tokens": k,
+            "parallel_drafting": True,
+        },
+    ) as config:
         spec = config.speculative_config
         mask_id = spec.draft_model_config.hf_config.mask_token_id  # _init_parallel_drafting_params
-        result = {"parallel_drafting": torch.tensor(spec.parallel_drafting),
-                  "mask_token_id": torch.tensor(mask_id)}
+        result = {
+            "parallel_drafting": torch.tensor(spec.parallel_drafting),
+            "mask_token_id": torch.tensor(mask_id),
+        }
         model = Eagle3LlamaForCausalLM(vllm_config=config)
         model.load_weights(iter(load_file(f"{drafter}/model.safetensors").items()))
         result["mask_hidden"] = model.mask_hidden.clone()
         embed = load_file(f"{target}/model.safetensors")["model.embed_tokens.weight"]
-        model.model.embed_tokens.weight[:embed.shape[0]].copy_(embed)
+        model.model.embed_tokens.weight[: embed.shape[0]].copy_(embed)
         process_weights_after_loading(model, spec.draft_model_config, torch.device("cpu"))
         attention = model.model.layers[0].self_attn
         heads, kv_heads, d = attention.num_heads, attention.num_kv_heads, attention.head_dim
@@ -385,9 +469,23 @@ def _vllm_side(target: str, drafter: str, inputs: str, out: str) -> None:
             sample = torch.zeros(k, dtype=torch.int32)
             mapping = torch.zeros(n_in, dtype=torch.int32)
             _copy_and_expand_eagle_inputs_kernel_impl(
-                ids[:n_in], torch.arange(n_in), ids[n_in:n_in + 1], out_ids, out_pos, rejected,
-                masked, sample, mapping, torch.tensor([0, n_in], dtype=torch.int32),
-                torch.tensor([n_in - 1], dtype=torch.int32), 0, mask_id, n_in, k, True)
+                ids[:n_in],
+                torch.arange(n_in),
+                ids[n_in : n_in + 1],
+                out_ids,
+                out_pos,
+                rejected,
+                masked,
+                sample,
+                mapping,
+                torch.tensor([0, n_in], dtype=torch.int32),
+                torch.tensor([n_in - 1], dtype=torch.int32),
+                0,
+                mask_id,
+                n_in,
+                k,
+                True,
+            )
             hidden = torch.zeros(n_out, model.config.hidden_size)
             hidden[mapping.long()] = model.combine_hidden_states(aux[:n_in])
             hidden = torch.where(masked[:, None], mask_state, hidden)

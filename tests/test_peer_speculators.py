@@ -19,8 +19,7 @@ pytest.importorskip("speculators")
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("peer_speculators",
-                                                  BENCH / "peer_speculators.py")
+    spec = importlib.util.spec_from_file_location("peer_speculators", BENCH / "peer_speculators.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -31,11 +30,15 @@ def test_rows_pass_through_prepare_data_unchanged():
 
     bench = _bench()
     ids = [torch.tensor([5, 6, 7, 8, 9]), torch.tensor([1, 2, 3])]
-    masks = [torch.tensor([0, 0, 1, 1, 1], dtype=torch.uint8),
-             torch.tensor([0, 1, 1], dtype=torch.uint8)]
+    masks = [
+        torch.tensor([0, 0, 1, 1, 1], dtype=torch.uint8),
+        torch.tensor([0, 1, 1], dtype=torch.uint8),
+    ]
     rows = bench.speculators_rows(("s%d" % i, ids[i], masks[i]) for i in range(2))
-    out = _passthrough_pretokenized({"input_ids": [r["input_ids"] for r in rows],
-                                     "loss_mask": [r["loss_mask"] for r in rows]}, 8)
+    out = _passthrough_pretokenized(
+        {"input_ids": [r["input_ids"] for r in rows], "loss_mask": [r["loss_mask"] for r in rows]},
+        8,
+    )
     assert [t.tolist() for t in out["input_ids"]] == [t.tolist() for t in ids]
     assert [t.tolist() for t in out["loss_mask"]] == [t.tolist() for t in masks]
     assert out["seq_len"] == [5, 3]

@@ -16,8 +16,14 @@ import pytest
 
 from eaglet.core.config import validate
 from eaglet.core.io import read_json, read_jsonl
-from eaglet.data.prompts import (HUMANEVAL_INSTRUCTION, PromptSourceError, load_source,
-                                 prepare_prompts, prompt_id, split_score)
+from eaglet.data.prompts import (
+    HUMANEVAL_INSTRUCTION,
+    PromptSourceError,
+    load_source,
+    prepare_prompts,
+    prompt_id,
+    split_score,
+)
 from tests.helpers.paths import REPO
 
 SCRIPT = REPO / "scripts" / "prepare_prompts.py"
@@ -42,7 +48,9 @@ def text_file(tmp_path: Path, name: str, texts: list[str]) -> dict:
     return source(type="file", path=str(path), text_field="text")
 
 
-def run_prepare(tmp_path: Path, data_cfg: dict, tag: str = "") -> tuple[list[dict], list[dict], dict]:
+def run_prepare(
+    tmp_path: Path, data_cfg: dict, tag: str = ""
+) -> tuple[list[dict], list[dict], dict]:
     paths = [tmp_path / f"{name}{tag}" for name in ("train.jsonl", "eval.jsonl", "stats.json")]
     returned = prepare_prompts(data_cfg, *paths)
     assert read_json(paths[2]) == returned
@@ -64,7 +72,9 @@ def test_humaneval_yields_164_stable_chat_prompts():
     assert first["row"] == 1 and first["source"] == "humaneval"
     [message] = first["messages"]
     assert message["role"] == "user"
-    assert message["content"].startswith(HUMANEVAL_INSTRUCTION + "\n\n```python\nfrom typing import List")
+    assert message["content"].startswith(
+        HUMANEVAL_INSTRUCTION + "\n\n```python\nfrom typing import List"
+    )
     assert "def has_close_elements" in message["content"] and message["content"].endswith("```")
     # a changed wording or hash scheme changes every id downstream: pin one
     assert first["id"] == "p-9ee5a866c7ea5f38"
@@ -134,7 +144,10 @@ def test_bad_rows_are_skipped_and_reported_with_row_numbers(tmp_path):
         + "\n"
     )
     records, report = load_source(source(type="file", path=str(path), text_field="text"))
-    assert [(r["row"], r["messages"]) for r in records] == [(1, user("good one")), (10, user("good two"))]
+    assert [(r["row"], r["messages"]) for r in records] == [
+        (1, user("good one")),
+        (10, user("good two")),
+    ]
     assert (report["rows"], report["valid"], report["bad"]) == (9, 2, 7)
     reasons = {e["row"]: e["reason"] for e in report["bad_examples"]}
     assert sorted(reasons) == [2, 3, 5, 6, 7, 8, 9]  # line numbers, as an editor shows them
@@ -152,8 +165,9 @@ def test_a_row_that_is_not_utf8_is_a_bad_row_and_the_good_rows_are_kept(tmp_path
     texts = ["one", "caf\u00e9", *[f"question {i}" for i in range(8)]]
     rows = [json.dumps({"text": t}, ensure_ascii=False).encode() for t in texts]
     rows[1] = rows[1].replace("\u00e9".encode(), b"\xe9")  # saved as Latin-1 by some editor
-    path.write_bytes(b"".join(r + b"\n" for r in rows) if suffix == ".jsonl"
-                     else b"[" + b",\n".join(rows) + b"]")
+    path.write_bytes(
+        b"".join(r + b"\n" for r in rows) if suffix == ".jsonl" else b"[" + b",\n".join(rows) + b"]"
+    )
     data = data_config(source(type="file", path=str(path), text_field="text"), eval_fraction=0.5)
     train, held_out, stats = run_prepare(tmp_path, data)
     [counted] = stats["sources"]
@@ -161,7 +175,9 @@ def test_a_row_that_is_not_utf8_is_a_bad_row_and_the_good_rows_are_kept(tmp_path
     assert (counted["rows"], counted["valid"], counted["bad"]) == (10, 9, 1)
     [example] = counted["bad_examples"]
     assert example["row"] == 2 and "not UTF-8" in example["reason"]
-    assert sorted(p["messages"][0]["content"] for p in train + held_out) == sorted(texts[:1] + texts[2:])
+    assert sorted(p["messages"][0]["content"] for p in train + held_out) == sorted(
+        texts[:1] + texts[2:]
+    )
 
 
 def test_a_lone_surrogate_is_a_bad_row_named_by_source_and_row(tmp_path):
@@ -176,8 +192,7 @@ def test_a_lone_surrogate_is_a_bad_row_named_by_source_and_row(tmp_path):
     assert (counted["rows"], counted["valid"], counted["bad"]) == (3, 2, 1)
     [example] = counted["bad_examples"]
     assert example["row"] == 2 and "lone surrogate" in example["reason"], example
-    assert sorted(p["messages"][0]["content"] for p in train + held_out) == ["good one",
-                                                                              "good two"]
+    assert sorted(p["messages"][0]["content"] for p in train + held_out) == ["good one", "good two"]
 
 
 def test_bad_examples_are_capped_but_all_bad_rows_counted(tmp_path):
@@ -187,7 +202,9 @@ def test_bad_examples_are_capped_but_all_bad_rows_counted(tmp_path):
 
 
 def test_source_without_valid_prompt_names_source_rows_reasons_and_fields(tmp_path):
-    path = write_jsonl_lines(tmp_path / "x.jsonl", [{"prompt": "a", "id": 1}, {"prompt": "b", "id": 2}])
+    path = write_jsonl_lines(
+        tmp_path / "x.jsonl", [{"prompt": "a", "id": 1}, {"prompt": "b", "id": 2}]
+    )
     with pytest.raises(PromptSourceError) as info:
         load_source(source(type="file", path=str(path), text_field="text"))
     message = str(info.value)
@@ -229,17 +246,21 @@ def test_missing_file_and_misconfigured_sources(tmp_path):
 
 def test_sharegpt_conversations(tmp_path):
     rows = [
-        {"conversations": [
-            {"from": "system", "value": "You are terse."},
-            {"from": "human", "value": "Hi there"},
-            {"from": "gpt", "value": "Hello"},
-            {"from": "human", "value": "second turn is dropped"},
-        ]},
-        {"conversations": [
-            {"from": "gpt", "value": "I speak first"},
-            {"from": "system", "value": "not leading, so dropped"},
-            {"from": "Human", "value": "Q2"},
-        ]},
+        {
+            "conversations": [
+                {"from": "system", "value": "You are terse."},
+                {"from": "human", "value": "Hi there"},
+                {"from": "gpt", "value": "Hello"},
+                {"from": "human", "value": "second turn is dropped"},
+            ]
+        },
+        {
+            "conversations": [
+                {"from": "gpt", "value": "I speak first"},
+                {"from": "system", "value": "not leading, so dropped"},
+                {"from": "Human", "value": "Q2"},
+            ]
+        },
         {"conversations": [{"from": "gpt", "value": "only the bot"}]},
         {"conversations": [{"from": "human", "value": "   "}]},
         {"conversations": "not a list"},
@@ -268,12 +289,24 @@ def test_sharegpt_conversations(tmp_path):
 @pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
 def test_openai_conversations(tmp_path, suffix):
     rows = [
-        {"messages": [{"role": "user", "content": "No system here"}, {"role": "assistant", "content": "ok"}]},
-        {"messages": [{"role": "system", "content": "Sys"}, {"role": "user", "content": "With system"}]},
+        {
+            "messages": [
+                {"role": "user", "content": "No system here"},
+                {"role": "assistant", "content": "ok"},
+            ]
+        },
+        {
+            "messages": [
+                {"role": "system", "content": "Sys"},
+                {"role": "user", "content": "With system"},
+            ]
+        },
     ]
     path = tmp_path / f"oa{suffix}"
     _write(path, rows)
-    records, _ = load_source(source(type="conversations", path=str(path), messages_field="messages"))
+    records, _ = load_source(
+        source(type="conversations", path=str(path), messages_field="messages")
+    )
     assert [r["messages"] for r in records] == [
         user("No system here"),
         [{"role": "system", "content": "Sys"}, *user("With system")],
@@ -281,7 +314,9 @@ def test_openai_conversations(tmp_path, suffix):
 
 
 def test_wrong_role_field_error_points_at_the_fields(tmp_path):
-    path = write_jsonl_lines(tmp_path / "sg.jsonl", [{"conversations": [{"from": "human", "value": "hi"}]}])
+    path = write_jsonl_lines(
+        tmp_path / "sg.jsonl", [{"conversations": [{"from": "human", "value": "hi"}]}]
+    )
     with pytest.raises(PromptSourceError) as info:
         load_source(source(type="conversations", path=str(path), messages_field="conversations"))
     message = str(info.value)
@@ -308,7 +343,14 @@ def test_hf_source_via_load_dataset(monkeypatch):
     assert [r["messages"] for r in records] == [user("Explain X")]
     assert report["label"] == "hf:org/plain/train" and report["bad"] == 1
     records, report = load_source(
-        source(type="hf", name="org/chat", subset="en", split="test", messages_field="messages", limit=3)
+        source(
+            type="hf",
+            name="org/chat",
+            subset="en",
+            split="test",
+            messages_field="messages",
+            limit=3,
+        )
     )
     assert [r["messages"] for r in records] == [user(f"chat {i}") for i in range(3)]
     assert report["label"] == "hf:org/chat:en/test"
@@ -332,14 +374,19 @@ def test_id_depends_only_on_normalized_content(tmp_path):
 
 
 def test_dedup_across_sources_first_occurrence_wins(tmp_path):
-    first = text_file(tmp_path, "a.jsonl", ["Alpha beta", "gamma", "GAMMA ", *[f"a{i}" for i in range(20)]])
+    first = text_file(
+        tmp_path, "a.jsonl", ["Alpha beta", "gamma", "GAMMA ", *[f"a{i}" for i in range(20)]]
+    )
     second = text_file(tmp_path, "b.jsonl", ["alpha   BETA", "delta", "Gamma"])
     train, held_out, stats = run_prepare(tmp_path, data_config(first, second, eval_fraction=0.3))
     prompts = train + held_out
     assert len(prompts) == len({p["id"] for p in prompts}) == 23
     kept = {p["messages"][0]["content"]: p for p in prompts}
     assert "alpha   BETA" not in kept and "Gamma" not in kept
-    assert kept["Alpha beta"]["source"] == f"file:{tmp_path / 'a.jsonl'}" and kept["Alpha beta"]["row"] == 1
+    assert (
+        kept["Alpha beta"]["source"] == f"file:{tmp_path / 'a.jsonl'}"
+        and kept["Alpha beta"]["row"] == 1
+    )
     assert [s["duplicates"] for s in stats["sources"]] == [1, 2]
     assert stats["totals"] == {"rows": 26, "valid": 26, "bad": 0, "duplicates": 3, "unique": 23}
 
@@ -363,14 +410,21 @@ def test_split_is_disjoint_deterministic_sorted_and_hash_based(tmp_path):
     train_ids, eval_ids = [p["id"] for p in train], [p["id"] for p in held_out]
     assert not set(train_ids) & set(eval_ids) and len(train_ids) + len(eval_ids) == 300
     assert train_ids == sorted(train_ids) and eval_ids == sorted(eval_ids)
-    assert all(split_score(i, 7) < 0.2 for i in eval_ids) and all(split_score(i, 7) >= 0.2 for i in train_ids)
+    assert all(split_score(i, 7) < 0.2 for i in eval_ids) and all(
+        split_score(i, 7) >= 0.2 for i in train_ids
+    )
     assert 30 < len(eval_ids) < 90
     assert (stats["n_train"], stats["n_eval"], stats["eval_fraction"], stats["seed"]) == (
-        len(train_ids), len(eval_ids), 0.2, 7
+        len(train_ids),
+        len(eval_ids),
+        0.2,
+        7,
     )
     before = [(tmp_path / n).read_bytes() for n in ("train.jsonl", "eval.jsonl", "stats.json")]
     run_prepare(tmp_path, cfg)
-    assert [(tmp_path / n).read_bytes() for n in ("train.jsonl", "eval.jsonl", "stats.json")] == before
+    assert [
+        (tmp_path / n).read_bytes() for n in ("train.jsonl", "eval.jsonl", "stats.json")
+    ] == before
     other_seed = run_prepare(tmp_path, {**cfg, "seed": 8}, tag=".seed8")[1]
     assert {p["id"] for p in other_seed} != set(eval_ids)
 
@@ -379,7 +433,9 @@ def test_adding_a_source_moves_no_prompt_between_splits(tmp_path):
     base = _many(tmp_path, "a.jsonl", 200, "a")
     train, held_out, _ = run_prepare(tmp_path, data_config(base, eval_fraction=0.25))
     extra = _many(tmp_path, "b.jsonl", 200, "b")
-    train2, held_out2, _ = run_prepare(tmp_path, data_config(extra, base, eval_fraction=0.25), tag=".2")
+    train2, held_out2, _ = run_prepare(
+        tmp_path, data_config(extra, base, eval_fraction=0.25), tag=".2"
+    )
     assert {p["id"] for p in train} <= {p["id"] for p in train2}
     assert {p["id"] for p in held_out} <= {p["id"] for p in held_out2}
     assert len(train2) + len(held_out2) == 400
@@ -402,7 +458,9 @@ def test_caps_keep_the_lowest_hashes(tmp_path):
 
 def test_empty_split_is_an_error(tmp_path):
     cfg = data_config(text_file(tmp_path, "a.jsonl", ["only one prompt"]), eval_fraction=0.5)
-    with pytest.raises(PromptSourceError, match=r"split is empty: 1 unique prompts.*change eval_fraction"):
+    with pytest.raises(
+        PromptSourceError, match=r"split is empty: 1 unique prompts.*change eval_fraction"
+    ):
         run_prepare(tmp_path, cfg)
     assert not (tmp_path / "train.jsonl").exists()
 
@@ -412,7 +470,9 @@ def test_empty_split_is_an_error(tmp_path):
 
 def test_stats_and_logging(tmp_path, caplog):
     good = text_file(tmp_path, "good.jsonl", [f"q{i}" for i in range(40)])
-    mixed = write_jsonl_lines(tmp_path / "mixed.jsonl", [{"text": "q1"}, {"text": ""}, {"text": "new"}])
+    mixed = write_jsonl_lines(
+        tmp_path / "mixed.jsonl", [{"text": "q1"}, {"text": ""}, {"text": "new"}]
+    )
     mixed_source = source(type="file", path=str(mixed), text_field="text")
     with caplog.at_level(logging.INFO, logger="eaglet.data.prompts"):
         _, _, stats = run_prepare(tmp_path, data_config(good, mixed_source))
@@ -459,8 +519,9 @@ def test_snakemake_script(tmp_path):
 
 
 def test_humaneval_tasks_ask_each_problem_several_ways():
-    records, report = load_source({"type": "humaneval", "tasks": ["complete", "explain", "test"],
-                                   "limit": 6})
+    records, report = load_source(
+        {"type": "humaneval", "tasks": ["complete", "explain", "test"], "limit": 6}
+    )
     assert report["valid"] == 6 and len({r["id"] for r in records}) == 6
     openings = [r["messages"][0]["content"].split()[0] for r in records[:3]]
     assert openings == ["Complete", "Explain", "Write"]
@@ -489,7 +550,8 @@ def test_truncated_json_list_keeps_complete_records_and_reports_the_tail(tmp_pat
     path.write_text(text[:cut])
     prompts, report = load_source(source(type="sharegpt", path=str(path)))
     assert [p["messages"][-1]["content"] for p in prompts] == [
-        f"question number {i}" for i in range(4)]
+        f"question number {i}" for i in range(4)
+    ]
     assert report["valid"] == 4 and report["bad"] == 1
     tail = report["bad_examples"][0]
     assert tail["row"] == 5 and "ends inside element 5" in tail["reason"]
@@ -513,8 +575,9 @@ def test_packaged_sharegpt_file_is_found_and_read_without_network():
 
 def test_max_turns_keeps_later_user_turns_as_followups(tmp_path):
     path = tmp_path / "multi.json"
-    path.write_text(json.dumps([sharegpt_record(0, ["first", "second", "third"]),
-                                sharegpt_record(1, ["only"])]))
+    path.write_text(
+        json.dumps([sharegpt_record(0, ["first", "second", "third"]), sharegpt_record(1, ["only"])])
+    )
     single, _ = load_source(source(type="sharegpt", path=str(path)))
     assert all("followups" not in p for p in single)
     multi, _ = load_source(source(type="sharegpt", path=str(path), max_turns=2))
@@ -527,37 +590,54 @@ def test_max_turns_keeps_later_user_turns_as_followups(tmp_path):
 
 
 def test_prompts_longer_than_max_prompt_chars_are_bad_rows(tmp_path):
-    path = write_jsonl_lines(tmp_path / "p.jsonl", [{"text": "short question"},
-                                                    {"text": "x" * 500}, {"text": "another"}])
-    prompts, report = load_source(source(type="file", path=str(path), text_field="text",
-                                         max_prompt_chars=100))
+    path = write_jsonl_lines(
+        tmp_path / "p.jsonl", [{"text": "short question"}, {"text": "x" * 500}, {"text": "another"}]
+    )
+    prompts, report = load_source(
+        source(type="file", path=str(path), text_field="text", max_prompt_chars=100)
+    )
     assert [p["messages"][-1]["content"] for p in prompts] == ["short question", "another"]
     assert report["bad"] == 1 and report["bad_examples"][0] == {
-        "row": 2, "reason": "prompt of 500 characters is longer than max_prompt_chars=100"}
+        "row": 2,
+        "reason": "prompt of 500 characters is longer than max_prompt_chars=100",
+    }
     everything, _ = load_source(source(type="file", path=str(path), text_field="text"))
     assert len(everything) == 3
 
 
 # -- answers: dataset -------------------------------------------------------------------------
 
+
 def test_recorded_answers_are_kept_for_training_prompts_only(tmp_path):
-    rows = [{"conversations": [{"from": "human", "value": f"Q{i}"},
-                               {"from": "gpt", "value": f"A{i}"},
-                               {"from": "human", "value": "later turns are not kept"}]}
-            for i in range(40)]
-    rows += [{"conversations": [{"from": "human", "value": "asked, never answered"}]},
-             {"conversations": [{"from": "human", "value": "Q"}, {"from": "gpt", "value": " "}]}]
+    rows = [
+        {
+            "conversations": [
+                {"from": "human", "value": f"Q{i}"},
+                {"from": "gpt", "value": f"A{i}"},
+                {"from": "human", "value": "later turns are not kept"},
+            ]
+        }
+        for i in range(40)
+    ]
+    rows += [
+        {"conversations": [{"from": "human", "value": "asked, never answered"}]},
+        {"conversations": [{"from": "human", "value": "Q"}, {"from": "gpt", "value": " "}]},
+    ]
     path = write_jsonl_lines(tmp_path / "sg.jsonl", rows)
-    recorded = data_config({"type": "sharegpt", "path": str(path), "answers": "dataset"},
-                           eval_fraction=0.2)
+    recorded = data_config(
+        {"type": "sharegpt", "path": str(path), "answers": "dataset"}, eval_fraction=0.2
+    )
     records, report = load_source(recorded["sources"][0])
-    assert [(r["messages"], r["answer"]) for r in records[:2]] == [(user("Q0"), "A0"),
-                                                                   (user("Q1"), "A1")]
+    assert [(r["messages"], r["answer"]) for r in records[:2]] == [
+        (user("Q0"), "A0"),
+        (user("Q1"), "A1"),
+    ]
     assert all("followups" not in r for r in records)
     # an answer is part of the row: a row without one is bad, not a prompt to generate for
     assert [(e["row"], e["reason"].split(" (")[0]) for e in report["bad_examples"]] == [
         (41, "no recorded answer right after the first user message"),
-        (42, "message 1 content is empty")]
+        (42, "message 1 content is empty"),
+    ]
     # the same prompt ids (and so the same split) as without answers
     asked = load_source(source(type="sharegpt", path=str(path)))[0]
     assert [r["id"] for r in records] == [r["id"] for r in asked[:40]]
@@ -567,11 +647,14 @@ def test_recorded_answers_are_kept_for_training_prompts_only(tmp_path):
     assert stats["n_train_recorded_answers"] == len(train)
 
 
-@pytest.mark.parametrize("bad, why", [
-    ({"type": "file", "text_field": "text"}, "needs recorded answers"),
-    ({"type": "humaneval"}, "needs recorded answers"),
-    ({"type": "sharegpt", "max_turns": 2}, "set max_turns: 1"),
-])
+@pytest.mark.parametrize(
+    "bad, why",
+    [
+        ({"type": "file", "text_field": "text"}, "needs recorded answers"),
+        ({"type": "humaneval"}, "needs recorded answers"),
+        ({"type": "sharegpt", "max_turns": 2}, "set max_turns: 1"),
+    ],
+)
 def test_answers_dataset_needs_a_source_that_records_one_answer(tmp_path, bad, why):
     path = write_jsonl_lines(tmp_path / "x.jsonl", [{"text": "q"}])
     with pytest.raises(PromptSourceError, match=why):

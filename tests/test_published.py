@@ -14,11 +14,11 @@ from safetensors.torch import load_file, save_file
 
 from eaglet.core import methods as records
 from eaglet.core.config import validate
+from eaglet.core.methods import default_aux_layer_ids
 from eaglet.data.vocab import adopt_vocab_map, load_vocab_map
 from eaglet.model import methods, published
 from eaglet.model.config import DrafterConfig
 from eaglet.model.export import export_speculators
-from eaglet.core.methods import default_aux_layer_ids
 from tests.tiny_llama import LAYERS, VOCAB, make_tiny_llama
 
 DRAFT = 40
@@ -37,14 +37,24 @@ def world(tmp_path_factory):
     t2d[ids] = True
     drafter_config = DrafterConfig.from_target(config, DRAFT, default_aux_layer_ids(LAYERS))
     torch.manual_seed(1)
-    model = methods.make_drafter(records.EAGLE3.name, config, drafter_config,
-                                 target.model.embed_tokens.weight.detach(), d2t, t2d)
+    model = methods.make_drafter(
+        records.EAGLE3.name,
+        config,
+        drafter_config,
+        target.model.embed_tokens.weight.detach(),
+        d2t,
+        t2d,
+    )
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(std=0.2)
     methods.export(model.eval(), root / "eaglet")
-    return {"root": root, "target": root / "target", "model": model,
-            "state": {k: v.clone() for k, v in model.state_dict().items()}}
+    return {
+        "root": root,
+        "target": root / "target",
+        "model": model,
+        "state": {k: v.clone() for k, v in model.state_dict().items()},
+    }
 
 
 def _plain_config(world) -> dict:
@@ -60,8 +70,14 @@ def write_vllm_layout(world, out: Path) -> Path:
     out.mkdir()
     shutil.copy(world["root"] / "eaglet" / "config.json", out)
     weights = load_file(str(world["root"] / "eaglet" / "model.safetensors"))
-    renamed = {(n if n in ("lm_head.weight", "d2t", "t2d")
-                else "model." + n.replace("midlayer.", "layers.0.")): t for n, t in weights.items()}
+    renamed = {
+        (
+            n
+            if n in ("lm_head.weight", "d2t", "t2d")
+            else "model." + n.replace("midlayer.", "layers.0.")
+        ): t
+        for n, t in weights.items()
+    }
     save_file(renamed, str(out / "model.safetensors"))
     return out
 
@@ -82,8 +98,9 @@ def write_specforge(world, out: Path) -> Path:
     out.mkdir()
     (out / "config.json").write_text(json.dumps(_plain_config(world)))
     weights = load_file(str(world["root"] / "eaglet" / "model.safetensors"))
-    save_file({**weights, "embed_tokens.weight": torch.randn(VOCAB, 64)},
-              str(out / "model.safetensors"))
+    save_file(
+        {**weights, "embed_tokens.weight": torch.randn(VOCAB, 64)}, str(out / "model.safetensors")
+    )
     return out
 
 
@@ -92,9 +109,13 @@ def write_speculators(world, out: Path) -> Path:
     return out
 
 
-FORMATS = {"eaglet": lambda w, out: w["root"] / "eaglet", "vllm": write_vllm_layout,
-           "speculators": write_speculators, "eagle_original": write_eagle_original,
-           "specforge": write_specforge}
+FORMATS = {
+    "eaglet": lambda w, out: w["root"] / "eaglet",
+    "vllm": write_vllm_layout,
+    "speculators": write_speculators,
+    "eagle_original": write_eagle_original,
+    "specforge": write_specforge,
+}
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
@@ -123,8 +144,9 @@ def test_a_drafter_that_does_not_fit_the_target_is_refused(world, tmp_path):
     other = tmp_path / "other_target"
     shutil.copytree(world["target"], other)
     config = json.loads((other / "config.json").read_text())
-    (other / "config.json").write_text(json.dumps({**config, "hidden_size": 96,
-                                                   "vocab_size": VOCAB + 5}))
+    (other / "config.json").write_text(
+        json.dumps({**config, "hidden_size": 96, "vocab_size": VOCAB + 5})
+    )
     start = published.read(world["root"] / "eaglet")
     with pytest.raises(published.DrafterFormatError, match="hidden_size is 64, the target's 96"):
         published.convert(start, other, tmp_path / "out")
@@ -151,8 +173,13 @@ def test_a_missing_tensor_starts_new_and_is_said(world, tmp_path):
 
 
 def test_the_drafter_decides_the_runs_settings_and_is_served_beside(world, tmp_path):
-    cfg = validate({"train": {"init_from": str(world["root"] / "eaglet")},
-                    "vocab": {"draft_vocab_size": 1000}, "extract": {"aux_layer_ids": [1, 2, 3]}})
+    cfg = validate(
+        {
+            "train": {"init_from": str(world["root"] / "eaglet")},
+            "vocab": {"draft_vocab_size": 1000},
+            "extract": {"aux_layer_ids": [1, 2, 3]},
+        }
+    )
     notes = published.apply(cfg, "results/start_drafter")
     assert cfg["vocab"]["draft_vocab_size"] == DRAFT
     assert cfg["extract"]["aux_layer_ids"] == default_aux_layer_ids(LAYERS)
@@ -165,8 +192,9 @@ def test_the_vocab_stage_adopts_the_drafters_map_and_measures_it(world, tmp_path
     d2t, t2d = world["state"]["d2t"], world["state"]["t2d"]
     # answers of odd tokens the drafter's (even) vocabulary never proposes, and some even ones
     data = [{"completion_token_ids": [1, 3, 5, 7, 0, 2]}]
-    stats = adopt_vocab_map(data, d2t, t2d, "drafter", tmp_path / "map.safetensors",
-                            tmp_path / "stats.json")
+    stats = adopt_vocab_map(
+        data, d2t, t2d, "drafter", tmp_path / "map.safetensors", tmp_path / "stats.json"
+    )
     assert stats["coverage"] == pytest.approx(2 / 6)
     assert stats["coverage_of_a_map_from_this_data"] == 1.0
     got_d2t, got_t2d = load_vocab_map(tmp_path / "map.safetensors")

@@ -20,9 +20,18 @@ def test_the_miniature_keeps_the_attention_and_moe_kind_and_shrinks_sizes():
     text = json.loads((STANDINS / "kimi-k2.5" / "config.json").read_text())["text_config"]
     small, changes = shrink(text)
     # MLA: the head shapes the engine's kernels accept stay the target's
-    for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-                "model_type", "topk_method", "scoring_func", "n_shared_experts",
-                "rope_scaling", "vocab_size"):
+    for key in (
+        "kv_lora_rank",
+        "qk_nope_head_dim",
+        "qk_rope_head_dim",
+        "v_head_dim",
+        "model_type",
+        "topk_method",
+        "scoring_func",
+        "n_shared_experts",
+        "rope_scaling",
+        "vocab_size",
+    ):
         assert small.get(key) == text.get(key), key
     assert small["hidden_size"] < text["hidden_size"]
     assert small["num_hidden_layers"] == LAYERS < text["num_hidden_layers"]
@@ -39,8 +48,9 @@ def test_the_miniature_keeps_grouped_query_attention_and_the_head_size():
     assert small["head_dim"] == text["head_dim"]
     assert small["num_key_value_heads"] < small["num_attention_heads"]
     assert small["vocab_size"] == text["vocab_size"]
-    layers = {k: v for k, v in text.items()
-              if isinstance(v, list) and len(v) == text["num_hidden_layers"]}
+    layers = {
+        k: v for k, v in text.items() if isinstance(v, list) and len(v) == text["num_hidden_layers"]
+    }
     for key in layers:  # per-layer lists follow the depth
         assert len(small[key]) == small["num_hidden_layers"], key
 
@@ -49,10 +59,17 @@ def test_the_rehearsal_config_keeps_the_runs_settings_and_lists_what_it_scales(t
     user = yaml.safe_load((REPO / "configs" / "kimi-k2.5.yaml").read_text())
     text = json.loads((STANDINS / "kimi-k2.5" / "config.json").read_text())["text_config"]
     cfg, scaled = rehearse.rehearsal_config(user, tmp_path / "mini", tmp_path / "results", text)
-    for dotted in ("target.trust_remote_code", "server.reasoning_parser",
-                   "generate.chat_template_kwargs", "generate.temperature",
-                   "generate.capture_hidden_states", "extract.backend", "extract.dtype",
-                   "train.ttt_steps", "evaluate.offline"):
+    for dotted in (
+        "target.trust_remote_code",
+        "server.reasoning_parser",
+        "generate.chat_template_kwargs",
+        "generate.temperature",
+        "generate.capture_hidden_states",
+        "extract.backend",
+        "extract.dtype",
+        "train.ttt_steps",
+        "evaluate.offline",
+    ):
         assert rehearse._get(cfg, dotted) == rehearse._get(user, dotted), dotted
     assert cfg["evaluate"]["num_speculative_tokens"] == [3]  # one server per k: the smallest
     assert cfg["target"]["model"] == str(tmp_path / "mini")
@@ -66,6 +83,7 @@ def test_the_rehearsal_config_keeps_the_runs_settings_and_lists_what_it_scales(t
     assert "drafter_attention" not in cfg["train"]
     assert any(line.startswith("vocab.draft_vocab_size: 32000 -> ") for line in scaled)
     from eaglet.core.config import validate
+
     validate(cfg)  # the rehearsal's own config is valid
 
 
@@ -105,8 +123,10 @@ def test_the_drafters_attention_is_checked_against_the_targets(tmp_path):
         report = rehearse.Report()
         rehearse.check_target(STANDINS / "kimi-k2.5", kimi, report)
         assert report.passed, report.checks
-        assert any(c.stage == "drafter" and f"drafter_attention {attention}" in c.detail
-                   for c in report.checks)
+        assert any(
+            c.stage == "drafter" and f"drafter_attention {attention}" in c.detail
+            for c in report.checks
+        )
     kimi["train"]["method"] = "peagle"
     report = rehearse.Report()
     rehearse.check_target(STANDINS / "kimi-k2.5", kimi, report)
@@ -115,7 +135,8 @@ def test_the_drafters_attention_is_checked_against_the_targets(tmp_path):
 
 
 def test_a_dflash_run_is_checked_on_the_target_and_rehearsed_where_the_engine_can_serve_it(
-        tmp_path):
+    tmp_path,
+):
     """train.method dflash: buildable for any target with Llama attention and the plain
     norms (the real target's check says so, naming DFlashDraftModel), refused with MLA
     attention or the EAGLE-3.1 norms; rehearsed as DFlash where the CPU engine serves it beside
@@ -136,8 +157,9 @@ def test_a_dflash_run_is_checked_on_the_target_and_rehearsed_where_the_engine_ca
         assert any(c.stage == "plan" and c.ok for c in report.checks)
         assert "method dflash of 2 layers" in report.plan
         text = json.loads((STANDINS / name / "config.json").read_text())
-        cfg, scaled = rehearse.rehearsal_config(user, tmp_path / "mini", tmp_path / "r",
-                                                text.get("text_config", text))
+        cfg, scaled = rehearse.rehearsal_config(
+            user, tmp_path / "mini", tmp_path / "r", text.get("text_config", text)
+        )
         validate(cfg)
         if name == "qwen3-8b":
             assert cfg["train"]["method"] == "dflash" and "drafter_attention" not in cfg["train"]
@@ -164,25 +186,36 @@ def test_a_failed_stage_is_reported_by_its_own_exception_not_the_servers_shutdow
         "eaglet.data.template_check.TemplateMismatchError: 63 of 64 samples do not re-render\n"
         "(APIServer pid=1) ERROR [async_llm.py:906] vllm.v1.engine.exceptions.EngineDeadError: "
         "EngineCore encountered an issue.\n"
-        "WorkflowError:\nAt least one job did not complete successfully.\n")
+        "WorkflowError:\nAt least one job did not complete successfully.\n"
+    )
     assert rehearse.failed_rule(log) == (
-        "generate: eaglet.data.template_check.TemplateMismatchError: 63 of 64 samples do not re-render")
+        "generate: eaglet.data.template_check.TemplateMismatchError: 63 of 64 samples do not re-render"
+    )
 
 
 def test_a_sampled_run_is_held_to_its_drafts_exactly_and_to_its_expectation_within_noise():
     """At the served temperature the rehearsal checks what holds on any number of prompts:
     vLLM's answers took the replay's drafts as vLLM counted; and vLLM's AL is the expected
     one within the tolerance or within the sampling noise of the miniature's few prompts."""
-    row = {"temperature": 1.0, "vllm_acceptance_length": 2.55, "acceptance_length": 2.45,
-           "matched_acceptance_length": 2.55, "ratio_offline_over_vllm": 2.45 / 2.55,
-           "standard_error": 0.1, "drafts": 40, "tolerance": 0.03, "agrees": False,
-           "within_noise": True}
+    row = {
+        "temperature": 1.0,
+        "vllm_acceptance_length": 2.55,
+        "acceptance_length": 2.45,
+        "matched_acceptance_length": 2.55,
+        "ratio_offline_over_vllm": 2.45 / 2.55,
+        "standard_error": 0.1,
+        "drafts": 40,
+        "tolerance": 0.03,
+        "agrees": False,
+        "within_noise": True,
+    }
     ok, text, fix = rehearse.expected_line("eagle3_k3_T1", row)
     assert ok and fix == "" and "standard error 0.100 over 40 drafting steps" in text
     ok, _, fix = rehearse.expected_line("eagle3_k3_T1", {**row, "within_noise": False})
     assert not ok and "another distribution" in fix
-    ok, _, fix = rehearse.expected_line("eagle3_k3_T1", {**row, "agrees": True,
-                                                         "matched_acceptance_length": 2.3})
+    ok, _, fix = rehearse.expected_line(
+        "eagle3_k3_T1", {**row, "agrees": True, "matched_acceptance_length": 2.3}
+    )
     assert not ok and "the drafts differ" in fix
     assert not rehearse.expected_line("eagle3_k3_T1", {**row, "acceptance_length": None})[0]
 
@@ -193,7 +226,8 @@ def test_a_sampled_run_is_held_to_its_drafts_exactly_and_to_its_expectation_with
 # (tests/standins/README.md), each rehearsed green with nothing of it named in eaglet.
 OTHER_CONFIGS = pytest.mark.skipif(
     not os.environ.get("EAGLET_REHEARSE_ALL"),
-    reason="rehearsed by `make test-rehearsals` (EAGLET_REHEARSE_ALL=1)")
+    reason="rehearsed by `make test-rehearsals` (EAGLET_REHEARSE_ALL=1)",
+)
 
 
 def standin_files(name: str, tmp_path: Path) -> Path:
@@ -207,34 +241,64 @@ def standin_files(name: str, tmp_path: Path) -> Path:
 
     files = tmp_path / "files" / name
     shutil.copytree(STANDINS / name, files)
-    subprocess.run([sys.executable, str(STANDINS / "make_harmony_tokenizer.py"), str(files)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, str(STANDINS / "make_harmony_tokenizer.py"), str(files)],
+        check=True,
+        capture_output=True,
+    )
     return files
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("name", ["kimi-k2.5", *(pytest.param(n, marks=OTHER_CONFIGS) for n in (
-    "qwen3-8b", "deepseek-r1-distill-qwen-7b", "gemma-4-e2b-it", "gpt-oss-20b"))])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "kimi-k2.5",
+        *(
+            pytest.param(n, marks=OTHER_CONFIGS)
+            for n in ("qwen3-8b", "deepseek-r1-distill-qwen-7b", "gemma-4-e2b-it", "gpt-oss-20b")
+        ),
+    ],
+)
 def test_a_shipped_config_rehearses_green_on_its_stand_in(name, tmp_path):
     out = tmp_path / name
-    code = rehearse.main(["--configfile", str(REPO / "configs" / f"{name}.yaml"),
-                          "--target-files", str(standin_files(name, tmp_path)), "--out", str(out),
-                          "--cores", "2"])
+    code = rehearse.main(
+        [
+            "--configfile",
+            str(REPO / "configs" / f"{name}.yaml"),
+            "--target-files",
+            str(standin_files(name, tmp_path)),
+            "--out",
+            str(out),
+            "--cores",
+            "2",
+        ]
+    )
     result = json.loads((out / "rehearsal.json").read_text())
     assert code == 0 and result["passed"], json.dumps(result["checks"], indent=1)
     stages = {c["stage"] for c in result["checks"] if c["ok"]}
-    assert {"target", "miniature", "generate", "reasoning", "extract", "train",
-            "evaluate"} <= stages, stages
+    assert {
+        "target",
+        "miniature",
+        "generate",
+        "reasoning",
+        "extract",
+        "train",
+        "evaluate",
+    } <= stages, stages
 
 
 def test_a_streamed_run_reports_its_streamed_states_not_missing_shards(tmp_path):
     """train.data stream writes the held-out shard alone: the rehearsal says so, and reads
     how training got its states (requests, teacher agreement) from drafter/stats.json."""
     results = tmp_path / "results"
-    for path, data in {"synthetic/stats.json": {"template_check": {"checked": 3}},
-                       "hidden/manifest.json": {"shards": [], "eval_shards": [{"file": "e"}]},
-                       "drafter/stats.json": {"stream": {"requests": 95, "saved_files": 0,
-                                                         "teacher_agreement": 0.937}}}.items():
+    for path, data in {
+        "synthetic/stats.json": {"template_check": {"checked": 3}},
+        "hidden/manifest.json": {"shards": [], "eval_shards": [{"file": "e"}]},
+        "drafter/stats.json": {
+            "stream": {"requests": 95, "saved_files": 0, "teacher_agreement": 0.937}
+        },
+    }.items():
         (results / path).parent.mkdir(parents=True, exist_ok=True)
         (results / path).write_text(json.dumps(data))
     for split in ("train", "eval"):
@@ -245,9 +309,11 @@ def test_a_streamed_run_reports_its_streamed_states_not_missing_shards(tmp_path)
     rehearse.check_results(results, cfg, report)
     said = {c.stage: c.detail for c in report.checks}
     assert said["extract"] == "1 held-out shard(s) only (train.data stream)"
-    assert said["train"] == ("drafter trained and exported on streamed states: 95 prefill "
-                             "requests to its own capture server, 0 files saved by generation, "
-                             "teacher agreement 0.937")
+    assert said["train"] == (
+        "drafter trained and exported on streamed states: 95 prefill "
+        "requests to its own capture server, 0 files saved by generation, "
+        "teacher agreement 0.937"
+    )
 
 
 def test_a_miniature_taught_too_briefly_says_it_did_not_learn_the_format(tmp_path):
@@ -257,9 +323,14 @@ def test_a_miniature_taught_too_briefly_says_it_did_not_learn_the_format(tmp_pat
     not."""
     from eaglet.tools.miniature import build
 
-    info = build(STANDINS / "qwen3-8b", tmp_path / "mini", trust_remote_code=False,
-                 template_kwargs={"enable_thinking": True}, reasoning_parser="qwen3",
-                 teach_seconds=1.0)
+    info = build(
+        STANDINS / "qwen3-8b",
+        tmp_path / "mini",
+        trust_remote_code=False,
+        template_kwargs={"enable_thinking": True},
+        reasoning_parser="qwen3",
+        teach_seconds=1.0,
+    )
     learned = info["taught"]["learned"]
     assert learned["answers"] == 12 and learned["in_format"] < learned["answers"]
     failure = learned["first_failure"]
@@ -268,7 +339,8 @@ def test_a_miniature_taught_too_briefly_says_it_did_not_learn_the_format(tmp_pat
 
 
 def test_an_error_inside_the_rehearsal_ends_in_its_fail_line_and_the_summary(
-        tmp_path, monkeypatch, capsys):
+    tmp_path, monkeypatch, capsys
+):
     """A miniature that cannot be built (or any error past the config's check) is a FAIL
     line of the report, with the summary and rehearsal.json, never a traceback."""
     from eaglet.tools.miniature import MiniatureError
@@ -278,8 +350,16 @@ def test_an_error_inside_the_rehearsal_ends_in_its_fail_line_and_the_summary(
 
     monkeypatch.setattr(rehearse, "build", cannot)
     out = tmp_path / "out"
-    code = rehearse.main(["--configfile", str(REPO / "configs" / "qwen3-8b.yaml"),
-                          "--target-files", str(STANDINS / "qwen3-8b"), "--out", str(out)])
+    code = rehearse.main(
+        [
+            "--configfile",
+            str(REPO / "configs" / "qwen3-8b.yaml"),
+            "--target-files",
+            str(STANDINS / "qwen3-8b"),
+            "--out",
+            str(out),
+        ]
+    )
     printed = capsys.readouterr().out
     assert code == 1
     assert "FAIL miniature  MiniatureError: the parser names no markers" in printed, printed

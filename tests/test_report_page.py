@@ -30,14 +30,30 @@ CONCURRENCY = [1, 16]
 # output tokens/s per (run, set, concurrency); the drafts of each run per set:
 # (drafts, draft tokens, accepted per position)
 TOKENS_PER_S = {
-    "baseline": {("heldout", 1): 20.0, ("heldout", 16): 100.0,
-                 ("everyday", 1): 20.0, ("everyday", 16): 100.0},
-    "ngram_k3": {("heldout", 1): 15.0, ("heldout", 16): 65.0,
-                 ("everyday", 1): 15.0, ("everyday", 16): 65.0},
-    "eagle3_k3": {("heldout", 1): 24.0, ("heldout", 16): 60.0,
-                  ("everyday", 1): 21.0, ("everyday", 16): 66.0},
-    "eagle3_schedule": {("heldout", 1): 23.5, ("heldout", 16): 90.0,
-                        ("everyday", 1): 21.0, ("everyday", 16): 92.0},
+    "baseline": {
+        ("heldout", 1): 20.0,
+        ("heldout", 16): 100.0,
+        ("everyday", 1): 20.0,
+        ("everyday", 16): 100.0,
+    },
+    "ngram_k3": {
+        ("heldout", 1): 15.0,
+        ("heldout", 16): 65.0,
+        ("everyday", 1): 15.0,
+        ("everyday", 16): 65.0,
+    },
+    "eagle3_k3": {
+        ("heldout", 1): 24.0,
+        ("heldout", 16): 60.0,
+        ("everyday", 1): 21.0,
+        ("everyday", 16): 66.0,
+    },
+    "eagle3_schedule": {
+        ("heldout", 1): 23.5,
+        ("heldout", 16): 90.0,
+        ("everyday", 1): 21.0,
+        ("everyday", 16): 92.0,
+    },
 }
 DRAFTS = {
     "ngram_k3": {"heldout": (100, 300, [57, 41, 30]), "everyday": (100, 300, [48, 25, 15])},
@@ -53,15 +69,23 @@ def _delta(name: str, set_name: str, concurrency: int) -> dict:
     drafts, draft_tokens, per_pos = DRAFTS.get(name, {}).get(set_name, (0, 0, []))
     if name == "eagle3_schedule" and concurrency > 1:
         drafts, draft_tokens, per_pos = 0, 0, []
-    return {"drafts": drafts, "draft_tokens": draft_tokens, "accepted": sum(per_pos),
-            "per_position": per_pos}
+    return {
+        "drafts": drafts,
+        "draft_tokens": draft_tokens,
+        "accepted": sum(per_pos),
+        "per_position": per_pos,
+    }
 
 
 def _summed(deltas: list[dict]) -> dict:
     width = max(len(d["per_position"]) for d in deltas)
-    return {**{key: sum(d[key] for d in deltas) for key in ("drafts", "draft_tokens", "accepted")},
-            "per_position": [sum(d["per_position"][i] for d in deltas if i < len(d["per_position"]))
-                             for i in range(width)]}
+    return {
+        **{key: sum(d[key] for d in deltas) for key in ("drafts", "draft_tokens", "accepted")},
+        "per_position": [
+            sum(d["per_position"][i] for d in deltas if i < len(d["per_position"]))
+            for i in range(width)
+        ],
+    }
 
 
 def _measured(run: dict) -> dict:
@@ -70,20 +94,38 @@ def _measured(run: dict) -> dict:
     k, levels, deltas = run.get("k"), [], []
     for set_name in SETS:
         for concurrency in CONCURRENCY:
-            tps, delta = TOKENS_PER_S[run["name"]][(set_name, concurrency)], _delta(
-                run["name"], set_name, concurrency)
+            tps, delta = (
+                TOKENS_PER_S[run["name"]][(set_name, concurrency)],
+                _delta(run["name"], set_name, concurrency),
+            )
             deltas.append(delta)
-            levels.append({"set": set_name, "concurrency": concurrency, "requests": 8,
-                           "output_tokens": OUTPUT_TOKENS, "wall_s": OUTPUT_TOKENS / tps,
-                           "output_tokens_per_s": tps, "mean_latency_s": 8 / tps,
-                           **evaluate.acceptance(delta, k)})
-    sets = {s: evaluate.acceptance(_summed([d for lv, d in zip(levels, deltas)
-                                            if lv["set"] == s]), k) for s in SETS}
-    return {"name": run["name"], "method": run["method"], "k": k,
-            "schedule": bool(run.get("schedule")),
-            "speculative_config": evaluate.speculative_config(run), "levels": levels,
-            "sets": sets, "output_tokens": OUTPUT_TOKENS * len(levels),
-            **evaluate.acceptance(_summed(deltas), k)}
+            levels.append(
+                {
+                    "set": set_name,
+                    "concurrency": concurrency,
+                    "requests": 8,
+                    "output_tokens": OUTPUT_TOKENS,
+                    "wall_s": OUTPUT_TOKENS / tps,
+                    "output_tokens_per_s": tps,
+                    "mean_latency_s": 8 / tps,
+                    **evaluate.acceptance(delta, k),
+                }
+            )
+    sets = {
+        s: evaluate.acceptance(_summed([d for lv, d in zip(levels, deltas) if lv["set"] == s]), k)
+        for s in SETS
+    }
+    return {
+        "name": run["name"],
+        "method": run["method"],
+        "k": k,
+        "schedule": bool(run.get("schedule")),
+        "speculative_config": evaluate.speculative_config(run),
+        "levels": levels,
+        "sets": sets,
+        "output_tokens": OUTPUT_TOKENS * len(levels),
+        **evaluate.acceptance(_summed(deltas), k),
+    }
 
 
 def write_evaluation(results: Path, spread: bool = False) -> tuple[dict, dict]:
@@ -91,8 +133,16 @@ def write_evaluation(results: Path, spread: bool = False) -> tuple[dict, dict]:
     the schedule it derives checked beside the target alone, the serve config, the verdict.
     ``spread``: the pooled speedups carry ``speedup_low``/``speedup_high``."""
     drafter = str(results / "drafter")
-    plan, _ = evaluate.run_plan({"ngram": True, "ngram_k": 3, "ngram_config": {},
-                                 "num_speculative_tokens": [3], "offline": False}, drafter)
+    plan, _ = evaluate.run_plan(
+        {
+            "ngram": True,
+            "ngram_k": 3,
+            "ngram_config": {},
+            "num_speculative_tokens": [3],
+            "offline": False,
+        },
+        drafter,
+    )
     runs = [_measured(run) for run in plan]
     evaluate.add_speedups(runs, CONCURRENCY)
     choice = evaluate.best_k_by_concurrency(runs, CONCURRENCY)
@@ -105,13 +155,20 @@ def write_evaluation(results: Path, spread: bool = False) -> tuple[dict, dict]:
                 entry["speedup_low"] = entry["speedup"] * 0.9
                 entry["speedup_high"] = entry["speedup"] * 1.1
     serve = evaluate.serve_recommendation(choice, runs, drafter)
-    acceptance = {"prompt_sets": {"heldout": {"source": "the held-out split of data.sources",
-                                              "prompts": 8},
-                                  "everyday": {"source": "file:data/everyday_prompts.jsonl",
-                                               "prompts": 8}},
-                  "max_tokens": 96, "rounds": 2, "concurrency": CONCURRENCY,
-                  "target": str(results / "target"), "drafter": drafter, "runs": runs,
-                  "serve": serve, "verdict": evaluate.verdict(runs, CONCURRENCY, serve)}
+    acceptance = {
+        "prompt_sets": {
+            "heldout": {"source": "the held-out split of data.sources", "prompts": 8},
+            "everyday": {"source": "file:data/everyday_prompts.jsonl", "prompts": 8},
+        },
+        "max_tokens": 96,
+        "rounds": 2,
+        "concurrency": CONCURRENCY,
+        "target": str(results / "target"),
+        "drafter": drafter,
+        "runs": runs,
+        "serve": serve,
+        "verdict": evaluate.verdict(runs, CONCURRENCY, serve),
+    }
     write_json(results / "eval" / "serve.json", serve)
     write_json(results / "eval" / "acceptance.json", acceptance)
     return acceptance, serve
@@ -129,44 +186,129 @@ TRAINING_LOG = [
 
 def write_run(results: Path) -> None:
     """Every file the stages before the evaluation write that the page reads."""
-    write_json(results / "target" / "target.json", {
-        "spec": "embedded:smollm2-135m-instruct", "path": str(results / "target"),
-        "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 30, "hidden_size": 576,
-        "vocab_size": 49152})
-    write_json(results / "prompts" / "stats.json", {
-        "sources": [{"label": "sharegpt", "rows": 300, "valid": 298, "bad": 2, "duplicates": 5,
-                     "bad_examples": []},
-                    {"label": "humaneval", "rows": 164, "valid": 164, "bad": 0,
-                     "duplicates": 0, "bad_examples": []}],
-        "n_train": 284, "n_eval": 48, "n_train_recorded_answers": 213})
+    write_json(
+        results / "target" / "target.json",
+        {
+            "spec": "embedded:smollm2-135m-instruct",
+            "path": str(results / "target"),
+            "architectures": ["LlamaForCausalLM"],
+            "num_hidden_layers": 30,
+            "hidden_size": 576,
+            "vocab_size": 49152,
+        },
+    )
+    write_json(
+        results / "prompts" / "stats.json",
+        {
+            "sources": [
+                {
+                    "label": "sharegpt",
+                    "rows": 300,
+                    "valid": 298,
+                    "bad": 2,
+                    "duplicates": 5,
+                    "bad_examples": [],
+                },
+                {
+                    "label": "humaneval",
+                    "rows": 164,
+                    "valid": 164,
+                    "bad": 0,
+                    "duplicates": 0,
+                    "bad_examples": [],
+                },
+            ],
+            "n_train": 284,
+            "n_eval": 48,
+            "n_train_recorded_answers": 213,
+        },
+    )
     split = {"failed": 0, "truncated": 3, "truncated_dropped": 0, "failures": []}
-    write_json(results / "synthetic" / "stats.json", {
-        "splits": {"train": {"prompts": 284, "samples": 284, "prompt_tokens": 12000,
-                             "completion_tokens": 24512, **split},
-                   "eval": {"prompts": 48, "samples": 48, "prompt_tokens": 2000,
-                            "completion_tokens": 4100, **split}},
-        "dataset_answers": 213})
-    write_json(results / "vocab" / "stats.json", {
-        "draft_vocab_size": 2048, "coverage": 0.9731, "distinct_completion_tokens": 3211})
-    write_json(results / "hidden" / "manifest.json", {
-        "num_shards": 3, "num_samples": 332, "tokens": 42612, "bytes": 3 * 2**30 // 10,
-        "dtype": "float32", "aux_layer_ids": [2, 15, 27], "teacher_agreement": 0.9988})
+    write_json(
+        results / "synthetic" / "stats.json",
+        {
+            "splits": {
+                "train": {
+                    "prompts": 284,
+                    "samples": 284,
+                    "prompt_tokens": 12000,
+                    "completion_tokens": 24512,
+                    **split,
+                },
+                "eval": {
+                    "prompts": 48,
+                    "samples": 48,
+                    "prompt_tokens": 2000,
+                    "completion_tokens": 4100,
+                    **split,
+                },
+            },
+            "dataset_answers": 213,
+        },
+    )
+    write_json(
+        results / "vocab" / "stats.json",
+        {"draft_vocab_size": 2048, "coverage": 0.9731, "distinct_completion_tokens": 3211},
+    )
+    write_json(
+        results / "hidden" / "manifest.json",
+        {
+            "num_shards": 3,
+            "num_samples": 332,
+            "tokens": 42612,
+            "bytes": 3 * 2**30 // 10,
+            "dtype": "float32",
+            "aux_layer_ids": [2, 15, 27],
+            "teacher_agreement": 0.9988,
+        },
+    )
     (results / "drafter").mkdir(parents=True)
     with open(results / "drafter" / "training_log.csv", "w", newline="") as handle:
         writer = csv.writer(handle)
-        writer.writerow(["step", "epoch", "split", "loss", "acc_0", "acc_1", "acc_2", "sim_al",
-                         "lr", "tokens_per_s", "peak_rss_mb"])
+        writer.writerow(
+            [
+                "step",
+                "epoch",
+                "split",
+                "loss",
+                "acc_0",
+                "acc_1",
+                "acc_2",
+                "sim_al",
+                "lr",
+                "tokens_per_s",
+                "peak_rss_mb",
+            ]
+        )
         writer.writerows(row + ("", "", "") for row in TRAINING_LOG)
-    write_json(results / "drafter" / "stats.json", {"steps": 8, "shipped": {
-        "choice": "last", "step": 8, "epoch": 2.0, "heldout_al": 1.53,
-        "note": "the last weights ship (step 8, epoch 2.0): their held-out simulated AL 1.530 "
-                "is the best"}})
-    for stage, started, ended in (("generate", "10:00:00", "10:03:05"),
-                                  ("train", "10:09:00", "10:16:24"),
-                                  ("evaluate", "10:16:30", "10:28:12")):
-        write_json(results / "progress" / f"{stage}.json", {
-            "stage": stage, "state": "finished", "started_at": f"2026-12-02T{started}+00:00",
-            "updated_at": f"2026-12-02T{ended}+00:00"})
+    write_json(
+        results / "drafter" / "stats.json",
+        {
+            "steps": 8,
+            "shipped": {
+                "choice": "last",
+                "step": 8,
+                "epoch": 2.0,
+                "heldout_al": 1.53,
+                "note": "the last weights ship (step 8, epoch 2.0): their held-out simulated AL 1.530 "
+                "is the best",
+            },
+        },
+    )
+    for stage, started, ended in (
+        ("generate", "10:00:00", "10:03:05"),
+        ("train", "10:09:00", "10:16:24"),
+        ("evaluate", "10:16:30", "10:28:12"),
+    ):
+        write_json(
+            results / "progress" / f"{stage}.json",
+            {
+                "stage": stage,
+                "state": "finished",
+                "started_at": f"2026-12-02T{started}+00:00",
+                "updated_at": f"2026-12-02T{ended}+00:00",
+            },
+        )
 
 
 def rendered(rst: str) -> str:
@@ -183,8 +325,10 @@ def plain(body: str) -> str:
 
 
 def table_rows(body: str) -> list[list[str]]:
-    return [[plain(cell) for cell in re.findall(r"<t[hd][^>]*>(.*?)</t[hd]>", row, re.S)]
-            for row in re.findall(r"<tr[^>]*>(.*?)</tr>", body, re.S)]
+    return [
+        [plain(cell) for cell in re.findall(r"<t[hd][^>]*>(.*?)</t[hd]>", row, re.S)]
+        for row in re.findall(r"<tr[^>]*>(.*?)</tr>", body, re.S)
+    ]
 
 
 def test_text_from_the_results_renders_to_exactly_its_characters():
@@ -208,8 +352,9 @@ def test_the_first_page_opens_on_the_verdict_and_its_warnings_word_for_word(resu
     assert any("_" in w for w in verdict["warnings"])  # run names: markup-like to RST
     body = rendered(first_page(results))
     text = plain(body)
-    assert text.startswith("Verdict on the drafter for embedded:smollm2-135m-instruct "
-                           + verdict["summary"])
+    assert text.startswith(
+        "Verdict on the drafter for embedded:smollm2-135m-instruct " + verdict["summary"]
+    )
     for warning in verdict["warnings"]:
         assert f" {warning} " in f" {text} "
     # each warning is an item of its own
@@ -225,16 +370,22 @@ def test_the_headline_table_holds_each_runs_al_per_set_and_speedup_per_concurren
     by_name = {row[0]: row[1:] for row in rows[1:]}
     # EAGLE-3's runs first, ngram beside them; the target alone is the reference, not a row
     assert list(by_name) == ["eagle3_k3", "eagle3_schedule (serve.json)", "ngram_k3"]
-    for name, label in (("eagle3_k3", "eagle3_k3"), ("ngram_k3", "ngram_k3"),
-                        ("eagle3_schedule", "eagle3_schedule (serve.json)")):
+    for name, label in (
+        ("eagle3_k3", "eagle3_k3"),
+        ("ngram_k3", "ngram_k3"),
+        ("eagle3_schedule", "eagle3_schedule (serve.json)"),
+    ):
         run = runs[name]
         assert by_name[label] == [
             *(f"{run['sets'][s]['acceptance_length']:.2f}" for s in SETS),
-            *(f"{e['speedup']:.2f}x" for e in run["by_concurrency"])]
+            *(f"{e['speedup']:.2f}x" for e in run["by_concurrency"]),
+        ]
     # the numbers the measurements give: AL 1 + accepted/drafts, pooled tokens/s over the baseline's
     assert by_name["eagle3_k3"][:2] == ["1.53", "1.39"]
-    assert by_name["eagle3_k3"][2:] == [f"{2 / (1 / 24 + 1 / 21) / 20:.2f}x",
-                                        f"{2 / (1 / 60 + 1 / 66) / 100:.2f}x"]
+    assert by_name["eagle3_k3"][2:] == [
+        f"{2 / (1 / 24 + 1 / 21) / 20:.2f}x",
+        f"{2 / (1 / 60 + 1 / 66) / 100:.2f}x",
+    ]
     assert by_name["ngram_k3"][2:] == ["0.75x", "0.65x"]
 
 
@@ -243,15 +394,19 @@ def test_a_speedup_is_shown_with_its_spread_where_the_results_carry_one(results)
     rows = {row[0]: row[1:] for row in table_rows(rendered(first_page(results)))}
     run = next(r for r in acceptance["runs"] if r["name"] == "eagle3_k3")
     low = run["by_concurrency"][0]
-    assert rows["eagle3_k3"][2] == (f"{low['speedup']:.2f}x ({low['speedup_low']:.2f}-"
-                                    f"{low['speedup_high']:.2f})")
+    assert rows["eagle3_k3"][2] == (
+        f"{low['speedup']:.2f}x ({low['speedup_low']:.2f}-{low['speedup_high']:.2f})"
+    )
     speedup = plain(rendered(report_texts(results)["speedup"]))
     assert f"eagle3_k3 {rows['eagle3_k3'][2]} at concurrency 1" in speedup
     # faster than the target alone only where the whole spread is above 1: the schedule's
     # 1.11x at concurrency 1 reaches down to 1.00
     schedule = next(r for r in acceptance["runs"] if r["name"] == "eagle3_schedule")
-    assert schedule["by_concurrency"][0]["speedup"] > 1.0 > schedule["by_concurrency"][0][
-        "speedup_low"]
+    assert (
+        schedule["by_concurrency"][0]["speedup"]
+        > 1.0
+        > schedule["by_concurrency"][0]["speedup_low"]
+    )
     assert speedup.endswith("there is one): eagle3_k3 at 1.")
 
 
@@ -259,35 +414,46 @@ def test_the_serve_command_is_a_literal_block_ready_to_copy(results):
     _, serve = write_evaluation(results)
     assert serve["checked_by"] == "eagle3_schedule"
     body = rendered(first_page(results))
-    blocks = [html.unescape(b) for b in re.findall(r'<pre class="literal-block">(.*?)</pre>',
-                                                   body, re.S)]
+    blocks = [
+        html.unescape(b) for b in re.findall(r'<pre class="literal-block">(.*?)</pre>', body, re.S)
+    ]
     assert len(blocks) == 2  # the serve command, then the model card (test_model_card.py)
     command = shlex.split(blocks[0])
-    assert command[:5] == ["python", "-m", "vllm.entrypoints.openai.api_server", "--model",
-                           str(results / "target")]
+    assert command[:5] == [
+        "python",
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(results / "target"),
+    ]
     assert command[5:] == serve["vllm_args"]
     assert json.loads(command[6]) == serve["speculative_config"]
     assert "num_speculative_tokens_per_batch_size" in command[6]
     # what serve.json chose at each concurrency and how its check measured
     text = plain(body)
     for entry in serve["by_concurrency"]:
-        assert (f"concurrency {entry['concurrency']}: k {entry['k']}, "
-                f"{entry['speedup']:.2f}x") in text
+        assert (
+            f"concurrency {entry['concurrency']}: k {entry['k']}, {entry['speedup']:.2f}x"
+        ) in text
 
 
 def test_the_page_names_the_target_the_data_and_the_stage_times(results):
     write_evaluation(results)
     text = plain(rendered(first_page(results)))
     assert "Target: embedded:smollm2-135m-instruct (LlamaForCausalLM: 30 layers" in text
-    assert ("Data: 284 training samples, 36,512 tokens (24,512 of them in answers); "
-            "48 held-out samples, 6,100 tokens") in text
+    assert (
+        "Data: 284 training samples, 36,512 tokens (24,512 of them in answers); "
+        "48 held-out samples, 6,100 tokens"
+    ) in text
     assert "213 of the samples are recorded answers" in text
     assert "Sources: sharegpt (300 rows, 2 bad, 5 duplicates), humaneval (164 rows" in text
     assert "2,048 tokens, covering 97.31%" in text
     assert "3 shards, 332 samples, 42,612 tokens" in text and "teacher agreement 99.88%" in text
-    assert ("Training: 8 steps, 2.00 epochs; the last held-out row: acc_0 0.440, simulated AL "
-            "1.53; the last weights ship (step 8, epoch 2.0): their held-out simulated AL 1.530 "
-            "is the best.") in text
+    assert (
+        "Training: 8 steps, 2.00 epochs; the last held-out row: acc_0 0.440, simulated AL "
+        "1.53; the last weights ship (step 8, epoch 2.0): their held-out simulated AL 1.530 "
+        "is the best."
+    ) in text
     assert "Stage times (wall clock): generate 3m05s, train 7m24s, evaluate 11m42s." in text
 
 
@@ -317,19 +483,27 @@ def test_each_caption_states_its_figures_numbers_for_this_run(results):
     rates = " ".join(f"{r:.2f}" for r in eagle["sets"]["heldout"]["per_position_rate"])
     assert rates == "0.38 0.11 0.04"
     assert f"eagle3_k3: heldout {rates}, everyday 0.29 0.07 0.03" in captions["per_position"]
-    assert ("EAGLE-3 k=3: heldout 1.53, everyday 1.39 (ceiling 4); "
-            "ngram k=3: heldout 2.28, everyday 1.88 (ceiling 4)") in captions["acceptance_length"]
-    pooled = ", ".join(f"{e['speedup']:.2f}x at concurrency {e['concurrency']}"
-                       for e in eagle["by_concurrency"])
+    assert (
+        "EAGLE-3 k=3: heldout 1.53, everyday 1.39 (ceiling 4); "
+        "ngram k=3: heldout 2.28, everyday 1.88 (ceiling 4)"
+    ) in captions["acceptance_length"]
+    pooled = ", ".join(
+        f"{e['speedup']:.2f}x at concurrency {e['concurrency']}" for e in eagle["by_concurrency"]
+    )
     assert f"eagle3_k3 {pooled}" in captions["speedup"]
-    assert "the target alone (above 1, with all of the spread where there is one): eagle3_k3 " \
+    assert (
+        "the target alone (above 1, with all of the spread where there is one): eagle3_k3 "
         "at 1, eagle3_schedule at 1." in captions["speedup"]
-    assert "16 rows: the engine runs baseline, ngram_k3, eagle3_k3, eagle3_schedule" in \
-        captions["summary"]
+    )
+    assert (
+        "16 rows: the engine runs baseline, ngram_k3, eagle3_k3, eagle3_schedule"
+        in captions["summary"]
+    )
     assert acceptance["verdict"]["summary"] in captions["acceptance"]
-    assert ("8 optimizer steps over 2.00 epochs. Held-out simulated AL: 1.41 (step 4), "
-            "1.53 (step 8). The last held-out acc_0 is 0.440, the last training row's 0.550."
-            ) == captions["training_curves"][len("In this run: "):]
+    assert (
+        "8 optimizer steps over 2.00 epochs. Held-out simulated AL: 1.41 (step 4), "
+        "1.53 (step 8). The last held-out acc_0 is 0.440, the last training row's 0.550."
+    ) == captions["training_curves"][len("In this run: ") :]
     assert "5 rows: 3 training and 2 held-out, to step 8" in captions["training_log"]
 
 
@@ -375,9 +549,22 @@ def test_the_reports_templates_print_the_texts_of_this_run(results):
 
 
 def _snakemake(results: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([str(SNAKEMAKE), *args, "--cores", "1", "--configfile", str(TINY),
-                           "--config", f"results_dir={results}"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [
+            str(SNAKEMAKE),
+            *args,
+            "--cores",
+            "1",
+            "--configfile",
+            str(TINY),
+            "--config",
+            f"results_dir={results}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def _script_json(page: str, name: str):
@@ -411,16 +598,21 @@ def test_snakemakes_report_opens_on_this_runs_verdict_and_captions_its_numbers(r
     page = report.read_text()
     first = plain(_script_json(page, "workflow_desc"))
     verdict = acceptance["verdict"]
-    assert first.startswith("Verdict on the drafter for embedded:smollm2-135m-instruct "
-                            + verdict["summary"])
+    assert first.startswith(
+        "Verdict on the drafter for embedded:smollm2-135m-instruct " + verdict["summary"]
+    )
     assert all(w in first for w in verdict["warnings"])
     assert shlex.join(["--model", str(results / "target"), *serve["vllm_args"]]) in first
     assert "How the run was made" in first  # the page goes on with report/workflow.rst's own
-    captions = {Path(path).name: plain(r["caption"])
-                for path, r in _script_json(page, "results").items()}
+    captions = {
+        Path(path).name: plain(r["caption"]) for path, r in _script_json(page, "results").items()
+    }
     texts = report_texts(results)
-    for name, file in (("speedup", "speedup.png"), ("per_position", "per_position.png"),
-                       ("training_curves", "training_curves.png"),
-                       ("acceptance", "acceptance.json")):
+    for name, file in (
+        ("speedup", "speedup.png"),
+        ("per_position", "per_position.png"),
+        ("training_curves", "training_curves.png"),
+        ("acceptance", "acceptance.json"),
+    ):
         assert plain(rendered(texts[name])) in captions[file], name
     assert "eagle3_k3 1.12x at concurrency 1" in captions["speedup.png"]

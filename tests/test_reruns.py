@@ -15,9 +15,22 @@ from tests.workflows.dryrun import parse_dry_run
 
 def snakemake(results: Path, configfile: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [str(SNAKEMAKE), *args, "--cores", "1", "--configfile", str(TINY), str(configfile),
-         "--config", f"results_dir={results}"],
-        cwd=REPO, capture_output=True, text=True, timeout=300)
+        [
+            str(SNAKEMAKE),
+            *args,
+            "--cores",
+            "1",
+            "--configfile",
+            str(TINY),
+            str(configfile),
+            "--config",
+            f"results_dir={results}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def planned(results: Path, configfile: Path) -> dict[str, list[dict]]:
@@ -68,9 +81,10 @@ def test_an_edited_prompt_file_reruns_prepare_prompts_and_what_follows(tmp_path)
 def test_a_shard_that_training_set_aside_is_extracted_again(tmp_path):
     """The hf backend: one job per shard, and only the damaged one runs again."""
     results, configfile = finished_tree(tmp_path, {"extract": {"backend": "hf"}})
-    for shard, wildcards in [("hidden/shard_00001.safetensors", {"split": "", "i": "00001"}),
-                             ("hidden/eval/shard_00000.safetensors",
-                              {"split": "eval/", "i": "00000"})]:
+    for shard, wildcards in [
+        ("hidden/shard_00001.safetensors", {"split": "", "i": "00001"}),
+        ("hidden/eval/shard_00000.safetensors", {"split": "eval/", "i": "00000"}),
+    ]:
         path = results / shard
         path.rename(path.with_name(path.name + ".damaged"))  # what training does with it
         after_train = [*(results / "drafter").iterdir(), *(results / "eval").iterdir()]

@@ -20,9 +20,8 @@ from eaglet.stages.train.loop import Dist, Trainer, settings
 from tests.helpers.paths import REPO, SNAKEMAKE, SRC, TINY, pythonpath_env
 from tests.test_train import FAST, make_target, write_shards, write_vocab_map
 
-
-
 # -- the fit ---------------------------------------------------------------------------------
+
 
 def test_the_fit_recovers_a_known_slope():
     rng = random.Random(7)
@@ -47,7 +46,7 @@ def test_the_tokens_needed_invert_the_fit():
         needed = scaling.tokens_for(al, result)
         assert scaling.al_at(result, needed) == pytest.approx(al)
     # each 0.1 AL costs one more doubling on these points
-    assert scaling.tokens_for(1.9, result) == pytest.approx(8e4 * 2 ** 2)
+    assert scaling.tokens_for(1.9, result) == pytest.approx(8e4 * 2**2)
 
 
 def test_a_fit_needs_two_token_counts():
@@ -57,8 +56,10 @@ def test_a_fit_needs_two_token_counts():
 
 def _points(als: list[float], tokens: list[float], answer_share: float = 0.5) -> list[dict]:
     fractions = [t / tokens[-1] for t in tokens]
-    return [{"fraction": f, "tokens": t, "answer_tokens": t * answer_share, "heldout_al": al}
-            for f, t, al in zip(fractions, tokens, als)]
+    return [
+        {"fraction": f, "tokens": t, "answer_tokens": t * answer_share, "heldout_al": al}
+        for f, t, al in zip(fractions, tokens, als)
+    ]
 
 
 def test_a_slope_that_does_not_rise_predicts_nothing():
@@ -93,8 +94,13 @@ def test_the_prediction_says_the_tokens_and_the_generation_time():
     assert out["check"]["fit_on"] == [0.25, 0.5]
     assert out["check"]["error"] == pytest.approx(0, abs=1e-9)
     # a generation server on GPUs: GPU-hours, the hours times its GPUs
-    on_gpus = scaling.predict(_points([a + b * math.log(t) for t in tokens], tokens, 0.6),
-                              2.0, rate=rate, rate_source=scaling.THIS_RUN, gpus=4)
+    on_gpus = scaling.predict(
+        _points([a + b * math.log(t) for t in tokens], tokens, 0.6),
+        2.0,
+        rate=rate,
+        rate_source=scaling.THIS_RUN,
+        gpus=4,
+    )
     assert on_gpus["generation"]["hours"] == pytest.approx(4 * generation["hours"])
     assert "GPU-hours of generation" in on_gpus["sentence"]
     # no rate measured: the tokens, and no time
@@ -109,6 +115,7 @@ def test_a_run_already_past_the_target_says_so():
 
 
 # -- the subsets -----------------------------------------------------------------------------
+
 
 def test_the_subsets_are_nested_and_deterministic():
     ids = [f"p-{random.Random(i).getrandbits(64):016x}" for i in range(403)]
@@ -135,12 +142,18 @@ def world(tmp_path_factory):
     train_paths = write_shards(model, root / "hidden", 2, 8, seed=1)
     eval_paths = write_shards(model, root / "heldout", 1, 4, seed=2, prefix="e")
     vocab = write_vocab_map(train_paths, root / "vocab_map.safetensors")
-    return {"root": root, "target": str(root / "target"), "train": train_paths,
-            "eval": eval_paths, "vocab": vocab}
+    return {
+        "root": root,
+        "target": str(root / "target"),
+        "train": train_paths,
+        "eval": eval_paths,
+        "vocab": vocab,
+    }
 
 
 def test_sample_sizes_count_the_tokens_training_reads(world):
     from eaglet.data import shards
+
     max_len = 20
     sizes = scaling.sample_sizes(world["train"], max_len)
     expected = []
@@ -158,42 +171,90 @@ def test_a_trainer_given_samples_trains_on_those_alone(world, tmp_path):
     cfg = settings(FAST)
     ids = [s.id for s in scaling.sample_sizes(world["train"], cfg["max_len"])]
     half = scaling.choose(ids, 0.5)
-    full = Trainer.from_files(cfg, world["train"], [], world["vocab"], world["target"],
-                              str(tmp_path / "full"), torch.device("cpu"), Dist())
-    part = Trainer.from_files(cfg, world["train"], [], world["vocab"], world["target"],
-                              str(tmp_path / "part"), torch.device("cpu"), Dist(),
-                              train_samples=half)
+    full = Trainer.from_files(
+        cfg,
+        world["train"],
+        [],
+        world["vocab"],
+        world["target"],
+        str(tmp_path / "full"),
+        torch.device("cpu"),
+        Dist(),
+    )
+    part = Trainer.from_files(
+        cfg,
+        world["train"],
+        [],
+        world["vocab"],
+        world["target"],
+        str(tmp_path / "part"),
+        torch.device("cpu"),
+        Dist(),
+        train_samples=half,
+    )
     wanted = sorted(ids.index(i) for i in half)
     for epoch in range(cfg["epochs"]):
         planned = [i for batch in part.plan(epoch) for i in batch]
         assert sorted(planned) == wanted  # each chosen sample once an epoch, no other
-        assert all(sum(part.train_data.lengths[i] for i in batch) <= cfg["max_tokens_per_batch"]
-                   for batch in part.plan(epoch))
+        assert all(
+            sum(part.train_data.lengths[i] for i in batch) <= cfg["max_tokens_per_batch"]
+            for batch in part.plan(epoch)
+        )
     assert part.total_steps < full.total_steps
     # another subset of the same shards is other data: its checkpoints are not resumed
     assert part.fingerprint["sample_ids_sha256"] != full.fingerprint["sample_ids_sha256"]
     with pytest.raises(TrainError, match="in no training shard"):
-        Trainer.from_files(cfg, world["train"], [], world["vocab"], world["target"],
-                           str(tmp_path / "bad"), torch.device("cpu"), Dist(),
-                           train_samples=["not-a-sample"])
+        Trainer.from_files(
+            cfg,
+            world["train"],
+            [],
+            world["vocab"],
+            world["target"],
+            str(tmp_path / "bad"),
+            torch.device("cpu"),
+            Dist(),
+            train_samples=["not-a-sample"],
+        )
 
 
 def test_the_stage_trains_the_subsets_and_writes_the_prediction(world, tmp_path):
     from eaglet.stages.train.loop import train
+
     cfg = {**FAST, "epochs": 3}
     results = tmp_path / "results"
-    common = dict(shard_paths=world["train"], eval_shard_paths=world["eval"],
-                  vocab_map=world["vocab"], target_dir=world["target"], log_path=None)
-    train(cfg, **common, out_dir=str(results / "drafter"),
-          checkpoint_dir=str(results / "drafter_checkpoints"), progress_path=None)
-    write_json(results / "synthetic" / "stats.json",
-               {"this_run": {"generated": 10, "completion_tokens_per_s": 123.0}})
+    common = dict(
+        shard_paths=world["train"],
+        eval_shard_paths=world["eval"],
+        vocab_map=world["vocab"],
+        target_dir=world["target"],
+        log_path=None,
+    )
+    train(
+        cfg,
+        **common,
+        out_dir=str(results / "drafter"),
+        checkpoint_dir=str(results / "drafter_checkpoints"),
+        progress_path=None,
+    )
+    write_json(
+        results / "synthetic" / "stats.json",
+        {"this_run": {"generated": 10, "completion_tokens_per_s": 123.0}},
+    )
     records = {}
     for fraction in (0.25, 0.5):
         where = results / "scaling" / scaling.fraction_name(fraction)
         records[fraction] = scaling.train_subset(
-            cfg, fraction, world["train"], world["eval"], world["vocab"], world["target"],
-            str(where), str(where / "checkpoints"), None, None)
+            cfg,
+            fraction,
+            world["train"],
+            world["eval"],
+            world["vocab"],
+            world["target"],
+            str(where),
+            str(where / "checkpoints"),
+            None,
+            None,
+        )
         stats = json.loads((where / "stats.json").read_text())
         assert stats["shipped"]["heldout_al"] is not None
         assert (where / "model.safetensors").exists()
@@ -204,15 +265,22 @@ def test_the_stage_trains_the_subsets_and_writes_the_prediction(world, tmp_path)
     out = results / "eval" / "scaling.json"
     max_len = settings(cfg)["max_len"]
     prediction = scaling.write_prediction(
-        results, [results / "scaling" / "0.25", results / "scaling" / "0.5"], world["train"],
-        max_len, 2.0, out)
+        results,
+        [results / "scaling" / "0.25", results / "scaling" / "0.5"],
+        world["train"],
+        max_len,
+        2.0,
+        out,
+    )
     written = json.loads(out.read_text())
     assert written["sentence"] == prediction["sentence"]
     points = {p["fraction"]: p for p in written["points"]}
     assert set(points) == {0.25, 0.5, 1.0}
     full_stats = json.loads((results / "drafter" / "stats.json").read_text())
     assert points[1.0]["heldout_al"] == full_stats["shipped"]["heldout_al"]
-    assert points[1.0]["tokens"] == sum(s.tokens for s in scaling.sample_sizes(world["train"], max_len))
+    assert points[1.0]["tokens"] == sum(
+        s.tokens for s in scaling.sample_sizes(world["train"], max_len)
+    )
     assert points[0.5]["tokens"] == records[0.5]["tokens"]
     if written["fit"]["b"] > 0:
         assert written["generation"]["tokens_per_s"] == 123.0
@@ -222,15 +290,31 @@ def test_the_stage_trains_the_subsets_and_writes_the_prediction(world, tmp_path)
 
 # -- the workflow ----------------------------------------------------------------------------
 
+
 def _dry_run_rules(tmp_path: Path, enabled: bool) -> list[str]:
     from tests.workflows.dryrun import parse_dry_run
+
     overlay = tmp_path / f"scaling_{enabled}.yaml"
     overlay.write_text(f"scaling:\n  enabled: {str(enabled).lower()}\n  fractions: [0.25, 0.5]\n")
     env = pythonpath_env(SRC, OMP_NUM_THREADS="1")
     proc = subprocess.run(
-        [str(SNAKEMAKE), "-n", "--cores", "1", "--configfile", str(TINY), str(overlay),
-         "--config", f"results_dir={tmp_path / 'results'}"],
-        cwd=REPO, env=env, text=True, capture_output=True, timeout=300)
+        [
+            str(SNAKEMAKE),
+            "-n",
+            "--cores",
+            "1",
+            "--configfile",
+            str(TINY),
+            str(overlay),
+            "--config",
+            f"results_dir={tmp_path / 'results'}",
+        ],
+        cwd=REPO,
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return parse_dry_run(proc.stdout)
 
@@ -250,8 +334,9 @@ def test_the_stage_runs_only_when_enabled(tmp_path):
 def test_a_slope_too_shallow_to_reach_the_target_is_no_prediction():
     tokens = [1e4, 2e4, 4e4]
     shallow = 1e-3  # AL per ln(token): AL 2 lies hundreds of doublings away
-    out = scaling.predict(_points([1.5 + shallow * math.log(t) for t in tokens], tokens), 2.0,
-                          rate=100.0)
+    out = scaling.predict(
+        _points([1.5 + shallow * math.log(t) for t in tokens], tokens), 2.0, rate=100.0
+    )
     assert out["fit"]["b"] > 0 and out["tokens_needed"] is None and out["generation"] is None
     assert "past anything it can predict" in out["sentence"]
     json.dumps(out, allow_nan=False)  # no infinity in eval/scaling.json
@@ -259,9 +344,14 @@ def test_a_slope_too_shallow_to_reach_the_target_is_no_prediction():
 
 def test_the_reports_first_page_says_the_prediction(tmp_path):
     from eaglet.tools.report_page import first_page
+
     assert "What more data buys" not in first_page(tmp_path)
     tokens = [1e4, 2e4, 4e4]
-    out = scaling.predict(_points([1.4 + 0.05 * math.log(t / 1e4) for t in tokens], tokens),
-                          2.0, rate=100.0, rate_source=scaling.THIS_RUN)
+    out = scaling.predict(
+        _points([1.4 + 0.05 * math.log(t / 1e4) for t in tokens], tokens),
+        2.0,
+        rate=100.0,
+        rate_source=scaling.THIS_RUN,
+    )
     write_json(tmp_path / "eval" / "scaling.json", out)
     assert out["sentence"] in first_page(tmp_path)

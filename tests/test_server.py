@@ -24,8 +24,17 @@ from pathlib import Path
 import pytest
 
 from eaglet.core.config import validate
-from eaglet.engine.server import (PortInUseError, ServerError, Terminated, VLLMServer, free_port,
-                                  port_is_free, server_args, start_together, target_server)
+from eaglet.engine.server import (
+    PortInUseError,
+    ServerError,
+    Terminated,
+    VLLMServer,
+    free_port,
+    port_is_free,
+    server_args,
+    start_together,
+    target_server,
+)
 from tests.helpers.paths import REPO, pythonpath_env
 
 HEALTH_SERVER = "tests.helpers.health_server"
@@ -35,6 +44,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 # -- helpers ---------------------------------------------------------------------------------
+
 
 def child_env() -> dict[str, str]:
     """The environment with the repo root on PYTHONPATH, so `-m tests.helpers...` resolves."""
@@ -88,6 +98,7 @@ def assert_stopped(pid: int, port: int) -> None:
 
 # -- fixtures --------------------------------------------------------------------------------
 
+
 @pytest.fixture
 def log_path(tmp_path) -> Path:
     return tmp_path / "logs" / "server.log"
@@ -96,10 +107,17 @@ def log_path(tmp_path) -> Path:
 @pytest.fixture
 def make_server(log_path):
     """Build a VLLMServer running the health server; ``*args`` are its extra flags."""
+
     def make(*args: str, **overrides) -> VLLMServer:
-        settings = dict(model="tiny-model", log_path=log_path, args=list(args),
-                        module=HEALTH_SERVER, env=child_env(),
-                        startup_timeout_s=10, shutdown_grace_s=0.5)
+        settings = dict(
+            model="tiny-model",
+            log_path=log_path,
+            args=list(args),
+            module=HEALTH_SERVER,
+            env=child_env(),
+            startup_timeout_s=10,
+            shutdown_grace_s=0.5,
+        )
         settings.update(overrides)
         return VLLMServer(**settings)
 
@@ -112,6 +130,7 @@ def child_pid_file(tmp_path) -> Path:
 
 
 # -- start, readiness, stop ------------------------------------------------------------------
+
 
 def test_start_serves_health_logs_output_and_stops(make_server, log_path):
     port = free_port()
@@ -174,49 +193,72 @@ def test_crash_before_ready_raises_with_exit_code_and_log_tail(make_server, log_
 # wrapper of it and a screen of shutdown lines (the cause was 200 lines above the end)
 ENGINE_CORE_FAILURE = (
     "(EngineCore pid=8123) Traceback (most recent call last):\n"
-    "(EngineCore pid=8123)   File \"gpu_model_runner.py\", line 5236, in _setup\n"
+    '(EngineCore pid=8123)   File "gpu_model_runner.py", line 5236, in _setup\n'
     "(EngineCore pid=8123) RuntimeError: Model does not support EAGLE3 interface but "
     "aux_hidden_state_outputs was requested\n"
-    + "(APIServer pid=8100) INFO shutting down worker\n" * 60
+    + "(APIServer pid=8100) INFO shutting down worker\n"
+    * 60
     + "RuntimeError: Engine core initialization failed. See root cause above. Failed core "
-    "proc(s): {}\n" + "(APIServer pid=8100) INFO exiting\n" * 50)
+    "proc(s): {}\n" + "(APIServer pid=8100) INFO exiting\n" * 50
+)
 
 
 def test_a_server_that_dies_starting_is_reported_by_the_root_cause_in_its_log(make_server):
-    server = make_server("--ready-after", "1000", "--crash-after", "0.2",
-                         "--crash-message", ENGINE_CORE_FAILURE)
+    server = make_server(
+        "--ready-after", "1000", "--crash-after", "0.2", "--crash-message", ENGINE_CORE_FAILURE
+    )
     message = start_error(server)
-    cause = ("RuntimeError: Model does not support EAGLE3 interface but "
-             "aux_hidden_state_outputs was requested")
+    cause = (
+        "RuntimeError: Model does not support EAGLE3 interface but "
+        "aux_hidden_state_outputs was requested"
+    )
     assert message.splitlines()[0].endswith(cause), message.splitlines()[0]
     assert message.rstrip().endswith(f"The cause, from the server's log: {cause}")
 
 
 def test_a_server_stopped_by_a_signal_while_starting_is_not_said_to_have_failed_on_its_own(
-        make_server, log_path):
-    server = make_server("--ready-after", "1000", "--crash-after", "0.2",
-                         "--crash-message", "INFO received SIGTERM, shutting down",
-                         "--crash-code", "0")
+    make_server, log_path
+):
+    server = make_server(
+        "--ready-after",
+        "1000",
+        "--crash-after",
+        "0.2",
+        "--crash-message",
+        "INFO received SIGTERM, shutting down",
+        "--crash-code",
+        "0",
+    )
     message = start_error(server)
-    assert "exited (exit code 0) before it was ready (vLLM exits with code 0 when a signal" \
-        in message
+    assert (
+        "exited (exit code 0) before it was ready (vLLM exits with code 0 when a signal" in message
+    )
 
 
 def test_a_server_without_room_for_its_kv_cache_names_the_setting_that_fixes_it(make_server):
     """vLLM's CPU engine sizes the KV cache as a share of the first NUMA node's RAM: where
     that leaves nothing, the error says which eaglet setting gives it a size of its own."""
-    vllm_says = ("RuntimeError: Worker failed with error 'Available memory on node 0 "
-                 "(6.12/9.34 GiB) on kv cache allocation is less than requested memory for kv "
-                 "(-0.04/1.4 GiB). Reduce CPU memory used by other processes.'")
-    message = start_error(make_server("--ready-after", "1000", "--crash-after", "0.2",
-                                      "--crash-message", vllm_says))
+    vllm_says = (
+        "RuntimeError: Worker failed with error 'Available memory on node 0 "
+        "(6.12/9.34 GiB) on kv cache allocation is less than requested memory for kv "
+        "(-0.04/1.4 GiB). Reduce CPU memory used by other processes.'"
+    )
+    message = start_error(
+        make_server("--ready-after", "1000", "--crash-after", "0.2", "--crash-message", vllm_says)
+    )
     assert "Available memory on node 0" in message
     assert "Fix: vLLM found no room for the KV cache: set server.kv_cache_gib" in message
 
 
 def test_start_timeout_raises_and_stops_the_group(make_server, log_path, child_pid_file):
-    server = make_server("--ready-after", "1000", "--spawn-child",
-                         "--child-pid-file", str(child_pid_file), startup_timeout_s=2)
+    server = make_server(
+        "--ready-after",
+        "1000",
+        "--spawn-child",
+        "--child-pid-file",
+        str(child_pid_file),
+        startup_timeout_s=2,
+    )
 
     started = time.monotonic()
     with pytest.raises(ServerError) as info:
@@ -315,9 +357,11 @@ def test_check_alive_raises_after_the_server_died(make_server):
 
 # -- several servers side by side ------------------------------------------------------------
 
+
 def test_servers_started_together_start_up_at_once_on_ports_of_their_own(make_server, tmp_path):
-    servers = [make_server("--ready-after", "1.5", log_path=tmp_path / f"s{i}.log")
-               for i in range(3)]
+    servers = [
+        make_server("--ready-after", "1.5", log_path=tmp_path / f"s{i}.log") for i in range(3)
+    ]
     with contextlib.ExitStack() as first, contextlib.ExitStack() as rest:
         start_together([(first, servers[0]), (rest, servers[1]), (rest, servers[2])])
         assert all(server.healthy() for server in servers)
@@ -333,10 +377,13 @@ def test_servers_started_together_start_up_at_once_on_ports_of_their_own(make_se
 
 
 def test_a_server_that_fails_to_start_stops_those_started_with_it(make_server, tmp_path):
-    servers = [make_server("--ready-after", "0.5", log_path=tmp_path / "ok.log"),
-               make_server("--ready-after", "1000", "--crash-after", "0.2",
-                           log_path=tmp_path / "crash.log"),
-               make_server("--ready-after", "0.5", log_path=tmp_path / "waiting.log")]
+    servers = [
+        make_server("--ready-after", "0.5", log_path=tmp_path / "ok.log"),
+        make_server(
+            "--ready-after", "1000", "--crash-after", "0.2", log_path=tmp_path / "crash.log"
+        ),
+        make_server("--ready-after", "0.5", log_path=tmp_path / "waiting.log"),
+    ]
     with pytest.raises(ServerError, match=r"exited \(exit code 3\)"):
         with contextlib.ExitStack() as stack:
             start_together([(stack, server) for server in servers])
@@ -371,19 +418,27 @@ DRIVER = textwrap.dedent("""
 """).format(module=HEALTH_SERVER)
 
 
-@pytest.mark.parametrize(("sig", "raised"), [
-    (signal.SIGTERM, Terminated.__name__),
-    (signal.SIGHUP, Terminated.__name__),
-    (signal.SIGINT, KeyboardInterrupt.__name__),
-], ids=lambda value: getattr(value, "name", value))
+@pytest.mark.parametrize(
+    ("sig", "raised"),
+    [
+        (signal.SIGTERM, Terminated.__name__),
+        (signal.SIGHUP, Terminated.__name__),
+        (signal.SIGINT, KeyboardInterrupt.__name__),
+    ],
+    ids=lambda value: getattr(value, "name", value),
+)
 def test_signal_to_owner_stops_the_server(tmp_path, log_path, child_pid_file, sig, raised):
     script = tmp_path / "driver.py"
     script.write_text(DRIVER)
     info_path = tmp_path / "server.json"
     driver = subprocess.Popen(
         [sys.executable, str(script), str(info_path), str(log_path), str(child_pid_file)],
-        cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True)
+        cwd=REPO,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         info = json.loads(wait_for_file(info_path, timeout=15))
         grandchild = int(wait_for_file(child_pid_file))
@@ -405,35 +460,55 @@ def test_signal_to_owner_stops_the_server(tmp_path, log_path, child_pid_file, si
 
 # -- server_args -----------------------------------------------------------------------------
 
+
 def test_server_args_from_default_config():
     cfg = validate({})
 
     assert server_args(cfg["target"], cfg["server"], "tiny") == [
-        "--served-model-name", "tiny",
-        "--dtype", "bfloat16",
-        "--max-model-len", "2048",
-        "--tensor-parallel-size", "1",
+        "--served-model-name",
+        "tiny",
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        "2048",
+        "--tensor-parallel-size",
+        "1",
     ]
 
 
 def test_server_args_with_every_option_set():
-    cfg = validate({
-        "target": {"dtype": "bfloat16", "max_model_len": 4096},
-        "server": {"tensor_parallel_size": 2, "enforce_eager": True, "memory_utilization": 0.4,
-                   "kv_cache_gib": 1.5, "reasoning_parser": "qwen3",
-                   "extra_args": ["--max-num-seqs", "64"]},
-    })
+    cfg = validate(
+        {
+            "target": {"dtype": "bfloat16", "max_model_len": 4096},
+            "server": {
+                "tensor_parallel_size": 2,
+                "enforce_eager": True,
+                "memory_utilization": 0.4,
+                "kv_cache_gib": 1.5,
+                "reasoning_parser": "qwen3",
+                "extra_args": ["--max-num-seqs", "64"],
+            },
+        }
+    )
 
     assert server_args(cfg["target"], cfg["server"], "served") == [
-        "--served-model-name", "served",
-        "--dtype", "bfloat16",
-        "--max-model-len", "4096",
-        "--tensor-parallel-size", "2",
+        "--served-model-name",
+        "served",
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        "4096",
+        "--tensor-parallel-size",
+        "2",
         "--enforce-eager",
-        "--gpu-memory-utilization", "0.4",
-        "--kv-cache-memory-bytes", str(3 * 2**29),
-        "--reasoning-parser", "qwen3",
-        "--max-num-seqs", "64",
+        "--gpu-memory-utilization",
+        "0.4",
+        "--kv-cache-memory-bytes",
+        str(3 * 2**29),
+        "--reasoning-parser",
+        "qwen3",
+        "--max-num-seqs",
+        "64",
     ]
 
 
@@ -444,21 +519,45 @@ def test_server_args_without_enforce_eager():
 
 
 def test_target_server_is_built_from_the_config_with_the_extra_args_last(tmp_path):
-    cfg = validate({"server": {"port": 8123, "startup_timeout_s": 77, "shutdown_grace_s": 5,
-                               "extra_args": ["--max-num-seqs", "8"]}})
-    server = target_server(cfg, "model-dir", tmp_path / "server.log",
-                           ["--speculative-config", "{}"])
+    cfg = validate(
+        {
+            "server": {
+                "port": 8123,
+                "startup_timeout_s": 77,
+                "shutdown_grace_s": 5,
+                "extra_args": ["--max-num-seqs", "8"],
+            }
+        }
+    )
+    server = target_server(
+        cfg, "model-dir", tmp_path / "server.log", ["--speculative-config", "{}"]
+    )
     assert (server.model, server.port, server.startup_timeout_s, server.shutdown_grace_s) == (
-        "model-dir", 8123, 77, 5)
+        "model-dir",
+        8123,
+        77,
+        5,
+    )
     assert server.args == [
-        "--served-model-name", "target", "--dtype", "bfloat16", "--max-model-len", "2048",
-        "--tensor-parallel-size", "1", "--max-num-seqs", "8",
-        "--speculative-config", "{}"]
+        "--served-model-name",
+        "target",
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        "2048",
+        "--tensor-parallel-size",
+        "1",
+        "--max-num-seqs",
+        "8",
+        "--speculative-config",
+        "{}",
+    ]
     assert server.proc is None  # built, not started: the caller's `with` starts it
 
 
 def test_pid_alive_counts_running_processes_not_zombies_or_reaped_ones():
     from eaglet.engine.server import pid_alive, process_stat
+
     assert pid_alive(os.getpid()) and process_stat(os.getpid())[1] == os.getpgrp()
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     while process_stat(child.pid) is not None and process_stat(child.pid)[0] != "Z":
@@ -497,6 +596,7 @@ def test_a_fixed_kv_cache_on_gpus_is_warned_about(caplog):
 
 # -- a server that dies while eaglet uses it -------------------------------------------------
 
+
 def test_a_killed_server_ends_the_retries_at_once_with_its_signal_and_log(make_server):
     """kill -9 of a running server: the request's connection error is not retried for many
     seconds and then reported as a connection error; the engine client's retry loop checks
@@ -509,8 +609,11 @@ def test_a_killed_server_ends_the_retries_at_once_with_its_signal_and_log(make_s
 
     async def request(server: VLLMServer) -> None:
         async with httpx.AsyncClient(base_url=server.url) as client:
-            await with_retries(lambda: post_json(client, "/v1/completions", {}, timeout=5),
-                               max_retries=6, health_check=server.check_alive)
+            await with_retries(
+                lambda: post_json(client, "/v1/completions", {}, timeout=5),
+                max_retries=6,
+                health_check=server.check_alive,
+            )
 
     with make_server() as server:
         os.killpg(server.proc.pid, signal.SIGKILL)
@@ -536,10 +639,17 @@ def test_extraction_stops_when_its_server_exits_during_the_retries(tmp_path):
     log = tmp_path / "server.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-c", "import time; print('loading the target', flush=True); "
-             "time.sleep(1.5); print('engine core failed: out of memory', flush=True); "
-             "raise SystemExit(3)"],
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                sys.executable,
+                "-c",
+                "import time; print('loading the target', flush=True); "
+                "time.sleep(1.5); print('engine core failed: out of memory', flush=True); "
+                "raise SystemExit(3)",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         cfg = validate({"generate": {"max_retries": 8, "request_timeout_s": 5}})
         extractor = Extractor(cfg, "/models/t", [1, 2, 4], tmp_path / "work", log, None)
@@ -562,7 +672,8 @@ def test_extraction_stops_when_its_server_exits_during_the_retries(tmp_path):
 
 
 def test_generation_leaves_the_recorded_answers_to_extraction_when_its_server_died(
-        tmp_path, caplog):
+    tmp_path, caplog
+):
     """Prefilling recorded answers on generation's capturing server, which was killed: no
     minutes of retries, and generation goes on (extraction computes those states) with a
     warning that says the server was killed."""
@@ -570,8 +681,11 @@ def test_generation_leaves_the_recorded_answers_to_extraction_when_its_server_di
 
     log = tmp_path / "server.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-c", "import time; print('serving', flush=True); "
-                                 "time.sleep(60)"], stdout=out, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "import time; print('serving', flush=True); time.sleep(60)"],
+            stdout=out,
+            start_new_session=True,
+        )
     server = VLLMServer(model="/models/t", log_path=log, port=free_port())
     server.proc = proc
     assert wait_until(lambda: "serving" in log.read_text(), 20)
@@ -581,8 +695,9 @@ def test_generation_leaves_the_recorded_answers_to_extraction_when_its_server_di
     cfg = validate({"generate": {"max_retries": 8}})
     started = time.monotonic()
     with caplog.at_level("WARNING", logger="eaglet.stages.generate"):
-        saved = prefill_recorded(server.url, records, str(tmp_path / "capture"), cfg,
-                                 health_check=server.check_alive)
+        saved = prefill_recorded(
+            server.url, records, str(tmp_path / "capture"), cfg, health_check=server.check_alive
+        )
     assert saved == 0 and time.monotonic() - started < 5
     assert "prefilling the recorded answers failed" in caplog.text
     assert "died (killed by SIGTERM)" in caplog.text and "serving" in caplog.text

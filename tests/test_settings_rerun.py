@@ -19,16 +19,31 @@ from eaglet.core.config import differences, record_settings
 from tests.helpers.paths import REPO, SNAKEMAKE, TINY
 
 
-def dry_run(workdir: Path, config: Path, *targets: str,
-            preview: bool = True) -> subprocess.CompletedProcess:
+def dry_run(
+    workdir: Path, config: Path, *targets: str, preview: bool = True
+) -> subprocess.CompletedProcess:
     """snakemake from another checkout (``workdir``: its own .snakemake/); a dry run, or with
     ``preview`` False a real run of ``targets`` (up to date ones: nothing runs, but the run's
     settings are recorded, as any real run records them)."""
     workdir.mkdir(parents=True, exist_ok=True)
-    return subprocess.run([str(SNAKEMAKE), *targets, "-s", str(REPO / "Snakefile"),
-                           "--directory", str(workdir), *(["-n"] if preview else []),
-                           "--cores", "1", "--configfile", str(config)],
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [
+            str(SNAKEMAKE),
+            *targets,
+            "-s",
+            str(REPO / "Snakefile"),
+            "--directory",
+            str(workdir),
+            *(["-n"] if preview else []),
+            "--cores",
+            "1",
+            "--configfile",
+            str(config),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def jobs(done: subprocess.CompletedProcess) -> set[str]:
@@ -49,7 +64,7 @@ def write_outputs(done: subprocess.CompletedProcess) -> None:
     for line in text.splitlines():
         line = line.strip()
         if line.startswith("output: "):
-            for path in line[len("output: "):].split(", "):
+            for path in line[len("output: ") :].split(", "):
                 Path(path).parent.mkdir(parents=True, exist_ok=True)
                 Path(path).write_text("made\n")
                 stamp += 10
@@ -84,8 +99,10 @@ def test_a_changed_setting_reruns_what_it_affects_from_another_checkout(tmp_path
     # generation or extraction
     smaller = config_file(tmp_path, "b", vocab__draft_vocab_size=1024)
     said = dry_run(tmp_path / "checkout-3", smaller)
-    assert "vocab_map: settings changed since its outputs were made " \
-           "(draft_vocab_size: 2048 -> 1024)" in said.stdout + said.stderr
+    assert (
+        "vocab_map: settings changed since its outputs were made "
+        "(draft_vocab_size: 2048 -> 1024)" in said.stdout + said.stderr
+    )
     settings = tmp_path / "results" / "run" / "settings"
     assert json.loads((settings / "vocab_map.json").read_text())["draft_vocab_size"] == 2048
     prompts = str(tmp_path / "results" / "prompts" / "train.jsonl")
@@ -99,24 +116,33 @@ def test_a_changed_setting_reruns_what_it_affects_from_another_checkout(tmp_path
     longer = config_file(tmp_path, "c", vocab__draft_vocab_size=1024, generate__max_tokens=32)
     dry_run(tmp_path / "checkout-4", longer, prompts, preview=False)
     assert {"generate", "vocab_map", "extract_vllm", "train", "evaluate"} <= jobs(
-        dry_run(tmp_path / "checkout-4", longer))
+        dry_run(tmp_path / "checkout-4", longer)
+    )
     assert json.loads((settings / "generate.json").read_text())["generate"]["max_tokens"] == 32
 
 
 def test_a_command_that_runs_no_job_records_no_settings():
     from eaglet.core.config import previews_only
 
-    for argv in (["snakemake", "-n"], ["snakemake", "-np", "--cores", "2"],
-                 ["snakemake", "--dry-run"], ["snakemake", "--lint"],
-                 ["snakemake", "--report", "r.html"], ["snakemake", "--summary"]):
+    for argv in (
+        ["snakemake", "-n"],
+        ["snakemake", "-np", "--cores", "2"],
+        ["snakemake", "--dry-run"],
+        ["snakemake", "--lint"],
+        ["snakemake", "--report", "r.html"],
+        ["snakemake", "--summary"],
+    ):
         assert previews_only(argv), argv
-    for argv in (["snakemake", "--cores", "2"], ["snakemake", "-p", "--cores", "2"],
-                 ["snakemake", "--touch"], ["snakemake", "-c", "2", "results/x"]):
+    for argv in (
+        ["snakemake", "--cores", "2"],
+        ["snakemake", "-p", "--cores", "2"],
+        ["snakemake", "--touch"],
+        ["snakemake", "-c", "2", "results/x"],
+    ):
         assert not previews_only(argv), argv
 
 
-def test_settings_are_recorded_dated_at_the_epoch_the_first_time_and_their_changes_said(
-        tmp_path):
+def test_settings_are_recorded_dated_at_the_epoch_the_first_time_and_their_changes_said(tmp_path):
     """Results made before the settings were recorded are taken as made with them (not all
     rebuilt on the first run after an upgrade); a change dates the file now, and is said."""
     path = tmp_path / "settings" / "train.json"
@@ -125,7 +151,8 @@ def test_settings_are_recorded_dated_at_the_epoch_the_first_time_and_their_chang
     assert record_settings(path, {"train": {"lr": 1e-3, "epochs": 2}}) == []
     assert path.stat().st_mtime == 0  # unchanged: not rewritten
     assert record_settings(path, {"train": {"lr": 2e-3, "epochs": 2}}) == [
-        "train.lr: 0.001 -> 0.002"]
+        "train.lr: 0.001 -> 0.002"
+    ]
     assert path.stat().st_mtime > 1e9
     assert differences({"a": {"b": [1, 2]}}, {"a": {"b": [1, 2], "c": None}}) == []
     assert differences({"a": 1}, {"a": 1, "x": 2}) == ["x: None -> 2"]

@@ -31,29 +31,38 @@ def packed(lengths, hidden, seed=0, vocab=300):
     input_ids = torch.randint(0, vocab, (n_tok,), generator=g)
     loss_mask = torch.zeros(n_tok, dtype=torch.uint8)
     for s, length in enumerate(lengths):  # the second half of every sample is "completion"
-        loss_mask[int(offsets[s]) + length // 2:int(offsets[s + 1])] = 1
+        loss_mask[int(offsets[s]) + length // 2 : int(offsets[s + 1])] = 1
     teacher_argmax = torch.randint(0, vocab, (n_tok,), generator=g)
     aux = torch.randn(n_tok, 3 * hidden, generator=g)
     final = torch.randn(n_tok, hidden, generator=g)
     return input_ids, loss_mask, offsets, teacher_argmax, aux, final
 
 
-def write(tmp_path, tensors, dtype, name="shard_00000.safetensors", sample_ids=None,
-          aux_ids=AUX_IDS, target=TARGET):
+def write(
+    tmp_path,
+    tensors,
+    dtype,
+    name="shard_00000.safetensors",
+    sample_ids=None,
+    aux_ids=AUX_IDS,
+    target=TARGET,
+):
     offsets = tensors[2]
     if sample_ids is None:
         sample_ids = [f"p-{i:04d}" for i in range(len(offsets) - 1)]
     path = tmp_path / name
-    shards.write(path, *tensors, sample_ids=sample_ids, aux_layer_ids=aux_ids, dtype=dtype,
-                 target=target)
+    shards.write(
+        path, *tensors, sample_ids=sample_ids, aux_layer_ids=aux_ids, dtype=dtype, target=target
+    )
     return path, path.read_bytes()
 
 
 def reference_digest(data: bytes) -> str:
     """The block digest by its definition: sha256 over the sha256s of the 8 MiB blocks."""
     block = 8 << 20
-    digests = b"".join(hashlib.sha256(data[i:i + block]).digest()
-                       for i in range(0, len(data), block))
+    digests = b"".join(
+        hashlib.sha256(data[i : i + block]).digest() for i in range(0, len(data), block)
+    )
     return "sha256-8MiB-blocks:" + hashlib.sha256(digests).hexdigest()
 
 
@@ -64,6 +73,7 @@ def tensor_bytes(data: bytes) -> int:
 
 
 # -- round trips -----------------------------------------------------------------------------
+
 
 def test_float32_round_trip_is_exact(tmp_path):
     tensors = packed([5, 9, 1, 12], hidden=16)
@@ -79,7 +89,7 @@ def test_float32_round_trip_is_exact(tmp_path):
     assert shard.num_samples == 4 and shard.num_tokens == 27
 
 
-@pytest.mark.parametrize("dtype, eps", [("bfloat16", 2.0 ** -8), ("float16", 2.0 ** -11)])
+@pytest.mark.parametrize("dtype, eps", [("bfloat16", 2.0**-8), ("float16", 2.0**-11)])
 def test_half_precision_round_trip_within_rounding(tmp_path, dtype, eps):
     tensors = packed([7, 3, 10], hidden=32, seed=1)
     path, _ = write(tmp_path, tensors, dtype)
@@ -96,26 +106,34 @@ def test_half_precision_round_trip_within_rounding(tmp_path, dtype, eps):
 
 def test_unknown_dtype_raises(tmp_path):
     with pytest.raises(ValueError, match="unknown shard dtype 'int8'"):
-        shards.write(tmp_path / "x.safetensors", *packed([3], hidden=4), sample_ids=["a"],
-                     aux_layer_ids=AUX_IDS, dtype="int8", target=TARGET)
+        shards.write(
+            tmp_path / "x.safetensors",
+            *packed([3], hidden=4),
+            sample_ids=["a"],
+            aux_layer_ids=AUX_IDS,
+            dtype="int8",
+            target=TARGET,
+        )
     assert list(tmp_path.iterdir()) == []  # nothing written, not even a temporary file
 
 
 # -- fp8 -------------------------------------------------------------------------------------
 
-E4M3_REL = 2.0 ** -4    # 3 mantissa bits: round to nearest is within 2**-4 of a normal value
-E4M3_SUB = 2.0 ** -10   # half the subnormal spacing (2**-9) of e4m3, in scaled units
+E4M3_REL = 2.0**-4  # 3 mantissa bits: round to nearest is within 2**-4 of a normal value
+E4M3_SUB = 2.0**-10  # half the subnormal spacing (2**-9) of e4m3, in scaled units
 
 
 def wide_range(n, width, seed):
     """Values spanning many binades, with zeros, outliers and sign changes."""
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, width, generator=g) * torch.exp2(torch.randint(-20, 8, (n, width), generator=g).float())
-    x[0] = 0.0                            # an all-zero token
-    x[1, 5] = 1e4                         # an outlier dwarfs the rest of its group
+    x = torch.randn(n, width, generator=g) * torch.exp2(
+        torch.randint(-20, 8, (n, width), generator=g).float()
+    )
+    x[0] = 0.0  # an all-zero token
+    x[1, 5] = 1e4  # an outlier dwarfs the rest of its group
     x[2] = torch.linspace(-3, 3, width)
-    x[3] *= 1e-6                          # a small token: its scale follows it
-    x[4] *= 1e-30                         # below the scale's 1e-12 floor: flushed to zero
+    x[3] *= 1e-6  # a small token: its scale follows it
+    x[4] *= 1e-30  # below the scale's 1e-12 floor: flushed to zero
     return x
 
 
@@ -135,7 +153,9 @@ def test_fp8_error_bound(groups):
     assert (err <= bound * (1 + 1e-5) + 1e-30).all()
     # relative to the group's largest magnitude: never worse than 2**-4 of it (tokens above
     # the 1e-12 floor of the scale; below it everything is flushed, off by at most 1e-12)
-    group_max = x.reshape(64, groups, -1).abs().amax(-1).repeat_interleave(x.shape[1] // groups, dim=1)
+    group_max = (
+        x.reshape(64, groups, -1).abs().amax(-1).repeat_interleave(x.shape[1] // groups, dim=1)
+    )
     normal = group_max >= 1e-12
     assert (err[normal] <= E4M3_REL * group_max[normal] * (1 + 1e-5)).all()
     assert (err[~normal] <= 1e-12).all() and (~normal[4]).all()
@@ -150,9 +170,14 @@ def test_fp8_groups_are_per_aux_layer():
     """One loud layer must not crush the resolution of a quiet one."""
     g = torch.Generator().manual_seed(7)
     hidden = 32
-    aux = torch.cat([torch.randn(20, hidden, generator=g) * 1000,
-                     torch.randn(20, hidden, generator=g) * 0.01,
-                     torch.randn(20, hidden, generator=g)], dim=1)
+    aux = torch.cat(
+        [
+            torch.randn(20, hidden, generator=g) * 1000,
+            torch.randn(20, hidden, generator=g) * 0.01,
+            torch.randn(20, hidden, generator=g),
+        ],
+        dim=1,
+    )
     q, scale = shards.quantize_fp8(aux, 3)
     deq = shards.dequantize_fp8(q, scale)
     quiet = slice(hidden, 2 * hidden)
@@ -160,8 +185,10 @@ def test_fp8_groups_are_per_aux_layer():
     assert rel <= E4M3_REL
     # one scale for all three layers would have flushed the quiet layer to (almost) zero
     q1, s1 = shards.quantize_fp8(aux, 1)
-    rel1 = ((shards.dequantize_fp8(q1, s1)[:, quiet] - aux[:, quiet]).abs()
-            / aux[:, quiet].abs().amax(-1, keepdim=True)).max()
+    rel1 = (
+        (shards.dequantize_fp8(q1, s1)[:, quiet] - aux[:, quiet]).abs()
+        / aux[:, quiet].abs().amax(-1, keepdim=True)
+    ).max()
     assert rel1 > 0.2
 
 
@@ -182,8 +209,16 @@ def test_fp8_shard_round_trip(tmp_path):
     assert torch.equal(shard.teacher_argmax, tensors[3])
 
     with safe_open(str(path), framework="pt") as handle:
-        assert set(handle.keys()) == {"input_ids", "loss_mask", "offsets", "teacher_argmax",
-                                      "aux_hidden", "aux_scale", "final_hidden", "final_scale"}
+        assert set(handle.keys()) == {
+            "input_ids",
+            "loss_mask",
+            "offsets",
+            "teacher_argmax",
+            "aux_hidden",
+            "aux_scale",
+            "final_hidden",
+            "final_scale",
+        }
         assert handle.get_slice("aux_hidden").get_dtype() == "F8_E4M3"
         assert handle.get_tensor("aux_scale").shape == (21, 3)
         assert handle.get_tensor("final_scale").shape == (21, 1)
@@ -191,15 +226,27 @@ def test_fp8_shard_round_trip(tmp_path):
 
 # -- header ----------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "fp8"])
 def test_metadata_round_trip(tmp_path, dtype):
     ids = ["p-a", "p-ü", "p-x/y"]
     target = {"spec": "org/model", "hub_id": "org/model", "config_sha256": "f" * 64}
-    path, _ = write(tmp_path, packed([2, 3, 4], hidden=8), dtype, sample_ids=ids,
-                    aux_ids=[0, 4, 7], target=target)
+    path, _ = write(
+        tmp_path,
+        packed([2, 3, 4], hidden=8),
+        dtype,
+        sample_ids=ids,
+        aux_ids=[0, 4, 7],
+        target=target,
+    )
     meta = shards.read_metadata(path)
-    assert meta == {"dtype": dtype, "hidden_size": 8, "aux_layer_ids": [0, 4, 7],
-                    "sample_ids": ids, "target": target}
+    assert meta == {
+        "dtype": dtype,
+        "hidden_size": 8,
+        "aux_layer_ids": [0, 4, 7],
+        "sample_ids": ids,
+        "target": target,
+    }
     shard = shards.load(path)
     assert shard.sample_ids == ids and shard.aux_layer_ids == [0, 4, 7]
     assert shard.dtype == dtype and shard.target == target
@@ -219,8 +266,8 @@ def test_offsets_and_sample_slicing(tmp_path):
     for s, length in enumerate(lengths):
         rows = shard.sample(s)
         assert rows == slice(start, start + length)
-        assert torch.equal(shard.input_ids[rows], tensors[0][start:start + length])
-        assert torch.equal(shard.aux_hidden[rows], tensors[4][start:start + length])
+        assert torch.equal(shard.input_ids[rows], tensors[0][start : start + length])
+        assert torch.equal(shard.aux_hidden[rows], tensors[4][start : start + length])
         assert shard.loss_mask[rows].tolist() == [0] * (length // 2) + [1] * (length - length // 2)
         start += length
     with pytest.raises(IndexError):
@@ -242,6 +289,7 @@ def test_read_metadata_rejects_foreign_safetensors(tmp_path):
 
 # -- byte accounting -------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "fp8"])
 def test_bytes_per_token_is_the_exact_tensor_payload(tmp_path, dtype):
     lengths = [37] * 20 + [13] * 7
@@ -258,8 +306,13 @@ def test_bytes_per_token_predicts_the_file_size(tmp_path):
     lengths = [100] * 20
     hidden = 576
     tensors = packed(lengths, hidden=hidden, seed=2)
-    _, data = write(tmp_path, tensors, "bfloat16", sample_ids=[f"p-{i:06d}" for i in range(20)],
-                    aux_ids=[2, 15, 27])
+    _, data = write(
+        tmp_path,
+        tensors,
+        "bfloat16",
+        sample_ids=[f"p-{i:06d}" for i in range(20)],
+        aux_ids=[2, 15, 27],
+    )
     planned = 2000 * shards.bytes_per_token(hidden, 3, "bfloat16")
     assert shards.bytes_per_token(hidden, 3, "bfloat16") == 17 + 4 * hidden * 2
     assert 1.0 <= len(data) / planned <= 1.02
@@ -280,6 +333,7 @@ def test_shard_path_naming(tmp_path):
 
 
 # -- the streaming writer --------------------------------------------------------------------
+
 
 def reference_fp8(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
     """e4m3 with per-token, per-group scales, computed in float32 throughout (the definition
@@ -306,30 +360,43 @@ def reference_bytes(tensors, dtype, sample_ids, aux_ids=AUX_IDS, target=TARGET) 
     keys sorted: how shards were written before the streaming writer, kept here as the
     reference it must reproduce byte for byte."""
     input_ids, loss_mask, offsets, teacher_argmax, aux, final = tensors
-    out = {"input_ids": input_ids.to(torch.int64), "loss_mask": loss_mask.to(torch.uint8),
-           "offsets": offsets.to(torch.int64), "teacher_argmax": teacher_argmax.to(torch.int64)}
+    out = {
+        "input_ids": input_ids.to(torch.int64),
+        "loss_mask": loss_mask.to(torch.uint8),
+        "offsets": offsets.to(torch.int64),
+        "teacher_argmax": teacher_argmax.to(torch.int64),
+    }
     if dtype == "fp8":
         out["aux_hidden"], out["aux_scale"] = reference_fp8(aux, len(aux_ids))
         out["final_hidden"], out["final_scale"] = reference_fp8(final, 1)
     else:
         out["aux_hidden"] = aux.to(shards.STORAGE_DTYPES[dtype]).contiguous()
         out["final_hidden"] = final.to(shards.STORAGE_DTYPES[dtype]).contiguous()
-    metadata = {"format": shards.FORMAT, "dtype": dtype, "hidden_size": str(final.shape[1]),
-                "aux_layer_ids": json.dumps(list(aux_ids)), "sample_ids": json.dumps(sample_ids),
-                "target": json.dumps(target, sort_keys=True)}
+    metadata = {
+        "format": shards.FORMAT,
+        "dtype": dtype,
+        "hidden_size": str(final.shape[1]),
+        "aux_layer_ids": json.dumps(list(aux_ids)),
+        "sample_ids": json.dumps(sample_ids),
+        "target": json.dumps(target, sort_keys=True),
+    }
     data = save(out, metadata=metadata)
     n = struct.unpack("<Q", data[:8])[0]
-    header = json.loads(data[8:8 + n])
+    header = json.loads(data[8 : 8 + n])
     header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
     text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-    return data[:8] + text.ljust(n, b" ") + data[8 + n:]
+    return data[:8] + text.ljust(n, b" ") + data[8 + n :]
 
 
 def stored(tensors, dtype, aux_ids=AUX_IDS) -> dict:
     """The tensors a shard must hold for ``tensors`` in storage ``dtype``."""
     input_ids, loss_mask, offsets, teacher_argmax, aux, final = tensors
-    out = {"input_ids": input_ids, "loss_mask": loss_mask, "offsets": offsets,
-           "teacher_argmax": teacher_argmax}
+    out = {
+        "input_ids": input_ids,
+        "loss_mask": loss_mask,
+        "offsets": offsets,
+        "teacher_argmax": teacher_argmax,
+    }
     if dtype == "fp8":
         out["aux_hidden"], out["aux_scale"] = shards.quantize_fp8(aux, len(aux_ids))
         out["final_hidden"], out["final_scale"] = shards.quantize_fp8(final, 1)
@@ -340,8 +407,11 @@ def stored(tensors, dtype, aux_ids=AUX_IDS) -> dict:
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    )
 
 
 DTYPES = ["float32", "bfloat16", "float16", "fp8"]
@@ -354,8 +424,15 @@ def test_writer_returns_the_file_hash_and_size(tmp_path, dtype, source):
     tensors = list(packed([9, 4, 17, 1, 6], hidden=24, seed=21))
     tensors[4], tensors[5] = tensors[4].to(source), tensors[5].to(source)
     path = tmp_path / "shard.safetensors"
-    written = shards.write(path, *tensors, sample_ids=ODD_IDS, aux_layer_ids=AUX_IDS,
-                           dtype=dtype, target=TARGET, chunk_bytes=256)  # many row blocks
+    written = shards.write(
+        path,
+        *tensors,
+        sample_ids=ODD_IDS,
+        aux_layer_ids=AUX_IDS,
+        dtype=dtype,
+        target=TARGET,
+        chunk_bytes=256,
+    )  # many row blocks
     data = path.read_bytes()
     assert written.sha256 == reference_digest(data) == shards.digest_path(path)
     assert written.bytes == len(data)
@@ -366,8 +443,15 @@ def test_writer_returns_the_file_hash_and_size(tmp_path, dtype, source):
 def test_written_shard_holds_what_was_passed(tmp_path, dtype):
     tensors = packed([5, 12, 3, 8], hidden=16, seed=22)
     path = tmp_path / "shard.safetensors"
-    written = shards.write(path, *tensors, sample_ids=ODD_IDS[:4], aux_layer_ids=AUX_IDS,
-                           dtype=dtype, target=TARGET, chunk_bytes=300)
+    written = shards.write(
+        path,
+        *tensors,
+        sample_ids=ODD_IDS[:4],
+        aux_layer_ids=AUX_IDS,
+        dtype=dtype,
+        target=TARGET,
+        chunk_bytes=300,
+    )
     want = stored(tensors, dtype)
     with safe_open(str(path), framework="pt") as handle:  # readable by safetensors itself
         assert set(handle.keys()) == set(want)
@@ -401,9 +485,17 @@ def test_writer_bytes_equal_safetensors_save(tmp_path, dtype, chunk_bytes):
     pieces = list(tensors[4].split(lengths))
     for aux in (tensors[4], pieces):
         path = tmp_path / "shard.safetensors"
-        written = shards.write(path, *tensors[:4], aux, tensors[5], sample_ids=ODD_IDS[:4],
-                               aux_layer_ids=AUX_IDS, dtype=dtype, target=TARGET,
-                               chunk_bytes=chunk_bytes)
+        written = shards.write(
+            path,
+            *tensors[:4],
+            aux,
+            tensors[5],
+            sample_ids=ODD_IDS[:4],
+            aux_layer_ids=AUX_IDS,
+            dtype=dtype,
+            target=TARGET,
+            chunk_bytes=chunk_bytes,
+        )
         assert path.read_bytes() == want
         assert written.sha256 == reference_digest(want)
 
@@ -411,9 +503,16 @@ def test_writer_bytes_equal_safetensors_save(tmp_path, dtype, chunk_bytes):
 def test_writer_rejects_mismatched_row_pieces(tmp_path):
     tensors = packed([3, 4], hidden=8)
     with pytest.raises(ValueError, match="aux_hidden"):
-        shards.write(tmp_path / "x.safetensors", *tensors[:4], [tensors[4][:3], tensors[4][3:, :8]],
-                     tensors[5], sample_ids=["a", "b"], aux_layer_ids=AUX_IDS, dtype="bfloat16",
-                     target=TARGET)
+        shards.write(
+            tmp_path / "x.safetensors",
+            *tensors[:4],
+            [tensors[4][:3], tensors[4][3:, :8]],
+            tensors[5],
+            sample_ids=["a", "b"],
+            aux_layer_ids=AUX_IDS,
+            dtype="bfloat16",
+            target=TARGET,
+        )
     assert list(tmp_path.iterdir()) == []
 
 
@@ -446,14 +545,20 @@ def test_writer_memory_stays_bounded(tmp_path):
     """Writing a ~200 MB shard (bf16, then fp8 from the same bf16 states) raises the process's
     peak resident memory by far less than the shard: a few row blocks, not a copy of it.
     Measured in a fresh interpreter so that nothing else this test session did counts."""
-    out = subprocess.run([sys.executable, "-c", MEMORY_PROBE, str(tmp_path)], check=True,
-                         capture_output=True, text=True, timeout=120).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", MEMORY_PROBE, str(tmp_path)],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
     extra, shard_bytes = map(int, out.split())
     assert shard_bytes > 190e6
     assert extra < shard_bytes / 4, f"writing raised the peak RSS by {extra / 1e6:.0f} MB"
 
 
 # -- mapped reading --------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "fp8"])
 def test_mapped_shard_converts_to_what_the_eager_load_gives(tmp_path, dtype):
@@ -469,13 +574,23 @@ def test_mapped_shard_converts_to_what_the_eager_load_gives(tmp_path, dtype):
     for name in ("input_ids", "loss_mask", "offsets", "teacher_argmax"):
         got, want = getattr(mapped, name), getattr(eager, name)
         assert got.dtype == want.dtype and torch.equal(got, want), name
-    assert (mapped.sample_ids, mapped.aux_layer_ids, mapped.dtype, mapped.target) == \
-        (eager.sample_ids, eager.aux_layer_ids, eager.dtype, eager.target)
+    assert (mapped.sample_ids, mapped.aux_layer_ids, mapped.dtype, mapped.target) == (
+        eager.sample_ids,
+        eager.aux_layer_ids,
+        eager.dtype,
+        eager.target,
+    )
     for s in range(len(lengths)):
         rows = mapped.sample(s)
-        scales = (None, None) if dtype != "fp8" else (mapped.aux_scale[rows], mapped.final_scale[rows])
-        assert torch.equal(shards.to_float(mapped.aux_hidden[rows], scales[0]), eager.aux_hidden[rows])
-        assert torch.equal(shards.to_float(mapped.final_hidden[rows], scales[1]), eager.final_hidden[rows])
+        scales = (
+            (None, None) if dtype != "fp8" else (mapped.aux_scale[rows], mapped.final_scale[rows])
+        )
+        assert torch.equal(
+            shards.to_float(mapped.aux_hidden[rows], scales[0]), eager.aux_hidden[rows]
+        )
+        assert torch.equal(
+            shards.to_float(mapped.final_hidden[rows], scales[1]), eager.final_hidden[rows]
+        )
     # the tensors are the file's pages: nothing was copied, and giving them back loses nothing
     assert mapped.aux_hidden.untyped_storage().nbytes() == path.stat().st_size
     before = mapped.aux_hidden[:3].clone()
@@ -511,8 +626,12 @@ def test_mapped_shard_refuses_damaged_bytes_by_name(tmp_path, damage, scheme):
 
 # -- the file written in any order -----------------------------------------------------------
 
+
 def shard_file_fields(rows: int, width: int) -> list:
-    return [shards.Field("a", torch.bfloat16, (rows, width)), shards.Field("b", torch.int64, (rows,))]
+    return [
+        shards.Field("a", torch.bfloat16, (rows, width)),
+        shards.Field("b", torch.int64, (rows,)),
+    ]
 
 
 def test_rows_written_in_any_order_from_several_threads_make_one_file(tmp_path):
@@ -532,7 +651,7 @@ def test_rows_written_in_any_order_from_several_threads_make_one_file(tmp_path):
     order = torch.randperm(len(spans), generator=g).tolist()
     out = shards.ShardFile(tmp_path / "y.safetensors", fields, meta)
     with ThreadPoolExecutor(4) as pool:
-        list(pool.map(lambda i: out.write("a", spans[i][0], a[spans[i][0]:spans[i][1]]), order))
+        list(pool.map(lambda i: out.write("a", spans[i][0], a[spans[i][0] : spans[i][1]]), order))
     out.write("b", 0, b)
     got = out.close()
     data = (tmp_path / "y.safetensors").read_bytes()
@@ -578,7 +697,13 @@ def test_digests_of_bytes_and_of_files_agree_across_block_edges(tmp_path):
         data = bytes(range(256)) * (size // 256) + bytes(size % 256)
         path = tmp_path / f"f{size}"
         path.write_bytes(data)
-        assert shards.digest_bytes(data) == shards.digest_path(path) == reference_digest(data) \
-            if size else shards.digest_bytes(data) == shards.digest_path(path)
-        assert shards.digest_matches(shards.digest_path(path), path=path) == (True, shards.digest_path(path))
+        assert (
+            shards.digest_bytes(data) == shards.digest_path(path) == reference_digest(data)
+            if size
+            else shards.digest_bytes(data) == shards.digest_path(path)
+        )
+        assert shards.digest_matches(shards.digest_path(path), path=path) == (
+            True,
+            shards.digest_path(path),
+        )
         assert shards.digest_matches(hashlib.sha256(data).hexdigest(), data=data)[0]

@@ -26,14 +26,19 @@ from tests.helpers.paths import REPO, SNAKEMAKE, TESTS, TINY
 CLUSTER = TESTS / "slurm" / "cluster.sh"
 MODEL_RULES = ("generate", "extract_vllm", "hidden_manifest", "train", "evaluate")
 
-pytestmark = [pytest.mark.slurm, pytest.mark.skipif(
-    not os.environ.get("EAGLET_SLURM"),
-    reason="a real SLURM cluster on this machine: make test-slurm (EAGLET_SLURM=1, as root)")]
+pytestmark = [
+    pytest.mark.slurm,
+    pytest.mark.skipif(
+        not os.environ.get("EAGLET_SLURM"),
+        reason="a real SLURM cluster on this machine: make test-slurm (EAGLET_SLURM=1, as root)",
+    ),
+]
 
 
 def cluster(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([str(CLUSTER), *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO)
+    return subprocess.run(
+        [str(CLUSTER), *args], capture_output=True, text=True, timeout=timeout, cwd=REPO
+    )
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +79,17 @@ def submit(config: Path, *targets: str, timeout: float, extra=()) -> subprocess.
     """snakemake with profiles/slurm, from the repository root (its .snakemake/ holds the
     plugin's SLURM logs); the output also goes to a file beside the config."""
     threads = [f"{rule}=2" for rule in MODEL_RULES]  # a model job holds the node's 2 CPUs
-    command = [str(SNAKEMAKE), *targets, "--workflow-profile", "profiles/slurm",
-               "--configfile", str(config), "--set-threads", *threads, *extra]
+    command = [
+        str(SNAKEMAKE),
+        *targets,
+        "--workflow-profile",
+        "profiles/slurm",
+        "--configfile",
+        str(config),
+        "--set-threads",
+        *threads,
+        *extra,
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO)
     (config.parent / f"{config.stem}.snakemake.log").write_text(done.stdout + done.stderr)
     return done
@@ -84,8 +98,12 @@ def submit(config: Path, *targets: str, timeout: float, extra=()) -> subprocess.
 def sacct(*fields: str, since: str = "now-1days") -> list[list[str]]:
     """The cluster's jobs since ``since`` (sacct's -S): each job's ``fields``. Job ids start
     over with each new cluster (its saved state is removed), so a test asks for its own."""
-    done = subprocess.run(["sacct", "-n", "-P", "-X", "-S", since, "-o", ",".join(fields)],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        ["sacct", "-n", "-P", "-X", "-S", since, "-o", ",".join(fields)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     return [line.split("|") for line in done.stdout.splitlines() if line.strip()]
 
 
@@ -97,8 +115,9 @@ def test_the_tiny_workflow_runs_on_slurm_to_its_report_through_a_time_limit(slur
     up("accounting", "none")
     started = time.strftime("%Y-%m-%dT%H:%M:%S")
     shutil.rmtree(REPO / ".snakemake" / "slurm_logs", ignore_errors=True)
-    config = config_file(tmp_path, "slurm", train={"epochs": 60},
-                         resources={"train": {"mem_mb": 6000, "runtime": 1}})
+    config = config_file(
+        tmp_path, "slurm", train={"epochs": 60}, resources={"train": {"mem_mb": 6000, "runtime": 1}}
+    )
     assert yaml.safe_load(config.read_text())["resources"]["generate"]["runtime"] == 30
     done = submit(config, timeout=2400, extra=["--retries", "6"])
     output = done.stdout + done.stderr
@@ -115,19 +134,34 @@ def test_the_tiny_workflow_runs_on_slurm_to_its_report_through_a_time_limit(slur
     stopped = int(said.split("received SIGTERM at step ")[1].split()[0])
     train_log = (results / "logs" / "train.log").read_text()
     assert f"(step {stopped}/" in train_log and "resumed from" in train_log
-    report = subprocess.run([str(SNAKEMAKE), "--report", str(tmp_path / "report.html"),
-                             "--configfile", str(config)], capture_output=True, text=True,
-                            timeout=600, cwd=REPO)
+    report = subprocess.run(
+        [str(SNAKEMAKE), "--report", str(tmp_path / "report.html"), "--configfile", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
     assert report.returncode == 0 and (tmp_path / "report.html").stat().st_size > 10_000
 
     # the same training without a time limit, here, on the same states and threads: the
     # resumed drafter is the one an uninterrupted training ships
     again = tmp_path / "again"
-    shutil.copytree(results, again / "results", ignore=shutil.ignore_patterns(
-        "drafter*", "eval", "logs", "progress", "run"))
+    shutil.copytree(
+        results,
+        again / "results",
+        ignore=shutil.ignore_patterns("drafter*", "eval", "logs", "progress", "run"),
+    )
     local = config_file(again, "local", train={"epochs": 60})
-    cmd = [str(SNAKEMAKE), str(again / "results" / "drafter" / "model.safetensors"),
-           "--cores", "2", "--workflow-profile", "profiles/default", "--configfile", str(local)]
+    cmd = [
+        str(SNAKEMAKE),
+        str(again / "results" / "drafter" / "model.safetensors"),
+        "--cores",
+        "2",
+        "--workflow-profile",
+        "profiles/default",
+        "--configfile",
+        str(local),
+    ]
     alone = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, cwd=REPO)
     assert alone.returncode == 0, (alone.stdout + alone.stderr)[-4000:]
     ours = load_file(str(results / "drafter" / "model.safetensors"))
@@ -149,7 +183,8 @@ def test_a_cluster_without_accounting_is_followed_with_squeue(slurm, tmp_path):
 
 
 def test_a_config_too_large_for_the_partition_is_refused_before_anything_is_submitted(
-        slurm, tmp_path):
+    slurm, tmp_path
+):
     """The schema's model-job sizes (32-64 GB, up to a day) fit GPU nodes, not this one:
     sbatch refused each job in turn ("Memory specification can not be satisfied"). The run is
     refused at once, the stages and their sizes named, and no job reaches the queue."""

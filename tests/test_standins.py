@@ -16,8 +16,10 @@ from tests.helpers.paths import STANDINS
 KIMI = STANDINS / "kimi-k2.5"
 QWEN = STANDINS / "qwen3-8b"
 
-KIMI_SYSTEM = ("<|im_system|>system<|im_middle|>"
-               "You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>")
+KIMI_SYSTEM = (
+    "<|im_system|>system<|im_middle|>"
+    "You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>"
+)
 # what a request to vLLM's OpenAI server looks like to a reasoning parser
 REQUEST = SimpleNamespace(include_reasoning=True, tools=None, tool_choice=None)
 
@@ -59,12 +61,25 @@ def test_kimi_config_is_the_published_wrapper_with_its_language_model_in_text_co
     text = config["text_config"]
     assert text["model_type"] == "kimi_k2"
     assert (text["num_hidden_layers"], text["hidden_size"], text["vocab_size"]) == (
-        61, 7168, 163840)
-    assert (text["q_lora_rank"], text["kv_lora_rank"], text["qk_rope_head_dim"],
-            text["qk_nope_head_dim"], text["v_head_dim"]) == (1536, 512, 64, 128, 128)
-    assert (text["topk_method"], text["scoring_func"], text["n_routed_experts"],
-            text["num_experts_per_tok"], text["n_shared_experts"],
-            text["first_k_dense_replace"]) == ("noaux_tc", "sigmoid", 384, 8, 1, 1)
+        61,
+        7168,
+        163840,
+    )
+    assert (
+        text["q_lora_rank"],
+        text["kv_lora_rank"],
+        text["qk_rope_head_dim"],
+        text["qk_nope_head_dim"],
+        text["v_head_dim"],
+    ) == (1536, 512, 64, 128, 128)
+    assert (
+        text["topk_method"],
+        text["scoring_func"],
+        text["n_routed_experts"],
+        text["num_experts_per_tok"],
+        text["n_shared_experts"],
+        text["first_k_dense_replace"],
+    ) == ("noaux_tc", "sigmoid", 384, 8, 1, 1)
     assert text["rope_scaling"]["type"] == "yarn" and text["rope_scaling"]["factor"] == 64.0
     quant = text["quantization_config"]
     assert quant["quant_method"] == "compressed-tensors" and quant["format"] == "pack-quantized"
@@ -102,9 +117,15 @@ def test_qwen_config_has_the_published_numbers():
 
     config = AutoConfig.from_pretrained(QWEN)
     assert type(config).__name__ == "Qwen3Config" and config.architectures == ["Qwen3ForCausalLM"]
-    assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
-            config.num_key_value_heads, config.head_dim, config.intermediate_size,
-            config.vocab_size) == (36, 4096, 32, 8, 128, 12288, 151936)
+    assert (
+        config.num_hidden_layers,
+        config.hidden_size,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.head_dim,
+        config.intermediate_size,
+        config.vocab_size,
+    ) == (36, 4096, 32, 8, 128, 12288, 151936)
     assert config.tie_word_embeddings is False
     assert read_json(QWEN / "generation_config.json")["eos_token_id"] == [151645, 151643]
 
@@ -125,7 +146,8 @@ def test_kimi_tokenizer_is_the_folders_code_and_only_with_trust_remote_code(kimi
     assert type(kimi).__name__ == "TikTokenTokenizer"
     assert type(kimi).__module__.endswith("tokenization_kimi")
     assert read_json(KIMI / "tokenizer_config.json")["auto_map"]["AutoTokenizer"][0] == (
-        "tokenization_kimi.TikTokenTokenizer")
+        "tokenization_kimi.TikTokenTokenizer"
+    )
     try:
         native = AutoConfig.from_pretrained(KIMI, trust_remote_code=False)
     except ValueError as error:  # a transformers without kimi_k25 refuses outright
@@ -146,10 +168,23 @@ def test_special_tokens_encode_to_single_tokens_at_their_real_ids(folder, kimi, 
         assert tokenizer.encode(content, add_special_tokens=False) == [index], content
         assert tokenizer.convert_tokens_to_ids(content) == index, content
         assert tokenizer.decode([index]) == content, content
-    named = {"kimi": {"<|im_end|>": 163586, "<|im_middle|>": 163601, "<think>": 163606,
-                      "</think>": 163607, "<|media_pad|>": 163605, "[EOS]": 163585},
-             "qwen": {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645,
-                      "<think>": 151667, "</think>": 151668}}["kimi" if folder == KIMI else "qwen"]
+    named = {
+        "kimi": {
+            "<|im_end|>": 163586,
+            "<|im_middle|>": 163601,
+            "<think>": 163606,
+            "</think>": 163607,
+            "<|media_pad|>": 163605,
+            "[EOS]": 163585,
+        },
+        "qwen": {
+            "<|endoftext|>": 151643,
+            "<|im_start|>": 151644,
+            "<|im_end|>": 151645,
+            "<think>": 151667,
+            "</think>": 151668,
+        },
+    }["kimi" if folder == KIMI else "qwen"]
     assert {k: tokens[k] for k in named} == named
 
 
@@ -175,44 +210,62 @@ def test_kimi_generation_prompt_opens_the_reasoning_and_thinking_false_closes_it
     messages = [{"role": "user", "content": "Add 2 and 2."}]
     head = KIMI_SYSTEM + "<|im_user|>user<|im_middle|>Add 2 and 2.<|im_end|>"
     # the hub tokenizer's defaults: text, with the generation prompt, thinking on
-    assert (kimi.apply_chat_template(messages)
-            == head + "<|im_assistant|>assistant<|im_middle|><think>")
-    assert (kimi.apply_chat_template(messages, thinking=False)
-            == head + "<|im_assistant|>assistant<|im_middle|><think></think>")
+    assert (
+        kimi.apply_chat_template(messages) == head + "<|im_assistant|>assistant<|im_middle|><think>"
+    )
+    assert (
+        kimi.apply_chat_template(messages, thinking=False)
+        == head + "<|im_assistant|>assistant<|im_middle|><think></think>"
+    )
     ids = kimi.apply_chat_template(messages, tokenize=True, return_dict=False)
     opening = [163588, *kimi.encode("assistant"), 163601, 163606]
-    assert ids[-len(opening):] == opening
+    assert ids[-len(opening) :] == opening
     # a given system message replaces the default one
     own = kimi.apply_chat_template([{"role": "system", "content": "Be brief."}, *messages])
     assert own.startswith("<|im_system|>system<|im_middle|>Be brief.<|im_end|><|im_user|>")
 
 
 def test_kimi_drops_reasoning_up_to_the_last_plain_answer_and_keeps_it_after(kimi):
-    first = [{"role": "user", "content": "Hi"},
-             {"role": "assistant", "content": "Hello!", "reasoning_content": "greet"},
-             {"role": "user", "content": "2+2?"}]
+    first = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!", "reasoning_content": "greet"},
+        {"role": "user", "content": "2+2?"},
+    ]
     assert kimi.apply_chat_template(first) == (
         KIMI_SYSTEM + "<|im_user|>user<|im_middle|>Hi<|im_end|>"
         "<|im_assistant|>assistant<|im_middle|><think></think>Hello!<|im_end|>"
         "<|im_user|>user<|im_middle|>2+2?<|im_end|>"
-        "<|im_assistant|>assistant<|im_middle|><think>")
-    call = {"id": "functions.add:0", "type": "function",
-            "function": {"name": "add", "arguments": '{"a": 2, "b": 2}'}}
-    steps = [*first,
-             {"role": "assistant", "content": "", "reasoning_content": "use the tool",
-              "tool_calls": [call]},
-             {"role": "tool", "name": "add", "tool_call_id": "functions.add:0", "content": "4"}]
-    tail = ("<|im_assistant|>assistant<|im_middle|><think>{r}</think><|tool_calls_section_begin|>"
-            '<|tool_call_begin|>functions.add:0<|tool_call_argument_begin|>{{"a": 2, "b": 2}}'
-            "<|tool_call_end|><|tool_calls_section_end|><|im_end|>"
-            "<|im_system|>add<|im_middle|>## Return of functions.add:0\n4<|im_end|>"
-            "<|im_assistant|>assistant<|im_middle|><think>{g}")
+        "<|im_assistant|>assistant<|im_middle|><think>"
+    )
+    call = {
+        "id": "functions.add:0",
+        "type": "function",
+        "function": {"name": "add", "arguments": '{"a": 2, "b": 2}'},
+    }
+    steps = [
+        *first,
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": "use the tool",
+            "tool_calls": [call],
+        },
+        {"role": "tool", "name": "add", "tool_call_id": "functions.add:0", "content": "4"},
+    ]
+    tail = (
+        "<|im_assistant|>assistant<|im_middle|><think>{r}</think><|tool_calls_section_begin|>"
+        '<|tool_call_begin|>functions.add:0<|tool_call_argument_begin|>{{"a": 2, "b": 2}}'
+        "<|tool_call_end|><|tool_calls_section_end|><|im_end|>"
+        "<|im_system|>add<|im_middle|>## Return of functions.add:0\n4<|im_end|>"
+        "<|im_assistant|>assistant<|im_middle|><think>{g}"
+    )
     assert kimi.apply_chat_template(steps).endswith(tail.format(r="use the tool", g=""))
     assert kimi.apply_chat_template(steps, thinking=False).endswith(tail.format(r="", g="</think>"))
     # a finished answer is the last plain assistant message: its reasoning is not rendered
     done = kimi.apply_chat_template(
         [first[0], {"role": "assistant", "content": "4", "reasoning_content": "add"}],
-        add_generation_prompt=False)
+        add_generation_prompt=False,
+    )
     assert done.endswith("<|im_assistant|>assistant<|im_middle|><think></think>4<|im_end|>")
 
 
@@ -220,30 +273,46 @@ def test_qwen_template_is_chatml_with_enable_thinking(qwen):
     messages = [{"role": "user", "content": "Add 2 and 2."}]
     head = "<|im_start|>user\nAdd 2 and 2.<|im_end|>\n<|im_start|>assistant\n"
     assert qwen.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == head
-    assert qwen.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                    enable_thinking=False) == head + "<think>\n\n</think>\n\n"
-    conversation = [{"role": "system", "content": "Be brief."},
-                    {"role": "user", "content": "Hi"},
-                    {"role": "assistant", "content": "Hello!", "reasoning_content": "greet"},
-                    {"role": "user", "content": "2+2?"},
-                    {"role": "assistant", "content": "4", "reasoning_content": "add"}]
+    assert (
+        qwen.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, enable_thinking=False
+        )
+        == head + "<think>\n\n</think>\n\n"
+    )
+    conversation = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!", "reasoning_content": "greet"},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4", "reasoning_content": "add"},
+    ]
     assert qwen.apply_chat_template(conversation, tokenize=False) == (
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
         "<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n"
-        "<|im_start|>assistant\n<think>\nadd\n</think>\n\n4<|im_end|>\n")
+        "<|im_start|>assistant\n<think>\nadd\n</think>\n\n4<|im_end|>\n"
+    )
     # reasoning written inline in the content is read the same way
     inline = [conversation[3], {"role": "assistant", "content": "<think>\nadd\n</think>\n\n4"}]
     assert qwen.apply_chat_template(inline, tokenize=False).endswith(
-        "<|im_start|>assistant\n<think>\nadd\n</think>\n\n4<|im_end|>\n")
-    tool_turn = [conversation[3],
-                 {"role": "assistant", "content": "", "tool_calls": [
-                     {"type": "function", "function": {"name": "add", "arguments": {"a": 2}}}]},
-                 {"role": "tool", "content": "4"}]
+        "<|im_start|>assistant\n<think>\nadd\n</think>\n\n4<|im_end|>\n"
+    )
+    tool_turn = [
+        conversation[3],
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"type": "function", "function": {"name": "add", "arguments": {"a": 2}}}
+            ],
+        },
+        {"role": "tool", "content": "4"},
+    ]
     assert qwen.apply_chat_template(tool_turn, tokenize=False, add_generation_prompt=True) == (
         "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n<tool_call>\n"
         '{"name": "add", "arguments": {"a": 2}}\n</tool_call><|im_end|>\n'
         "<|im_start|>user\n<tool_response>\n4\n</tool_response><|im_end|>\n"
-        "<|im_start|>assistant\n")
+        "<|im_start|>assistant\n"
+    )
 
 
 def test_qwen_vocabulary_files_agree():
@@ -264,8 +333,10 @@ def test_qwen_vocabulary_files_agree():
 def vllm_tokenizers():
     """Both stand-ins loaded by vLLM's own tokenizer loader (the one its server uses)."""
     registry = pytest.importorskip("vllm.tokenizers")
-    return {"kimi": registry.get_tokenizer(str(KIMI), trust_remote_code=True),
-            "qwen": registry.get_tokenizer(str(QWEN))}
+    return {
+        "kimi": registry.get_tokenizer(str(KIMI), trust_remote_code=True),
+        "qwen": registry.get_tokenizer(str(QWEN)),
+    }
 
 
 def test_vllm_loads_both_and_keeps_the_template_variables(vllm_tokenizers):
@@ -305,10 +376,12 @@ def test_vllm_reasoning_parsers_split_an_answer_in_each_format(vllm_tokenizers):
 
     q3 = ReasoningParserManager.get_reasoning_parser("qwen3")
     reasoning, content = q3(qwen, chat_template_kwargs={}).extract_reasoning(
-        qwen.decode(qwen.encode("<think>\nTwo and two make four.\n</think>\n\nIt is 4.")), REQUEST)
+        qwen.decode(qwen.encode("<think>\nTwo and two make four.\n</think>\n\nIt is 4.")), REQUEST
+    )
     assert (reasoning.strip(), content.strip()) == ("Two and two make four.", "It is 4.")
     assert q3(qwen, chat_template_kwargs={"enable_thinking": False}).extract_reasoning(
-        "It is 4.", REQUEST) == (None, "It is 4.")
+        "It is 4.", REQUEST
+    ) == (None, "It is 4.")
 
 
 # -- DeepSeek-R1-Distill-Qwen and Gemma 4 -------------------------------------------------
@@ -337,16 +410,27 @@ def test_r1_opens_the_reasoning_in_the_prompt_and_drops_it_from_the_history():
     r1 = AutoTokenizer.from_pretrained(R1)
     config = read_json(R1 / "config.json")
     assert (config["architectures"], config["num_hidden_layers"], config["vocab_size"]) == (
-        ["Qwen2ForCausalLM"], 28, 152064)
+        ["Qwen2ForCausalLM"],
+        28,
+        152064,
+    )
     assert read_json(R1 / "generation_config.json")["eos_token_id"] == 151643
     user = [{"role": "user", "content": "Hi"}]
     assert r1.apply_chat_template(user, tokenize=False, add_generation_prompt=True) == (
-        "<｜begin▁of▁sentence｜><｜User｜>Hi<｜Assistant｜><think>\n")
-    history = user + [{"role": "assistant", "content": "<think>\nHm.\n</think>\n\nHello.",
-                       "reasoning_content": "Hm."}, {"role": "user", "content": "Bye"}]
+        "<｜begin▁of▁sentence｜><｜User｜>Hi<｜Assistant｜><think>\n"
+    )
+    history = user + [
+        {
+            "role": "assistant",
+            "content": "<think>\nHm.\n</think>\n\nHello.",
+            "reasoning_content": "Hm.",
+        },
+        {"role": "user", "content": "Bye"},
+    ]
     assert r1.apply_chat_template(history, tokenize=False, add_generation_prompt=True) == (
         "<｜begin▁of▁sentence｜><｜User｜>Hi<｜Assistant｜>\n\nHello.<｜end▁of▁sentence｜>"
-        "<｜User｜>Bye<｜Assistant｜><think>\n")
+        "<｜User｜>Bye<｜Assistant｜><think>\n"
+    )
 
 
 def test_gemma_turns_thinking_and_history_follow_the_published_format():
@@ -355,16 +439,24 @@ def test_gemma_turns_thinking_and_history_follow_the_published_format():
     gemma = AutoTokenizer.from_pretrained(GEMMA)
     text = read_json(GEMMA / "config.json")["text_config"]
     assert read_json(GEMMA / "config.json")["architectures"] == ["Gemma4ForConditionalGeneration"]
-    assert (text["num_hidden_layers"], text["hidden_size"], text["vocab_size"]) == (30, 2304, 262144)
+    assert (text["num_hidden_layers"], text["hidden_size"], text["vocab_size"]) == (
+        30,
+        2304,
+        262144,
+    )
     turn_end = gemma.convert_tokens_to_ids("<turn|>")
     assert turn_end in read_json(GEMMA / "generation_config.json")["eos_token_id"]
     user = [{"role": "user", "content": "Hi"}]
-    assert gemma.apply_chat_template(user, tokenize=False, add_generation_prompt=True,
-                                     enable_thinking=True) == (
-        "<bos><|turn>system\n<|think|><turn|>\n<|turn>user\nHi<turn|>\n<|turn>model\n")
+    assert gemma.apply_chat_template(
+        user, tokenize=False, add_generation_prompt=True, enable_thinking=True
+    ) == ("<bos><|turn>system\n<|think|><turn|>\n<|turn>user\nHi<turn|>\n<|turn>model\n")
     assert gemma.apply_chat_template(user, tokenize=False, add_generation_prompt=True) == (
-        "<bos><|turn>user\nHi<turn|>\n<|turn>model\n")
-    history = user + [{"role": "assistant", "content": "Hello.", "reasoning_content": "Hm."},
-                      {"role": "user", "content": "Bye"}]
-    assert "Hm." not in gemma.apply_chat_template(history, tokenize=False,
-                                                  add_generation_prompt=True)
+        "<bos><|turn>user\nHi<turn|>\n<|turn>model\n"
+    )
+    history = user + [
+        {"role": "assistant", "content": "Hello.", "reasoning_content": "Hm."},
+        {"role": "user", "content": "Bye"},
+    ]
+    assert "Hm." not in gemma.apply_chat_template(
+        history, tokenize=False, add_generation_prompt=True
+    )

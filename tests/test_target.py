@@ -9,8 +9,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eaglet.target.checkpoint import (TargetError, check_recorded_target, model_identity,
-                                      prepare_target)
+from eaglet.target.checkpoint import (
+    TargetError,
+    check_recorded_target,
+    model_identity,
+    prepare_target,
+)
 from tests.helpers.paths import REPO, SNAKEMAKE
 from tests.tiny_llama import LAYERS, VOCAB, make_tiny_llama
 
@@ -33,7 +37,9 @@ def test_a_draft_vocab_larger_than_the_targets_stops_prepare_target(model_dir, t
 def test_aux_layer_ids_past_the_targets_layers_stop_prepare_target(model_dir, tmp_path):
     with pytest.raises(TargetError) as info:
         prepare_target(str(model_dir), tmp_path / "target", aux_layer_ids=[1, 2, LAYERS])
-    assert f"extract.aux_layer_ids [1, 2, {LAYERS}]: [{LAYERS}] outside 1..{LAYERS - 1}" in str(info.value)
+    assert f"extract.aux_layer_ids [1, 2, {LAYERS}]: [{LAYERS}] outside 1..{LAYERS - 1}" in str(
+        info.value
+    )
     assert not (tmp_path / "target" / "target.json").exists()
 
 
@@ -49,8 +55,12 @@ def test_aux_layer_id_0_stops_prepare_target_with_the_reason_and_the_fix(model_d
 
 
 def test_settings_that_fit_are_accepted(model_dir, tmp_path):
-    info = prepare_target(str(model_dir), tmp_path / "target", draft_vocab_size=VOCAB,
-                          aux_layer_ids=[1, 2, LAYERS - 1])
+    info = prepare_target(
+        str(model_dir),
+        tmp_path / "target",
+        draft_vocab_size=VOCAB,
+        aux_layer_ids=[1, 2, LAYERS - 1],
+    )
     assert info["vocab_size"] == VOCAB and (tmp_path / "target" / "target.json").exists()
 
 
@@ -60,11 +70,22 @@ def test_the_dry_run_checks_a_prepared_target_against_changed_settings(model_dir
     results = tmp_path / "results"
     info = prepare_target(str(model_dir), results / "target")
     configfile = tmp_path / "config.yaml"
-    configfile.write_text(yaml.safe_dump({"results_dir": str(results),
-                                          "target": {"model": str(model_dir)},
-                                          "vocab": {"draft_vocab_size": VOCAB * 2}}))
-    run = subprocess.run([str(SNAKEMAKE), "-n", "--cores", "1", "--configfile", str(configfile)],
-                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    configfile.write_text(
+        yaml.safe_dump(
+            {
+                "results_dir": str(results),
+                "target": {"model": str(model_dir)},
+                "vocab": {"draft_vocab_size": VOCAB * 2},
+            }
+        )
+    )
+    run = subprocess.run(
+        [str(SNAKEMAKE), "-n", "--cores", "1", "--configfile", str(configfile)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode != 0, run.stdout
     assert f"vocab.draft_vocab_size {VOCAB * 2} exceeds" in run.stderr + run.stdout
     assert json.loads((results / "target" / "target.json").read_text()) == info
@@ -75,11 +96,18 @@ def test_the_dry_run_checks_a_prepared_target_against_changed_settings(model_dir
 # Kimi-K2.5's config.json as published: the wrapper's top level has no layers, hidden size or
 # vocabulary of its own; the DeepSeek-V3 language model is its text_config.
 WRAPPER_CONFIG = {
-    "architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+    "architectures": ["KimiK25ForConditionalGeneration"],
+    "model_type": "kimi_k25",
     "media_placeholder_token_id": 163605,
-    "text_config": {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2",
-                    "num_hidden_layers": 61, "hidden_size": 7168, "vocab_size": 163840,
-                    "kv_lora_rank": 512, "first_k_dense_replace": 1},
+    "text_config": {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "kimi_k2",
+        "num_hidden_layers": 61,
+        "hidden_size": 7168,
+        "vocab_size": 163840,
+        "kv_lora_rank": 512,
+        "first_k_dense_replace": 1,
+    },
     "vision_config": {"hidden_size": 1152, "num_hidden_layers": 27},
 }
 
@@ -95,20 +123,27 @@ def wrapper_dir(tmp_path) -> Path:
 def test_model_identity_records_the_text_models_shape(wrapper_dir):
     identity = model_identity(wrapper_dir)
     assert (identity["num_hidden_layers"], identity["hidden_size"], identity["vocab_size"]) == (
-        61, 7168, 163840)
+        61,
+        7168,
+        163840,
+    )
     assert identity["architectures"] == ["KimiK25ForConditionalGeneration"]
 
 
-@pytest.mark.parametrize("settings, expected", [
-    ({"draft_vocab_size": 163841}, "vocab.draft_vocab_size 163841 exceeds the vocabulary"),
-    ({"aux_layer_ids": [2, 30, 61]}, "[61] outside 1..60, the 61 decoder layers"),
-])
+@pytest.mark.parametrize(
+    "settings, expected",
+    [
+        ({"draft_vocab_size": 163841}, "vocab.draft_vocab_size 163841 exceeds the vocabulary"),
+        ({"aux_layer_ids": [2, 30, 61]}, "[61] outside 1..60, the 61 decoder layers"),
+    ],
+)
 def test_a_wrappers_text_model_bounds_the_settings(wrapper_dir, tmp_path, settings, expected):
     with pytest.raises(TargetError) as info:
         prepare_target(str(wrapper_dir), tmp_path / "target", **settings)
     assert expected in str(info.value)
-    info = prepare_target(str(wrapper_dir), tmp_path / "target", draft_vocab_size=32000,
-                          aux_layer_ids=[2, 30, 58])
+    info = prepare_target(
+        str(wrapper_dir), tmp_path / "target", draft_vocab_size=32000, aux_layer_ids=[2, 30, 58]
+    )
     assert info["vocab_size"] == 163840
 
 
@@ -116,8 +151,16 @@ def test_a_wrappers_target_json_recorded_without_its_shape_is_still_checked(wrap
     """A target.json written before the text model's shape was recorded has None there: the
     check reads the target's config.json instead of passing every setting."""
     target_json = tmp_path / "target.json"
-    target_json.write_text(json.dumps({"spec": str(wrapper_dir), "path": str(wrapper_dir),
-                                       "num_hidden_layers": None, "vocab_size": None}))
+    target_json.write_text(
+        json.dumps(
+            {
+                "spec": str(wrapper_dir),
+                "path": str(wrapper_dir),
+                "num_hidden_layers": None,
+                "vocab_size": None,
+            }
+        )
+    )
     with pytest.raises(TargetError, match="163840 tokens"):
         check_recorded_target(target_json, str(wrapper_dir), 200000, None)
     check_recorded_target(target_json, str(wrapper_dir), 32000, [2, 30, 58])
@@ -153,13 +196,17 @@ def test_the_embedded_target_checks_the_disk_before_loading_it(tmp_path, monkeyp
     for auto in (transformers.AutoModelForCausalLM, transformers.AutoTokenizer):
         monkeypatch.setattr(auto, "from_pretrained", load)
     free = {"bytes": 200 * 10**6}
-    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(
-        10**12, 10**12 - free["bytes"], free["bytes"]))
+    monkeypatch.setattr(
+        shutil,
+        "disk_usage",
+        lambda path: shutil._ntuple_diskusage(10**12, 10**12 - free["bytes"], free["bytes"]),
+    )
     with pytest.raises(TargetError) as info:
         prepare_target(EMBEDDED_SPEC, tmp_path / "target")
     message = str(info.value)
-    needed = re.search(r"about ([\d.]+) MiB to write \((\d+) parameters dequantized to float32",
-                       message)
+    needed = re.search(
+        r"about ([\d.]+) MiB to write \((\d+) parameters dequantized to float32", message
+    )
     assert needed, message
     # SmolLM2-135M: about 135M parameters, 4 bytes each
     assert 100e6 < int(needed[2]) < 200e6 and float(needed[1]) * 2**20 > 4 * int(needed[2])

@@ -11,8 +11,14 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from eaglet.data.template_check import (AnswerFormat, TemplateMismatchError, answer_format,
-                                        check_record, check_records, enforce)
+from eaglet.data.template_check import (
+    AnswerFormat,
+    TemplateMismatchError,
+    answer_format,
+    check_record,
+    check_records,
+    enforce,
+)
 
 SPECIAL_TOKENS = ["<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 
@@ -42,13 +48,17 @@ REASONING = "Add two and two."
 CONTENT = "It is 4."
 
 
-def make_tokenizer(chat_template: str, merges: tuple[tuple[str, str], ...] = (),
-                   special_tokens: list[str] = SPECIAL_TOKENS) -> PreTrainedTokenizerFast:
+def make_tokenizer(
+    chat_template: str,
+    merges: tuple[tuple[str, str], ...] = (),
+    special_tokens: list[str] = SPECIAL_TOKENS,
+) -> PreTrainedTokenizerFast:
     """Byte-level vocabulary: any text round-trips; special tokens are single ids. Without
     merges every text has one tokenization; a merge gives a string two possible splits."""
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet()) + [a + b for a, b in merges]
-    backend = Tokenizer(models.BPE(vocab={char: i for i, char in enumerate(alphabet)},
-                                   merges=list(merges)))
+    backend = Tokenizer(
+        models.BPE(vocab={char: i for i, char in enumerate(alphabet)}, merges=list(merges))
+    )
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens(special_tokens)
@@ -98,8 +108,9 @@ def server_record(
 
 def qwen_format(tokenizer: PreTrainedTokenizerFast) -> AnswerFormat:
     """A server with a reasoning parser of <think>/</think> (vLLM's qwen3), stopping at <|im_end|>."""
-    return AnswerFormat("qwen3", "<think>", "</think>",
-                        frozenset({tokenizer.convert_tokens_to_ids("<|im_end|>")}))
+    return AnswerFormat(
+        "qwen3", "<think>", "</think>", frozenset({tokenizer.convert_tokens_to_ids("<|im_end|>")})
+    )
 
 
 def test_correct_record_passes(tokenizer):
@@ -148,15 +159,17 @@ def test_a_lost_closer_fails_where_the_reasoning_runs_on_into_the_content(tokeni
     result = check_record(tokenizer, record, qwen_format(tokenizer))
     assert not result.ok and "reasoning is not what its ids hold between" in result.reason
     assert result.first_mismatch == len(record["prompt_token_ids"]) + len(
-        ids(tokenizer, f"<think>\n{REASONING}\n\n"))
+        ids(tokenizer, f"<think>\n{REASONING}\n\n")
+    )
 
 
 def test_another_tokenizer_fails_where_the_text_is_lost(tokenizer):
     """The server tokenized with other merges: the ids decode to other text here."""
     other = make_tokenizer(REASONING_TEMPLATE, merges=(("I", "t"),))
     record = server_record(tokenizer)
-    record["completion_token_ids"] = [i + 1 if i < 200 else i
-                                      for i in server_record(other)["completion_token_ids"]]
+    record["completion_token_ids"] = [
+        i + 1 if i < 200 else i for i in server_record(other)["completion_token_ids"]
+    ]
     result = check_record(tokenizer, record, qwen_format(tokenizer))
     assert not result.ok and result.part == "completion"
     # the shifted ids decode to other text, so the record's reasoning is found nowhere
@@ -185,13 +198,17 @@ def test_an_answer_cut_inside_a_multibyte_character_passes(tokenizer):
         completion = full["completion_token_ids"][:cut]
         assert tokenizer.decode(completion).endswith("\ufffd")
         content = text[:-1]  # what vLLM's detokenizer gives: the whole characters
-        record = full | {"completion_token_ids": completion, "content": content,
-                         "finish_reason": "length"}
+        record = full | {
+            "completion_token_ids": completion,
+            "content": content,
+            "finish_reason": "length",
+        }
         result = check_record(tokenizer, record, qwen_format(tokenizer))
         assert result.ok, result.reason
         # the same ids said to have stopped: the text lost is a fault
-        stopped = check_record(tokenizer, record | {"finish_reason": "stop"},
-                               qwen_format(tokenizer))
+        stopped = check_record(
+            tokenizer, record | {"finish_reason": "stop"}, qwen_format(tokenizer)
+        )
         assert not stopped.ok
 
 
@@ -207,8 +224,9 @@ def test_ids_after_the_end_of_turn_fail(tokenizer):
 
 def test_text_the_fields_do_not_hold_fails(tokenizer):
     record = server_record(tokenizer)
-    record["completion_token_ids"] = ids(tokenizer, f"<think>\n{REASONING}\n</think>\n\n{CONTENT} "
-                                                    + "and more " * 10 + "<|im_end|>")
+    record["completion_token_ids"] = ids(
+        tokenizer, f"<think>\n{REASONING}\n</think>\n\n{CONTENT} " + "and more " * 10 + "<|im_end|>"
+    )
     result = check_record(tokenizer, record, qwen_format(tokenizer))
     assert not result.ok and "content is not what its ids hold outside" in result.reason
 
@@ -237,22 +255,33 @@ def test_the_servers_rendering_is_the_reference_and_the_templates_difference_is_
     difference is a fact reported with where it starts, not a failed sample. A prompt other
     than the server's rendering still fails."""
     served = server_record(make_tokenizer(OTHER_TEMPLATE))
-    result = check_record(tokenizer, served, qwen_format(tokenizer),
-                          reference=served["prompt_token_ids"])
+    result = check_record(
+        tokenizer, served, qwen_format(tokenizer), reference=served["prompt_token_ids"]
+    )
     assert result.ok, result.reason
     system_turn = "<|im_start|>system\nYou are terse.<|im_end|>"
     assert result.template_differs.startswith(
-        f"prompt token {len(ids(tokenizer, system_turn))} of {len(served['prompt_token_ids'])}")
+        f"prompt token {len(ids(tokenizer, system_turn))} of {len(served['prompt_token_ids'])}"
+    )
     # the same rendering as the template's: nothing to say
     plain = server_record(tokenizer)
-    assert check_record(tokenizer, plain, qwen_format(tokenizer),
-                        reference=plain["prompt_token_ids"]).template_differs is None
+    assert (
+        check_record(
+            tokenizer, plain, qwen_format(tokenizer), reference=plain["prompt_token_ids"]
+        ).template_differs
+        is None
+    )
     # ids the server did not render for these messages fail, whoever's template made them
-    other = check_record(tokenizer, served, qwen_format(tokenizer),
-                         reference=plain["prompt_token_ids"])
+    other = check_record(
+        tokenizer, served, qwen_format(tokenizer), reference=plain["prompt_token_ids"]
+    )
     assert not other.ok and other.part == "prompt"
-    report = check_records(tokenizer, [served, plain], fmt=qwen_format(tokenizer),
-                           reference=lambda r: r["prompt_token_ids"])
+    report = check_records(
+        tokenizer,
+        [served, plain],
+        fmt=qwen_format(tokenizer),
+        reference=lambda r: r["prompt_token_ids"],
+    )
     assert report["mismatched"] == 0 and report["template_differs"] == 1
     assert report["template_first_difference"]["difference"] == result.template_differs
 
@@ -269,8 +298,9 @@ def mixed_records(tokenizer: PreTrainedTokenizerFast) -> list[dict]:
 
 
 def test_check_records_counts_and_rate(tokenizer):
-    report = check_records(tokenizer, mixed_records(tokenizer), max_listed=2,
-                           fmt=qwen_format(tokenizer))
+    report = check_records(
+        tokenizer, mixed_records(tokenizer), max_listed=2, fmt=qwen_format(tokenizer)
+    )
     assert report["checked"] == 8
     assert report["mismatched"] == 3
     assert report["mismatch_rate"] == pytest.approx(3 / 8)
@@ -320,7 +350,7 @@ def test_non_canonical_split_of_the_same_text_is_retokenized_not_mismatched():
     at = canonical.index(it)
     # the model emitted "I" and "t" apart: same text, other ids
     split = merged.convert_tokens_to_ids(["I", "t"])
-    record["completion_token_ids"] = canonical[:at] + split + canonical[at + 1:]
+    record["completion_token_ids"] = canonical[:at] + split + canonical[at + 1 :]
 
     fmt = qwen_format(merged)
     result = check_record(merged, record, fmt)
@@ -336,8 +366,10 @@ def test_non_canonical_split_of_the_same_text_is_retokenized_not_mismatched():
 
 
 # A template variable that changes the rendering (as Qwen3's enable_thinking does).
-SWITCH_TEMPLATE = ("{% if enable_thinking is defined and not enable_thinking %}"
-                   "<|im_start|>system\n/no_think<|im_end|>\n{% endif %}" + PLAIN_TEMPLATE)
+SWITCH_TEMPLATE = (
+    "{% if enable_thinking is defined and not enable_thinking %}"
+    "<|im_start|>system\n/no_think<|im_end|>\n{% endif %}" + PLAIN_TEMPLATE
+)
 
 
 def test_the_check_renders_with_the_template_variables_the_server_used():
@@ -345,11 +377,17 @@ def test_the_check_renders_with_the_template_variables_the_server_used():
     false; the record keeps the variables and the check renders with them (without them the
     same record is a prompt mismatch)."""
     switch = make_tokenizer(SWITCH_TEMPLATE)
-    prompt = ids(switch, "<|im_start|>system\n/no_think<|im_end|>\n<|im_start|>system\nYou are "
-                         "terse.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
-                         "<|im_start|>assistant\n")
-    record = {**server_record(switch, reasoning=None), "prompt_token_ids": prompt,
-              "chat_template_kwargs": {"enable_thinking": False}}
+    prompt = ids(
+        switch,
+        "<|im_start|>system\n/no_think<|im_end|>\n<|im_start|>system\nYou are "
+        "terse.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
+        "<|im_start|>assistant\n",
+    )
+    record = {
+        **server_record(switch, reasoning=None),
+        "prompt_token_ids": prompt,
+        "chat_template_kwargs": {"enable_thinking": False},
+    }
     assert check_record(switch, record).ok
     del record["chat_template_kwargs"]
     result = check_record(switch, record)
@@ -358,8 +396,15 @@ def test_the_check_renders_with_the_template_variables_the_server_used():
 
 # -- a template shaped like Kimi-K2.5's ----------------------------------------------------
 
-KIMI_SPECIAL_TOKENS = ["<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>",
-                       "<|im_end|>", "<think>", "</think>"]
+KIMI_SPECIAL_TOKENS = [
+    "<|im_system|>",
+    "<|im_user|>",
+    "<|im_assistant|>",
+    "<|im_middle|>",
+    "<|im_end|>",
+    "<think>",
+    "</think>",
+]
 
 
 def kimi_like_template(history_through: str) -> str:
@@ -415,11 +460,14 @@ def kimi_format(tokenizer: PreTrainedTokenizerFast) -> AnswerFormat:
     return answer_format(tokenizer, "kimi_k2", [tokenizer.convert_tokens_to_ids("<|im_end|>")])
 
 
-@pytest.fixture(scope="module", params=["history through the last answer",
-                                        "history before the last user message"])
+@pytest.fixture(
+    scope="module",
+    params=["history through the last answer", "history before the last user message"],
+)
 def kimi_shapes(request) -> PreTrainedTokenizerFast:
-    return make_kimi_tokenizer(KIMI_K25_TEMPLATE if "answer" in request.param
-                               else LAST_USER_TEMPLATE)
+    return make_kimi_tokenizer(
+        KIMI_K25_TEMPLATE if "answer" in request.param else LAST_USER_TEMPLATE
+    )
 
 
 def kimi_k2_parse(text: str, thinking: bool) -> tuple[str | None, str | None]:
@@ -435,30 +483,42 @@ def kimi_k2_parse(text: str, thinking: bool) -> tuple[str | None, str | None]:
     return reasoning or None, content.replace("</think>", "") or None
 
 
-def kimi_record(tokenizer: PreTrainedTokenizerFast, messages: list[dict], emitted: str,
-                thinking: bool = True, finish: str = "stop") -> dict:
+def kimi_record(
+    tokenizer: PreTrainedTokenizerFast,
+    messages: list[dict],
+    emitted: str,
+    thinking: bool = True,
+    finish: str = "stop",
+) -> dict:
     """The record eaglet saves of a chat completion from a server with ``--reasoning-parser
     kimi_k2``: ``emitted`` is what the model wrote after the generation prompt (ending in
     ``<|im_end|>`` when it stopped). vLLM parses the text of the ids with special tokens
     (the parser turns skip_special_tokens off) but without the end-of-turn it stopped at."""
     kwargs = None if thinking else {"thinking": False}
     completion = ids(tokenizer, emitted)
-    text = tokenizer.decode(completion[:-1] if finish == "stop" else completion,
-                            skip_special_tokens=False)
+    text = tokenizer.decode(
+        completion[:-1] if finish == "stop" else completion, skip_special_tokens=False
+    )
     reasoning, content = kimi_k2_parse(text, thinking)
-    record = {"id": "p-0000000000000000", "messages": messages, "content": content,
-              "reasoning": reasoning,
-              "prompt_token_ids": tokenizer.apply_chat_template(
-                  messages, tokenize=True, add_generation_prompt=True, return_dict=False,
-                  **(kwargs or {})),
-              "completion_token_ids": completion, "finish_reason": finish}
+    record = {
+        "id": "p-0000000000000000",
+        "messages": messages,
+        "content": content,
+        "reasoning": reasoning,
+        "prompt_token_ids": tokenizer.apply_chat_template(
+            messages, tokenize=True, add_generation_prompt=True, return_dict=False, **(kwargs or {})
+        ),
+        "completion_token_ids": completion,
+        "finish_reason": finish,
+    }
     if kwargs:
         record["chat_template_kwargs"] = kwargs
     return record
 
 
-def kimi_conversation(tokenizer: PreTrainedTokenizerFast, answer: str, thinking: bool,
-                      finish: str, turns: int) -> list[dict]:
+def kimi_conversation(
+    tokenizer: PreTrainedTokenizerFast, answer: str, thinking: bool, finish: str, turns: int
+) -> list[dict]:
     """The records of a conversation of ``turns`` turns (generate.max_turns), each turn's
     messages built as generation builds them (generate.next_turn) from the earlier answers;
     ``answer`` is a format string of what the model emits, {n} the turn."""
@@ -468,16 +528,20 @@ def kimi_conversation(tokenizer: PreTrainedTokenizerFast, answer: str, thinking:
     for turn in range(turns):
         if turn:
             messages = next_turn(messages, records[-1], FOLLOWUPS[turn - 1])
-        records.append(kimi_record(tokenizer, messages, answer.format(n=turn + 2), thinking,
-                                   finish))
+        records.append(
+            kimi_record(tokenizer, messages, answer.format(n=turn + 2), thinking, finish)
+        )
     return records
 
 
 # what the model emits after the generation prompt, with thinking on and off
 KIMI_ANSWERS = {
     "reasoning then content": ("Add {n} and {n}.</think>It is {n}.<|im_end|>", True, "stop"),
-    "a newline the parser strips": ("Add {n} and {n}.\n</think>\n\nIt is {n}.<|im_end|>",
-                                    True, "stop"),
+    "a newline the parser strips": (
+        "Add {n} and {n}.\n</think>\n\nIt is {n}.<|im_end|>",
+        True,
+        "stop",
+    ),
     "no reasoning": ("</think>It is {n}.<|im_end|>", True, "stop"),
     "cut at max_tokens in the reasoning": ("Add {n} and", True, "length"),
     "cut at max_tokens after a newline": ("Add {n} and {n}.\n\n", True, "length"),
@@ -494,8 +558,9 @@ def test_a_conversation_ending_in_the_answer_renders_it_as_history_with_an_empty
 
     record = kimi_record(kimi, KIMI_MESSAGES, "Add 2 and 2.</think>It is 2.<|im_end|>")
     assert record["reasoning"] == "Add 2 and 2." and record["content"] == "It is 2."
-    plain = render_ids(kimi, [*record["messages"], assistant_message(record)],
-                       add_generation_prompt=False)
+    plain = render_ids(
+        kimi, [*record["messages"], assistant_message(record)], add_generation_prompt=False
+    )
     prompt = record["prompt_token_ids"]
     assert prompt[-1] == kimi.convert_tokens_to_ids("<think>")  # the prompt opens the reasoning
     assert first_difference(prompt + record["completion_token_ids"], plain) == len(prompt)
@@ -521,9 +586,11 @@ def test_later_turns_carry_the_earlier_answers_content_as_the_server_rendered_it
     first, second = kimi_conversation(kimi, *KIMI_ANSWERS["reasoning then content"], turns=2)
     assert second["messages"][1] == {"role": "assistant", "content": "It is 2."}
     prompt = kimi.decode(second["prompt_token_ids"], skip_special_tokens=False)
-    assert ("<|im_assistant|>assistant<|im_middle|><think></think>It is 2.<|im_end|>"
-            "<|im_user|>user<|im_middle|>And 3+3?<|im_end|>"
-            "<|im_assistant|>assistant<|im_middle|><think>") in prompt
+    assert (
+        "<|im_assistant|>assistant<|im_middle|><think></think>It is 2.<|im_end|>"
+        "<|im_user|>user<|im_middle|>And 3+3?<|im_end|>"
+        "<|im_assistant|>assistant<|im_middle|><think>"
+    ) in prompt
     assert check_record(kimi, second, kimi_format(kimi)).ok
 
 
@@ -534,25 +601,42 @@ def kimi_mismatches(kimi: PreTrainedTokenizerFast) -> dict[str, tuple[dict, int]
     closer = start + len(ids(kimi, "Add 2 and 2."))  # where the model emitted </think>
     return {
         # the ids lack the closer the text fields imply
-        "lost closer": ({**good, "completion_token_ids": ids(
-            kimi, "Add 2 and 2.It is 2.<|im_end|>")}, closer),
+        "lost closer": (
+            {**good, "completion_token_ids": ids(kimi, "Add 2 and 2.It is 2.<|im_end|>")},
+            closer,
+        ),
         # a server without the reasoning parser: special tokens skipped, all text content
         # (the ids hold a reasoning there, which the record lacks)
-        "no reasoning parser": ({**good, "reasoning": None,
-                                 "content": "Add 2 and 2.It is 2."}, start),
+        "no reasoning parser": (
+            {**good, "reasoning": None, "content": "Add 2 and 2.It is 2."},
+            start,
+        ),
         # reasoning and content merged into the reasoning
-        "merged into the reasoning": ({**good, "reasoning": "Add 2 and 2.It is 2.",
-                                       "content": None}, closer),
+        "merged into the reasoning": (
+            {**good, "reasoning": "Add 2 and 2.It is 2.", "content": None},
+            closer,
+        ),
         # a thinking-off answer saved as reasoning
         "content saved as reasoning": (
-            {**kimi_record(kimi, KIMI_MESSAGES, "It is 2.<|im_end|>", thinking=False),
-             "reasoning": "It is 2.", "content": None},
-            len(kimi_record(kimi, KIMI_MESSAGES, "", thinking=False)["prompt_token_ids"])),
+            {
+                **kimi_record(kimi, KIMI_MESSAGES, "It is 2.<|im_end|>", thinking=False),
+                "reasoning": "It is 2.",
+                "content": None,
+            },
+            len(kimi_record(kimi, KIMI_MESSAGES, "", thinking=False)["prompt_token_ids"]),
+        ),
     }
 
 
-@pytest.mark.parametrize("case", ["lost closer", "no reasoning parser",
-                                  "merged into the reasoning", "content saved as reasoning"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "lost closer",
+        "no reasoning parser",
+        "merged into the reasoning",
+        "content saved as reasoning",
+    ],
+)
 def test_kimi_like_real_mismatches_are_still_caught(kimi, case):
     record, index = kimi_mismatches(kimi)[case]
     result = check_record(kimi, record, kimi_format(kimi))
@@ -561,15 +645,18 @@ def test_kimi_like_real_mismatches_are_still_caught(kimi, case):
 
 
 def test_answer_opening_is_what_the_template_writes_between_prompt_and_content(
-        kimi, tokenizer, plain_tokenizer):
+    kimi, tokenizer, plain_tokenizer
+):
     from eaglet.data.template_check import answer_opening
 
     assert answer_opening(kimi, KIMI_MESSAGES) == "</think>"
     assert answer_opening(kimi, KIMI_MESSAGES, {"thinking": False}) == ""
     # K2.5's shape drops the answer's reasoning; the other shape renders it
     assert answer_opening(kimi, KIMI_MESSAGES, reasoning="r") == "</think>"
-    assert answer_opening(make_kimi_tokenizer(LAST_USER_TEMPLATE), KIMI_MESSAGES,
-                          reasoning="r") == "r</think>"
+    assert (
+        answer_opening(make_kimi_tokenizer(LAST_USER_TEMPLATE), KIMI_MESSAGES, reasoning="r")
+        == "r</think>"
+    )
     assert answer_opening(plain_tokenizer, MESSAGES) == ""
     assert answer_opening(tokenizer, MESSAGES, reasoning="r") == "<think>\nr\n</think>\n\n"
 
@@ -580,8 +667,9 @@ def test_the_parser_stand_in_splits_as_vllms_kimi_k2_parser(kimi):
 
     parser_module = pytest.importorskip("vllm.reasoning.kimi_k2_reasoning_parser")
     request = SimpleNamespace(include_reasoning=True, tools=None, tool_choice=None)
-    texts = [answer.format(n=2).removesuffix("<|im_end|>")
-             for answer, _, _ in KIMI_ANSWERS.values()] + ["<think>Add.</think>It</think> is."]
+    texts = [
+        answer.format(n=2).removesuffix("<|im_end|>") for answer, _, _ in KIMI_ANSWERS.values()
+    ] + ["<think>Add.</think>It</think> is."]
     for thinking in (True, False):
         kwargs = {} if thinking else {"thinking": False}
         for text in texts:

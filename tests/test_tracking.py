@@ -12,10 +12,24 @@ from eaglet.stages.train.tracking import Trackers, TrackingError, metrics_of
 
 
 def test_a_log_row_becomes_metrics_named_by_split_at_its_step():
-    row = {"step": 40, "epoch": 1.5, "split": "eval", "loss": 2.25, "acc_0": 0.5, "acc_1": 0.25,
-           "sim_al": 1.625, "lr": "", "tokens_per_s": ""}
-    assert metrics_of(row) == {"eval/epoch": 1.5, "eval/loss": 2.25, "eval/acc_0": 0.5,
-                               "eval/acc_1": 0.25, "eval/sim_al": 1.625}
+    row = {
+        "step": 40,
+        "epoch": 1.5,
+        "split": "eval",
+        "loss": 2.25,
+        "acc_0": 0.5,
+        "acc_1": 0.25,
+        "sim_al": 1.625,
+        "lr": "",
+        "tokens_per_s": "",
+    }
+    assert metrics_of(row) == {
+        "eval/epoch": 1.5,
+        "eval/loss": 2.25,
+        "eval/acc_0": 0.5,
+        "eval/acc_1": 0.25,
+        "eval/sim_al": 1.625,
+    }
 
 
 @pytest.mark.parametrize("name", ["tensorboard", "wandb", "mlflow"])

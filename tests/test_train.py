@@ -21,25 +21,48 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from eaglet.core.io import atomic_open
 from eaglet.data import shards
-from eaglet.stages.train.data import (Samples, TrainError, add_feature_noise, make_batch,
-                                      step_micro_batches, steps_in)
+from eaglet.stages.train.data import (
+    Samples,
+    TrainError,
+    add_feature_noise,
+    make_batch,
+    step_micro_batches,
+    steps_in,
+)
 from eaglet.stages.train.loop import Dist, Trainer, launch_torchrun, settings, train
 from tests.helpers.paths import REPO, pythonpath_env
 
 AUX_LAYERS = [1, 2, 3]
 VOCAB, DRAFT_VOCAB = 256, 160
-FAST = {"epochs": 2, "lr": 3e-3, "max_tokens_per_batch": 96, "ttt_steps": 3, "log_every": 1,
-        "checkpoint_every": 2, "warmup_steps": 2, "seed": 0}
+FAST = {
+    "epochs": 2,
+    "lr": 3e-3,
+    "max_tokens_per_batch": 96,
+    "ttt_steps": 3,
+    "log_every": 1,
+    "checkpoint_every": 2,
+    "warmup_steps": 2,
+    "seed": 0,
+}
 
 
 # -- the tiny world --------------------------------------------------------------------------
 
+
 def make_target(directory: Path) -> LlamaForCausalLM:
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                         vocab_size=VOCAB, max_position_embeddings=256, tie_word_embeddings=False,
-                         rope_parameters={"rope_theta": 10000.0, "rope_type": "default"})
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=VOCAB,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
+    )
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():  # a confident teacher, as trained models are (entropy ~1 nat)
         model.lm_head.weight.mul_(40)
@@ -48,8 +71,9 @@ def make_target(directory: Path) -> LlamaForCausalLM:
 
 
 @torch.no_grad()
-def write_shards(model, directory: Path, n_shards: int, per_shard: int, seed: int,
-                 prefix: str = "s") -> list[str]:
+def write_shards(
+    model, directory: Path, n_shards: int, per_shard: int, seed: int, prefix: str = "s"
+) -> list[str]:
     """Samples = random prompt + the target's greedy answer, with its features."""
     gen = torch.Generator().manual_seed(seed)
     paths = []
@@ -72,10 +96,19 @@ def write_shards(model, directory: Path, n_shards: int, per_shard: int, seed: in
             sample_ids.append(f"{prefix}{s}-{i}")
         offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
         path = shards.shard_path(directory, s)
-        shards.write(path, torch.cat(cols["ids"]), torch.cat(cols["mask"]), offsets,
-                     torch.cat(cols["argmax"]), torch.cat(cols["aux"]), torch.cat(cols["final"]),
-                     sample_ids=sample_ids, aux_layer_ids=AUX_LAYERS, dtype="float32",
-                     target={"name": "tiny", "hidden_size": 64})
+        shards.write(
+            path,
+            torch.cat(cols["ids"]),
+            torch.cat(cols["mask"]),
+            offsets,
+            torch.cat(cols["argmax"]),
+            torch.cat(cols["aux"]),
+            torch.cat(cols["final"]),
+            sample_ids=sample_ids,
+            aux_layer_ids=AUX_LAYERS,
+            dtype="float32",
+            target={"name": "tiny", "hidden_size": 64},
+        )
         paths.append(str(path))
     return paths
 
@@ -101,14 +134,28 @@ def world(tmp_path_factory):
     train_paths = write_shards(model, root / "hidden", 2, 8, seed=1)
     eval_paths = write_shards(model, root / "heldout", 1, 4, seed=2, prefix="e")
     vocab = write_vocab_map(train_paths, root / "vocab_map.safetensors")
-    return {"root": root, "target": str(root / "target"), "train": train_paths,
-            "eval": eval_paths, "vocab": vocab}
+    return {
+        "root": root,
+        "target": str(root / "target"),
+        "train": train_paths,
+        "eval": eval_paths,
+        "vocab": vocab,
+    }
 
 
 def run(world, tmp: Path, cfg: dict, name: str = "run", **kwargs) -> dict:
-    return train(cfg, world["train"], world["eval"], world["vocab"], world["target"],
-                 out_dir=str(tmp / name / "drafter"), checkpoint_dir=str(tmp / name / "ckpt"),
-                 progress_path=str(tmp / name / "progress.json"), log_path=None, **kwargs)
+    return train(
+        cfg,
+        world["train"],
+        world["eval"],
+        world["vocab"],
+        world["target"],
+        out_dir=str(tmp / name / "drafter"),
+        checkpoint_dir=str(tmp / name / "ckpt"),
+        progress_path=str(tmp / name / "progress.json"),
+        log_path=None,
+        **kwargs,
+    )
 
 
 def read_log(path: Path) -> list[dict]:
@@ -122,14 +169,26 @@ def weights(directory: Path) -> dict[str, torch.Tensor]:
 
 # -- tests -----------------------------------------------------------------------------------
 
+
 def test_training_reduces_loss_and_writes_the_drafter(world, tmp_path):
     result = run(world, tmp_path, {**FAST, "epochs": 6})
     out = tmp_path / "run" / "drafter"
     rows = read_log(out / "training_log.csv")
     train_rows = [r for r in rows if r["split"] == "train"]
     eval_rows = [r for r in rows if r["split"] == "eval"]
-    assert list(rows[0]) == ["step", "epoch", "split", "loss", "acc_0", "acc_1", "acc_2",
-                             "sim_al", "lr", "tokens_per_s", "peak_rss_mb"]
+    assert list(rows[0]) == [
+        "step",
+        "epoch",
+        "split",
+        "loss",
+        "acc_0",
+        "acc_1",
+        "acc_2",
+        "sim_al",
+        "lr",
+        "tokens_per_s",
+        "peak_rss_mb",
+    ]
     first, last = float(train_rows[0]["loss"]), float(train_rows[-1]["loss"])
     assert last < 0.7 * first, (first, last)
     assert len(eval_rows) == 6  # one per epoch, the last one at the end
@@ -140,7 +199,9 @@ def test_training_reduces_loss_and_writes_the_drafter(world, tmp_path):
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == AUX_LAYERS
     assert weights(out)["lm_head.weight"].shape == (DRAFT_VOCAB, 64)
     progress = json.loads((tmp_path / "run" / "progress.json").read_text())
-    assert progress["state"] == "finished" and progress["done"] == progress["total"] == result["steps"]
+    assert (
+        progress["state"] == "finished" and progress["done"] == progress["total"] == result["steps"]
+    )
 
 
 def test_a_trainer_still_running_keeps_a_second_one_off_its_checkpoints(world, tmp_path):
@@ -152,10 +213,17 @@ def test_a_trainer_still_running_keeps_a_second_one_off_its_checkpoints(world, t
     from eaglet.core.io import DirectoryBusy
 
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time\nfrom eaglet.core.io import hold_directory\n"
-         "with hold_directory(sys.argv[1], 'train'):\n    print('held', flush=True)\n"
-         "    time.sleep(60)\n", str(tmp_path / "run" / "ckpt")],
-        stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\nfrom eaglet.core.io import hold_directory\n"
+            "with hold_directory(sys.argv[1], 'train'):\n    print('held', flush=True)\n"
+            "    time.sleep(60)\n",
+            str(tmp_path / "run" / "ckpt"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(DirectoryBusy, match=rf"pid {holder.pid} .*kill {holder.pid}"):
@@ -180,7 +248,9 @@ def test_killed_and_resumed_run_ends_with_the_same_weights(world, tmp_path):
         assert torch.allclose(whole[name], again[name], rtol=1e-5, atol=1e-6), name
     log_whole = read_log(tmp_path / "whole" / "drafter" / "training_log.csv")
     log_again = read_log(tmp_path / "killed" / "drafter" / "training_log.csv")
-    assert [(r["step"], r["split"]) for r in log_whole] == [(r["step"], r["split"]) for r in log_again]
+    assert [(r["step"], r["split"]) for r in log_whole] == [
+        (r["step"], r["split"]) for r in log_again
+    ]
     for a, b in zip(log_whole, log_again):
         assert float(a["loss"]) == pytest.approx(float(b["loss"]), rel=1e-4)
 
@@ -199,8 +269,9 @@ def test_a_run_resumes_under_another_attention_kernel_with_the_same_weights(worl
     sdpa (no fingerprint mismatch) and ends where an sdpa run does, within float rounding;
     a checkpoint written before the setting existed resumes too."""
     whole = run(world, tmp_path, {**FAST, "attention": "sdpa"}, "whole")
-    assert run(world, tmp_path, {**FAST, "attention": "eager"}, "killed",
-               stop_after_steps=4) == {"stopped_at_step": 4}
+    assert run(world, tmp_path, {**FAST, "attention": "eager"}, "killed", stop_after_steps=4) == {
+        "stopped_at_step": 4
+    }
     newest = tmp_path / "killed" / "ckpt" / "step_00000004"
     state = json.loads((newest / "state.json").read_text())
     assert "attention" not in state["fingerprint"]["train"]
@@ -247,13 +318,23 @@ def test_a_checkpoint_of_other_inputs_is_set_aside_never_resumed(world, tmp_path
     other_train = write_shards(model.eval(), other / "hidden", 2, 8, seed=1)
     assert [Path(p).name for p in other_train] == [Path(p).name for p in world["train"]]
     caplog.set_level("WARNING", logger="eaglet.stages.train.loop")
-    again = train(FAST, other_train, world["eval"], world["vocab"], world["target"],
-                  out_dir=str(tmp_path / "run" / "drafter"), checkpoint_dir=str(ckpt),
-                  progress_path=None, log_path=None)
+    again = train(
+        FAST,
+        other_train,
+        world["eval"],
+        world["vocab"],
+        world["target"],
+        out_dir=str(tmp_path / "run" / "drafter"),
+        checkpoint_dir=str(ckpt),
+        progress_path=None,
+        log_path=None,
+    )
     assert again["resumed_from_step"] == 0 and again["steps"] == first["steps"]
     assert "trained on other inputs (shards_sha256 differ)" in caplog.text
-    assert sorted(p.name for p in (ckpt / "set_aside").glob("step_*"))[-1] == \
-        f"step_{first['steps']:08d}"
+    assert (
+        sorted(p.name for p in (ckpt / "set_aside").glob("step_*"))[-1]
+        == f"step_{first['steps']:08d}"
+    )
     retrained = weights(tmp_path / "run" / "drafter")
     assert not torch.equal(retrained["fc.weight"], trained["fc.weight"])
 
@@ -267,9 +348,17 @@ def test_a_checkpoint_of_other_inputs_is_set_aside_never_resumed(world, tmp_path
     keep = t2d.nonzero()[:, 0]
     with atomic_open(vocab, "wb") as handle:
         handle.write(save({"d2t": keep - torch.arange(keep.numel()), "t2d": t2d}))
-    third = train(FAST, other_train, world["eval"], str(vocab), world["target"],
-                  out_dir=str(tmp_path / "run" / "drafter"), checkpoint_dir=str(ckpt),
-                  progress_path=None, log_path=None)
+    third = train(
+        FAST,
+        other_train,
+        world["eval"],
+        str(vocab),
+        world["target"],
+        out_dir=str(tmp_path / "run" / "drafter"),
+        checkpoint_dir=str(ckpt),
+        progress_path=None,
+        log_path=None,
+    )
     assert third["resumed_from_step"] == 0
     assert "(vocab_map_sha256 differ)" in caplog.text
 
@@ -282,14 +371,33 @@ def test_non_finite_loss_names_step_and_samples_and_keeps_the_checkpoint(world, 
         aux = shard.aux_hidden.clone()
         if i == 1:
             aux[shard.sample(3)] = float("nan")  # sample s1-3
-        shards.write(bad / Path(path).name, shard.input_ids, shard.loss_mask, shard.offsets,
-                     shard.teacher_argmax, aux, shard.final_hidden, sample_ids=shard.sample_ids,
-                     aux_layer_ids=AUX_LAYERS, dtype="float32", target=shard.target)
+        shards.write(
+            bad / Path(path).name,
+            shard.input_ids,
+            shard.loss_mask,
+            shard.offsets,
+            shard.teacher_argmax,
+            aux,
+            shard.final_hidden,
+            sample_ids=shard.sample_ids,
+            aux_layer_ids=AUX_LAYERS,
+            dtype="float32",
+            target=shard.target,
+        )
         paths.append(str(bad / Path(path).name))
     cfg = {**FAST, "shuffle": False, "checkpoint_every": 1}
     with pytest.raises(TrainError) as err:
-        train(cfg, paths, [], world["vocab"], world["target"], str(tmp_path / "out"),
-              str(tmp_path / "ckpt"), None, None)
+        train(
+            cfg,
+            paths,
+            [],
+            world["vocab"],
+            world["target"],
+            str(tmp_path / "out"),
+            str(tmp_path / "ckpt"),
+            None,
+            None,
+        )
     message = str(err.value)
     assert "non-finite loss" in message and "s1-3" in message
     step = int(message.split("at step ")[1].split()[0])
@@ -302,8 +410,14 @@ def test_non_finite_loss_names_step_and_samples_and_keeps_the_checkpoint(world, 
 def test_loss_check_once_per_step_names_only_the_non_finite_micro_batches(tmp_path):
     """The losses of a step's micro-batches are checked together after them (one host sync
     per optimizer step); the error still names only the micro-batches that went wrong."""
-    trainer = types.SimpleNamespace(dist=Dist(), device=torch.device("cpu"), step=6, epoch=0,
-                                    next_in_epoch=6, checkpoint_dir=tmp_path)
+    trainer = types.SimpleNamespace(
+        dist=Dist(),
+        device=torch.device("cpu"),
+        step=6,
+        epoch=0,
+        next_in_epoch=6,
+        checkpoint_dir=tmp_path,
+    )
     trainer.fail = lambda what, *batches: Trainer.fail(trainer, what, *batches)
     batches = [types.SimpleNamespace(sample_ids=[f"s-{i}a", f"s-{i}b"]) for i in range(4)]
     Trainer.check_losses(trainer, [torch.tensor(v) for v in (1.0, 2.0, 0.5, 3.0)], batches)
@@ -318,11 +432,20 @@ def test_loss_check_once_per_step_names_only_the_non_finite_micro_batches(tmp_pa
 
 def rewrite(path: str, out: Path, **changes) -> str:
     shard = shards.load(path)
-    fields = dict(input_ids=shard.input_ids, loss_mask=shard.loss_mask, offsets=shard.offsets,
-                  teacher_argmax=shard.teacher_argmax, aux_hidden=shard.aux_hidden,
-                  final_hidden=shard.final_hidden)
-    meta = dict(sample_ids=shard.sample_ids, aux_layer_ids=shard.aux_layer_ids, dtype="float32",
-                target=shard.target)
+    fields = dict(
+        input_ids=shard.input_ids,
+        loss_mask=shard.loss_mask,
+        offsets=shard.offsets,
+        teacher_argmax=shard.teacher_argmax,
+        aux_hidden=shard.aux_hidden,
+        final_hidden=shard.final_hidden,
+    )
+    meta = dict(
+        sample_ids=shard.sample_ids,
+        aux_layer_ids=shard.aux_layer_ids,
+        dtype="float32",
+        target=shard.target,
+    )
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     for key, value in changes.items():
         (fields if key in fields else meta)[key] = value
@@ -330,12 +453,15 @@ def rewrite(path: str, out: Path, **changes) -> str:
     return str(out)
 
 
-@pytest.mark.parametrize("change, message", [
-    ("aux_layer_ids", r"aux_layer_ids \[1, 2, 4\].*different extract runs"),
-    ("target", r"has target .*different extract runs"),
-    ("hidden", r"hidden size 32 but the target has 64"),
-    ("token", r"input_ids holds id 256 outside the target vocabulary of 256"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ("aux_layer_ids", r"aux_layer_ids \[1, 2, 4\].*different extract runs"),
+        ("target", r"has target .*different extract runs"),
+        ("hidden", r"hidden size 32 but the target has 64"),
+        ("token", r"input_ids holds id 256 outside the target vocabulary of 256"),
+    ],
+)
 def test_mismatched_shards_are_refused(world, tmp_path, change, message):
     first = world["train"][0]
     shard = shards.load(first)
@@ -345,14 +471,28 @@ def test_mismatched_shards_are_refused(world, tmp_path, change, message):
     elif change == "target":
         rewrite(first, second, target={"name": "other", "hidden_size": 64})
     elif change == "hidden":
-        rewrite(first, second, aux_hidden=shard.aux_hidden[:, :96], final_hidden=shard.final_hidden[:, :32])
+        rewrite(
+            first,
+            second,
+            aux_hidden=shard.aux_hidden[:, :96],
+            final_hidden=shard.final_hidden[:, :32],
+        )
     else:
         ids = shard.input_ids.clone()
         ids[5] = VOCAB
         rewrite(first, second, input_ids=ids)
     with pytest.raises(TrainError, match=message):
-        train(FAST, [first, str(second)], [], world["vocab"], world["target"],
-              str(tmp_path / "out"), str(tmp_path / "ckpt"), None, None)
+        train(
+            FAST,
+            [first, str(second)],
+            [],
+            world["vocab"],
+            world["target"],
+            str(tmp_path / "out"),
+            str(tmp_path / "ckpt"),
+            None,
+            None,
+        )
 
 
 def test_shards_of_one_model_from_two_runs_train_together(world, tmp_path):
@@ -366,23 +506,45 @@ def test_shards_of_one_model_from_two_runs_train_together(world, tmp_path):
     assert not same_model({"name": "m"}, {"name": "other"})
     from eaglet.target.checkpoint import model_identity
 
-    hashed = {"spec": "tiny", "source_sha256": "s",
-              "config_sha256": model_identity(Path(world["target"]))["config_sha256"]}
-    runs = [rewrite(world["train"][0], tmp_path / run / "shard_00000.safetensors",
-                    target={**hashed, "path": f"/runs/{run}/target"}) for run in ("a", "b")]
-    train(FAST, runs, [], world["vocab"], world["target"],
-          str(tmp_path / "out"), str(tmp_path / "ckpt"), None, None)
+    hashed = {
+        "spec": "tiny",
+        "source_sha256": "s",
+        "config_sha256": model_identity(Path(world["target"]))["config_sha256"],
+    }
+    runs = [
+        rewrite(
+            world["train"][0],
+            tmp_path / run / "shard_00000.safetensors",
+            target={**hashed, "path": f"/runs/{run}/target"},
+        )
+        for run in ("a", "b")
+    ]
+    train(
+        FAST,
+        runs,
+        [],
+        world["vocab"],
+        world["target"],
+        str(tmp_path / "out"),
+        str(tmp_path / "ckpt"),
+        None,
+        None,
+    )
 
 
-def test_training_checks_disk_for_its_checkpoints_before_the_first_step(world, tmp_path, monkeypatch):
+def test_training_checks_disk_for_its_checkpoints_before_the_first_step(
+    world, tmp_path, monkeypatch
+):
     import eaglet.stages.train.loop as train_mod
 
     real = train_mod.shutil.disk_usage
-    monkeypatch.setattr(train_mod.shutil, "disk_usage",
-                        lambda path: real(path)._replace(free=4096))
-    with pytest.raises(TrainError, match=r"not enough disk for training: about .* still to write "
-                                         r"\(3 checkpoints of .* and the drafter\), 4.00 KiB free"
-                                         r".*train.keep_checkpoints"):
+    monkeypatch.setattr(train_mod.shutil, "disk_usage", lambda path: real(path)._replace(free=4096))
+    with pytest.raises(
+        TrainError,
+        match=r"not enough disk for training: about .* still to write "
+        r"\(3 checkpoints of .* and the drafter\), 4.00 KiB free"
+        r".*train.keep_checkpoints",
+    ):
         run(world, tmp_path, FAST)
     assert not list((tmp_path / "run" / "ckpt").glob("step_*"))
 
@@ -390,14 +552,25 @@ def test_training_checks_disk_for_its_checkpoints_before_the_first_step(world, t
 def test_vocab_map_of_another_target_is_refused(world, tmp_path):
     other = tmp_path / "vocab.safetensors"
     with atomic_open(other, "wb") as handle:
-        handle.write(save({"d2t": torch.zeros(4, dtype=torch.int64),
-                           "t2d": torch.arange(300) < 4}))
-    with pytest.raises(TrainError, match=r"t2d covers 300 tokens but the target's vocab_size is 256"):
-        train(FAST, world["train"], [], str(other), world["target"], str(tmp_path / "o"),
-              str(tmp_path / "c"), None, None)
+        handle.write(save({"d2t": torch.zeros(4, dtype=torch.int64), "t2d": torch.arange(300) < 4}))
+    with pytest.raises(
+        TrainError, match=r"t2d covers 300 tokens but the target's vocab_size is 256"
+    ):
+        train(
+            FAST,
+            world["train"],
+            [],
+            str(other),
+            world["target"],
+            str(tmp_path / "o"),
+            str(tmp_path / "c"),
+            None,
+            None,
+        )
 
 
 # -- shards verified against the manifest ----------------------------------------------------
+
 
 def hidden_dir(world, tmp: Path) -> tuple[list[str], list[str], str]:
     """The world's shards laid out as the workflow does (hidden/, hidden/eval/), with a
@@ -405,25 +578,42 @@ def hidden_dir(world, tmp: Path) -> tuple[list[str], list[str], str]:
     hidden = tmp / "hidden"
     (hidden / "eval").mkdir(parents=True)
     train_paths, eval_paths = [], []
-    for src, paths, sub in [(p, train_paths, "") for p in world["train"]] + \
-                           [(p, eval_paths, "eval/") for p in world["eval"]]:
+    for src, paths, sub in [(p, train_paths, "") for p in world["train"]] + [
+        (p, eval_paths, "eval/") for p in world["eval"]
+    ]:
         dst = hidden / sub / Path(src).name
         dst.write_bytes(Path(src).read_bytes())
         paths.append(str(dst))
-    listing = {key: [{"file": Path(p).relative_to(hidden).as_posix(),
-                      "sha256": shards.digest_path(p)} for p in paths]
-               for key, paths in (("shards", train_paths), ("eval_shards", eval_paths))}
+    listing = {
+        key: [
+            {"file": Path(p).relative_to(hidden).as_posix(), "sha256": shards.digest_path(p)}
+            for p in paths
+        ]
+        for key, paths in (("shards", train_paths), ("eval_shards", eval_paths))
+    }
     (hidden / "manifest.json").write_text(json.dumps(listing))
     return train_paths, eval_paths, str(hidden / "manifest.json")
 
 
 def train_verified(world, tmp: Path, train_paths, eval_paths, manifest, cfg=FAST) -> dict:
-    return train(cfg, train_paths, eval_paths, world["vocab"], world["target"],
-                 str(tmp / "out"), str(tmp / "ckpt"), None, None, manifest=manifest)
+    return train(
+        cfg,
+        train_paths,
+        eval_paths,
+        world["vocab"],
+        world["target"],
+        str(tmp / "out"),
+        str(tmp / "ckpt"),
+        None,
+        None,
+        manifest=manifest,
+    )
 
 
 @pytest.mark.parametrize("in_memory", [0, 1])
-def test_a_bit_flipped_shard_with_its_mtime_kept_is_refused_and_set_aside(world, tmp_path, in_memory):
+def test_a_bit_flipped_shard_with_its_mtime_kept_is_refused_and_set_aside(
+    world, tmp_path, in_memory
+):
     train_paths, eval_paths, manifest = hidden_dir(world, tmp_path)
     bad = Path(train_paths[1])
     stat = bad.stat()
@@ -432,8 +622,14 @@ def test_a_bit_flipped_shard_with_its_mtime_kept_is_refused_and_set_aside(world,
     bad.write_bytes(bytes(data))
     os.utime(bad, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # invisible to make-style mtimes
     with pytest.raises(TrainError) as err:
-        train_verified(world, tmp_path, train_paths, eval_paths, manifest,
-                       {**FAST, "shards_in_memory": in_memory})
+        train_verified(
+            world,
+            tmp_path,
+            train_paths,
+            eval_paths,
+            manifest,
+            {**FAST, "shards_in_memory": in_memory},
+        )
     message = str(err.value)
     assert f"{bad} is damaged" in message and "sha256" in message and "rerun" in message
     # moved aside: the workflow sees the shard missing and extracts it again
@@ -459,16 +655,25 @@ def test_verified_shards_train_to_the_weights_unverified_ones_give(world, tmp_pa
     train_paths, eval_paths, manifest = hidden_dir(world, tmp_path)
     cfg = {**FAST, "epochs": 1}
     verified = train_verified(world, tmp_path, train_paths, eval_paths, manifest, cfg)
-    unverified = train(cfg, train_paths, eval_paths, world["vocab"], world["target"],
-                       str(tmp_path / "unverified" / "out"), str(tmp_path / "unverified" / "ckpt"),
-                       None, None)
+    unverified = train(
+        cfg,
+        train_paths,
+        eval_paths,
+        world["vocab"],
+        world["target"],
+        str(tmp_path / "unverified" / "out"),
+        str(tmp_path / "unverified" / "ckpt"),
+        None,
+        None,
+    )
     assert verified["steps"] == unverified["steps"] > 0
     a, b = weights(tmp_path / "out"), weights(tmp_path / "unverified" / "out")
     assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
     log_a = read_log(tmp_path / "out" / "training_log.csv")
     log_b = read_log(tmp_path / "unverified" / "out" / "training_log.csv")
-    assert [(r["step"], r["split"], r["loss"], r["acc_0"]) for r in log_a] == \
-        [(r["step"], r["split"], r["loss"], r["acc_0"]) for r in log_b]
+    assert [(r["step"], r["split"], r["loss"], r["acc_0"]) for r in log_a] == [
+        (r["step"], r["split"], r["loss"], r["acc_0"]) for r in log_b
+    ]
 
 
 def test_a_shard_missing_from_the_manifest_is_refused(world, tmp_path):
@@ -476,12 +681,16 @@ def test_a_shard_missing_from_the_manifest_is_refused(world, tmp_path):
     listing = json.loads(Path(manifest).read_text())
     del listing["eval_shards"]  # a manifest written before eval shards were listed
     Path(manifest).write_text(json.dumps(listing))
-    with pytest.raises(TrainError, match=r"shard_00000.safetensors is not listed in .*manifest.json"
-                                         r".*forcerun hidden_manifest"):
+    with pytest.raises(
+        TrainError,
+        match=r"shard_00000.safetensors is not listed in .*manifest.json"
+        r".*forcerun hidden_manifest",
+    ):
         train_verified(world, tmp_path, train_paths, eval_paths, manifest)
 
 
 # -- streamed data: mapped shards and the prefetcher ------------------------------------------
+
 
 class EagerSamples(Samples):
     """The data path before shards were mapped: every shard loaded whole and widened to
@@ -496,8 +705,14 @@ class EagerSamples(Samples):
         shard, local = self.loaded[number], index - self.first[number]
         rows = shard.sample(local)
         rows = slice(rows.start, min(rows.stop, rows.start + max_len))
-        return (shard.sample_ids[local], shard.input_ids[rows], shard.loss_mask[rows],
-                shard.teacher_argmax[rows], shard.aux_hidden[rows], shard.final_hidden[rows])
+        return (
+            shard.sample_ids[local],
+            shard.input_ids[rows],
+            shard.loss_mask[rows],
+            shard.teacher_argmax[rows],
+            shard.aux_hidden[rows],
+            shard.final_hidden[rows],
+        )
 
 
 @pytest.mark.parametrize("dtype", ["float32", "fp8"])
@@ -509,8 +724,17 @@ def test_streamed_training_equals_the_eager_data_path(world, tmp_path, monkeypat
     cfg = {**FAST, "feature_noise": 0.1}  # the noise stays in the loop's random stream
 
     def fit(name, **extra):
-        return train({**cfg, **extra}, paths, world["eval"], world["vocab"], world["target"],
-                     str(tmp_path / name / "out"), str(tmp_path / name / "ckpt"), None, None)
+        return train(
+            {**cfg, **extra},
+            paths,
+            world["eval"],
+            world["vocab"],
+            world["target"],
+            str(tmp_path / name / "out"),
+            str(tmp_path / name / "ckpt"),
+            None,
+            None,
+        )
 
     streamed = fit("streamed", prefetch_batches=3, host_ram_mb=64)
     with monkeypatch.context() as patch:
@@ -522,8 +746,9 @@ def test_streamed_training_equals_the_eager_data_path(world, tmp_path, monkeypat
         assert torch.allclose(a[name], b[name], rtol=1e-6, atol=1e-7), name
     log_a = read_log(tmp_path / "streamed" / "out" / "training_log.csv")
     log_b = read_log(tmp_path / "eager" / "out" / "training_log.csv")
-    assert [(r["step"], r["split"], r["acc_0"]) for r in log_a] == \
-        [(r["step"], r["split"], r["acc_0"]) for r in log_b]
+    assert [(r["step"], r["split"], r["acc_0"]) for r in log_a] == [
+        (r["step"], r["split"], r["acc_0"]) for r in log_b
+    ]
     for x, y in zip(log_a, log_b):
         assert float(x["loss"]) == pytest.approx(float(y["loss"]), rel=1e-5)
     peaks = [float(r["peak_rss_mb"]) for r in log_a if r["split"] == "train"]
@@ -536,8 +761,16 @@ def test_a_trainer_built_from_files_resolves_the_prefetch_default_for_its_device
     split (a null there would not count)."""
     cfg = settings(FAST)
     assert cfg["prefetch_batches"] is None
-    trainer = Trainer.from_files(cfg, world["train"], [], world["vocab"], world["target"],
-                                 str(tmp_path / "ckpt"), torch.device("cpu"), Dist())
+    trainer = Trainer.from_files(
+        cfg,
+        world["train"],
+        [],
+        world["vocab"],
+        world["target"],
+        str(tmp_path / "ckpt"),
+        torch.device("cpu"),
+        Dist(),
+    )
     assert trainer.cfg["prefetch_batches"] == 0 and trainer.prefetcher() is None
 
 
@@ -545,10 +778,19 @@ def test_prefetched_batches_are_the_loops_from_any_resumed_position(world, tmp_p
     """The prefetcher's sequence, started where a checkpoint left off (mid-epoch, over an
     epoch boundary, with grad_accum), is the sequence of micro-batches the loop trains on,
     and the batches it builds are those the loop would build."""
-    cfg = settings({**FAST, "epochs": 3, "grad_accum": 2, "max_tokens_per_batch": 64,
-                    "prefetch_batches": 2})  # set: on the CPU its default is none ahead
-    trainer = Trainer.from_files(cfg, world["train"], [], world["vocab"], world["target"],
-                                 str(tmp_path / "ckpt"), torch.device("cpu"), Dist())
+    cfg = settings(
+        {**FAST, "epochs": 3, "grad_accum": 2, "max_tokens_per_batch": 64, "prefetch_batches": 2}
+    )  # set: on the CPU its default is none ahead
+    trainer = Trainer.from_files(
+        cfg,
+        world["train"],
+        [],
+        world["vocab"],
+        world["target"],
+        str(tmp_path / "ckpt"),
+        torch.device("cpu"),
+        Dist(),
+    )
 
     def loop_order():  # what Trainer.run steps through, position by position
         out, step, epoch, at = [], trainer.step, trainer.epoch, trainer.next_in_epoch
@@ -557,8 +799,10 @@ def test_prefetched_batches_are_the_loops_from_any_resumed_position(world, tmp_p
             if at >= steps_in(plan, trainer.group):
                 epoch, at = epoch + 1, 0
                 continue
-            out += [((epoch, at, i), m) for i, m in
-                    enumerate(step_micro_batches(plan, at, trainer.group))]
+            out += [
+                ((epoch, at, i), m)
+                for i, m in enumerate(step_micro_batches(plan, at, trainer.group))
+            ]
             step, at = step + 1, at + 1
         return out
 
@@ -581,17 +825,26 @@ def test_prefetched_batches_are_the_loops_from_any_resumed_position(world, tmp_p
 
 # -- data parallel ---------------------------------------------------------------------------
 
+
 def test_ddp_on_two_processes_equals_one_process_accumulating_both(world, tmp_path):
     """The launch path of rule train with two GPUs, on CPU: torchrun starts two gloo
     processes of eaglet.stages.train.loop's worker, which must train exactly as one process that
     accumulates both micro-batches."""
     cfg = {**FAST, "epochs": 1, "checkpoint_every": 100}
-    launch_torchrun({"cfg": cfg, "shard_paths": world["train"], "eval_shard_paths": world["eval"],
-                     "vocab_map": world["vocab"], "target_dir": world["target"],
-                     "out_dir": str(tmp_path / "ddp" / "drafter"),
-                     "checkpoint_dir": str(tmp_path / "ddp" / "ckpt"),
-                     "progress_path": str(tmp_path / "ddp" / "progress.json"),
-                     "log_path": None}, nproc=2)
+    launch_torchrun(
+        {
+            "cfg": cfg,
+            "shard_paths": world["train"],
+            "eval_shard_paths": world["eval"],
+            "vocab_map": world["vocab"],
+            "target_dir": world["target"],
+            "out_dir": str(tmp_path / "ddp" / "drafter"),
+            "checkpoint_dir": str(tmp_path / "ddp" / "ckpt"),
+            "progress_path": str(tmp_path / "ddp" / "progress.json"),
+            "log_path": None,
+        },
+        nproc=2,
+    )
     single = run(world, tmp_path, {**cfg, "grad_accum": 2}, "single")
     ddp, one = weights(tmp_path / "ddp" / "drafter"), weights(tmp_path / "single" / "drafter")
     for name in one:
@@ -607,12 +860,15 @@ def test_ddp_on_two_processes_equals_one_process_accumulating_both(world, tmp_pa
 
 def test_settings_take_their_defaults_from_the_config_schema_and_keep_the_cross_key_check():
     from eaglet.core.config import validate
+
     schema_defaults = validate({})["train"]
     got = settings({"lr": 1e-3, "max_tokens_per_batch": 512})
     assert got["lr"] == 1e-3 and got["max_len"] == 512  # null max_len: one batch
-    assert {k: v for k, v in got.items() if k not in ("lr", "max_tokens_per_batch", "max_len")} \
-        == {k: v for k, v in schema_defaults.items()
-            if k not in ("lr", "max_tokens_per_batch", "max_len", "gpus")}
+    assert {k: v for k, v in got.items() if k not in ("lr", "max_tokens_per_batch", "max_len")} == {
+        k: v
+        for k, v in schema_defaults.items()
+        if k not in ("lr", "max_tokens_per_batch", "max_len", "gpus")
+    }
     with pytest.raises(TrainError, match=r"train.lm_head_init: 'copied' is not one of"):
         settings({"lm_head_init": "copied"})
     with pytest.raises(TrainError, match=r"unknown key epoch under train"):
@@ -625,8 +881,14 @@ def test_loss_on_prompt_counts_the_prompt_positions_too():
     """Row t predicts token t+2 at step 0: the answer (loss_mask 1) starts at token 3, so
     rows 1..3 count; with train.loss_on_prompt row 0 (predicting prompt token 2) counts too."""
     ids = torch.tensor([5, 6, 7, 8, 9, 10])
-    piece = ("s", ids, torch.tensor([0, 0, 0, 1, 1, 1], dtype=torch.uint8), ids.clone(),
-             torch.zeros(6, 6), torch.zeros(6, 2))
+    piece = (
+        "s",
+        ids,
+        torch.tensor([0, 0, 0, 1, 1, 1], dtype=torch.uint8),
+        ids.clone(),
+        torch.zeros(6, 6),
+        torch.zeros(6, 2),
+    )
     t2d = torch.ones(16, dtype=torch.bool)
     assert make_batch([piece], 1, t2d).rows[0].tolist() == [1, 2, 3]
     assert make_batch([piece], 1, t2d, prompt_loss=True).rows[0].tolist() == [0, 1, 2, 3]
@@ -650,10 +912,10 @@ def test_feature_noise_is_scaled_to_each_layers_rms_per_row():
     noisy = add_feature_noise(aux, 3, 0.2, generator)
     assert noisy.shape == aux.shape and noisy.dtype == aux.dtype
     noise = (noisy - aux).view(T, 3, H)
-    rms = aux.view(T, 3, H).pow(2).mean(-1).sqrt()                # [T, 3]
-    ratio = noise.pow(2).mean(-1).sqrt() / rms                     # per row and layer ~0.2
+    rms = aux.view(T, 3, H).pow(2).mean(-1).sqrt()  # [T, 3]
+    ratio = noise.pow(2).mean(-1).sqrt() / rms  # per row and layer ~0.2
     assert ratio.mean(0).sub(0.2).abs().max() < 0.01
-    assert ratio[0].sub(0.2).abs().max() < 0.08                   # the loud row's own scale
+    assert ratio[0].sub(0.2).abs().max() < 0.08  # the loud row's own scale
     assert not torch.equal(add_feature_noise(aux, 3, 0.2, generator), noisy)
     assert torch.equal(add_feature_noise(aux, 3, 0.0), aux)
 
@@ -679,8 +941,7 @@ run(world, tmp, {**FAST, "checkpoint_every": 100}, "term")
 """
 
 
-def test_sigterm_checkpoints_and_says_so_and_the_rerun_resumes_to_the_same_weights(world,
-                                                                                    tmp_path):
+def test_sigterm_checkpoints_and_says_so_and_the_rerun_resumes_to_the_same_weights(world, tmp_path):
     """A scheduler ends a job with SIGTERM at its time limit or on preemption, then SIGKILL
     after a grace period. The trainer stops after its current step, writes a checkpoint (even
     between its regular ones) and says so; the requeued job resumes from it and ships the
@@ -690,10 +951,25 @@ def test_sigterm_checkpoints_and_says_so_and_the_rerun_resumes_to_the_same_weigh
     import sys
 
     env = pythonpath_env(REPO)
-    done = subprocess.run([sys.executable, "-c", SIGTERMED,
-                           json.dumps({k: (v if isinstance(v, str) else [str(p) for p in v])
-                                       for k, v in world.items() if k != "root"}),
-                           str(tmp_path)], capture_output=True, text=True, timeout=300, env=env)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            SIGTERMED,
+            json.dumps(
+                {
+                    k: (v if isinstance(v, str) else [str(p) for p in v])
+                    for k, v in world.items()
+                    if k != "root"
+                }
+            ),
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert done.returncode != 0
     assert "received SIGTERM at step" in done.stderr and "checkpoint written" in done.stderr
     saved = sorted(p.name for p in (tmp_path / "term" / "ckpt").glob("step_*"))

@@ -14,8 +14,17 @@ import pytest
 import torch
 
 from eaglet.data import shards
-from eaglet.stages.train.data import (MB, DataMemory, Prefetcher, Samples, ShardInfo, TrainError,
-                                      data_memory, index_shard, make_batch)
+from eaglet.stages.train.data import (
+    MB,
+    DataMemory,
+    Prefetcher,
+    Samples,
+    ShardInfo,
+    TrainError,
+    data_memory,
+    index_shard,
+    make_batch,
+)
 
 AUX_IDS = [1, 2, 3]
 VOCAB = 300
@@ -27,11 +36,19 @@ def write_shard(path, lengths, hidden, dtype, seed):
     offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     mask = (torch.rand(n, generator=g) < 0.7).to(torch.uint8)
     argmax = torch.where(mask.bool(), torch.randint(0, VOCAB, (n,), generator=g), -1)
-    written = shards.write(path, torch.randint(0, VOCAB, (n,), generator=g), mask, offsets, argmax,
-                           torch.randn(n, 3 * hidden, generator=g) * 3,
-                           torch.randn(n, hidden, generator=g),
-                           sample_ids=[f"{path.stem}-{i}" for i in range(len(lengths))],
-                           aux_layer_ids=AUX_IDS, dtype=dtype, target={"spec": "t"})
+    written = shards.write(
+        path,
+        torch.randint(0, VOCAB, (n,), generator=g),
+        mask,
+        offsets,
+        argmax,
+        torch.randn(n, 3 * hidden, generator=g) * 3,
+        torch.randn(n, hidden, generator=g),
+        sample_ids=[f"{path.stem}-{i}" for i in range(len(lengths))],
+        aux_layer_ids=AUX_IDS,
+        dtype=dtype,
+        target={"spec": "t"},
+    )
     return str(path), written.sha256
 
 
@@ -41,8 +58,9 @@ def shard_set(tmp_path, request):
     infos = []
     for s in range(3):
         lengths = torch.randint(3, 40, (int(torch.randint(4, 9, (1,), generator=g)),), generator=g)
-        path, sha = write_shard(tmp_path / f"shard_{s:05d}.safetensors", lengths.tolist(), 16,
-                                request.param, seed=s)
+        path, sha = write_shard(
+            tmp_path / f"shard_{s:05d}.safetensors", lengths.tolist(), 16, request.param, seed=s
+        )
         infos.append(index_shard(path, VOCAB, sha))
     return infos
 
@@ -54,8 +72,14 @@ def eager_get(loaded, samples: Samples, index: int, max_len: int) -> tuple:
     shard = loaded[number]
     rows = shard.sample(local)
     rows = slice(rows.start, min(rows.stop, rows.start + max_len))
-    return (shard.sample_ids[local], shard.input_ids[rows], shard.loss_mask[rows],
-            shard.teacher_argmax[rows], shard.aux_hidden[rows], shard.final_hidden[rows])
+    return (
+        shard.sample_ids[local],
+        shard.input_ids[rows],
+        shard.loss_mask[rows],
+        shard.teacher_argmax[rows],
+        shard.aux_hidden[rows],
+        shard.final_hidden[rows],
+    )
 
 
 def assert_batches_equal(a, b):
@@ -77,7 +101,7 @@ def test_mapped_samples_give_the_batches_of_the_eager_load(shard_set):
     order = torch.randperm(len(samples), generator=g).tolist()
     stored = shards.STORAGE_DTYPES[infos[0].dtype]
     for start in range(0, len(order), 5):
-        group = order[start:start + 5]
+        group = order[start : start + 5]
         mapped = make_batch([samples.get(i, 25) for i in group], 3, t2d)
         assert mapped.aux.dtype == stored  # packed in the stored dtype, converted later
         assert (mapped.aux_scale is not None) == (infos[0].dtype == "fp8")
@@ -104,6 +128,7 @@ def test_a_shard_is_hashed_once_unless_its_file_changes(shard_set, monkeypatch):
 
 
 # -- the prefetcher --------------------------------------------------------------------------
+
 
 def test_prefetcher_hands_out_every_item_in_order_while_building_ahead():
     built, gate = [], threading.Event()
@@ -173,22 +198,27 @@ def test_a_build_can_wait_until_the_consumer_has_taken_everything_and_waits():
         for i in range(4):
             busy.clear()
             assert feed.take(i) == i
-            busy.set()                # the consumer's step computes
+            busy.set()  # the consumer's step computes
             events.append(("took", i))
             if i < 2:
-                time.sleep(0.2)       # long enough for a build that did not wait to show
+                time.sleep(0.2)  # long enough for a build that did not wait to show
         assert events == [("took", 0), ("took", 1), ("went on", False), ("took", 2), ("took", 3)]
     finally:
         feed.close()
     made.clear()
-    feeds[0] = feed = Prefetcher(lambda x: made.wait(10) and feeds[0].wait_for_consumer() or x,
-                                 ((i, i) for i in range(9)), depth=1)
+    feeds[0] = feed = Prefetcher(
+        lambda x: made.wait(10) and feeds[0].wait_for_consumer() or x,
+        ((i, i) for i in range(9)),
+        depth=1,
+    )
     made.set()
     time.sleep(0.1)
-    feed.close()                      # never taken: the waiting build is let go
+    feed.close()  # never taken: the waiting build is let go
     assert not feed._thread.is_alive()
 
+
 # -- the memory budget -----------------------------------------------------------------------
+
 
 def test_budget_splits_batches_and_pages_and_refuses_too_little():
     info = ShardInfo("x", [10], ["a"], 576, AUX_IDS, {}, None, "bfloat16")
@@ -197,8 +227,11 @@ def test_budget_splits_batches_and_pages_and_refuses_too_little():
     batch = 8192 * (per_token + 8 * 17)
     memory = data_memory({**cfg, "host_ram_mb": 512}, [info])
     assert memory.page_limit == 512 * MB - 3 * batch
-    with pytest.raises(TrainError, match=r"train.host_ram_mb 64 cannot hold 3 micro-batches .*"
-                                         r"set train.host_ram_mb to at least \d+.*prefetch_batches"):
+    with pytest.raises(
+        TrainError,
+        match=r"train.host_ram_mb 64 cannot hold 3 micro-batches .*"
+        r"set train.host_ram_mb to at least \d+.*prefetch_batches",
+    ):
         data_memory({**cfg, "host_ram_mb": 64}, [info])
 
 
@@ -256,16 +289,29 @@ def test_reading_a_large_shard_keeps_peak_rss_far_below_it(tmp_path):
     n = rows * blocks
     offsets = torch.arange(0, n + 1, 1024)
     path = tmp_path / "shard_00000.safetensors"
-    written = shards.write(path, torch.randint(0, 1000, (n,), generator=g),
-                           torch.ones(n, dtype=torch.uint8), offsets, torch.full((n,), -1),
-                           [aux] * blocks, [final] * blocks,  # one block repeated: little memory
-                           sample_ids=[f"p-{i}" for i in range(len(offsets) - 1)],
-                           aux_layer_ids=AUX_IDS, dtype="bfloat16", target={"spec": "x"})
+    written = shards.write(
+        path,
+        torch.randint(0, 1000, (n,), generator=g),
+        torch.ones(n, dtype=torch.uint8),
+        offsets,
+        torch.full((n,), -1),
+        [aux] * blocks,
+        [final] * blocks,  # one block repeated: little memory
+        sample_ids=[f"p-{i}" for i in range(len(offsets) - 1)],
+        aux_layer_ids=AUX_IDS,
+        dtype="bfloat16",
+        target={"spec": "x"},
+    )
     del aux, final
     assert written.bytes > 290e6
     limit = 24 * MB
-    out = subprocess.run([sys.executable, "-c", RSS_PROBE, str(path), written.sha256, str(limit)],
-                         check=True, capture_output=True, text=True, timeout=180).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", RSS_PROBE, str(path), written.sha256, str(limit)],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    ).stdout
     extra, tokens, releases = map(int, out.split())
     assert tokens == n and releases >= written.bytes // limit - 1
     # the limit, a batch (1024 rows: 8 MB in bf16, 16 MB in float32) and allocator slack
@@ -276,6 +322,9 @@ def test_prefetch_depth_packs_ahead_on_gpus_only_unless_set():
     """null: a packing thread beside the step pays where a GPU computes; on the CPU it takes
     the cores the step uses (0.65x the demo's training tokens/s on 2 cores)."""
     from eaglet.stages.train.data import prefetch_depth
+
     assert prefetch_depth(None, torch.device("cuda")) == 2
     assert prefetch_depth(None, torch.device("cpu")) == 0
-    assert prefetch_depth(3, torch.device("cpu")) == 3 and prefetch_depth(0, torch.device("cuda")) == 0
+    assert (
+        prefetch_depth(3, torch.device("cpu")) == 3 and prefetch_depth(0, torch.device("cuda")) == 0
+    )

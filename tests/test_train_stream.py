@@ -26,8 +26,17 @@ from tests.test_extract_vllm_parts import connector_file
 from tests.tiny_llama import VOCAB, greedy_records, make_tiny_llama, one_thread
 
 AUX = [1, 3, 4]
-TRAIN = {"epochs": 2, "lr": 3e-3, "max_tokens_per_batch": 64, "ttt_steps": 2, "log_every": 1,
-         "checkpoint_every": 2, "warmup_steps": 1, "seed": 0, "device": "cpu"}
+TRAIN = {
+    "epochs": 2,
+    "lr": 3e-3,
+    "max_tokens_per_batch": 64,
+    "ttt_steps": 2,
+    "log_every": 1,
+    "checkpoint_every": 2,
+    "warmup_steps": 1,
+    "seed": 0,
+    "device": "cpu",
+}
 
 
 @pytest.fixture(scope="module")
@@ -48,25 +57,50 @@ def world(tmp_path_factory):
         held_out = greedy_records(model, n=3, seed=8, prefix="e")
     info = prepare_target(str(root / "model"), root / "target")
     write_jsonl(root / "train.jsonl", records)
-    cfg = validate({"extract": {"backend": "vllm", "device": "cpu", "dtype": "float32",
-                                "max_len": 64, "aux_layer_ids": AUX, "num_shards": 3,
-                                "concurrency": 2},
-                    "target": {"dtype": "float32"}})
+    cfg = validate(
+        {
+            "extract": {
+                "backend": "vllm",
+                "device": "cpu",
+                "dtype": "float32",
+                "max_len": 64,
+                "aux_layer_ids": AUX,
+                "num_shards": 3,
+                "concurrency": 2,
+            },
+            "target": {"dtype": "float32"},
+        }
+    )
     files = root / "files"
     files.mkdir()
     (root / "work" / "requests").mkdir(parents=True)
     work, hidden = root / "work", root / "hidden"
     for r in records + held_out:  # the training samples' kept, to be copied for each run
-        connector_file(model, request_path(files if r in records else work / "requests",
-                                           r["id"]),
-                       r["prompt_token_ids"] + r["completion_token_ids"])
+        connector_file(
+            model,
+            request_path(files if r in records else work / "requests", r["id"]),
+            r["prompt_token_ids"] + r["completion_token_ids"],
+        )
     shutil.copytree(files, work / "requests", dirs_exist_ok=True)
-    jobs = (staged_shards(records, 3, [str(hidden / f"shard_{i:05d}.safetensors") for i in range(3)],
-                          [str(hidden / f"shard_{i:05d}.json") for i in range(3)], work, "train")
-            + staged_shards(held_out, 1, [str(hidden / "eval" / "shard_00000.safetensors")],
-                            [str(hidden / "eval" / "shard_00000.json")], work, "eval"))
-    Extractor.ensure_server, saved = (lambda self: pytest.fail("a server was started"),
-                                      Extractor.ensure_server)
+    jobs = staged_shards(
+        records,
+        3,
+        [str(hidden / f"shard_{i:05d}.safetensors") for i in range(3)],
+        [str(hidden / f"shard_{i:05d}.json") for i in range(3)],
+        work,
+        "train",
+    ) + staged_shards(
+        held_out,
+        1,
+        [str(hidden / "eval" / "shard_00000.safetensors")],
+        [str(hidden / "eval" / "shard_00000.json")],
+        work,
+        "eval",
+    )
+    Extractor.ensure_server, saved = (
+        lambda self: pytest.fail("a server was started"),
+        Extractor.ensure_server,
+    )
     try:
         with one_thread():
             capture_shards(cfg, info, jobs, work, root / "server.log")
@@ -75,9 +109,17 @@ def world(tmp_path_factory):
     t2d = torch.ones(VOCAB, dtype=torch.bool)
     with atomic_open(root / "vocab_map.safetensors", "wb") as handle:
         handle.write(save({"d2t": torch.zeros(VOCAB, dtype=torch.int64), "t2d": t2d}))
-    return {"root": root, "model": model, "info": info, "cfg": cfg, "records": records,
-            "files": files, "train": [str(j.shard_path) for j in jobs[:3]],
-            "eval": [str(jobs[3].shard_path)], "vocab": str(root / "vocab_map.safetensors")}
+    return {
+        "root": root,
+        "model": model,
+        "info": info,
+        "cfg": cfg,
+        "records": records,
+        "files": files,
+        "train": [str(j.shard_path) for j in jobs[:3]],
+        "eval": [str(jobs[3].shard_path)],
+        "vocab": str(root / "vocab_map.safetensors"),
+    }
 
 
 def requests_dir(world, tmp: Path, with_files: bool = True) -> Path:
@@ -96,17 +138,30 @@ def stream_args(world, work: Path) -> dict:
 
     target_json = world["root"] / "target" / "target.json"
     assert read_target(target_json)["path"]
-    return {"cfg": world["cfg"], "target_json": str(target_json),
-            "data": str(world["root"] / "train.jsonl"), "work_dir": str(work),
-            "server_log": str(work / "server.log")}
+    return {
+        "cfg": world["cfg"],
+        "target_json": str(target_json),
+        "data": str(world["root"] / "train.jsonl"),
+        "work_dir": str(work),
+        "server_log": str(work / "server.log"),
+    }
 
 
 def run(world, tmp: Path, name: str, cfg: dict, stream: dict | None = None, **kwargs) -> dict:
     with one_thread():
-        return train(cfg, [] if stream else world["train"], world["eval"], world["vocab"],
-                     world["info"]["path"], out_dir=str(tmp / name / "drafter"),
-                     checkpoint_dir=str(tmp / name / "ckpt"), progress_path=None,
-                     log_path=None, stream=stream, **kwargs)
+        return train(
+            cfg,
+            [] if stream else world["train"],
+            world["eval"],
+            world["vocab"],
+            world["info"]["path"],
+            out_dir=str(tmp / name / "drafter"),
+            checkpoint_dir=str(tmp / name / "ckpt"),
+            progress_path=None,
+            log_path=None,
+            stream=stream,
+            **kwargs,
+        )
 
 
 def weights(tmp: Path, name: str) -> dict[str, torch.Tensor]:
@@ -130,16 +185,22 @@ class Requests:
         monkeypatch.setattr(train_stream.StateFeed, "_request", request)
 
 
-def test_stream_trains_the_drafter_of_shards_packed_from_the_same_states(world, tmp_path,
-                                                                         monkeypatch):
+def test_stream_trains_the_drafter_of_shards_packed_from_the_same_states(
+    world, tmp_path, monkeypatch
+):
     """Every training sample's states are saved (generation with capture): stream mode uses
     them without a request, keeps them for the second epoch in its cache, and trains the
     drafter shard mode trains, bit for bit; the cache is emptied at the end."""
     requests = Requests(world["model"], monkeypatch)
     run(world, tmp_path, "shards", TRAIN)
     work = requests_dir(world, tmp_path)
-    summary = run(world, tmp_path, "stream", {**TRAIN, "data": "stream", "stream_cache_gib": 1},
-                  stream_args(world, work))
+    summary = run(
+        world,
+        tmp_path,
+        "stream",
+        {**TRAIN, "data": "stream", "stream_cache_gib": 1},
+        stream_args(world, work),
+    )
     assert requests.sent == []  # all saved, all kept for epoch 2
     stream = summary["stream"]
     n = len(world["records"])
@@ -154,8 +215,7 @@ def test_stream_trains_the_drafter_of_shards_packed_from_the_same_states(world, 
     assert not list((work / "requests").glob("*.safetensors"))
 
 
-def test_the_teacher_check_of_a_streamed_sample_runs_in_chunks_once(world, tmp_path,
-                                                                   monkeypatch):
+def test_the_teacher_check_of_a_streamed_sample_runs_in_chunks_once(world, tmp_path, monkeypatch):
     """A long answer's full-vocabulary logits are computed a chunk of rows at a time (as
     extraction's are), not all at once beside the server, and once a sample: later epochs
     reuse its argmax, as shards store it once; the argmax, and so the drafter, is the shard
@@ -165,15 +225,24 @@ def test_the_teacher_check_of_a_streamed_sample_runs_in_chunks_once(world, tmp_p
 
     monkeypatch.setattr(extract_common, "TEACHER_CHUNK_ROWS", 4)
     rows, product = [], TeacherHead.product
-    monkeypatch.setattr(TeacherHead, "product",
-                        lambda self, states, nxt: rows.append(len(states)) or product(
-                            self, states, nxt))
+    monkeypatch.setattr(
+        TeacherHead,
+        "product",
+        lambda self, states, nxt: rows.append(len(states)) or product(self, states, nxt),
+    )
     run(world, tmp_path, "shards", TRAIN)
     del rows[:]
-    summary = run(world, tmp_path, "stream", {**TRAIN, "data": "stream", "stream_cache_gib": 1},
-                  stream_args(world, requests_dir(world, tmp_path)))
-    answer_rows = sum(sum(mask[1:]) for _, mask in train_stream.sequences(
-        world["records"], world["cfg"]["extract"]["max_len"]))
+    summary = run(
+        world,
+        tmp_path,
+        "stream",
+        {**TRAIN, "data": "stream", "stream_cache_gib": 1},
+        stream_args(world, requests_dir(world, tmp_path)),
+    )
+    answer_rows = sum(
+        sum(mask[1:])
+        for _, mask in train_stream.sequences(world["records"], world["cfg"]["extract"]["max_len"])
+    )
     assert TRAIN["epochs"] == 2 and summary["stream"]["samples"] == 2 * len(world["records"])
     assert max(rows) == 4 and summary["stream"]["teacher_agreement"] == 1.0
     # every answer row once, in one epoch of two
@@ -183,8 +252,9 @@ def test_the_teacher_check_of_a_streamed_sample_runs_in_chunks_once(world, tmp_p
         assert torch.equal(stream[name], shards[name]), name
 
 
-def test_streamed_states_that_do_not_reproduce_greedy_answers_stop_training(world, tmp_path,
-                                                                          monkeypatch):
+def test_streamed_states_that_do_not_reproduce_greedy_answers_stop_training(
+    world, tmp_path, monkeypatch
+):
     """As extraction refuses a shard whose teacher disagrees with the target's greedy answers,
     streaming stops once the samples in fail extract.min_teacher_agreement, naming the worst;
     answers the target sampled are not held to their argmax."""
@@ -198,21 +268,24 @@ def test_streamed_states_that_do_not_reproduce_greedy_answers_stop_training(worl
 
     monkeypatch.setattr(TeacherHead, "product", off_by_one)
     args = stream_args(world, requests_dir(world, tmp_path / "greedy"))
-    with pytest.raises(ExtractionError, match=r"teacher agreement 0\.00% in the \d+ samples "
-                       r"streamed so far is below extract.min_teacher_agreement=99\.00%.*"
-                       r"Worst samples: "):
+    with pytest.raises(
+        ExtractionError,
+        match=r"teacher agreement 0\.00% in the \d+ samples "
+        r"streamed so far is below extract.min_teacher_agreement=99\.00%.*"
+        r"Worst samples: ",
+    ):
         run(world, tmp_path, "greedy", {**TRAIN, "data": "stream"}, args)
     sampled = tmp_path / "sampled.jsonl"
     write_jsonl(sampled, [{**r, "sampling": {"temperature": 1.0}} for r in world["records"]])
-    args = {**stream_args(world, requests_dir(world, tmp_path / "sampled")),
-            "data": str(sampled)}
+    args = {**stream_args(world, requests_dir(world, tmp_path / "sampled")), "data": str(sampled)}
     summary = run(world, tmp_path, "sampled", {**TRAIN, "data": "stream", "epochs": 1}, args)
-    assert summary["stream"]["teacher_agreement"] == 0.0   # reported, not enforced
+    assert summary["stream"]["teacher_agreement"] == 0.0  # reported, not enforced
 
 
 @pytest.mark.parametrize("overlap,prefetch", [(True, 0), (False, 0), (False, 2)])
 def test_with_overlap_off_the_server_computes_only_while_the_trainer_waits(
-        world, tmp_path, monkeypatch, overlap, prefetch):
+    world, tmp_path, monkeypatch, overlap, prefetch
+):
     """train.stream_overlap false (auto where server and trainer share the CPU's cores): no
     request is in flight while a training step computes, and the drafter is the shards' one;
     overlapping, requests run beside the steps (what the turns prevent is there to see).
@@ -250,10 +323,19 @@ def test_with_overlap_off_the_server_computes_only_while_the_trainer_waits(
     monkeypatch.setattr(Trainer, "train_step", timed_step)
     if not prefetch:
         monkeypatch.setattr(train_stream.StateFeed, "take", timed_take)
-    summary = run(world, tmp_path, "stream", {**TRAIN, "data": "stream", "stream_ahead": 3,
-                                              "stream_overlap": overlap,
-                                              "prefetch_batches": prefetch},
-                  stream_args(world, requests_dir(world, tmp_path, with_files=False)))
+    summary = run(
+        world,
+        tmp_path,
+        "stream",
+        {
+            **TRAIN,
+            "data": "stream",
+            "stream_ahead": 3,
+            "stream_overlap": overlap,
+            "prefetch_batches": prefetch,
+        },
+        stream_args(world, requests_dir(world, tmp_path, with_files=False)),
+    )
     assert summary["stream"]["overlap"] is overlap and summary["stream"]["requests"] > 6
     assert any(seen) is overlap
     if not overlap:  # the same order, the same batches
@@ -273,8 +355,13 @@ def test_without_a_cache_later_epochs_ask_the_engine_again(world, tmp_path, monk
     for left in ("rank-001", "cache"):
         (work / "requests" / left).mkdir()
         shutil.copy(next(world["files"].glob("*.safetensors")), work / "requests" / left)
-    summary = run(world, tmp_path, "stream", {**TRAIN, "data": "stream", "stream_ahead": 1},
-                  stream_args(world, work))
+    summary = run(
+        world,
+        tmp_path,
+        "stream",
+        {**TRAIN, "data": "stream", "stream_ahead": 1},
+        stream_args(world, work),
+    )
     n = len(world["records"])
     assert sorted(requests.sent) == sorted(r["id"] for r in world["records"])
     assert summary["stream"]["requests"] == n and summary["stream"]["cache_files"] == 0
@@ -283,7 +370,8 @@ def test_without_a_cache_later_epochs_ask_the_engine_again(world, tmp_path, monk
 
 
 def test_the_default_window_holds_the_largest_micro_batch_beside_the_requests_in_flight(
-        world, tmp_path, monkeypatch):
+    world, tmp_path, monkeypatch
+):
     """train.stream_ahead null: the feed keeps extract.concurrency requests beside the
     samples of the largest micro-batch the trainer takes (here larger than the concurrency,
     so twice the concurrency would leave the server idle while a step trains), and never
@@ -307,17 +395,22 @@ def test_the_default_window_holds_the_largest_micro_batch_beside_the_requests_in
         await feed_request(feed, i, path)
 
     monkeypatch.setattr(train_stream.StateFeed, "_request", request)
-    summary = run(world, tmp_path, "stream", {**TRAIN, "data": "stream"},
-                  stream_args(world, requests_dir(world, tmp_path, False)))
+    summary = run(
+        world,
+        tmp_path,
+        "stream",
+        {**TRAIN, "data": "stream"},
+        stream_args(world, requests_dir(world, tmp_path, False)),
+    )
     concurrency = world["cfg"]["extract"]["concurrency"]
-    assert max(taken) > concurrency   # a batch of more samples than requests in flight
+    assert max(taken) > concurrency  # a batch of more samples than requests in flight
     assert summary["stream"]["window"] == concurrency + max(taken)
     assert 0 < most[0] <= summary["stream"]["window"]
     feed = object.__new__(train_stream.StateFeed)
     feed.concurrency, feed.configured_ahead = 16, None
-    assert (feed.window(3), feed.window(40)) == (32, 56)   # at least twice the concurrency
+    assert (feed.window(3), feed.window(40)) == (32, 56)  # at least twice the concurrency
     feed.configured_ahead = 5
-    assert feed.window(40) == 5                              # train.stream_ahead, as set
+    assert feed.window(40) == 5  # train.stream_ahead, as set
 
 
 def test_a_stopped_stream_run_resumes_to_the_uninterrupted_weights(world, tmp_path, monkeypatch):
@@ -326,8 +419,13 @@ def test_a_stopped_stream_run_resumes_to_the_uninterrupted_weights(world, tmp_pa
     weights of an uninterrupted run: no sample trained twice in an epoch, none skipped."""
     Requests(world["model"], monkeypatch)  # answers the run's prefill requests
     cfg = {**TRAIN, "data": "stream", "stream_ahead": 3}
-    whole = run(world, tmp_path, "whole", cfg, stream_args(world, requests_dir(world, tmp_path / "a",
-                                                                               False)))
+    whole = run(
+        world,
+        tmp_path,
+        "whole",
+        cfg,
+        stream_args(world, requests_dir(world, tmp_path / "a", False)),
+    )
     work = requests_dir(world, tmp_path / "b", False)
     stopped = run(world, tmp_path, "resumed", cfg, stream_args(world, work), stop_after_steps=3)
     assert stopped == {"stopped_at_step": 3}
@@ -352,29 +450,42 @@ def test_the_stream_layout_is_the_shards_and_changes_with_the_samples(world):
     from eaglet.stages.train.data import index_shard
 
     records = world["records"]
-    infos = train_stream.layout(records, train_stream.sequences(records, 64), 3, 64, AUX,
-                                {"name": "t"}, "float32")
+    infos = train_stream.layout(
+        records, train_stream.sequences(records, 64), 3, 64, AUX, {"name": "t"}, "float32"
+    )
     for info, path in zip(infos, world["train"]):
         shard = index_shard(path, VOCAB)
         assert (info.lengths, info.sample_ids) == (shard.lengths, shard.sample_ids)
-    changed = [dict(records[0], completion_token_ids=records[0]["completion_token_ids"][:-1]),
-               *records[1:]]
-    again = train_stream.layout(changed, train_stream.sequences(changed, 64), 3, 64, AUX,
-                                {"name": "t"}, "float32")
+    changed = [
+        dict(records[0], completion_token_ids=records[0]["completion_token_ids"][:-1]),
+        *records[1:],
+    ]
+    again = train_stream.layout(
+        changed, train_stream.sequences(changed, 64), 3, 64, AUX, {"name": "t"}, "float32"
+    )
     assert again[0].sha256 != infos[0].sha256 and again[1].sha256 == infos[1].sha256
     with pytest.raises(TrainError, match="lower extract.num_shards"):
-        train_stream.layout(records[:2], train_stream.sequences(records[:2], 64), 3, 64, AUX,
-                            {}, "float32")
+        train_stream.layout(
+            records[:2], train_stream.sequences(records[:2], 64), 3, 64, AUX, {}, "float32"
+        )
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"extract": {"backend": "hf"}}, "set extract.backend: vllm"),
-    ({"scaling": {"enabled": True}}, "set scaling.enabled: false"),
-    ({"server": {"gpus": 8}}, "take its default 0.9 of each GPU .* Set train.stream_kv_cache_gib"),
-    # a share of each GPU, as generation wants it, says nothing of the trainer beside it
-    ({"server": {"gpus": 8, "memory_utilization": 0.9}},
-     "server.memory_utilization 0.9 of each GPU .* Set train.stream_kv_cache_gib"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"extract": {"backend": "hf"}}, "set extract.backend: vllm"),
+        ({"scaling": {"enabled": True}}, "set scaling.enabled: false"),
+        (
+            {"server": {"gpus": 8}},
+            "take its default 0.9 of each GPU .* Set train.stream_kv_cache_gib",
+        ),
+        # a share of each GPU, as generation wants it, says nothing of the trainer beside it
+        (
+            {"server": {"gpus": 8, "memory_utilization": 0.9}},
+            "server.memory_utilization 0.9 of each GPU .* Set train.stream_kv_cache_gib",
+        ),
+    ],
+)
 def test_stream_mode_refuses_settings_it_cannot_serve(overrides, message):
     cfg = {"train": {"data": "stream"}}
     for section, values in overrides.items():
@@ -383,8 +494,12 @@ def test_stream_mode_refuses_settings_it_cannot_serve(overrides, message):
         validate(cfg)
     # the trainer beside the server with a KV cache of a fixed size, or on GPUs of its own
     assert validate({"train": {"data": "stream"}, "server": {"gpus": 8, "kv_cache_gib": 40}})
-    assert validate({"train": {"data": "stream", "stream_kv_cache_gib": 4},
-                     "server": {"gpus": 8, "memory_utilization": 0.9}})
+    assert validate(
+        {
+            "train": {"data": "stream", "stream_kv_cache_gib": 4},
+            "server": {"gpus": 8, "memory_utilization": 0.9},
+        }
+    )
     assert validate({"train": {"data": "stream", "gpus": 1}, "server": {"gpus": 8}})
     assert validate({"train": {"data": "stream", "gpus": 4}, "server": {"gpus": 8}})
 
@@ -426,8 +541,16 @@ def test_the_trainers_wait_during_the_servers_start_is_told_apart():
 
 # -- data parallel ---------------------------------------------------------------------------
 
-def _stream_rank(rank: int, world, tmp: Path, cfg: dict, port: int, name: str = "stream",
-                 stop_after_steps: int | None = None) -> None:
+
+def _stream_rank(
+    rank: int,
+    world,
+    tmp: Path,
+    cfg: dict,
+    port: int,
+    name: str = "stream",
+    stop_after_steps: int | None = None,
+) -> None:
     """One rank of a two-process streaming run (torch.multiprocessing's worker): the server's
     start and its prefill requests stood in for as in :class:`Requests`; which rank started a
     server, and where rank 1 sent its requests, are written to ``tmp``."""
@@ -438,8 +561,13 @@ def _stream_rank(rank: int, world, tmp: Path, cfg: dict, port: int, name: str = 
     from eaglet.engine.capture import Extractor
 
     model = LlamaForCausalLM.from_pretrained(world["root"] / "model").eval()
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
 
     def start(extractor):
         (tmp / f"started-by-{rank}").touch()
@@ -453,14 +581,14 @@ def _stream_rank(rank: int, world, tmp: Path, cfg: dict, port: int, name: str = 
 
     Extractor.ensure_server = start
     train_stream.StateFeed._prefill = prefill
-    summary = run(world, tmp, name, cfg, stream_args(world, tmp / "work"),
-                  stop_after_steps=stop_after_steps)
+    summary = run(
+        world, tmp, name, cfg, stream_args(world, tmp / "work"), stop_after_steps=stop_after_steps
+    )
     if rank == 0:
         torch.save(summary, tmp / f"{name}.pt")
 
 
-def test_two_ranks_stream_as_one_process_accumulating_both_and_share_one_server(world,
-                                                                                  tmp_path):
+def test_two_ranks_stream_as_one_process_accumulating_both_and_share_one_server(world, tmp_path):
     """train.data stream on two data-parallel ranks (gloo processes): each feeds its own share
     of every step, rank 0 starts the one server when a rank first needs it and rank 1 sends
     its requests there; the second epoch reads the ranks' shared cache and the files saved
@@ -477,15 +605,19 @@ def test_two_ranks_stream_as_one_process_accumulating_both_and_share_one_server(
         shutil.copy(request_path(world["files"], sid), request_path(work / "requests", sid))
     cfg = {**TRAIN, "data": "stream", "stream_cache_gib": 1, "checkpoint_every": 100}
     portable = {k: v for k, v in world.items() if k != "model"}  # loaded by each rank
-    mp.start_processes(_stream_rank, args=(portable, tmp_path, cfg, free_port("127.0.0.1")),
-                       nprocs=2, start_method="spawn")
+    mp.start_processes(
+        _stream_rank,
+        args=(portable, tmp_path, cfg, free_port("127.0.0.1")),
+        nprocs=2,
+        start_method="spawn",
+    )
     run(world, tmp_path, "single", {**cfg, "data": "shards", "grad_accum": 2})
     ours, theirs = weights(tmp_path, "stream"), weights(tmp_path, "single")
     for name in theirs:
         assert torch.allclose(ours[name], theirs[name], rtol=1e-4, atol=1e-6), name
     summary = torch.load(tmp_path / "stream.pt")
     stream, n = summary["stream"], len(records)
-    assert stream["ranks"] == 2 and stream["samples"] >= 2 * n   # two epochs, all ranks
+    assert stream["ranks"] == 2 and stream["samples"] >= 2 * n  # two epochs, all ranks
     # each saved file counted once, though it stays for the second epoch's rank to read
     assert stream["saved_files"] == len(saved) and stream["reread_files"] > 0
     # every sample not saved asked for once, a few more where one rank's window reached the
@@ -493,24 +625,28 @@ def test_two_ranks_stream_as_one_process_accumulating_both_and_share_one_server(
     assert n - len(saved) <= stream["requests"] < 2 * (n - len(saved))
     assert stream["server_started"] and stream["teacher_agreement"] == 1.0
     assert sorted(p.name for p in tmp_path.glob("started-by-*")) == ["started-by-0"]
-    assert {p.name for p in tmp_path.glob("rank-*-asked-*")} == {"rank-0-asked-8123",
-                                                                "rank-1-asked-8123"}
+    assert {p.name for p in tmp_path.glob("rank-*-asked-*")} == {
+        "rank-0-asked-8123",
+        "rank-1-asked-8123",
+    }
     assert not list((work / "requests").rglob("*.safetensors"))
-    assert not list((work / "requests").glob("rank-*")) and not (work / "requests" /
-                                                                  "server.json").exists()
+    assert (
+        not list((work / "requests").glob("rank-*"))
+        and not (work / "requests" / "server.json").exists()
+    )
 
 
 def test_a_streaming_job_gives_the_server_its_gpus_and_the_trainer_the_rest(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7,0")
     assert train_stream.stream_devices(4, 1) == "4,5,6,7"
-    assert __import__("os").environ["CUDA_VISIBLE_DEVICES"] == "0"    # not the server's first
+    assert __import__("os").environ["CUDA_VISIBLE_DEVICES"] == "0"  # not the server's first
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
-    assert train_stream.stream_devices(4, 0) == "4,5,6,7"             # beside it: a rank on each
+    assert train_stream.stream_devices(4, 0) == "4,5,6,7"  # beside it: a rank on each
     assert __import__("os").environ["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
     with pytest.raises(TrainError, match="needs 5: server.gpus 4 and train.gpus 1"):
         train_stream.stream_devices(4, 1)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-    assert train_stream.stream_devices(4, 1) is None                  # no list: left alone
+    assert train_stream.stream_devices(4, 1) is None  # no list: left alone
 
 
 def test_server_and_trainer_take_turns_by_default_where_they_share_devices(monkeypatch):
@@ -520,21 +656,23 @@ def test_server_and_trainer_take_turns_by_default_where_they_share_devices(monke
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert not train_stream.overlaps("auto", 0, 0, "cpu")
     assert not train_stream.overlaps("auto", 0, 1, "auto")
-    assert train_stream.overlaps("auto", 8, 0, "cpu")          # the server on GPUs
-    assert train_stream.overlaps(True, 0, 0, "cpu") and not train_stream.overlaps(False, 8, 8,
-                                                                                 "cuda")
+    assert train_stream.overlaps("auto", 8, 0, "cpu")  # the server on GPUs
+    assert train_stream.overlaps(True, 0, 0, "cpu") and not train_stream.overlaps(
+        False, 8, 8, "cuda"
+    )
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert not train_stream.overlaps("auto", 8, 0, "auto")     # a rank beside the server
-    assert train_stream.overlaps("auto", 8, 8, "auto")         # GPUs of its own
-    assert train_stream.overlaps("auto", 0, 1, "cuda")         # the server on the CPU
+    assert not train_stream.overlaps("auto", 8, 0, "auto")  # a rank beside the server
+    assert train_stream.overlaps("auto", 8, 8, "auto")  # GPUs of its own
+    assert train_stream.overlaps("auto", 0, 1, "cuda")  # the server on the CPU
     for value in ("auto", True, False):
         assert validate({"train": {"stream_overlap": value}})["train"]["stream_overlap"] == value
     with pytest.raises(ConfigError):
         validate({"train": {"stream_overlap": "sometimes"}})
 
 
-def test_a_rank_learns_the_servers_health_without_probing_inside_its_event_loop(monkeypatch,
-                                                                              tmp_path):
+def test_a_rank_learns_the_servers_health_without_probing_inside_its_event_loop(
+    monkeypatch, tmp_path
+):
     """Ranks other than 0 probe rank 0's server in a thread of their own: check_alive, run
     before every request in the feed's event loop, returns at once while a probe hangs, and
     raises once a probe failed."""
@@ -551,14 +689,17 @@ def test_a_rank_learns_the_servers_health_without_probing_inside_its_event_loop(
         return False
 
     monkeypatch.setattr(VLLMServer, "healthy", healthy)
-    server = train_stream.SharedServer("http://127.0.0.1:9", tmp_path / "server.log",
-                                       probe_every_s=0.01)
+    server = train_stream.SharedServer(
+        "http://127.0.0.1:9", tmp_path / "server.log", probe_every_s=0.01
+    )
     assert probing.wait(10)
     server.check_alive()  # not held by the hanging probe
     release.set()
     server._thread.join(10)
-    with pytest.raises(ServerError, match="which rank 0 started, does not answer: see rank "
-                                          "0's log and the server log"):
+    with pytest.raises(
+        ServerError,
+        match="which rank 0 started, does not answer: see rank 0's log and the server log",
+    ):
         server.check_alive()
     assert where == ["eaglet-server-probe"]
     server.close()
@@ -571,8 +712,9 @@ def test_a_rank_waiting_for_the_server_gets_rank_0s_failure(tmp_path):
 
     feed = object.__new__(train_stream.StateFeed)
     feed.rank = 1
-    feed.extractor = SimpleNamespace(requests=tmp_path, server=SimpleNamespace(
-        startup_timeout_s=1.0, log_path="server.log"))
+    feed.extractor = SimpleNamespace(
+        requests=tmp_path, server=SimpleNamespace(startup_timeout_s=1.0, log_path="server.log")
+    )
     feed._announce({"error": "the vLLM server exited with code 1 before it was ready"})
     with pytest.raises(TrainError, match="rank 0 could not start .* exited with code 1"):
         asyncio.run(feed._shared_server())
@@ -598,7 +740,8 @@ def test_two_ranks_stopped_mid_epoch_resume_to_the_uninterrupted_weights(world, 
     for directory in runs.values():
         requests_dir(world, directory, False)
     spawn = lambda *args: mp.start_processes(  # noqa: E731
-        _stream_rank, args=(portable, *args), nprocs=2, start_method="spawn")
+        _stream_rank, args=(portable, *args), nprocs=2, start_method="spawn"
+    )
     spawn(runs["whole"], cfg, free_port("127.0.0.1"), "whole")
     spawn(runs["resumed"], cfg, free_port("127.0.0.1"), "resumed", 3)
     assert torch.load(runs["resumed"] / "resumed.pt") == {"stopped_at_step": 3}
@@ -613,8 +756,9 @@ def test_two_ranks_stopped_mid_epoch_resume_to_the_uninterrupted_weights(world, 
     assert not list(left.rglob("*.safetensors"))
 
 
-def test_rank_0_starts_the_server_another_rank_wants_though_it_needs_none(world, tmp_path,
-                                                                          monkeypatch):
+def test_rank_0_starts_the_server_another_rank_wants_though_it_needs_none(
+    world, tmp_path, monkeypatch
+):
     """Every sample of rank 0's share is saved, so it sends no request of its own; another
     rank's ``server.wanted`` still has it start the server and announce where it listens."""
     import time
@@ -629,12 +773,12 @@ def test_rank_0_starts_the_server_another_rank_wants_though_it_needs_none(world,
 
     monkeypatch.setattr(Extractor, "ensure_server", start)
     work = requests_dir(world, tmp_path)
-    samples = train_stream.open_stream(stream_args(world, work),
-                                       {"stream_ahead": None, "stream_cache_gib": 0},
-                                       rank=0, world=2)
+    samples = train_stream.open_stream(
+        stream_args(world, work), {"stream_ahead": None, "stream_cache_gib": 0}, rank=0, world=2
+    )
     feed = samples.feed
     try:
-        (work / "requests" / "server.wanted").touch()   # rank 1 needs a request
+        (work / "requests" / "server.wanted").touch()  # rank 1 needs a request
         order = list(range(len(world["records"])))
         feed.start(order, batch=2)
         for i in order:
@@ -653,19 +797,25 @@ def test_the_streaming_jobs_server_takes_its_own_kv_cache_size(world, tmp_path):
     """train.stream_kv_cache_gib sizes the KV cache of the server the training job starts,
     in place of server.kv_cache_gib (which generation's server keeps); unset, the server
     section's is used."""
+
     def kv_bytes(server_gib, stream_gib):
-        args = stream_args(world, requests_dir(world, tmp_path / f"{server_gib}-{stream_gib}",
-                                               False))
-        args["cfg"] = {**args["cfg"], "server": {**args["cfg"]["server"],
-                                                 "kv_cache_gib": server_gib}}
-        samples = train_stream.open_stream(args, {"stream_ahead": None, "stream_cache_gib": 0,
-                                                  "stream_kv_cache_gib": stream_gib})
+        args = stream_args(
+            world, requests_dir(world, tmp_path / f"{server_gib}-{stream_gib}", False)
+        )
+        args["cfg"] = {
+            **args["cfg"],
+            "server": {**args["cfg"]["server"], "kv_cache_gib": server_gib},
+        }
+        samples = train_stream.open_stream(
+            args, {"stream_ahead": None, "stream_cache_gib": 0, "stream_kv_cache_gib": stream_gib}
+        )
         try:
             served = samples.feed.extractor.server.args
         finally:
             samples.close()
-        at = served.index("--kv-cache-memory-bytes") if "--kv-cache-memory-bytes" in served \
-            else None
+        at = (
+            served.index("--kv-cache-memory-bytes") if "--kv-cache-memory-bytes" in served else None
+        )
         return None if at is None else int(served[at + 1])
 
     assert kv_bytes(None, None) is None

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from eaglet.model import loss as ttt_loss
-from eaglet.model.drafter import Eagle3Drafter, compile_drafter
 from eaglet.model.dflash import DFlashDrafter
+from eaglet.model.drafter import Eagle3Drafter, compile_drafter
 from eaglet.model.kernels import EAGER
 from eaglet.model.peagle import PEagleDrafter
 from eaglet.stages.train.loop import Dist, Trainer, settings
@@ -74,20 +74,49 @@ def trainer(tmp_path, method: str, fast: bool, variant: dict) -> Trainer:
     for key, value in variant.items():
         setattr(config, key, value)
     embed = torch.randn(VOCAB, H)
-    model = (PEagleDrafter(config, embed, d2t, t2d, mask_token_id=1) if method == "peagle"
-             else DFlashDrafter(config, embed, d2t, t2d, mask_token_id=1) if method == "dflash"
-             else Eagle3Drafter(config, embed, d2t, t2d))
-    cfg = settings({"epochs": 10, "max_steps": 10, "lr": 3e-3, "warmup_steps": 2,
-                    "ttt_steps": 4, "max_len": 64, "max_tokens_per_batch": 96,
-                    "prefetch_batches": 0, "fused_loss": fast, "compile": fast})
+    model = (
+        PEagleDrafter(config, embed, d2t, t2d, mask_token_id=1)
+        if method == "peagle"
+        else DFlashDrafter(config, embed, d2t, t2d, mask_token_id=1)
+        if method == "dflash"
+        else Eagle3Drafter(config, embed, d2t, t2d)
+    )
+    cfg = settings(
+        {
+            "epochs": 10,
+            "max_steps": 10,
+            "lr": 3e-3,
+            "warmup_steps": 2,
+            "ttt_steps": 4,
+            "max_len": 64,
+            "max_tokens_per_batch": 96,
+            "prefetch_batches": 0,
+            "fused_loss": fast,
+            "compile": fast,
+        }
+    )
     data = Samples([9, 30, 17, 5, 41, 12, 23, 8], seed=11)
-    return Trainer(cfg, model, torch.randn(DRAFT_VOCAB, H) * 3, data, data,
-                   tmp_path / ("fast" if fast else "plain"), torch.device("cpu"), Dist())
+    return Trainer(
+        cfg,
+        model,
+        torch.randn(DRAFT_VOCAB, H) * 3,
+        data,
+        data,
+        tmp_path / ("fast" if fast else "plain"),
+        torch.device("cpu"),
+        Dist(),
+    )
 
 
-@pytest.mark.parametrize("method, variant", [("eagle3", {}),
-                                             ("eagle3", {"fc_norm": True, "norm_output": True}),
-                                             ("peagle", {}), ("dflash", {})])
+@pytest.mark.parametrize(
+    "method, variant",
+    [
+        ("eagle3", {}),
+        ("eagle3", {"fc_norm": True, "norm_output": True}),
+        ("peagle", {}),
+        ("dflash", {}),
+    ],
+)
 def test_ten_steps_of_the_fast_step_are_the_plain_steps(tmp_path, method, variant):
     """Fused loss and compiled kernels against the plain autograd step: the same losses and
     gradients at every one of ten AdamW steps over packed batches of several samples, and the
@@ -102,8 +131,9 @@ def test_ten_steps_of_the_fast_step_are_the_plain_steps(tmp_path, method, varian
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=f"step {step}")
         for (name, p), q in zip(plain.model.named_parameters(), fast.model.parameters()):
             if p.grad is not None or q.grad is not None:
-                torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6,
-                                           msg=f"{name}, step {step}")
+                torch.testing.assert_close(
+                    q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=f"{name}, step {step}"
+                )
     # AdamW's first steps move a weight by about lr whatever its gradient's size, so a gradient
     # within rounding of 0 can move it either way: weights agree to a few % of one step
     for (name, p), q in zip(plain.model.named_parameters(), fast.model.parameters()):

@@ -1,4 +1,5 @@
 """The vLLM plugin that fixes the CPU engine's expand of per-token sampling parameters."""
+
 import logging
 from contextlib import contextmanager
 from importlib.metadata import entry_points
@@ -72,10 +73,15 @@ def reference_expand(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0)
 
 
 def test_the_entry_point_is_installed_and_resolves_to_register():
-    found = [ep for ep in entry_points(group="vllm.general_plugins")
-             if ep.value.split(":")[0] == "eaglet.engine.plugin"]
-    assert len(found) == 1, ("eaglet's vllm.general_plugins entry point is not installed: "
-                             "reinstall eaglet (pip install --no-deps -e .)")
+    found = [
+        ep
+        for ep in entry_points(group="vllm.general_plugins")
+        if ep.value.split(":")[0] == "eaglet.engine.plugin"
+    ]
+    assert len(found) == 1, (
+        "eaglet's vllm.general_plugins entry point is not installed: "
+        "reinstall eaglet (pip install --no-deps -e .)"
+    )
     assert found[0].name == "eaglet_cpu_fixes"
     assert found[0].load() is vllm_plugin.register
 
@@ -106,7 +112,8 @@ def test_vllm_cpu_fallback_expand_is_found_wrong(sampler):
     assert not getattr(original, "_eaglet_dtype_preserving", False)
     assert not vllm_plugin.expand_preserves_dtype(original), (
         "vLLM's CPU expand now keeps float values: the plugin no longer patches it, and "
-        "eaglet.engine.plugin can be dropped")
+        "eaglet.engine.plugin can be dropped"
+    )
 
 
 def test_register_fixes_the_expand_of_float_temperatures(sampler):
@@ -127,12 +134,10 @@ def test_register_fixes_the_expand_of_float_temperatures(sampler):
     temperature = torch.tensor([0.7, greedy, 1.3, 0.35], dtype=torch.float32)
     cu = torch.tensor([2, 3, 6, 7], dtype=torch.int32)
     want = reference_expand(temperature, cu, 7, replace_from=greedy, replace_to=1.0)
-    got = sampler.expand_batch_to_tokens(temperature, cu, 7, replace_from=greedy,
-                                         replace_to=1)
+    got = sampler.expand_batch_to_tokens(temperature, cu, 7, replace_from=greedy, replace_to=1)
     assert got.dtype == torch.float32 and torch.equal(got, want)
     top_k = torch.tensor([5, 0, 40, 2])
-    assert torch.equal(sampler.expand_batch_to_tokens(top_k, cu, 7),
-                       reference_expand(top_k, cu, 7))
+    assert torch.equal(sampler.expand_batch_to_tokens(top_k, cu, 7), reference_expand(top_k, cu, 7))
 
     # and the sampler's caller divides each draft token's logits by its request's temperature
     logits = torch.randn(7, 11)
@@ -142,7 +147,8 @@ def test_register_fixes_the_expand_of_float_temperatures(sampler):
 
 
 def test_register_before_the_platform_kernels_checks_once_they_are_installed(
-        sampler, platform, monkeypatch):
+    sampler, platform, monkeypatch
+):
     """vLLM loads plugins before a worker installs the CPU fallback kernels."""
     installed = sampler.expand_batch_to_tokens
     if vllm_plugin.expand_preserves_dtype(installed):
@@ -174,8 +180,7 @@ def test_register_never_raises(sampler, monkeypatch):
     assert "did nothing" in warning.getMessage() and "probe exploded" in str(warning.exc_info[1])
 
 
-def test_the_replays_target_distribution_is_the_rejection_samplers_after_top_k_and_top_p(
-        sampler):
+def test_the_replays_target_distribution_is_the_rejection_samplers_after_top_k_and_top_p(sampler):
     """At T > 0 vLLM verifies drafts against the target's logits at the request's temperature
     cut by its top-k and top-p (apply_sampling_constraints); the offline replay's
     ``token_probability`` must give that distribution for every token, or its expected
@@ -191,16 +196,21 @@ def test_the_replays_target_distribution_is_the_rejection_samplers_after_top_k_a
     logits = torch.randn(int(cu[-1]), vocab) * 3
     logits[0, :4] = logits[0, 0]  # a tie at the top-k and top-p edges of one row
     metadata = SimpleNamespace(
-        all_greedy=False, temperature=torch.tensor([r[0] for r in requests]),
+        all_greedy=False,
+        temperature=torch.tensor([r[0] for r in requests]),
         top_p=torch.tensor([r[1] for r in requests]),
-        top_k=torch.tensor([r[2] for r in requests], dtype=torch.int32))
+        top_k=torch.tensor([r[2] for r in requests], dtype=torch.int32),
+    )
     want = torch.softmax(sampler.apply_sampling_constraints(logits.clone(), cu, metadata), -1)
     cut_something = 0
     for row in range(logits.shape[0]):
         t, top_p, top_k = requests[row // 2]
-        got = torch.tensor([token_probability(logits[row], x, t, top_p,
-                                              0 if top_k == vocab else top_k)
-                            for x in range(vocab)])
+        got = torch.tensor(
+            [
+                token_probability(logits[row], x, t, top_p, 0 if top_k == vocab else top_k)
+                for x in range(vocab)
+            ]
+        )
         torch.testing.assert_close(got, want[row], rtol=1e-5, atol=1e-7)
         cut_something += int((got == 0).sum())
     assert cut_something > vocab  # the cut left tokens out: the check compared cut rows
@@ -219,7 +229,7 @@ def test_the_grouped_norm_fix_normalizes_each_layer_by_its_own_weight():
     original = getattr(ops.rms_norm, "__wrapped__", ops.rms_norm)
     wrapped = plugin.grouped_rms_norm(original)
     assert plugin._norm_mismatch(wrapped) is None
-    if plugin._norm_mismatch(original) is not None:   # this vLLM's kernel: the bug is there
+    if plugin._norm_mismatch(original) is not None:  # this vLLM's kernel: the bug is there
         assert "off by" in plugin._norm_mismatch(original)
     x, w = torch.randn(5, 2, 8), torch.rand(8) + 0.5
     plain, through = torch.empty_like(x), torch.empty_like(x)

@@ -12,16 +12,27 @@ import torch
 from safetensors import safe_open
 
 from eaglet.core.io import read_json
-from eaglet.data.vocab import (build_maps, build_vocab_map, choose_draft_tokens,
-                               count_completion_tokens, draft_to_target, load_vocab_map)
+from eaglet.data.vocab import (
+    build_maps,
+    build_vocab_map,
+    choose_draft_tokens,
+    count_completion_tokens,
+    draft_to_target,
+    load_vocab_map,
+)
 
 
 def record(i, prompt, completion):
-    return {"id": f"p-{i}", "prompt_token_ids": list(prompt),
-            "completion_token_ids": list(completion), "sampling": {"temperature": 0.0}}
+    return {
+        "id": f"p-{i}",
+        "prompt_token_ids": list(prompt),
+        "completion_token_ids": list(completion),
+        "sampling": {"temperature": 0.0},
+    }
 
 
 # -- choose_draft_tokens ---------------------------------------------------------------------
+
 
 def test_keeps_most_frequent_ids_sorted_by_id():
     counts = Counter({50: 10, 7: 9, 99: 8, 3: 1, 12: 2, 40: 7})
@@ -82,6 +93,7 @@ def test_out_of_vocab_ids_raise(bad):
 
 # -- maps ------------------------------------------------------------------------------------
 
+
 def test_build_maps_offsets_and_mask():
     rng = random.Random(1)
     vocab = 500
@@ -109,6 +121,7 @@ def test_draft_to_target_maps_a_tensor_of_indices():
 
 # -- build_vocab_map -------------------------------------------------------------------------
 
+
 def test_only_completion_tokens_count():
     records = [record(0, [1, 1, 1, 1], [2, 3]), record(1, [1, 4], [3])]
     assert count_completion_tokens(records) == Counter({3: 2, 2: 1})
@@ -121,9 +134,13 @@ def test_build_vocab_map_writes_maps_and_stats(tmp_path):
         record(1, [7] * 30, [3, 4, 4, 5]),
         record(2, [8, 8, 8], [6, 3, 2]),
     ]
-    out, stats_path = tmp_path / "vocab" / "vocab_map.safetensors", tmp_path / "vocab" / "stats.json"
-    stats = build_vocab_map(records, vocab_size=16, draft_vocab_size=3, out_path=out,
-                            stats_path=stats_path)
+    out, stats_path = (
+        tmp_path / "vocab" / "vocab_map.safetensors",
+        tmp_path / "vocab" / "stats.json",
+    )
+    stats = build_vocab_map(
+        records, vocab_size=16, draft_vocab_size=3, out_path=out, stats_path=stats_path
+    )
     # completion counts: 3:5, 2:3, 4:2, 1:1, 5:1, 6:1 -> top 3 = {2, 3, 4}; 10 of 13 tokens
     assert stats == read_json(stats_path)
     assert stats["coverage"] == pytest.approx(10 / 13)
@@ -151,9 +168,14 @@ def test_build_vocab_map_writes_maps_and_stats(tmp_path):
 def test_build_vocab_map_coverage_matches_a_hand_count(tmp_path):
     rng = random.Random(3)
     vocab, draft = 200, 25
-    records = [record(i, [rng.randrange(vocab) for _ in range(10)],
-                      [min(int(rng.expovariate(0.05)), vocab - 1) for _ in range(rng.randrange(5, 40))])
-               for i in range(30)]
+    records = [
+        record(
+            i,
+            [rng.randrange(vocab) for _ in range(10)],
+            [min(int(rng.expovariate(0.05)), vocab - 1) for _ in range(rng.randrange(5, 40))],
+        )
+        for i in range(30)
+    ]
     stats = build_vocab_map(records, vocab, draft, tmp_path / "v.safetensors", tmp_path / "s.json")
     d2t, t2d = load_vocab_map(tmp_path / "v.safetensors")
     chosen = set(torch.nonzero(t2d).flatten().tolist())
@@ -178,8 +200,9 @@ def test_build_vocab_map_fills_and_reports(tmp_path):
 
 def test_build_vocab_map_without_completion_tokens_raises(tmp_path):
     with pytest.raises(ValueError, match="no completion tokens"):
-        build_vocab_map([record(0, [1, 2, 3], [])], 10, 4, tmp_path / "v.safetensors",
-                        tmp_path / "s.json")
+        build_vocab_map(
+            [record(0, [1, 2, 3], [])], 10, 4, tmp_path / "v.safetensors", tmp_path / "s.json"
+        )
     assert not (tmp_path / "v.safetensors").exists()
 
 
@@ -190,8 +213,9 @@ def test_the_targets_own_tokens_come_before_recorded_answers(tmp_path):
 
     target = [{"completion_token_ids": [5, 5, 6]}]
     recorded = [{"model": "dataset", "completion_token_ids": [9] * 100 + [8] * 50 + [7]}]
-    stats = build_vocab_map(target + recorded, 16, 3, tmp_path / "v.safetensors",
-                            tmp_path / "v.json")
+    stats = build_vocab_map(
+        target + recorded, 16, 3, tmp_path / "v.safetensors", tmp_path / "v.json"
+    )
     _, t2d = load_vocab_map(tmp_path / "v.safetensors")
     assert t2d.nonzero().squeeze(1).tolist() == [5, 6, 9]
     assert stats["target_coverage"] == 1.0 and stats["target_tokens"] == 3
@@ -199,7 +223,8 @@ def test_the_targets_own_tokens_come_before_recorded_answers(tmp_path):
 
 
 def test_a_draft_vocabulary_below_the_coverage_floor_is_warned_with_the_size_that_reaches_it(
-        tmp_path, caplog):
+    tmp_path, caplog
+):
     """vocab.draft_vocab_size: 10 trained with 27% coverage and only an INFO line: below
     COVERAGE_FLOOR it warns, naming the smallest size that covers the floor of this data."""
     import logging
@@ -241,13 +266,18 @@ def test_a_vocabulary_far_below_the_floor_stops_the_run_before_extraction(tmp_pa
     records = [record(0, [1], completion)]
     floor = validate({})["vocab"]["min_coverage"]
     assert floor == 0.5
-    with pytest.raises(VocabError, match=r"draft_vocab_size 4 covers only 30\.3% .* "
-                                         r"vocab\.draft_vocab_size: 16 \(covers 90%"):
-        build_vocab_map(records, 64, 4, tmp_path / "v.safetensors", tmp_path / "s.json",
-                        min_coverage=floor)
+    with pytest.raises(
+        VocabError,
+        match=r"draft_vocab_size 4 covers only 30\.3% .* "
+        r"vocab\.draft_vocab_size: 16 \(covers 90%",
+    ):
+        build_vocab_map(
+            records, 64, 4, tmp_path / "v.safetensors", tmp_path / "s.json", min_coverage=floor
+        )
     assert not (tmp_path / "v.safetensors").exists() and not (tmp_path / "s.json").exists()
-    stats = build_vocab_map(records, 64, 4, tmp_path / "v.safetensors", tmp_path / "s.json",
-                            min_coverage=0.0)
+    stats = build_vocab_map(
+        records, 64, 4, tmp_path / "v.safetensors", tmp_path / "s.json", min_coverage=0.0
+    )
     assert stats["coverage"] < 0.5 and (tmp_path / "v.safetensors").exists()
 
 
@@ -277,8 +307,11 @@ def test_an_identical_rebuild_of_the_map_keeps_the_trainings_fingerprint(tmp_pat
     paths = []
     for seed in range(12):  # fresh processes, each with its own hash seed
         path = tmp_path / f"map_{seed}.safetensors"
-        subprocess.run([sys.executable, "-c", WRITE_MAP, str(path)], check=True,
-                       env={**os.environ, "PYTHONHASHSEED": str(seed)})
+        subprocess.run(
+            [sys.executable, "-c", WRITE_MAP, str(path)],
+            check=True,
+            env={**os.environ, "PYTHONHASHSEED": str(seed)},
+        )
         paths.append(path)
     assert len({sha256_path(p) for p in paths}) > 1, "the writer's header order never varied"
     assert len({safetensors_digest(p) for p in paths}) == 1
@@ -288,11 +321,17 @@ def test_an_identical_rebuild_of_the_map_keeps_the_trainings_fingerprint(tmp_pat
     other = tmp_path / "other.safetensors"
     with open(other, "wb") as handle:
         from safetensors.torch import save
-        handle.write(save({"d2t": torch.zeros(8, dtype=torch.int64),
-                           "t2d": torch.zeros(64, dtype=torch.bool)}))
+
+        handle.write(
+            save(
+                {"d2t": torch.zeros(8, dtype=torch.int64), "t2d": torch.zeros(64, dtype=torch.bool)}
+            )
+        )
     changed = fingerprint_and_subset({"lr": 1e-3}, [], 1, str(other), None)[0]
     assert ckpt.input_differences(prints[0], changed) == ["vocab_map_sha256"]
     # a checkpoint of an earlier eaglet recorded the file's bytes: the same file still matches
-    earlier = {**prints[0], "inputs": {**prints[0]["inputs"],
-                                       "vocab_map_sha256": sha256_path(paths[0])}}
+    earlier = {
+        **prints[0],
+        "inputs": {**prints[0]["inputs"], "vocab_map_sha256": sha256_path(paths[0])},
+    }
     assert ckpt.input_differences(earlier, prints[0]) == []

@@ -52,8 +52,9 @@ def status(results, config: str | None = str(workflow.TINY)) -> dict[str, dict]:
     """`eaglet status` of the run, stage by stage (Snakemake's view included); with
     ``config=None`` from the config the run recorded, as `eaglet status --results` does."""
     cfg = load_run_config(results, config, workflow.REPO)
-    report = eaglet_status.collect(results, cfg, workflow.REPO,
-                                   eaglet_status.snakemake_config_args(results, config))
+    report = eaglet_status.collect(
+        results, cfg, workflow.REPO, eaglet_status.snakemake_config_args(results, config)
+    )
     text = eaglet_status.render(report)  # renders at every point of a run, naming each stage
     assert text.startswith(f"eaglet status of {results}"), text[:200]
     for s in report["stages"]:
@@ -92,8 +93,9 @@ def test_generate_is_interrupted_and_resumes_without_regenerating(results, tmp_p
             # for the whole tiny generation to finish if it were asked after the first sample)
             progress_file = results / "progress" / "generate.json"
             wait_for(progress_file.exists, 600, "the generate stage to start", proc)
-            prompts = (read_jsonl(results / "prompts" / "train.jsonl")
-                       + read_jsonl(results / "prompts" / "eval.jsonl"))
+            prompts = read_jsonl(results / "prompts" / "train.jsonl") + read_jsonl(
+                results / "prompts" / "eval.jsonl"
+            )
             # the ShareGPT source trains on its recorded answers: the target answers the rest
             asked = [p for p in prompts if "answer" not in p]
             assert 0 < len(asked) < len(prompts)
@@ -106,8 +108,9 @@ def test_generate_is_interrupted_and_resumes_without_regenerating(results, tmp_p
                 assert "server ready" in (results / "logs" / "generate.log").read_text()
             else:
                 assert running["phase"] == "starting the vLLM server" and running["done"] == 0
-            wait_for(lambda: len(partial_lines(partial)) >= 1, 600, "the first sample", proc,
-                     poll_s=0.1)
+            wait_for(
+                lambda: len(partial_lines(partial)) >= 1, 600, "the first sample", proc, poll_s=0.1
+            )
             assert len(partial_lines(partial)) < len(asked), "finished before the interrupt"
             os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
             proc.wait(timeout=120)
@@ -134,13 +137,16 @@ def test_generate_is_interrupted_and_resumes_without_regenerating(results, tmp_p
     ids = [r["id"] for r in records]
     assert sorted(ids) == sorted(p["id"] for p in prompts)  # each prompt exactly once
     assert {r["id"] for r in held_out} == {
-        p["id"] for p in read_jsonl(results / "prompts" / "eval.jsonl")}
+        p["id"] for p in read_jsonl(results / "prompts" / "eval.jsonl")
+    }
     for record in records:
         if record["id"] in before:  # finished samples were kept, not regenerated
             assert record == before[record["id"]]
         assert record["completion_token_ids"] and record["prompt_token_ids"]
-    assert "resuming: %d of %d" % (len(before), len(asked)) in (
-        results / "logs" / "generate.log").read_text()
+    assert (
+        "resuming: %d of %d" % (len(before), len(asked))
+        in (results / "logs" / "generate.log").read_text()
+    )
 
     stats = read_json(results / "synthetic" / "stats.json")
     assert sum(s["samples"] for s in stats["splits"].values()) == len(prompts)
@@ -157,20 +163,29 @@ def test_generate_is_interrupted_and_resumes_without_regenerating(results, tmp_p
 
 
 def test_hidden_states_reproduce_the_servers_greedy_tokens(results, tmp_path):
-    workflow.run(results, "hidden/manifest.json", "hidden/eval/shard_00000.safetensors",
-                 "vocab/vocab_map.safetensors")
+    workflow.run(
+        results,
+        "hidden/manifest.json",
+        "hidden/eval/shard_00000.safetensors",
+        "vocab/vocab_map.safetensors",
+    )
     manifest = read_json(results / "hidden" / "manifest.json")
     train = read_jsonl(results / "synthetic" / "train.jsonl")
     assert manifest["num_samples"] == len(train)
     assert sorted(s for shard in manifest["shards"] for s in shard["samples"]) == sorted(
-        r["id"] for r in train)
+        r["id"] for r in train
+    )
     assert manifest["aux_layer_ids"] == [2, 15, 27]  # vLLM's default for 30 layers
     assert manifest["greedy"]
     # vLLM's prefill states against its own greedy tokens (bf16 storage ties aside)
     assert manifest["teacher_agreement"] >= 0.99
     for shard in manifest["shards"]:  # the default backend: one server wrote every shard
-        assert read_json(results / "hidden" / shard["file"].replace(
-            ".safetensors", ".json"))["backend"] == "vllm"
+        assert (
+            read_json(results / "hidden" / shard["file"].replace(".safetensors", ".json"))[
+                "backend"
+            ]
+            == "vllm"
+        )
     vocab = read_json(results / "vocab" / "stats.json")
     assert vocab["coverage"] == 1.0  # every completion token fits in the tiny draft vocab
 
@@ -184,9 +199,15 @@ def test_hidden_states_reproduce_the_servers_greedy_tokens(results, tmp_path):
     shard = manifest["shards"][0]
     ours = shards.load(results / "hidden" / shard["file"])
     hf_path = tmp_path / "hf.safetensors"
-    extract_shard(target, [by_id[i] for i in shard["samples"]], {**cfg["extract"], "backend": "hf"},
-                  manifest["aux_layer_ids"], target_identity(info), hf_path,
-                  tmp_path / "hf.json")
+    extract_shard(
+        target,
+        [by_id[i] for i in shard["samples"]],
+        {**cfg["extract"], "backend": "hf"},
+        manifest["aux_layer_ids"],
+        target_identity(info),
+        hf_path,
+        tmp_path / "hf.json",
+    )
     theirs = shards.load(hf_path)
     for name in ("input_ids", "offsets", "loss_mask"):
         assert torch.equal(getattr(ours, name), getattr(theirs, name)), name
@@ -235,8 +256,8 @@ def test_trained_drafter_is_measured_in_vllm_and_reported(results, tmp_path):
     assert set(acceptance["prompt_sets"]) == {"heldout", "everyday"}
     base_levels = {(lv["set"], lv["concurrency"]): lv for lv in runs["baseline"]["levels"]}
     assert set(base_levels) == {(s, c) for s in ("heldout", "everyday") for c in (1, 4)}
-    assert base_levels[("everyday", 1)]["requests"] == 2   # rounds x concurrency
-    assert base_levels[("everyday", 4)]["requests"] == 4   # capped at the set's 4 prompts
+    assert base_levels[("everyday", 1)]["requests"] == 2  # rounds x concurrency
+    assert base_levels[("everyday", 4)]["requests"] == 4  # capped at the set's 4 prompts
     for name in set(runs) - {"baseline"}:
         run = runs[name]
         assert run["drafts"] > 0 and run["draft_tokens"] <= run["k"] * run["drafts"]
@@ -244,15 +265,20 @@ def test_trained_drafter_is_measured_in_vllm_and_reported(results, tmp_path):
         assert run["acceptance_length"] == pytest.approx(1 + sum(run["per_position_rate"]))
         for per_set in run["sets"].values():
             assert per_set["acceptance_length"] == pytest.approx(
-                1 + sum(per_set["per_position_rate"]))
+                1 + sum(per_set["per_position_rate"])
+            )
         assert sum(lv["drafts"] for lv in run["levels"]) == run["drafts"]
         # over the target alone measured beside it: the sweep's, or the schedule check's own
-        refs = ({(lv["set"], lv["concurrency"]): lv for lv in run["baseline_levels"]}
-                if "baseline_levels" in run else base_levels)
+        refs = (
+            {(lv["set"], lv["concurrency"]): lv for lv in run["baseline_levels"]}
+            if "baseline_levels" in run
+            else base_levels
+        )
         for lv in run["levels"]:
             ref = refs[(lv["set"], lv["concurrency"])]
             assert lv["speedup"] == pytest.approx(
-                (lv["output_tokens"] / lv["wall_s"]) / (ref["output_tokens"] / ref["wall_s"]))
+                (lv["output_tokens"] / lv["wall_s"]) / (ref["output_tokens"] / ref["wall_s"])
+            )
     # the offline PyTorch replay agrees with vLLM: export, layer ids and d2t are right
     offline = acceptance["offline"]["eagle3_k3"]
     assert offline["ratio_offline_over_vllm"] == pytest.approx(1.0, abs=0.05)
@@ -284,7 +310,8 @@ def test_trained_drafter_is_measured_in_vllm_and_reported(results, tmp_path):
     recorded = status(results, config=None)
     assert all(s["state"] == "completed" for s in recorded.values()), recorded
     assert finished["evaluate"]["facts"]["acceptance_length"] == pytest.approx(
-        runs["eagle3_k3"]["acceptance_length"])
+        runs["eagle3_k3"]["acceptance_length"]
+    )
 
     # figures are redrawn from the results alone, without running a model again
     (results / "eval" / "per_position.png").unlink()
@@ -303,8 +330,9 @@ def test_trained_drafter_is_measured_in_vllm_and_reported(results, tmp_path):
     assert first_page.startswith("Verdict on the drafter for "), first_page[:300]
     for sentence in [verdict["summary"], *verdict["warnings"]]:
         assert " ".join(sentence.split()) in first_page, (sentence, first_page[:3000])
-    served = shlex.join(["--model", read_target(results / "target" / "target.json")["path"],
-                         *serve["vllm_args"]])
+    served = shlex.join(
+        ["--model", read_target(results / "target" / "target.json")["path"], *serve["vllm_args"]]
+    )
     assert served in first_page, (served, first_page[:3000])
 
 
@@ -326,12 +354,19 @@ def test_a_dflash_drafter_trains_and_is_served_beside_eagle3(results, tmp_path):
     overlay = tmp_path / "dflash.yaml"
     # DFlash learns more slowly than EAGLE-3 from few steps: 12 epochs (36 steps) so that it
     # accepts some drafts and the replay's agreement is about drafts that matter
-    overlay.write_text(f"train:\n  method: dflash\n  dflash_layers: 2\n  epochs: 12\n"
-                       f"  lr: 3.0e-3\n"
-                       f"evaluate:\n  ngram: false\n  schedule: false\n"
-                       f"  compare_drafters: [{results / 'drafter'}]\n")
-    proc = workflow.run(dflash, "eval/acceptance.json", configs=(overlay,),
-                        extra=("--rerun-triggers", "mtime"), timeout=1800)
+    overlay.write_text(
+        f"train:\n  method: dflash\n  dflash_layers: 2\n  epochs: 12\n"
+        f"  lr: 3.0e-3\n"
+        f"evaluate:\n  ngram: false\n  schedule: false\n"
+        f"  compare_drafters: [{results / 'drafter'}]\n"
+    )
+    proc = workflow.run(
+        dflash,
+        "eval/acceptance.json",
+        configs=(overlay,),
+        extra=("--rerun-triggers", "mtime"),
+        timeout=1800,
+    )
     ran = proc.stdout + proc.stderr
     assert "rule train" in ran and "rule extract" not in ran and "rule generate" not in ran
     drafter = read_json(dflash / "drafter" / "config.json")
@@ -340,8 +375,11 @@ def test_a_dflash_drafter_trains_and_is_served_beside_eagle3(results, tmp_path):
     served = (dflash / "logs" / "evaluate.dflash_k3.server.log").read_text()
     assert "Loaded DFlash mask embedding" in served
     # loaded whole: no warning about its weights or the K/V buffers load_weights builds
-    assert not [line for line in served.splitlines() if "WARNING" in line
-                and ("weight" in line.lower() or "DFlash" in line)], served[-3000:]
+    assert not [
+        line
+        for line in served.splitlines()
+        if "WARNING" in line and ("weight" in line.lower() or "DFlash" in line)
+    ], served[-3000:]
     assert "wrapped vllm._custom_ops.rms_norm" in served  # the worker's grouped norm fixed
     acceptance = read_json(dflash / "eval" / "acceptance.json")
     runs = {r["name"]: r for r in acceptance["runs"]}
@@ -356,7 +394,8 @@ def test_a_dflash_drafter_trains_and_is_served_beside_eagle3(results, tmp_path):
         assert row["acceptance_length"] == pytest.approx(1 + sum(row["per_position_rate"]))
         # the replay of each drafter's own drafting agrees with vLLM's counters
         assert acceptance["offline"][name]["ratio_offline_over_vllm"] == pytest.approx(
-            1.0, abs=0.01)
+            1.0, abs=0.01
+        )
     assert acceptance["offline"]["dflash_k3"]["acceptance_length"] > 1.0  # it drafts something
     assert status(dflash, str(workflow.TINY))["train"]["facts"]["method"] == "dflash"
 
@@ -375,10 +414,17 @@ def test_a_published_drafter_is_fine_tuned_and_served_beside_its_start(results, 
         if part.is_dir():
             shutil.copytree(part, tuned / part.name, copy_function=os.link)
     overlay = tmp_path / "tuned.yaml"
-    overlay.write_text(f"train:\n  init_from: {results / 'drafter'}\n  epochs: 1\n"
-                       f"evaluate:\n  ngram: false\n  schedule: false\n  offline: false\n")
-    proc = workflow.run(tuned, "eval/acceptance.json", configs=(overlay,),
-                        extra=("--rerun-triggers", "mtime"), timeout=1800)
+    overlay.write_text(
+        f"train:\n  init_from: {results / 'drafter'}\n  epochs: 1\n"
+        f"evaluate:\n  ngram: false\n  schedule: false\n  offline: false\n"
+    )
+    proc = workflow.run(
+        tuned,
+        "eval/acceptance.json",
+        configs=(overlay,),
+        extra=("--rerun-triggers", "mtime"),
+        timeout=1800,
+    )
     ran = proc.stdout + proc.stderr
     assert "rule start_drafter" in ran and not re.search(r"\brule extract", ran), ran[-3000:]
     record = read_json(tuned / "start_drafter" / "start.json")
@@ -394,8 +440,7 @@ def test_a_published_drafter_is_fine_tuned_and_served_beside_its_start(results, 
     rows = list(csv.DictReader((tuned / "drafter" / "training_log.csv").open()))
     step0 = next(r for r in rows if r["split"] == "eval")
     assert int(step0["step"]) == 0
-    assert float(step0["sim_al"]) == pytest.approx(first["shipped"]["heldout_al"],
-                                                              rel=1e-3)
+    assert float(step0["sim_al"]) == pytest.approx(first["shipped"]["heldout_al"], rel=1e-3)
     log = (tuned / "logs" / "train.log").read_text()
     assert "fine-tuning the drafter of" in log and "0 tensors" not in log
     stats = read_json(tuned / "drafter" / "stats.json")
@@ -409,7 +454,8 @@ def test_a_published_drafter_is_fine_tuned_and_served_beside_its_start(results, 
 
 
 def test_states_captured_while_generating_stream_into_training_like_the_extracted_ones(
-        results, tmp_path):
+    results, tmp_path
+):
     """generate.capture_hidden_states with train.data stream: generation runs again on a
     server with the capture options (the recorded answers, never generated, sent to it as
     prefill requests); extraction packs the held-out split's states alone, and the training
@@ -420,8 +466,10 @@ def test_states_captured_while_generating_stream_into_training_like_the_extracte
     before_manifest = read_json(results / "hidden" / "manifest.json")
     before_train = status(results)["train"]["facts"]
     overlay = tmp_path / "fused.yaml"
-    overlay.write_text("generate:\n  capture_hidden_states: true\nextract:\n  backend: vllm\n"
-                       "train:\n  data: stream\n")
+    overlay.write_text(
+        "generate:\n  capture_hidden_states: true\nextract:\n  backend: vllm\n"
+        "train:\n  data: stream\n"
+    )
     proc = workflow.run(results, "drafter/model.safetensors", configs=(overlay,), timeout=1800)
     assert "rule generate" in proc.stdout + proc.stderr  # the samples are made again, captured
     extract_log = (results / "logs" / "extract" / "vllm.log").read_text()
@@ -429,10 +477,16 @@ def test_states_captured_while_generating_stream_into_training_like_the_extracte
     # every sample's states came from the generation server: the generated answers' as they
     # were generated, the recorded answers' (answers: dataset, never generated) from prefill
     # requests to that same server; extraction only packed them and loaded no target
-    recorded = sum(r["model"] == "dataset" for split in ("train", "eval")
-                   for r in read_jsonl(results / "synthetic" / f"{split}.jsonl"))
-    assert recorded and f"prefilling {recorded} recorded answers on the capturing server" in (
-        results / "logs" / "generate.log").read_text()
+    recorded = sum(
+        r["model"] == "dataset"
+        for split in ("train", "eval")
+        for r in read_jsonl(results / "synthetic" / f"{split}.jsonl")
+    )
+    assert (
+        recorded
+        and f"prefilling {recorded} recorded answers on the capturing server"
+        in (results / "logs" / "generate.log").read_text()
+    )
     assert "no saved states" not in extract_log and "starting server" not in extract_log
     manifest = read_json(results / "hidden" / "manifest.json")
     assert manifest["num_shards"] == 0 and len(manifest["eval_shards"]) == 1
@@ -453,14 +507,20 @@ def test_states_captured_while_generating_stream_into_training_like_the_extracte
     assert [p.parent.name for p in packed] == ["eval"]
     assert os.path.samefile(packed[0], results / "hidden" / "eval" / packed[0].name)
     assert (results / "logs" / "train.server.log").exists()
-    facts = eaglet_status.collect(results, load_run_config(
-        results, str(workflow.TINY), workflow.REPO), None)
+    facts = eaglet_status.collect(
+        results, load_run_config(results, str(workflow.TINY), workflow.REPO), None
+    )
     train = {s["stage"]: s for s in facts["stages"]}["train"]
     assert train["facts"]["eval_simulated_al"] == pytest.approx(
-        before_train["eval_simulated_al"], abs=0.15)
+        before_train["eval_simulated_al"], abs=0.15
+    )
     assert "states streamed: %d prefill requests, %d saved by generation" % (
-        stream["requests"], n) in eaglet_status.render(facts)
-    print(f"teacher agreement prefill {before_manifest['teacher_agreement']:.4f} streamed "
-          f"{stream['teacher_agreement']:.4f}; eval simulated AL shards "
-          f"{before_train['eval_simulated_al']:.3f} streamed "
-          f"{train['facts']['eval_simulated_al']:.3f}; {stream}")
+        stream["requests"],
+        n,
+    ) in eaglet_status.render(facts)
+    print(
+        f"teacher agreement prefill {before_manifest['teacher_agreement']:.4f} streamed "
+        f"{stream['teacher_agreement']:.4f}; eval simulated AL shards "
+        f"{before_train['eval_simulated_al']:.3f} streamed "
+        f"{train['facts']['eval_simulated_al']:.3f}; {stream}"
+    )

@@ -33,9 +33,15 @@ def one_thread() -> Iterator[None]:
 
 
 def tiny_config() -> LlamaConfig:
-    return LlamaConfig(hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=LAYERS,
-                       num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-                       max_position_embeddings=256)
+    return LlamaConfig(
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=256,
+    )
 
 
 def make_tiny_llama(out_dir: str | Path | None = None, seed: int = 0) -> LlamaForCausalLM:
@@ -53,12 +59,16 @@ def greedy_completion(model, prompt: list[int], new_tokens: int) -> list[int]:
     for _ in range(new_tokens):
         logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1]
         ids.append(int(logits.argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def record(rid: str, prompt: list[int], completion: list[int], temperature: float = 0.0) -> dict:
-    return {"id": rid, "prompt_token_ids": list(prompt), "completion_token_ids": list(completion),
-            "sampling": {"temperature": temperature}}
+    return {
+        "id": rid,
+        "prompt_token_ids": list(prompt),
+        "completion_token_ids": list(completion),
+        "sampling": {"temperature": temperature},
+    }
 
 
 def random_prompts(n: int, seed: int, min_len: int = 3, max_len: int = 12) -> list[list[int]]:
@@ -66,16 +76,30 @@ def random_prompts(n: int, seed: int, min_len: int = 3, max_len: int = 12) -> li
     return [[rng.randrange(VOCAB) for _ in range(rng.randint(min_len, max_len))] for _ in range(n)]
 
 
-def greedy_records(model, n: int = 6, seed: int = 0, new_tokens=(6, 14),
-                   prefix: str = "p-greedy") -> list[dict]:
+def greedy_records(
+    model, n: int = 6, seed: int = 0, new_tokens=(6, 14), prefix: str = "p-greedy"
+) -> list[dict]:
     rng = random.Random(seed + 1)
-    return [record(f"{prefix}-{i}", prompt, greedy_completion(model, prompt, rng.randint(*new_tokens)))
-            for i, prompt in enumerate(random_prompts(n, seed))]
+    return [
+        record(f"{prefix}-{i}", prompt, greedy_completion(model, prompt, rng.randint(*new_tokens)))
+        for i, prompt in enumerate(random_prompts(n, seed))
+    ]
 
 
-def random_records(n: int = 4, seed: int = 100, new_tokens=(6, 14), temperature: float = 0.0,
-                   prefix: str = "p-random") -> list[dict]:
+def random_records(
+    n: int = 4,
+    seed: int = 100,
+    new_tokens=(6, 14),
+    temperature: float = 0.0,
+    prefix: str = "p-random",
+) -> list[dict]:
     rng = random.Random(seed + 1)
-    return [record(f"{prefix}-{i}", prompt,
-                   [rng.randrange(VOCAB) for _ in range(rng.randint(*new_tokens))], temperature)
-            for i, prompt in enumerate(random_prompts(n, seed))]
+    return [
+        record(
+            f"{prefix}-{i}",
+            prompt,
+            [rng.randrange(VOCAB) for _ in range(rng.randint(*new_tokens))],
+            temperature,
+        )
+        for i, prompt in enumerate(random_prompts(n, seed))
+    ]

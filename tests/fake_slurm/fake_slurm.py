@@ -27,8 +27,17 @@ import sys
 import time
 from pathlib import Path
 
-COMMANDS = ("sbatch", "sacct", "squeue", "scancel", "sinfo", "scontrol", "sacctmgr", "sshare",
-            "srun")
+COMMANDS = (
+    "sbatch",
+    "sacct",
+    "squeue",
+    "scancel",
+    "sinfo",
+    "scontrol",
+    "sacctmgr",
+    "sshare",
+    "srun",
+)
 ACCOUNT = "fake_account"
 DEFAULT_PARTITION = "fake_default"
 FIRST_JOB_ID = 1000
@@ -40,8 +49,9 @@ def install(bin_dir: Path, python: str = sys.executable) -> Path:
     me = Path(__file__).resolve()
     for name in COMMANDS:
         wrapper = bin_dir / name
-        wrapper.write_text(f'#!/bin/sh\nexec {shlex.quote(python)} {shlex.quote(str(me))} '
-                           f'{name} "$@"\n')
+        wrapper.write_text(
+            f'#!/bin/sh\nexec {shlex.quote(python)} {shlex.quote(str(me))} {name} "$@"\n'
+        )
         wrapper.chmod(0o755)
     return bin_dir
 
@@ -87,7 +97,7 @@ def option(argv: list[str], *names: str) -> str | None:
             if arg == name and i + 1 < len(argv):
                 return argv[i + 1]
             if name.startswith("--") and arg.startswith(name + "="):
-                return arg[len(name) + 1:]
+                return arg[len(name) + 1 :]
     return None
 
 
@@ -114,18 +124,28 @@ def sbatch(argv: list[str]) -> int:
         for out in spec.get("outputs", []):  # the job "ran": its outputs exist
             Path(out).parent.mkdir(parents=True, exist_ok=True)
             Path(out).write_text(f"written by fake SLURM job {jobid}\n")
-        _append("submissions.jsonl", {
-            "jobid": str(jobid), "argv": argv, "comment": comment,
-            "job_name": option(argv, "--job-name", "-J"), "stdin": stdin, "time": time.time(),
-        })
+        _append(
+            "submissions.jsonl",
+            {
+                "jobid": str(jobid),
+                "argv": argv,
+                "comment": comment,
+                "job_name": option(argv, "--job-name", "-J"),
+                "stdin": stdin,
+                "time": time.time(),
+            },
+        )
     print(jobid)
     return 0
 
 
 def _status_lines(argv: list[str]) -> str:
     name = option(argv, "--name")
-    return "".join(f"{s['jobid']}|{_state_of(s)}\n" for s in submissions()
-                   if name is None or s["job_name"] == name)
+    return "".join(
+        f"{s['jobid']}|{_state_of(s)}\n"
+        for s in submissions()
+        if name is None or s["job_name"] == name
+    )
 
 
 def sacct(argv: list[str]) -> int:
@@ -154,8 +174,10 @@ def sinfo(argv: list[str]) -> int:
 
 def scontrol(argv: list[str]) -> int:
     if argv[:2] == ["show", "config"]:
-        print("Configuration data as of 2026-01-01T00:00:00\nMaxArraySize            = 1001\n"
-              "MinJobAge               = 300 sec")
+        print(
+            "Configuration data as of 2026-01-01T00:00:00\nMaxArraySize            = 1001\n"
+            "MinJobAge               = 300 sec"
+        )
         return 0
     print(f"fake scontrol: unsupported {argv}", file=sys.stderr)
     return 1
@@ -178,9 +200,17 @@ def srun(argv: list[str]) -> int:  # only the job step runs srun: never in these
 def main() -> int:
     command, argv = sys.argv[1], sys.argv[2:]
     _append("calls.jsonl", {"command": command, "argv": argv, "time": time.time()})
-    handler = {"sbatch": sbatch, "sacct": sacct, "squeue": squeue, "scancel": scancel,
-               "sinfo": sinfo, "scontrol": scontrol, "sacctmgr": accounts, "sshare": accounts,
-               "srun": srun}[command]
+    handler = {
+        "sbatch": sbatch,
+        "sacct": sacct,
+        "squeue": squeue,
+        "scancel": scancel,
+        "sinfo": sinfo,
+        "scontrol": scontrol,
+        "sacctmgr": accounts,
+        "sshare": accounts,
+        "srun": srun,
+    }[command]
     return handler(argv)
 
 

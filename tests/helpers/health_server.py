@@ -22,18 +22,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", required=True)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--ready-after", type=float, default=0.0,
-                        help="seconds of 503 on /health before 200")
-    parser.add_argument("--crash-after", type=float, default=None,
-                        help="exit with code 3 after this many seconds")
-    parser.add_argument("--crash-message", default="boom: simulated crash",
-                        help="what the crash prints to stderr first")
+    parser.add_argument(
+        "--ready-after", type=float, default=0.0, help="seconds of 503 on /health before 200"
+    )
+    parser.add_argument(
+        "--crash-after", type=float, default=None, help="exit with code 3 after this many seconds"
+    )
+    parser.add_argument(
+        "--crash-message",
+        default="boom: simulated crash",
+        help="what the crash prints to stderr first",
+    )
     parser.add_argument("--crash-code", type=int, default=3, help="the crash's exit code")
     parser.add_argument("--ignore-sigterm", action="store_true")
-    parser.add_argument("--spawn-child", action="store_true",
-                        help="start `sleep 600` in this process group")
-    parser.add_argument("--child-pid-file", default=None,
-                        help="where --spawn-child writes the grandchild's pid")
+    parser.add_argument(
+        "--spawn-child", action="store_true", help="start `sleep 600` in this process group"
+    )
+    parser.add_argument(
+        "--child-pid-file", default=None, help="where --spawn-child writes the grandchild's pid"
+    )
     return parser.parse_args(argv)
 
 
@@ -85,7 +92,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.crash_after is not None:
         crash_later(args.crash_after, args.crash_message, args.crash_code)
     server = http.server.ThreadingHTTPServer(
-        (args.host, args.port), make_handler(started, args.ready_after))
+        (args.host, args.port), make_handler(started, args.ready_after)
+    )
     print(f"health server for {args.model} listening on {args.host}:{args.port}", flush=True)
     server.serve_forever()
 

@@ -47,10 +47,12 @@ class ReferenceKernel(nn.Module):
         self.keys.append(k.view(rows, self.kv_heads, d))
         self.values.append(v.view(rows, self.kv_heads, d))
         group = self.heads // self.kv_heads
-        keys = torch.cat(self.keys).repeat_interleave(group, dim=1)      # [seen, heads, D]
+        keys = torch.cat(self.keys).repeat_interleave(group, dim=1)  # [seen, heads, D]
         values = torch.cat(self.values).repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q.view(rows, self.heads, d).float(),
-                              keys.float()) * self.scale
+        scores = (
+            torch.einsum("qhd,khd->hqk", q.view(rows, self.heads, d).float(), keys.float())
+            * self.scale
+        )
         seen = keys.shape[0]
         causal = torch.arange(seen)[None, :] <= (seen - rows + torch.arange(rows))[:, None]
         weights = scores.masked_fill(~causal, float("-inf")).softmax(-1)
@@ -71,40 +73,53 @@ def main(target: str, drafter: str, inputs: str, out: str) -> None:
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
     from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
 
-    args = EngineArgs(model=target, skip_tokenizer_init=True, dtype="float32", max_model_len=256,
-                      enforce_eager=True,
-                      speculative_config={"method": "eagle3", "model": drafter,
-                                          "num_speculative_tokens": 3})
+    args = EngineArgs(
+        model=target,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=256,
+        enforce_eager=True,
+        speculative_config={"method": "eagle3", "model": drafter, "num_speculative_tokens": 3},
+    )
     config = args.create_engine_config()
     data = load_file(inputs)
     p, k = int(data["p"]), int(data["k"])
     result = {}
     with set_current_vllm_config(config), torch.no_grad():
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
+        init_distributed_environment(
+            world_size=1,
+            rank=0,
+            local_rank=0,
+            backend="gloo",
+            distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
+        )
         initialize_model_parallel(1, 1)
         model = Eagle3LlamaForCausalLM(vllm_config=config)
         model.load_weights(iter(load_file(f"{drafter}/model.safetensors").items()))
         for name, param in model.named_parameters():
             result[f"loaded.{name}"] = param.detach().clone()
         embed = load_file(f"{target}/model.safetensors")["model.embed_tokens.weight"]
-        model.model.embed_tokens.weight[:embed.shape[0]].copy_(embed)
-        process_weights_after_loading(model, config.speculative_config.draft_model_config,
-                                      torch.device("cpu"))
+        model.model.embed_tokens.weight[: embed.shape[0]].copy_(embed)
+        process_weights_after_loading(
+            model, config.speculative_config.draft_model_config, torch.device("cpu")
+        )
         layer = model.model.layers[0]
         attention = layer.self_attn  # LlamaAttention
-        attention.attn = ReferenceKernel(attention.num_heads, attention.num_kv_heads,
-                                         attention.head_dim, attention.scaling)
-        flags = {"norm_before_fc": model.model.input_norm is not None,
-                 "fc_norm": model.model.fc_norm is not None,
-                 "norm_output": bool(model.model.norm_output),
-                 "norm_before_residual": layer._residual_norm == layer._norm_before_residual}
+        attention.attn = ReferenceKernel(
+            attention.num_heads, attention.num_kv_heads, attention.head_dim, attention.scaling
+        )
+        flags = {
+            "norm_before_fc": model.model.input_norm is not None,
+            "fc_norm": model.model.fc_norm is not None,
+            "norm_output": bool(model.model.norm_output),
+            "norm_before_residual": layer._residual_norm == layer._norm_before_residual,
+        }
         for name, value in flags.items():
             result[f"flags.{name}"] = torch.tensor(value)
 
         aux, ids = data["aux"].float(), data["ids"]
-        hidden = model.combine_hidden_states(aux[:p + 1])
-        tokens, positions = ids[1:p + 2], torch.arange(p + 1)
+        hidden = model.combine_hidden_states(aux[: p + 1])
+        tokens, positions = ids[1 : p + 2], torch.arange(p + 1)
         for step in range(k):
             normed, next_hidden = model(tokens, positions, hidden)
             logits = model.compute_logits(normed[-1:])[0]

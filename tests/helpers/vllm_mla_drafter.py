@@ -37,7 +37,11 @@ class ReferenceKernel(nn.Module):
     def __init__(self, wrapper, scale: float):
         super().__init__()
         self.kv_b_proj = wrapper.kv_b_proj
-        self.heads, self.nope, self.v_dim = wrapper.num_heads, wrapper.qk_nope_head_dim, wrapper.v_head_dim
+        self.heads, self.nope, self.v_dim = (
+            wrapper.num_heads,
+            wrapper.qk_nope_head_dim,
+            wrapper.v_head_dim,
+        )
         self.scale = scale
         self.keys, self.values = [], []
 
@@ -48,7 +52,7 @@ class ReferenceKernel(nn.Module):
         k = torch.cat([k_nope, k_pe.expand(rows, self.heads, k_pe.shape[-1])], dim=-1)
         self.keys.append(k)
         self.values.append(v)
-        keys, values = torch.cat(self.keys), torch.cat(self.values)     # [seen, heads, D]
+        keys, values = torch.cat(self.keys), torch.cat(self.values)  # [seen, heads, D]
         scores = torch.einsum("qhd,khd->hqk", q.float(), keys.float()) * self.scale
         seen = keys.shape[0]
         causal = torch.arange(seen)[None, :] <= (seen - rows + torch.arange(rows))[:, None]
@@ -75,18 +79,32 @@ def main(target: str, drafter: str, inputs: str, out: str) -> None:
     # the backend eaglet's CPU servers ask for (a CPU with AMX would pick AMX MLA, which
     # takes no float32 weights), for the target's layers and the drafter's alike
     backend = cpu_attention_backend(mla=True, dtype="float32")
-    args = EngineArgs(model=target, skip_tokenizer_init=True, dtype="float32", max_model_len=256,
-                      enforce_eager=True, attention_backend=backend,
-                      speculative_config={"method": "eagle3", "model": drafter,
-                                          "num_speculative_tokens": 3,
-                                          "attention_backend": backend})
+    args = EngineArgs(
+        model=target,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=256,
+        enforce_eager=True,
+        attention_backend=backend,
+        speculative_config={
+            "method": "eagle3",
+            "model": drafter,
+            "num_speculative_tokens": 3,
+            "attention_backend": backend,
+        },
+    )
     config = args.create_engine_config()
     data = load_file(inputs)
     p, k = int(data["p"]), int(data["k"])
     result = {}
     with set_current_vllm_config(config), torch.no_grad():
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
+        init_distributed_environment(
+            world_size=1,
+            rank=0,
+            local_rank=0,
+            backend="gloo",
+            distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
+        )
         initialize_model_parallel(1, 1)
         model = Eagle3DeepseekV2ForCausalLM(vllm_config=config)
         model.load_weights(iter(load_file(f"{drafter}/model.safetensors").items()))
@@ -94,16 +112,17 @@ def main(target: str, drafter: str, inputs: str, out: str) -> None:
             result[f"loaded.{name}"] = param.detach().clone()
         # the engine shares the target's embedding with a drafter that has none
         embed = load_file(f"{target}/model.safetensors")["model.embed_tokens.weight"]
-        model.model.embed_tokens.weight[:embed.shape[0]].copy_(embed)
-        process_weights_after_loading(model, config.speculative_config.draft_model_config,
-                                      torch.device("cpu"))
+        model.model.embed_tokens.weight[: embed.shape[0]].copy_(embed)
+        process_weights_after_loading(
+            model, config.speculative_config.draft_model_config, torch.device("cpu")
+        )
         attention = model.model.layers[0].self_attn  # DeepseekV2MLAAttention
         attention.mla_attn.mla_attn = ReferenceKernel(attention.mla_attn, attention.scaling)
         result["config.scale"] = torch.tensor(attention.scaling, dtype=torch.float64)
 
         aux, ids = data["aux"].float(), data["ids"]
-        hidden = model.combine_hidden_states(aux[:p + 1])
-        tokens, positions = ids[1:p + 2], torch.arange(p + 1)
+        hidden = model.combine_hidden_states(aux[: p + 1])
+        tokens, positions = ids[1 : p + 2], torch.arange(p + 1)
         for step in range(k):
             normed, prenorm = model(tokens, positions, hidden)
             logits = model.compute_logits(normed[-1:])[0]

@@ -25,11 +25,22 @@ def drafter_world(target: str, speculative_config: dict) -> Iterator[object]:
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.engine.arg_utils import EngineArgs
 
-    args = EngineArgs(model=target, skip_tokenizer_init=True, dtype="float32", max_model_len=256,
-                      enforce_eager=True, speculative_config=speculative_config)
+    args = EngineArgs(
+        model=target,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=256,
+        enforce_eager=True,
+        speculative_config=speculative_config,
+    )
     config = args.create_engine_config()
     with set_current_vllm_config(config), torch.no_grad():
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
+        init_distributed_environment(
+            world_size=1,
+            rank=0,
+            local_rank=0,
+            backend="gloo",
+            distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
+        )
         initialize_model_parallel(1, 1)
         yield config

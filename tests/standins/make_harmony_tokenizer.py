@@ -22,12 +22,19 @@ from pathlib import Path
 
 # o200k's split: letter runs (cased words keep a leading non-letter and an English
 # contraction), numbers of up to three digits, punctuation runs, newlines, spaces
-O200K_SPLIT = "|".join([
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
-    r"\p{N}{1,3}", r" ?[^\s\p{L}\p{N}]+[\r\n/]*", r"\s*[\r\n]+", r"\s+(?!\S)", r"\s+"])
+O200K_SPLIT = "|".join(
+    [
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+        r"\p{N}{1,3}",
+        r" ?[^\s\p{L}\p{N}]+[\r\n/]*",
+        r"\s*[\r\n]+",
+        r"\s+(?!\S)",
+        r"\s+",
+    ]
+)
 
 
 def encoding():
@@ -42,8 +49,9 @@ def build(directory: Path) -> Path:
 
     inner = encoding()
     vocab_size = json.loads((directory / "config.json").read_text())["vocab_size"]
-    specials = {name: inner.encode(name, allowed_special=[name])[0]
-                for name in inner.special_tokens()}
+    specials = {
+        name: inner.encode(name, allowed_special=[name])[0] for name in inner.special_tokens()
+    }
     with tempfile.TemporaryDirectory() as tmp:
         ranks = Path(tmp) / "o200k_harmony.tiktoken"
         with open(ranks, "w") as out:
@@ -51,9 +59,13 @@ def build(directory: Path) -> Path:
                 token = bytes(inner.decode_bytes([rank]))
                 out.write(f"{base64.b64encode(token).decode()} {rank}\n")
         tokenizer = TikTokenConverter(vocab_file=str(ranks), pattern=O200K_SPLIT).converted()
-    tokenizer.add_special_tokens([AddedToken(name, special=True, normalized=False)
-                                  for name, i in sorted(specials.items(), key=lambda kv: kv[1])
-                                  if i < vocab_size])
+    tokenizer.add_special_tokens(
+        [
+            AddedToken(name, special=True, normalized=False)
+            for name, i in sorted(specials.items(), key=lambda kv: kv[1])
+            if i < vocab_size
+        ]
+    )
     path = directory / "tokenizer.json"
     tokenizer.save(str(path))
     return path

@@ -33,7 +33,7 @@ def job_threads(cores: int | None, env: Mapping[str, str] = os.environ) -> int:
 class Partition:
     name: str
     default: bool
-    memory_mb: int | None     # the largest node's memory (None: sinfo did not say)
+    memory_mb: int | None  # the largest node's memory (None: sinfo did not say)
     time_limit_min: float | None  # None: infinite
     cpus: int | None
 
@@ -57,8 +57,7 @@ def parse_time(text: str) -> float | None:
 def partitions(run=subprocess.run) -> list[Partition] | None:
     """The cluster's partitions as ``sinfo`` lists them (None where sinfo cannot be asked)."""
     try:
-        done = run(["sinfo", "-h", "-o", "%P|%m|%l|%c"], capture_output=True, text=True,
-                   timeout=30)
+        done = run(["sinfo", "-h", "-o", "%P|%m|%l|%c"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return None
     if done.returncode != 0:
@@ -80,8 +79,9 @@ def partitions(run=subprocess.run) -> list[Partition] | None:
     return list(found.values())
 
 
-def misfits(requests: Mapping[str, Mapping], parts: list[Partition],
-            partition_of: Mapping[str, str | None]) -> list[str]:
+def misfits(
+    requests: Mapping[str, Mapping], parts: list[Partition], partition_of: Mapping[str, str | None]
+) -> list[str]:
     """Which stage's request (``mem_mb``, ``runtime`` in minutes) no node of the partition it
     goes to can satisfy: ``partition_of[stage]`` (None: the cluster's default), each in words
     with the sizes and the setting to change."""
@@ -93,16 +93,22 @@ def misfits(requests: Mapping[str, Mapping], parts: list[Partition],
         part = by_name.get(name) if name else default
         if part is None:
             if name:
-                out.append(f"{stage}: partition {name!r} is not one of this cluster's "
-                           f"({', '.join(sorted(by_name))})")
+                out.append(
+                    f"{stage}: partition {name!r} is not one of this cluster's "
+                    f"({', '.join(sorted(by_name))})"
+                )
             continue
         memory, runtime = request.get("mem_mb"), request.get("runtime")
         if memory and part.memory_mb and memory > part.memory_mb:
-            out.append(f"{stage}: mem_mb {memory} is more than the {part.memory_mb} MB of the "
-                       f"largest node of partition {part.name!r}")
+            out.append(
+                f"{stage}: mem_mb {memory} is more than the {part.memory_mb} MB of the "
+                f"largest node of partition {part.name!r}"
+            )
         if runtime and part.time_limit_min is not None and runtime > part.time_limit_min:
-            out.append(f"{stage}: runtime {runtime} min is past partition {part.name!r}'s time "
-                       f"limit of {part.time_limit_min:g} min")
+            out.append(
+                f"{stage}: runtime {runtime} min is past partition {part.name!r}'s time "
+                f"limit of {part.time_limit_min:g} min"
+            )
     return out
 
 

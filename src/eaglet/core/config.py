@@ -57,7 +57,8 @@ def _strict_integers(validator_class):
     import jsonschema
 
     checker = validator_class.TYPE_CHECKER.redefine(
-        "integer", lambda _, value: isinstance(value, int) and not isinstance(value, bool))
+        "integer", lambda _, value: isinstance(value, int) and not isinstance(value, bool)
+    )
     return jsonschema.validators.extend(validator_class, type_checker=checker)
 
 
@@ -79,7 +80,8 @@ FIXES = {
         "+ residual, and its DeepSeek-V2/V3 model (DeepSeek, Kimi targets) has no residual at "
         "layer 0 and crashes (in the others id 0 is the bare token embedding); set "
         "extract.aux_layer_ids to ids from 1 to L-1 for a target of L decoder layers, or null "
-        "for vLLM's default (2, L//2, L-3)"),
+        "for vLLM's default (2, L//2, L-3)"
+    ),
 }
 
 
@@ -109,7 +111,9 @@ def validate(config: dict[str, Any]) -> dict[str, Any]:
     # plain dicts and lists: Snakemake reads JSON config files into OrderedDicts, whose repr
     # would make every params-dependent rule look changed between a YAML and a JSON config
     cfg = _plain(config)
-    errors = sorted(_validator_class()(schema()).iter_errors(cfg), key=lambda e: list(e.absolute_path))
+    errors = sorted(
+        _validator_class()(schema()).iter_errors(cfg), key=lambda e: list(e.absolute_path)
+    )
     if errors:
         lines = "\n  ".join(_describe(e) for e in errors)
         raise ConfigError(f"invalid configuration:\n  {lines}")
@@ -123,7 +127,8 @@ def validate(config: dict[str, Any]) -> dict[str, Any]:
             "invalid configuration:\n  generate.capture_hidden_states needs the server eaglet "
             "starts with its capture options, but server.url names a running one: set "
             "server.url: null, or capture_hidden_states: false (extraction then runs as its "
-            "own stage)")
+            "own stage)"
+        )
     if cfg["generate"]["capture_hidden_states"] and cfg["generate"]["temperature"] > 0:
         raise ConfigError(
             "invalid configuration:\n  generate.capture_hidden_states with generate.temperature "
@@ -133,7 +138,8 @@ def validate(config: dict[str, Any]) -> dict[str, Any]:
             "repeated ('TheTheThe user user as as'; vLLM 0.32, seen on the CPU engine, where "
             "the same server at temperature 0 answered exactly as without capture). Set "
             "generate.capture_hidden_states: false (extraction then prefills the answers as "
-            "its own stage) or generate at temperature 0")
+            "its own stage) or generate at temperature 0"
+        )
     if cfg["train"]["data"] == "stream":
         stream_refusals(cfg)
     too_long = answers_past_context(cfg)
@@ -149,10 +155,13 @@ def answers_past_context(cfg: dict[str, Any]) -> list[str]:
     that asks for more tokens than the context holds ("max_tokens=... cannot be greater than
     max_model_len=..."), so such a run would fail only after its server had started."""
     limit = cfg["target"]["max_model_len"]
-    return [f"{section}.max_tokens {cfg[section]['max_tokens']} exceeds target.max_model_len "
-            f"{limit}: vLLM refuses every request that asks for more tokens than the context "
-            f"holds; lower {section}.max_tokens or raise target.max_model_len"
-            for section in ("generate", "evaluate") if cfg[section]["max_tokens"] > limit]
+    return [
+        f"{section}.max_tokens {cfg[section]['max_tokens']} exceeds target.max_model_len "
+        f"{limit}: vLLM refuses every request that asks for more tokens than the context "
+        f"holds; lower {section}.max_tokens or raise target.max_model_len"
+        for section in ("generate", "evaluate")
+        if cfg[section]["max_tokens"] > limit
+    ]
 
 
 # Settings config.yaml makes for the CPU demo (its comments say why), by key: whether a value
@@ -161,24 +170,29 @@ CPU_TUNINGS = {
     "target.dtype": (
         lambda v: v == "float32",
         "float32 is for CPUs without native bf16; on GPUs it doubles the target's memory and "
-        "time: set bfloat16"),
+        "time: set bfloat16",
+    ),
     "server.enforce_eager": (
         lambda v: v is True,
         "it saves the CPU server's graph compilation; on GPUs it gives up CUDA graphs, and "
-        "decoding (and every speedup evaluation measures) slows: set false"),
+        "decoding (and every speedup evaluation measures) slows: set false",
+    ),
     "server.kv_cache_gib": (
         lambda v: v is not None,
         "a fixed size is for vLLM's CPU engine, which sizes memory from the first NUMA node; "
-        "on GPUs it caps each GPU's KV cache whatever memory is free: set null"),
+        "on GPUs it caps each GPU's KV cache whatever memory is free: set null",
+    ),
     "evaluate.kv_cache_gib": (
         lambda v: v is not None,
         "the CPU demo gives its evaluation servers a small fixed size to fit side by side; on "
-        "GPUs it caps each server's KV cache whatever memory is free: set null"),
+        "GPUs it caps each server's KV cache whatever memory is free: set null",
+    ),
     "evaluate.interleave": (
         lambda v: v is True,
         "it starts every evaluation server at once, which suits small targets on CPUs; on "
         "GPUs each server needs the memory of a whole target: set auto (together only where "
-        "they fit) or false"),
+        "they fit) or false",
+    ),
 }
 # server.env variables with this prefix tune vLLM's CPU engine only
 CPU_ENV_PREFIX = "VLLM_CPU_"
@@ -189,17 +203,31 @@ def cpu_tunings_on_gpus(cfg: dict[str, Any]) -> list[str]:
     gives GPUs (server.gpus, extract.gpus or train.gpus): a config copied from the CPU demo's
     config.yaml would carry them silently into a GPU run. Warnings, not errors: each still
     runs, only worse."""
-    gpus = [f"{stage}.gpus {cfg[stage]['gpus']}" for stage in ("server", "extract", "train")
-            if cfg[stage]["gpus"]]
+    gpus = [
+        f"{stage}.gpus {cfg[stage]['gpus']}"
+        for stage in ("server", "extract", "train")
+        if cfg[stage]["gpus"]
+    ]
     if not gpus:
         return []
-    found = [(key, lookup(cfg, key), why) for key, (is_cpu_tuning, why) in CPU_TUNINGS.items()
-             if is_cpu_tuning(lookup(cfg, key))]
-    found += [(f"server.env.{name}", value, "VLLM_CPU_* variables tune vLLM's CPU engine and "
-               "do nothing on GPUs: remove it")
-              for name, value in cfg["server"]["env"].items() if name.startswith(CPU_ENV_PREFIX)]
-    return [f"{key} is {value!r} in a run on GPUs ({', '.join(gpus)}): {why}"
-            for key, value, why in found]
+    found = [
+        (key, lookup(cfg, key), why)
+        for key, (is_cpu_tuning, why) in CPU_TUNINGS.items()
+        if is_cpu_tuning(lookup(cfg, key))
+    ]
+    found += [
+        (
+            f"server.env.{name}",
+            value,
+            "VLLM_CPU_* variables tune vLLM's CPU engine and do nothing on GPUs: remove it",
+        )
+        for name, value in cfg["server"]["env"].items()
+        if name.startswith(CPU_ENV_PREFIX)
+    ]
+    return [
+        f"{key} is {value!r} in a run on GPUs ({', '.join(gpus)}): {why}"
+        for key, value, why in found
+    ]
 
 
 def lookup(cfg: dict[str, Any], key: str) -> Any:
@@ -211,15 +239,27 @@ def lookup(cfg: dict[str, Any], key: str) -> Any:
 
 # Settings added after runs were made, with the value that reproduces those runs: a stage's
 # params leave them out at that value, so that a run made before them is not redone.
-ADDED_LATER = {"generate": {"capture_hidden_states": False, "chat_template_kwargs": None},
-               "train": {"loss_on_prompt": False, "feature_noise": 0.0, "host_ram_mb": 4096,
-                         "prefetch_batches": None, "attention": "auto", "init_from": None,
-                         "drafter_attention": "llama", "method": methods.DEFAULT.name,
-                         "drafter_variant": methods.EAGLE3_LAYER.name, "data": "shards",
-                         "dflash_layers": 1,
-                         "stream_cache_gib": 0, "stream_ahead": None,
-                         "stream_kv_cache_gib": None, "stream_overlap": "auto"},
-               "evaluate": {"compare_drafters": [], "top_p": 1.0, "top_k": 0, "mtp": True}}
+ADDED_LATER = {
+    "generate": {"capture_hidden_states": False, "chat_template_kwargs": None},
+    "train": {
+        "loss_on_prompt": False,
+        "feature_noise": 0.0,
+        "host_ram_mb": 4096,
+        "prefetch_batches": None,
+        "attention": "auto",
+        "init_from": None,
+        "drafter_attention": "llama",
+        "method": methods.DEFAULT.name,
+        "drafter_variant": methods.EAGLE3_LAYER.name,
+        "data": "shards",
+        "dflash_layers": 1,
+        "stream_cache_gib": 0,
+        "stream_ahead": None,
+        "stream_kv_cache_gib": None,
+        "stream_overlap": "auto",
+    },
+    "evaluate": {"compare_drafters": [], "top_p": 1.0, "top_k": 0, "mtp": True},
+}
 
 
 def eval_shard_count(cfg: dict[str, Any]) -> int:
@@ -249,24 +289,34 @@ def stream_refusals(cfg: dict[str, Any]) -> None:
     """``train.data: stream`` with settings it cannot serve."""
     problems = []
     if cfg["extract"]["backend"] != "vllm":
-        problems.append("train.data stream takes the states from the capture server of "
-                        f"extract.backend vllm, but extract.backend is "
-                        f"{cfg['extract']['backend']!r}: set extract.backend: vllm")
+        problems.append(
+            "train.data stream takes the states from the capture server of "
+            f"extract.backend vllm, but extract.backend is "
+            f"{cfg['extract']['backend']!r}: set extract.backend: vllm"
+        )
     server = cfg["server"]
-    if (server["gpus"] and not cfg["train"]["gpus"] and server["kv_cache_gib"] is None
-            and cfg["train"]["stream_kv_cache_gib"] is None):
+    if (
+        server["gpus"]
+        and not cfg["train"]["gpus"]
+        and server["kv_cache_gib"] is None
+        and cfg["train"]["stream_kv_cache_gib"] is None
+    ):
         share = server["memory_utilization"]
-        problems.append("train.data stream with train.gpus 0 trains on the server's GPUs, but "
-                        "nothing bounds the server's KV cache there: vLLM would take "
-                        + (f"server.memory_utilization {share:g}" if share is not None else
-                           "its default 0.9") + " of each GPU and leave the training rank "
-                        "too little. Set train.stream_kv_cache_gib (the streaming job's server "
-                        "alone; `eaglet plan` prints a size that fits beside a training rank), "
-                        "or give training GPUs of its own (train.gpus)")
+        problems.append(
+            "train.data stream with train.gpus 0 trains on the server's GPUs, but "
+            "nothing bounds the server's KV cache there: vLLM would take "
+            + (f"server.memory_utilization {share:g}" if share is not None else "its default 0.9")
+            + " of each GPU and leave the training rank "
+            "too little. Set train.stream_kv_cache_gib (the streaming job's server "
+            "alone; `eaglet plan` prints a size that fits beside a training rank), "
+            "or give training GPUs of its own (train.gpus)"
+        )
     if cfg["scaling"]["enabled"]:
-        problems.append("scaling.enabled trains again on nested parts of the training shards, "
-                        "which train.data stream does not write: set scaling.enabled: false, "
-                        "or train.data: shards")
+        problems.append(
+            "scaling.enabled trains again on nested parts of the training shards, "
+            "which train.data stream does not write: set scaling.enabled: false, "
+            "or train.data: shards"
+        )
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
 
@@ -275,8 +325,11 @@ def stage_params(cfg: dict[str, Any], section: str, drop: tuple[str, ...] = ()) 
     """``cfg[section]`` as a rule's params: without ``drop`` and without the settings of
     :data:`ADDED_LATER` at their earlier behaviour."""
     later = ADDED_LATER.get(section, {})
-    return {k: v for k, v in cfg[section].items()
-            if k not in drop and not (k in later and v == later[k])}
+    return {
+        k: v
+        for k, v in cfg[section].items()
+        if k not in drop and not (k in later and v == later[k])
+    }
 
 
 def results_dir(value: str) -> str:
@@ -286,16 +339,22 @@ def results_dir(value: str) -> str:
     refused."""
     fix = "set results_dir to a directory of its own, such as results"
     if not value.strip():
-        raise ConfigError(f"invalid configuration:\n  results_dir is empty: every output would "
-                          f"go to the filesystem root (/target, /prompts, ...); {fix}")
+        raise ConfigError(
+            f"invalid configuration:\n  results_dir is empty: every output would "
+            f"go to the filesystem root (/target, /prompts, ...); {fix}"
+        )
     normalized = os.path.normpath(value)
     absolute = os.path.abspath(normalized)
     if os.path.dirname(absolute) == absolute:
-        raise ConfigError(f"invalid configuration:\n  results_dir {value!r} is the filesystem "
-                          f"root: outputs would go to /target, /prompts, ...; {fix}")
+        raise ConfigError(
+            f"invalid configuration:\n  results_dir {value!r} is the filesystem "
+            f"root: outputs would go to /target, /prompts, ...; {fix}"
+        )
     if absolute == os.getcwd():
-        raise ConfigError(f"invalid configuration:\n  results_dir {value!r} is the working "
-                          f"directory itself: outputs would mix with the workflow's files; {fix}")
+        raise ConfigError(
+            f"invalid configuration:\n  results_dir {value!r} is the working "
+            f"directory itself: outputs would mix with the workflow's files; {fix}"
+        )
     return normalized
 
 
@@ -304,9 +363,11 @@ def outside_working_dir(results: str) -> str | None:
     relative = os.path.relpath(os.path.abspath(results))
     if relative != os.pardir and not relative.startswith(os.pardir + os.sep):
         return None
-    return (f"results_dir {results} is outside the working directory {os.getcwd()}: every "
-            f"output goes there; name targets the same way, e.g. "
-            f"snakemake {results}/prompts/train.jsonl")
+    return (
+        f"results_dir {results} is outside the working directory {os.getcwd()}: every "
+        f"output goes there; name targets the same way, e.g. "
+        f"snakemake {results}/prompts/train.jsonl"
+    )
 
 
 def _plain(value: Any) -> Any:
@@ -350,19 +411,22 @@ def run_config_notes(results, config_path: str | None, cfg: dict) -> list[str]:
         recorded = validate(json.loads(path.read_text()))
     except (OSError, ValueError, ConfigError) as error:
         source = config_path or "the workflow's config.yaml"
-        return [f"{path} cannot be read ({type(error).__name__}: {error}): the settings below "
-                f"are {source}'s, which may not be this run's (the next snakemake run writes "
-                f"the record again)"]
+        return [
+            f"{path} cannot be read ({type(error).__name__}: {error}): the settings below "
+            f"are {source}'s, which may not be this run's (the next snakemake run writes "
+            f"the record again)"
+        ]
     if config_path is None:
         return []
     changed = [line for line in differences(recorded, cfg) if not line.startswith("report")]
     if not changed:
         return []
-    shown = "; ".join(changed[:6]) + (f"; and {len(changed) - 6} more" if len(changed) > 6
-                                      else "")
-    return [f"the run in {results} was made with other settings than {config_path} "
-            f"({shown}): the estimates follow {config_path}, as the next snakemake run with it "
-            f"would (it reruns what those settings affect)"]
+    shown = "; ".join(changed[:6]) + (f"; and {len(changed) - 6} more" if len(changed) > 6 else "")
+    return [
+        f"the run in {results} was made with other settings than {config_path} "
+        f"({shown}): the estimates follow {config_path}, as the next snakemake run with it "
+        f"would (it reruns what those settings affect)"
+    ]
 
 
 def read_config_file(path) -> dict:
@@ -382,30 +446,53 @@ def read_config_file(path) -> dict:
     except yaml.YAMLError as error:
         where = getattr(error, "problem_mark", None)
         at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
-        raise ConfigError(f"config file {path} is not valid YAML{at}: "
-                          f"{getattr(error, 'problem', None) or error}") from None
+        raise ConfigError(
+            f"config file {path} is not valid YAML{at}: {getattr(error, 'problem', None) or error}"
+        ) from None
     if loaded is None:
         return {}
     if not isinstance(loaded, dict):
-        raise ConfigError(f"config file {path} holds a {type(loaded).__name__}, not a mapping "
-                          f"of settings (target:, generate:, ...)")
+        raise ConfigError(
+            f"config file {path} holds a {type(loaded).__name__}, not a mapping "
+            f"of settings (target:, generate:, ...)"
+        )
     return loaded
 
 
 def differences(was: Any, now: Any, prefix: str = "") -> list[str]:
     """Dotted keys whose values differ between two settings trees, as ``key: was -> now``."""
     if isinstance(was, dict) and isinstance(now, dict):
-        return [line for key in sorted(set(was) | set(now), key=str)
-                for line in differences(was.get(key), now.get(key), f"{prefix}{key}.")]
+        return [
+            line
+            for key in sorted(set(was) | set(now), key=str)
+            for line in differences(was.get(key), now.get(key), f"{prefix}{key}.")
+        ]
     return [] if was == now else [f"{prefix.rstrip('.')}: {was!r} -> {now!r}"]
 
 
 # Snakemake invocations that run no job: they must not record settings (a dry run with another
 # config, `eaglet status --configfile other.yaml`, would make the next real run rerun stages)
-PREVIEW_FLAGS = ("--dry-run", "--dryrun", "--dry_run", "--summary", "--detailed-summary",
-                 "--lint", "--list-rules", "--list", "--list-target-rules", "--dag",
-                 "--rulegraph", "--filegraph", "--d3dag", "--report", "--unlock",
-                 "--list-changes", "--lc", "--cleanup-metadata", "--printshellcmds-only")
+PREVIEW_FLAGS = (
+    "--dry-run",
+    "--dryrun",
+    "--dry_run",
+    "--summary",
+    "--detailed-summary",
+    "--lint",
+    "--list-rules",
+    "--list",
+    "--list-target-rules",
+    "--dag",
+    "--rulegraph",
+    "--filegraph",
+    "--d3dag",
+    "--report",
+    "--unlock",
+    "--list-changes",
+    "--lc",
+    "--cleanup-metadata",
+    "--printshellcmds-only",
+)
 
 
 def previews_only(argv: list[str]) -> bool:
@@ -414,14 +501,19 @@ def previews_only(argv: list[str]) -> bool:
     for arg in argv[1:]:
         if arg in PREVIEW_FLAGS or arg.split("=")[0] in PREVIEW_FLAGS:
             return True
-        if arg.startswith("-") and not arg.startswith("--") and arg[1:].isalpha() \
-                and "n" in arg[1:]:
+        if (
+            arg.startswith("-")
+            and not arg.startswith("--")
+            and arg[1:].isalpha()
+            and "n" in arg[1:]
+        ):
             return True
     return False
 
 
-def record_settings(path: str | os.PathLike, settings: dict[str, Any],
-                    write: bool = True) -> list[str]:
+def record_settings(
+    path: str | os.PathLike, settings: dict[str, Any], write: bool = True
+) -> list[str]:
     """Keep ``settings`` (what a stage's outputs depend on) in ``path``, a file every one of
     the stage's jobs takes as an input, and say what changed.
 

@@ -27,8 +27,12 @@ def torch_dtypes() -> dict[str, torch.dtype]:
     """Name -> torch dtype, for every name of :data:`BYTES`, in its order."""
     import torch
 
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-            "fp8": torch.float8_e4m3fn}
+    return {
+        "float32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp8": torch.float8_e4m3fn,
+    }
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -57,8 +57,13 @@ def node_gpus() -> list[str]:
     if shutil.which("nvidia-smi") is None:
         return []
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30, check=True).stdout
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return []
     return [line.strip() for line in out.splitlines() if line.strip()]
@@ -96,15 +101,21 @@ def _try_claim(gpus: list[str], n: int, directory: Path) -> list[tuple[str, int]
     return []
 
 
-def claim(n: int, gpus: list[str] | None = None, directory: Path | None = None,
-          wait_s: float | None = None) -> list[str]:
+def claim(
+    n: int,
+    gpus: list[str] | None = None,
+    directory: Path | None = None,
+    wait_s: float | None = None,
+) -> list[str]:
     """Hold ``n`` free GPU slots for the rest of this process; their ids. Waits while other
     processes hold too many (``wait_s`` None: without limit)."""
     gpus = node_gpus() if gpus is None else gpus
     directory = lock_dir() if directory is None else directory
     if n > len(gpus):
-        raise GpuSlotsBusy(f"the job asks for {n} GPUs but this node has {len(gpus)} "
-                           f"({','.join(gpus) or 'none'}; from ${LIST_ENV} or nvidia-smi)")
+        raise GpuSlotsBusy(
+            f"the job asks for {n} GPUs but this node has {len(gpus)} "
+            f"({','.join(gpus) or 'none'}; from ${LIST_ENV} or nvidia-smi)"
+        )
     directory.mkdir(parents=True, exist_ok=True)
     deadline = None if wait_s is None else time.monotonic() + wait_s
     announced = False
@@ -114,9 +125,11 @@ def claim(n: int, gpus: list[str] | None = None, directory: Path | None = None,
             break
         holders = ", ".join(f"GPU {g}: {_holder(directory / f'gpu_{g}.lock')}" for g in gpus)
         if deadline is not None and time.monotonic() >= deadline:
-            raise GpuSlotsBusy(f"no {n} free GPUs of {len(gpus)} after {wait_s:g} s "
-                               f"(held: {holders}; lock files in {directory}). Lower the "
-                               f"`gpu` resource cap (--resources gpu=N) to the node's GPUs.")
+            raise GpuSlotsBusy(
+                f"no {n} free GPUs of {len(gpus)} after {wait_s:g} s "
+                f"(held: {holders}; lock files in {directory}). Lower the "
+                f"`gpu` resource cap (--resources gpu=N) to the node's GPUs."
+            )
         if not announced:
             log.info("waiting for %d free GPUs (held: %s)", n, holders)
             announced = True
@@ -140,19 +153,25 @@ def hold_gpus(n: int) -> str | None:
         return preset
     gpus = node_gpus()
     if not gpus:
-        log.warning("the job holds %d GPUs but none are listed (no $%s, no nvidia-smi); "
-                    "CUDA_VISIBLE_DEVICES left unset", n, LIST_ENV)
+        log.warning(
+            "the job holds %d GPUs but none are listed (no $%s, no nvidia-smi); "
+            "CUDA_VISIBLE_DEVICES left unset",
+            n,
+            LIST_ENV,
+        )
         return None
     wait = os.environ.get(WAIT_ENV)
     ids = claim(n, gpus, wait_s=float(wait) if wait else None)
     os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # CUDA's order = nvidia-smi's
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
-    log.info("GPU slots %s of %s: CUDA_VISIBLE_DEVICES=%s", ids, gpus, os.environ["CUDA_VISIBLE_DEVICES"])
+    log.info(
+        "GPU slots %s of %s: CUDA_VISIBLE_DEVICES=%s", ids, gpus, os.environ["CUDA_VISIBLE_DEVICES"]
+    )
     return os.environ["CUDA_VISIBLE_DEVICES"]
 
 
 # one H200 ("141 GB"): 143,771 MiB as nvidia-smi reports it; 5% is kept for the CUDA
 # context, NCCL buffers and allocator fragmentation
 GPU_NAME = "one 141 GB GPU"
-GPU_BYTES = 143_771 * 2 ** 20
+GPU_BYTES = 143_771 * 2**20
 GPU_USABLE = 0.95

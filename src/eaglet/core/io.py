@@ -131,12 +131,20 @@ def hold_directory(directory: str | os.PathLike, stage: str) -> Iterator[None]:
                 f"{stage}: {directory} is held by another {holder.get('stage', stage)} process, "
                 f"pid {pid} on host {host} (since {holder.get('started', '?')}), still running: "
                 f"two would write the same files. Stop it first (kill {pid} on {host}), or wait "
-                f"for it, then rerun.") from None
+                f"for it, then rerun."
+            ) from None
         handle.seek(0)
         handle.truncate()
-        handle.write(json.dumps({"stage": stage, "pid": os.getpid(), "host": socket.gethostname(),
-                                 "started": datetime.datetime.now(datetime.timezone.utc)
-                                 .isoformat(timespec="seconds")}))
+        handle.write(
+            json.dumps(
+                {
+                    "stage": stage,
+                    "pid": os.getpid(),
+                    "host": socket.gethostname(),
+                    "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                }
+            )
+        )
         handle.flush()
         yield
     finally:

@@ -30,17 +30,17 @@ PROMPT_STATS = "prompts/stats.json"
 
 SYNTHETIC_TRAIN = "synthetic/train.jsonl"
 SYNTHETIC_EVAL = "synthetic/eval.jsonl"
-SYNTHETIC_PARTIAL = "synthetic/generate.partial.jsonl"   # answers kept while generate runs
+SYNTHETIC_PARTIAL = "synthetic/generate.partial.jsonl"  # answers kept while generate runs
 SYNTHETIC_STATS = "synthetic/stats.json"
 
 VOCAB_MAP = "vocab/vocab_map.safetensors"
 VOCAB_STATS = "vocab/stats.json"
 
-HIDDEN = "hidden"                      # the training samples' shards
-HIDDEN_EVAL = "hidden/eval"            # the held-out samples' shards
+HIDDEN = "hidden"  # the training samples' shards
+HIDDEN_EVAL = "hidden/eval"  # the held-out samples' shards
 MANIFEST = "hidden/manifest.json"
-VLLM_WORK = "hidden/vllm"              # the vllm backend's request files and packed shards
-CAPTURE_REQUESTS = "hidden/vllm/requests"   # what generation captured (capture_hidden_states)
+VLLM_WORK = "hidden/vllm"  # the vllm backend's request files and packed shards
+CAPTURE_REQUESTS = "hidden/vllm/requests"  # what generation captured (capture_hidden_states)
 
 DRAFTER = "drafter"
 # train.init_from: the starting drafter in eaglet's export layout, and the record of its tensors
@@ -62,14 +62,14 @@ ACCEPTANCE_LENGTH_PNG = "eval/acceptance_length.png"
 SPEEDUP_PNG = "eval/speedup.png"
 TRAINING_CURVES_PNG = "eval/training_curves.png"
 SCALING = "eval/scaling.json"
-SCALING_RUNS = "scaling"               # scaling/<fraction>/: one subset's training
+SCALING_RUNS = "scaling"  # scaling/<fraction>/: one subset's training
 
 PROGRESS = "progress"
 LOGS = "logs"
 
-RUN_CONFIG = "run/config.json"         # the validated config of the run (`eaglet status`)
-RUN_SNAKEMAKE = "run/snakemake.json"   # who runs it: pid and command
-RUN_SETTINGS = "run/settings"          # per stage: the settings its outputs were made with
+RUN_CONFIG = "run/config.json"  # the validated config of the run (`eaglet status`)
+RUN_SNAKEMAKE = "run/snakemake.json"  # who runs it: pid and command
+RUN_SETTINGS = "run/settings"  # per stage: the settings its outputs were made with
 
 
 def progress_file(job: str) -> str:
@@ -104,6 +104,7 @@ def fraction_name(fraction: float) -> str:
 
 # -- the stage table -------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class StageFiles:
     """One stage of the workflow as its files show it: the Snakemake rules that make it, the
@@ -117,21 +118,51 @@ class StageFiles:
     log: str
 
 
-STAGE_FILES = {s.name: s for s in [
-    StageFiles("prepare_target", ("prepare_target",), (TARGET_JSON,), None,
-               log_file("prepare_target")),
-    StageFiles("prepare_prompts", ("prepare_prompts",), (PROMPTS_TRAIN, PROMPTS_EVAL), None,
-               log_file("prepare_prompts")),
-    StageFiles("generate", ("generate",), (SYNTHETIC_TRAIN, SYNTHETIC_EVAL),
-               progress_file("generate"), log_file("generate")),
-    StageFiles("vocab_map", ("vocab_map",), (VOCAB_MAP,), None, log_file("vocab_map")),
-    StageFiles("extract", ("extract", "extract_all", "extract_vllm", "hidden_manifest"),
-               (MANIFEST,), progress_file("extract_*"), f"{LOGS}/extract"),
-    StageFiles("train", ("train",), (DRAFTER_WEIGHTS,), progress_file("train"),
-               log_file("train")),
-    StageFiles("evaluate", ("evaluate",), (ACCEPTANCE,), progress_file("evaluate"),
-               log_file("evaluate")),
-    # a config turns it on (scaling.enabled), after all of the above
-    StageFiles("scaling", ("scaling_train", "scaling"), (SCALING,), progress_file("scaling_*"),
-               f"{LOGS}/scaling"),
-]}
+STAGE_FILES = {
+    s.name: s
+    for s in [
+        StageFiles(
+            "prepare_target", ("prepare_target",), (TARGET_JSON,), None, log_file("prepare_target")
+        ),
+        StageFiles(
+            "prepare_prompts",
+            ("prepare_prompts",),
+            (PROMPTS_TRAIN, PROMPTS_EVAL),
+            None,
+            log_file("prepare_prompts"),
+        ),
+        StageFiles(
+            "generate",
+            ("generate",),
+            (SYNTHETIC_TRAIN, SYNTHETIC_EVAL),
+            progress_file("generate"),
+            log_file("generate"),
+        ),
+        StageFiles("vocab_map", ("vocab_map",), (VOCAB_MAP,), None, log_file("vocab_map")),
+        StageFiles(
+            "extract",
+            ("extract", "extract_all", "extract_vllm", "hidden_manifest"),
+            (MANIFEST,),
+            progress_file("extract_*"),
+            f"{LOGS}/extract",
+        ),
+        StageFiles(
+            "train", ("train",), (DRAFTER_WEIGHTS,), progress_file("train"), log_file("train")
+        ),
+        StageFiles(
+            "evaluate",
+            ("evaluate",),
+            (ACCEPTANCE,),
+            progress_file("evaluate"),
+            log_file("evaluate"),
+        ),
+        # a config turns it on (scaling.enabled), after all of the above
+        StageFiles(
+            "scaling",
+            ("scaling_train", "scaling"),
+            (SCALING,),
+            progress_file("scaling_*"),
+            f"{LOGS}/scaling",
+        ),
+    ]
+}

@@ -29,8 +29,9 @@ from eaglet.core.io import read_json
 class Variant:
     """A layer variant of the EAGLE-3 drafter (``train.drafter_variant``): the norms it
     writes into config.json for vLLM (0.32 reads them, llama_eagle3.py)."""
-    name: str     # train.drafter_variant
-    label: str    # in a run's name (``eagle31_k3``)
+
+    name: str  # train.drafter_variant
+    label: str  # in a run's name (``eagle31_k3``)
     words: str
     flags: dict = field(default_factory=dict)  # the norm flags it sets (the rest stay false)
 
@@ -44,22 +45,23 @@ ATTENTION_KINDS = ("llama", "mla")  # train.drafter_attention
 @dataclass(frozen=True)
 class Method:
     """A drafter eaglet trains (``train.method``)."""
-    name: str          # train.method, and its runs' label (``peagle_k3``)
-    words: str         # in words
-    served_as: str     # vLLM's ``"method"`` in --speculative-config
+
+    name: str  # train.method, and its runs' label (``peagle_k3``)
+    words: str  # in words
+    served_as: str  # vLLM's ``"method"`` in --speculative-config
     # keys vLLM reads from the speculative config itself, not the drafter's config.json
     served_keys: dict = field(default_factory=dict)
-    attentions: tuple = ATTENTION_KINDS   # the train.drafter_attention it can be built with
-    variants: tuple = tuple(VARIANTS)     # the train.drafter_variant it can be built with
-    requirement: str = ""   # why only those (what vLLM builds), where it is not all of them
-    parallel: bool = False       # drafts its k tokens in one forward (else a chain of k)
-    mask_hidden: bool = False    # a learned [3H] vector fills the masked slots' aux features
+    attentions: tuple = ATTENTION_KINDS  # the train.drafter_attention it can be built with
+    variants: tuple = tuple(VARIANTS)  # the train.drafter_variant it can be built with
+    requirement: str = ""  # why only those (what vLLM builds), where it is not all of them
+    parallel: bool = False  # drafts its k tokens in one forward (else a chain of k)
+    mask_hidden: bool = False  # a learned [3H] vector fills the masked slots' aux features
     # a stack of train.dflash_layers layers drafting a block of ttt_steps + 1 slots, which
     # attends to the target's aux states of the whole context
     block: bool = False
-    layer_kind: str = ""   # the model family of its layers, where it is not the target's
-    architecture: str | None = None   # the exported config.json's architecture that names it
-    config_flag: str | None = None    # or the flag in it that does
+    layer_kind: str = ""  # the model family of its layers, where it is not the target's
+    architecture: str | None = None  # the exported config.json's architecture that names it
+    config_flag: str | None = None  # or the flag in it that does
     # whether vLLM's CPU engine serves it beside a target with MLA attention
     cpu_beside_mla: bool = True
 
@@ -67,8 +69,7 @@ class Method:
         """Why this method cannot be built with ``train.drafter_attention`` ``attention`` and
         ``train.drafter_variant`` ``variant`` (None where it can)."""
         if attention not in ATTENTION_KINDS:
-            return (f"train.drafter_attention {attention!r} is none of "
-                    f"{', '.join(ATTENTION_KINDS)}")
+            return f"train.drafter_attention {attention!r} is none of {', '.join(ATTENTION_KINDS)}"
         if variant not in VARIANTS:
             return f"train.drafter_variant {variant!r} is none of {', '.join(VARIANTS)}"
         if attention in self.attentions and variant in self.variants:
@@ -95,26 +96,43 @@ class Method:
 
     def speculative_config(self, drafter_dir: str | os.PathLike, k: int) -> dict:
         """vLLM's ``--speculative-config`` serving the drafter in ``drafter_dir`` at ``k``."""
-        return {"method": self.served_as, "num_speculative_tokens": k,
-                "model": str(drafter_dir), **self.served_keys}
+        return {
+            "method": self.served_as,
+            "num_speculative_tokens": k,
+            "model": str(drafter_dir),
+            **self.served_keys,
+        }
 
 
 EAGLE3 = Method("eagle3", "EAGLE-3", served_as="eagle3")
 PEAGLE = Method(
-    "peagle", "P-EAGLE", served_as="eagle3",
+    "peagle",
+    "P-EAGLE",
+    served_as="eagle3",
     # vLLM does not read it from the drafter's config.json; without it vLLM drafts k times
     # autoregressively, with mask_hidden ignored
-    served_keys={"parallel_drafting": True}, config_flag="parallel_drafting",
-    attentions=("llama",), parallel=True, mask_hidden=True,
+    served_keys={"parallel_drafting": True},
+    config_flag="parallel_drafting",
+    attentions=("llama",),
+    parallel=True,
+    mask_hidden=True,
     requirement="vLLM 0.32 keeps the parallel-drafting mask_hidden only in its Llama EAGLE-3 "
-                "drafter, llama_eagle3.py")
+    "drafter, llama_eagle3.py",
+)
 DFLASH = Method(
-    "dflash", "DFlash", served_as="dflash", architecture="DFlashDraftModel",
-    attentions=("llama",), variants=(EAGLE3_LAYER.name,), parallel=True, block=True,
+    "dflash",
+    "DFlash",
+    served_as="dflash",
+    architecture="DFlashDraftModel",
+    attentions=("llama",),
+    variants=(EAGLE3_LAYER.name,),
+    parallel=True,
+    block=True,
     layer_kind="Qwen3",
     cpu_beside_mla=False,
     requirement="vLLM's DFlash drafter is a stack of Qwen3 layers with norms of its own, "
-                "qwen3_dflash.py: neither MLA attention nor the EAGLE-3.1 norms")
+    "qwen3_dflash.py: neither MLA attention nor the EAGLE-3.1 norms",
+)
 METHODS = {m.name: m for m in (EAGLE3, PEAGLE, DFLASH)}
 DEFAULT = EAGLE3
 
@@ -138,7 +156,8 @@ def from_config(config: dict) -> Method:
     architectures = config.get("architectures") or []
     for m in METHODS.values():
         if (m.architecture and m.architecture in architectures) or (
-                m.config_flag and config.get(m.config_flag)):
+            m.config_flag and config.get(m.config_flag)
+        ):
             return m
     return DEFAULT
 
@@ -164,9 +183,10 @@ def variant_of(norm_flags: dict) -> Variant:
 class Speculation:
     """vLLM's own speculation, which the evaluation serves beside the drafter and which no
     drafter is trained for."""
-    name: str                 # vLLM's ``"method"``, and its runs' label
-    runs_layers: bool         # it runs model layers (its draft model's, or the target's)
-    drafts_every_step: bool   # it proposes at every step (n-gram lookup only where one recurs)
+
+    name: str  # vLLM's ``"method"``, and its runs' label
+    runs_layers: bool  # it runs model layers (its draft model's, or the target's)
+    drafts_every_step: bool  # it proposes at every step (n-gram lookup only where one recurs)
 
 
 NGRAM = Speculation("ngram", runs_layers=False, drafts_every_step=False)

@@ -12,7 +12,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from eaglet.core.io import write_json
 
@@ -33,7 +33,7 @@ def format_duration(seconds: float | None) -> str:
 
 
 def now_iso() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return datetime.now(UTC).isoformat(timespec="seconds")
 
 
 @dataclass
@@ -82,14 +82,24 @@ class Progress:
         remaining = max(self.total - self.done - self.failed, 0)
         eta = remaining / rate if rate else None
         return {
-            "stage": self.stage, "state": state, "unit": self.unit,
-            "done": self.done, "failed": self.failed, "total": self.total,
+            "stage": self.stage,
+            "state": state,
+            "unit": self.unit,
+            "done": self.done,
+            "failed": self.failed,
+            "total": self.total,
             "resumed_from": self.already_done,
-            "rate_per_s": rate, "tokens": self.tokens, "tokens_per_s": self.tokens / elapsed,
-            "elapsed_s": elapsed, "eta_s": 0.0 if state == "finished" else eta,
+            "rate_per_s": rate,
+            "tokens": self.tokens,
+            "tokens_per_s": self.tokens / elapsed,
+            "elapsed_s": elapsed,
+            "eta_s": 0.0 if state == "finished" else eta,
             "phase": None if state == "finished" else self.phase,
-            "pid": os.getpid(), "host": socket.gethostname(), "log": self.log_path,
-            "started_at": self.started_at, "updated_at": now_iso(),
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "log": self.log_path,
+            "started_at": self.started_at,
+            "updated_at": now_iso(),
         }
 
     def enter_phase(self, phase: str | None) -> None:
@@ -102,9 +112,18 @@ class Progress:
         snap = self.snapshot(state)
         rate = f"{snap['rate_per_s']:.2f}" if snap["rate_per_s"] else "-"
         doing = f" ({snap['phase']})" if snap["phase"] else ""
-        log.info("%s%s: %d/%d %s done, %d failed, %s/s, %.0f tok/s, ETA %s",
-                 self.stage, doing, snap["done"], self.total, self.unit, snap["failed"], rate,
-                 snap["tokens_per_s"], format_duration(snap["eta_s"]))
+        log.info(
+            "%s%s: %d/%d %s done, %d failed, %s/s, %.0f tok/s, ETA %s",
+            self.stage,
+            doing,
+            snap["done"],
+            self.total,
+            self.unit,
+            snap["failed"],
+            rate,
+            snap["tokens_per_s"],
+            format_duration(snap["eta_s"]),
+        )
         if self.path is not None:
             write_json(self.path, snap)
         return snap

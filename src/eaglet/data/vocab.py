@@ -35,18 +35,24 @@ def count_completion_tokens(records: Iterable[dict]) -> Counter:
     return counts
 
 
-def choose_draft_tokens(counts: Counter, vocab_size: int, draft_vocab_size: int) -> tuple[list[int], int]:
+def choose_draft_tokens(
+    counts: Counter, vocab_size: int, draft_vocab_size: int
+) -> tuple[list[int], int]:
     """The ``draft_vocab_size`` most frequent ids (ties: lower id first), sorted by id.
 
     When fewer distinct tokens were seen, the rest is filled with the lowest unused ids
     (deterministic); the number filled is returned beside the ids."""
     if draft_vocab_size > vocab_size:
-        raise ValueError(f"vocab.draft_vocab_size {draft_vocab_size} exceeds the target's "
-                         f"vocabulary of {vocab_size} tokens; lower it")
+        raise ValueError(
+            f"vocab.draft_vocab_size {draft_vocab_size} exceeds the target's "
+            f"vocabulary of {vocab_size} tokens; lower it"
+        )
     bad = [t for t in counts if not 0 <= t < vocab_size]
     if bad:
-        raise ValueError(f"token ids {sorted(bad)[:5]} are outside the target's vocabulary "
-                         f"of {vocab_size}: the synthetic data comes from another tokenizer")
+        raise ValueError(
+            f"token ids {sorted(bad)[:5]} are outside the target's vocabulary "
+            f"of {vocab_size}: the synthetic data comes from another tokenizer"
+        )
     ranked = sorted(counts, key=lambda t: (-counts[t], t))[:draft_vocab_size]
     chosen = set(ranked)
     filled = 0
@@ -81,10 +87,17 @@ def warn_low_coverage(stats: dict, size_for_floor: int) -> None:
         "vocab.draft_vocab_size %d covers only %.2f%% of the %d completion tokens (floor "
         "%.0f%%): the drafter can never propose the other %.2f%%, so its acceptance stops "
         "there. vocab.draft_vocab_size: %d would cover %.0f%% of this data (of %d distinct "
-        "tokens; the target's vocabulary has %d).", stats["draft_vocab_size"],
-        100 * stats["coverage"], stats["completion_tokens"], 100 * COVERAGE_FLOOR,
-        100 * (1 - stats["coverage"]), size_for_floor, 100 * COVERAGE_FLOOR,
-        stats["distinct_completion_tokens"], stats["target_vocab_size"])
+        "tokens; the target's vocabulary has %d).",
+        stats["draft_vocab_size"],
+        100 * stats["coverage"],
+        stats["completion_tokens"],
+        100 * COVERAGE_FLOOR,
+        100 * (1 - stats["coverage"]),
+        size_for_floor,
+        100 * COVERAGE_FLOOR,
+        stats["distinct_completion_tokens"],
+        stats["target_vocab_size"],
+    )
 
 
 def build_maps(draft_ids: list[int], vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,9 +116,14 @@ class VocabError(ValueError):
     """A draft vocabulary that would waste the run: it covers too little of the answers."""
 
 
-def build_vocab_map(records: list[dict], vocab_size: int, draft_vocab_size: int,
-                    out_path: str | os.PathLike, stats_path: str | os.PathLike,
-                    min_coverage: float = 0.0) -> dict:
+def build_vocab_map(
+    records: list[dict],
+    vocab_size: int,
+    draft_vocab_size: int,
+    out_path: str | os.PathLike,
+    stats_path: str | os.PathLike,
+    min_coverage: float = 0.0,
+) -> dict:
     """The ``draft_vocab_size`` tokens the target emitted most often; where it emitted fewer
     distinct ones, the most frequent of the recorded answers (``answers: dataset``) fill the
     rest: the target's own choices come first, another writer's only after them. Below
@@ -127,19 +145,36 @@ def build_vocab_map(records: list[dict], vocab_size: int, draft_vocab_size: int,
     draft_ids, filled = choose_draft_tokens(ranked, vocab_size, draft_vocab_size)
     d2t, t2d = build_maps(draft_ids, vocab_size)
     covered = sum(both[t] for t in draft_ids)
-    stats = {"draft_vocab_size": draft_vocab_size, "target_vocab_size": vocab_size,
-             "distinct_completion_tokens": len(both), "completion_tokens": total,
-             "coverage": covered / total, "filled": filled,
-             "target_tokens": sum(counts.values()), "target_distinct": len(counts),
-             "target_coverage": (sum(counts[t] for t in draft_ids) / sum(counts.values())
-                                 if counts else None),
-             "coverage_floor": COVERAGE_FLOOR,
-             "draft_vocab_size_for_floor": size_for_coverage(ranked, both, COVERAGE_FLOOR)}
+    stats = {
+        "draft_vocab_size": draft_vocab_size,
+        "target_vocab_size": vocab_size,
+        "distinct_completion_tokens": len(both),
+        "completion_tokens": total,
+        "coverage": covered / total,
+        "filled": filled,
+        "target_tokens": sum(counts.values()),
+        "target_distinct": len(counts),
+        "target_coverage": (
+            sum(counts[t] for t in draft_ids) / sum(counts.values()) if counts else None
+        ),
+        "coverage_floor": COVERAGE_FLOOR,
+        "draft_vocab_size_for_floor": size_for_coverage(ranked, both, COVERAGE_FLOOR),
+    }
     if filled:
-        log.info("only %d distinct completion tokens for a draft vocabulary of %d: filled %d "
-                 "slots with the lowest unused token ids", len(both), draft_vocab_size, filled)
-    log.info("draft vocabulary of %d covers %.2f%% of %d completion tokens (%d distinct)",
-             draft_vocab_size, 100 * stats["coverage"], total, len(both))
+        log.info(
+            "only %d distinct completion tokens for a draft vocabulary of %d: filled %d "
+            "slots with the lowest unused token ids",
+            len(both),
+            draft_vocab_size,
+            filled,
+        )
+    log.info(
+        "draft vocabulary of %d covers %.2f%% of %d completion tokens (%d distinct)",
+        draft_vocab_size,
+        100 * stats["coverage"],
+        total,
+        len(both),
+    )
     if stats["coverage"] < min_coverage:
         raise VocabError(
             f"vocab.draft_vocab_size {draft_vocab_size} covers only "
@@ -148,7 +183,8 @@ def build_vocab_map(records: list[dict], vocab_size: int, draft_vocab_size: int,
             f"the other {100 * (1 - stats['coverage']):.1f}%. Set vocab.draft_vocab_size: "
             f"{stats['draft_vocab_size_for_floor']} (covers {100 * COVERAGE_FLOOR:.0f}% of this "
             f"data, of {len(both)} distinct tokens), or lower vocab.min_coverage (0 allows any "
-            f"vocabulary) to go on with this one.")
+            f"vocabulary) to go on with this one."
+        )
     warn_low_coverage(stats, stats["draft_vocab_size_for_floor"])
     write_vocab_map(out_path, d2t, t2d)
     write_json(stats_path, stats)
@@ -157,13 +193,25 @@ def build_vocab_map(records: list[dict], vocab_size: int, draft_vocab_size: int,
 
 def write_vocab_map(out_path: str | os.PathLike, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
     with atomic_open(out_path, "wb") as handle:
-        handle.write(save({"d2t": d2t.to(torch.int64), "t2d": t2d.to(torch.bool)},
-                          metadata={"draft_vocab_size": str(d2t.numel()),
-                                    "target_vocab_size": str(t2d.numel())}))
+        handle.write(
+            save(
+                {"d2t": d2t.to(torch.int64), "t2d": t2d.to(torch.bool)},
+                metadata={
+                    "draft_vocab_size": str(d2t.numel()),
+                    "target_vocab_size": str(t2d.numel()),
+                },
+            )
+        )
 
 
-def adopt_vocab_map(records: list[dict], d2t: torch.Tensor, t2d: torch.Tensor, source: str,
-                    out_path: str | os.PathLike, stats_path: str | os.PathLike) -> dict:
+def adopt_vocab_map(
+    records: list[dict],
+    d2t: torch.Tensor,
+    t2d: torch.Tensor,
+    source: str,
+    out_path: str | os.PathLike,
+    stats_path: str | os.PathLike,
+) -> dict:
     """The starting drafter's vocabulary map (``train.init_from``) as the run's: its lm_head
     rows are those tokens, so it is kept as it is; the stats say how much of this run's
     completion tokens it covers beside a map of the same size built from this data, with a
@@ -171,31 +219,50 @@ def adopt_vocab_map(records: list[dict], d2t: torch.Tensor, t2d: torch.Tensor, s
     counts = count_completion_tokens(records)
     total = sum(counts.values())
     if not total:
-        raise ValueError("the synthetic data has no completion tokens to measure the starting "
-                         "drafter's vocabulary on")
+        raise ValueError(
+            "the synthetic data has no completion tokens to measure the starting "
+            "drafter's vocabulary on"
+        )
     size, vocab_size = d2t.numel(), t2d.numel()
     ids = (torch.arange(size) + d2t.to(torch.int64)).tolist()
     bad = [t for t in counts if not 0 <= t < vocab_size]
     if bad:
-        raise ValueError(f"token ids {sorted(bad)[:5]} are outside the starting drafter's "
-                         f"vocabulary of {vocab_size}: it was trained for another tokenizer")
+        raise ValueError(
+            f"token ids {sorted(bad)[:5]} are outside the starting drafter's "
+            f"vocabulary of {vocab_size}: it was trained for another tokenizer"
+        )
     covered = sum(counts[t] for t in ids)
     own, _ = choose_draft_tokens(counts, vocab_size, size)
-    stats = {"draft_vocab_size": size, "target_vocab_size": vocab_size, "from": source,
-             "distinct_completion_tokens": len(counts), "completion_tokens": total,
-             "coverage": covered / total,
-             "coverage_of_a_map_from_this_data": sum(counts[t] for t in own) / total,
-             "coverage_floor": COVERAGE_FLOOR,
-             "draft_vocab_size_for_floor": size_for_coverage(counts, counts, COVERAGE_FLOOR)}
-    log.info("the starting drafter's vocabulary of %d (%s) covers %.2f%% of %d completion "
-             "tokens; a map of that size from this data would cover %.2f%%", size, source,
-             100 * stats["coverage"], total, 100 * stats["coverage_of_a_map_from_this_data"])
+    stats = {
+        "draft_vocab_size": size,
+        "target_vocab_size": vocab_size,
+        "from": source,
+        "distinct_completion_tokens": len(counts),
+        "completion_tokens": total,
+        "coverage": covered / total,
+        "coverage_of_a_map_from_this_data": sum(counts[t] for t in own) / total,
+        "coverage_floor": COVERAGE_FLOOR,
+        "draft_vocab_size_for_floor": size_for_coverage(counts, counts, COVERAGE_FLOOR),
+    }
+    log.info(
+        "the starting drafter's vocabulary of %d (%s) covers %.2f%% of %d completion "
+        "tokens; a map of that size from this data would cover %.2f%%",
+        size,
+        source,
+        100 * stats["coverage"],
+        total,
+        100 * stats["coverage_of_a_map_from_this_data"],
+    )
     if stats["coverage"] < stats["coverage_of_a_map_from_this_data"] - 0.01:
-        log.warning("the starting drafter's vocabulary covers %.2f%% of this run's completion "
-                    "tokens, a map built from them %.2f%%: it can never propose the other "
-                    "%.2f%%, however it is fine-tuned (training from scratch keeps the better "
-                    "map)", 100 * stats["coverage"],
-                    100 * stats["coverage_of_a_map_from_this_data"], 100 * (1 - stats["coverage"]))
+        log.warning(
+            "the starting drafter's vocabulary covers %.2f%% of this run's completion "
+            "tokens, a map built from them %.2f%%: it can never propose the other "
+            "%.2f%%, however it is fine-tuned (training from scratch keeps the better "
+            "map)",
+            100 * stats["coverage"],
+            100 * stats["coverage_of_a_map_from_this_data"],
+            100 * (1 - stats["coverage"]),
+        )
     warn_low_coverage(stats, stats["draft_vocab_size_for_floor"])
     write_vocab_map(out_path, d2t, t2d)
     write_json(stats_path, stats)

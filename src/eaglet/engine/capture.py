@@ -57,30 +57,46 @@ def capture_layer_ids(aux_layer_ids: list[int], num_layers: int) -> list[int]:
 
 def capture_args(layer_ids: list[int], storage_dir: str | os.PathLike) -> list[str]:
     """vLLM arguments that make every request save its hidden states under ``storage_dir``."""
-    speculative = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
-                   "draft_model_config": {"hf_config": {
-                       "eagle_aux_hidden_state_layer_ids": list(layer_ids)}}}
-    transfer = {"kv_connector": CONNECTOR, "kv_connector_module_path": CONNECTOR_MODULE,
-                "kv_role": "kv_producer",
-                "kv_connector_extra_config": {"shared_storage_path": str(storage_dir),
-                                              "allow_custom_save_path": True}}
-    return ["--speculative-config", json.dumps(speculative),
-            "--kv-transfer-config", json.dumps(transfer), "--no-enable-prefix-caching"]
+    speculative = {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}},
+    }
+    transfer = {
+        "kv_connector": CONNECTOR,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {
+            "shared_storage_path": str(storage_dir),
+            "allow_custom_save_path": True,
+        },
+    }
+    return [
+        "--speculative-config",
+        json.dumps(speculative),
+        "--kv-transfer-config",
+        json.dumps(transfer),
+        "--no-enable-prefix-caching",
+    ]
 
 
 # -- the capture server ----------------------------------------------------------------------
 
-def capture_server(cfg: dict, model_path: str, layer_ids: list[int], storage_dir: Path,
-                   log_path: str | os.PathLike) -> VLLMServer:
+
+def capture_server(
+    cfg: dict, model_path: str, layer_ids: list[int], storage_dir: Path, log_path: str | os.PathLike
+) -> VLLMServer:
     """The target served as generation serves it, plus the capture options; its context length
     fits the longest extracted sequence and the one token a request must generate."""
     target = dict(cfg["target"])
     target["max_model_len"] = max(target["max_model_len"], cfg["extract"]["max_len"] + 1)
-    return target_server(cfg, model_path, log_path, capture_args(layer_ids, storage_dir),
-                         target=target)
+    return target_server(
+        cfg, model_path, log_path, capture_args(layer_ids, storage_dir), target=target
+    )
 
 
 # -- one request -----------------------------------------------------------------------------
+
 
 def read_request(path: Path, ids: list[int]) -> torch.Tensor | None:
     """The saved states [len(ids), layers, H] of ``ids``, or None when the file is missing,
@@ -105,7 +121,7 @@ def read_request(path: Path, ids: list[int]) -> torch.Tensor | None:
     states = data.get("hidden_states")
     match = None if states is None else _match(token_ids, ids)
     if match == "same":
-        return states[:len(ids)]
+        return states[: len(ids)]
     if match == "one short":
         return torch.cat([states, states.new_zeros((1, *states.shape[1:]))])
     log.warning("discarding %s: it holds the states of another sequence", path.name)
@@ -139,7 +155,7 @@ def _match(token_ids: torch.Tensor | None, ids: list[int]) -> str | None:
     """How a request file's saved ``token_ids`` cover ``ids``: "same" (the sequence, or a
     longer one it was cut from), "one short" (saved while generating) or None."""
     saved, ids = ([] if token_ids is None else token_ids.tolist()), list(ids)
-    if saved[:len(ids)] == ids:
+    if saved[: len(ids)] == ids:
         return "same"
     if len(saved) == len(ids) - 1 and saved == ids[:-1]:
         return "one short"
@@ -152,16 +168,29 @@ def remove_request(path: Path) -> None:
             p.unlink()
 
 
-async def prefill(client: httpx.AsyncClient, ids: list[int], path: Path, timeout: float,
-                  max_retries: int, health_check=None) -> None:
+async def prefill(
+    client: httpx.AsyncClient,
+    ids: list[int],
+    path: Path,
+    timeout: float,
+    max_retries: int,
+    health_check=None,
+) -> None:
     """One prefill request whose states the connector saves to ``path``; ``health_check`` (the
     server process's) runs after every failed attempt and ends the retries of a dead server."""
-    payload = {"model": "target", "prompt": list(ids), "max_tokens": 1, "temperature": 0.0,
-               "kv_transfer_params": {"hidden_states_path": str(path)}}
+    payload = {
+        "model": "target",
+        "prompt": list(ids),
+        "max_tokens": 1,
+        "temperature": 0.0,
+        "kv_transfer_params": {"hidden_states_path": str(path)},
+    }
     try:
         body = await with_retries(
-            lambda: post_json(client, "/v1/completions", payload, timeout), max_retries,
-            health_check=health_check)
+            lambda: post_json(client, "/v1/completions", payload, timeout),
+            max_retries,
+            health_check=health_check,
+        )
     except RequestFailed as exc:
         raise ExtractionError(f"prefill request failed: {exc}") from exc
     saved = (body.get("kv_transfer_params") or {}).get("hidden_states_path")
@@ -169,14 +198,22 @@ async def prefill(client: httpx.AsyncClient, ids: list[int], path: Path, timeout
         raise ExtractionError(
             "the server answered without kv_transfer_params.hidden_states_path: it runs "
             "without eaglet's capture options (extract.backend: vllm starts its own server; "
-            "server.url is not used for extraction)")
+            "server.url is not used for extraction)"
+        )
     if Path(saved) != path:  # a connector that ignores the requested path
         await asyncio.to_thread(_move_when_written, Path(saved), path)
 
 
-async def prefill_each(url: str, work: list[tuple[list[int], Path]], concurrency: int,
-                       timeout: float, max_retries: int, after, health_check=None,
-                       before=None) -> None:
+async def prefill_each(
+    url: str,
+    work: list[tuple[list[int], Path]],
+    concurrency: int,
+    timeout: float,
+    max_retries: int,
+    after,
+    health_check=None,
+    before=None,
+) -> None:
     """Send every ``(ids, path)`` of ``work`` as one prefill request to the capturing server
     at ``url``, ``concurrency`` at a time, in order; ``await after(i)`` once the i-th was
     answered (outside the concurrency gate: reading a file does not hold a request slot back)
@@ -208,8 +245,9 @@ def _move_when_written(source: Path, dest: Path) -> None:
         request_lock(source).unlink()
 
 
-def split_states(states: torch.Tensor, layer_ids: list[int], aux_layer_ids: list[int],
-                 norm: FinalNorm) -> tuple[torch.Tensor, torch.Tensor]:
+def split_states(
+    states: torch.Tensor, layer_ids: list[int], aux_layer_ids: list[int], norm: FinalNorm
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Aux [N, 3H] (in aux id order, repeats allowed) and final-norm [N, H] states from the
     saved [N, layers, H] (layers in ``layer_ids`` order, the last being L)."""
     aux = torch.cat([states[:, layer_ids.index(i)] for i in aux_layer_ids], dim=-1)
@@ -217,6 +255,7 @@ def split_states(states: torch.Tensor, layer_ids: list[int], aux_layer_ids: list
 
 
 # -- many requests through one window -----------------------------------------------------
+
 
 class PartTimes:
     """Wall seconds the packing thread spends per part (reading the request files, the
@@ -235,8 +274,9 @@ class PartTimes:
             self.seconds[name] += time.perf_counter() - start
 
     def summary(self) -> str:
-        return ", ".join(f"{name} {s:.1f} s" for name, s in
-                         sorted(self.seconds.items(), key=lambda kv: -kv[1]))
+        return ", ".join(
+            f"{name} {s:.1f} s" for name, s in sorted(self.seconds.items(), key=lambda kv: -kv[1])
+        )
 
 
 class Extractor:
@@ -245,8 +285,15 @@ class Extractor:
     # the packing thread yields the CPU to the server's (see _yield_cpu)
     low_priority = True
 
-    def __init__(self, cfg: dict, model_path: str, layer_ids: list[int], work_dir: Path,
-                 server_log: str | os.PathLike, progress: Progress | None):
+    def __init__(
+        self,
+        cfg: dict,
+        model_path: str,
+        layer_ids: list[int],
+        work_dir: Path,
+        server_log: str | os.PathLike,
+        progress: Progress | None,
+    ):
         self.cfg, self.layer_ids, self.progress = cfg, layer_ids, progress
         self.requests = (work_dir / "requests").resolve()
         self.requests.mkdir(parents=True, exist_ok=True)
@@ -276,12 +323,24 @@ class Extractor:
         def keep(i: int, saved: torch.Tensor) -> None:
             rows[i] = split_states(saved, self.layer_ids, aux_layer_ids, self.norm)
 
-        self.stream([r["id"] for r in records], seqs,
-                    [request_path(self.requests, r["id"]) for r in records], keep, progress)
+        self.stream(
+            [r["id"] for r in records],
+            seqs,
+            [request_path(self.requests, r["id"]) for r in records],
+            keep,
+            progress,
+        )
         return [r[0] for r in rows], [r[1] for r in rows]
 
-    def stream(self, sample_ids: list[str], seqs: list[list[int]], paths: list[Path],
-               consume, progress: Progress | None, ahead: list[int] | None = None) -> None:
+    def stream(
+        self,
+        sample_ids: list[str],
+        seqs: list[list[int]],
+        paths: list[Path],
+        consume,
+        progress: Progress | None,
+        ahead: list[int] | None = None,
+    ) -> None:
         """``consume(i, states)`` for every sequence, in order, in a packing thread (states
         as :func:`read_request` returns them): those saved already (by an earlier run, or by
         generation) read as they are, the others sent as prefill requests through one
@@ -294,8 +353,11 @@ class Extractor:
         saved = [holds_states(path, ids) for path, ids in zip(paths, seqs)]
         missing = [i for i, ok in enumerate(saved) if not ok]
         if missing:
-            log.info("%d of %d sequences have no saved states: sending them as prefill "
-                     "requests", len(missing), len(seqs))
+            log.info(
+                "%d of %d sequences have no saved states: sending them as prefill requests",
+                len(missing),
+                len(seqs),
+            )
             self.ensure_server()
             self.prefilled.update(sample_ids[i] for i in missing)
             if progress is not None:
@@ -326,7 +388,8 @@ class Extractor:
                 if states is None:
                     raise ExtractionError(
                         f"the server saved no states of {len(ids)} tokens to {path}: see the "
-                        f"server log {self.server.log_path}")
+                        f"server log {self.server.log_path}"
+                    )
                 consume(i, states)
                 del states
                 if progress is not None and (counted is None or i in counted):
@@ -346,15 +409,24 @@ class Extractor:
             tasks = [loop.run_in_executor(thread, pack)]
             if missing:
                 hooks = {"before": before} if consumed else {}
-                tasks.append(asyncio.ensure_future(prefill_each(
-                    self.server.url, [(seqs[i], paths[i]) for i in missing],
-                    self.cfg["extract"]["concurrency"], gen["request_timeout_s"],
-                    gen["max_retries"], after, health_check=self.server.check_alive, **hooks)))
+                tasks.append(
+                    asyncio.ensure_future(
+                        prefill_each(
+                            self.server.url,
+                            [(seqs[i], paths[i]) for i in missing],
+                            self.cfg["extract"]["concurrency"],
+                            gen["request_timeout_s"],
+                            gen["max_retries"],
+                            after,
+                            health_check=self.server.check_alive,
+                            **hooks,
+                        )
+                    )
+                )
             try:
                 pending = set(tasks)
                 while pending:  # the first failure ends both sides
-                    done, pending = await asyncio.wait(pending,
-                                                       return_when=asyncio.FIRST_EXCEPTION)
+                    done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
                     for task in done:
                         task.result()
             finally:
@@ -382,5 +454,6 @@ class Extractor:
         """How many of ``records`` have the states generation's own forward passes saved
         (``generate.capture_hidden_states`` marks them ``hidden_states: saved``) rather than
         a prefill request of this run."""
-        return sum(r.get("hidden_states") == "saved" and r["id"] not in self.prefilled
-                   for r in records)
+        return sum(
+            r.get("hidden_states") == "saved" and r["id"] not in self.prefilled for r in records
+        )

@@ -37,8 +37,10 @@ async def post_json(client: httpx.AsyncClient, path: str, payload: dict, timeout
     except (httpx.TransportError, httpx.TimeoutException) as exc:
         raise RequestFailed(f"{type(exc).__name__}: {exc}", retryable=True) from exc
     if resp.status_code != 200:
-        raise RequestFailed(f"HTTP {resp.status_code}: {resp.text[:500]}",
-                            retryable=resp.status_code in RETRYABLE_STATUS)
+        raise RequestFailed(
+            f"HTTP {resp.status_code}: {resp.text[:500]}",
+            retryable=resp.status_code in RETRYABLE_STATUS,
+        )
     return resp.json()
 
 
@@ -54,9 +56,10 @@ async def with_retries(call, max_retries: int, backoff_s: float = 1.0, health_ch
                 health_check()  # a dead server is the stage's failure, not this request's
             if not exc.retryable or attempt >= max_retries:
                 raise
-            delay = backoff_s * 2 ** attempt * (1 + random.random())
-            log.warning("request failed (%s); retry %d/%d in %.1f s",
-                        exc, attempt + 1, max_retries, delay)
+            delay = backoff_s * 2**attempt * (1 + random.random())
+            log.warning(
+                "request failed (%s); retry %d/%d in %.1f s", exc, attempt + 1, max_retries, delay
+            )
             await asyncio.sleep(delay)
             attempt += 1
 

@@ -64,8 +64,9 @@ def write_states(hidden_states: torch.Tensor, token_ids: torch.Tensor, filename:
     """Save one request's states; the file appears complete or not at all."""
     os.makedirs(os.path.dirname(filename) or ".", exist_ok=True)
     tmp = f"{filename}.tmp{os.getpid()}"
-    save_file({"hidden_states": hidden_states.contiguous(), "token_ids": token_ids.contiguous()},
-              tmp)
+    save_file(
+        {"hidden_states": hidden_states.contiguous(), "token_ids": token_ids.contiguous()}, tmp
+    )
     os.replace(tmp, filename)
 
 
@@ -82,8 +83,9 @@ class EagletHiddenStatesConnector(ExampleHiddenStatesConnector):
         lock_fd = self._lock_fds.pop(pending.req_id, None)
         if lock_fd is None and self.use_lock:
             os.makedirs(os.path.dirname(pending.filename) or ".", exist_ok=True)
-            lock_fd = os.open(request_lock(pending.filename), os.O_CREAT | os.O_WRONLY | os.O_TRUNC,
-                              0o644)
+            lock_fd = os.open(
+                request_lock(pending.filename), os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644
+            )
             fcntl.flock(lock_fd, fcntl.LOCK_EX)
         try:
             slots = slot_mapping(pending.block_ids, self._block_size)

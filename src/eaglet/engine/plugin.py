@@ -22,6 +22,7 @@ worker installs the platform's fallback kernels; the expand check therefore runs
 that installation when it cannot run yet, and so does the norm check (in the worker, which
 imports vLLM's kernels anyway; the API server never loads them).
 """
+
 from __future__ import annotations
 
 import logging
@@ -49,8 +50,10 @@ def expand_batch_to_tokens(x, cu_num_tokens, num_tokens: int, replace_from=0, re
     import torch
 
     if x.shape[0] != cu_num_tokens.shape[0]:
-        raise ValueError(f"expand_batch_to_tokens: {x.shape[0]} values for "
-                         f"{cu_num_tokens.shape[0]} cumulative token counts")
+        raise ValueError(
+            f"expand_batch_to_tokens: {x.shape[0]} values for "
+            f"{cu_num_tokens.shape[0]} cumulative token counts"
+        )
     cu = cu_num_tokens.to(device=x.device, dtype=torch.long)
     counts = torch.diff(cu, prepend=cu.new_zeros(1))
     values = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
@@ -92,8 +95,10 @@ def _mismatch(expand: Callable) -> str | None:
         swapped = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
         want = swapped[[0, 0, 1]]
         if got.dtype != want.dtype or got.shape != want.shape or not torch.equal(got, want):
-            return (f"{_fmt(x)} with cumulative token counts [2, 3] to {_fmt(got)} "
-                    f"({got.dtype}) instead of {_fmt(want)}")
+            return (
+                f"{_fmt(x)} with cumulative token counts [2, 3] to {_fmt(got)} "
+                f"({got.dtype}) instead of {_fmt(want)}"
+            )
     return None
 
 
@@ -132,13 +137,17 @@ def fix_if_needed() -> bool | None:
     except ExpandNotReady:
         return None
     if wrong is None:
-        log.debug("eaglet: vLLM's %s.%s keeps float values; nothing to fix",
-                  SAMPLER_MODULE, FUNCTION)
+        log.debug(
+            "eaglet: vLLM's %s.%s keeps float values; nothing to fix", SAMPLER_MODULE, FUNCTION
+        )
         return False
     rebound = _replace_everywhere(current, expand_batch_to_tokens)
-    log.info("eaglet: replaced %s with a dtype-preserving expand: vLLM's expanded %s, so "
-             "the per-token temperatures of sampled draft verification were wrong",
-             ", ".join(rebound), wrong)
+    log.info(
+        "eaglet: replaced %s with a dtype-preserving expand: vLLM's expanded %s, so "
+        "the per-token temperatures of sampled draft verification were wrong",
+        ", ".join(rebound),
+        wrong,
+    )
     return True
 
 
@@ -153,8 +162,12 @@ def grouped_rms_norm(original: Callable) -> Callable:
     grouped key norm calls it; any other call passes straight through."""
 
     def rms_norm(out, input, weight, epsilon):
-        if (weight.dim() == 2 and input.dim() >= 3 and weight.shape[0] == input.shape[0]
-                and out.shape == input.shape):
+        if (
+            weight.dim() == 2
+            and input.dim() >= 3
+            and weight.shape[0] == input.shape[0]
+            and out.shape == input.shape
+        ):
             for i in range(weight.shape[0]):
                 original(out[i], input[i].contiguous(), weight[i].contiguous(), epsilon)
             return None
@@ -194,8 +207,12 @@ def fix_grouped_norm_if_needed() -> bool:
         log.debug("eaglet: vLLM's rms_norm takes one weight per layer; nothing to fix")
         return False
     rebound = _replace_everywhere(current, grouped_rms_norm(current))
-    log.info("eaglet: wrapped %s to normalize layer by layer: with one weight row per layer "
-             "(DFlash's context keys) it was %s", ", ".join(rebound), wrong)
+    log.info(
+        "eaglet: wrapped %s to normalize layer by layer: with one weight row per layer "
+        "(DFlash's context keys) it was %s",
+        ", ".join(rebound),
+        wrong,
+    )
     return True
 
 
@@ -210,17 +227,24 @@ def _check_after_platform_kernels(platform_cls: type) -> None:
         original()
         try:
             if fix_if_needed() is None:
-                log.warning("eaglet: vLLM's rejection sampler expand cannot run even after "
-                            "the platform's kernel overrides; left as it is")
+                log.warning(
+                    "eaglet: vLLM's rejection sampler expand cannot run even after "
+                    "the platform's kernel overrides; left as it is"
+                )
         except Exception:
-            log.warning("eaglet: checking vLLM's rejection sampler expand failed; "
-                        "left as it is", exc_info=True)
+            log.warning(
+                "eaglet: checking vLLM's rejection sampler expand failed; left as it is",
+                exc_info=True,
+            )
         try:
             fix_grouped_norm_if_needed()
         except Exception:
-            log.warning("eaglet: checking vLLM's rms_norm with one weight per layer failed; "
-                        "left as it is (a DFlash drafter of 2+ layers may draft wrongly on "
-                        "the CPU engine)", exc_info=True)
+            log.warning(
+                "eaglet: checking vLLM's rms_norm with one weight per layer failed; "
+                "left as it is (a DFlash drafter of 2+ layers may draft wrongly on "
+                "the CPU engine)",
+                exc_info=True,
+            )
 
     setattr(register_triton_kernel_overrides, _MARK, True)
     register_triton_kernel_overrides.__wrapped__ = original
@@ -243,6 +267,8 @@ def register() -> None:
         # grouped norm in the worker, which loads the kernels anyway
         _check_after_platform_kernels(type(current_platform))
     except Exception:
-        log.warning("eaglet: the vLLM plugin eaglet_cpu_fixes failed and did nothing; vLLM "
-                    "runs unpatched (sampled acceptance on its CPU engine may be wrong)",
-                    exc_info=True)
+        log.warning(
+            "eaglet: the vLLM plugin eaglet_cpu_fixes failed and did nothing; vLLM "
+            "runs unpatched (sampled acceptance on its CPU engine may be wrong)",
+            exc_info=True,
+        )

@@ -85,20 +85,28 @@ def log_tail(path: str | os.PathLike, lines: int = 40) -> str:
 
 # What a server log says, and the fix in eaglet's terms (vLLM's own advice names its flags)
 KNOWN_FAILURES = [
-    ("on kv cache allocation is less than requested memory",
-     "vLLM found no room for the KV cache: set server.kv_cache_gib (evaluate.kv_cache_gib for "
-     "the evaluation's servers) to a size that fits, e.g. 1; on the CPU engine "
-     "memory_utilization is a share of the first NUMA node's RAM, which may be far less than "
-     "the machine's"),
-    ("is less than desired CPU memory utilization",
-     "the NUMA node has less free RAM than server.memory_utilization asks for: set "
-     "server.kv_cache_gib (a size, not a share) or lower memory_utilization"),
+    (
+        "on kv cache allocation is less than requested memory",
+        "vLLM found no room for the KV cache: set server.kv_cache_gib (evaluate.kv_cache_gib for "
+        "the evaluation's servers) to a size that fits, e.g. 1; on the CPU engine "
+        "memory_utilization is a share of the first NUMA node's RAM, which may be far less than "
+        "the machine's",
+    ),
+    (
+        "is less than desired CPU memory utilization",
+        "the NUMA node has less free RAM than server.memory_utilization asks for: set "
+        "server.kv_cache_gib (a size, not a share) or lower memory_utilization",
+    ),
 ]
 
 
 # vLLM's own lines that wrap the real error ("See root cause above")
-WRAPPER_ERRORS = ("root cause above", "Engine core initialization failed",
-                  "Worker failed with error", "EngineDeadError")
+WRAPPER_ERRORS = (
+    "root cause above",
+    "Engine core initialization failed",
+    "Worker failed with error",
+    "EngineDeadError",
+)
 _EXCEPTION_LINE = re.compile(r"\b((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception)): (\S.*)$")
 
 
@@ -175,8 +183,18 @@ class VLLMServer:
         return f"http://{self.host}:{self.port}"
 
     def command(self) -> list[str]:
-        return [self.python, "-m", self.module, "--model", self.model,
-                "--host", self.host, "--port", str(self.port), *self.args]
+        return [
+            self.python,
+            "-m",
+            self.module,
+            "--model",
+            self.model,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            *self.args,
+        ]
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -196,7 +214,8 @@ class VLLMServer:
             raise PortInUseError(
                 f"port {self.port} on {self.host} is already in use (another server, or one left "
                 f"over from an earlier run: `ss -ltnp 'sport = :{self.port}'` shows its pid). "
-                f"Stop it, or set server.port to another port or to 0 to pick a free one.")
+                f"Stop it, or set server.port to another port or to 0 to pick a free one."
+            )
         Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
         log_file = open(self.log_path, "ab", buffering=0)
         cmd = self.command()
@@ -206,8 +225,14 @@ class VLLMServer:
         env.setdefault("PYTHONUNBUFFERED", "1")
         try:
             self.proc = subprocess.Popen(
-                cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True, preexec_fn=_die_with_parent, env=env)
+                cmd,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+                env=env,
+            )
         finally:
             log_file.close()
 
@@ -219,13 +244,18 @@ class VLLMServer:
             if code is not None:
                 tail = log_tail(self.log_path)
                 cause = root_cause(self.log_path)
-                stopped = (" (vLLM exits with code 0 when a signal stops it: SIGTERM from a "
-                           "person, Snakemake or the job scheduler)" if code == 0 else "")
+                stopped = (
+                    " (vLLM exits with code 0 when a signal stops it: SIGTERM from a "
+                    "person, Snakemake or the job scheduler)"
+                    if code == 0
+                    else ""
+                )
                 raise ServerError(
                     f"the vLLM server exited ({exit_reason(code)}) before it was ready"
                     f"{stopped}" + (f": {cause}" if cause else "") + "\n"
                     f"--- last lines of {self.log_path} ---\n{tail}{failure_advice(tail)}"
-                    + (f"\nThe cause, from the server's log: {cause}" if cause else ""))
+                    + (f"\nThe cause, from the server's log: {cause}" if cause else "")
+                )
             if self.healthy():
                 self.ready_after_s = time.monotonic() - started
                 log.info("server ready at %s after %.0f s", self.url, self.ready_after_s)
@@ -234,7 +264,8 @@ class VLLMServer:
                 raise ServerError(
                     f"the vLLM server was not ready after {self.startup_timeout_s:.0f} s "
                     f"(server.startup_timeout_s).\n--- last lines of {self.log_path} ---\n"
-                    f"{log_tail(self.log_path)}")
+                    f"{log_tail(self.log_path)}"
+                )
             time.sleep(1.0)
 
     def healthy(self, timeout: float = 2.0) -> bool:
@@ -250,14 +281,18 @@ class VLLMServer:
         killed server is reported as such, not as the connection error its requests get."""
         if self.proc is not None and self.proc.poll() is not None:
             tail = log_tail(self.log_path)
-            killed = (" (SIGKILL comes from a person, the job scheduler or the kernel's "
-                      "out-of-memory killer, which `dmesg` names)"
-                      if self.proc.returncode == -signal.SIGKILL else "")
+            killed = (
+                " (SIGKILL comes from a person, the job scheduler or the kernel's "
+                "out-of-memory killer, which `dmesg` names)"
+                if self.proc.returncode == -signal.SIGKILL
+                else ""
+            )
             raise ServerError(
                 f"the vLLM server at {self.url} (pid {self.proc.pid}) died "
                 f"({exit_reason(self.proc.returncode)}) while eaglet was using it{killed}. "
                 f"Finished work is kept: rerun to resume with a new server.\n"
-                f"--- last lines of {self.log_path} ---\n{tail}{failure_advice(tail)}")
+                f"--- last lines of {self.log_path} ---\n{tail}{failure_advice(tail)}"
+            )
 
     def stop(self) -> None:
         """Stop the whole process group: SIGTERM, then SIGKILL once the grace period is over.
@@ -272,7 +307,7 @@ class VLLMServer:
         finally:
             _restore_handlers(previous)
 
-    def __enter__(self) -> "VLLMServer":
+    def __enter__(self) -> VLLMServer:
         self._previous = _install_termination_handlers()
         try:
             self.start()
@@ -413,10 +448,16 @@ def _restore_handlers(previous: dict) -> None:
 
 def server_args(target: dict, server: dict, served_model_name: str) -> list[str]:
     """vLLM command-line arguments from the validated ``target`` and ``server`` config."""
-    args = ["--served-model-name", served_model_name,
-            "--dtype", target["dtype"],
-            "--max-model-len", str(target["max_model_len"]),
-            "--tensor-parallel-size", str(server["tensor_parallel_size"])]
+    args = [
+        "--served-model-name",
+        served_model_name,
+        "--dtype",
+        target["dtype"],
+        "--max-model-len",
+        str(target["max_model_len"]),
+        "--tensor-parallel-size",
+        str(server["tensor_parallel_size"]),
+    ]
     if server["enforce_eager"]:
         args.append("--enforce-eager")
     if target.get("trust_remote_code"):
@@ -444,8 +485,13 @@ def _model_config(model: str) -> dict | None:
         return None
 
 
-def target_server(cfg: dict, model: str, log_path: str | os.PathLike,
-                  extra_args: list[str] = (), target: dict | None = None) -> VLLMServer:
+def target_server(
+    cfg: dict,
+    model: str,
+    log_path: str | os.PathLike,
+    extra_args: list[str] = (),
+    target: dict | None = None,
+) -> VLLMServer:
     """The target's vLLM server as the validated config's ``target`` (or the given
     ``target`` section) and ``server`` sections describe it, served as ``target``, plus
     ``extra_args``; use it with ``with``. On vLLM's CPU engine (``server.gpus`` 0) every
@@ -459,13 +505,22 @@ def target_server(cfg: dict, model: str, log_path: str | os.PathLike,
         problem = support.cpu_engine_problem(support.cpu_flags())
         if problem:
             raise ServerError(f"vLLM's CPU engine cannot start: {problem}")
-        args = support.cpu_engine_args(args, _model_config(model), target["dtype"],
-                                       draft_config=_model_config)
+        args = support.cpu_engine_args(
+            args, _model_config(model), target["dtype"], draft_config=_model_config
+        )
     if server["gpus"] and server.get("kv_cache_gib") is not None:
-        log.warning("server.kv_cache_gib is %s on a GPU server: each GPU's KV cache is that "
-                    "size, whatever memory_utilization leaves free (config.yaml sets it for "
-                    "the CPU demo); set kv_cache_gib: null to let vLLM size it",
-                    server["kv_cache_gib"])
-    return VLLMServer(model=model, log_path=log_path, args=args, port=server["port"],
-                      startup_timeout_s=server["startup_timeout_s"],
-                      shutdown_grace_s=server["shutdown_grace_s"], env=server_env(server))
+        log.warning(
+            "server.kv_cache_gib is %s on a GPU server: each GPU's KV cache is that "
+            "size, whatever memory_utilization leaves free (config.yaml sets it for "
+            "the CPU demo); set kv_cache_gib: null to let vLLM size it",
+            server["kv_cache_gib"],
+        )
+    return VLLMServer(
+        model=model,
+        log_path=log_path,
+        args=args,
+        port=server["port"],
+        startup_timeout_s=server["startup_timeout_s"],
+        shutdown_grace_s=server["shutdown_grace_s"],
+        env=server_env(server),
+    )

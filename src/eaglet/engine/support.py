@@ -69,8 +69,7 @@ def uses_mla(config: dict) -> bool:
     try:
         import vllm.config  # noqa: F401  (breaks the convertor module's import circle)
         from transformers import PretrainedConfig
-        from vllm.transformers_utils.model_arch_config_convertor import (
-            ModelArchConfigConvertorBase)
+        from vllm.transformers_utils.model_arch_config_convertor import ModelArchConfigConvertorBase
 
         hf_text = PretrainedConfig(**text)
         hf = PretrainedConfig(**config) if text is not config else hf_text
@@ -93,14 +92,17 @@ def cpu_engine_problem(flags: Iterable[str]) -> str | None:
     None."""
     flags = set(flags)
     if flags and CPU_ENGINE_FLAG not in flags:
-        return (f"this CPU lacks {CPU_ENGINE_FLAG.upper()}, the least instruction set vLLM's CPU "
-                f"engine is built for (its kernels come as AVX2 and AVX-512 builds): serve on a "
-                f"machine whose /proc/cpuinfo flags list {CPU_ENGINE_FLAG}, or on GPUs")
+        return (
+            f"this CPU lacks {CPU_ENGINE_FLAG.upper()}, the least instruction set vLLM's CPU "
+            f"engine is built for (its kernels come as AVX2 and AVX-512 builds): serve on a "
+            f"machine whose /proc/cpuinfo flags list {CPU_ENGINE_FLAG}, or on GPUs"
+        )
     return None
 
 
-def cpu_engine_args(args: list[str], model_config: dict | None, dtype: str,
-                    draft_config=None) -> list[str]:
+def cpu_engine_args(
+    args: list[str], model_config: dict | None, dtype: str, draft_config=None
+) -> list[str]:
     """``args`` of a server on vLLM's CPU engine with the attention backend each model needs
     (:func:`cpu_attention_backend`): the target's through ``--attention-backend``, the draft
     model's through the speculative config's ``attention_backend`` (vLLM never gives a draft
@@ -153,10 +155,16 @@ def ask(config: dict) -> dict:
     from vllm.model_executor.models import ModelRegistry
     from vllm.model_executor.models.interfaces import supports_eagle3
 
-    out = {"vllm_version": vllm.__version__, "architectures": config.get("architectures") or [],
-           "architecture": None, "model_class": None, "supports_eagle3": None,
-           "error": None,
-           "mla": uses_mla(config), "mtp_layers": mtp_layers(config)}
+    out = {
+        "vllm_version": vllm.__version__,
+        "architectures": config.get("architectures") or [],
+        "architecture": None,
+        "model_class": None,
+        "supports_eagle3": None,
+        "error": None,
+        "mla": uses_mla(config),
+        "mtp_layers": mtp_layers(config),
+    }
     supported = ModelRegistry.get_supported_archs()
     for arch in out["architectures"]:
         if arch not in supported:
@@ -173,18 +181,24 @@ def ask(config: dict) -> dict:
             out["supports_eagle3"] = bool(supports_eagle3(cls))
         break
     else:
-        out["error"] = (f"vLLM {vllm.__version__} registers none of the architectures "
-                        f"{out['architectures']}")
+        out["error"] = (
+            f"vLLM {vllm.__version__} registers none of the architectures {out['architectures']}"
+        )
     return out
 
 
-def ask_in_subprocess(config_path: str | Path, python: str = sys.executable,
-                      timeout_s: float = 300.0) -> dict:
+def ask_in_subprocess(
+    config_path: str | Path, python: str = sys.executable, timeout_s: float = 300.0
+) -> dict:
     """:func:`ask` in a process of its own (vLLM imports PyTorch); a dict with ``error`` alone
     where that process fails (no vLLM installed, say)."""
     try:
-        done = subprocess.run([python, "-m", "eaglet.engine.support", str(config_path)],
-                              capture_output=True, text=True, timeout=timeout_s)
+        done = subprocess.run(
+            [python, "-m", "eaglet.engine.support", str(config_path)],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
     except (OSError, subprocess.TimeoutExpired) as error:
         return {"error": f"{type(error).__name__}: {error}"}
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
@@ -199,11 +213,15 @@ def alternatives(answers: dict) -> list[str]:
     its config declares them, and drafter-free n-gram lookup."""
     out = []
     if answers.get("mtp_layers"):
-        out.append(f"the target's own {answers['mtp_layers']} multi-token-prediction layer(s) "
-                   "(--speculative-config '{\"method\": \"mtp\", \"num_speculative_tokens\": "
-                   f"{answers['mtp_layers']}}}')")
-    out.append("n-gram lookup, which needs no drafter (--speculative-config '{\"method\": "
-               "\"ngram\", \"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4}')")
+        out.append(
+            f"the target's own {answers['mtp_layers']} multi-token-prediction layer(s) "
+            '(--speculative-config \'{"method": "mtp", "num_speculative_tokens": '
+            f"{answers['mtp_layers']}}}')"
+        )
+    out.append(
+        'n-gram lookup, which needs no drafter (--speculative-config \'{"method": '
+        '"ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}\')'
+    )
     return out
 
 
@@ -214,17 +232,20 @@ def refusal(answers: dict, method: str, target: str) -> str | None:
     if answers.get("supports_eagle3") is not False:
         return None
     options = "\n".join(f"  - {line}" for line in alternatives(answers))
-    return (f"vLLM {answers.get('vllm_version')} cannot serve {method} drafters for {target}: "
-            f"its class for {answers.get('architecture')}, {answers.get('model_class')}, does "
-            f"not implement {INTERFACE} (the aux hidden states that every EAGLE-3-style "
-            f"drafter, and vLLM's hidden-state capture for extraction, read). Neither "
-            f"extraction nor the evaluation could run. EAGLE-3, P-EAGLE and DFlash all need "
-            f"it. What vLLM serves for this target instead:\n{options}\n"
-            f"or a vLLM whose class for {answers.get('architecture')} implements {INTERFACE}.")
+    return (
+        f"vLLM {answers.get('vllm_version')} cannot serve {method} drafters for {target}: "
+        f"its class for {answers.get('architecture')}, {answers.get('model_class')}, does "
+        f"not implement {INTERFACE} (the aux hidden states that every EAGLE-3-style "
+        f"drafter, and vLLM's hidden-state capture for extraction, read). Neither "
+        f"extraction nor the evaluation could run. EAGLE-3, P-EAGLE and DFlash all need "
+        f"it. What vLLM serves for this target instead:\n{options}\n"
+        f"or a vLLM whose class for {answers.get('architecture')} implements {INTERFACE}."
+    )
 
 
-def require_drafter_support(config_path: str | Path, method: str, target: str,
-                            python: str = sys.executable) -> dict:
+def require_drafter_support(
+    config_path: str | Path, method: str, target: str, python: str = sys.executable
+) -> dict:
     """Raise :class:`UnsupportedTarget` (:func:`refusal`) where vLLM cannot serve the run's
     drafter for the target whose config.json is ``config_path``; warn where vLLM could not be
     asked. Returns vLLM's answers."""
@@ -233,8 +254,11 @@ def require_drafter_support(config_path: str | Path, method: str, target: str,
     if message:
         raise UnsupportedTarget(message)
     if answers.get("supports_eagle3") is None:
-        log.warning("could not ask vLLM whether it serves a drafter for %s (%s): the first "
-                    "server will say", target, answers.get("error"))
+        log.warning(
+            "could not ask vLLM whether it serves a drafter for %s (%s): the first server will say",
+            target,
+            answers.get("error"),
+        )
     return answers
 
 

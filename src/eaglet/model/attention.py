@@ -14,8 +14,12 @@ import torch.nn.functional as F
 from eaglet.model.kernels import EAGER, Kernels, combine_sink, sink_problem
 
 
-def ttt_attention(q: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]],
-                  mask: torch.Tensor, scale: float) -> torch.Tensor:
+def ttt_attention(
+    q: torch.Tensor,
+    cache: list[tuple[torch.Tensor, torch.Tensor]],
+    mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """Attention of step ``k = len(cache) - 1`` over the drafter's KV cache (``eager``).
 
     q        [Hkv, G, T, D]   queries, G = query heads per KV head (GQA)
@@ -29,27 +33,31 @@ def ttt_attention(q: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]
     """
     (k0, v0), diagonal = cache[0], cache[1:]
     q = q * scale
-    scores = torch.matmul(q, k0.transpose(-1, -2)).float()                 # [Hkv, G, T, T]
+    scores = torch.matmul(q, k0.transpose(-1, -2)).float()  # [Hkv, G, T, T]
     scores.masked_fill_(~mask, float("-inf"))
-    top = scores.amax(-1, keepdim=True)                                    # [Hkv, G, T, 1]
+    top = scores.amax(-1, keepdim=True)  # [Hkv, G, T, 1]
     if diagonal:
         own = torch.stack([(q * k).sum(-1) for k, _ in diagonal], -1).float()  # [Hkv, G, T, k]
         top = torch.maximum(top, own.amax(-1, keepdim=True))
     top = top.detach()  # any shift gives the same softmax; no gradient through it
-    weights = scores.sub_(top).exp_()                                      # unnormalized
+    weights = scores.sub_(top).exp_()  # unnormalized
     total = weights.sum(-1, keepdim=True)
-    out = torch.matmul(weights.to(v0.dtype), v0).float()                   # [Hkv, G, T, D]
+    out = torch.matmul(weights.to(v0.dtype), v0).float()  # [Hkv, G, T, D]
     if diagonal:
         own = torch.exp(own - top)
         total = total + own.sum(-1, keepdim=True)
         for j, (_, v) in enumerate(diagonal):
-            out = out + own[..., j:j + 1] * v
+            out = out + own[..., j : j + 1] * v
     return (out / total).to(v0.dtype)
 
 
-def sdpa_ttt_attention(q: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]],
-                       block: "AttentionBlock", scale: float, kernels: "Kernels | None" = None
-                       ) -> torch.Tensor:
+def sdpa_ttt_attention(
+    q: torch.Tensor,
+    cache: list[tuple[torch.Tensor, torch.Tensor]],
+    block: AttentionBlock,
+    scale: float,
+    kernels: Kernels | None = None,
+) -> torch.Tensor:
     """What ``ttt_attention`` computes, through ``F.scaled_dot_product_attention`` (fused
     kernels: no [heads, n, n] scores kept). Shapes as ``ttt_attention``."""
     (k0, v0), diagonal = cache[0], cache[1:]
@@ -57,14 +65,21 @@ def sdpa_ttt_attention(q: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Te
     dv = v0.shape[-1]
     if not diagonal:  # step 0: the step-0 keys alone
         out = F.scaled_dot_product_attention(
-            q.reshape(1, hkv * g, n, d), k0.reshape(1, hkv, n, d), v0.reshape(1, hkv, n, dv),
-            attn_mask=block.mask, is_causal=block.mask is None, scale=scale, enable_gqa=True)
+            q.reshape(1, hkv * g, n, d),
+            k0.reshape(1, hkv, n, d),
+            v0.reshape(1, hkv, n, dv),
+            attn_mask=block.mask,
+            is_causal=block.mask is None,
+            scale=scale,
+            enable_gqa=True,
+        )
         return out.reshape(hkv, g, n, dv)
     kernels = kernels or EAGER
     query, key, value, values, total = kernels.sink_problem(q, cache, scale)
     mask = block.sink_mask()
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask,
-                                         is_causal=mask is None, scale=scale, enable_gqa=True)
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+    )
     return kernels.combine(out, values, total, q.shape, v0.dtype)
 
 
@@ -73,13 +88,16 @@ def ttt_mask_mod(segments: torch.Tensor, sink: bool):
     same sample and key row <= query row; with ``sink``, index 0 is the sink key (seen by
     every query) and the dummy query row, rows start at 1 (``sdpa_ttt_attention``)."""
     if not sink:
+
         def mask_mod(b, h, q_idx, kv_idx):
             return (kv_idx <= q_idx) & (segments[q_idx] == segments[kv_idx])
+
         return mask_mod
     shifted = F.pad(segments, (1, 0), value=-1)  # row r - 1's sample at index r
 
     def sink_mask_mod(b, h, q_idx, kv_idx):
         return (kv_idx == 0) | ((kv_idx <= q_idx) & (shifted[q_idx] == shifted[kv_idx]))
+
     return sink_mask_mod
 
 
@@ -90,14 +108,19 @@ def _flex():
     """flex_attention, compiled on first use where it runs (CUDA; eager elsewhere)."""
     if not _FLEX:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
         _FLEX["create_block_mask"] = create_block_mask
         _FLEX["plain"] = flex_attention
         _FLEX["compiled"] = torch.compile(flex_attention, dynamic=True)
     return _FLEX
 
 
-def flex_ttt_attention(q: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]],
-                       block: AttentionBlock, scale: float) -> torch.Tensor:
+def flex_ttt_attention(
+    q: torch.Tensor,
+    cache: list[tuple[torch.Tensor, torch.Tensor]],
+    block: AttentionBlock,
+    scale: float,
+) -> torch.Tensor:
     """What ``sdpa_ttt_attention`` computes, through flex attention with a block mask of the
     TTT pattern: packed samples in one block skip each other's tiles, no [n, n] mask."""
     flex = _flex()
@@ -109,21 +132,31 @@ def flex_ttt_attention(q: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Te
     if key not in block._masks:
         size = n + 1 if diagonal else n
         block._masks[key] = flex["create_block_mask"](
-            ttt_mask_mod(block.segments, bool(diagonal)), None, None, size, size,
-            device=q.device)
+            ttt_mask_mod(block.segments, bool(diagonal)), None, None, size, size, device=q.device
+        )
     if not diagonal:
-        out = attend(q.reshape(1, hkv * g, n, d), k0.reshape(1, hkv, n, d),
-                     v0.reshape(1, hkv, n, dv), block_mask=block._masks[key], scale=scale,
-                     enable_gqa=True)
+        out = attend(
+            q.reshape(1, hkv * g, n, d),
+            k0.reshape(1, hkv, n, d),
+            v0.reshape(1, hkv, n, dv),
+            block_mask=block._masks[key],
+            scale=scale,
+            enable_gqa=True,
+        )
         return out.reshape(hkv, g, n, dv)
     query, key_, value, values, total = sink_problem(q, cache, scale)
     out = attend(query, key_, value, block_mask=block._masks[key], scale=scale, enable_gqa=True)
     return combine_sink(out, values, total, q.shape, v0.dtype)
 
 
-def attend(implementation: str, q: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]],
-           blocks: list["AttentionBlock"], scale: float, kernels: "Kernels | None" = None
-           ) -> torch.Tensor:
+def attend(
+    implementation: str,
+    q: torch.Tensor,
+    cache: list[tuple[torch.Tensor, torch.Tensor]],
+    blocks: list[AttentionBlock],
+    scale: float,
+    kernels: Kernels | None = None,
+) -> torch.Tensor:
     """The TTT attention of ``q`` [Hkv, G, T, D] over ``cache`` (its step's keys and values
     appended), block by block with ``implementation`` (ATTENTION): [Hkv, G, T, Dv]."""
     outs = []
@@ -147,6 +180,7 @@ class AttentionBlock:
     """Rows ``start:end`` of the batch: whole samples that attend among themselves only.
     ``segments`` [n] names each row's sample; ``mask`` [n, n] bool (same sample and key row
     <= query row) is None for a block of one sample, plain causal attention."""
+
     start: int
     end: int
     segments: torch.Tensor
@@ -159,8 +193,9 @@ class AttentionBlock:
             return self.mask
         if "causal" not in self._masks:
             n = self.end - self.start
-            self._masks["causal"] = torch.ones(n, n, dtype=torch.bool,
-                                               device=self.segments.device).tril()
+            self._masks["causal"] = torch.ones(
+                n, n, dtype=torch.bool, device=self.segments.device
+            ).tril()
         return self._masks["causal"]
 
     def sink_mask(self) -> torch.Tensor | None:
@@ -177,8 +212,7 @@ class AttentionBlock:
         return self._masks["sink"]
 
 
-def attention_blocks(segments: torch.Tensor, block_rows: int = BLOCK_ROWS
-                     ) -> list[AttentionBlock]:
+def attention_blocks(segments: torch.Tensor, block_rows: int = BLOCK_ROWS) -> list[AttentionBlock]:
     """Consecutive whole samples grouped into blocks of at most ``block_rows`` rows (or one
     longer sample), each with its mask (same sample, key row <= query row; None when the
     block is one sample). Attention never crosses samples, so blocks are computed apart:

@@ -18,10 +18,10 @@ class DrafterConfig:
     num_key_value_heads: int
     head_dim: int
     rms_norm_eps: float
-    rope_parameters: dict          # {"rope_theta": ..., "rope_type": ..., scaling keys}
+    rope_parameters: dict  # {"rope_theta": ..., "rope_type": ..., scaling keys}
     max_position_embeddings: int
-    vocab_size: int                # the target's vocabulary (input ids, d2t's range)
-    draft_vocab_size: int          # rows of lm_head
+    vocab_size: int  # the target's vocabulary (input ids, d2t's range)
+    draft_vocab_size: int  # rows of lm_head
     target_hidden_size: int
     aux_layer_ids: list[int] = field(default_factory=list)
     # train.drafter_attention: "llama" (GQA, llama_eagle3) or "mla" (the target's multi-head
@@ -40,10 +40,12 @@ class DrafterConfig:
 
     def __post_init__(self):
         if self.attention_kind == "mla" and self.norm_before_fc:
-            raise ValueError("norm_before_fc with train.drafter_attention: mla: vLLM 0.32's MLA "
-                             "drafter (deepseek_eagle3) has no input_norm before fc and would not "
-                             "load it; use fc_norm (train.drafter_variant: eagle3.1) or llama "
-                             "attention")
+            raise ValueError(
+                "norm_before_fc with train.drafter_attention: mla: vLLM 0.32's MLA "
+                "drafter (deepseek_eagle3) has no input_norm before fc and would not "
+                "load it; use fc_norm (train.drafter_variant: eagle3.1) or llama "
+                "attention"
+            )
 
     @property
     def fc_input_size(self) -> int:
@@ -54,22 +56,29 @@ class DrafterConfig:
         return {name: getattr(self, name) for name in NORM_FLAGS}
 
     @classmethod
-    def from_target(cls, target: dict, draft_vocab_size: int, aux_layer_ids: list[int],
-                    attention: str = "llama",
-                    variant: str = EAGLE3_LAYER.name) -> "DrafterConfig":
+    def from_target(
+        cls,
+        target: dict,
+        draft_vocab_size: int,
+        aux_layer_ids: list[int],
+        attention: str = "llama",
+        variant: str = EAGLE3_LAYER.name,
+    ) -> DrafterConfig:
         """The drafter's shape from the target's ``config.json`` (dict): every field is read
         here. ``attention`` (train.drafter_attention) picks the layer's attention kind,
         ``variant`` (train.drafter_variant) its norms (:data:`eaglet.core.methods.VARIANTS`)."""
         target = target.get("text_config", target)  # multimodal wrappers nest the LM config
         if attention not in ATTENTION_KINDS:
-            raise ValueError(f"train.drafter_attention {attention!r} is none of "
-                             f"{', '.join(ATTENTION_KINDS)}")
+            raise ValueError(
+                f"train.drafter_attention {attention!r} is none of {', '.join(ATTENTION_KINDS)}"
+            )
         if variant not in VARIANTS:
-            raise ValueError(f"train.drafter_variant {variant!r} is none of "
-                             f"{', '.join(VARIANTS)}")
+            raise ValueError(f"train.drafter_variant {variant!r} is none of {', '.join(VARIANTS)}")
         if target.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"the target uses hidden_act {target['hidden_act']!r}; the EAGLE-3 "
-                             f"drafters vLLM loads (llama_eagle3, deepseek_eagle3) have a SiLU MLP")
+            raise ValueError(
+                f"the target uses hidden_act {target['hidden_act']!r}; the EAGLE-3 "
+                f"drafters vLLM loads (llama_eagle3, deepseek_eagle3) have a SiLU MLP"
+            )
         heads = target["num_attention_heads"]
         config = cls(
             hidden_size=target["hidden_size"],
@@ -83,7 +92,8 @@ class DrafterConfig:
             vocab_size=target["vocab_size"],
             draft_vocab_size=draft_vocab_size,
             target_hidden_size=target["hidden_size"],
-            aux_layer_ids=list(aux_layer_ids))
+            aux_layer_ids=list(aux_layer_ids),
+        )
         config = with_mla(config, target) if attention == "mla" else config
         return replace(config, **VARIANTS[variant].flags)
 
@@ -114,8 +124,11 @@ def rope_parameters(config: dict) -> dict:
         params["rope_theta"] = config.get("rope_theta", 10000.0)
     params["rope_type"] = params.get("rope_type", params.pop("type", "default"))
     params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
-    if (params["rope_type"] == "proportional" or "rope_dim" in params
-            or params.get("partial_rotary_factor", 1.0) != 1.0):
+    if (
+        params["rope_type"] == "proportional"
+        or "rope_dim" in params
+        or params.get("partial_rotary_factor", 1.0) != 1.0
+    ):
         params = {"rope_type": "default", "rope_theta": params["rope_theta"]}
     params.pop("partial_rotary_factor", None)
     return params
@@ -129,50 +142,71 @@ def with_mla(config: DrafterConfig, target: dict) -> DrafterConfig:
     the layer vLLM's ``Eagle3DeepseekV2ForCausalLM`` builds from the exported config."""
     missing = [name for name in MLA_FIELDS if not target.get(name)]
     if missing:
-        raise ValueError(f"train.drafter_attention: mla needs a target with multi-head latent "
-                         f"attention (DeepSeek-V2/V3, Kimi-K2), whose config.json gives "
-                         f"{', '.join(MLA_FIELDS)}; this one lacks {', '.join(missing)}: "
-                         f"set train.drafter_attention: llama")
+        raise ValueError(
+            f"train.drafter_attention: mla needs a target with multi-head latent "
+            f"attention (DeepSeek-V2/V3, Kimi-K2), whose config.json gives "
+            f"{', '.join(MLA_FIELDS)}; this one lacks {', '.join(missing)}: "
+            f"set train.drafter_attention: llama"
+        )
     if not target.get("q_lora_rank"):
         # deepseek_eagle3's weight mapper renames kv_a_proj_with_mqa into fused_qkv_a_proj,
         # which vLLM builds only with a q_lora_rank: such a drafter would not load
-        raise ValueError("train.drafter_attention: mla: the target has no q_lora_rank, and vLLM "
-                         "0.32's deepseek_eagle3 loads an MLA drafter only with one (it maps "
-                         "kv_a_proj_with_mqa into fused_qkv_a_proj); set train.drafter_attention: "
-                         "llama (which serves beside an MLA target on GPUs)")
+        raise ValueError(
+            "train.drafter_attention: mla: the target has no q_lora_rank, and vLLM "
+            "0.32's deepseek_eagle3 loads an MLA drafter only with one (it maps "
+            "kv_a_proj_with_mqa into fused_qkv_a_proj); set train.drafter_attention: "
+            "llama (which serves beside an MLA target on GPUs)"
+        )
     rope = config.rope_parameters
     if rope["rope_type"] != "default":
         absent = [k for k in ("factor", "original_max_position_embeddings") if k not in rope]
         if absent:
-            raise ValueError(f"the target's rope_parameters (rope_type {rope['rope_type']!r}) "
-                             f"lack {', '.join(absent)}, which vLLM's MLA attention reads for its "
-                             f"DeepSeek YaRN RoPE: train.drafter_attention: mla cannot match it")
+            raise ValueError(
+                f"the target's rope_parameters (rope_type {rope['rope_type']!r}) "
+                f"lack {', '.join(absent)}, which vLLM's MLA attention reads for its "
+                f"DeepSeek YaRN RoPE: train.drafter_attention: mla cannot match it"
+            )
     nope, rope_dim = target["qk_nope_head_dim"], target["qk_rope_head_dim"]
-    return replace(config, attention_kind="mla", q_lora_rank=target["q_lora_rank"],
-                   kv_lora_rank=target["kv_lora_rank"], qk_nope_head_dim=nope,
-                   qk_rope_head_dim=rope_dim, v_head_dim=target["v_head_dim"],
-                   head_dim=nope + rope_dim,  # the query/key head size
-                   num_key_value_heads=config.num_attention_heads)  # one K/V per query head
+    return replace(
+        config,
+        attention_kind="mla",
+        q_lora_rank=target["q_lora_rank"],
+        kv_lora_rank=target["kv_lora_rank"],
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope_dim,
+        v_head_dim=target["v_head_dim"],
+        head_dim=nope + rope_dim,  # the query/key head size
+        num_key_value_heads=config.num_attention_heads,
+    )  # one K/V per query head
 
 
 def config_from_vllm(config: dict) -> DrafterConfig:
     """The ``DrafterConfig`` of an exported ``config.json`` (either attention kind)."""
     mla = config.get("model_type") == "deepseek_v2"
     drafter = DrafterConfig(
-        hidden_size=config["hidden_size"], intermediate_size=config["intermediate_size"],
+        hidden_size=config["hidden_size"],
+        intermediate_size=config["intermediate_size"],
         num_attention_heads=config["num_attention_heads"],
         num_key_value_heads=config["num_key_value_heads"],
-        head_dim=(config["qk_nope_head_dim"] + config["qk_rope_head_dim"] if mla
-                  else config["head_dim"]),
-        rms_norm_eps=config["rms_norm_eps"], rope_parameters=rope_parameters(config),
+        head_dim=(
+            config["qk_nope_head_dim"] + config["qk_rope_head_dim"] if mla else config["head_dim"]
+        ),
+        rms_norm_eps=config["rms_norm_eps"],
+        rope_parameters=rope_parameters(config),
         max_position_embeddings=config["max_position_embeddings"],
-        vocab_size=config["vocab_size"], draft_vocab_size=config["draft_vocab_size"],
+        vocab_size=config["vocab_size"],
+        draft_vocab_size=config["draft_vocab_size"],
         target_hidden_size=config["target_hidden_size"],
         aux_layer_ids=config["eagle_config"]["eagle_aux_hidden_state_layer_ids"],
-        **norm_flags(config))
+        **norm_flags(config),
+    )
     if mla:
-        drafter = replace(drafter, attention_kind="mla", q_lora_rank=config["q_lora_rank"],
-                          **{name: config[name] for name in MLA_FIELDS})
+        drafter = replace(
+            drafter,
+            attention_kind="mla",
+            q_lora_rank=config["q_lora_rank"],
+            **{name: config[name] for name in MLA_FIELDS},
+        )
     return drafter
 
 
@@ -198,6 +232,8 @@ def resolve_attention(name: str, device: object) -> str:
     if name not in ATTENTION:
         raise ValueError(f"attention {name!r} is none of auto, {', '.join(ATTENTION)}")
     if name == "flex" and str(device).partition(":")[0] != "cuda":
-        raise ValueError("attention flex needs a CUDA device (PyTorch's flex attention has no "
-                         "backward pass on CPU); use sdpa")
+        raise ValueError(
+            "attention flex needs a CUDA device (PyTorch's flex attention has no "
+            "backward pass on CPU); use sdpa"
+        )
     return name

@@ -42,8 +42,8 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from eaglet.core.io import atomic_open, read_json, write_json
 from eaglet.core import methods
+from eaglet.core.io import atomic_open, read_json, write_json
 from eaglet.core.methods import DFLASH
 from eaglet.data.shards import STORAGE_DTYPES
 from eaglet.model.attention import BLOCK_ROWS, attend, attention_blocks
@@ -67,8 +67,11 @@ class DFlashAttention(nn.Module):
     def __init__(self, config: DrafterConfig):
         super().__init__()
         h, d = config.hidden_size, config.head_dim
-        self.heads, self.kv_heads, self.head_dim = (config.num_attention_heads,
-                                                    config.num_key_value_heads, d)
+        self.heads, self.kv_heads, self.head_dim = (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            d,
+        )
         self.q_proj = nn.Linear(h, self.heads * d, bias=False)
         self.k_proj = nn.Linear(h, self.kv_heads * d, bias=False)
         self.v_proj = nn.Linear(h, self.kv_heads * d, bias=False)
@@ -111,13 +114,18 @@ class DFlashLayer(nn.Module):
         slots, rows, h = x.shape
         attn = self.self_attn
         normed = self.input_layernorm(x).reshape(slots * rows, h)
-        q = attn.queries(normed, *slot_rope)                          # [Hkv, G, S*T, D]
-        k, v = attn.keys(normed, *slot_rope)                          # [Hkv, 1, S*T, D]
+        q = attn.queries(normed, *slot_rope)  # [Hkv, G, S*T, D]
+        k, v = attn.keys(normed, *slot_rope)  # [Hkv, 1, S*T, D]
         parts = [slice(s * rows, (s + 1) * rows) for s in range(slots)]
         cache = [attn.keys(context, *context_rope)] + [(k[..., p, :], v[..., p, :]) for p in parts]
-        scale = attn.head_dim ** -0.5
-        out = torch.cat([attend(attn.implementation, q[..., p, :], cache, blocks, scale,
-                                attn.kernels) for p in parts], dim=-2)  # [Hkv, G, S*T, D]
+        scale = attn.head_dim**-0.5
+        out = torch.cat(
+            [
+                attend(attn.implementation, q[..., p, :], cache, blocks, scale, attn.kernels)
+                for p in parts
+            ],
+            dim=-2,
+        )  # [Hkv, G, S*T, D]
         out = attn.o_proj(out.permute(2, 0, 1, 3).reshape(slots * rows, attn.heads * attn.head_dim))
         residual = x + out.view(slots, rows, h)
         return residual + self.mlp(self.post_attention_layernorm(residual))
@@ -130,17 +138,28 @@ class DFlashDrafter(nn.Module):
 
     CONSTANT_BUFFERS = ("embed_tokens", "d2t", "t2d", "inv_freq")
 
-    def __init__(self, config: DrafterConfig, embed_tokens: torch.Tensor, d2t: torch.Tensor,
-                 t2d: torch.Tensor, mask_token_id: int, num_layers: int = 1,
-                 attention: str = "sdpa"):
+    def __init__(
+        self,
+        config: DrafterConfig,
+        embed_tokens: torch.Tensor,
+        d2t: torch.Tensor,
+        t2d: torch.Tensor,
+        mask_token_id: int,
+        num_layers: int = 1,
+        attention: str = "sdpa",
+    ):
         super().__init__()
         if config.attention_kind != "llama" or any(config.norm_flags.values()):
-            raise ValueError("train.method: dflash takes train.drafter_attention: llama and "
-                             "train.drafter_variant: eagle3 (vLLM's DFlash drafter is a stack of "
-                             "Qwen3 layers with norms of its own)")
+            raise ValueError(
+                "train.method: dflash takes train.drafter_attention: llama and "
+                "train.drafter_variant: eagle3 (vLLM's DFlash drafter is a stack of "
+                "Qwen3 layers with norms of its own)"
+            )
         if not 0 <= mask_token_id < config.vocab_size:
-            raise ValueError(f"mask_token_id {mask_token_id} is outside the target's vocabulary "
-                             f"(0..{config.vocab_size - 1})")
+            raise ValueError(
+                f"mask_token_id {mask_token_id} is outside the target's vocabulary "
+                f"(0..{config.vocab_size - 1})"
+            )
         if num_layers < 1:
             raise ValueError(f"a DFlash drafter needs at least one layer, not {num_layers}")
         self.config, self.mask_token_id = config, int(mask_token_id)
@@ -152,9 +171,11 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
         # the masked slots' input: starts as the target's embedding of mask_token_id
-        self.mask_embedding = nn.Parameter(embed_tokens[self.mask_token_id].detach().clone().float())
-        self.register_buffer("d2t", d2t.to(torch.int64))        # [Vd] target id = i + d2t[i]
-        self.register_buffer("t2d", t2d.to(torch.bool))         # [V] in the draft vocabulary
+        self.mask_embedding = nn.Parameter(
+            embed_tokens[self.mask_token_id].detach().clone().float()
+        )
+        self.register_buffer("d2t", d2t.to(torch.int64))  # [Vd] target id = i + d2t[i]
+        self.register_buffer("t2d", t2d.to(torch.bool))  # [V] in the draft vocabulary
         inv_freq, self.rope_scale = rope_inv_freq(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.attention = attention
@@ -188,19 +209,26 @@ class DFlashDrafter(nn.Module):
         """The context states [T, H] every layer's keys and values read: hidden_norm(fc(aux))."""
         return self.hidden_norm(self.fc(aux_hidden))
 
-    def forward(self, aux_hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
-                segments: torch.Tensor, logit_rows: list[torch.Tensor] | None = None,
-                heads: bool = True) -> list[torch.Tensor]:
+    def forward(
+        self,
+        aux_hidden: torch.Tensor,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        segments: torch.Tensor,
+        logit_rows: list[torch.Tensor] | None = None,
+        heads: bool = True,
+    ) -> list[torch.Tensor]:
         """Every row's block at once, with ``Eagle3Drafter.forward``'s arguments and result:
         ``K = len(input_ids)`` masked slots; only ``input_ids[0]`` (token t+1, the bonus
         token of row t's block) is read; result k is slot k+1's, which predicts token t+2+k."""
-        blocks = attention_blocks(segments, len(segments) if self.attention == "flex"
-                                  else BLOCK_ROWS)
-        context = self.context(aux_hidden)                                    # [T, H]
+        blocks = attention_blocks(
+            segments, len(segments) if self.attention == "flex" else BLOCK_ROWS
+        )
+        context = self.context(aux_hidden)  # [T, H]
         rows, slots = context.shape[0], len(input_ids) + 1
         bonus = self.embed_tokens[input_ids[0]].to(context.dtype)
         masked = self.mask_embedding.to(context.dtype).expand(slots - 1, rows, -1)
-        x = torch.cat([bonus[None], masked])                                  # [S, T, H]
+        x = torch.cat([bonus[None], masked])  # [S, T, H]
         offsets = torch.arange(1, slots + 1, device=positions.device)
         slot_rope = self.rope((positions[None, :] + offsets[:, None]).reshape(-1))
         context_rope = self.rope(positions)
@@ -216,6 +244,7 @@ class DFlashDrafter(nn.Module):
 
 # -- starting from the target's last layer (train.layer_init: target) --------------------------
 
+
 def init_from_target(model: DFlashDrafter, target_dir, layer: int) -> LayerFit:
     """Start every DFlash layer as the target's layer ``layer`` where its tensors fit (a
     Qwen3-style layer fits whole; a Llama one fits but for q_norm and k_norm, which stay at 1),
@@ -225,16 +254,26 @@ def init_from_target(model: DFlashDrafter, target_dir, layer: int) -> LayerFit:
     meta = target_layer_meta(target_dir, layer)
     first = model.layers[0]
     h = model.config.hidden_size
-    attention = {"input_layernorm.weight": (h,),
-                 **{f"self_attn.{n}.weight": tuple(getattr(first.self_attn, n).weight.shape)
-                    for n in ("q_proj", "k_proj", "v_proj", "o_proj")}}
+    attention = {
+        "input_layernorm.weight": (h,),
+        **{
+            f"self_attn.{n}.weight": tuple(getattr(first.self_attn, n).weight.shape)
+            for n in ("q_proj", "k_proj", "v_proj", "o_proj")
+        },
+    }
     for n in ("q_norm", "k_norm"):  # Qwen3's; a Llama layer has none
         if f"self_attn.{n}.weight" in meta:
             attention[f"self_attn.{n}.weight"] = (model.config.head_dim,)
-    expected = {"attention": attention,
-                "mlp": {"post_attention_layernorm.weight": (h,),
-                        **{f"mlp.{n}.weight": tuple(getattr(first.mlp, n).weight.shape)
-                           for n in ("gate_proj", "up_proj", "down_proj")}}}
+    expected = {
+        "attention": attention,
+        "mlp": {
+            "post_attention_layernorm.weight": (h,),
+            **{
+                f"mlp.{n}.weight": tuple(getattr(first.mlp, n).weight.shape)
+                for n in ("gate_proj", "up_proj", "down_proj")
+            },
+        },
+    }
     fit = fit_target_layer(model, meta, layer, expected, "DFlash")
     if not fit.parts:
         return fit
@@ -254,6 +293,7 @@ def init_from_target(model: DFlashDrafter, target_dir, layer: int) -> LayerFit:
 
 # -- the checkpoint ---------------------------------------------------------------------------
 
+
 def vllm_tensors(model: DFlashDrafter) -> dict[str, tuple[int, ...]]:
     """Every tensor of ``model.safetensors`` and its shape, as ``DFlashQwen3ForCausalLM
     .load_weights`` reads it: every name but lm_head and d2t gets ``model.``; q/k/v and
@@ -263,19 +303,31 @@ def vllm_tensors(model: DFlashDrafter) -> dict[str, tuple[int, ...]]:
     c = model.config
     h, d, i = c.hidden_size, c.head_dim, c.intermediate_size
     q, kv = c.num_attention_heads * d, c.num_key_value_heads * d
-    tensors = {"fc.weight": (h, c.fc_input_size), "hidden_norm.weight": (h,),
-               "norm.weight": (h,), "lm_head.weight": (c.draft_vocab_size, h),
-               "d2t": (c.draft_vocab_size,), "t2d": (c.vocab_size,)}
+    tensors = {
+        "fc.weight": (h, c.fc_input_size),
+        "hidden_norm.weight": (h,),
+        "norm.weight": (h,),
+        "lm_head.weight": (c.draft_vocab_size, h),
+        "d2t": (c.draft_vocab_size,),
+        "t2d": (c.vocab_size,),
+    }
     for n in range(model.num_layers):
         layer = f"layers.{n}."
-        tensors.update({
-            layer + "input_layernorm.weight": (h,),
-            layer + "self_attn.q_proj.weight": (q, h), layer + "self_attn.k_proj.weight": (kv, h),
-            layer + "self_attn.v_proj.weight": (kv, h), layer + "self_attn.o_proj.weight": (h, q),
-            layer + "self_attn.q_norm.weight": (d,), layer + "self_attn.k_norm.weight": (d,),
-            layer + "post_attention_layernorm.weight": (h,),
-            layer + "mlp.gate_proj.weight": (i, h), layer + "mlp.up_proj.weight": (i, h),
-            layer + "mlp.down_proj.weight": (h, i)})
+        tensors.update(
+            {
+                layer + "input_layernorm.weight": (h,),
+                layer + "self_attn.q_proj.weight": (q, h),
+                layer + "self_attn.k_proj.weight": (kv, h),
+                layer + "self_attn.v_proj.weight": (kv, h),
+                layer + "self_attn.o_proj.weight": (h, q),
+                layer + "self_attn.q_norm.weight": (d,),
+                layer + "self_attn.k_norm.weight": (d,),
+                layer + "post_attention_layernorm.weight": (h,),
+                layer + "mlp.gate_proj.weight": (i, h),
+                layer + "mlp.up_proj.weight": (i, h),
+                layer + "mlp.down_proj.weight": (h, i),
+            }
+        )
     if c.draft_vocab_size == c.vocab_size:
         del tensors["d2t"]
     return tensors
@@ -290,32 +342,46 @@ def dflash_config(model: DFlashDrafter, dtype: str, block_size: int) -> dict:
     base = vllm_config(model.config, dtype)
     aux = list(model.config.aux_layer_ids)
     out = {k: v for k, v in base.items() if k not in ("eagle_config", "mlp_bias")}
-    out.update({
-        "architectures": [DFLASH.architecture], "model_type": "qwen3",
-        "num_hidden_layers": model.num_layers,
-        "layer_types": ["full_attention"] * model.num_layers,
-        "num_key_value_heads": model.config.num_key_value_heads,
-        "head_dim": model.config.head_dim,
-        "block_size": block_size,
-        "dflash_config": {"mask_token_id": model.mask_token_id,
-                          "target_layer_ids": [i - 1 for i in aux],
-                          "causal": False},
-        "eagle_aux_hidden_state_layer_ids": aux,
-    })
+    out.update(
+        {
+            "architectures": [DFLASH.architecture],
+            "model_type": "qwen3",
+            "num_hidden_layers": model.num_layers,
+            "layer_types": ["full_attention"] * model.num_layers,
+            "num_key_value_heads": model.config.num_key_value_heads,
+            "head_dim": model.config.head_dim,
+            "block_size": block_size,
+            "dflash_config": {
+                "mask_token_id": model.mask_token_id,
+                "target_layer_ids": [i - 1 for i in aux],
+                "causal": False,
+            },
+            "eagle_aux_hidden_state_layer_ids": aux,
+        }
+    )
     return out
 
 
-def export_dflash(model: DFlashDrafter, out_dir: str | Path, dtype: str = "float32",
-                  block_size: int | None = None) -> dict:
+def export_dflash(
+    model: DFlashDrafter, out_dir: str | Path, dtype: str = "float32", block_size: int | None = None
+) -> dict:
     """Write ``config.json``, ``model.safetensors`` and ``mask_embedding.pt`` atomically;
     returns the config. ``block_size``: the trained block (train.ttt_steps + 1)."""
     out_dir = Path(out_dir)
-    write_weights({n: t for n, t in model.state_dict().items() if n != "mask_embedding"},
-                  vllm_tensors(model), out_dir, dtype)
+    write_weights(
+        {n: t for n, t in model.state_dict().items() if n != "mask_embedding"},
+        vllm_tensors(model),
+        out_dir,
+        dtype,
+    )
     with atomic_open(out_dir / MASK_EMBEDDING_FILE, "wb") as handle:
-        torch.save({"mask_token_id": model.mask_token_id,
-                    "embedding": model.mask_embedding.detach().cpu().to(STORAGE_DTYPES[dtype])},
-                   handle)
+        torch.save(
+            {
+                "mask_token_id": model.mask_token_id,
+                "embedding": model.mask_embedding.detach().cpu().to(STORAGE_DTYPES[dtype]),
+            },
+            handle,
+        )
     config = dflash_config(model, dtype, block_size or 0)
     if not block_size:
         del config["block_size"]
@@ -323,22 +389,36 @@ def export_dflash(model: DFlashDrafter, out_dir: str | Path, dtype: str = "float
     return config
 
 
-def load_dflash(drafter_dir: str | Path, target_dir: str | Path,
-                dtype: torch.dtype = torch.float32) -> DFlashDrafter:
+def load_dflash(
+    drafter_dir: str | Path, target_dir: str | Path, dtype: torch.dtype = torch.float32
+) -> DFlashDrafter:
     """An exported DFlash drafter with the target's embedding, ready to run (eval mode)."""
     drafter_dir = Path(drafter_dir)
     raw = read_json(drafter_dir / "config.json")
     if methods.from_config(raw) is not DFLASH:
-        raise ValueError(f"{drafter_dir}/config.json is not a DFlash drafter's "
-                         f"(architectures {raw.get('architectures')})")
-    config = config_from_vllm({**raw, "eagle_config": {
-        "eagle_aux_hidden_state_layer_ids": raw["eagle_aux_hidden_state_layer_ids"]}})
+        raise ValueError(
+            f"{drafter_dir}/config.json is not a DFlash drafter's "
+            f"(architectures {raw.get('architectures')})"
+        )
+    config = config_from_vllm(
+        {
+            **raw,
+            "eagle_config": {
+                "eagle_aux_hidden_state_layer_ids": raw["eagle_aux_hidden_state_layer_ids"]
+            },
+        }
+    )
     weights = load_file(str(drafter_dir / "model.safetensors"))
     weights.setdefault("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
     mask = torch.load(drafter_dir / MASK_EMBEDDING_FILE, weights_only=True)
     weights["mask_embedding"] = mask["embedding"].reshape(-1)
-    model = DFlashDrafter(config, load_target_embedding(target_dir), weights["d2t"],
-                          weights["t2d"], raw["dflash_config"]["mask_token_id"],
-                          raw["num_hidden_layers"])
+    model = DFlashDrafter(
+        config,
+        load_target_embedding(target_dir),
+        weights["d2t"],
+        weights["t2d"],
+        raw["dflash_config"]["mask_token_id"],
+        raw["num_hidden_layers"],
+    )
     model.load_state_dict(weights, strict=True)
     return model.to(dtype).eval()

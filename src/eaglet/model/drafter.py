@@ -57,6 +57,7 @@ from eaglet.model.rope import mla_softmax_scale, rope_inv_freq, rotate_pairs
 
 # -- layers ----------------------------------------------------------------------------------
 
+
 class RMSNorm(nn.Module):
     kernels = EAGER  # each layer's, until compile_drafter gives it the compiled ones
 
@@ -97,8 +98,11 @@ class Attention(nn.Module):
     def __init__(self, config: DrafterConfig):
         super().__init__()
         h, d = config.hidden_size, config.head_dim
-        self.heads, self.kv_heads, self.head_dim = (config.num_attention_heads,
-                                                    config.num_key_value_heads, d)
+        self.heads, self.kv_heads, self.head_dim = (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            d,
+        )
         self.q_proj = nn.Linear(2 * h, self.heads * d, bias=False)
         self.k_proj = nn.Linear(2 * h, self.kv_heads * d, bias=False)
         self.v_proj = nn.Linear(2 * h, self.kv_heads * d, bias=False)
@@ -115,7 +119,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(rows, self.kv_heads, 1, self.head_dim).permute(1, 2, 0, 3)
         q = self.kernels.rotate(q, cos, sin)
         cache.append((self.kernels.rotate(k, cos, sin), v))
-        scale = self.head_dim ** -0.5
+        scale = self.head_dim**-0.5
         out = attend(self.implementation, q, cache, blocks, scale, self.kernels)  # [Hkv, G, T, D]
         return self.o_proj(out.permute(2, 0, 1, 3).reshape(rows, self.heads * self.head_dim))
 
@@ -139,8 +143,11 @@ class MLAAttention(nn.Module):
         super().__init__()
         h, n = config.hidden_size, config.num_attention_heads
         self.heads, self.q_lora_rank, self.kv_lora_rank = n, config.q_lora_rank, config.kv_lora_rank
-        self.nope, self.rope, self.v_dim = (config.qk_nope_head_dim, config.qk_rope_head_dim,
-                                            config.v_head_dim)
+        self.nope, self.rope, self.v_dim = (
+            config.qk_nope_head_dim,
+            config.qk_rope_head_dim,
+            config.v_head_dim,
+        )
         qk = self.nope + self.rope
         if not self.q_lora_rank:  # DrafterConfig.from_target refuses such a target (with_mla)
             raise ValueError("an MLA drafter needs a q_lora_rank: vLLM 0.32 loads none without")
@@ -163,16 +170,18 @@ class MLAAttention(nn.Module):
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(rows, self.heads, self.nope + self.rope)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(rows, self.heads,
-                                                              self.nope + self.v_dim)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(
+            rows, self.heads, self.nope + self.v_dim
+        )
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
-        q_pe = rotate_pairs(q[..., self.nope:], cos[:, None], sin[:, None])
+        q_pe = rotate_pairs(q[..., self.nope :], cos[:, None], sin[:, None])
         k_pe = rotate_pairs(k_pe, cos, sin)[:, None].expand(rows, self.heads, self.rope)
-        q = torch.cat([q[..., :self.nope], q_pe], dim=-1).permute(1, 0, 2)[:, None]
+        q = torch.cat([q[..., : self.nope], q_pe], dim=-1).permute(1, 0, 2)[:, None]
         k = torch.cat([k_nope, k_pe], dim=-1).permute(1, 0, 2)[:, None]  # [heads, 1, T, qk]
-        cache.append((k, v.permute(1, 0, 2)[:, None]))                    # v [heads, 1, T, Dv]
-        out = attend(self.implementation, q, cache, blocks, self.scale,
-                     self.kernels)                                        # [heads, 1, T, Dv]
+        cache.append((k, v.permute(1, 0, 2)[:, None]))  # v [heads, 1, T, Dv]
+        out = attend(
+            self.implementation, q, cache, blocks, self.scale, self.kernels
+        )  # [heads, 1, T, Dv]
         return self.o_proj(out.permute(2, 0, 1, 3).reshape(rows, self.heads * self.v_dim))
 
 
@@ -200,7 +209,9 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = MLAAttention(config) if config.attention_kind == "mla" else Attention(config)
+        self.self_attn = (
+            MLAAttention(config) if config.attention_kind == "mla" else Attention(config)
+        )
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
         self.norm_before_residual = config.norm_before_residual
@@ -208,7 +219,7 @@ class DecoderLayer(nn.Module):
     def forward(self, embeds, hidden, cos, sin, blocks, cache):
         """embeds, hidden [T, H] -> the pre-norm hidden state [T, H]."""
         normed = self.hidden_norm(hidden)
-        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)              # [T, 2H]
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # [T, 2H]
         residual = normed if self.norm_before_residual else hidden
         residual = residual + self.self_attn(x, cos, sin, blocks, cache)
         return residual + self.mlp(self.post_attention_layernorm(residual))
@@ -216,26 +227,35 @@ class DecoderLayer(nn.Module):
 
 # -- the drafter -----------------------------------------------------------------------------
 
+
 class Eagle3Drafter(nn.Module):
     """Parameters and persistent buffers are named as in the vLLM checkpoint (export.py)."""
 
-    def __init__(self, config: DrafterConfig, embed_tokens: torch.Tensor, d2t: torch.Tensor,
-                 t2d: torch.Tensor, attention: str = "sdpa"):
+    def __init__(
+        self,
+        config: DrafterConfig,
+        embed_tokens: torch.Tensor,
+        d2t: torch.Tensor,
+        t2d: torch.Tensor,
+        attention: str = "sdpa",
+    ):
         super().__init__()
         self.config = config
         h = config.hidden_size
-        self.register_buffer("embed_tokens", embed_tokens, persistent=False)   # [V, H], frozen
+        self.register_buffer("embed_tokens", embed_tokens, persistent=False)  # [V, H], frozen
         if config.norm_before_fc:  # vLLM's input_norm: one norm over the concatenated [A*Ht]
             self.input_norm = RMSNorm(config.fc_input_size, config.rms_norm_eps)
         if config.fc_norm:  # one norm per aux feature [Ht], vLLM's fc_norm.i
-            self.fc_norm = nn.ModuleList(RMSNorm(config.target_hidden_size, config.rms_norm_eps)
-                                         for _ in config.aux_layer_ids)
+            self.fc_norm = nn.ModuleList(
+                RMSNorm(config.target_hidden_size, config.rms_norm_eps)
+                for _ in config.aux_layer_ids
+            )
         self.fc = nn.Linear(config.fc_input_size, h, bias=False)
         self.midlayer = DecoderLayer(config)
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
-        self.register_buffer("d2t", d2t.to(torch.int64))        # [Vd] target id = i + d2t[i]
-        self.register_buffer("t2d", t2d.to(torch.bool))         # [V] in the draft vocabulary
+        self.register_buffer("d2t", d2t.to(torch.int64))  # [Vd] target id = i + d2t[i]
+        self.register_buffer("t2d", t2d.to(torch.bool))  # [V] in the draft vocabulary
         inv_freq, self.rope_scale = rope_inv_freq(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.attention = attention
@@ -257,11 +277,11 @@ class Eagle3Drafter(nn.Module):
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, D] of ``positions``: NeoX layout (halves), or for MLA the GPT-J
         layout (each angle twice in a row) over the rope part of the head, D = qk_rope_head_dim."""
-        angles = positions.float()[:, None] * self.inv_freq[None, :]        # [T, D/2]
+        angles = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
         if self.config.attention_kind == "mla":
-            angles = angles.repeat_interleave(2, dim=-1)                   # [T, D]
+            angles = angles.repeat_interleave(2, dim=-1)  # [T, D]
         else:
-            angles = torch.cat([angles, angles], dim=-1)                   # [T, D]
+            angles = torch.cat([angles, angles], dim=-1)  # [T, D]
         return angles.cos() * self.rope_scale, angles.sin() * self.rope_scale
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
@@ -277,21 +297,34 @@ class Eagle3Drafter(nn.Module):
             aux_hidden = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks)], dim=-1)
         return self.fc(aux_hidden)
 
-    def draft_step(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor,
-                   sin: torch.Tensor, blocks: list[AttentionBlock], cache: list,
-                   rows: torch.Tensor | int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def draft_step(
+        self,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        blocks: list[AttentionBlock],
+        cache: list,
+        rows: torch.Tensor | int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One drafting step over all rows: (the final-normed state lm_head reads, of
         ``rows`` only when given; the state [T, H] the next step reads: the pre-norm one, or
         with norm_output the normed one, as vLLM's forward returns them)."""
-        out = self.midlayer(embeds, hidden, cos, sin, blocks, cache)           # pre-norm
+        out = self.midlayer(embeds, hidden, cos, sin, blocks, cache)  # pre-norm
         if self.config.norm_output:
             normed = self.norm(out)
             return (normed if rows is None else normed[rows]), normed
         return self.norm(out if rows is None else out[rows]), out
 
-    def forward(self, aux_hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
-                segments: torch.Tensor, logit_rows: list[torch.Tensor] | None = None,
-                heads: bool = True) -> list[torch.Tensor]:
+    def forward(
+        self,
+        aux_hidden: torch.Tensor,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        segments: torch.Tensor,
+        logit_rows: list[torch.Tensor] | None = None,
+        heads: bool = True,
+    ) -> list[torch.Tensor]:
         """Run ``K = len(input_ids)`` TTT steps over a packed batch of T rows.
 
         aux_hidden  [T, A*Ht]  the target's aux features of each row
@@ -304,16 +337,24 @@ class Eagle3Drafter(nn.Module):
         returns     K x [n_k, Vd] draft-vocabulary logits (or K x [n_k, H] states)
         """
         # flex attention skips other samples' tiles itself: one block for the whole batch
-        blocks = attention_blocks(segments, len(segments) if self.attention == "flex"
-                                  else BLOCK_ROWS)
-        hidden = self.combine(aux_hidden)                                        # [T, H]
+        blocks = attention_blocks(
+            segments, len(segments) if self.attention == "flex" else BLOCK_ROWS
+        )
+        hidden = self.combine(aux_hidden)  # [T, H]
         cache: list[tuple[torch.Tensor, torch.Tensor]] = []
         logits = []
         for step, ids in enumerate(input_ids):
             cos, sin = self.rope(positions + step)
             embeds = self.embed_tokens[ids].to(hidden.dtype)
-            normed, hidden = self.draft_step(embeds, hidden, cos, sin, blocks, cache,
-                                             None if logit_rows is None else logit_rows[step])
+            normed, hidden = self.draft_step(
+                embeds,
+                hidden,
+                cos,
+                sin,
+                blocks,
+                cache,
+                None if logit_rows is None else logit_rows[step],
+            )
             logits.append(self.lm_head(normed) if heads else normed)
         return logits
 
@@ -322,13 +363,20 @@ def count_flops_per_token(config: DrafterConfig, ttt_steps: int, context: int) -
     """Training FLOPs per packed token (forward + backward = 3x forward, every row scored),
     plus the teacher's head; ``context`` is the mean number of step-0 keys a query sees."""
     h, d = config.hidden_size, config.head_dim
-    layer = (2 * h * (config.num_attention_heads + 2 * config.num_key_value_heads) * d
-             + config.num_attention_heads * d * h + 3 * h * config.intermediate_size
-             + h * config.draft_vocab_size)
+    layer = (
+        2 * h * (config.num_attention_heads + 2 * config.num_key_value_heads) * d
+        + config.num_attention_heads * d * h
+        + 3 * h * config.intermediate_size
+        + h * config.draft_vocab_size
+    )
     per_key = 4 * config.num_attention_heads * d  # q.k and the weighted v, per key seen
     if config.attention_kind == "mla":
-        layer, per_key = mla_layer_weights(config), 2 * config.num_attention_heads * (
-            config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim)
+        layer, per_key = (
+            mla_layer_weights(config),
+            2
+            * config.num_attention_heads
+            * (config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim),
+        )
     forward = 2 * config.fc_input_size * h
     for step in range(ttt_steps):
         forward += 2 * layer + per_key * (context + step)
@@ -340,10 +388,16 @@ def mla_layer_weights(config: DrafterConfig) -> int:
     h, n = config.hidden_size, config.num_attention_heads
     qk = config.qk_nope_head_dim + config.qk_rope_head_dim
     q = 2 * h * config.q_lora_rank + config.q_lora_rank * n * qk
-    kv = (2 * h * (config.kv_lora_rank + config.qk_rope_head_dim)
-          + config.kv_lora_rank * n * (config.qk_nope_head_dim + config.v_head_dim))
-    return (q + kv + n * config.v_head_dim * h + 3 * h * config.intermediate_size
-            + h * config.draft_vocab_size)
+    kv = 2 * h * (config.kv_lora_rank + config.qk_rope_head_dim) + config.kv_lora_rank * n * (
+        config.qk_nope_head_dim + config.v_head_dim
+    )
+    return (
+        q
+        + kv
+        + n * config.v_head_dim * h
+        + 3 * h * config.intermediate_size
+        + h * config.draft_vocab_size
+    )
 
 
 def num_params(model: nn.Module) -> int:

@@ -53,7 +53,10 @@ def vllm_tensors(config: DrafterConfig) -> dict[str, tuple[tuple[int, ...], str]
         # ... hidden_norm(hidden_states), the residual being the un-normed hidden state
         "midlayer.hidden_norm.weight": ((h,), LAYER + "hidden_norm.weight"),
         **attention(config),
-        "midlayer.post_attention_layernorm.weight": ((h,), LAYER + "post_attention_layernorm.weight"),
+        "midlayer.post_attention_layernorm.weight": (
+            (h,),
+            LAYER + "post_attention_layernorm.weight",
+        ),
         # a dense MLP (LlamaMLP, DeepseekV2MLP): gate_up_proj stacked shards 0 (gate) and 1 (up)
         "midlayer.mlp.gate_proj.weight": ((i, h), LAYER + "mlp.gate_up_proj[0]"),
         "midlayer.mlp.up_proj.weight": ((i, h), LAYER + "mlp.gate_up_proj[1]"),
@@ -84,8 +87,10 @@ def norm_tensors(config: DrafterConfig) -> dict[str, tuple[tuple[int, ...], str]
         tensors["input_norm.weight"] = ((config.fc_input_size,), "model.input_norm.weight")
     if config.fc_norm:
         for i in range(len(config.aux_layer_ids)):
-            tensors[f"fc_norm.{i}.weight"] = ((config.target_hidden_size,),
-                                              f"model.fc_norm.{i}.weight")
+            tensors[f"fc_norm.{i}.weight"] = (
+                (config.target_hidden_size,),
+                f"model.fc_norm.{i}.weight",
+            )
     return tensors
 
 
@@ -115,12 +120,16 @@ def mla_attention(config: DrafterConfig) -> dict[str, tuple[tuple[int, ...], str
         "midlayer.self_attn.q_a_proj.weight": ((lora, 2 * h), attn + "fused_qkv_a_proj[0]"),
         "midlayer.self_attn.q_a_layernorm.weight": ((lora,), attn + "q_a_layernorm.weight"),
         "midlayer.self_attn.q_b_proj.weight": ((n * qk, lora), attn + "q_b_proj.weight"),
-        "midlayer.self_attn.kv_a_proj_with_mqa.weight":
-            ((kv_lora + rope, 2 * h), attn + "fused_qkv_a_proj[1]"),
+        "midlayer.self_attn.kv_a_proj_with_mqa.weight": (
+            (kv_lora + rope, 2 * h),
+            attn + "fused_qkv_a_proj[1]",
+        ),
         "midlayer.self_attn.kv_a_layernorm.weight": ((kv_lora,), attn + "kv_a_layernorm.weight"),
         # per head [qk_nope_head_dim keys, v_head_dim values]
-        "midlayer.self_attn.kv_b_proj.weight":
-            ((n * (config.qk_nope_head_dim + config.v_head_dim), kv_lora), attn + "kv_b_proj.weight"),
+        "midlayer.self_attn.kv_b_proj.weight": (
+            (n * (config.qk_nope_head_dim + config.v_head_dim), kv_lora),
+            attn + "kv_b_proj.weight",
+        ),
         "midlayer.self_attn.o_proj.weight": ((h, n * config.v_head_dim), attn + "o_proj.weight"),
     }
 
@@ -147,8 +156,10 @@ def vllm_config(config: DrafterConfig, dtype: str) -> dict:
         "target_hidden_size": config.target_hidden_size,
         "tie_word_embeddings": False,
         "attention_bias": False,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(config.aux_layer_ids),
-                         "use_aux_hidden_state": True},
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": list(config.aux_layer_ids),
+            "use_aux_hidden_state": True,
+        },
         "dtype": dtype,
         "torch_dtype": dtype,
     }
@@ -161,9 +172,13 @@ def vllm_config(config: DrafterConfig, dtype: str) -> dict:
 
 def llama_fields(config: DrafterConfig) -> dict:
     """The Llama drafter's own fields: vLLM's ``LlamaForCausalLMEagle3`` (llama_eagle3.py)."""
-    return {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
-            "num_key_value_heads": config.num_key_value_heads, "head_dim": config.head_dim,
-            "mlp_bias": False}
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "mlp_bias": False,
+    }
 
 
 def mla_fields(config: DrafterConfig) -> dict:
@@ -173,12 +188,17 @@ def mla_fields(config: DrafterConfig) -> dict:
     DeepSeek MTP model. ``q_lora_rank`` is always written (DeepseekV2Config defaults it to
     1536), and so is ``norm_before_residual`` false (the residual stream starts at the
     un-normed hidden state, as in the Llama drafter)."""
-    return {"architectures": ["Eagle3DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
-            "num_key_value_heads": config.num_attention_heads,
-            "q_lora_rank": config.q_lora_rank, "kv_lora_rank": config.kv_lora_rank,
-            "qk_nope_head_dim": config.qk_nope_head_dim,
-            "qk_rope_head_dim": config.qk_rope_head_dim, "v_head_dim": config.v_head_dim,
-            "norm_before_residual": False}
+    return {
+        "architectures": ["Eagle3DeepseekV2ForCausalLM"],
+        "model_type": "deepseek_v2",
+        "num_key_value_heads": config.num_attention_heads,
+        "q_lora_rank": config.q_lora_rank,
+        "kv_lora_rank": config.kv_lora_rank,
+        "qk_nope_head_dim": config.qk_nope_head_dim,
+        "qk_rope_head_dim": config.qk_rope_head_dim,
+        "v_head_dim": config.v_head_dim,
+        "norm_before_residual": False,
+    }
 
 
 def export_drafter(model: Eagle3Drafter, out_dir: str | Path, dtype: str = "float32") -> dict:
@@ -190,19 +210,25 @@ def export_drafter(model: Eagle3Drafter, out_dir: str | Path, dtype: str = "floa
     return config
 
 
-def write_weights(state: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]],
-                  out_dir: str | Path, dtype: str) -> None:
+def write_weights(
+    state: dict[str, torch.Tensor],
+    expected: dict[str, tuple[int, ...]],
+    out_dir: str | Path,
+    dtype: str,
+) -> None:
     """``out_dir/model.safetensors`` (atomically) of the tensors ``state`` holds, which must be
     exactly those vLLM loads, ``expected`` (name -> shape), floats in ``dtype``; ``d2t`` may
     be in ``state`` and not expected only as the identity map (a full draft vocabulary, for
     which vLLM has no parameter)."""
     state = dict(state)
     if "d2t" not in expected and "d2t" in state and state.pop("d2t").any():
-        raise RuntimeError("a draft vocabulary as large as the target's must map ids to themselves "
-                           "(d2t all 0)")
+        raise RuntimeError(
+            "a draft vocabulary as large as the target's must map ids to themselves (d2t all 0)"
+        )
     if set(state) != set(expected):
-        raise RuntimeError(f"drafter tensors {sorted(state)} differ from the vLLM checkpoint's "
-                           f"{sorted(expected)}")
+        raise RuntimeError(
+            f"drafter tensors {sorted(state)} differ from the vLLM checkpoint's {sorted(expected)}"
+        )
     tensors = {}
     for name, shape in expected.items():
         tensor = state[name].detach().cpu()
@@ -220,8 +246,9 @@ SPECULATORS_VERSION = "0.9.0"  # the speculators release whose config format thi
 EAGLE_KEYS = ("architectures", "draft_vocab_size", "target_hidden_size", "eagle_config")
 
 
-def speculators_config(config: dict, verifier: str, verifier_architectures: list[str],
-                       num_speculative_tokens: int) -> dict:
+def speculators_config(
+    config: dict, verifier: str, verifier_architectures: list[str], num_speculative_tokens: int
+) -> dict:
     """The speculators-format ``config.json`` of an exported drafter (its vLLM ``config``),
     with which ``vllm serve DIR`` serves ``verifier`` with this drafter on its own.
 
@@ -235,25 +262,29 @@ def speculators_config(config: dict, verifier: str, verifier_architectures: list
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": methods.EAGLE3.served_as,
         "speculators_version": SPECULATORS_VERSION,
-        "transformer_layer_config": {k: v for k, v in config.items()
-                                     if k not in EAGLE_KEYS + NORM_FLAGS},
+        "transformer_layer_config": {
+            k: v for k, v in config.items() if k not in EAGLE_KEYS + NORM_FLAGS
+        },
         "draft_vocab_size": config["draft_vocab_size"],
         "target_hidden_size": config["target_hidden_size"],
-        "eagle_aux_hidden_state_layer_ids":
-            config["eagle_config"]["eagle_aux_hidden_state_layer_ids"],
+        "eagle_aux_hidden_state_layer_ids": config["eagle_config"][
+            "eagle_aux_hidden_state_layer_ids"
+        ],
         **{flag: bool(config.get(flag, False)) for flag in NORM_FLAGS},
         "speculators_config": {
             "algorithm": methods.EAGLE3.served_as,
-            "proposal_methods": [{"proposal_type": "greedy",
-                                  "speculative_tokens": num_speculative_tokens}],
+            "proposal_methods": [
+                {"proposal_type": "greedy", "speculative_tokens": num_speculative_tokens}
+            ],
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": verifier, "architectures": verifier_architectures},
         },
     }
 
 
-def export_speculators(drafter_dir: str | Path, out_dir: str | Path, verifier: str,
-                       num_speculative_tokens: int) -> dict:
+def export_speculators(
+    drafter_dir: str | Path, out_dir: str | Path, verifier: str, num_speculative_tokens: int
+) -> dict:
     """A speculators-format copy of an exported drafter in ``out_dir`` (``config.json``, and
     ``model.safetensors`` linked or copied, and its model card ``README.md`` where it has
     one), so ``vllm serve out_dir`` needs no ``--speculative-config``; ``drafter_dir`` itself
@@ -263,18 +294,23 @@ def export_speculators(drafter_dir: str | Path, out_dir: str | Path, verifier: s
     method = methods.from_config(drafter)
     if method is not methods.EAGLE3:
         spec = method.speculative_config(drafter_dir, num_speculative_tokens)
-        raise ValueError(f"the drafter in {drafter_dir} is a {method.words} drafter, which "
-                         f"this speculators format (Eagle-3) does not describe: serve it with "
-                         f"--speculative-config {json.dumps(spec)}")
+        raise ValueError(
+            f"the drafter in {drafter_dir} is a {method.words} drafter, which "
+            f"this speculators format (Eagle-3) does not describe: serve it with "
+            f"--speculative-config {json.dumps(spec)}"
+        )
     if drafter.get("model_type", "llama") != "llama":
-        raise ValueError(f"the drafter in {drafter_dir} has {drafter['model_type']} (MLA) "
-                         f"attention, which vLLM 0.32's speculators format does not take (its "
-                         f"Eagle-3 speculators are Llama or Qwen3 layers): serve it with "
-                         f"--speculative-config and \"method\": \"eagle3\" instead")
+        raise ValueError(
+            f"the drafter in {drafter_dir} has {drafter['model_type']} (MLA) "
+            f"attention, which vLLM 0.32's speculators format does not take (its "
+            f"Eagle-3 speculators are Llama or Qwen3 layers): serve it with "
+            f'--speculative-config and "method": "eagle3" instead'
+        )
     local = Path(verifier) / "config.json"  # else a Hugging Face id: a Llama target assumed
-    architectures = (read_json(local).get("architectures") if local.exists() else None)
-    config = speculators_config(drafter, str(verifier),
-                                architectures or ["LlamaForCausalLM"], num_speculative_tokens)
+    architectures = read_json(local).get("architectures") if local.exists() else None
+    config = speculators_config(
+        drafter, str(verifier), architectures or ["LlamaForCausalLM"], num_speculative_tokens
+    )
     out_dir.mkdir(parents=True, exist_ok=True)
     weights = out_dir / "model.safetensors"
     weights.unlink(missing_ok=True)
@@ -290,8 +326,9 @@ def export_speculators(drafter_dir: str | Path, out_dir: str | Path, verifier: s
     return config
 
 
-def load_drafter(drafter_dir: str | Path, target_dir: str | Path,
-                 dtype: torch.dtype = torch.float32) -> Eagle3Drafter:
+def load_drafter(
+    drafter_dir: str | Path, target_dir: str | Path, dtype: torch.dtype = torch.float32
+) -> Eagle3Drafter:
     """An exported drafter with the target's embedding, ready to run (eval mode)."""
     drafter_dir = Path(drafter_dir)
     config = config_from_vllm(read_json(drafter_dir / "config.json"))

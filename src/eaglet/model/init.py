@@ -44,13 +44,22 @@ def target_layer_shapes(model: Eagle3Drafter) -> dict[str, dict[str, tuple[int, 
     h = model.config.hidden_size
     attn, mlp = model.midlayer.self_attn, model.midlayer.mlp
     return {
-        "attention": {"input_layernorm.weight": (h,),
-                      **{f"self_attn.{n}": ((p.shape[0], h) if _is_input_projection(attn, n)
-                                            else tuple(p.shape))
-                         for n, p in attn.named_parameters()}},
-        "mlp": {"post_attention_layernorm.weight": (h,),
-                **{f"mlp.{n}.weight": tuple(getattr(mlp, n).weight.shape)
-                   for n in ("gate_proj", "up_proj", "down_proj")}},
+        "attention": {
+            "input_layernorm.weight": (h,),
+            **{
+                f"self_attn.{n}": (
+                    (p.shape[0], h) if _is_input_projection(attn, n) else tuple(p.shape)
+                )
+                for n, p in attn.named_parameters()
+            },
+        },
+        "mlp": {
+            "post_attention_layernorm.weight": (h,),
+            **{
+                f"mlp.{n}.weight": tuple(getattr(mlp, n).weight.shape)
+                for n in ("gate_proj", "up_proj", "down_proj")
+            },
+        },
     }
 
 
@@ -66,8 +75,11 @@ def _patterns(names: list[str], limit: int = 4) -> str:
     return ", ".join(shown) + (f" and {more} more" if more > 0 else "")
 
 
-def _misfit(expected: dict[str, tuple[int, ...]], meta: dict[str, tuple[tuple[int, ...], str]],
-            own: list[str]) -> str:
+def _misfit(
+    expected: dict[str, tuple[int, ...]],
+    meta: dict[str, tuple[tuple[int, ...], str]],
+    own: list[str],
+) -> str:
     """Why a target module (its tensors ``own``) does not fit the drafter's ``expected``
     tensors ('' when it does): what is missing, stored quantized, shaped otherwise, or extra."""
     problems = []
@@ -97,6 +109,7 @@ def _misfit(expected: dict[str, tuple[int, ...]], meta: dict[str, tuple[tuple[in
 class LayerFit:
     """Which parts of the drafter's layer a target layer can start (``parts``, with the
     target tensors they read) and why the others cannot (``reasons``: part -> why)."""
+
     layer: int | None
     parts: dict[str, list[str]]
     reasons: dict[str, str]
@@ -105,39 +118,57 @@ class LayerFit:
     @property
     def names(self) -> list[str]:
         """The target tensors to read: the fitting parts' and the final norm (when any fits)."""
-        return ([n for names in self.parts.values() for n in names]
-                + (["norm"] if self.parts else []))
+        return [n for names in self.parts.values() for n in names] + (
+            ["norm"] if self.parts else []
+        )
 
     def record(self) -> dict:
         """What the run reports (``train``'s summary): the parts taken and why others were not."""
-        return {"setting": "target", "layer": self.layer, "from_target": list(self.parts),
-                "random": dict(self.reasons)}
+        return {
+            "setting": "target",
+            "layer": self.layer,
+            "from_target": list(self.parts),
+            "random": dict(self.reasons),
+        }
 
     def message(self) -> str:
         """One log line: what the drafter's layer starts from and, where not all of it is the
         target's, why and how to silence it."""
-        layer = ("the target's last layer" if self.layer is None
-                 else f"the target's layer {self.layer}")
+        layer = (
+            "the target's last layer" if self.layer is None else f"the target's layer {self.layer}"
+        )
         reasons = set(self.reasons.values())
-        why = (next(iter(reasons)) if len(reasons) == 1 and len(self.reasons) > 1 else
-               "; ".join(f"{part}: {reason}" for part, reason in self.reasons.items()))
+        why = (
+            next(iter(reasons))
+            if len(reasons) == 1 and len(self.reasons) > 1
+            else "; ".join(f"{part}: {reason}" for part, reason in self.reasons.items())
+        )
         if not self.reasons:
-            return (f"layer_init target: the drafter's layer starts as {layer} (attention, mlp "
-                    f"and final norm) applied to the deepest aux feature")
+            return (
+                f"layer_init target: the drafter's layer starts as {layer} (attention, mlp "
+                f"and final norm) applied to the deepest aux feature"
+            )
         silence = "train.layer_init: random silences this"
         if not self.parts:
-            return (f"layer_init target: {layer} does not fit the drafter's {self.style} layer, "
-                    f"which starts random ({why}); {silence}")
+            return (
+                f"layer_init target: {layer} does not fit the drafter's {self.style} layer, "
+                f"which starts random ({why}); {silence}"
+            )
         taken, left = " and ".join(self.parts), " and ".join(self.reasons)
-        return (f"layer_init target: the drafter's {taken} and final norm start from {layer} "
-                f"(fc passes the deepest aux feature through); its {left} starts random "
-                f"({why}); {silence}")
+        return (
+            f"layer_init target: the drafter's {taken} and final norm start from {layer} "
+            f"(fc passes the deepest aux feature through); its {left} starts random "
+            f"({why}); {silence}"
+        )
 
 
-def fit_target_layer(model: Eagle3Drafter, meta: dict[str, tuple[tuple[int, ...], str]],
-                     layer: int | None = None,
-                     shapes: dict[str, dict[str, tuple[int, ...]]] | None = None,
-                     style: str | None = None) -> LayerFit:
+def fit_target_layer(
+    model: Eagle3Drafter,
+    meta: dict[str, tuple[tuple[int, ...], str]],
+    layer: int | None = None,
+    shapes: dict[str, dict[str, tuple[int, ...]]] | None = None,
+    style: str | None = None,
+) -> LayerFit:
     """Which parts of the drafter's layer a target layer fits, from its tensors' names,
     shapes and dtypes (``target_layer_meta``, or ``tensor_meta`` of loaded weights): MLA
     attention, MoE experts, other shapes and quantized weights do not. ``shapes``: by part
@@ -149,12 +180,18 @@ def fit_target_layer(model: Eagle3Drafter, meta: dict[str, tuple[tuple[int, ...]
     if not names:
         reason = "the checkpoint holds no tensor of that layer"
         return LayerFit(layer, {}, {part: reason for part in LAYER_PARTS}, style)
-    norm = ("the checkpoint holds no final norm" if "norm" not in meta
-            else _misfit({"norm": (h,)}, meta, []))
+    norm = (
+        "the checkpoint holds no final norm"
+        if "norm" not in meta
+        else _misfit({"norm": (h,)}, meta, [])
+    )
     if norm:
         return LayerFit(layer, {}, {part: norm for part in LAYER_PARTS}, style)
-    unclaimed = [n for n in names
-                 if not any(n.startswith(p) for prefixes in LAYER_PARTS.values() for p in prefixes)]
+    unclaimed = [
+        n
+        for n in names
+        if not any(n.startswith(p) for prefixes in LAYER_PARTS.values() for p in prefixes)
+    ]
     parts, reasons = {}, {}
     for part, expected in (shapes or target_layer_shapes(model)).items():
         own = [n for n in names if n.startswith(LAYER_PARTS[part])]
@@ -174,8 +211,9 @@ def tensor_meta(weights: dict[str, torch.Tensor]) -> dict[str, tuple[tuple[int, 
     return {n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in weights.items()}
 
 
-def init_from_target_layer(model: Eagle3Drafter, weights: dict[str, torch.Tensor],
-                           fit: LayerFit | None = None) -> LayerFit:
+def init_from_target_layer(
+    model: Eagle3Drafter, weights: dict[str, torch.Tensor], fit: LayerFit | None = None
+) -> LayerFit:
     """Start the drafter as the target's layer ``weights`` (``load_target_layer``) applied to
     the deepest aux feature: ``fc`` passes that feature through, the hidden half of the input
     projections (q/k/v, or MLA's), the rest of the attention, the MLP and the norms are the

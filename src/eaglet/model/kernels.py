@@ -37,6 +37,7 @@ def gated_silu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 # carries it. The sink is key 0, and a dummy query row 0 keeps the problem square, so a
 # block of one sample is plain causal attention (``is_causal``: no mask at all).
 
+
 def sink_problem(q, cache, scale):
     """Queries, keys and values [1, heads, 1 + n, D + pad] with the sink of step k, the
     own-key sums D [Hkv, G, n, D] and Z [Hkv, G, n] in float32."""
@@ -45,25 +46,30 @@ def sink_problem(q, cache, scale):
     dv = v0.shape[-1]  # the value head size: d, or MLA's v_head_dim
     pad = 1 if q.device.type == "cpu" else 8  # CUDA kernels want head dims in multiples of 8
     own = torch.stack([(q * k).sum(-1) for k, _ in diagonal], -1).float() * scale  # [Hkv, G, n, k]
-    top = (own.amax(-1).detach() / scale).to(q.dtype)      # c / scale, as the kernel will see it
+    top = (own.amax(-1).detach() / scale).to(q.dtype)  # c / scale, as the kernel will see it
     c = top.float() * scale
-    weights = torch.exp(own - c[..., None])                # [Hkv, G, n, k]
-    total = weights.sum(-1)                                # Z
+    weights = torch.exp(own - c[..., None])  # [Hkv, G, n, k]
+    total = weights.sum(-1)  # Z
     # float32 weights times v in its dtype: float32 D, and v itself kept for backward
-    values = sum(weights[..., j:j + 1] * v for j, (_, v) in enumerate(diagonal))  # D
+    values = sum(weights[..., j : j + 1] * v for j, (_, v) in enumerate(diagonal))  # D
     query = torch.cat([q, top[..., None], q.new_zeros(hkv, g, n, pad - 1)], -1)
-    query = F.pad(query, (0, 0, 1, 0))                     # dummy row 0 (sees only the sink)
+    query = F.pad(query, (0, 0, 1, 0))  # dummy row 0 (sees only the sink)
     sink = q.new_zeros(hkv, 1, 1, d + pad)
     sink[..., d] = 1
     sink_value = sink
     if dv != d:
         sink_value = q.new_zeros(hkv, 1, 1, dv + pad)
         sink_value[..., dv] = 1
-    key = torch.cat([sink, F.pad(k0, (0, pad))], -2)     # [Hkv, 1, 1 + n, D + pad]
+    key = torch.cat([sink, F.pad(k0, (0, pad))], -2)  # [Hkv, 1, 1 + n, D + pad]
     value = torch.cat([sink_value, F.pad(v0, (0, pad))], -2)  # [Hkv, 1, 1 + n, Dv + pad]
     heads = hkv * g
-    return (query.reshape(1, heads, n + 1, d + pad), key.reshape(1, hkv, n + 1, d + pad),
-            value.reshape(1, hkv, n + 1, dv + pad), values, total)
+    return (
+        query.reshape(1, heads, n + 1, d + pad),
+        key.reshape(1, hkv, n + 1, d + pad),
+        value.reshape(1, hkv, n + 1, dv + pad),
+        values,
+        total,
+    )
 
 
 def combine_sink(out, values, total, shape, dtype):
@@ -102,6 +108,12 @@ def compiled_kernels() -> Kernels:
         for limit in ("cache_size_limit", "recompile_limit"):
             if hasattr(torch._dynamo.config, limit):
                 setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), 64))
-        _COMPILED.append(Kernels(**{name: torch.compile(getattr(EAGER, name), dynamic=True)
-                                    for name in Kernels.__dataclass_fields__}))
+        _COMPILED.append(
+            Kernels(
+                **{
+                    name: torch.compile(getattr(EAGER, name), dynamic=True)
+                    for name in Kernels.__dataclass_fields__
+                }
+            )
+        )
     return _COMPILED[0]

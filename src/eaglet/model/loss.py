@@ -40,8 +40,9 @@ def teacher(final: torch.Tensor, teacher_head: torch.Tensor) -> tuple[torch.Tens
     return logits, torch.logsumexp(logits.float(), dim=-1)
 
 
-def chunk_terms(z: torch.Tensor, t_logits: torch.Tensor, t_lse: torch.Tensor, rows: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def chunk_terms(
+    z: torch.Tensor, t_logits: torch.Tensor, t_lse: torch.Tensor, rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One chunk: per row the cross-entropy [c], the gradient in ``z`` [c, Vd] (in ``z``'s
     dtype) and the argmax [c]. ``rows``: the teacher rows the chunk's rows predict."""
     p = torch.exp(t_logits[rows].float() - t_lse[rows, None])
@@ -52,8 +53,9 @@ def chunk_terms(z: torch.Tensor, t_logits: torch.Tensor, t_lse: torch.Tensor, ro
     return ce, grad, zf.argmax(-1)
 
 
-def chunk_scores(z: torch.Tensor, t_logits: torch.Tensor, t_lse: torch.Tensor, rows: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def chunk_scores(
+    z: torch.Tensor, t_logits: torch.Tensor, t_lse: torch.Tensor, rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`chunk_terms` without the gradient (held-out evaluation)."""
     p = torch.exp(t_logits[rows].float() - t_lse[rows, None])
     zf = z.float()
@@ -108,9 +110,14 @@ class FusedHeadLoss(torch.autograd.Function):
         return grad_h, grad_weight, None, None, None, None
 
 
-def head_loss(h: torch.Tensor, weight: torch.Tensor, t_logits: torch.Tensor, t_lse: torch.Tensor,
-              rows: torch.Tensor, kernels: ChunkKernels = PLAIN
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def head_loss(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    t_logits: torch.Tensor,
+    t_lse: torch.Tensor,
+    rows: torch.Tensor,
+    kernels: ChunkKernels = PLAIN,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed cross-entropy of the rows' logits ``lm_head(h)`` against their teacher rows, and
     their argmax (draft ids): fused (:class:`FusedHeadLoss`) where gradients are wanted, a
     chunked evaluation without them otherwise."""

@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from eaglet.core import methods as records
-from eaglet.model import dflash, export as eagle3_export, peagle
+from eaglet.model import dflash, peagle
+from eaglet.model import export as eagle3_export
 from eaglet.model.config import DrafterConfig
 from eaglet.model.drafter import Eagle3Drafter
 from eaglet.model.init import LayerFit, init_from_target
@@ -27,6 +28,7 @@ class Provider:
     ``init(model, target_dir, layer)`` (train.layer_init: target); ``export(model, out_dir,
     dtype, block_size)``; ``load(drafter_dir, target_dir, dtype)``; ``draft``: how it drafts
     one round in vLLM (``draft(drafter, aux, ids, p, k)``)."""
+
     model: type
     build: Callable
     init: Callable
@@ -39,25 +41,37 @@ PROVIDERS = {
     records.EAGLE3.name: Provider(
         Eagle3Drafter,
         build=lambda target, config, embed, d2t, t2d, layers: Eagle3Drafter(
-            config, embed, d2t, t2d),
+            config, embed, d2t, t2d
+        ),
         init=init_from_target,
         export=lambda model, out_dir, dtype, block_size: eagle3_export.export_drafter(
-            model, out_dir, dtype),
-        load=eagle3_export.load_drafter, draft=draft_chain),
+            model, out_dir, dtype
+        ),
+        load=eagle3_export.load_drafter,
+        draft=draft_chain,
+    ),
     records.PEAGLE.name: Provider(
         peagle.PEagleDrafter,
         build=lambda target, config, embed, d2t, t2d, layers: peagle.PEagleDrafter(
-            config, embed, d2t, t2d, peagle.mask_token_id(target)),
+            config, embed, d2t, t2d, peagle.mask_token_id(target)
+        ),
         init=init_from_target,
         export=lambda model, out_dir, dtype, block_size: peagle.export_peagle(
-            model, out_dir, dtype),
-        load=peagle.load_peagle, draft=draft_parallel),
+            model, out_dir, dtype
+        ),
+        load=peagle.load_peagle,
+        draft=draft_parallel,
+    ),
     records.DFLASH.name: Provider(
         dflash.DFlashDrafter,
         build=lambda target, config, embed, d2t, t2d, layers: dflash.DFlashDrafter(
-            config, embed, d2t, t2d, peagle.mask_token_id(target), layers),
-        init=dflash.init_from_target, export=dflash.export_dflash, load=dflash.load_dflash,
-        draft=draft_parallel),
+            config, embed, d2t, t2d, peagle.mask_token_id(target), layers
+        ),
+        init=dflash.init_from_target,
+        export=dflash.export_dflash,
+        load=dflash.load_dflash,
+        draft=draft_parallel,
+    ),
 }
 
 
@@ -70,9 +84,15 @@ def provider_of(model: torch.nn.Module) -> Provider:
     return max(matches, key=lambda p: len(p.model.__mro__))
 
 
-def make_drafter(method: str, target_config: dict, config: DrafterConfig,
-                 embed_tokens: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor,
-                 layers: int = 1) -> torch.nn.Module:
+def make_drafter(
+    method: str,
+    target_config: dict,
+    config: DrafterConfig,
+    embed_tokens: torch.Tensor,
+    d2t: torch.Tensor,
+    t2d: torch.Tensor,
+    layers: int = 1,
+) -> torch.nn.Module:
     """The drafter ``train.method`` trains: EAGLE-3's, P-EAGLE's or DFlash's (``layers``
     deep: train.dflash_layers), the masked slots of the last two on the target's mask token
     (:func:`eaglet.model.peagle.mask_token_id`); refused where the method cannot be built with
@@ -90,14 +110,22 @@ def init_layer_from_target(model: torch.nn.Module, target_dir, layer: int) -> La
     return provider_of(model).init(model, target_dir, layer)
 
 
-def export(model: torch.nn.Module, out_dir: str | Path, dtype: str = "float32",
-           block_size: int | None = None) -> dict:
+def export(
+    model: torch.nn.Module,
+    out_dir: str | Path,
+    dtype: str = "float32",
+    block_size: int | None = None,
+) -> dict:
     """Any method's drafter in vLLM's format (``block_size``: DFlash's trained block)."""
     return provider_of(model).export(model, out_dir, dtype, block_size)
 
 
-def load(drafter_dir: str | Path, target_dir: str | Path, dtype: torch.dtype = torch.float32,
-         method: str | None = None) -> torch.nn.Module:
+def load(
+    drafter_dir: str | Path,
+    target_dir: str | Path,
+    dtype: torch.dtype = torch.float32,
+    method: str | None = None,
+) -> torch.nn.Module:
     """The drafter exported in ``drafter_dir``, whatever its method (``method``, else what its
     config.json says), with the target's embedding, ready to run (eval mode)."""
     name = method or records.exported(drafter_dir).name

@@ -69,12 +69,21 @@ def mask_token_id(target_config: dict) -> int:
 class PEagleDrafter(Eagle3Drafter):
     """The EAGLE-3 drafter plus ``mask_hidden``; its forward drafts in parallel (module doc)."""
 
-    def __init__(self, config: DrafterConfig, embed_tokens: torch.Tensor, d2t: torch.Tensor,
-                 t2d: torch.Tensor, mask_token_id: int, attention: str = "sdpa"):
+    def __init__(
+        self,
+        config: DrafterConfig,
+        embed_tokens: torch.Tensor,
+        d2t: torch.Tensor,
+        t2d: torch.Tensor,
+        mask_token_id: int,
+        attention: str = "sdpa",
+    ):
         super().__init__(config, embed_tokens, d2t, t2d, attention)
         if not 0 <= mask_token_id < config.vocab_size:
-            raise ValueError(f"mask_token_id {mask_token_id} is outside the target's vocabulary "
-                             f"(0..{config.vocab_size - 1})")
+            raise ValueError(
+                f"mask_token_id {mask_token_id} is outside the target's vocabulary "
+                f"(0..{config.vocab_size - 1})"
+            )
         self.mask_token_id = int(mask_token_id)
         # [A * target_hidden], as vLLM's buffer (it reads any shape of that many elements);
         # a random start like speculators', put through fc (and its norms) as aux features are
@@ -88,15 +97,22 @@ class PEagleDrafter(Eagle3Drafter):
         hidden = self.combine(self.mask_hidden.to(self.fc.weight.dtype)[None])[0]
         return self.embed_tokens[self.mask_token_id].to(dtype), hidden.to(dtype)
 
-    def forward(self, aux_hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
-                segments: torch.Tensor, logit_rows: list[torch.Tensor] | None = None,
-                heads: bool = True) -> list[torch.Tensor]:
+    def forward(
+        self,
+        aux_hidden: torch.Tensor,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        segments: torch.Tensor,
+        logit_rows: list[torch.Tensor] | None = None,
+        heads: bool = True,
+    ) -> list[torch.Tensor]:
         """``K = len(input_ids)`` parallel drafting steps over a packed batch of T rows, with
         ``Eagle3Drafter.forward``'s arguments and result; only ``input_ids[0]`` is read (the
         later steps embed the mask token)."""
-        blocks = attention_blocks(segments, len(segments) if self.attention == "flex"
-                                  else BLOCK_ROWS)
-        hidden = self.combine(aux_hidden)                                        # [T, H]
+        blocks = attention_blocks(
+            segments, len(segments) if self.attention == "flex" else BLOCK_ROWS
+        )
+        hidden = self.combine(aux_hidden)  # [T, H]
         rows = hidden.shape[0]
         mask_embed, mask_hidden = self.mask_inputs(hidden.dtype)
         cache: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -107,13 +123,21 @@ class PEagleDrafter(Eagle3Drafter):
                 embeds, state = self.embed_tokens[input_ids[0]].to(hidden.dtype), hidden
             else:  # the masked slot at position t + step; nothing fed back from step - 1
                 embeds, state = mask_embed.expand(rows, -1), mask_hidden.expand(rows, -1)
-            normed, _ = self.draft_step(embeds, state, cos, sin, blocks, cache,
-                                        None if logit_rows is None else logit_rows[step])
+            normed, _ = self.draft_step(
+                embeds,
+                state,
+                cos,
+                sin,
+                blocks,
+                cache,
+                None if logit_rows is None else logit_rows[step],
+            )
             logits.append(self.lm_head(normed) if heads else normed)
         return logits
 
 
 # -- the checkpoint ---------------------------------------------------------------------------
+
 
 class _Eagle3View:
     """``model`` as ``export_drafter`` sees an EAGLE-3 drafter: its state without mask_hidden."""
@@ -145,19 +169,27 @@ def export_peagle(model: PEagleDrafter, out_dir: str | Path, dtype: str = "float
     return config
 
 
-def load_peagle(drafter_dir: str | Path, target_dir: str | Path,
-                dtype: torch.dtype = torch.float32) -> PEagleDrafter:
+def load_peagle(
+    drafter_dir: str | Path, target_dir: str | Path, dtype: torch.dtype = torch.float32
+) -> PEagleDrafter:
     """An exported P-EAGLE drafter with the target's embedding, ready to run (eval mode)."""
     drafter_dir = Path(drafter_dir)
     raw = read_json(drafter_dir / "config.json")
     if "mask_token_id" not in raw:
-        raise ValueError(f"{drafter_dir}/config.json has no mask_token_id: not a P-EAGLE drafter "
-                         f"(load it with eaglet.model.export.load_drafter)")
+        raise ValueError(
+            f"{drafter_dir}/config.json has no mask_token_id: not a P-EAGLE drafter "
+            f"(load it with eaglet.model.export.load_drafter)"
+        )
     config = config_from_vllm(raw)
     weights = load_file(str(drafter_dir / "model.safetensors"))
     weights.setdefault("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
     weights["mask_hidden"] = weights["mask_hidden"].reshape(-1)
-    model = PEagleDrafter(config, load_target_embedding(target_dir), weights["d2t"],
-                          weights["t2d"], raw["mask_token_id"])
+    model = PEagleDrafter(
+        config,
+        load_target_embedding(target_dir),
+        weights["d2t"],
+        weights["t2d"],
+        raw["mask_token_id"],
+    )
     model.load_state_dict(weights, strict=True)
     return model.to(dtype).eval()

@@ -42,9 +42,10 @@ class DrafterFormatError(ValueError):
 @dataclass
 class Published:
     """A starting drafter as read from its files."""
+
     path: Path
-    format: str       # in words
-    config: dict      # its config as eaglet exports it (vLLM's EAGLE-3 config.json)
+    format: str  # in words
+    config: dict  # its config as eaglet exports it (vLLM's EAGLE-3 config.json)
     method: methods.Method
     weights: list[Path] = field(default_factory=list)
 
@@ -60,10 +61,12 @@ class Published:
     def settings(self) -> dict[str, object]:
         """The run's settings it decides (dotted keys): its method, variant, attention, depth,
         draft vocabulary and the target layers it reads."""
-        out = {"train.method": self.method.name,
-               "train.drafter_variant": methods.variant_of(norm_flags(self.config)).name,
-               "train.drafter_attention": self.attention,
-               "vocab.draft_vocab_size": self.config["draft_vocab_size"]}
+        out = {
+            "train.method": self.method.name,
+            "train.drafter_variant": methods.variant_of(norm_flags(self.config)).name,
+            "train.drafter_attention": self.attention,
+            "vocab.draft_vocab_size": self.config["draft_vocab_size"],
+        }
         if self.method.block:
             out["train.dflash_layers"] = self.config.get("num_hidden_layers", 1)
         if self.aux_layer_ids is not None:
@@ -78,17 +81,22 @@ def locate(spec: str) -> Path:
     if path.is_dir():
         return path
     if spec.startswith(("/", ".", "~")) or spec.count("/") != 1 or path.exists():
-        raise DrafterFormatError(f"train.init_from {spec!r}: no directory there (a Hugging Face "
-                                 f"id reads organization/name)")
+        raise DrafterFormatError(
+            f"train.init_from {spec!r}: no directory there (a Hugging Face "
+            f"id reads organization/name)"
+        )
     try:
         from huggingface_hub import snapshot_download
-        return Path(snapshot_download(spec, allow_patterns=["*.json", "*.safetensors", "*.bin",
-                                                            "*.pt"]))
+
+        return Path(
+            snapshot_download(spec, allow_patterns=["*.json", "*.safetensors", "*.bin", "*.pt"])
+        )
     except Exception as error:  # offline, gated, or a typo
         raise DrafterFormatError(
             f"train.init_from {spec!r}: could not get it from the Hugging Face hub ({error}). "
             f"Check the id, log in for a gated repository (`huggingface-cli login`), or "
-            f"download it and set train.init_from to the local directory") from error
+            f"download it and set train.init_from to the local directory"
+        ) from error
 
 
 def read(spec: str | os.PathLike) -> Published:
@@ -97,20 +105,25 @@ def read(spec: str | os.PathLike) -> Published:
     path = locate(str(spec))
     config_path = path / "config.json"
     if not config_path.is_file():
-        raise DrafterFormatError(f"train.init_from {spec}: no config.json in {path}, so it is "
-                                 f"no drafter checkpoint eaglet can read")
+        raise DrafterFormatError(
+            f"train.init_from {spec}: no config.json in {path}, so it is "
+            f"no drafter checkpoint eaglet can read"
+        )
     raw = read_json(config_path)
     weights = [path / name for name in WEIGHT_FILES if (path / name).is_file()]
     if not weights:
         weights = sorted(path.glob("model-*.safetensors"))
     if not weights:
-        raise DrafterFormatError(f"train.init_from {spec}: no weights in {path} (looked for "
-                                 f"{', '.join(WEIGHT_FILES)})")
+        raise DrafterFormatError(
+            f"train.init_from {spec}: no weights in {path} (looked for {', '.join(WEIGHT_FILES)})"
+        )
     if raw.get("speculators_config"):
         algorithm = raw["speculators_config"].get("algorithm")
         if algorithm != methods.EAGLE3.served_as:
-            raise DrafterFormatError(f"train.init_from {spec}: a speculators {algorithm!r} "
-                                     f"model; eaglet starts from EAGLE-3 speculators only")
+            raise DrafterFormatError(
+                f"train.init_from {spec}: a speculators {algorithm!r} "
+                f"model; eaglet starts from EAGLE-3 speculators only"
+            )
         return Published(path, "speculators", from_speculators(raw), methods.EAGLE3, weights)
     method = methods.from_config(raw)
     if raw.get("eagle_config") or method is not methods.EAGLE3:
@@ -119,9 +132,13 @@ def read(spec: str | os.PathLike) -> Published:
         raise DrafterFormatError(
             f"train.init_from {spec}: its config.json has neither speculators_config nor "
             f"eagle_config nor draft_vocab_size (architectures {raw.get('architectures')}), "
-            f"so it is no EAGLE-3 drafter eaglet knows")
-    made = ("EAGLE original (pytorch_model.bin)" if weights[0].suffix == ".bin"
-            else "EAGLE-3 checkpoint without eagle_config (SpecForge's or the EAGLE authors')")
+            f"so it is no EAGLE-3 drafter eaglet knows"
+        )
+    made = (
+        "EAGLE original (pytorch_model.bin)"
+        if weights[0].suffix == ".bin"
+        else "EAGLE-3 checkpoint without eagle_config (SpecForge's or the EAGLE authors')"
+    )
     return Published(path, made, from_plain(raw), methods.EAGLE3, weights)
 
 
@@ -130,13 +147,17 @@ def from_speculators(raw: dict) -> dict:
     ``transformer_layer_config``, the EAGLE-3 fields from the top. A norm flag it omits is
     read as vLLM reads a speculators config: ``norm_before_residual`` true, the others false."""
     layer = dict(raw.get("transformer_layer_config") or {})
-    config = {**layer, "architectures": ["LlamaForCausalLMEagle3"],
-              "draft_vocab_size": raw["draft_vocab_size"],
-              "target_hidden_size": raw.get("target_hidden_size") or layer["hidden_size"],
-              "eagle_config": {}}
+    config = {
+        **layer,
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "draft_vocab_size": raw["draft_vocab_size"],
+        "target_hidden_size": raw.get("target_hidden_size") or layer["hidden_size"],
+        "eagle_config": {},
+    }
     if raw.get("eagle_aux_hidden_state_layer_ids"):
         config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = list(
-            raw["eagle_aux_hidden_state_layer_ids"])
+            raw["eagle_aux_hidden_state_layer_ids"]
+        )
     for flag in NORM_FLAGS:
         config[flag] = bool(raw.get(flag, flag == "norm_before_residual"))
     return _complete(config)
@@ -166,9 +187,11 @@ def check_fits(published: Published, target: dict) -> None:
     its vocabulary."""
     c, name = published.config, published.path
     problems = []
-    for key, want in (("target_hidden_size", target["hidden_size"]),
-                      ("hidden_size", target["hidden_size"]),
-                      ("vocab_size", target["vocab_size"])):
+    for key, want in (
+        ("target_hidden_size", target["hidden_size"]),
+        ("hidden_size", target["hidden_size"]),
+        ("vocab_size", target["vocab_size"]),
+    ):
         if c.get(key) is not None and c[key] != want:
             problems.append(f"its {key} is {c[key]}, the target's {want}")
     layers = target["num_hidden_layers"]
@@ -180,10 +203,12 @@ def check_fits(published: Published, target: dict) -> None:
         if missing:
             problems.append(f"its MLA attention differs from the target's in {missing}")
     if problems:
-        raise DrafterFormatError(f"train.init_from {name} ({published.format}) does not fit "
-                                 f"this target: {'; '.join(problems)}. Start from a drafter "
-                                 f"trained for this target, or train from scratch (no "
-                                 f"train.init_from)")
+        raise DrafterFormatError(
+            f"train.init_from {name} ({published.format}) does not fit "
+            f"this target: {'; '.join(problems)}. Start from a drafter "
+            f"trained for this target, or train from scratch (no "
+            f"train.init_from)"
+        )
 
 
 def tensor_names(published: Published) -> list[str]:
@@ -219,8 +244,9 @@ def _load_file(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def convert(published: Published, target_dir: str | os.PathLike, out_dir: str | os.PathLike,
-            seed: int = 0) -> dict:
+def convert(
+    published: Published, target_dir: str | os.PathLike, out_dir: str | os.PathLike, seed: int = 0
+) -> dict:
     """Write the starting drafter in eaglet's export layout into ``out_dir`` (what training
     starts from and the evaluation serves beside the fine-tuned drafter); returns the record
     of its tensors: ``from_drafter``, ``new`` (absent from the files: initialized as training
@@ -236,12 +262,21 @@ def convert(published: Published, target_dir: str | os.PathLike, out_dir: str | 
     check_fits(published, target)
     config = dict(published.config)
     if not (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"):
-        config["eagle_config"] = {**config.get("eagle_config", {}),
-                                  "eagle_aux_hidden_state_layer_ids":
-                                      methods.default_aux_layer_ids(target["num_hidden_layers"])}
-    record = {"source": str(published.path), "format": published.format,
-              "method": published.method.name, "from_drafter": [], "new": [], "derived": [],
-              "left_out": []}
+        config["eagle_config"] = {
+            **config.get("eagle_config", {}),
+            "eagle_aux_hidden_state_layer_ids": methods.default_aux_layer_ids(
+                target["num_hidden_layers"]
+            ),
+        }
+    record = {
+        "source": str(published.path),
+        "format": published.format,
+        "method": published.method.name,
+        "from_drafter": [],
+        "new": [],
+        "derived": [],
+        "left_out": [],
+    }
     if published.method is not methods.EAGLE3:  # eaglet's own export of P-EAGLE or DFlash
         model = providers.load(published.path, target_dir, method=published.method.name)
         record["from_drafter"] = sorted(model.state_dict())
@@ -258,8 +293,10 @@ def convert(published: Published, target_dir: str | os.PathLike, out_dir: str | 
         vd, v = drafter_config.draft_vocab_size, drafter_config.vocab_size
         if "d2t" not in loaded:
             if vd != v:
-                raise DrafterFormatError(f"train.init_from {published.path}: a draft vocabulary "
-                                         f"of {vd} of {v} tokens, and no d2t map to say which")
+                raise DrafterFormatError(
+                    f"train.init_from {published.path}: a draft vocabulary "
+                    f"of {vd} of {v} tokens, and no d2t map to say which"
+                )
             loaded["d2t"] = torch.zeros(vd, dtype=torch.int64)
             record["derived"].append("d2t (the identity: a full vocabulary)")
         d2t = loaded["d2t"].to(torch.int64)
@@ -269,9 +306,14 @@ def convert(published: Published, target_dir: str | os.PathLike, out_dir: str | 
             loaded["t2d"] = t2d
             record["derived"].append("t2d (from d2t)")
         torch.manual_seed(seed)
-        model = providers.make_drafter(published.method.name, target, drafter_config,
-                                       load_target_embedding(target_dir), d2t,
-                                       loaded["t2d"].to(torch.bool))
+        model = providers.make_drafter(
+            published.method.name,
+            target,
+            drafter_config,
+            load_target_embedding(target_dir),
+            d2t,
+            loaded["t2d"].to(torch.bool),
+        )
         state = model.state_dict()
         for name, tensor in state.items():
             if name not in loaded:
@@ -280,7 +322,8 @@ def convert(published: Published, target_dir: str | os.PathLike, out_dir: str | 
             if tuple(loaded[name].shape) != tuple(tensor.shape):
                 raise DrafterFormatError(
                     f"train.init_from {published.path}: {name} has shape "
-                    f"{tuple(loaded[name].shape)}, its config.json gives {tuple(tensor.shape)}")
+                    f"{tuple(loaded[name].shape)}, its config.json gives {tuple(tensor.shape)}"
+                )
             state[name] = loaded[name].to(tensor.dtype)
             record["from_drafter"].append(name)
         record["left_out"] += sorted(set(loaded) - set(state))
@@ -290,8 +333,7 @@ def convert(published: Published, target_dir: str | os.PathLike, out_dir: str | 
     return record
 
 
-def apply(cfg: dict, start_dir: str, target_config: str | os.PathLike | None = None
-          ) -> list[str]:
+def apply(cfg: dict, start_dir: str, target_config: str | os.PathLike | None = None) -> list[str]:
     """Give the run ``cfg`` (validated) the settings its starting drafter decides
     (``train.init_from``; :meth:`Published.settings`), and serve that drafter, converted into
     ``start_dir``, beside the fine-tuned one (``evaluate.compare_drafters``). Returns a line per
@@ -306,15 +348,18 @@ def apply(cfg: dict, start_dir: str, target_config: str | os.PathLike | None = N
     if target_config and Path(target_config).is_file() and "extract.aux_layer_ids" in settings:
         text = read_json(target_config)
         layers = text.get("text_config", text)["num_hidden_layers"]
-        if (cfg["extract"]["aux_layer_ids"] is None
-                and settings["extract.aux_layer_ids"] == methods.default_aux_layer_ids(layers)):
+        if cfg["extract"]["aux_layer_ids"] is None and settings[
+            "extract.aux_layer_ids"
+        ] == methods.default_aux_layer_ids(layers):
             del settings["extract.aux_layer_ids"]
     notes = []
     for dotted, value in settings.items():
         section, key = dotted.split(".")
         if cfg[section].get(key) != value:
-            notes.append(f"{dotted}: {cfg[section].get(key)!r} -> {value!r} (the starting "
-                         f"drafter's, train.init_from {spec}: {published.format})")
+            notes.append(
+                f"{dotted}: {cfg[section].get(key)!r} -> {value!r} (the starting "
+                f"drafter's, train.init_from {spec}: {published.format})"
+            )
             cfg[section][key] = value
     compared = [str(d) for d in cfg["evaluate"].get("compare_drafters") or []]
     if start_dir not in compared:

@@ -59,14 +59,15 @@ def target_features(model, layer_ids: list[int], ids: list[int], final: bool = F
 
 
 @torch.inference_mode()
-def draft_chain(drafter: Eagle3Drafter, aux: torch.Tensor, ids: torch.Tensor, p: int,
-                k: int) -> list[int]:
+def draft_chain(
+    drafter: Eagle3Drafter, aux: torch.Tensor, ids: torch.Tensor, p: int, k: int
+) -> list[int]:
     """``k`` greedy draft tokens (target ids) from row ``p``; ``ids`` is the sequence."""
     rows = p + 1
     positions = torch.arange(rows)
     blocks = attention_blocks(torch.zeros(rows, dtype=torch.long))  # one sample: causal
-    hidden = drafter.combine(aux[:rows])                          # [rows, H]
-    step_ids = ids[1:rows + 1].clone()                            # row t embeds token t+1
+    hidden = drafter.combine(aux[:rows])  # [rows, H]
+    step_ids = ids[1 : rows + 1].clone()  # row t embeds token t+1
     cache: list[tuple[torch.Tensor, torch.Tensor]] = []
     drafts = []
     for step in range(k):
@@ -87,9 +88,14 @@ def draft_parallel(drafter, aux: torch.Tensor, ids: torch.Tensor, p: int, k: int
     ``0..p``), whose forward takes ``Eagle3Drafter.forward``'s arguments and reads only the
     first step's ids: rows ``0..p`` and row ``p``'s k results; ``ids`` is the sequence."""
     rows = p + 1
-    step_ids = ids[1:rows + 1].expand(k, rows)         # only step 0 is read
-    logits = drafter(aux[:rows], step_ids, torch.arange(rows),
-                     torch.zeros(rows, dtype=torch.long), [torch.tensor([p])] * k)
+    step_ids = ids[1 : rows + 1].expand(k, rows)  # only step 0 is read
+    logits = drafter(
+        aux[:rows],
+        step_ids,
+        torch.arange(rows),
+        torch.zeros(rows, dtype=torch.long),
+        [torch.tensor([p])] * k,
+    )
     return [int(drafter.to_target_ids(z[0].argmax())) for z in logits]
 
 
@@ -97,14 +103,13 @@ def replay(draft, ids: list[int], prompt_len: int, k: int) -> dict:
     """vLLM's counters for one greedy sequence (prompt + the target's own continuation);
     ``draft(p, k)`` returns the k draft tokens proposed from row ``p``."""
     n = len(ids)
-    counts = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_position": [0] * k,
-              "past_end": 0}
-    p = prompt_len - 1           # after prefill the target has produced token prompt_len
-    while p + 2 < n:             # at least one token left to draft for
+    counts = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_position": [0] * k, "past_end": 0}
+    p = prompt_len - 1  # after prefill the target has produced token prompt_len
+    while p + 2 < n:  # at least one token left to draft for
         drafts = draft(p, k)
         accepted = 0
         for j, token in enumerate(drafts):
-            if p + 2 + j >= n:   # past the answer's end: vLLM may accept these (see above)
+            if p + 2 + j >= n:  # past the answer's end: vLLM may accept these (see above)
                 counts["past_end"] += len(drafts) - j
                 break
             if token == ids[p + 2 + j]:
@@ -121,8 +126,7 @@ def replay(draft, ids: list[int], prompt_len: int, k: int) -> dict:
 
 
 def empty_counts(k: int) -> dict:
-    return {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_position": [0] * k,
-            "past_end": 0}
+    return {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_position": [0] * k, "past_end": 0}
 
 
 def add_counts(total: dict, counts: dict) -> dict:
@@ -143,7 +147,8 @@ def summarize(total: dict, k: int) -> dict:
     the standard error of vLLM's acceptance length about the expected one, ``standard_error``)."""
     drafts = total["drafts"]
     out = {
-        "k": k, **total,
+        "k": k,
+        **total,
         "acceptance_length": 1 + total["accepted"] / drafts if drafts else None,
         "acceptance_rate": total["accepted"] / total["draft_tokens"] if drafts else None,
         "per_position_rate": [c / drafts for c in total["per_position"]] if drafts else [],
@@ -155,7 +160,8 @@ def summarize(total: dict, k: int) -> dict:
         out["acceptance_length_high"] = 1 + (total["accepted"] + total["past_end"]) / drafts
         if "matched" in total:
             out["matched_acceptance_length_high"] = (
-                1 + (total["matched"] + total["past_end"]) / drafts)
+                1 + (total["matched"] + total["past_end"]) / drafts
+            )
     if "variance" in total:
         out["standard_error"] = math.sqrt(total["variance"]) / drafts if drafts else None
     if total.get("top_token_drafts"):
@@ -163,8 +169,14 @@ def summarize(total: dict, k: int) -> dict:
     return out
 
 
-def replay_counts(drafter: Eagle3Drafter, aux: torch.Tensor, prompt_ids: list[int],
-                  completion_ids: list[int], k: int, draft: Callable = draft_chain) -> dict:
+def replay_counts(
+    drafter: Eagle3Drafter,
+    aux: torch.Tensor,
+    prompt_ids: list[int],
+    completion_ids: list[int],
+    k: int,
+    draft: Callable = draft_chain,
+) -> dict:
     """vLLM's counters for one greedy sequence, drafted from its aux states ``aux``
     ([at least len(prompt) + len(completion) rows, 3H], any float dtype) the way ``draft``
     drafts a round (``draft(drafter, aux, ids, p, k)``: EAGLE-3's chain of k forwards by
@@ -175,9 +187,13 @@ def replay_counts(drafter: Eagle3Drafter, aux: torch.Tensor, prompt_ids: list[in
     return replay(lambda p, n: draft(drafter, aux, seq, p, n), ids, len(prompt_ids), k)
 
 
-def offline_acceptance(target_model, drafter: Eagle3Drafter,
-                       sequences: list[tuple[list[int], list[int]]], k: int,
-                       draft: Callable = draft_chain) -> dict:
+def offline_acceptance(
+    target_model,
+    drafter: Eagle3Drafter,
+    sequences: list[tuple[list[int], list[int]]],
+    k: int,
+    draft: Callable = draft_chain,
+) -> dict:
     """Acceptance over ``(prompt_ids, completion_ids)`` pairs, as vLLM would count it, from a
     forward of the target (transformers) for each; ``draft`` as :func:`replay_counts`."""
     total = empty_counts(k)
@@ -226,8 +242,9 @@ class StoredStates:
                 answer = next((t for t in range(start, end) if mask[t]), end)
                 self.by_prompt.setdefault(tuple(ids[start:answer]), []).append((i, s))
 
-    def find(self, prompt_ids: list[int], completion_ids: list[int],
-             final: bool = False) -> tuple[Any, str]:
+    def find(
+        self, prompt_ids: list[int], completion_ids: list[int], final: bool = False
+    ) -> tuple[Any, str]:
         """The stored aux rows of ``prompt + completion`` in float32 (with ``final``: and
         their final-norm rows, as a pair) and ``"stored"``; or None and why not:
         ``"not_stored"`` (no stored sample of this prompt), ``"differs"`` (the stored answers
@@ -242,9 +259,9 @@ class StoredStates:
             shard = self.shards[i]
             span = shard.sample(s)
             begin = span.start + len(prompt_ids)
-            stored = shard.input_ids[begin:span.stop].tolist()
+            stored = shard.input_ids[begin : span.stop].tolist()
             if stored[:n] != list(completion_ids):
-                if list(completion_ids[:len(stored)]) == stored:
+                if list(completion_ids[: len(stored)]) == stored:
                     why = "longer_than_stored"
                 continue
             rows = slice(span.start, begin + n)
@@ -300,10 +317,16 @@ class Features:
     replay at a temperature needs them). ``forwards``: the :class:`TargetForwards` of
     ``load_target`` that other replays of the evaluation share (default: one of its own)."""
 
-    def __init__(self, layer_ids: list[int], stored: StoredStates | None,
-                 load_target: Callable[[], Any] | None, prefer_forward: bool = False,
-                 no_forward: str | None = None, final: bool = False,
-                 forwards: TargetForwards | None = None):
+    def __init__(
+        self,
+        layer_ids: list[int],
+        stored: StoredStates | None,
+        load_target: Callable[[], Any] | None,
+        prefer_forward: bool = False,
+        no_forward: str | None = None,
+        final: bool = False,
+        forwards: TargetForwards | None = None,
+    ):
         self.layer_ids, self.stored, self.prefer_forward = layer_ids, stored, prefer_forward
         self.final = final
         self._forwards = None if load_target is None else forwards or TargetForwards(load_target)
@@ -328,13 +351,17 @@ class Features:
             self._forwards = None
             return None
 
-    def __call__(self, prompt_ids: list[int], completion_ids: list[int]
-                 ) -> tuple[str | None, Any, str]:
+    def __call__(
+        self, prompt_ids: list[int], completion_ids: list[int]
+    ) -> tuple[str | None, Any, str]:
         """``(source, aux, match)``: source ``"stored"``, ``"forward"`` or None (left out),
         the states (with ``final``: a pair), and how the sequence compared with the stored
         ones (:meth:`StoredStates.find`)."""
-        aux, match = (self.stored.find(prompt_ids, completion_ids, self.final)
-                      if self.stored is not None else (None, "not_stored"))
+        aux, match = (
+            self.stored.find(prompt_ids, completion_ids, self.final)
+            if self.stored is not None
+            else (None, "not_stored")
+        )
         if aux is not None and not self.prefer_forward:
             return "stored", aux, match
         forward = self.forward(list(prompt_ids) + list(completion_ids))
@@ -343,10 +370,18 @@ class Features:
         return ("stored", aux, match) if aux is not None else (None, None, match)
 
 
-def replay_sequences(drafter: Eagle3Drafter, sequences: list[tuple[list[int], list[int]]],
-                     ks: list[int], features: Features, temperature: float = 0.0,
-                     head: torch.Tensor | None = None, greedy_counts=None,
-                     sampled_counts=None, top_p: float = 1.0, top_k: int = 0) -> dict:
+def replay_sequences(
+    drafter: Eagle3Drafter,
+    sequences: list[tuple[list[int], list[int]]],
+    ks: list[int],
+    features: Features,
+    temperature: float = 0.0,
+    head: torch.Tensor | None = None,
+    greedy_counts=None,
+    sampled_counts=None,
+    top_p: float = 1.0,
+    top_k: int = 0,
+) -> dict:
     """Every sequence replayed at every k from the states ``features`` gives it (each
     sequence's states got once for all k); the counts per k, summed (``counts``) and per
     sequence replayed (``per_sequence``: the acceptance length per request comes from them),
@@ -363,11 +398,18 @@ def replay_sequences(drafter: Eagle3Drafter, sequences: list[tuple[list[int], li
     chain of k forwards (:func:`replay_counts`, :func:`expected_counts`)."""
     if temperature and head is None:
         raise ValueError("an expected replay at a temperature needs the target's lm_head")
-    greedy_counts, sampled_counts = greedy_counts or replay_counts, sampled_counts or expected_counts
+    greedy_counts, sampled_counts = (
+        greedy_counts or replay_counts,
+        sampled_counts or expected_counts,
+    )
     totals = {k: empty_counts(k) for k in ks}
     per_sequence: dict[int, list[dict]] = {k: [] for k in ks}
-    sources: dict[str, int] = {"sequences": len(sequences), "stored": 0, "forward": 0,
-                               "left_out": 0}
+    sources: dict[str, int] = {
+        "sequences": len(sequences),
+        "stored": 0,
+        "forward": 0,
+        "left_out": 0,
+    }
     for prompt_ids, completion_ids in sequences:
         source, aux, match = features(prompt_ids, completion_ids)
         if match != "stored":
@@ -377,9 +419,21 @@ def replay_sequences(drafter: Eagle3Drafter, sequences: list[tuple[list[int], li
             continue
         sources[source] += 1
         for k in ks:
-            counts = (sampled_counts(drafter, aux, head, prompt_ids, completion_ids, k,
-                                     temperature, top_p=top_p, top_k=top_k) if temperature
-                      else greedy_counts(drafter, aux, prompt_ids, completion_ids, k))
+            counts = (
+                sampled_counts(
+                    drafter,
+                    aux,
+                    head,
+                    prompt_ids,
+                    completion_ids,
+                    k,
+                    temperature,
+                    top_p=top_p,
+                    top_k=top_k,
+                )
+                if temperature
+                else greedy_counts(drafter, aux, prompt_ids, completion_ids, k)
+            )
             per_sequence[k].append(counts)
             add_counts(totals[k], counts)
     return {"counts": totals, "per_sequence": per_sequence, "sources": sources}
@@ -421,8 +475,10 @@ def replay_sequences(drafter: Eagle3Drafter, sequences: list[tuple[list[int], li
 # over the drafting steps is the standard error of the acceptance length (``summarize``), what
 # a comparison of the two must allow on few prompts (0 at T 0, where every a_i is 0 or 1).
 
-def token_probability(logits: torch.Tensor, token: int, temperature: float,
-                      top_p: float = 1.0, top_k: int = 0) -> float:
+
+def token_probability(
+    logits: torch.Tensor, token: int, temperature: float, top_p: float = 1.0, top_k: int = 0
+) -> float:
     """The probability that vLLM's sampler, at ``temperature``, takes ``token`` after
     ``logits`` [V]: softmax(logits / T) in float32, cut as vLLM's sampler cuts it
     (:func:`truncate`); at T 0, 1 for the greedy token (the argmax) and 0 for any other."""
@@ -431,8 +487,9 @@ def token_probability(logits: torch.Tensor, token: int, temperature: float,
     return float(probabilities(logits, temperature, top_p, top_k)[token])
 
 
-def probabilities(logits: torch.Tensor, temperature: float, top_p: float = 1.0,
-                  top_k: int = 0) -> torch.Tensor:
+def probabilities(
+    logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0
+) -> torch.Tensor:
     """vLLM's sampling distribution [V] after ``logits`` at ``temperature`` > 0 (see
     :func:`token_probability`)."""
     return torch.softmax(truncate(logits.float() / temperature, top_p, top_k), dim=-1)
@@ -456,8 +513,7 @@ def truncate(scaled: torch.Tensor, top_p: float = 1.0, top_k: int = 0) -> torch.
     return scaled
 
 
-def expected_replay(draft, prob, ids: list[int], prompt_len: int, k: int,
-                    top=None) -> dict:
+def expected_replay(draft, prob, ids: list[int], prompt_len: int, k: int, top=None) -> dict:
     """vLLM's counters for one answer sampled at a temperature, in expectation (see the
     comment above): ``accepted`` and ``per_position`` sum the expected acceptances (floats),
     ``matched`` counts the drafts the answer's own tokens took (vLLM's count where the answer
@@ -473,14 +529,21 @@ def expected_replay(draft, prob, ids: list[int], prompt_len: int, k: int,
     against (each first draft can do no better; a later one could, by a less likely token
     whose continuation is surer)."""
     n = len(ids)
-    counts = {"drafts": 0, "draft_tokens": 0, "accepted": 0.0, "per_position": [0.0] * k,
-              "matched": 0, "variance": 0.0, "past_end": 0}
-    p = prompt_len - 1           # after prefill the target has produced token prompt_len
-    while p + 2 < n:             # at least one token left to draft for
+    counts = {
+        "drafts": 0,
+        "draft_tokens": 0,
+        "accepted": 0.0,
+        "per_position": [0.0] * k,
+        "matched": 0,
+        "variance": 0.0,
+        "past_end": 0,
+    }
+    p = prompt_len - 1  # after prefill the target has produced token prompt_len
+    while p + 2 < n:  # at least one token left to draft for
         taken = 0
         drafts = draft(p, k)
         for j, token in enumerate(drafts):
-            if p + 2 + j >= n:   # the answer ended: the greedy replay's past_end
+            if p + 2 + j >= n:  # the answer ended: the greedy replay's past_end
                 counts["past_end"] += len(drafts) - j
                 break
             chance = prob(p + 1 + j, token)
@@ -496,17 +559,30 @@ def expected_replay(draft, prob, ids: list[int], prompt_len: int, k: int,
         p += taken + 1
     if top is not None:
         # a row predicts the token after it: drafts past the answer's last are never read
-        ref = expected_replay(lambda p, n: [top(p + 1 + j) for j in range(n)
-                                            if p + 2 + j < len(ids)], prob, ids, prompt_len, k)
+        ref = expected_replay(
+            lambda p, n: [top(p + 1 + j) for j in range(n) if p + 2 + j < len(ids)],
+            prob,
+            ids,
+            prompt_len,
+            k,
+        )
         counts["top_token"], counts["top_token_drafts"] = ref["accepted"], ref["drafts"]
     return counts
 
 
 @torch.inference_mode()
-def expected_counts(drafter: Eagle3Drafter, states: tuple[torch.Tensor, torch.Tensor],
-                    head: torch.Tensor, prompt_ids: list[int], completion_ids: list[int],
-                    k: int, temperature: float, top_p: float = 1.0, top_k: int = 0,
-                    draft: Callable = draft_chain) -> dict:
+def expected_counts(
+    drafter: Eagle3Drafter,
+    states: tuple[torch.Tensor, torch.Tensor],
+    head: torch.Tensor,
+    prompt_ids: list[int],
+    completion_ids: list[int],
+    k: int,
+    temperature: float,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    draft: Callable = draft_chain,
+) -> dict:
     """:func:`expected_replay` of one answer sampled at ``temperature`` (cut to ``top_p`` and
     ``top_k``), drafted from its aux states (``draft`` as :func:`replay_counts`) and verified
     against the target's distribution from its final-norm states (``states``: both, [at
@@ -517,24 +593,26 @@ def expected_counts(drafter: Eagle3Drafter, states: tuple[torch.Tensor, torch.Te
     aux = aux.to(drafter.fc.weight.dtype)
     seq = torch.tensor(ids)
     prob, top = target_distribution(final, head, temperature, top_p, top_k)
-    return expected_replay(lambda p, n: draft(drafter, aux, seq, p, n), prob, ids,
-                           len(prompt_ids), k, top)
+    return expected_replay(
+        lambda p, n: draft(drafter, aux, seq, p, n), prob, ids, len(prompt_ids), k, top
+    )
 
 
-def target_distribution(final: torch.Tensor, head: torch.Tensor, temperature: float,
-                        top_p: float, top_k: int):
+def target_distribution(
+    final: torch.Tensor, head: torch.Tensor, temperature: float, top_p: float, top_k: int
+):
     """``prob(row, token)`` and ``top(row)`` of :func:`expected_replay` from the target's
     final-norm states [rows, H] through its lm_head [V, H]. Each row's distribution, once
     computed, leaves its most likely token and that token's probability behind: the
     top-token replay walks mostly the rows the drafter's replay computed, and asks for
     just those."""
     final, head = final.float(), head.float()
-    tops: dict[int, tuple[int, float]] = {}   # row -> its most likely token, its probability
+    tops: dict[int, tuple[int, float]] = {}  # row -> its most likely token, its probability
 
     def distribution(row: int) -> torch.Tensor | None:
         logits = final[row] @ head.T
         best = int(logits.argmax())
-        if not temperature:   # one-hot at the greedy token
+        if not temperature:  # one-hot at the greedy token
             tops[row] = (best, 1.0)
             return None
         p = probabilities(logits, temperature, top_p, top_k)
@@ -556,14 +634,18 @@ def target_distribution(final: torch.Tensor, head: torch.Tensor, temperature: fl
 
 
 @torch.inference_mode()
-def greedy_continuations(target_model, prompts: list[list[int]], max_tokens: int,
-                         eos_ids: set[int]) -> list[list[int]]:
+def greedy_continuations(
+    target_model, prompts: list[list[int]], max_tokens: int, eos_ids: set[int]
+) -> list[list[int]]:
     """The target's greedy answers with transformers, for machines without vLLM."""
     out = []
     for prompt in prompts:
-        generated = target_model.generate(torch.tensor([prompt]), do_sample=False,
-                                          max_new_tokens=max_tokens,
-                                          eos_token_id=sorted(eos_ids) or None)
-        completion = generated[0, len(prompt):].tolist()
+        generated = target_model.generate(
+            torch.tensor([prompt]),
+            do_sample=False,
+            max_new_tokens=max_tokens,
+            eos_token_id=sorted(eos_ids) or None,
+        )
+        completion = generated[0, len(prompt) :].tolist()
         out.append(completion)
     return out

@@ -38,8 +38,9 @@ def mla_rope_inv_freq(config: DrafterConfig) -> tuple[torch.Tensor, float]:
     ramp = ((torch.arange(dim // 2, dtype=torch.float) - low) / (high - low)).clamp(0, 1)
     extrapolate = 1 - ramp  # 1 on the fast dims (kept), 0 on the slow ones (interpolated)
     inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
-    scale = (yarn_mscale(factor, float(params.get("mscale", 1)))
-             / yarn_mscale(factor, float(params.get("mscale_all_dim", 0))))
+    scale = yarn_mscale(factor, float(params.get("mscale", 1))) / yarn_mscale(
+        factor, float(params.get("mscale_all_dim", 0))
+    )
     return inv_freq, float(scale)
 
 
@@ -65,9 +66,14 @@ def rope_inv_freq(config: DrafterConfig) -> tuple[torch.Tensor, float]:
     # scaled variants (llama3, yarn, linear, longrope): the formulas transformers implements
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-    hf = LlamaConfig(hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
-                     head_dim=config.head_dim, rope_parameters=dict(params),
-                     max_position_embeddings=config.max_position_embeddings)
+
+    hf = LlamaConfig(
+        hidden_size=config.hidden_size,
+        num_attention_heads=config.num_attention_heads,
+        head_dim=config.head_dim,
+        rope_parameters=dict(params),
+        max_position_embeddings=config.max_position_embeddings,
+    )
     inv_freq, scale = ROPE_INIT_FUNCTIONS[params["rope_type"]](hf, torch.device("cpu"))
     return inv_freq.float(), float(scale)
 

@@ -19,8 +19,20 @@ from eaglet.core.dtypes import BYTES, SERVED_BYTES
 
 # safetensors dtypes: bytes per element; the float ones are cast to the serving dtype
 _FLOATS = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
-_ELEMENT_BYTES = {**_FLOATS, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "U64": 8, "I32": 4, "U32": 4,
-                  "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+_ELEMENT_BYTES = {
+    **_FLOATS,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I64": 8,
+    "U64": 8,
+    "I32": 4,
+    "U32": 4,
+    "I16": 2,
+    "U16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+}
 
 
 @dataclass
@@ -72,14 +84,18 @@ def target_size(target_dir: str | os.PathLike, dtype: str) -> TargetSize | None:
                     packed += stored
         # integer tensors are packed quantized weights (INT4 experts: 2 a byte), which a
         # transformers forward dequantizes
-        return TargetSize(served, 4 * (params + 2 * packed),
-                          f"its safetensors headers ({len(files)} files)")
+        return TargetSize(
+            served, 4 * (params + 2 * packed), f"its safetensors headers ({len(files)} files)"
+        )
     config = directory / "config.json"
     params = config_params(json.loads(config.read_text())) if config.is_file() else None
     if params is None:
         return None
-    return TargetSize(params * SERVED_BYTES.get(dtype, 2), params * 4,
-                      f"the parameter count of its config.json ({params / 1e9:.1f}B)")
+    return TargetSize(
+        params * SERVED_BYTES.get(dtype, 2),
+        params * 4,
+        f"the parameter count of its config.json ({params / 1e9:.1f}B)",
+    )
 
 
 DTYPE_BYTES = {**BYTES, "auto": 2}
@@ -89,14 +105,15 @@ NUM_AUX = 3
 @dataclass
 class Shape:
     """A target and the drafter trained for it."""
+
     name: str
-    hidden: int                 # the target's hidden size (= the drafter's, as from_target reads it)
+    hidden: int  # the target's hidden size (= the drafter's, as from_target reads it)
     layers: int
     heads: int
     kv_heads: int
     head_dim: int
     intermediate: int
-    vocab: int                  # the target's vocabulary
+    vocab: int  # the target's vocabulary
     draft_vocab: int
     tied_embeddings: bool = False
     # the drafter layer, when it differs from the target's (None: the target's)
@@ -165,8 +182,13 @@ class Shape:
         return self.layers - self.dense_layers if self.experts else 0
 
 
-def with_drafter(s: Shape, attention: str, variant: str | None = None,
-                 method: str | None = None, dflash_layers: int | None = None) -> Shape:
+def with_drafter(
+    s: Shape,
+    attention: str,
+    variant: str | None = None,
+    method: str | None = None,
+    dflash_layers: int | None = None,
+) -> Shape:
     """``s`` with the drafter ``train.drafter_attention``, ``train.drafter_variant`` and
     ``train.method`` build (None: ``s``'s own); refuses as ``drafter.with_mla`` and
     ``methods.make_drafter`` do where the target has no MLA that the drafter can take, or the
@@ -177,26 +199,57 @@ def with_drafter(s: Shape, attention: str, variant: str | None = None,
     record = methods.method(method)
     refused = record.refusal(attention, variant)
     if refused:
-        raise ValueError(f"{refused}: plan with another --drafter-attention, --drafter-variant "
-                         f"or --method")
+        raise ValueError(
+            f"{refused}: plan with another --drafter-attention, --drafter-variant or --method"
+        )
     if attention == "mla" and not (s.kv_lora_rank and s.q_lora_rank):
-        raise ValueError(f"train.drafter_attention: mla needs a target with multi-head latent "
-                         f"attention and a q_lora_rank (DeepSeek-V2/V3, Kimi-K2); {s.name} has "
-                         f"none: plan with --drafter-attention llama")
-    return replace(s, drafter_attention=attention, drafter_variant=variant, method=method,
-                   dflash_layers=dflash_layers)
+        raise ValueError(
+            f"train.drafter_attention: mla needs a target with multi-head latent "
+            f"attention and a q_lora_rank (DeepSeek-V2/V3, Kimi-K2); {s.name} has "
+            f"none: plan with --drafter-attention llama"
+        )
+    return replace(
+        s,
+        drafter_attention=attention,
+        drafter_variant=variant,
+        method=method,
+        dflash_layers=dflash_layers,
+    )
 
 
 PRESETS = {
     "llama-3.1-8b": Shape(
-        "Llama-3.1-8B", hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128,
-        intermediate=14336, vocab=128256, draft_vocab=32000),
+        "Llama-3.1-8B",
+        hidden=4096,
+        layers=32,
+        heads=32,
+        kv_heads=8,
+        head_dim=128,
+        intermediate=14336,
+        vocab=128256,
+        draft_vocab=32000,
+    ),
     "kimi-k2.5": Shape(
-        "Kimi-K2.5", hidden=7168, layers=61, heads=64, kv_heads=64, head_dim=112,
-        intermediate=18432, vocab=163840, draft_vocab=32000,
-        q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
-        v_head_dim=128, experts=384, expert_intermediate=2048, shared_experts=1,
-        dense_layers=1, expert_bits=4, expert_group=32,
+        "Kimi-K2.5",
+        hidden=7168,
+        layers=61,
+        heads=64,
+        kv_heads=64,
+        head_dim=112,
+        intermediate=18432,
+        vocab=163840,
+        draft_vocab=32000,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        experts=384,
+        expert_intermediate=2048,
+        shared_experts=1,
+        dense_layers=1,
+        expert_bits=4,
+        expert_group=32,
         assumptions=[
             "target: the text_config of moonshotai/Kimi-K2.5 (MLA, 384 routed experts of "
             "width 2048 and one shared in 60 layers, a dense first layer; the vision tower "
@@ -207,7 +260,9 @@ PRESETS = {
             "of head_dim 112 = 7168/64 (the config gives no head_dim), intermediate 18432 "
             "(the target's dense MLP width); mla: the target's MLA shapes",
             "extraction activations as for a dense layer of intermediate 18432 (one MoE layer's "
-            "routed experts per token are narrower)"]),
+            "routed experts per token are narrower)",
+        ],
+    ),
 }
 
 
@@ -223,8 +278,11 @@ def _mla_params(s: Shape, input_size: int) -> tuple[int, int]:
         q = s.q_lora_rank * heads * qk
     else:
         q = input_size * heads * qk
-    rest = (q + s.kv_lora_rank * heads * (s.qk_nope_head_dim + s.v_head_dim)
-            + heads * s.v_head_dim * s.hidden)
+    rest = (
+        q
+        + s.kv_lora_rank * heads * (s.qk_nope_head_dim + s.v_head_dim)
+        + heads * s.v_head_dim * s.hidden
+    )
     return a_proj + rest, a_proj
 
 
@@ -238,14 +296,16 @@ def _target_parts(s: Shape) -> dict[str, int]:
         attention, replicated = h * s.heads * s.head_dim * 2 + h * s.kv_heads * s.head_dim * 2, 0
     moe = s.moe_layers
     routed = moe * s.experts * 3 * h * s.expert_intermediate
-    return {"embedding and lm_head": (1 if s.tied_embeddings else 2) * s.vocab * h,
-            "attention": s.layers * attention,
-            "dense MLPs": (s.layers - moe) * 3 * h * s.intermediate,
-            "routed experts": routed,
-            "shared experts": moe * s.shared_experts * 3 * h * s.expert_intermediate,
-            "routers": moe * s.experts * h,
-            "norms": s.layers * 2 * h + h,
-            "replicated": s.layers * replicated + moe * s.experts * h + s.layers * 2 * h + h}
+    return {
+        "embedding and lm_head": (1 if s.tied_embeddings else 2) * s.vocab * h,
+        "attention": s.layers * attention,
+        "dense MLPs": (s.layers - moe) * 3 * h * s.intermediate,
+        "routed experts": routed,
+        "shared experts": moe * s.shared_experts * 3 * h * s.expert_intermediate,
+        "routers": moe * s.experts * h,
+        "norms": s.layers * 2 * h + h,
+        "replicated": s.layers * replicated + moe * s.experts * h + s.layers * 2 * h + h,
+    }
 
 
 def target_params(s: Shape) -> int:
@@ -268,8 +328,11 @@ def serving_weights(s: Shape, dtype: str) -> tuple[int, int]:
     parts = _target_parts(s)
     replicated = parts["replicated"] * a
     routed = parts["routed experts"]
-    routed_bytes = (routed * s.expert_bits // 8 + routed // s.expert_group * s.expert_scale_bytes
-                    if s.expert_bits else routed * a)
+    routed_bytes = (
+        routed * s.expert_bits // 8 + routed // s.expert_group * s.expert_scale_bytes
+        if s.expert_bits
+        else routed * a
+    )
     return (target_params(s) - routed - parts["replicated"]) * a + routed_bytes, replicated
 
 
@@ -288,9 +351,11 @@ def drafter_extra_params(s: Shape) -> dict[str, int]:
     which no variant sets yet) and P-EAGLE's mask_hidden."""
     flags = methods.VARIANTS[s.drafter_variant].flags
     width = NUM_AUX * s.hidden  # target_hidden_size = hidden (DrafterConfig.from_target)
-    extra = {"fc_norm": width if flags.get("fc_norm") else 0,
-             "input_norm": width if flags.get("norm_before_fc") else 0,
-             "mask_hidden": width if methods.method(s.method).mask_hidden else 0}
+    extra = {
+        "fc_norm": width if flags.get("fc_norm") else 0,
+        "input_norm": width if flags.get("norm_before_fc") else 0,
+        "mask_hidden": width if methods.method(s.method).mask_hidden else 0,
+    }
     return {name: n for name, n in extra.items() if n}
 
 
@@ -298,8 +363,13 @@ def dflash_layer_params(s: Shape) -> int:
     """One DFlash layer (``dflash.DFlashLayer``): q/k/v of the [H] input, o_proj, the per-head
     q_norm and k_norm, the MLP and two RMSNorms."""
     h, d = s.hidden, s.head_dim
-    return (h * (s.d_heads + 2 * s.d_kv_heads) * d + s.d_heads * d * h + 2 * d
-            + 3 * h * s.d_intermediate + 2 * h)
+    return (
+        h * (s.d_heads + 2 * s.d_kv_heads) * d
+        + s.d_heads * d * h
+        + 2 * d
+        + 3 * h * s.d_intermediate
+        + 2 * h
+    )
 
 
 def drafter_params(s: Shape) -> int:
@@ -312,44 +382,76 @@ def drafter_params(s: Shape) -> int:
     d2t/t2d maps beside)."""
     h = s.hidden
     if methods.method(s.method).block:
-        return (NUM_AUX * h * h + h + s.dflash_layers * dflash_layer_params(s) + h
-                + h * s.draft_vocab + h)
-    return (NUM_AUX * h * h
-            + drafter_attention_params(s)
-            + 3 * h * s.d_intermediate
-            + 4 * h
+        return (
+            NUM_AUX * h * h
+            + h
+            + s.dflash_layers * dflash_layer_params(s)
+            + h
             + h * s.draft_vocab
-            + sum(drafter_extra_params(s).values()))
+            + h
+        )
+    return (
+        NUM_AUX * h * h
+        + drafter_attention_params(s)
+        + 3 * h * s.d_intermediate
+        + 4 * h
+        + h * s.draft_vocab
+        + sum(drafter_extra_params(s).values())
+    )
 
 
-def shape_from_target_config(config: dict, draft_vocab: int, name: str,
-                             drafter_attention: str = "llama",
-                             drafter_variant: str = methods.EAGLE3_LAYER.name,
-                             method: str = methods.DEFAULT.name, dflash_layers: int = 1) -> Shape:
+def shape_from_target_config(
+    config: dict,
+    draft_vocab: int,
+    name: str,
+    drafter_attention: str = "llama",
+    drafter_variant: str = methods.EAGLE3_LAYER.name,
+    method: str = methods.DEFAULT.name,
+    dflash_layers: int = 1,
+) -> Shape:
     """A target's shape from its ``config.json`` (as ``DrafterConfig.from_target``): its
     multi-head latent attention and experts where it has them, with the drafter
     ``drafter_attention``, ``drafter_variant`` and ``method`` (train.*) build for it."""
     c = config.get("text_config", config)
     heads = c["num_attention_heads"]
-    shape = Shape(name, hidden=c["hidden_size"], layers=c["num_hidden_layers"], heads=heads,
-                  kv_heads=c.get("num_key_value_heads") or heads,
-                  head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-                  intermediate=c["intermediate_size"], vocab=c["vocab_size"],
-                  draft_vocab=draft_vocab,
-                  tied_embeddings=bool(c.get("tie_word_embeddings", config.get("tie_word_embeddings", False))))
+    shape = Shape(
+        name,
+        hidden=c["hidden_size"],
+        layers=c["num_hidden_layers"],
+        heads=heads,
+        kv_heads=c.get("num_key_value_heads") or heads,
+        head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+        intermediate=c["intermediate_size"],
+        vocab=c["vocab_size"],
+        draft_vocab=draft_vocab,
+        tied_embeddings=bool(
+            c.get("tie_word_embeddings", config.get("tie_word_embeddings", False))
+        ),
+    )
     if c.get("kv_lora_rank"):
-        shape = replace(shape, q_lora_rank=c.get("q_lora_rank"), kv_lora_rank=c["kv_lora_rank"],
-                        qk_nope_head_dim=c["qk_nope_head_dim"],
-                        qk_rope_head_dim=c["qk_rope_head_dim"], v_head_dim=c["v_head_dim"])
+        shape = replace(
+            shape,
+            q_lora_rank=c.get("q_lora_rank"),
+            kv_lora_rank=c["kv_lora_rank"],
+            qk_nope_head_dim=c["qk_nope_head_dim"],
+            qk_rope_head_dim=c["qk_rope_head_dim"],
+            v_head_dim=c["v_head_dim"],
+        )
     experts = c.get("n_routed_experts") or c.get("num_experts") or c.get("num_local_experts")
     if experts:
         width = c.get("moe_intermediate_size") or c["intermediate_size"]
         dense = c.get("first_k_dense_replace") or 0
-        shape = replace(shape, experts=experts, expert_intermediate=width, dense_layers=dense,
-                        shared_experts=c.get("n_shared_experts") or 0,
-                        **_quantized_experts(config))
-        shape.assumptions.append(f"target: {experts} experts of width {width} in "
-                                 f"{shape.moe_layers} layers counted")
+        shape = replace(
+            shape,
+            experts=experts,
+            expert_intermediate=width,
+            dense_layers=dense,
+            shared_experts=c.get("n_shared_experts") or 0,
+            **_quantized_experts(config),
+        )
+        shape.assumptions.append(
+            f"target: {experts} experts of width {width} in {shape.moe_layers} layers counted"
+        )
     return with_drafter(shape, drafter_attention, drafter_variant, method, dflash_layers)
 
 
@@ -365,24 +467,31 @@ def _quantized_experts(config: dict) -> dict:
     ``expert_group``, ``expert_scale_bytes``, ``expert_format``): a compressed-tensors
     checkpoint with integer weights (Kimi-K2's INT4 experts, a bfloat16 scale a group), or a
     format of QUANTIZED_EXPERTS; empty where the experts are in target.dtype."""
-    q = (config.get("quantization_config")
-         or config.get("text_config", {}).get("quantization_config"))
+    q = config.get("quantization_config") or config.get("text_config", {}).get(
+        "quantization_config"
+    )
     method = (q or {}).get("quant_method")
     if method in QUANTIZED_EXPERTS:
         bits, group, scale = QUANTIZED_EXPERTS[method]
         block = q.get("weight_block_size")
         if block:
             group = int(block[0]) * int(block[-1])
-        return {"expert_bits": bits, "expert_group": group, "expert_scale_bytes": scale,
-                "expert_format": method}
+        return {
+            "expert_bits": bits,
+            "expert_group": group,
+            "expert_scale_bytes": scale,
+            "expert_format": method,
+        }
     if method != "compressed-tensors":
         return {}
     for group in (q.get("config_groups") or {}).values():
         weights = group.get("weights") or {}
         if weights.get("type") == "int" and weights.get("num_bits"):
-            return {"expert_bits": int(weights["num_bits"]),
-                    "expert_group": int(weights.get("group_size") or Shape.expert_group),
-                    "expert_format": f"INT{int(weights['num_bits'])}"}
+            return {
+                "expert_bits": int(weights["num_bits"]),
+                "expert_group": int(weights.get("group_size") or Shape.expert_group),
+                "expert_format": f"INT{int(weights['num_bits'])}",
+            }
     return {}
 
 

@@ -21,12 +21,25 @@ import httpx
 from transformers import AutoTokenizer
 
 from eaglet.core import rates
-from eaglet.core.io import (atomic_open, hold_directory, read_jsonl, request_lock, request_path,
-                            write_json, write_jsonl, writer_done)
+from eaglet.core.io import (
+    atomic_open,
+    hold_directory,
+    read_jsonl,
+    request_lock,
+    request_path,
+    write_json,
+    write_jsonl,
+    writer_done,
+)
 from eaglet.core.progress import Progress, now_iso
 from eaglet.data.prompts import RECORDED_ANSWER
-from eaglet.data.template_check import (answer_format, answer_opening, check_records, enforce,
-                                        render_ids)
+from eaglet.data.template_check import (
+    answer_format,
+    answer_opening,
+    check_records,
+    enforce,
+    render_ids,
+)
 from eaglet.engine.capture import capture_args, capture_layer_ids, prefill_each
 from eaglet.engine.client import RequestFailed, gather_or_cancel, post_json, with_retries
 from eaglet.engine.server import ServerError, target_server
@@ -50,9 +63,15 @@ class Sampling:
     min_p: float | None = None
 
     @classmethod
-    def from_config(cls, gen: dict) -> "Sampling":
-        return cls(gen["temperature"], gen["top_p"], gen["max_tokens"], gen["seed"],
-                   gen.get("top_k"), gen.get("min_p"))
+    def from_config(cls, gen: dict) -> Sampling:
+        return cls(
+            gen["temperature"],
+            gen["top_p"],
+            gen["max_tokens"],
+            gen["seed"],
+            gen.get("top_k"),
+            gen.get("min_p"),
+        )
 
     def settings(self) -> dict:
         """What a record keeps of its sampling: the settings sent. One left to the server's
@@ -62,15 +81,19 @@ class Sampling:
 
     def request(self) -> dict:
         """The request's sampling fields (the seed apart: see chat_once)."""
-        return {"temperature": self.temperature, "top_p": self.top_p,
-                "max_tokens": self.max_tokens,
-                **{k: getattr(self, k) for k in OPTIONAL if getattr(self, k) is not None}}
+        return {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "max_tokens": self.max_tokens,
+            **{k: getattr(self, k) for k in OPTIONAL if getattr(self, k) is not None},
+        }
 
 
 OPTIONAL = ("top_k", "min_p")  # Sampling's settings a server fills in when none is sent
 
 
 # -- partial file ----------------------------------------------------------------------------
+
 
 def read_partial(path: str | os.PathLike) -> dict[str, dict]:
     """Latest record per prompt id from a partial file.
@@ -126,8 +149,14 @@ def _set_aside(path: Path, good: list[bytes], bad: list[tuple[int, bytes]]) -> N
         with atomic_open(path, "wb") as handle:
             handle.writelines(good)
     lines = ", ".join(str(number) for number, _ in bad[:10]) + (", ..." if len(bad) > 10 else "")
-    log.warning("%d undecodable line(s) of %s (line %s) set aside in %s; the %d good records "
-                "are kept", len(bad), path, lines, side, len(good))
+    log.warning(
+        "%d undecodable line(s) of %s (line %s) set aside in %s; the %d good records are kept",
+        len(bad),
+        path,
+        lines,
+        side,
+        len(good),
+    )
 
 
 def append_record(handle, record: dict) -> None:
@@ -138,34 +167,49 @@ def append_record(handle, record: dict) -> None:
 
 # -- conversations ---------------------------------------------------------------------------
 
+
 def turn_ids(prompt: dict) -> list[str]:
     """Record id of each turn a prompt asks: its own id for the first, then ``<id>.t<n>``
     for the user turns in ``followups`` (each answered after the target's earlier answers)."""
-    return [prompt["id"]] + [f"{prompt['id']}.t{n}"
-                             for n in range(2, 2 + len(prompt.get("followups", [])))]
+    return [prompt["id"]] + [
+        f"{prompt['id']}.t{n}" for n in range(2, 2 + len(prompt.get("followups", [])))
+    ]
 
 
 def next_turn(messages: list[dict], answer: dict, user_text: str) -> list[dict]:
     """The history for the next turn: the target's own answer (its content; chat templates
     drop the reasoning of earlier turns), then the next user message."""
-    return [*messages, {"role": "assistant", "content": answer.get("content") or ""},
-            {"role": "user", "content": user_text}]
+    return [
+        *messages,
+        {"role": "assistant", "content": answer.get("content") or ""},
+        {"role": "user", "content": user_text},
+    ]
 
 
-def answer_settings(sampling: Sampling, template_kwargs: dict | None, capture: bool,
-                    system_prompt: str | None = None) -> dict:
+def answer_settings(
+    sampling: Sampling,
+    template_kwargs: dict | None,
+    capture: bool,
+    system_prompt: str | None = None,
+) -> dict:
     """What an answer was made with, beyond its prompt: a record made otherwise is asked
     again (a changed max_tokens, temperature, system prompt, template switch or capture
     reruns the stage, and the partial file must not hand it the old answers)."""
-    return {"sampling": sampling.settings(), "chat_template_kwargs": template_kwargs or None,
-            "capture": capture, "system_prompt": system_prompt or None}
+    return {
+        "sampling": sampling.settings(),
+        "chat_template_kwargs": template_kwargs or None,
+        "capture": capture,
+        "system_prompt": system_prompt or None,
+    }
 
 
 def made_with(record: dict) -> dict:
-    return {"sampling": record.get("sampling"),
-            "chat_template_kwargs": record.get("chat_template_kwargs") or None,
-            "capture": "hidden_states" in record,
-            "system_prompt": record.get("system_prompt") or None}
+    return {
+        "sampling": record.get("sampling"),
+        "chat_template_kwargs": record.get("chat_template_kwargs") or None,
+        "capture": "hidden_states" in record,
+        "system_prompt": record.get("system_prompt") or None,
+    }
 
 
 def drop_stale(records: dict[str, dict], wanted: dict) -> dict[str, dict]:
@@ -173,9 +217,11 @@ def drop_stale(records: dict[str, dict], wanted: dict) -> dict[str, dict]:
     depend on none of them); the others are logged and left to be asked again."""
     kept = {rid: r for rid, r in records.items() if "sampling" not in r or made_with(r) == wanted}
     if len(kept) < len(records):
-        log.info("%d answers in the partial file were made with other generation settings "
-                 "(sampling, system prompt, chat template variables or capture): asked again",
-                 len(records) - len(kept))
+        log.info(
+            "%d answers in the partial file were made with other generation settings "
+            "(sampling, system prompt, chat template variables or capture): asked again",
+            len(records) - len(kept),
+        )
     return kept
 
 
@@ -198,10 +244,15 @@ def too_long_check(tokenizer, max_model_len: int, template_kwargs: dict | None =
     refuse it with HTTP 400 and count it as a failure)."""
 
     def check(messages: list[dict]) -> str | None:
-        n = len(render_ids(tokenizer, messages, add_generation_prompt=True,
-                           template_kwargs=template_kwargs))
+        n = len(
+            render_ids(
+                tokenizer, messages, add_generation_prompt=True, template_kwargs=template_kwargs
+            )
+        )
         if n >= max_model_len:
-            return f"prompt of {n} tokens leaves no room within target.max_model_len={max_model_len}"
+            return (
+                f"prompt of {n} tokens leaves no room within target.max_model_len={max_model_len}"
+            )
         return None
 
     return check
@@ -211,8 +262,13 @@ class TemplateError(RuntimeError):
     """The target's chat template cannot render some prompts."""
 
 
-def check_renderable(prompts: list[dict], system_prompt: str | None, tokenizer,
-                     template_kwargs: dict | None, listed: int = 5) -> None:
+def check_renderable(
+    prompts: list[dict],
+    system_prompt: str | None,
+    tokenizer,
+    template_kwargs: dict | None,
+    listed: int = 5,
+) -> None:
     """Render every prompt's first turn through the target's chat template before any server
     starts: a template that raises for some prompts (a role it refuses, a strict alternation)
     stopped generation after the server had started, with only the template's own text.
@@ -224,13 +280,16 @@ def check_renderable(prompts: list[dict], system_prompt: str | None, tokenizer,
         except Exception as error:  # jinja's TemplateError, or what the template raises
             failed.append((prompt, f"{type(error).__name__}: {error}"))
     if failed:
-        names = "\n".join(f"  {p['id']} ({p.get('source')}, row {p.get('row')}): {why}"
-                          for p, why in failed[:listed])
+        names = "\n".join(
+            f"  {p['id']} ({p.get('source')}, row {p.get('row')}): {why}"
+            for p, why in failed[:listed]
+        )
         raise TemplateError(
             f"the target's chat template cannot render {len(failed)} of {len(prompts)} "
             f"prompts (generate.chat_template_kwargs {template_kwargs or {}}):\n{names}\n"
             f"Fix or drop those rows of their source, or fix the template (the target's "
-            f"tokenizer_config.json or chat_template.jinja); nothing was sent to a server.")
+            f"tokenizer_config.json or chat_template.jinja); nothing was sent to a server."
+        )
 
 
 def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool):
@@ -247,10 +306,12 @@ def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool):
             f"the target's tokenizer at {path} is code shipped with the model (auto_map in its "
             f"tokenizer_config.json), which runs only when trusted: set "
             f"target.trust_remote_code: true in the config if you trust this model's code "
-            f"(the vLLM server runs it too)") from exc
+            f"(the vLLM server runs it too)"
+        ) from exc
 
 
 # -- recorded answers (answers: dataset) -----------------------------------------------------
+
 
 def end_of_turn_ids(tokenizer, target_dir: str | os.PathLike) -> set[int]:
     """Token ids the target stops at: its generation config's eos ids and the tokenizer's."""
@@ -271,27 +332,38 @@ def dataset_record(prompt: dict, tokenizer, gen: dict, stop_ids: set[int]) -> di
 
     kwargs = gen["chat_template_kwargs"]
     messages = build_messages(prompt, gen["system_prompt"])
-    prompt_ids = render_ids(tokenizer, messages, add_generation_prompt=True,
-                            template_kwargs=kwargs)
-    whole = render_ids(tokenizer, [*messages, {"role": "assistant", "content": prompt["answer"]}],
-                       add_generation_prompt=False, template_kwargs=kwargs)
-    if whole[:len(prompt_ids)] != prompt_ids:
+    prompt_ids = render_ids(tokenizer, messages, add_generation_prompt=True, template_kwargs=kwargs)
+    whole = render_ids(
+        tokenizer,
+        [*messages, {"role": "assistant", "content": prompt["answer"]}],
+        add_generation_prompt=False,
+        template_kwargs=kwargs,
+    )
+    if whole[: len(prompt_ids)] != prompt_ids:
         raise RuntimeError(
             f"{prompt['id']}: the chat template does not render a conversation with its answer "
             f"as the prompt followed by the answer, so a recorded answer cannot be placed "
-            f"after the prompt the server would see: use answers: target for this target")
-    answer = whole[len(prompt_ids):]
+            f"after the prompt the server would see: use answers: target for this target"
+        )
+    answer = whole[len(prompt_ids) :]
     stop = next((i for i, t in enumerate(answer) if t in stop_ids), None)
     if stop is not None:
-        answer = answer[:stop + 1]
+        answer = answer[: stop + 1]
     finish = "stop"
     if len(answer) > gen["max_tokens"]:
-        answer, finish = answer[:gen["max_tokens"]], "length"
-    record = {"id": prompt["id"], "source": prompt.get("source"), "messages": messages,
-              "model": RECORDED_ANSWER, "sampling": None,
-              "content": recorded_content(tokenizer, messages, kwargs, answer, stop_ids),
-              "reasoning": None, "prompt_token_ids": prompt_ids,
-              "completion_token_ids": answer, "finish_reason": finish}
+        answer, finish = answer[: gen["max_tokens"]], "length"
+    record = {
+        "id": prompt["id"],
+        "source": prompt.get("source"),
+        "messages": messages,
+        "model": RECORDED_ANSWER,
+        "sampling": None,
+        "content": recorded_content(tokenizer, messages, kwargs, answer, stop_ids),
+        "reasoning": None,
+        "prompt_token_ids": prompt_ids,
+        "completion_token_ids": answer,
+        "finish_reason": finish,
+    }
     if kwargs:
         record["chat_template_kwargs"] = dict(kwargs)
     if gen["system_prompt"]:
@@ -299,8 +371,13 @@ def dataset_record(prompt: dict, tokenizer, gen: dict, stop_ids: set[int]) -> di
     return record
 
 
-def recorded_content(tokenizer, messages: list[dict], template_kwargs: dict | None,
-                     answer: list[int], stop_ids: set[int]) -> str:
+def recorded_content(
+    tokenizer,
+    messages: list[dict],
+    template_kwargs: dict | None,
+    answer: list[int],
+    stop_ids: set[int],
+) -> str:
     """The content of a recorded answer's ids: their text without the end-of-turn ids and
     without what the template writes before an answer's content. A template whose
     generation prompt opens the reasoning (ends with ``<think>``) renders an answer without
@@ -309,7 +386,7 @@ def recorded_content(tokenizer, messages: list[dict], template_kwargs: dict | No
 
     text = tokenizer.decode([t for t in answer if t not in stop_ids], skip_special_tokens=False)
     opening = answer_opening(tokenizer, messages, template_kwargs)
-    return text[len(opening):] if opening and text.startswith(opening) else text
+    return text[len(opening) :] if opening and text.startswith(opening) else text
 
 
 # -- the server's rendering of the recorded answers' prompts ----------------------------------
@@ -319,9 +396,11 @@ def recorded_content(tokenizer, messages: list[dict], template_kwargs: dict | No
 # the server renders are what serving will see. Each rendering is kept beside the partial file,
 # keyed by what it renders, so a rerun with no server up trains on the same ids.
 
+
 def _rendering_key(record: dict) -> str:
-    return json.dumps([record["messages"], record.get("chat_template_kwargs") or None],
-                      sort_keys=True)
+    return json.dumps(
+        [record["messages"], record.get("chat_template_kwargs") or None], sort_keys=True
+    )
 
 
 def rendered_path(partial_path: str | os.PathLike) -> Path:
@@ -342,13 +421,22 @@ def apply_server_prompts(recorded: dict[str, dict], path: Path) -> int:
     return found
 
 
-def render_on_server(url: str, recorded: dict[str, dict], path: Path, gen: dict,
-                     model_name: str | None = None, health_check=None) -> int:
+def render_on_server(
+    url: str,
+    recorded: dict[str, dict],
+    path: Path,
+    gen: dict,
+    model_name: str | None = None,
+    health_check=None,
+) -> int:
     """The server's rendering of every recorded answer's prompt that has none yet: a chat
     request for one token returns the prompt ids as the server rendered them (vLLM's
     ``return_token_ids``), which replace eaglet's and are kept in ``path``."""
-    todo = [r for r in recorded.values()
-            if "skipped" not in r and r.get("prompt_rendered_by") != "server"]
+    todo = [
+        r
+        for r in recorded.values()
+        if "skipped" not in r and r.get("prompt_rendered_by") != "server"
+    ]
     if not todo:
         return 0
 
@@ -358,26 +446,40 @@ def render_on_server(url: str, recorded: dict[str, dict], path: Path, gen: dict,
             model = await resolve_model_name(client, model_name)
             gate = asyncio.Semaphore(gen["concurrency"])
             with open(path, "a") as out:
+
                 async def one(record: dict) -> None:
                     async with gate:
-                        payload = {"model": model, "messages": record["messages"],
-                                   "max_tokens": 1, "temperature": 0.0,
-                                   "return_token_ids": True,
-                                   "spaces_between_special_tokens": False,
-                                   **({"chat_template_kwargs": record["chat_template_kwargs"]}
-                                      if record.get("chat_template_kwargs") else {})}
+                        payload = {
+                            "model": model,
+                            "messages": record["messages"],
+                            "max_tokens": 1,
+                            "temperature": 0.0,
+                            "return_token_ids": True,
+                            "spaces_between_special_tokens": False,
+                            **(
+                                {"chat_template_kwargs": record["chat_template_kwargs"]}
+                                if record.get("chat_template_kwargs")
+                                else {}
+                            ),
+                        }
                         body = await with_retries(
-                            lambda: post_json(client, "/v1/chat/completions", payload,
-                                              gen["request_timeout_s"]),
-                            gen["max_retries"], 1.0, health_check)
+                            lambda: post_json(
+                                client, "/v1/chat/completions", payload, gen["request_timeout_s"]
+                            ),
+                            gen["max_retries"],
+                            1.0,
+                            health_check,
+                        )
                         ids = parse_response(body)["prompt_token_ids"]
                         record["prompt_token_ids"], record["prompt_rendered_by"] = ids, "server"
                         # a capturing server saved this request's states too: not a sample's
                         saved = (body.get("kv_transfer_params") or {}).get("hidden_states_path")
                         if saved:
                             await asyncio.to_thread(discard_saved, Path(saved))
-                        out.write(json.dumps({"key": _rendering_key(record),
-                                              "prompt_token_ids": ids}) + "\n")
+                        out.write(
+                            json.dumps({"key": _rendering_key(record), "prompt_token_ids": ids})
+                            + "\n"
+                        )
                         out.flush()
 
                 await gather_or_cancel([one(r) for r in todo])
@@ -387,20 +489,28 @@ def render_on_server(url: str, recorded: dict[str, dict], path: Path, gen: dict,
     return len(todo)
 
 
-def dataset_records(prompts: list[dict], tokenizer, gen: dict, stop_ids: set[int],
-                    too_long) -> dict[str, dict]:
+def dataset_records(
+    prompts: list[dict], tokenizer, gen: dict, stop_ids: set[int], too_long
+) -> dict[str, dict]:
     """The samples of every prompt with a recorded answer (too long ones recorded as skipped)."""
     records = {}
     for prompt in prompts:
         reason = too_long(build_messages(prompt, gen["system_prompt"]))
         records[prompt["id"]] = (
-            {"id": prompt["id"], "source": prompt.get("source"), "messages": prompt["messages"],
-             "skipped": reason} if reason
-            else dataset_record(prompt, tokenizer, gen, stop_ids))
+            {
+                "id": prompt["id"],
+                "source": prompt.get("source"),
+                "messages": prompt["messages"],
+                "skipped": reason,
+            }
+            if reason
+            else dataset_record(prompt, tokenizer, gen, stop_ids)
+        )
     return records
 
 
 # -- one request -----------------------------------------------------------------------------
+
 
 def build_messages(prompt: dict, system_prompt: str | None) -> list[dict]:
     messages = list(prompt["messages"])
@@ -418,7 +528,9 @@ def parse_response(body: dict) -> dict:
     if prompt_ids is None or completion_ids is None:
         raise RequestFailed(
             "the server returned no token ids: it must accept `return_token_ids` "
-            "(vLLM >= 0.10.2); eaglet trains on the exact ids the model emitted", retryable=False)
+            "(vLLM >= 0.10.2); eaglet trains on the exact ids the model emitted",
+            retryable=False,
+        )
     reasoning = message.get("reasoning")
     if reasoning is None:
         reasoning = message.get("reasoning_content")
@@ -432,12 +544,20 @@ def parse_response(body: dict) -> dict:
     }
 
 
-async def chat_once(client: httpx.AsyncClient, model: str, messages: list[dict],
-                    sampling: Sampling, timeout: float, extra: dict | None = None,
-                    seeded: bool = True) -> dict:
+async def chat_once(
+    client: httpx.AsyncClient,
+    model: str,
+    messages: list[dict],
+    sampling: Sampling,
+    timeout: float,
+    extra: dict | None = None,
+    seeded: bool = True,
+) -> dict:
     payload = {
-        "model": model, "messages": messages,
-        **sampling.request(), **({"seed": sampling.seed} if seeded else {}),
+        "model": model,
+        "messages": messages,
+        **sampling.request(),
+        **({"seed": sampling.seed} if seeded else {}),
         "return_token_ids": True,
         # the text exactly as the ids spell it: vLLM's detokenizer otherwise puts a space
         # between an added token and the text beside it for tokenizers that are not
@@ -449,12 +569,24 @@ async def chat_once(client: httpx.AsyncClient, model: str, messages: list[dict],
     return parse_response(await post_json(client, "/v1/chat/completions", payload, timeout))
 
 
-async def chat_with_retries(client, model, messages, sampling, timeout, max_retries,
-                            backoff_s: float = 1.0, health_check=None,
-                            extra: dict | None = None, seeded: bool = True) -> dict:
+async def chat_with_retries(
+    client,
+    model,
+    messages,
+    sampling,
+    timeout,
+    max_retries,
+    backoff_s: float = 1.0,
+    health_check=None,
+    extra: dict | None = None,
+    seeded: bool = True,
+) -> dict:
     return await with_retries(
         lambda: chat_once(client, model, messages, sampling, timeout, extra, seeded),
-        max_retries, backoff_s, health_check)
+        max_retries,
+        backoff_s,
+        health_check,
+    )
 
 
 async def resolve_model_name(client: httpx.AsyncClient, model_name: str | None = None) -> str:
@@ -466,7 +598,8 @@ async def resolve_model_name(client: httpx.AsyncClient, model_name: str | None =
         raise RuntimeError(
             f"no server answers at {client.base_url} ({type(exc).__name__}: {exc}). Check that "
             f"it runs and listens on that host and port and that server.url is right, or set "
-            f"server.url: null to let eaglet start vLLM itself") from exc
+            f"server.url: null to let eaglet start vLLM itself"
+        ) from exc
     if model_name:
         return model_name
     resp.raise_for_status()
@@ -477,6 +610,7 @@ async def resolve_model_name(client: httpx.AsyncClient, model_name: str | None =
 
 
 # -- the run ---------------------------------------------------------------------------------
+
 
 @dataclass
 class GenerationSettings:
@@ -506,13 +640,19 @@ class GenerationSettings:
         if self.capture_dir is not None:
             extra["kv_transfer_params"] = {
                 "include_output_tokens": True,
-                "hidden_states_path": str(request_path(self.capture_dir, record_id))}
+                "hidden_states_path": str(request_path(self.capture_dir, record_id)),
+            }
         return extra
 
 
-async def generate_async(prompts: list[dict], settings: GenerationSettings,
-                         partial_path: str | os.PathLike, progress: Progress | None = None,
-                         health_check=None, too_long=None) -> dict[str, dict]:
+async def generate_async(
+    prompts: list[dict],
+    settings: GenerationSettings,
+    partial_path: str | os.PathLike,
+    progress: Progress | None = None,
+    health_check=None,
+    too_long=None,
+) -> dict[str, dict]:
     """Generate an answer for every prompt not yet answered in ``partial_path``.
 
     Returns the latest record per prompt id (answers, failures and skips). ``health_check``
@@ -520,26 +660,38 @@ async def generate_async(prompts: list[dict], settings: GenerationSettings,
     ``too_long(messages)`` says why a prompt cannot be asked (it is then recorded as skipped
     and its conversation ends), or None.
     """
-    done = drop_stale(read_partial(partial_path), answer_settings(
-        settings.sampling, settings.chat_template_kwargs, settings.capture_dir is not None,
-        settings.system_prompt))
+    done = drop_stale(
+        read_partial(partial_path),
+        answer_settings(
+            settings.sampling,
+            settings.chat_template_kwargs,
+            settings.capture_dir is not None,
+            settings.system_prompt,
+        ),
+    )
     answered = lambda rid: rid in done and "error" not in done[rid]  # noqa: E731
     pending = [p for p in prompts if turns_left(p, done)]
     requests = sum(len(turn_ids(p)) for p in prompts)
     finished = requests - sum(turns_left(p, done) for p in prompts)
     if done:
-        log.info("resuming: %d of %d answers already there, %d prompts to go",
-                 finished, requests, len(pending))
+        log.info(
+            "resuming: %d of %d answers already there, %d prompts to go",
+            finished,
+            requests,
+            len(pending),
+        )
     if progress is not None:
         progress.restart(already_done=finished)
         if progress.phase is not None:
             progress.enter_phase(None)  # the server is up: the counted work starts now
     headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
-    limits = httpx.Limits(max_connections=settings.concurrency,
-                          max_keepalive_connections=settings.concurrency)
+    limits = httpx.Limits(
+        max_connections=settings.concurrency, max_keepalive_connections=settings.concurrency
+    )
     Path(partial_path).parent.mkdir(parents=True, exist_ok=True)
-    async with httpx.AsyncClient(base_url=settings.base_url, headers=headers,
-                                 limits=limits) as client:
+    async with httpx.AsyncClient(
+        base_url=settings.base_url, headers=headers, limits=limits
+    ) as client:
         model = await resolve_model_name(client, settings.model_name)
         gate = asyncio.Semaphore(settings.concurrency)
         with open(partial_path, "a") as out:
@@ -551,8 +703,7 @@ async def generate_async(prompts: list[dict], settings: GenerationSettings,
                     ids, followups = turn_ids(prompt), prompt.get("followups", [])
                     for turn, record_id in enumerate(ids):
                         if turn:
-                            messages = next_turn(messages, done[ids[turn - 1]],
-                                                 followups[turn - 1])
+                            messages = next_turn(messages, done[ids[turn - 1]], followups[turn - 1])
                         if answered(record_id):
                             continue
                         reason = too_long(messages) if too_long is not None else None
@@ -565,21 +716,30 @@ async def generate_async(prompts: list[dict], settings: GenerationSettings,
                         if "error" in record:
                             break
 
-            def skip(record_id: str, prompt: dict, turn: int, messages: list[dict],
-                     reason: str) -> None:
-                record = {"id": record_id, "source": prompt.get("source"),
-                          "messages": messages, "skipped": reason, "created_at": now_iso()}
+            def skip(
+                record_id: str, prompt: dict, turn: int, messages: list[dict], reason: str
+            ) -> None:
+                record = {
+                    "id": record_id,
+                    "source": prompt.get("source"),
+                    "messages": messages,
+                    "skipped": reason,
+                    "created_at": now_iso(),
+                }
                 append_record(out, record)
                 done[record_id] = record
                 log.info("%s not asked: %s", record_id, reason)
                 if progress is not None:
                     progress.advance(done=1)
 
-            async def answer(record_id: str, prompt: dict, turn: int,
-                             messages: list[dict]) -> dict:
-                record = {"id": record_id, "source": prompt.get("source"),
-                          "messages": messages, "model": model,
-                          "sampling": settings.sampling.settings()}
+            async def answer(record_id: str, prompt: dict, turn: int, messages: list[dict]) -> dict:
+                record = {
+                    "id": record_id,
+                    "source": prompt.get("source"),
+                    "messages": messages,
+                    "model": model,
+                    "sampling": settings.sampling.settings(),
+                }
                 if settings.chat_template_kwargs:  # the template check renders with them
                     record["chat_template_kwargs"] = dict(settings.chat_template_kwargs)
                 if settings.system_prompt:
@@ -587,11 +747,19 @@ async def generate_async(prompts: list[dict], settings: GenerationSettings,
                 if turn:
                     record.update(prompt_id=prompt["id"], turn=turn + 1)
                 try:
-                    record.update(await chat_with_retries(
-                        client, model, messages, settings.sampling,
-                        settings.request_timeout_s, settings.max_retries,
-                        health_check=health_check, extra=settings.request_extra(record_id),
-                        seeded=settings.seed_per_request))
+                    record.update(
+                        await chat_with_retries(
+                            client,
+                            model,
+                            messages,
+                            settings.sampling,
+                            settings.request_timeout_s,
+                            settings.max_retries,
+                            health_check=health_check,
+                            extra=settings.request_extra(record_id),
+                            seeded=settings.seed_per_request,
+                        )
+                    )
                 except RequestFailed as exc:
                     record["error"] = str(exc)
                 if settings.capture_dir is not None and "error" not in record:
@@ -600,23 +768,32 @@ async def generate_async(prompts: list[dict], settings: GenerationSettings,
                     saved = await asyncio.to_thread(wait_for_saved, path)
                     record["hidden_states"] = "saved" if saved else "missing"
                     if not saved:
-                        log.warning("%s: the server saved no hidden states to %s within %d s; "
-                                    "extraction will compute them", record_id, path, SAVE_WAIT_S)
+                        log.warning(
+                            "%s: the server saved no hidden states to %s within %d s; "
+                            "extraction will compute them",
+                            record_id,
+                            path,
+                            SAVE_WAIT_S,
+                        )
                 record["created_at"] = now_iso()
                 append_record(out, record)
                 done[record_id] = record
                 if progress is not None:
                     ok = "error" not in record
-                    progress.advance(done=int(ok), failed=int(not ok),
-                                     tokens=len(record.get("completion_token_ids") or []))
+                    progress.advance(
+                        done=int(ok),
+                        failed=int(not ok),
+                        tokens=len(record.get("completion_token_ids") or []),
+                    )
                 return record
 
             await gather_or_cancel(one(p) for p in pending)
     return done
 
 
-def prefill_recorded(url: str, records: list[dict], capture_dir: str, cfg: dict,
-                     health_check=None) -> int:
+def prefill_recorded(
+    url: str, records: list[dict], capture_dir: str, cfg: dict, health_check=None
+) -> int:
     """generate.capture_hidden_states with recorded answers (``answers: dataset``): each
     recorded sample whose states are not saved yet goes to the capturing server as one
     prefill request, so that extraction packs them with the generated ones instead of
@@ -625,8 +802,11 @@ def prefill_recorded(url: str, records: list[dict], capture_dir: str, cfg: dict,
     warning), it does not fail generation."""
 
     paths = [request_path(capture_dir, r["id"]) for r in records]
-    work = [(r["prompt_token_ids"] + r["completion_token_ids"], path)
-            for r, path in zip(records, paths) if not path.exists()]
+    work = [
+        (r["prompt_token_ids"] + r["completion_token_ids"], path)
+        for r, path in zip(records, paths)
+        if not path.exists()
+    ]
     gen = cfg["generate"]  # the stage's config holds generation's sections, not extract's
     saved = 0
 
@@ -637,14 +817,31 @@ def prefill_recorded(url: str, records: list[dict], capture_dir: str, cfg: dict,
         saved += written
 
     if work:
-        log.info("prefilling %d recorded answers on the capturing server (%d saved before)",
-                 len(work), len(records) - len(work))
+        log.info(
+            "prefilling %d recorded answers on the capturing server (%d saved before)",
+            len(work),
+            len(records) - len(work),
+        )
         try:
-            asyncio.run(prefill_each(url, work, gen["concurrency"], gen["request_timeout_s"],
-                                     gen["max_retries"], after, health_check))
+            asyncio.run(
+                prefill_each(
+                    url,
+                    work,
+                    gen["concurrency"],
+                    gen["request_timeout_s"],
+                    gen["max_retries"],
+                    after,
+                    health_check,
+                )
+            )
         except (ExtractionError, ServerError) as exc:
-            log.warning("prefilling the recorded answers failed (%s): %d of %d saved, "
-                        "extraction will compute the rest", exc, saved, len(work))
+            log.warning(
+                "prefilling the recorded answers failed (%s): %d of %d saved, "
+                "extraction will compute the rest",
+                exc,
+                saved,
+                len(work),
+            )
     return saved
 
 
@@ -670,14 +867,22 @@ def discard_saved(path: Path) -> None:
     request_lock(path).unlink(missing_ok=True)
 
 
-def generate(prompts: list[dict], settings: GenerationSettings, partial_path,
-             progress: Progress | None = None, health_check=None,
-             too_long=None) -> dict[str, dict]:
-    return asyncio.run(generate_async(prompts, settings, partial_path, progress, health_check,
-                                      too_long))
+def generate(
+    prompts: list[dict],
+    settings: GenerationSettings,
+    partial_path,
+    progress: Progress | None = None,
+    health_check=None,
+    too_long=None,
+) -> dict[str, dict]:
+    return asyncio.run(
+        generate_async(prompts, settings, partial_path, progress, health_check, too_long)
+    )
 
 
-def collect(prompts: list[dict], records: dict[str, dict], keep_truncated: bool) -> tuple[list[dict], dict]:
+def collect(
+    prompts: list[dict], records: dict[str, dict], keep_truncated: bool
+) -> tuple[list[dict], dict]:
     """Final records in prompt order, and the counts that go into stats.json."""
     kept, failed, truncated, dropped, unasked, too_long = [], [], 0, 0, 0, 0
     for prompt in prompts:
@@ -701,9 +906,13 @@ def collect(prompts: list[dict], records: dict[str, dict], keep_truncated: bool)
                     continue
             kept.append(record)
     counts = {
-        "prompts": len(prompts), "samples": len(kept), "failed": len(failed),
-        "too_long": too_long, "later_turns_not_asked": unasked,
-        "truncated": truncated, "truncated_dropped": dropped,
+        "prompts": len(prompts),
+        "samples": len(kept),
+        "failed": len(failed),
+        "too_long": too_long,
+        "later_turns_not_asked": unasked,
+        "truncated": truncated,
+        "truncated_dropped": dropped,
         "prompt_tokens": sum(len(r["prompt_token_ids"]) for r in kept),
         "completion_tokens": sum(len(r["completion_token_ids"]) for r in kept),
         "failures": failed[:50],
@@ -736,14 +945,20 @@ def engine_seeding(cfg: dict[str, Any]) -> tuple[bool, list[str]]:
 def settings_from_config(cfg: dict[str, Any], base_url: str) -> GenerationSettings:
     gen, server = cfg["generate"], cfg["server"]
     return GenerationSettings(
-        base_url=base_url, sampling=Sampling.from_config(gen), concurrency=gen["concurrency"],
-        request_timeout_s=gen["request_timeout_s"], max_retries=gen["max_retries"],
-        system_prompt=gen["system_prompt"], model_name=server["model_name"],
+        base_url=base_url,
+        sampling=Sampling.from_config(gen),
+        concurrency=gen["concurrency"],
+        request_timeout_s=gen["request_timeout_s"],
+        max_retries=gen["max_retries"],
+        system_prompt=gen["system_prompt"],
+        model_name=server["model_name"],
         chat_template_kwargs=gen["chat_template_kwargs"],
-        api_key=api_key_from_env(server["api_key_env"]))
+        api_key=api_key_from_env(server["api_key_env"]),
+    )
 
 
 # -- the stage -------------------------------------------------------------------------------
+
 
 def capture_options(cfg: dict[str, Any], model_path: str, capture_dir: str) -> list[str]:
     """Server arguments that save every request's hidden states (the aux layers of
@@ -755,10 +970,18 @@ def capture_options(cfg: dict[str, Any], model_path: str, capture_dir: str) -> l
     return capture_args(capture_layer_ids(aux, num_layers), Path(capture_dir).resolve())
 
 
-def run_stage(cfg: dict[str, Any], target_json: str, prompts: dict[str, str],
-              outputs: dict[str, str], stats_path: str, partial_path: str,
-              progress_path: str | None, log_path: str | None, server_log_path: str,
-              capture_dir: str | None = None) -> dict:
+def run_stage(
+    cfg: dict[str, Any],
+    target_json: str,
+    prompts: dict[str, str],
+    outputs: dict[str, str],
+    stats_path: str,
+    partial_path: str,
+    progress_path: str | None,
+    log_path: str | None,
+    server_log_path: str,
+    capture_dir: str | None = None,
+) -> dict:
     """The ``generate`` rule: serve the target (or use ``server.url``), answer every prompt of
     every split (``prompts`` and ``outputs`` map a split name to its file), check the
     chat-template round trip, and write the records and their stats.
@@ -769,48 +992,85 @@ def run_stage(cfg: dict[str, Any], target_json: str, prompts: dict[str, str],
     # the partial file: a generation still running (a killed Snakemake's orphan) and its
     # rerun would append to it at once
     with hold_directory(Path(partial_path).parent, "generate"):
-        return _run_stage(cfg, target_json, prompts, outputs, stats_path, partial_path,
-                          progress_path, log_path, server_log_path, capture_dir)
+        return _run_stage(
+            cfg,
+            target_json,
+            prompts,
+            outputs,
+            stats_path,
+            partial_path,
+            progress_path,
+            log_path,
+            server_log_path,
+            capture_dir,
+        )
 
 
-def _run_stage(cfg, target_json, prompts, outputs, stats_path, partial_path, progress_path,
-               log_path, server_log_path, capture_dir) -> dict:
+def _run_stage(
+    cfg,
+    target_json,
+    prompts,
+    outputs,
+    stats_path,
+    partial_path,
+    progress_path,
+    log_path,
+    server_log_path,
+    capture_dir,
+) -> dict:
     target = read_target(target_json)
     by_split = {split: read_jsonl(path) for split, path in prompts.items()}
     gen = cfg["generate"]
     tokenizer = load_tokenizer(target["path"], cfg["target"].get("trust_remote_code", False))
-    too_long = too_long_check(tokenizer, cfg["target"]["max_model_len"],
-                              gen["chat_template_kwargs"])
+    too_long = too_long_check(
+        tokenizer, cfg["target"]["max_model_len"], gen["chat_template_kwargs"]
+    )
     # answers: dataset: the recorded answer is the sample (held-out prompts carry none)
-    recorded = dataset_records([p for ps in by_split.values() for p in ps if "answer" in p],
-                               tokenizer, gen, end_of_turn_ids(tokenizer, target["path"]),
-                               too_long)
-    everything = [p for split_prompts in by_split.values() for p in split_prompts
-                  if p["id"] not in recorded]
+    recorded = dataset_records(
+        [p for ps in by_split.values() for p in ps if "answer" in p],
+        tokenizer,
+        gen,
+        end_of_turn_ids(tokenizer, target["path"]),
+        too_long,
+    )
+    everything = [
+        p for split_prompts in by_split.values() for p in split_prompts if p["id"] not in recorded
+    ]
     server_prompts = rendered_path(partial_path)
     if recorded:
-        log.info("%d prompts answered by their recorded answers (answers: dataset), %d to ask "
-                 "the target; %d of their prompts as the server rendered them before",
-                 len(recorded), len(everything), apply_server_prompts(recorded, server_prompts))
+        log.info(
+            "%d prompts answered by their recorded answers (answers: dataset), %d to ask "
+            "the target; %d of their prompts as the server rendered them before",
+            len(recorded),
+            len(everything),
+            apply_server_prompts(recorded, server_prompts),
+        )
     check_renderable(everything, gen["system_prompt"], tokenizer, gen["chat_template_kwargs"])
     requests = sum(len(turn_ids(p)) for p in everything)
     progress = Progress("generate", total=requests, path=progress_path, log_path=log_path)
     server_cfg = cfg["server"]
-    records = drop_stale(read_partial(partial_path), answer_settings(
-        Sampling.from_config(gen), gen["chat_template_kwargs"], capture_dir is not None,
-        gen["system_prompt"]))
+    records = drop_stale(
+        read_partial(partial_path),
+        answer_settings(
+            Sampling.from_config(gen),
+            gen["chat_template_kwargs"],
+            capture_dir is not None,
+            gen["system_prompt"],
+        ),
+    )
     if not any(turns_left(p, records) for p in everything):
         log.info("every prompt already has an answer in %s; no server needed", partial_path)
         progress.restart(already_done=requests)
     elif server_cfg["url"]:
         if capture_dir:
-            raise RuntimeError("generate.capture_hidden_states needs the server eaglet starts "
-                               "with its capture options; set server.url: null")
+            raise RuntimeError(
+                "generate.capture_hidden_states needs the server eaglet starts "
+                "with its capture options; set server.url: null"
+            )
         log.info("using the running server at %s", server_cfg["url"])
         settings = settings_from_config(cfg, server_cfg["url"].rstrip("/"))
         records = generate(everything, settings, partial_path, progress, too_long=too_long)
-        render_on_server(settings.base_url, recorded, server_prompts, gen,
-                         settings.model_name)
+        render_on_server(settings.base_url, recorded, server_prompts, gen, settings.model_name)
     else:
         progress.enter_phase("starting the vLLM server")
         capture = capture_options(cfg, target["path"], capture_dir) if capture_dir else []
@@ -820,28 +1080,44 @@ def _run_stage(cfg, target_json, prompts, outputs, stats_path, partial_path, pro
             settings.seed_per_request = per_request
             if capture_dir:
                 settings.capture_dir = str(Path(capture_dir).resolve())
-            records = generate(everything, settings, partial_path, progress,
-                               health_check=server.check_alive, too_long=too_long)
-            render_on_server(server.url, recorded, server_prompts, gen,
-                             health_check=server.check_alive)
+            records = generate(
+                everything,
+                settings,
+                partial_path,
+                progress,
+                health_check=server.check_alive,
+                too_long=too_long,
+            )
+            render_on_server(
+                server.url, recorded, server_prompts, gen, health_check=server.check_alive
+            )
             if capture_dir and recorded:
-                progress.enter_phase(f"prefilling {len(recorded)} recorded answers for their "
-                                     f"hidden states")
-                prefill_recorded(server.url, list(recorded.values()), settings.capture_dir, cfg,
-                                 health_check=server.check_alive)
+                progress.enter_phase(
+                    f"prefilling {len(recorded)} recorded answers for their hidden states"
+                )
+                prefill_recorded(
+                    server.url,
+                    list(recorded.values()),
+                    settings.capture_dir,
+                    cfg,
+                    health_check=server.check_alive,
+                )
                 progress.enter_phase(None)
         rates.record("generate", target["spec"], server_start_s=server.ready_after_s)
     run = progress.report("finished")
     if run["done"] > run["resumed_from"]:
-        rates.record("generate", target["spec"], settings=rates.generate_settings(cfg),
-                     completion_tokens_per_s=run["tokens_per_s"])
+        rates.record(
+            "generate",
+            target["spec"],
+            settings=rates.generate_settings(cfg),
+            completion_tokens_per_s=run["tokens_per_s"],
+        )
 
     records = {**records, **recorded}
     kept = {}
     stats: dict[str, Any] = {"splits": {}, "dataset_answers": len(recorded)}
     for split, split_prompts in by_split.items():
-        kept[split], stats["splits"][split] = collect(split_prompts, records,
-                                                      gen["keep_truncated"])
+        kept[split], stats["splits"][split] = collect(split_prompts, records, gen["keep_truncated"])
     counts = stats["splits"]
     failed = sum(c["failed"] for c in counts.values())
     if failed / max(requests, 1) > gen["max_failed_rate"]:
@@ -850,36 +1126,70 @@ def _run_stage(cfg, target_json, prompts, outputs, stats_path, partial_path, pro
         raise RuntimeError(
             f"{failed} of {requests} requests failed for good (more than "
             f"generate.max_failed_rate={gen['max_failed_rate']}): {examples}. The answers so far "
-            f"are kept in {partial_path}; fix the cause and rerun to retry only the failed prompts.")
+            f"are kept in {partial_path}; fix the cause and rerun to retry only the failed prompts."
+        )
 
-    fmt = answer_format(tokenizer, server_cfg["reasoning_parser"],
-                        end_of_turn_ids(tokenizer, target["path"]), gen["chat_template_kwargs"])
+    fmt = answer_format(
+        tokenizer,
+        server_cfg["reasoning_parser"],
+        end_of_turn_ids(tokenizer, target["path"]),
+        gen["chat_template_kwargs"],
+    )
     # the server's rendering is the prompts' reference: the ids it recorded for its answers,
     # its rendering of the recorded answers' prompts (the chat template's where it gave none)
     template = check_records(
-        tokenizer, [r for split in kept.values() for r in split], fmt=fmt,
-        reference=lambda r: (r["prompt_token_ids"] if r.get("model") != RECORDED_ANSWER
-                             or r.get("prompt_rendered_by") == "server" else None))
+        tokenizer,
+        [r for split in kept.values() for r in split],
+        fmt=fmt,
+        reference=lambda r: (
+            r["prompt_token_ids"]
+            if r.get("model") != RECORDED_ANSWER or r.get("prompt_rendered_by") == "server"
+            else None
+        ),
+    )
     if template["template_differs"]:
         first = template["template_first_difference"]
-        log.warning("the server renders %d of %d prompts otherwise than the target's chat "
-                    "template (first: %s, %s); training uses the server's, which serving will "
-                    "see", template["template_differs"], template["checked"], first["id"],
-                    first["difference"])
-    stats.update({
-        "template_check": template,
-        "this_run": {"generated": run["done"] - run["resumed_from"], "failed": run["failed"],
-                     "resumed_from": run["resumed_from"], "wall_s": run["elapsed_s"],
-                     "requests_per_s": run["rate_per_s"],
-                     "completion_tokens_per_s": run["tokens_per_s"]},
-        "sampling": Sampling.from_config(gen).settings(), "target": target["path"]})
+        log.warning(
+            "the server renders %d of %d prompts otherwise than the target's chat "
+            "template (first: %s, %s); training uses the server's, which serving will "
+            "see",
+            template["template_differs"],
+            template["checked"],
+            first["id"],
+            first["difference"],
+        )
+    stats.update(
+        {
+            "template_check": template,
+            "this_run": {
+                "generated": run["done"] - run["resumed_from"],
+                "failed": run["failed"],
+                "resumed_from": run["resumed_from"],
+                "wall_s": run["elapsed_s"],
+                "requests_per_s": run["rate_per_s"],
+                "completion_tokens_per_s": run["tokens_per_s"],
+            },
+            "sampling": Sampling.from_config(gen).settings(),
+            "target": target["path"],
+        }
+    )
     for split, c in counts.items():
-        log.info("%s: %d samples (%d failed, %d truncated%s, %d too long to ask), %d "
-                 "completion tokens", split, c["samples"], c["failed"], c["truncated"],
-                 ", dropped" if c["truncated_dropped"] else "", c["too_long"],
-                 c["completion_tokens"])
-    log.info("template check: %d of %d mismatched, %d retokenized", template["mismatched"],
-             template["checked"], template["retokenized"])
+        log.info(
+            "%s: %d samples (%d failed, %d truncated%s, %d too long to ask), %d completion tokens",
+            split,
+            c["samples"],
+            c["failed"],
+            c["truncated"],
+            ", dropped" if c["truncated_dropped"] else "",
+            c["too_long"],
+            c["completion_tokens"],
+        )
+    log.info(
+        "template check: %d of %d mismatched, %d retokenized",
+        template["mismatched"],
+        template["checked"],
+        template["retokenized"],
+    )
     enforce(template, gen["max_template_mismatch_rate"])
     for split, path in outputs.items():
         write_jsonl(path, kept[split])

@@ -39,8 +39,11 @@ def run_stage(name: str, log_path: str | None, body: Callable[[], object], gpus:
         hold_gpus(gpus)
         body()
     except (KeyboardInterrupt, Terminated) as exc:
-        log.error("%s interrupted (%s); finished work is kept, rerun to resume", name,
-                  type(exc).__name__ if isinstance(exc, KeyboardInterrupt) else exc)
+        log.error(
+            "%s interrupted (%s); finished work is kept, rerun to resume",
+            name,
+            type(exc).__name__ if isinstance(exc, KeyboardInterrupt) else exc,
+        )
         sys.exit(130)
     except Exception as exc:  # the message is the product here: say what broke and the fix
         if log_path:  # the traceback is for the log; the terminal gets the message

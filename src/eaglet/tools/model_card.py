@@ -59,8 +59,10 @@ CARD = "README.md"
 EMBEDDED_ORIGIN = {"embedded:smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 # the Hub datasets the packaged sources ship: ShareGPT V3 (the unfiltered cleaned split) and
 # HumanEval
-PACKAGED_DATASETS = {"sharegpt": "anon8231489123/ShareGPT_Vicuna_unfiltered",
-                     "humaneval": "openai/openai_humaneval"}
+PACKAGED_DATASETS = {
+    "sharegpt": "anon8231489123/ShareGPT_Vicuna_unfiltered",
+    "humaneval": "openai/openai_humaneval",
+}
 # a Hub repo id: owner/name
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # the serve command in a card, its speculative config quoted for the shell
@@ -86,6 +88,7 @@ def is_hub_id(name: str | None) -> bool:
 
 
 # -- what the card is made from ---------------------------------------------------------------
+
 
 def parameter_count(weights: Path) -> int | None:
     """The drafter's trained parameters from its safetensors header (no tensor is read):
@@ -129,8 +132,11 @@ def hub_datasets(cfg: dict) -> list[str]:
     sources' origins), in order, once each."""
     out = []
     for source in (cfg.get("data") or {}).get("sources") or []:
-        name = source.get("name") if source.get("type") == "hf" else PACKAGED_DATASETS.get(
-            source.get("type"))
+        name = (
+            source.get("name")
+            if source.get("type") == "hf"
+            else PACKAGED_DATASETS.get(source.get("type"))
+        )
         if source.get("type") in PACKAGED_DATASETS and source.get("path"):
             name = None  # the same format from a file of the user's own
         if name and name not in out:
@@ -142,16 +148,21 @@ def _source_words(source: dict) -> str:
     kind = source.get("type", "?")
     where = source.get("name") or source.get("path") or PACKAGED_DATASETS.get(kind)
     out = f"{kind}" + (f" ({where})" if where else "")
-    extras = [f"at most {source['limit']:,} rows" if source.get("limit") else "",
-              f"prompts up to {source['max_prompt_chars']:,} characters"
-              if source.get("max_prompt_chars") else "",
-              "trained on the recorded answers" if source.get("answers") == "dataset"
-              else "answered by the target"]
+    extras = [
+        f"at most {source['limit']:,} rows" if source.get("limit") else "",
+        f"prompts up to {source['max_prompt_chars']:,} characters"
+        if source.get("max_prompt_chars")
+        else "",
+        "trained on the recorded answers"
+        if source.get("answers") == "dataset"
+        else "answered by the target",
+    ]
     return out + ": " + ", ".join(e for e in extras if e)
 
 
-def served_spec(results: Path, drafter_dir: Path, cfg: dict,
-                serve: dict | None) -> tuple[dict | None, str]:
+def served_spec(
+    results: Path, drafter_dir: Path, cfg: dict, serve: dict | None
+) -> tuple[dict | None, str]:
     """The speculative config the card serves the drafter with and where it comes from:
     serve.json's (the evaluation's choice), else the method's at the first k the config
     sweeps (the drafter not evaluated yet, or no k that paid)."""
@@ -162,10 +173,12 @@ def served_spec(results: Path, drafter_dir: Path, cfg: dict,
         return None, "no drafter exported yet"
     k = ((cfg.get("evaluate") or {}).get("num_speculative_tokens") or [3])[0]
     spec = methods.from_config(config).speculative_config(drafter_dir, k)
-    why = (f"k={k}, the first draft length of evaluate.num_speculative_tokens: the evaluation "
-           f"found no draft length faster than the target alone" if serve
-           else f"k={k}, the first draft length of evaluate.num_speculative_tokens (not "
-                f"evaluated yet)")
+    why = (
+        f"k={k}, the first draft length of evaluate.num_speculative_tokens: the evaluation "
+        f"found no draft length faster than the target alone"
+        if serve
+        else f"k={k}, the first draft length of evaluate.num_speculative_tokens (not evaluated yet)"
+    )
     return spec, why
 
 
@@ -191,7 +204,7 @@ def name_drafter(card: str, ref: str) -> str:
     argv = shlex.split(found[0])
     base = front_matter(card).get("base_model")
     target = str(base) if argv[2].startswith("/") and is_hub_id(str(base)) else argv[2]
-    return card[:found.start()] + vllm_serve(target, spec) + card[found.end():]
+    return card[: found.start()] + vllm_serve(target, spec) + card[found.end() :]
 
 
 def front_matter(card: str) -> dict:
@@ -208,14 +221,19 @@ def _eaglet_version() -> str:
     except metadata.PackageNotFoundError:
         version = "?"
     try:
-        commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-                                capture_output=True, text=True, timeout=10).stdout.strip()
+        commit = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         commit = ""
     return version + (f" (commit {commit})" if commit else "")
 
 
 # -- the card ---------------------------------------------------------------------------------
+
 
 def _speedup(entry: dict) -> str:
     if entry.get("speedup") is None:
@@ -241,36 +259,43 @@ def _drafter_section(results: Path, drafter_dir: Path) -> list[str]:
         return lines + [f"Not exported yet: `{DRAFTER_CONFIG}` does not exist.", ""]
     method = methods.from_config(config)
     variant = methods.variant_of(config)
-    attention = "MLA" if config.get("model_type") == "deepseek_v2" else (
-        method.layer_kind or "Llama")
-    aux = ((config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-           or (config.get("dflash_config") or {}).get("target_layer_ids"))
+    attention = (
+        "MLA" if config.get("model_type") == "deepseek_v2" else (method.layer_kind or "Llama")
+    )
+    aux = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or (
+        config.get("dflash_config") or {}
+    ).get("target_layer_ids")
     layers = config.get("num_hidden_layers", 1)
     params = parameter_count(drafter_dir / "model.safetensors")
-    items = [f"Method: {method.words} (`train.method: {method.name}`), served by vLLM as "
-             f"`\"method\": \"{method.served_as}\"`"
-             + (" with parallel drafting (all k tokens in one forward)" if method.parallel
-                else ""),
-             f"Layers: {layers} decoder layer{'s' if layers != 1 else ''} with {attention} "
-             f"attention" + ("" if method.block else f", {variant.words} variant"),
-             f"Architecture: {', '.join(config.get('architectures') or ['?'])}, hidden size "
-             f"{config.get('hidden_size')}, target hidden size {config.get('target_hidden_size')}",
-             f"Draft vocabulary: {config.get('draft_vocab_size', '?'):,} of the target's "
-             f"{config.get('vocab_size', '?'):,} tokens (`d2t` maps draft ids to target ids)"
-             if isinstance(config.get("draft_vocab_size"), int)
-             and isinstance(config.get("vocab_size"), int) else "",
-             f"Target layers read (aux hidden state layer ids): {aux}" if aux else "",
-             f"Parameters: {params:,} (the target's embedding is shared, not stored)"
-             if params else "",
-             f"Weights: {config.get('torch_dtype') or config.get('dtype') or '?'}"]
+    items = [
+        f"Method: {method.words} (`train.method: {method.name}`), served by vLLM as "
+        f'`"method": "{method.served_as}"`'
+        + (" with parallel drafting (all k tokens in one forward)" if method.parallel else ""),
+        f"Layers: {layers} decoder layer{'s' if layers != 1 else ''} with {attention} "
+        f"attention" + ("" if method.block else f", {variant.words} variant"),
+        f"Architecture: {', '.join(config.get('architectures') or ['?'])}, hidden size "
+        f"{config.get('hidden_size')}, target hidden size {config.get('target_hidden_size')}",
+        f"Draft vocabulary: {config.get('draft_vocab_size', '?'):,} of the target's "
+        f"{config.get('vocab_size', '?'):,} tokens (`d2t` maps draft ids to target ids)"
+        if isinstance(config.get("draft_vocab_size"), int)
+        and isinstance(config.get("vocab_size"), int)
+        else "",
+        f"Target layers read (aux hidden state layer ids): {aux}" if aux else "",
+        f"Parameters: {params:,} (the target's embedding is shared, not stored)" if params else "",
+        f"Weights: {config.get('torch_dtype') or config.get('dtype') or '?'}",
+    ]
     training = _read(results / DRAFTER_STATS)
     shipped = ((training or {}).get("shipped") or {}).get("note")
     if training:
-        items.append(f"Training: {training.get('steps', '?'):,} steps"
-                     if isinstance(training.get("steps"), int) else "Training: finished")
+        items.append(
+            f"Training: {training.get('steps', '?'):,} steps"
+            if isinstance(training.get("steps"), int)
+            else "Training: finished"
+        )
         if (training.get("eval") or {}).get("sim_al") is not None:
-            items[-1] += (f"; held-out simulated acceptance length "
-                          f"{float(training['eval']['sim_al']):.2f}")
+            items[-1] += (
+                f"; held-out simulated acceptance length {float(training['eval']['sim_al']):.2f}"
+            )
         if shipped:
             items[-1] += f"; {shipped}"
     return lines + [f"- {item}" for item in items if item] + [""]
@@ -286,23 +311,32 @@ def _data_section(results: Path, cfg: dict) -> list[str]:
     hidden, vocab = _read(results / MANIFEST), _read(results / VOCAB_STATS)
     facts = []
     if prompts:
-        facts.append(f"{prompts.get('n_train', 0):,} training and {prompts.get('n_eval', 0):,} "
-                     f"held-out prompts")
+        facts.append(
+            f"{prompts.get('n_train', 0):,} training and {prompts.get('n_eval', 0):,} "
+            f"held-out prompts"
+        )
     train = ((samples or {}).get("splits") or {}).get("train")
     if train:
         tokens = train.get("prompt_tokens", 0) + train.get("completion_tokens", 0)
-        facts.append(f"{train.get('samples', 0):,} training samples, {tokens:,} tokens "
-                     f"({train.get('completion_tokens', 0):,} in answers)")
+        facts.append(
+            f"{train.get('samples', 0):,} training samples, {tokens:,} tokens "
+            f"({train.get('completion_tokens', 0):,} in answers)"
+        )
         if samples.get("dataset_answers"):
-            facts.append(f"{samples['dataset_answers']:,} of them recorded answers, the rest "
-                         f"the target's own")
+            facts.append(
+                f"{samples['dataset_answers']:,} of them recorded answers, the rest "
+                f"the target's own"
+            )
     if hidden:
-        facts.append(f"hidden states of {hidden.get('num_samples', 0):,} samples, "
-                     f"{hidden.get('tokens', 0):,} tokens, from target layers "
-                     f"{hidden.get('aux_layer_ids')}")
+        facts.append(
+            f"hidden states of {hidden.get('num_samples', 0):,} samples, "
+            f"{hidden.get('tokens', 0):,} tokens, from target layers "
+            f"{hidden.get('aux_layer_ids')}"
+        )
     if vocab and vocab.get("coverage") is not None:
-        facts.append(f"the draft vocabulary covers {100 * vocab['coverage']:.2f}% of the "
-                     f"answers' tokens")
+        facts.append(
+            f"the draft vocabulary covers {100 * vocab['coverage']:.2f}% of the answers' tokens"
+        )
     if not sources and not facts:
         return lines + ["Not recorded: the run has prepared no data yet.", ""]
     return lines + ([("In this run: " + "; ".join(facts) + "."), ""] if facts else [])
@@ -325,9 +359,12 @@ def _verdict_section(results: Path) -> list[str]:
     lines = ["## Verdict", ""]
     acceptance = evaluated(results, ACCEPTANCE)
     if acceptance is None:
-        return lines + ["Not evaluated yet: the run has not measured this drafter in vLLM "
-                        f"(no `{ACCEPTANCE}` newer than its weights), so there is no acceptance "
-                        "length or speedup to report.", ""]
+        return lines + [
+            "Not evaluated yet: the run has not measured this drafter in vLLM "
+            f"(no `{ACCEPTANCE}` newer than its weights), so there is no acceptance "
+            "length or speedup to report.",
+            "",
+        ]
     verdict = acceptance.get("verdict") or {}
     lines += [verdict.get("summary") or "No run of the drafter was measured.", ""]
     warnings = verdict.get("warnings") or []
@@ -337,28 +374,37 @@ def _verdict_section(results: Path) -> list[str]:
     runs = [r for r in acceptance.get("runs", []) if r.get("method") != "baseline"]
     runs.sort(key=lambda r: not is_drafter(r))  # the drafter's first, vLLM's own beside them
     checked = (evaluated(results, SERVE) or {}).get("checked_by")
-    header = (["run", "AL", *(f"AL {s}" for s in sets)]
-              + [f"speedup at concurrency {c}" for c in concurrencies])
+    header = ["run", "AL", *(f"AL {s}" for s in sets)] + [
+        f"speedup at concurrency {c}" for c in concurrencies
+    ]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for run in runs:
         by_c = {e["concurrency"]: e for e in run.get("by_concurrency", [])}
-        row = [run["name"] + (" (compared)" if run.get("compare") else "")
-               + (" (serve.json)" if run["name"] == checked else ""),
-               _al(run.get("acceptance_length")),
-               *(_al((run.get("sets") or {}).get(s, {}).get("acceptance_length")) for s in sets),
-               *(_speedup(by_c[c]) if c in by_c else "not measured" for c in concurrencies)]
+        row = [
+            run["name"]
+            + (" (compared)" if run.get("compare") else "")
+            + (" (serve.json)" if run["name"] == checked else ""),
+            _al(run.get("acceptance_length")),
+            *(_al((run.get("sets") or {}).get(s, {}).get("acceptance_length")) for s in sets),
+            *(_speedup(by_c[c]) if c in by_c else "not measured" for c in concurrencies),
+        ]
         lines.append("| " + " | ".join(_cell(c) for c in row) + " |")
     temps = ", ".join(f"{t:g}" for t in acceptance.get("temperature") or [0])
-    lines += ["", f"AL: mean acceptance length in vLLM (1 + accepted/drafts), per prompt set "
-              f"({', '.join(sets) or 'none'}). Speedup: output tokens/s over the target alone "
-              f"at the same concurrency, with its 95% interval where measured in rounds. "
-              f"Temperature {temps}, answers of up to {acceptance.get('max_tokens', '?')} "
-              f"tokens.", ""]
+    lines += [
+        "",
+        f"AL: mean acceptance length in vLLM (1 + accepted/drafts), per prompt set "
+        f"({', '.join(sets) or 'none'}). Speedup: output tokens/s over the target alone "
+        f"at the same concurrency, with its 95% interval where measured in rounds. "
+        f"Temperature {temps}, answers of up to {acceptance.get('max_tokens', '?')} "
+        f"tokens.",
+        "",
+    ]
     return lines
 
 
-def _serve_section(results: Path, drafter_dir: Path, cfg: dict, target: dict | None,
-                   drafter_ref: str | None) -> list[str]:
+def _serve_section(
+    results: Path, drafter_dir: Path, cfg: dict, target: dict | None, drafter_ref: str | None
+) -> list[str]:
     lines = ["## Serve it", ""]
     serve = evaluated(results, SERVE)
     spec, why = served_spec(results, drafter_dir, cfg, serve)
@@ -370,16 +416,20 @@ def _serve_section(results: Path, drafter_dir: Path, cfg: dict, target: dict | N
     lines += [f"With vLLM ({why}):", "", "```sh", vllm_serve(model, spec), "```", ""]
     if serve and serve.get("note"):
         lines += [f"The evaluation's advice: {serve['note']}.", ""]
-    lines += ["`\"model\"` names this drafter: its directory, or its Hub repo id once "
-              "published. On vLLM's CPU package `python -m vllm.entrypoints.openai.api_server "
-              "--model TARGET` takes the same `--speculative-config`. A speculators-format copy "
-              "(`eaglet speculators DRAFTER OUT --target TARGET -k K`) is served by "
-              "`vllm serve OUT` alone.", ""]
+    lines += [
+        '`"model"` names this drafter: its directory, or its Hub repo id once '
+        "published. On vLLM's CPU package `python -m vllm.entrypoints.openai.api_server "
+        "--model TARGET` takes the same `--speculative-config`. A speculators-format copy "
+        "(`eaglet speculators DRAFTER OUT --target TARGET -k K`) is served by "
+        "`vllm serve OUT` alone.",
+        "",
+    ]
     return lines
 
 
-def model_card(results_dir: str | os.PathLike, cfg: dict | None = None,
-               drafter_ref: str | None = None) -> str:
+def model_card(
+    results_dir: str | os.PathLike, cfg: dict | None = None, drafter_ref: str | None = None
+) -> str:
     """The card's text (markdown with the Hub's metadata block) for the drafter of the run in
     ``results_dir``, from its config ``cfg`` (None: the run's recorded config) and what its
     stages wrote. ``drafter_ref``: what the serve command names the drafter by (a Hub repo id;
@@ -389,37 +439,48 @@ def model_card(results_dir: str | os.PathLike, cfg: dict | None = None,
     target = _read(results / TARGET_JSON)
     drafter_dir = (results / DRAFTER).resolve()
     config = _read(drafter_dir / "config.json")
-    method = methods.from_config(config) if config else methods.method(
-        (cfg.get("train") or {}).get("method", methods.DEFAULT.name))
+    method = (
+        methods.from_config(config)
+        if config
+        else methods.method((cfg.get("train") or {}).get("method", methods.DEFAULT.name))
+    )
     meta: dict[str, Any] = {}
     base = base_model(cfg, target)
     if base:
         meta["base_model"] = base
     meta["library_name"] = "vllm"
-    meta["tags"] = list(dict.fromkeys(["speculative-decoding", method.name, method.served_as,
-                                       "eaglet"]))
+    meta["tags"] = list(
+        dict.fromkeys(["speculative-decoding", method.name, method.served_as, "eaglet"])
+    )
     datasets = hub_datasets(cfg)
     if datasets:
         meta["datasets"] = datasets
     spec = (target or {}).get("spec") or (cfg.get("target") or {}).get("model") or "?"
     title = f"# {method.words} drafter for {base or spec}"
-    about = (f"A speculative-decoding drafter ({method.words}) for `{spec}`: it proposes draft "
-             f"tokens from the target's own hidden states, and vLLM verifies them with the "
-             f"target, so the answers are the target's.")
+    about = (
+        f"A speculative-decoding drafter ({method.words}) for `{spec}`: it proposes draft "
+        f"tokens from the target's own hidden states, and vLLM verifies them with the "
+        f"target, so the answers are the target's."
+    )
     if spec in EMBEDDED_ORIGIN:
-        about += (f" The target is {EMBEDDED_ORIGIN[spec]} as eaglet embeds it (dequantized "
-                  f"from its Q4 GGUF).")
-    lines = ["---", yaml.safe_dump(meta, sort_keys=False).rstrip(), "---", "", title, "",
-             about, ""]
+        about += (
+            f" The target is {EMBEDDED_ORIGIN[spec]} as eaglet embeds it (dequantized "
+            f"from its Q4 GGUF)."
+        )
+    lines = ["---", yaml.safe_dump(meta, sort_keys=False).rstrip(), "---", "", title, "", about, ""]
     lines += _verdict_section(results)
     lines += _serve_section(results, drafter_dir, cfg, target, drafter_ref)
     lines += _drafter_section(results, drafter_dir)
     lines += _data_section(results, cfg)
-    lines += ["## How it was made", "",
-              f"Made with eaglet {_eaglet_version()}, which trains "
-              f"EAGLE-3-style drafters on the target's hidden states and measures them in vLLM "
-              f"against the target alone. No license is stated here: the terms of the target "
-              f"and of the training data apply.", ""]
+    lines += [
+        "## How it was made",
+        "",
+        f"Made with eaglet {_eaglet_version()}, which trains "
+        f"EAGLE-3-style drafters on the target's hidden states and measures them in vLLM "
+        f"against the target alone. No license is stated here: the terms of the target "
+        f"and of the training data apply.",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -445,8 +506,10 @@ def write_card(results_dir: str | os.PathLike, cfg: dict | None = None) -> Path 
 # -- publishing -------------------------------------------------------------------------------
 
 REQUIRED = (CARD, "config.json", "model.safetensors")
-LOGIN = ("log in with `hf auth login` (`huggingface-cli login` with an older huggingface_hub) "
-         "or set HF_TOKEN to a token with write access (https://huggingface.co/settings/tokens)")
+LOGIN = (
+    "log in with `hf auth login` (`huggingface-cli login` with an older huggingface_hub) "
+    "or set HF_TOKEN to a token with write access (https://huggingface.co/settings/tokens)"
+)
 
 
 class PublishError(Exception):
@@ -459,25 +522,36 @@ def check_publishable(folder: str | os.PathLike, repo_id: str) -> str:
     accepts."""
     folder = Path(folder)
     if not folder.is_dir():
-        raise PublishError(f"{folder} is not a directory: give the exported drafter "
-                           f"(results/drafter, or a speculators-format copy of it)")
+        raise PublishError(
+            f"{folder} is not a directory: give the exported drafter "
+            f"(results/drafter, or a speculators-format copy of it)"
+        )
     missing = [name for name in REQUIRED if not (folder / name).is_file()]
     if missing:
-        fix = (f"the card comes with training and evaluation (drafter/{CARD}); write it with "
-               f"python -c 'from eaglet.tools.model_card import write_card; "
-               f"write_card(\"results\")'" if missing == [CARD]
-               else "give the directory training exported (results/drafter)")
-        raise PublishError(f"{folder} is not an exported drafter ready to publish: it has no "
-                           f"{', '.join(missing)}; {fix}")
+        fix = (
+            f"the card comes with training and evaluation (drafter/{CARD}); write it with "
+            f"python -c 'from eaglet.tools.model_card import write_card; "
+            f'write_card("results")\''
+            if missing == [CARD]
+            else "give the directory training exported (results/drafter)"
+        )
+        raise PublishError(
+            f"{folder} is not an exported drafter ready to publish: it has no "
+            f"{', '.join(missing)}; {fix}"
+        )
     if not HUB_ID.match(repo_id):
-        raise PublishError(f"{repo_id!r} is not a Hugging Face repo id: give OWNER/NAME "
-                           f"(your user or organization, then the model's name)")
+        raise PublishError(
+            f"{repo_id!r} is not a Hugging Face repo id: give OWNER/NAME "
+            f"(your user or organization, then the model's name)"
+        )
     card = (folder / CARD).read_text()
     base = front_matter(card).get("base_model")
     if base is not None and not is_hub_id(str(base)):
-        raise PublishError(f"{folder / CARD} names base_model {base!r}, which is not a "
-                           f"Hugging Face model id (the Hub refuses such a card): set it to the "
-                           f"id of the model the target is, or delete the line")
+        raise PublishError(
+            f"{folder / CARD} names base_model {base!r}, which is not a "
+            f"Hugging Face model id (the Hub refuses such a card): set it to the "
+            f"id of the model the target is, or delete the line"
+        )
     return card
 
 
@@ -490,19 +564,25 @@ def hub_upload(folder: Path, repo_id: str, private: bool) -> str:
         raise PublishError(f"no Hugging Face token: {LOGIN}")
     api = huggingface_hub.HfApi()
     url = api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
-    api.upload_folder(folder_path=str(folder), repo_id=repo_id, repo_type="model",
-                      commit_message="Upload the drafter and its model card (eaglet)")
+    api.upload_folder(
+        folder_path=str(folder),
+        repo_id=repo_id,
+        repo_type="model",
+        commit_message="Upload the drafter and its model card (eaglet)",
+    )
     return str(url)
 
 
 def _network_error(exc: BaseException) -> bool:
     names = {cls.__name__ for cls in type(exc).__mro__}
     return isinstance(exc, (ConnectionError, TimeoutError)) or bool(
-        names & {"TransportError", "ConnectError", "TimeoutException", "OfflineModeIsEnabled"})
+        names & {"TransportError", "ConnectError", "TimeoutException", "OfflineModeIsEnabled"}
+    )
 
 
-def publish(folder: str | os.PathLike, repo_id: str, private: bool = False,
-            upload=hub_upload) -> str:
+def publish(
+    folder: str | os.PathLike, repo_id: str, private: bool = False, upload=hub_upload
+) -> str:
     """Upload the exported drafter ``folder`` (its weights, config and card) to the Hub as
     ``repo_id``; its URL. The card's serve command is made to name the drafter by
     ``repo_id`` first (README.md in ``folder`` is rewritten so), so the published card serves
@@ -521,18 +601,23 @@ def publish(folder: str | os.PathLike, repo_id: str, private: bool = False,
     except Exception as exc:  # noqa: BLE001 (said as the fix it needs, never a traceback)
         if _network_error(exc):
             offline = type(exc).__name__ == "OfflineModeIsEnabled" or os.environ.get(
-                "HF_HUB_OFFLINE") not in (None, "", "0")
+                "HF_HUB_OFFLINE"
+            ) not in (None, "", "0")
             raise PublishError(
                 f"could not reach the Hugging Face Hub ({type(exc).__name__}: {exc}). "
-                + ("HF_HUB_OFFLINE is set: unset it to upload." if offline else
-                   "This machine has no network to huggingface.co: publish from one that has "
-                   f"(copy {folder}), or upload it there with `hf upload {repo_id} {folder}`.")
+                + (
+                    "HF_HUB_OFFLINE is set: unset it to upload."
+                    if offline
+                    else "This machine has no network to huggingface.co: publish from one that has "
+                    f"(copy {folder}), or upload it there with `hf upload {repo_id} {folder}`."
+                )
             ) from None
         status = getattr(getattr(exc, "response", None), "status_code", None)
         if status == 401:
             raise PublishError(f"the Hub refused the token (HTTP 401): {LOGIN}") from None
         if status == 403:
-            raise PublishError(f"the token may not write to {repo_id} (HTTP 403): use a token "
-                               f"with write access to its owner, or another owner") from None
-        raise PublishError(f"the upload to {repo_id} failed: {type(exc).__name__}: "
-                           f"{exc}") from None
+            raise PublishError(
+                f"the token may not write to {repo_id} (HTTP 403): use a token "
+                f"with write access to its owner, or another owner"
+            ) from None
+        raise PublishError(f"the upload to {repo_id} failed: {type(exc).__name__}: {exc}") from None

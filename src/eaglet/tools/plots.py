@@ -63,26 +63,42 @@ def acceptance_length(acceptance: dict, path) -> None:
     for i, name in enumerate(_sets(acceptance)):
         color = f"C{i}"
         for j, (method, t) in enumerate(lines):
-            eagle = sorted((r for r in fixed if r["method"] == method
-                            and r.get("temperature", 0) == t), key=lambda r: r["k"])
-            ax.plot([r["k"] for r in eagle], [r["sets"][name]["acceptance_length"]
-                                              for r in eagle], marker="o", color=color,
-                    linestyle=("-", "--", ":", "-.")[j % 4],
-                    label=f"{words(method)}, {name}" + (f", T={t:g}" if t else ""))
+            eagle = sorted(
+                (r for r in fixed if r["method"] == method and r.get("temperature", 0) == t),
+                key=lambda r: r["k"],
+            )
+            ax.plot(
+                [r["k"] for r in eagle],
+                [r["sets"][name]["acceptance_length"] for r in eagle],
+                marker="o",
+                color=color,
+                linestyle=("-", "--", ":", "-.")[j % 4],
+                label=f"{words(method)}, {name}" + (f", T={t:g}" if t else ""),
+            )
         for run in acceptance["runs"]:
             al = run["sets"][name]["acceptance_length"] if run["method"] == NGRAM.name else None
             if al:
                 t = run.get("temperature", 0)
-                ax.scatter([run["k"]], [al], marker="s" if not t else "D", color=color,
-                           zorder=3, label=f"ngram (k={run['k']}), {name}"
-                           + (f", T={t:g}" if t else ""))
+                ax.scatter(
+                    [run["k"]],
+                    [al],
+                    marker="s" if not t else "D",
+                    color=color,
+                    zorder=3,
+                    label=f"ngram (k={run['k']}), {name}" + (f", T={t:g}" if t else ""),
+                )
     if ks:
         span = range(1, max(ks) + 1)
         ax.plot(span, [k + 1 for k in span], linestyle="--", color="gray", label="ceiling k+1")
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    _label(ax, "Acceptance length in vLLM", "num_speculative_tokens k", "mean acceptance length",
-           fontsize=7)
+    _label(
+        ax,
+        "Acceptance length in vLLM",
+        "num_speculative_tokens k",
+        "mean acceptance length",
+        fontsize=7,
+    )
     _save(fig, path)
 
 
@@ -91,10 +107,16 @@ def _error_bars(points: list[dict]) -> list[list[float]] | None:
     None where no point has one, 0 for a point without (a level of one round)."""
     if all(p.get("speedup_low") is None for p in points):
         return None
-    return [[p["speedup"] - p["speedup_low"] if p.get("speedup_low") is not None else 0.0
-             for p in points],
-            [p["speedup_high"] - p["speedup"] if p.get("speedup_high") is not None else 0.0
-             for p in points]]
+    return [
+        [
+            p["speedup"] - p["speedup_low"] if p.get("speedup_low") is not None else 0.0
+            for p in points
+        ],
+        [
+            p["speedup_high"] - p["speedup"] if p.get("speedup_high") is not None else 0.0
+            for p in points
+        ],
+    ]
 
 
 def speedup(acceptance: dict, path) -> None:
@@ -105,15 +127,25 @@ def speedup(acceptance: dict, path) -> None:
         if run["method"] == "baseline":
             continue
         points = run["by_concurrency"]
-        ax.errorbar([p["concurrency"] for p in points], [p["speedup"] for p in points],
-                    yerr=_error_bars(points), marker="o", capsize=3,
-                    linestyle=":" if run["method"] == NGRAM.name else "-", label=run["name"])
+        ax.errorbar(
+            [p["concurrency"] for p in points],
+            [p["speedup"] for p in points],
+            yerr=_error_bars(points),
+            marker="o",
+            capsize=3,
+            linestyle=":" if run["method"] == NGRAM.name else "-",
+            label=run["name"],
+        )
     ax.axhline(1.0, color="black", linewidth=0.8, label="target alone")
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_locator(matplotlib.ticker.FixedLocator(acceptance["concurrency"]))
     ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-    _label(ax, "Speedup against concurrency (all prompt sets)", "concurrency",
-           "tokens/s over the target alone")
+    _label(
+        ax,
+        "Speedup against concurrency (all prompt sets)",
+        "concurrency",
+        "tokens/s over the target alone",
+    )
     _save(fig, path)
 
 
@@ -124,8 +156,10 @@ def read_training_log(path) -> list[dict]:
 
 def training_curves(rows: list[dict], path) -> None:
     fig, (loss_ax, acc_ax, al_ax) = plt.subplots(1, 3, figsize=(15, 4))
-    acc_keys = sorted((k for k in (rows[0] if rows else {}) if k.startswith("acc_")),
-                      key=lambda k: int(k.split("_")[1]))
+    acc_keys = sorted(
+        (k for k in (rows[0] if rows else {}) if k.startswith("acc_")),
+        key=lambda k: int(k.split("_")[1]),
+    )
     for split, style in (("train", "-"), ("eval", "--")):
         part = [r for r in rows if r["split"] == split]
         if not part:
@@ -135,21 +169,32 @@ def training_curves(rows: list[dict], path) -> None:
         for key in acc_keys:
             acc_ax.plot(steps, [float(r[key]) for r in part], style, label=f"{split} {key}")
         al_ax.plot(steps, [float(r["sim_al"]) for r in part], style, label=split)
-    for ax, title, ylabel in ((loss_ax, "Loss", "loss"),
-                              (acc_ax, "Top-1 agreement with the target per TTT step", "acc_k"),
-                              (al_ax, "Simulated acceptance length", "1 + sum_k prod_j<=k acc_j")):
+    for ax, title, ylabel in (
+        (loss_ax, "Loss", "loss"),
+        (acc_ax, "Top-1 agreement with the target per TTT step", "acc_k"),
+        (al_ax, "Simulated acceptance length", "1 + sum_k prod_j<=k acc_j"),
+    ):
         _label(ax, title, "step", ylabel, fontsize=7, ncol=2 if ax is acc_ax else 1)
     acc_ax.set_ylim(0, 1)
     _save(fig, path)
 
 
-TABLE_COLUMNS = {"name": "run", "method": "method", "k": "k", "temperature": "temperature",
-                 "set": "prompt set", "concurrency": "concurrency",
-                 "acceptance_length": "acceptance length",
-                 "acceptance_length_per_request": "acceptance length per request",
-                 "acceptance_rate": "acceptance rate", "output_tokens_per_s": "output tokens/s",
-                 "speedup": "speedup", "speedup_low": "speedup low",
-                 "speedup_high": "speedup high", "mean_latency_s": "mean latency s"}
+TABLE_COLUMNS = {
+    "name": "run",
+    "method": "method",
+    "k": "k",
+    "temperature": "temperature",
+    "set": "prompt set",
+    "concurrency": "concurrency",
+    "acceptance_length": "acceptance length",
+    "acceptance_length_per_request": "acceptance length per request",
+    "acceptance_rate": "acceptance rate",
+    "output_tokens_per_s": "output tokens/s",
+    "speedup": "speedup",
+    "speedup_low": "speedup low",
+    "speedup_high": "speedup high",
+    "mean_latency_s": "mean latency s",
+}
 
 
 def results_table(acceptance: dict):
@@ -160,9 +205,15 @@ def results_table(acceptance: dict):
     the schedule drafts k 0 at (its k column says 0), a level of one round."""
     import pandas as pd
 
-    rows = [{**{key: run.get(key) for key in ("name", "method", "k")},
-             "temperature": run.get("temperature", 0.0), **lv}
-            for run in acceptance["runs"] for lv in run["levels"]]
+    rows = [
+        {
+            **{key: run.get(key) for key in ("name", "method", "k")},
+            "temperature": run.get("temperature", 0.0),
+            **lv,
+        }
+        for run in acceptance["runs"]
+        for lv in run["levels"]
+    ]
     table = pd.DataFrame(rows, columns=list(TABLE_COLUMNS)).astype({"k": "Int64"})
     return table.rename(columns=TABLE_COLUMNS).round(3)
 

@@ -31,15 +31,23 @@ import yaml
 from eaglet.core import methods
 from eaglet.core.config import ConfigError, read_config_file, validate
 from eaglet.core.io import read_json, read_jsonl, write_json
-from eaglet.core.layout import (ACCEPTANCE, DRAFTER_STATS, DRAFTER_WEIGHTS, HIDDEN_EVAL, MANIFEST,
-                                PROGRESS, REPO, SYNTHETIC_STATS)
+from eaglet.core.layout import (
+    ACCEPTANCE,
+    DRAFTER_STATS,
+    DRAFTER_WEIGHTS,
+    HIDDEN_EVAL,
+    MANIFEST,
+    PROGRESS,
+    REPO,
+    SYNTHETIC_STATS,
+)
+from eaglet.core.methods import default_aux_layer_ids
 from eaglet.data import shards
 from eaglet.engine.support import ask_in_subprocess, refusal
 from eaglet.model.config import DrafterConfig
 from eaglet.model.sizes import shape_from_target_config
 from eaglet.stages.evaluate.replay import GREEDY_TOLERANCE, NOISE_ERRORS, within
 from eaglet.target.checkpoint import TargetError, check_run_fits, local_dir, snapshot, text_config
-from eaglet.core.methods import default_aux_layer_ids
 from eaglet.tools.miniature import SHARPEN, TEACH_BATCH, TEACH_STEPS, build
 from eaglet.tools.plan import plan, render
 
@@ -64,8 +72,11 @@ SCALE = {
     "extract.num_shards": (2, "the miniature's data"),
     "extract.max_len": (1024, "the miniature's answers are short"),
     "extract.concurrency": (8, "the miniature's prompts"),
-    "extract.aux_layer_ids": (None, "vLLM's default for the miniature's depth (the run's "
-                                    "own ids are checked against the target's depth)"),
+    "extract.aux_layer_ids": (
+        None,
+        "vLLM's default for the miniature's depth (the run's "
+        "own ids are checked against the target's depth)",
+    ),
     "train.gpus": (0, "CPU"),
     "train.epochs": (2, "minutes, not hours"),
     "train.max_tokens_per_batch": (512, "the miniature's data"),
@@ -78,8 +89,10 @@ SCALE = {
     "evaluate.concurrency": ([1, 4], "the sweep's ends, scaled"),
     "evaluate.rounds": (4, "the offline replay compares the answers of concurrency 1"),
     "evaluate.kv_cache_gib": (0.25, "the miniature's KV cache"),
-    "evaluate.schedule": (False, "one engine run less (the schedule check is a rerun of the "
-                                 "same engine path)"),
+    "evaluate.schedule": (
+        False,
+        "one engine run less (the schedule check is a rerun of the same engine path)",
+    ),
     "evaluate.prompt_sets": ([], "the held-out split only"),
     "evaluate.ngram": (False, "one server less: ngram is vLLM's, not the run's"),
 }
@@ -118,6 +131,7 @@ class Report:
 
 # -- the target's files -----------------------------------------------------------------------
 
+
 def target_files(spec: str, given: str | None, out: Path) -> Path:
     """A directory with the target's config and tokenizer files: ``given``, the target
     itself when it is a local directory, or the hub's files of ``spec`` (no weights)."""
@@ -125,16 +139,20 @@ def target_files(spec: str, given: str | None, out: Path) -> Path:
     if given:
         path = Path(given)
     elif spec.startswith("embedded:"):
-        raise RehearsalError(f"target.model {spec} is the embedded demo target, which runs "
-                             f"for real: `make demo` is its rehearsal")
+        raise RehearsalError(
+            f"target.model {spec} is the embedded demo target, which runs "
+            f"for real: `make demo` is its rehearsal"
+        )
     else:
         try:
             path = local_dir(spec) or Path(snapshot(spec, weights=False))
         except TargetError as error:
             raise RehearsalError(str(error)) from None
     if not (path / "config.json").exists():
-        raise RehearsalError(f"{path} has no config.json: pass --target-files with a directory "
-                             f"of the target's config and tokenizer files")
+        raise RehearsalError(
+            f"{path} has no config.json: pass --target-files with a directory "
+            f"of the target's config and tokenizer files"
+        )
     return path
 
 
@@ -146,6 +164,7 @@ def _sha(path: Path) -> str:
 
 
 # -- the rehearsal's config -------------------------------------------------------------------
+
 
 def _get(cfg: dict, dotted: str):
     node = cfg
@@ -162,8 +181,9 @@ def _set(cfg: dict, dotted: str, value) -> None:
     node[last] = value
 
 
-def rehearsal_config(user: dict, miniature: Path, results: Path,
-                     target_text: dict | None = None) -> tuple[dict, list[str]]:
+def rehearsal_config(
+    user: dict, miniature: Path, results: Path, target_text: dict | None = None
+) -> tuple[dict, list[str]]:
     """The user's config (as written) with the target swapped for its miniature and the
     sizes scaled to minutes on the CPU; and a line for each scaled value that differs.
     ``target_text``: the target's (language model) config, whose attention decides the
@@ -185,24 +205,28 @@ def rehearsal_config(user: dict, miniature: Path, results: Path,
     if (target_text or {}).get("kv_lora_rank") and not method.cpu_beside_mla:
         # its layers' attention, which the CPU engine cannot serve beside MLA
         _set(cfg, "train.method", methods.DEFAULT.name)
-        scaled.append(f"train.method: {method.name!r} -> {methods.DEFAULT.name!r} (vLLM's CPU "
-                      f"engine cannot serve a {method.words} drafter beside an MLA target: its "
-                      f"attention finds no KV block size common with MLA's; GPUs serve it. The "
-                      f"rehearsal shows the data, states and serving path with an MLA "
-                      f"{methods.DEFAULT.words} drafter; the check on the real target says "
-                      f"whether {method.words} can be built for it)")
+        scaled.append(
+            f"train.method: {method.name!r} -> {methods.DEFAULT.name!r} (vLLM's CPU "
+            f"engine cannot serve a {method.words} drafter beside an MLA target: its "
+            f"attention finds no KV block size common with MLA's; GPUs serve it. The "
+            f"rehearsal shows the data, states and serving path with an MLA "
+            f"{methods.DEFAULT.words} drafter; the check on the real target says "
+            f"whether {method.words} can be built for it)"
+        )
     if (target_text or {}).get("kv_lora_rank") and _get(cfg, "train.drafter_attention") != "mla":
         # vLLM's CPU engine finds no KV block size common to its MLA and its attention backends
         _set(cfg, "train.drafter_attention", "mla")
-        scaled.append(f"train.drafter_attention: {_get(full, 'train.drafter_attention')!r} -> "
-                      "'mla' (vLLM's CPU engine serves only an MLA drafter beside an MLA target: "
-                      "no KV block size common to both backends; GPUs serve either)")
+        scaled.append(
+            f"train.drafter_attention: {_get(full, 'train.drafter_attention')!r} -> "
+            "'mla' (vLLM's CPU engine serves only an MLA drafter beside an MLA target: "
+            "no KV block size common to both backends; GPUs serve either)"
+        )
     ks = _get(full, "evaluate.num_speculative_tokens")
     if len(ks) > 1:  # each k is one more server; the path a drafter takes is the same
         _set(cfg, "evaluate.num_speculative_tokens", [min(ks)])
         scaled.append(f"evaluate.num_speculative_tokens: {ks} -> {[min(ks)]} (one server per k)")
     temps = _get(full, "evaluate.temperature")
-    kept = [0] + [t for t in temps[-1:] if t]   # 0 (the exact check) and the served one
+    kept = [0] + [t for t in temps[-1:] if t]  # 0 (the exact check) and the served one
     if temps != kept:  # each temperature repeats every level's requests
         _set(cfg, "evaluate.temperature", kept)
         scaled.append(f"evaluate.temperature: {temps} -> {kept} (0 and the served temperature)")
@@ -210,17 +234,29 @@ def rehearsal_config(user: dict, miniature: Path, results: Path,
     # ShareGPT first turns answered by the miniature (the user's sources may need the network
     # or be large); a later turn where the run asks for them, so the template's history is
     # rehearsed too
-    cfg["data"] = {"sources": [{"type": "sharegpt", "limit": 96, "max_prompt_chars": 300,
-                                **({"max_turns": 2} if turns > 1 else {})}],
-                   "eval_fraction": 0.25}
-    scaled.append("data.sources: ShareGPT chats answered by the miniature (96 rows"
-                  + (", 2 turns" if turns > 1 else "") + ")")
+    cfg["data"] = {
+        "sources": [
+            {
+                "type": "sharegpt",
+                "limit": 96,
+                "max_prompt_chars": 300,
+                **({"max_turns": 2} if turns > 1 else {}),
+            }
+        ],
+        "eval_fraction": 0.25,
+    }
+    scaled.append(
+        "data.sources: ShareGPT chats answered by the miniature (96 rows"
+        + (", 2 turns" if turns > 1 else "")
+        + ")"
+    )
     cfg["results_dir"] = str(results)
     _set(cfg, "target.model", str(miniature))
     return cfg, scaled
 
 
 # -- checks on the target's own files ---------------------------------------------------------
+
 
 def check_drafter(config: dict, cfg: dict, report: Report) -> bool:
     """Whether the drafter the run's train settings name can be built for the target as
@@ -232,32 +268,44 @@ def check_drafter(config: dict, cfg: dict, report: Report) -> bool:
 
     tr = cfg["train"]
     attention, variant, method = tr["drafter_attention"], tr["drafter_variant"], tr["method"]
-    settings = (f"train.drafter_attention {attention}, drafter_variant {variant}, "
-                f"method {method}")
-    fix = ("set train.drafter_attention: llama" if attention == "mla"
-           else "see the setting it names")
+    settings = f"train.drafter_attention {attention}, drafter_variant {variant}, method {method}"
+    fix = "set train.drafter_attention: llama" if attention == "mla" else "see the setting it names"
     try:
-        aux = (cfg["extract"]["aux_layer_ids"]  # only their count shapes the drafter
-               or default_aux_layer_ids(text_config(config)["num_hidden_layers"]))
-        DrafterConfig.from_target(config, cfg["vocab"]["draft_vocab_size"], aux, attention,
-                                  variant)
+        aux = (
+            cfg["extract"]["aux_layer_ids"]  # only their count shapes the drafter
+            or default_aux_layer_ids(text_config(config)["num_hidden_layers"])
+        )
+        DrafterConfig.from_target(config, cfg["vocab"]["draft_vocab_size"], aux, attention, variant)
     except ValueError as error:
         report.add("drafter", False, f"{settings}: {error}", fix)
         return False
     except KeyError as error:
-        report.add("drafter", False, f"{settings}: the target's config.json gives no {error}, "
-                   f"which the drafter's shape is read from", "pass the target's own config.json")
+        report.add(
+            "drafter",
+            False,
+            f"{settings}: the target's config.json gives no {error}, "
+            f"which the drafter's shape is read from",
+            "pass the target's own config.json",
+        )
         return False
     record = methods.method(method)
     refused = record.refusal(attention, variant)
     if refused:
-        report.add("drafter", False, f"{settings}: {refused}",
-                   f"set {record.takes()}, or another train.method")
+        report.add(
+            "drafter",
+            False,
+            f"{settings}: {refused}",
+            f"set {record.takes()}, or another train.method",
+        )
         return False
-    kind = (f"{record.depth(tr['dflash_layers'], kind=True)} drafting a block in one forward "
-            f"({record.architecture}, served with method {record.served_as})" if record.block
-            else "the target's multi-head latent attention (Eagle3DeepseekV2ForCausalLM)"
-            if attention == "mla" else "Llama attention (LlamaForCausalLMEagle3)")
+    kind = (
+        f"{record.depth(tr['dflash_layers'], kind=True)} drafting a block in one forward "
+        f"({record.architecture}, served with method {record.served_as})"
+        if record.block
+        else "the target's multi-head latent attention (Eagle3DeepseekV2ForCausalLM)"
+        if attention == "mla"
+        else "Llama attention (LlamaForCausalLMEagle3)"
+    )
     report.add("drafter", True, f"{settings}: a drafter with {kind} can be built for this target")
     return True
 
@@ -271,16 +319,29 @@ def check_serving(files: Path, cfg: dict, report: Report) -> bool:
     method = methods.words(cfg["train"]["method"])
     refused = refusal(answers, method, str(cfg["target"]["model"]))
     if refused:
-        report.add("serving", False, refused, "choose a target vLLM serves a drafter for, or "
-                   "deploy one of the options above without training")
+        report.add(
+            "serving",
+            False,
+            refused,
+            "choose a target vLLM serves a drafter for, or "
+            "deploy one of the options above without training",
+        )
         return False
     if answers.get("supports_eagle3") is None:
-        report.add("serving", None, f"vLLM could not be asked about this target's class here "
-                   f"({answers.get('error')}); the miniature's server is the check")
+        report.add(
+            "serving",
+            None,
+            f"vLLM could not be asked about this target's class here "
+            f"({answers.get('error')}); the miniature's server is the check",
+        )
     else:
-        report.add("serving", True, f"vLLM {answers['vllm_version']} serves "
-                   f"{answers['architecture']} with {answers['model_class']}, which gives the "
-                   f"aux hidden states {method} drafters read")
+        report.add(
+            "serving",
+            True,
+            f"vLLM {answers['vllm_version']} serves "
+            f"{answers['architecture']} with {answers['model_class']}, which gives the "
+            f"aux hidden states {method} drafters read",
+        )
     return True
 
 
@@ -291,14 +352,22 @@ def check_target(files: Path, user: dict, report: Report) -> None:
 
     config = json.loads((files / "config.json").read_text())
     text = text_config(config)
-    info = {"spec": _get(user, "target.model"), "vocab_size": text.get("vocab_size"),
-            "num_hidden_layers": text.get("num_hidden_layers")}
+    info = {
+        "spec": _get(user, "target.model"),
+        "vocab_size": text.get("vocab_size"),
+        "num_hidden_layers": text.get("num_hidden_layers"),
+    }
     try:
-        check_run_fits(info, _get(user, "vocab.draft_vocab_size"),
-                       _get(user, "extract.aux_layer_ids"))
-        report.add("target", True, f"{config.get('architectures')} with "
-                   f"{text.get('num_hidden_layers')} layers and a vocabulary of "
-                   f"{text.get('vocab_size')}: the draft vocabulary and aux layers fit it")
+        check_run_fits(
+            info, _get(user, "vocab.draft_vocab_size"), _get(user, "extract.aux_layer_ids")
+        )
+        report.add(
+            "target",
+            True,
+            f"{config.get('architectures')} with "
+            f"{text.get('num_hidden_layers')} layers and a vocabulary of "
+            f"{text.get('vocab_size')}: the draft vocabulary and aux layers fit it",
+        )
     except TargetError as error:
         report.add("target", False, str(error), "see the setting it names")
     cfg = validate(copy.deepcopy(user))
@@ -306,35 +375,63 @@ def check_target(files: Path, user: dict, report: Report) -> None:
     buildable = check_drafter(config, cfg, report)
     try:
         # the run's drafter; where it cannot be built (reported above), a Llama-attention one
-        shape = shape_from_target_config(config, cfg["vocab"]["draft_vocab_size"],
-                                         str(cfg["target"]["model"]),
-                                         tr["drafter_attention"] if buildable else "llama",
-                                         tr["drafter_variant"], tr["method"],
-                                         tr["dflash_layers"])
+        shape = shape_from_target_config(
+            config,
+            cfg["vocab"]["draft_vocab_size"],
+            str(cfg["target"]["model"]),
+            tr["drafter_attention"] if buildable else "llama",
+            tr["drafter_variant"],
+            tr["method"],
+            tr["dflash_layers"],
+        )
         tokens = tr["max_tokens_per_batch"]
-        numbers = plan(shape, tokens=tokens, max_len=tr["max_len"] or tokens,
-                       steps=tr["ttt_steps"], batch_tokens=ext["batch_tokens"],
-                       extract_max_len=ext["max_len"], target_dtype=cfg["target"]["dtype"],
-                       store_dtype=ext["dtype"], shard_tokens=1_000_000,
-                       precision="bfloat16" if tr["precision"] == "auto" else tr["precision"],
-                       attention=tr["attention"], fused_loss=tr["fused_loss"])
+        numbers = plan(
+            shape,
+            tokens=tokens,
+            max_len=tr["max_len"] or tokens,
+            steps=tr["ttt_steps"],
+            batch_tokens=ext["batch_tokens"],
+            extract_max_len=ext["max_len"],
+            target_dtype=cfg["target"]["dtype"],
+            store_dtype=ext["dtype"],
+            shard_tokens=1_000_000,
+            precision="bfloat16" if tr["precision"] == "auto" else tr["precision"],
+            attention=tr["attention"],
+            fused_loss=tr["fused_loss"],
+        )
         report.plan = render(numbers, ext["dtype"])
-        report.add("plan", True, "eaglet plan read the target's real shape "
-                   f"({numbers['target_params'] / 1e9:.1f}B parameters, drafter "
-                   f"{numbers['drafter_params'] / 1e6:.0f}M): see rehearsal.json")
+        report.add(
+            "plan",
+            True,
+            "eaglet plan read the target's real shape "
+            f"({numbers['target_params'] / 1e9:.1f}B parameters, drafter "
+            f"{numbers['drafter_params'] / 1e6:.0f}M): see rehearsal.json",
+        )
     except Exception as error:  # the plan is advice: its failure is reported, not fatal
-        report.add("plan", False, f"eaglet plan could not read this target: "
-                   f"{type(error).__name__}: {error}")
+        report.add(
+            "plan",
+            False,
+            f"eaglet plan could not read this target: {type(error).__name__}: {error}",
+        )
 
 
 # -- running the workflow ---------------------------------------------------------------------
 
+
 def run_workflow(config_path: Path, results: Path, cores: int, log_path: Path) -> int:
     """Snakemake on the rehearsal config; its output goes to ``log_path``."""
     snakemake = Path(sys.executable).parent / "snakemake"
-    cmd = [str(snakemake), "--cores", str(cores), "--workflow-profile",
-           str(REPO / "profiles" / "default"), "--configfile", str(config_path),
-           "--config", f"results_dir={results}"]
+    cmd = [
+        str(snakemake),
+        "--cores",
+        str(cores),
+        "--workflow-profile",
+        str(REPO / "profiles" / "default"),
+        "--configfile",
+        str(config_path),
+        "--config",
+        f"results_dir={results}",
+    ]
     log.info("running the workflow on the miniature: %s (log: %s)", " ".join(cmd), log_path)
     with open(log_path, "w") as handle:
         return subprocess.run(cmd, cwd=REPO, stdout=handle, stderr=subprocess.STDOUT).returncode
@@ -360,8 +457,11 @@ def failed_rule(log_path: Path) -> str | None:
     rule = tail.split(":", 1)[0]
     # the stage's own exception (its log is inlined above the marker): the line that names it
     # and its message, not a server's log lines about its own shutdown that follow it
-    raised = [line for line in text.split(marker, 1)[1].splitlines() + text.splitlines()
-              if re.match(r"[\w.]*(Error|Exception): \S", line)]
+    raised = [
+        line
+        for line in text.split(marker, 1)[1].splitlines() + text.splitlines()
+        if re.match(r"[\w.]*(Error|Exception): \S", line)
+    ]
     if raised:
         return f"{rule}: {raised[0]}"
     lines = [line for line in text.splitlines() if "Error" in line or "error:" in line]
@@ -377,45 +477,69 @@ def check_results(results: Path, cfg: dict, report: Report) -> None:
     template = stats.get("template_check") or {}
     mismatched = template.get("mismatched", 0)
     differs = template.get("template_differs") or 0
-    report.add("generate", mismatched == 0,
-               f"{template.get('checked', 0)} samples checked (prompt ids as the server renders "
-               f"them, completion ids holding the parser's reasoning and content in their "
-               f"wrappers), {mismatched} mismatched"
-               + (f"; the server renders {differs} prompts otherwise than the chat template "
-                  f"(the server's are trained on): "
-                  f"{(template.get('template_first_difference') or {}).get('difference')}"
-                  if differs else ""),
-               "" if not mismatched else "see synthetic/stats.json for the first differing token")
-    records = [r for split in ("train", "eval")
-               for r in read_jsonl(results / "synthetic" / f"{split}.jsonl")
-               if r.get("model") != "dataset"]
+    report.add(
+        "generate",
+        mismatched == 0,
+        f"{template.get('checked', 0)} samples checked (prompt ids as the server renders "
+        f"them, completion ids holding the parser's reasoning and content in their "
+        f"wrappers), {mismatched} mismatched"
+        + (
+            f"; the server renders {differs} prompts otherwise than the chat template "
+            f"(the server's are trained on): "
+            f"{(template.get('template_first_difference') or {}).get('difference')}"
+            if differs
+            else ""
+        ),
+        "" if not mismatched else "see synthetic/stats.json for the first differing token",
+    )
+    records = [
+        r
+        for split in ("train", "eval")
+        for r in read_jsonl(results / "synthetic" / f"{split}.jsonl")
+        if r.get("model") != "dataset"
+    ]
     if cfg["server"].get("reasoning_parser"):
         split = sum(bool(r.get("reasoning")) and bool(r.get("content")) for r in records)
         share = split / len(records) if records else 0.0
-        report.add("reasoning", share >= 0.9,
-                   f"the {cfg['server']['reasoning_parser']} parser split reasoning and answer in "
-                   f"{split} of {len(records)} samples ({share:.0%})",
-                   "" if share >= 0.9 else "server.reasoning_parser must match the template's "
-                   "wrapper tokens")
+        report.add(
+            "reasoning",
+            share >= 0.9,
+            f"the {cfg['server']['reasoning_parser']} parser split reasoning and answer in "
+            f"{split} of {len(records)} samples ({share:.0%})",
+            ""
+            if share >= 0.9
+            else "server.reasoning_parser must match the template's wrapper tokens",
+        )
     manifest = _read(results / MANIFEST)
     if manifest is None:
         report.add("extract", False, "no hidden/manifest.json")
         return
     streamed = cfg["train"].get("data") == "stream"
-    report.add("extract", True, (f"{len(manifest.get('eval_shards', []))} held-out shard(s) "
-                                 "only (train.data stream)") if streamed else
-               f"{len(manifest.get('shards', []))} shards, teacher agreement "
-               f"{manifest.get('teacher_agreement', manifest.get('agreement'))}")
+    report.add(
+        "extract",
+        True,
+        (f"{len(manifest.get('eval_shards', []))} held-out shard(s) only (train.data stream)")
+        if streamed
+        else f"{len(manifest.get('shards', []))} shards, teacher agreement "
+        f"{manifest.get('teacher_agreement', manifest.get('agreement'))}",
+    )
     if not (results / DRAFTER_WEIGHTS).exists():
         report.add("train", False, "no drafter/model.safetensors")
         return
     stream = (_read(results / DRAFTER_STATS) or {}).get("stream") or {}
     agreement = stream.get("teacher_agreement")
-    report.add("train", True, "drafter trained and exported" + (
-        f" on streamed states: {stream.get('requests')} prefill requests to its own capture "
-        f"server, {stream.get('saved_files')} files saved by generation, teacher agreement "
-        + (f"{agreement:.3f}" if isinstance(agreement, float) else f"{agreement}")
-        if streamed else ""))
+    report.add(
+        "train",
+        True,
+        "drafter trained and exported"
+        + (
+            f" on streamed states: {stream.get('requests')} prefill requests to its own capture "
+            f"server, {stream.get('saved_files')} files saved by generation, teacher agreement "
+            + (f"{agreement:.3f}" if isinstance(agreement, float) else f"{agreement}")
+            if streamed
+            else ""
+        ),
+    )
     acceptance = _read(results / ACCEPTANCE)
     if acceptance is None:
         report.add("evaluate", False, "no eval/acceptance.json")
@@ -425,12 +549,20 @@ def check_results(results: Path, cfg: dict, report: Report) -> None:
         ratio = row.get("ratio_offline_over_vllm")
         ok = bool(row.get("agrees"))  # within 1% (of the range drafts past an end allow)
         high = row.get("acceptance_length_high")
-        report.add("evaluate", ok, f"{name}: vLLM AL {row.get('vllm_acceptance_length')}, "
-                   f"offline replay AL {row.get('acceptance_length')}"
-                   + (f" to {high} with the {row.get('past_end')} drafts past an answer's "
-                      "end that vLLM verifies and the answer cannot show" if high else "")
-                   + f" (ratio {ratio})",
-                   "" if ok else "the export, aux layer ids or d2t disagree with vLLM")
+        report.add(
+            "evaluate",
+            ok,
+            f"{name}: vLLM AL {row.get('vllm_acceptance_length')}, "
+            f"offline replay AL {row.get('acceptance_length')}"
+            + (
+                f" to {high} with the {row.get('past_end')} drafts past an answer's "
+                "end that vLLM verifies and the answer cannot show"
+                if high
+                else ""
+            )
+            + f" (ratio {ratio})",
+            "" if ok else "the export, aux layer ids or d2t disagree with vLLM",
+        )
     if not offline:
         report.add("evaluate", False, "no offline replay in acceptance.json")
     for name, row in (acceptance.get("offline_expected") or {}).items():
@@ -444,24 +576,36 @@ def expected_line(name: str, row: dict) -> tuple[bool, str, str]:
     acceptance length must be the expected one within the tolerance or, on a rehearsal's
     few prompts, within the sampling noise (evaluate.NOISE_ERRORS standard errors)."""
 
-    vllm, mine, matched = (row.get(key) for key in (
-        "vllm_acceptance_length", "acceptance_length", "matched_acceptance_length"))
+    vllm, mine, matched = (
+        row.get(key)
+        for key in ("vllm_acceptance_length", "acceptance_length", "matched_acceptance_length")
+    )
     if not (vllm and mine and matched):
         return False, f"{name}: no expected acceptance to compare", ""
     taken = within(vllm, matched, row.get("matched_acceptance_length_high"), GREEDY_TOLERANCE)
     expected = bool(row.get("agrees") or row.get("within_noise"))
     high = row.get("matched_acceptance_length_high")
-    text = (f"{name} at temperature {row.get('temperature'):g}: vLLM AL {vllm:.3f}, its answers "
-            f"took the replay's drafts at AL {matched:.3f}"
-            + (f" to {high:.3f} with the {row.get('past_end')} drafts past an answer's end"
-               if high else "") + f", expected {mine:.3f} (ratio "
-            f"{row.get('ratio_offline_over_vllm'):.3f}, standard error "
-            f"{row.get('standard_error') or 0:.3f} over {row.get('drafts')} drafting steps)")
-    why = ("" if taken and expected else
-           "the drafts differ from vLLM's: the export, aux layer ids or d2t" if not taken else
-           f"vLLM's count is beyond {row.get('tolerance', 0):.0%} and {NOISE_ERRORS:g} standard "
-           f"errors of the expected one: vLLM sampled from another distribution than the "
-           f"run's temperature, top-p and top-k give")
+    text = (
+        f"{name} at temperature {row.get('temperature'):g}: vLLM AL {vllm:.3f}, its answers "
+        f"took the replay's drafts at AL {matched:.3f}"
+        + (
+            f" to {high:.3f} with the {row.get('past_end')} drafts past an answer's end"
+            if high
+            else ""
+        )
+        + f", expected {mine:.3f} (ratio "
+        f"{row.get('ratio_offline_over_vllm'):.3f}, standard error "
+        f"{row.get('standard_error') or 0:.3f} over {row.get('drafts')} drafting steps)"
+    )
+    why = (
+        ""
+        if taken and expected
+        else "the drafts differ from vLLM's: the export, aux layer ids or d2t"
+        if not taken
+        else f"vLLM's count is beyond {row.get('tolerance', 0):.0%} and {NOISE_ERRORS:g} standard "
+        f"errors of the expected one: vLLM sampled from another distribution than the "
+        f"run's temperature, top-p and top-k give"
+    )
     return taken and expected, text, why
 
 
@@ -477,8 +621,7 @@ CAPTURE_SAMPLES = 8
 ARGMAX_MARGIN = 0.01
 
 
-def check_capture(results: Path, miniature: Path, trust_remote_code: bool,
-                  report: Report) -> None:
+def check_capture(results: Path, miniature: Path, trust_remote_code: bool, report: Report) -> None:
     """The held-out shard's states, as the engine computed and stored them, against a
     transformers float32 forward of the same weights: relative error per row of every aux
     layer, and the teacher's argmax at every position."""
@@ -490,8 +633,9 @@ def check_capture(results: Path, miniature: Path, trust_remote_code: bool,
         report.add("capture", False, "no held-out shard to compare")
         return
     shard = shards.load(path)
-    model = AutoModelForCausalLM.from_pretrained(miniature, dtype=torch.float32,
-                                                 trust_remote_code=trust_remote_code).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        miniature, dtype=torch.float32, trust_remote_code=trust_remote_code
+    ).eval()
     worst, rows, agree, positions = 0.0, 0, 0, 0
     offsets = shard.offsets.tolist()
     with torch.inference_mode():
@@ -502,7 +646,10 @@ def check_capture(results: Path, miniature: Path, trust_remote_code: bool,
             stored = shard.aux_hidden[lo:hi].float()
             width = forward.shape[-1] // len(shard.aux_layer_ids)
             for j in range(len(shard.aux_layer_ids)):  # each layer's row on its own scale
-                f, s_ = forward[:, j * width:(j + 1) * width], stored[:, j * width:(j + 1) * width]
+                f, s_ = (
+                    forward[:, j * width : (j + 1) * width],
+                    stored[:, j * width : (j + 1) * width],
+                )
                 error = (s_ - f).norm(dim=-1) / f.norm(dim=-1).clamp_min(1e-12)
                 worst = max(worst, float(error.max()))
             # the teacher's argmax is stored for answer positions (-1 elsewhere); a near-tie
@@ -518,15 +665,26 @@ def check_capture(results: Path, miniature: Path, trust_remote_code: bool,
     tolerance = CAPTURE_TOLERANCE[shard.dtype]
     share = agree / rows if rows else 0.0
     ok = worst <= tolerance and share >= 0.99
-    report.capture = {"dtype": shard.dtype, "positions": positions,
-                      "worst_relative_error": worst, "tolerance": tolerance,
-                      "argmax_rows": rows, "argmax_agreement": share}
-    report.add("capture", ok, f"the engine's stored states of {positions} positions against a "
-               f"transformers float32 forward: worst relative error per row {worst:.2e} "
-               f"({shard.dtype} storage, at most {tolerance:g}); the same argmax at {share:.1%} "
-               f"of {rows} answer positions without a near-tie",
-               "" if ok else "the captured layers are not the forward's: check "
-               "extract.aux_layer_ids and the engine's aux-state capture for this model")
+    report.capture = {
+        "dtype": shard.dtype,
+        "positions": positions,
+        "worst_relative_error": worst,
+        "tolerance": tolerance,
+        "argmax_rows": rows,
+        "argmax_agreement": share,
+    }
+    report.add(
+        "capture",
+        ok,
+        f"the engine's stored states of {positions} positions against a "
+        f"transformers float32 forward: worst relative error per row {worst:.2e} "
+        f"({shard.dtype} storage, at most {tolerance:g}); the same argmax at {share:.1%} "
+        f"of {rows} answer positions without a near-tie",
+        ""
+        if ok
+        else "the captured layers are not the forward's: check "
+        "extract.aux_layer_ids and the engine's aux-state capture for this model",
+    )
 
 
 def _read(path: Path):
@@ -538,6 +696,7 @@ def _read(path: Path):
 
 # -- the command ------------------------------------------------------------------------------
 
+
 def render_report(report: Report) -> str:
     mark = {True: "ok  ", False: "FAIL", None: "n/a "}
     lines = ["", "Rehearsal:"]
@@ -546,17 +705,23 @@ def render_report(report: Report) -> str:
         if check.fix:
             lines.append(f"       {'':<10} -> {check.fix}")
     if report.times:
-        lines.append("  stage times: " + ", ".join(f"{k} {v:.0f} s" for k, v in report.times.items()))
+        lines.append(
+            "  stage times: " + ", ".join(f"{k} {v:.0f} s" for k, v in report.times.items())
+        )
     if report.scaled:
         lines.append("  scaled down for the rehearsal (not rehearsed at the run's value):")
         lines += [f"    {line}" for line in report.scaled]
-    lines.append("REHEARSAL PASSED" if report.passed else "REHEARSAL FAILED: fix the settings "
-                 "above before the real run")
+    lines.append(
+        "REHEARSAL PASSED"
+        if report.passed
+        else "REHEARSAL FAILED: fix the settings above before the real run"
+    )
     return "\n".join(lines)
 
 
-def rehearse(config_file: str, target_files_dir: str | None, out: Path, cores: int,
-             teach_seconds: float) -> Report:
+def rehearse(
+    config_file: str, target_files_dir: str | None, out: Path, cores: int, teach_seconds: float
+) -> Report:
 
     started = time.monotonic()
     user = read_config_file(config_file)
@@ -576,29 +741,45 @@ def rehearse(config_file: str, target_files_dir: str | None, out: Path, cores: i
             stage = "workflow"  # the miniature was built: what failed came after it
         report.add(stage, False, f"{type(error).__name__}: {error}")
     report.times["total"] = time.monotonic() - started
-    write_json(out / "rehearsal.json", {"passed": report.passed,
-                                        "checks": [c.__dict__ for c in report.checks],
-                                        "scaled": report.scaled, "times_s": report.times,
-                                        "capture": report.capture, "plan": report.plan})
+    write_json(
+        out / "rehearsal.json",
+        {
+            "passed": report.passed,
+            "checks": [c.__dict__ for c in report.checks],
+            "scaled": report.scaled,
+            "times_s": report.times,
+            "capture": report.capture,
+            "plan": report.plan,
+        },
+    )
     return report
 
 
-def _rehearse_on_miniature(user: dict, files: Path, out: Path, cores: int, teach_seconds: float,
-                           report: Report) -> None:
+def _rehearse_on_miniature(
+    user: dict, files: Path, out: Path, cores: int, teach_seconds: float, report: Report
+) -> None:
     """Build (or reuse) the miniature, run the workflow on it, and read each stage's checks."""
     miniature = out / "miniature"
-    stamp = {"files_sha256": _sha(files), "teach_seconds": teach_seconds,
-             "teach_steps": [TEACH_STEPS, TEACH_BATCH], "sharpen": SHARPEN,
-             "lr_decay": "linear",
-             "template_kwargs": _get(user, "generate.chat_template_kwargs") or {},
-             "reasoning_parser": _get(user, "server.reasoning_parser"),
-             "answers": "composed from the format (miniature.answer_text), checked learned"}
+    stamp = {
+        "files_sha256": _sha(files),
+        "teach_seconds": teach_seconds,
+        "teach_steps": [TEACH_STEPS, TEACH_BATCH],
+        "sharpen": SHARPEN,
+        "lr_decay": "linear",
+        "template_kwargs": _get(user, "generate.chat_template_kwargs") or {},
+        "reasoning_parser": _get(user, "server.reasoning_parser"),
+        "answers": "composed from the format (miniature.answer_text), checked learned",
+    }
     if _read(miniature / "built.json") != stamp:
         t0 = time.monotonic()
-        info = build(files, miniature, trust_remote_code=bool(_get(user, "target.trust_remote_code")),
-                     template_kwargs=stamp["template_kwargs"],
-                     reasoning_parser=stamp["reasoning_parser"],
-                     teach_seconds=teach_seconds)
+        info = build(
+            files,
+            miniature,
+            trust_remote_code=bool(_get(user, "target.trust_remote_code")),
+            template_kwargs=stamp["template_kwargs"],
+            reasoning_parser=stamp["reasoning_parser"],
+            teach_seconds=teach_seconds,
+        )
         write_json(miniature / "built.json", stamp)
         report.times["miniature"] = time.monotonic() - t0
     info = read_json(miniature / "miniature.json")
@@ -606,26 +787,42 @@ def _rehearse_on_miniature(user: dict, files: Path, out: Path, cores: int, teach
     learned = taught["learned"]
     whole = learned["in_format"] == learned["answers"]
     failure = learned["first_failure"] or {}
-    report.add("miniature", whole, f"{info['architecture']}, {info['parameters'] / 1e6:.1f}M "
-               f"parameters; taught the chat format ({taught['format']}) for {taught['steps']} "
-               f"steps (loss {taught['loss_first']} -> {taught['loss_last']}): "
-               f"{learned['in_format']} of {learned['answers']} greedy and sampled answers "
-               f"closed their reasoning and ended their turn"
-               + ("" if whole else f"; the first that did not ("
-                  f"{'sampled' if failure.get('sampled') else 'greedy'}, "
-                  f"{'no end of turn' if not failure.get('ended_turn') else 'reasoning not closed'}): "
-                  f"{failure.get('answer')!r}"),
-               "" if whole else "give the miniature more time: eaglet rehearse --teach-seconds")
+    report.add(
+        "miniature",
+        whole,
+        f"{info['architecture']}, {info['parameters'] / 1e6:.1f}M "
+        f"parameters; taught the chat format ({taught['format']}) for {taught['steps']} "
+        f"steps (loss {taught['loss_first']} -> {taught['loss_last']}): "
+        f"{learned['in_format']} of {learned['answers']} greedy and sampled answers "
+        f"closed their reasoning and ended their turn"
+        + (
+            ""
+            if whole
+            else f"; the first that did not ("
+            f"{'sampled' if failure.get('sampled') else 'greedy'}, "
+            f"{'no end of turn' if not failure.get('ended_turn') else 'reasoning not closed'}): "
+            f"{failure.get('answer')!r}"
+        ),
+        "" if whole else "give the miniature more time: eaglet rehearse --teach-seconds",
+    )
     if info.get("wrapper"):
-        report.add("wrapper", None, f"{info['wrapper']} served as its language model: the "
-                   "CPU engine cannot load a multimodal wrapper's processors")
+        report.add(
+            "wrapper",
+            None,
+            f"{info['wrapper']} served as its language model: the "
+            "CPU engine cannot load a multimodal wrapper's processors",
+        )
 
     results = out / "results"
     cfg, report.scaled = rehearsal_config(
-        user, miniature, results, text_config(json.loads((files / "config.json").read_text())))
-    report.scaled += [f"target's config: {change} (the miniature is float32 and unquantized on "
-                      f"the CPU engine; eaglet plan sizes the real one)"
-                      for change in info.get("changes", []) if change.endswith(" dropped")]
+        user, miniature, results, text_config(json.loads((files / "config.json").read_text()))
+    )
+    report.scaled += [
+        f"target's config: {change} (the miniature is float32 and unquantized on "
+        f"the CPU engine; eaglet plan sizes the real one)"
+        for change in info.get("changes", [])
+        if change.endswith(" dropped")
+    ]
     config_path = out / "rehearsal.yaml"
     config_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     code = run_workflow(config_path, results, cores, out / "snakemake.log")
@@ -634,22 +831,34 @@ def _rehearse_on_miniature(user: dict, files: Path, out: Path, cores: int, teach
     if (results / MANIFEST).exists():
         check_capture(results, miniature, bool(_get(user, "target.trust_remote_code")), report)
     if code != 0:
-        report.add("workflow", False, failed_rule(out / "snakemake.log")
-                   or f"snakemake exited {code}", f"see {out / 'snakemake.log'}")
+        report.add(
+            "workflow",
+            False,
+            failed_rule(out / "snakemake.log") or f"snakemake exited {code}",
+            f"see {out / 'snakemake.log'}",
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="eaglet rehearse", description=__doc__.splitlines()[0])
-    parser.add_argument("--configfile", required=True,
-                        help="the real run's config")
-    parser.add_argument("--target-files", help="a directory of the target's config and "
-                        "tokenizer files (default: target.model's, from the hub without weights)")
+    parser.add_argument("--configfile", required=True, help="the real run's config")
+    parser.add_argument(
+        "--target-files",
+        help="a directory of the target's config and "
+        "tokenizer files (default: target.model's, from the hub without weights)",
+    )
     parser.add_argument("--out", help="where the rehearsal writes (default rehearsal/<config>)")
     parser.add_argument("--cores", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--teach-seconds", type=float, default=150.0,
-                        help="how long the miniature learns the chat format")
+    parser.add_argument(
+        "--teach-seconds",
+        type=float,
+        default=150.0,
+        help="how long the miniature learns the chat format",
+    )
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     out = Path(args.out or Path("rehearsal") / Path(args.configfile).stem).resolve()
     out.mkdir(parents=True, exist_ok=True)
 

@@ -20,10 +20,18 @@ class KimiK25VisionConfig(PretrainedConfig):
 
     model_type = "kimi_k25_vision"
 
-    def __init__(self, patch_size: int = 14, vt_hidden_size: int = 1152,
-                 vt_intermediate_size: int = 4304, vt_num_attention_heads: int = 16,
-                 vt_num_hidden_layers: int = 27, merge_kernel_size=(2, 2),
-                 mm_hidden_size: int = 1152, text_hidden_size: int = 7168, **kwargs):
+    def __init__(
+        self,
+        patch_size: int = 14,
+        vt_hidden_size: int = 1152,
+        vt_intermediate_size: int = 4304,
+        vt_num_attention_heads: int = 16,
+        vt_num_hidden_layers: int = 27,
+        merge_kernel_size=(2, 2),
+        mm_hidden_size: int = 1152,
+        text_hidden_size: int = 7168,
+        **kwargs,
+    ):
         self.patch_size = patch_size
         self.vt_hidden_size = vt_hidden_size
         self.vt_intermediate_size = vt_intermediate_size
@@ -40,13 +48,20 @@ class KimiK25Config(PretrainedConfig):
 
     model_type = "kimi_k25"
 
-    def __init__(self, text_config=None, vision_config=None,
-                 media_placeholder_token_id: int = 163605, ignore_index: int = -100,
-                 use_unified_vision_chunk: bool = False,
-                 video_placeholder: str = "<|kimi_k25_video_placeholder|>", **kwargs):
+    def __init__(
+        self,
+        text_config=None,
+        vision_config=None,
+        media_placeholder_token_id: int = 163605,
+        ignore_index: int = -100,
+        use_unified_vision_chunk: bool = False,
+        video_placeholder: str = "<|kimi_k25_video_placeholder|>",
+        **kwargs,
+    ):
         if isinstance(text_config, dict):
-            text_config = DeepseekV3Config(**{k: v for k, v in text_config.items()
-                                              if k != "model_type"})
+            text_config = DeepseekV3Config(
+                **{k: v for k, v in text_config.items() if k != "model_type"}
+            )
         self.text_config = text_config if text_config is not None else DeepseekV3Config()
         if isinstance(vision_config, dict):
             vision_config = KimiK25VisionConfig(**vision_config)

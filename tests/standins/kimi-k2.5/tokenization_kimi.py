@@ -40,16 +40,18 @@ RESERVED_SPECIAL_IDS = 256
 _NOT_HAN_UPPER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
 _NOT_HAN_LOWER = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
 _CONTRACTION = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-SPLIT_PATTERN = "|".join([
-    r"[\p{Han}]+",
-    rf"[^\r\n\p{{L}}\p{{N}}]?{_NOT_HAN_UPPER}*{_NOT_HAN_LOWER}+{_CONTRACTION}",
-    rf"[^\r\n\p{{L}}\p{{N}}]?{_NOT_HAN_UPPER}+{_NOT_HAN_LOWER}*{_CONTRACTION}",
-    r"\p{N}{1,3}",
-    r" ?[^\s\p{L}\p{N}]+[\r\n]*",
-    r"\s*[\r\n]+",
-    r"\s+(?!\S)",
-    r"\s+",
-])
+SPLIT_PATTERN = "|".join(
+    [
+        r"[\p{Han}]+",
+        rf"[^\r\n\p{{L}}\p{{N}}]?{_NOT_HAN_UPPER}*{_NOT_HAN_LOWER}+{_CONTRACTION}",
+        rf"[^\r\n\p{{L}}\p{{N}}]?{_NOT_HAN_UPPER}+{_NOT_HAN_LOWER}*{_CONTRACTION}",
+        r"\p{N}{1,3}",
+        r" ?[^\s\p{L}\p{N}]+[\r\n]*",
+        r"\s*[\r\n]+",
+        r"\s+(?!\S)",
+        r"\s+",
+    ]
+)
 
 
 def _sorted_keys(value: Any) -> Any:
@@ -68,33 +70,61 @@ class TikTokenTokenizer(PreTrainedTokenizer):
     vocab_files_names = {"vocab_file": "tiktoken.model"}
     model_input_names = ["input_ids", "attention_mask"]
 
-    def __init__(self, vocab_file: str, bos_token="[BOS]", eos_token="[EOS]", unk_token=None,
-                 pad_token=None, additional_special_tokens=None, added_tokens_decoder=None,
-                 **kwargs):
+    def __init__(
+        self,
+        vocab_file: str,
+        bos_token="[BOS]",
+        eos_token="[EOS]",
+        unk_token=None,
+        pad_token=None,
+        additional_special_tokens=None,
+        added_tokens_decoder=None,
+        **kwargs,
+    ):
         if not os.path.isfile(vocab_file):
             raise FileNotFoundError(f"tiktoken ranks file not found: {vocab_file}")
         self.vocab_file = vocab_file
         ranks = load_tiktoken_bpe(vocab_file)
-        named = {int(index): str(getattr(token, "content", token))
-                 for index, token in (added_tokens_decoder or {}).items()}
+        named = {
+            int(index): str(getattr(token, "content", token))
+            for index, token in (added_tokens_decoder or {}).items()
+        }
         first = min((i for i in named if i >= len(ranks)), default=len(ranks))
-        self.special_ids = {named.get(i, f"<|reserved_token_{i}|>"): i
-                            for i in range(first, first + RESERVED_SPECIAL_IDS)}
-        self.model = tiktoken.Encoding(name=os.path.basename(vocab_file),
-                                       pat_str=SPLIT_PATTERN, mergeable_ranks=ranks,
-                                       special_tokens=self.special_ids)
+        self.special_ids = {
+            named.get(i, f"<|reserved_token_{i}|>"): i
+            for i in range(first, first + RESERVED_SPECIAL_IDS)
+        }
+        self.model = tiktoken.Encoding(
+            name=os.path.basename(vocab_file),
+            pat_str=SPLIT_PATTERN,
+            mergeable_ranks=ranks,
+            special_tokens=self.special_ids,
+        )
         as_char = bytes_to_unicode()
         self._byte_of = {char: byte for byte, char in as_char.items()}
         self._token_of = {rank: "".join(as_char[b] for b in token) for token, rank in ranks.items()}
         self._token_of.update({i: text for text, i in self.special_ids.items()})
         self._id_of = {text: i for i, text in self._token_of.items()}
         if additional_special_tokens is None:
-            additional_special_tokens = ["<|im_end|>", "<|im_user|>", "<|im_assistant|>",
-                                         "<|start_header_id|>", "<|end_header_id|>", "[EOT]",
-                                         "<|im_system|>", "<|im_middle|>"]
-        super().__init__(bos_token=bos_token, eos_token=eos_token, unk_token=unk_token,
-                         pad_token=pad_token, additional_special_tokens=additional_special_tokens,
-                         added_tokens_decoder=added_tokens_decoder, **kwargs)
+            additional_special_tokens = [
+                "<|im_end|>",
+                "<|im_user|>",
+                "<|im_assistant|>",
+                "<|start_header_id|>",
+                "<|end_header_id|>",
+                "[EOT]",
+                "<|im_system|>",
+                "<|im_middle|>",
+            ]
+        super().__init__(
+            bos_token=bos_token,
+            eos_token=eos_token,
+            unk_token=unk_token,
+            pad_token=pad_token,
+            additional_special_tokens=additional_special_tokens,
+            added_tokens_decoder=added_tokens_decoder,
+            **kwargs,
+        )
 
     # -- the fast paths the hub tokenizer has: plain text in, ids out, specials read ----
 
@@ -113,13 +143,25 @@ class TikTokenTokenizer(PreTrainedTokenizer):
         ids = [token_ids] if isinstance(token_ids, int) else list(token_ids)
         return self.convert_tokens_to_string([self._convert_id_to_token(int(i)) for i in ids])
 
-    def apply_chat_template(self, conversation, tools=None, tokenize: bool = False,
-                            add_generation_prompt: bool = True, thinking: bool = True, **kwargs):
+    def apply_chat_template(
+        self,
+        conversation,
+        tools=None,
+        tokenize: bool = False,
+        add_generation_prompt: bool = True,
+        thinking: bool = True,
+        **kwargs,
+    ):
         """The hub tokenizer's defaults: text, not ids, with the generation prompt, thinking
         on. ``thinking=False`` is what turns thinking off in the template."""
         return super().apply_chat_template(
-            conversation, tools=_sorted_keys(tools) if tools else tools, tokenize=tokenize,
-            add_generation_prompt=add_generation_prompt, thinking=thinking, **kwargs)
+            conversation,
+            tools=_sorted_keys(tools) if tools else tools,
+            tokenize=tokenize,
+            add_generation_prompt=add_generation_prompt,
+            thinking=thinking,
+            **kwargs,
+        )
 
     # -- what transformers' slow-tokenizer base needs -------------------------------------
 
@@ -175,6 +217,8 @@ class TikTokenTokenizer(PreTrainedTokenizer):
         return (target,)
 
     def __repr__(self) -> str:
-        return (f"TikTokenTokenizer(vocab_file={json.dumps(os.path.basename(self.vocab_file))}, "
-                f"ordinary={len(self._token_of) - len(self.special_ids)}, "
-                f"special_ids={min(self.special_ids.values())}..{max(self.special_ids.values())})")
+        return (
+            f"TikTokenTokenizer(vocab_file={json.dumps(os.path.basename(self.vocab_file))}, "
+            f"ordinary={len(self._token_of) - len(self.special_ids)}, "
+            f"special_ids={min(self.special_ids.values())}..{max(self.special_ids.values())})"
+        )

@@ -14,7 +14,7 @@ SPEC_COUNTERS = {
     "accepted": "vllm:spec_decode_num_accepted_tokens_total",
 }
 PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
-_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfaINFA]+)')
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfaINFA]+)")
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
@@ -34,8 +34,9 @@ def parse_metrics(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
 def spec_counters(text: str) -> dict[str, Any]:
     """The spec-decode counters, summed over engines; per-position counts by position."""
     samples = parse_metrics(text)
-    counts: dict[str, Any] = {key: sum(v for _, v in samples.get(name, []))
-                              for key, name in SPEC_COUNTERS.items()}
+    counts: dict[str, Any] = {
+        key: sum(v for _, v in samples.get(name, [])) for key, name in SPEC_COUNTERS.items()
+    }
     per_pos: dict[int, float] = defaultdict(float)
     for labels, value in samples.get(PER_POSITION, []):
         per_pos[int(labels.get("position", 0))] += value
@@ -47,8 +48,9 @@ def counter_delta(before: dict, after: dict) -> dict:
     delta = {key: after[key] - before[key] for key in SPEC_COUNTERS}
     width = max(len(before["per_position"]), len(after["per_position"]))
     pad = lambda xs: list(xs) + [0.0] * (width - len(xs))  # noqa: E731
-    delta["per_position"] = [a - b for a, b in zip(pad(after["per_position"]),
-                                                    pad(before["per_position"]))]
+    delta["per_position"] = [
+        a - b for a, b in zip(pad(after["per_position"]), pad(before["per_position"]))
+    ]
     return delta
 
 
@@ -60,11 +62,19 @@ def acceptance(delta: dict, k: int | None) -> dict:
     are kept as counted."""
     drafts, draft_tokens, accepted = delta["drafts"], delta["draft_tokens"], delta["accepted"]
     if not drafts or k == 0:
-        return {"k": k, "drafts": int(drafts), "draft_tokens": int(draft_tokens),
-                "accepted_tokens": int(accepted), "acceptance_length": None,
-                "acceptance_rate": None, "per_position_rate": []}
+        return {
+            "k": k,
+            "drafts": int(drafts),
+            "draft_tokens": int(draft_tokens),
+            "accepted_tokens": int(accepted),
+            "acceptance_length": None,
+            "acceptance_rate": None,
+            "per_position_rate": [],
+        }
     return {
-        "k": k, "drafts": int(drafts), "draft_tokens": int(draft_tokens),
+        "k": k,
+        "drafts": int(drafts),
+        "draft_tokens": int(draft_tokens),
         "accepted_tokens": int(accepted),
         "acceptance_length": 1 + accepted / drafts,
         "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
@@ -85,10 +95,15 @@ def per_request_acceptance(counts: list[dict | None], k: int | None) -> dict:
     without the flag: ``requests_drafted`` is then None too)."""
     counted = [c for c in counts if c]
     drafted = [c for c in counted if c["drafts"]]
-    mean = (sum(1 + c["accepted"] / c["drafts"] for c in drafted) / len(drafted)
-            if drafted and k != 0 else None)
-    return {"acceptance_length_per_request": mean,
-            "requests_drafted": len(drafted) if counted else None}
+    mean = (
+        sum(1 + c["accepted"] / c["drafts"] for c in drafted) / len(drafted)
+        if drafted and k != 0
+        else None
+    )
+    return {
+        "acceptance_length_per_request": mean,
+        "requests_drafted": len(drafted) if counted else None,
+    }
 
 
 def _answer_counts(level: dict) -> list[dict | None]:
@@ -102,8 +117,11 @@ def _spec_counts(body: dict) -> dict | None:
     spec = (body.get("metrics") or {}).get("speculative_decoding")
     if not spec:
         return None
-    return {"drafts": spec["num_spec_steps"], "draft_tokens": spec["num_draft_tokens"],
-            "accepted": spec["num_accepted_draft_tokens"]}
+    return {
+        "drafts": spec["num_spec_steps"],
+        "draft_tokens": spec["num_draft_tokens"],
+        "accepted": spec["num_accepted_draft_tokens"],
+    }
 
 
 def read_metrics(url: str) -> str:
@@ -113,6 +131,10 @@ def read_metrics(url: str) -> str:
 
 def _sum_deltas(deltas: list[dict]) -> dict:
     width = max((len(d["per_position"]) for d in deltas), default=0)
-    return {**{key: sum(d[key] for d in deltas) for key in SPEC_COUNTERS},
-            "per_position": [sum(d["per_position"][i] for d in deltas
-                                 if i < len(d["per_position"])) for i in range(width)]}
+    return {
+        **{key: sum(d[key] for d in deltas) for key in SPEC_COUNTERS},
+        "per_position": [
+            sum(d["per_position"][i] for d in deltas if i < len(d["per_position"]))
+            for i in range(width)
+        ],
+    }

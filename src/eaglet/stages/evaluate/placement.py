@@ -21,7 +21,7 @@ SERVER_OVERHEAD = 1 << 30
 # share of the machine's RAM the servers (or the offline replay's forward) may hold together:
 # the rest is the stage's own process, the OS and its page cache
 HOST_USABLE = 0.8
-VLLM_MEMORY_UTILIZATION = 0.9   # vLLM's default --gpu-memory-utilization
+VLLM_MEMORY_UTILIZATION = 0.9  # vLLM's default --gpu-memory-utilization
 
 
 @dataclass
@@ -30,7 +30,7 @@ class Placement:
 
     together: bool
     reason: str
-    fits: bool | None = None     # what the sizes say (None: unknown)
+    fits: bool | None = None  # what the sizes say (None: unknown)
 
 
 def host_memory_bytes() -> int:
@@ -68,9 +68,12 @@ def server_memory(cfg: dict, weights: int, host_bytes: int | None = None) -> Ser
         total = gpus * GPU_BYTES
         own = weights + gpus * (SERVER_OVERHEAD + (int(kv * 2**30) if kv is not None else 0))
         reserved = int(util * total)
-        return ServerMemory(max(own, reserved), int(GPU_USABLE * total),
-                            f"{GPU_USABLE:.0%} of {gpus} GPUs of {human_size(GPU_BYTES)}",
-                            contents if own >= reserved else share)
+        return ServerMemory(
+            max(own, reserved),
+            int(GPU_USABLE * total),
+            f"{GPU_USABLE:.0%} of {gpus} GPUs of {human_size(GPU_BYTES)}",
+            contents if own >= reserved else share,
+        )
     ram = host_bytes or host_memory_bytes()
     where = f"{HOST_USABLE:.0%} of the machine's {human_size(ram)} RAM"
     own = weights + SERVER_OVERHEAD
@@ -78,12 +81,14 @@ def server_memory(cfg: dict, weights: int, host_bytes: int | None = None) -> Ser
         return ServerMemory(own + int(kv * 2**30), int(HOST_USABLE * ram), where, contents)
     # without a KV cache size the CPU engine reserves its memory_utilization share
     reserved = int(util * ram)
-    return ServerMemory(max(own, reserved), int(HOST_USABLE * ram), where,
-                        contents if own >= reserved else share)
+    return ServerMemory(
+        max(own, reserved), int(HOST_USABLE * ram), where, contents if own >= reserved else share
+    )
 
 
-def placement(cfg: dict, target_dir: str | os.PathLike | None, servers: int,
-              host_bytes: int | None = None) -> Placement:
+def placement(
+    cfg: dict, target_dir: str | os.PathLike | None, servers: int, host_bytes: int | None = None
+) -> Placement:
     """Whether the stage's ``servers`` engine runs serve side by side: evaluate.interleave
     true or false as set; auto: where they fit together (:func:`server_memory` of the
     target's size, :func:`target_size`), else one at a time. The run and `eaglet status`
@@ -91,18 +96,27 @@ def placement(cfg: dict, target_dir: str | os.PathLike | None, servers: int,
     setting = cfg["evaluate"]["interleave"]
     size = target_size(target_dir, cfg["target"]["dtype"]) if target_dir else None
     if size is None:
-        fits, sizes = None, (f"the target's size is unknown (no safetensors or config.json in "
-                             f"{target_dir})" if target_dir else "the target is not prepared yet")
+        fits, sizes = (
+            None,
+            (
+                f"the target's size is unknown (no safetensors or config.json in {target_dir})"
+                if target_dir
+                else "the target is not prepared yet"
+            ),
+        )
     else:
         memory = server_memory(cfg, size.served, host_bytes)
         fits = servers * memory.each <= memory.budget
-        sizes = (f"{servers} servers of about {human_size(memory.each)} each ({memory.sized_by}; "
-                 f"the target's weights {human_size(size.served)}, from {size.source}) "
-                 f"{'fit within' if fits else 'need more than'} {human_size(memory.budget)}, "
-                 f"{memory.where}")
+        sizes = (
+            f"{servers} servers of about {human_size(memory.each)} each ({memory.sized_by}; "
+            f"the target's weights {human_size(size.served)}, from {size.source}) "
+            f"{'fit within' if fits else 'need more than'} {human_size(memory.budget)}, "
+            f"{memory.where}"
+        )
     if setting != "auto":
-        return Placement(bool(setting), f"evaluate.interleave: {str(setting).lower()}; {sizes}",
-                         fits)
+        return Placement(
+            bool(setting), f"evaluate.interleave: {str(setting).lower()}; {sizes}", fits
+        )
     return Placement(bool(fits), f"evaluate.interleave: auto; {sizes}", fits)
 
 

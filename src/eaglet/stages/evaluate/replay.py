@@ -13,11 +13,22 @@ from eaglet.core.io import human_size, read_json
 from eaglet.core.progress import Progress
 from eaglet.model import methods
 from eaglet.model import replay as offline_eval
-from eaglet.model.replay import (Features, StoredStates, TargetForwards, add_counts, coarser,
-                                 empty_counts, summarize)
+from eaglet.model.replay import (
+    Features,
+    StoredStates,
+    TargetForwards,
+    add_counts,
+    coarser,
+    empty_counts,
+    summarize,
+)
 from eaglet.model.sizes import SERVED_BYTES, target_size
-from eaglet.stages.evaluate.metrics import (_answer_counts, _sum_deltas, acceptance,
-                                            per_request_acceptance)
+from eaglet.stages.evaluate.metrics import (
+    _answer_counts,
+    _sum_deltas,
+    acceptance,
+    per_request_acceptance,
+)
 from eaglet.stages.evaluate.placement import HOST_USABLE, host_memory_bytes
 from eaglet.stages.evaluate.runs import cut, drafter_method, sampling_text
 from eaglet.stages.evaluate.schedule import fixed_k_runs
@@ -50,8 +61,13 @@ def served_dtype(cfg: dict, target_dir: str) -> str:
     except (OSError, ValueError):
         return "bfloat16"
     text = config.get("text_config") or config
-    name = str(text.get("torch_dtype") or text.get("dtype") or config.get("torch_dtype")
-               or config.get("dtype") or "bfloat16").removeprefix("torch.")
+    name = str(
+        text.get("torch_dtype")
+        or text.get("dtype")
+        or config.get("torch_dtype")
+        or config.get("dtype")
+        or "bfloat16"
+    ).removeprefix("torch.")
     return name if name in SERVED_BYTES else "bfloat16"
 
 
@@ -65,19 +81,26 @@ def target_loader(cfg: dict, target_dir: str, host_bytes: int | None = None):
         return None, f"the target's size is unknown (no safetensors or config.json in {target_dir})"
     ram = host_bytes or host_memory_bytes()
     if size.float32 > HOST_USABLE * ram:
-        return None, (f"a float32 forward of the target needs about {human_size(size.float32)} "
-                      f"(from {size.source}), more than {HOST_USABLE:.0%} of the machine's "
-                      f"{human_size(ram)} RAM")
+        return None, (
+            f"a float32 forward of the target needs about {human_size(size.float32)} "
+            f"(from {size.source}), more than {HOST_USABLE:.0%} of the machine's "
+            f"{human_size(ram)} RAM"
+        )
 
     def load():
         import torch
         from transformers import AutoModelForCausalLM
 
-        log.info("loading the target (float32, %s) for the offline replay's forward",
-                 human_size(size.float32))
+        log.info(
+            "loading the target (float32, %s) for the offline replay's forward",
+            human_size(size.float32),
+        )
         return AutoModelForCausalLM.from_pretrained(
-            target_dir, dtype=torch.float32,
-            trust_remote_code=cfg["target"].get("trust_remote_code", False)).eval()
+            target_dir,
+            dtype=torch.float32,
+            trust_remote_code=cfg["target"].get("trust_remote_code", False),
+        ).eval()
+
     return load, None
 
 
@@ -95,8 +118,10 @@ def stored_states(paths: list[str], layer_ids: list[int]):
     except (ValueError, OSError) as exc:
         return None, f"the held-out shards cannot be read ({exc})"
     if stored.aux_layer_ids != list(layer_ids):
-        return None, (f"the held-out shards store aux layers {stored.aux_layer_ids}, the "
-                      f"drafter reads {list(layer_ids)}")
+        return None, (
+            f"the held-out shards store aux layers {stored.aux_layer_ids}, the "
+            f"drafter reads {list(layer_ids)}"
+        )
     return stored, None
 
 
@@ -108,9 +133,16 @@ def _states_label(sources: dict) -> str:
     return "stored states" if stored else "forward" if forward else "not replayed"
 
 
-def offline_check(cfg: dict, target_path: str, drafter_dir: str, runs: list[dict],
-                  progress: Progress, held_out_paths: list[str] = (),
-                  compared: bool = False, shared: dict | None = None) -> tuple[dict, dict]:
+def offline_check(
+    cfg: dict,
+    target_path: str,
+    drafter_dir: str,
+    runs: list[dict],
+    progress: Progress,
+    held_out_paths: list[str] = (),
+    compared: bool = False,
+    shared: dict | None = None,
+) -> tuple[dict, dict]:
     """Replay each fixed-k drafter run offline on the baseline's greedy answers at the lowest
     concurrency, every prompt set, and compare the acceptance lengths with vLLM's on the same
     requests, per set and over the sets replayed.
@@ -128,36 +160,57 @@ def offline_check(cfg: dict, target_path: str, drafter_dir: str, runs: list[dict
 
     fixed = _checked_runs(runs, drafter_dir, compared)
     ks = sorted({run["k"] for run in fixed})
-    drafter, features, stored, no_stored, served = _replay_inputs(cfg, target_path, drafter_dir,
-                                                                  held_out_paths, shared=shared)
+    drafter, features, stored, no_stored, served = _replay_inputs(
+        cfg, target_path, drafter_dir, held_out_paths, shared=shared
+    )
     by_set: dict[str, list] = defaultdict(list)
     for lv in _replayed_levels(runs[0]):
-        by_set[lv["set"]] += [(a["prompt_token_ids"], a["token_ids"]) for a in lv["_answers"]
-                              if a["prompt_token_ids"] and a["token_ids"]]
+        by_set[lv["set"]] += [
+            (a["prompt_token_ids"], a["token_ids"])
+            for a in lv["_answers"]
+            if a["prompt_token_ids"] and a["token_ids"]
+        ]
     replayed = {}
     for name, sequences in by_set.items():
-        progress.enter_phase(f"offline replay of {name}: {len(sequences)} answers at k "
-                             f"{', '.join(map(str, ks))}")
+        progress.enter_phase(
+            f"offline replay of {name}: {len(sequences)} answers at k {', '.join(map(str, ks))}"
+        )
         replayed[name] = got = replay_sequences(drafter, sequences, ks, features)
         _log_sources(name, got["sources"])
     progress.advance(done=len(fixed))
     out = {run["name"]: _compare(run, replayed) for run in fixed}
-    report = {"served_dtype": served, "stored_dtype": stored.dtype if stored else None,
-              "stored_states": "read" if stored else no_stored,
-              "forward": "loaded" if features.loaded else features.no_forward or "not needed",
-              "sets": {name: {"states": _states_label(got["sources"]), **got["sources"]}
-                       for name, got in replayed.items()}}
-    if stored is not None and any(got["sources"]["stored"] for got in replayed.values()) \
-            and coarser(stored.dtype, served):
-        report["note"] = (f"replayed from states stored in {stored.dtype} while vLLM serves in "
-                          f"{served}: the drafter read rounded inputs, so the replay may differ "
-                          f"from vLLM by a little (tests/test_offline_eval.py measures it)")
+    report = {
+        "served_dtype": served,
+        "stored_dtype": stored.dtype if stored else None,
+        "stored_states": "read" if stored else no_stored,
+        "forward": "loaded" if features.loaded else features.no_forward or "not needed",
+        "sets": {
+            name: {"states": _states_label(got["sources"]), **got["sources"]}
+            for name, got in replayed.items()
+        },
+    }
+    if (
+        stored is not None
+        and any(got["sources"]["stored"] for got in replayed.values())
+        and coarser(stored.dtype, served)
+    ):
+        report["note"] = (
+            f"replayed from states stored in {stored.dtype} while vLLM serves in "
+            f"{served}: the drafter read rounded inputs, so the replay may differ "
+            f"from vLLM by a little (tests/test_offline_eval.py measures it)"
+        )
         log.warning("offline replay: %s", report["note"])
     return out, report
 
 
-def _replay_inputs(cfg: dict, target_path: str, drafter_dir: str, held_out_paths,
-                   final: bool = False, shared: dict | None = None):
+def _replay_inputs(
+    cfg: dict,
+    target_path: str,
+    drafter_dir: str,
+    held_out_paths,
+    final: bool = False,
+    shared: dict | None = None,
+):
     """What an offline replay reads: the drafter, where each answer's states come from
     (:class:`eaglet.model.replay.Features`; ``final``: the final-norm states too), the stored
     states or why there are none, and the dtype vLLM serves in. ``shared``: what the
@@ -172,8 +225,9 @@ def _replay_inputs(cfg: dict, target_path: str, drafter_dir: str, held_out_paths
     forwards = None
     if load is not None and shared is not None:
         forwards = shared.setdefault("forwards", TargetForwards(load))
-    features = Features(layer_ids, stored, load, prefer_forward, no_forward, final=final,
-                        forwards=forwards)
+    features = Features(
+        layer_ids, stored, load, prefer_forward, no_forward, final=final, forwards=forwards
+    )
     return drafter, features, stored, no_stored, served
 
 
@@ -183,19 +237,33 @@ def load_for_replay(drafter_dir: str, target_path: str):
     return methods.load(drafter_dir, target_path, method=drafter_method(drafter_dir))
 
 
-def replay_sequences(drafter, sequences: list[tuple[list[int], list[int]]], ks: list[int],
-                     features, temperature: float = 0.0, head=None, top_p: float = 1.0,
-                     top_k: int = 0) -> dict:
+def replay_sequences(
+    drafter,
+    sequences: list[tuple[list[int], list[int]]],
+    ks: list[int],
+    features,
+    temperature: float = 0.0,
+    head=None,
+    top_p: float = 1.0,
+    top_k: int = 0,
+) -> dict:
     """:func:`eaglet.model.replay.replay_sequences` with the drafts the drafter makes in
     vLLM (:func:`eaglet.model.methods.draft_function`: EAGLE-3's chain of k forwards, or the
     one forward per round of P-EAGLE and DFlash), with the same counts, per-sequence counts
     and sources."""
     draft = methods.draft_function(drafter)
     return offline_eval.replay_sequences(
-        drafter, sequences, ks, features, temperature, head,
+        drafter,
+        sequences,
+        ks,
+        features,
+        temperature,
+        head,
         greedy_counts=partial(offline_eval.replay_counts, draft=draft),
         sampled_counts=partial(offline_eval.expected_counts, draft=draft),
-        top_p=top_p, top_k=top_k)
+        top_p=top_p,
+        top_k=top_k,
+    )
 
 
 # the offline replay agrees with vLLM within: greedy, where it replays vLLM's answers exactly;
@@ -217,9 +285,16 @@ def _checked_runs(runs: list[dict], drafter_dir: str, compared: bool) -> list[di
     return [r for r in runs if r.get("compare") and r.get("drafter") == drafter_dir]
 
 
-def expected_check(cfg: dict, target_path: str, drafter_dir: str, runs: list[dict],
-                   progress: Progress, held_out_paths: list[str] = (),
-                   compared: bool = False, shared: dict | None = None) -> dict:
+def expected_check(
+    cfg: dict,
+    target_path: str,
+    drafter_dir: str,
+    runs: list[dict],
+    progress: Progress,
+    held_out_paths: list[str] = (),
+    compared: bool = False,
+    shared: dict | None = None,
+) -> dict:
     """The offline check of runs measured at one temperature above 0 (``runs``): each
     fixed-k drafter run's own sampled answers at the lowest concurrency, every prompt set,
     replayed for their expected acceptance at that temperature
@@ -237,15 +312,18 @@ def expected_check(cfg: dict, target_path: str, drafter_dir: str, runs: list[dic
     fixed = _checked_runs(runs, drafter_dir, compared)
     if not fixed:
         return {}
-    drafter, features, *_ = _replay_inputs(cfg, target_path, drafter_dir, held_out_paths,
-                                           final=True, shared=shared)
+    drafter, features, *_ = _replay_inputs(
+        cfg, target_path, drafter_dir, held_out_paths, final=True, shared=shared
+    )
     try:
         # the target's next-token distribution: its final-norm state through its lm_head
-        head = load_target_lm_head(target_path,
-                                   torch.arange(drafter.config.vocab_size)).float()
+        head = load_target_lm_head(target_path, torch.arange(drafter.config.vocab_size)).float()
     except (TargetError, OSError, KeyError) as exc:
-        log.warning("no expected acceptance at temperature %g: the target's lm_head cannot be "
-                    "read (%s)", fixed[0]["temperature"], exc)
+        log.warning(
+            "no expected acceptance at temperature %g: the target's lm_head cannot be read (%s)",
+            fixed[0]["temperature"],
+            exc,
+        )
         progress.advance(done=len(fixed))
         return {}
     out = {}
@@ -253,21 +331,29 @@ def expected_check(cfg: dict, target_path: str, drafter_dir: str, runs: list[dic
         t, k = run["temperature"], run["k"]
         by_set: dict[str, list] = defaultdict(list)
         for lv in _replayed_levels(run):
-            by_set[lv["set"]] += [(a["prompt_token_ids"], a["token_ids"])
-                                  for a in lv["_answers"]
-                                  if a["prompt_token_ids"] and a["token_ids"]]
+            by_set[lv["set"]] += [
+                (a["prompt_token_ids"], a["token_ids"])
+                for a in lv["_answers"]
+                if a["prompt_token_ids"] and a["token_ids"]
+            ]
         replayed = {}
         for name, sequences in by_set.items():
-            progress.enter_phase(f"expected acceptance of {run['name']} on {name}: "
-                                 f"{len(sequences)} answers sampled at "
-                                 f"{sampling_text(t, cfg['evaluate'])}")
-            replayed[name] = got = replay_sequences(drafter, sequences, [k], features, t, head,
-                                                    **cut(cfg["evaluate"]))
+            progress.enter_phase(
+                f"expected acceptance of {run['name']} on {name}: "
+                f"{len(sequences)} answers sampled at "
+                f"{sampling_text(t, cfg['evaluate'])}"
+            )
+            replayed[name] = got = replay_sequences(
+                drafter, sequences, [k], features, t, head, **cut(cfg["evaluate"])
+            )
             _log_sources(f"{name} ({run['name']})", got["sources"])
-        out[run["name"]] = {**_compare(run, replayed, EXPECTED_TOLERANCE),
-                            "states": {name: {"states": _states_label(got["sources"]),
-                                              **got["sources"]}
-                                       for name, got in replayed.items()}}
+        out[run["name"]] = {
+            **_compare(run, replayed, EXPECTED_TOLERANCE),
+            "states": {
+                name: {"states": _states_label(got["sources"]), **got["sources"]}
+                for name, got in replayed.items()
+            },
+        }
         progress.advance(done=1)
     return out
 
@@ -281,11 +367,15 @@ def expected_warnings(expected: dict, offline: dict | None, cfg: dict) -> list[s
     for name, entry in expected.items():
         if entry.get("agrees") is not False:
             continue
-        t, vllm, mine = entry["temperature"], entry["vllm_acceptance_length"], \
-            entry["acceptance_length"]
+        t, vllm, mine = (
+            entry["temperature"],
+            entry["vllm_acceptance_length"],
+            entry["acceptance_length"],
+        )
         matched = entry.get("matched_acceptance_length")
-        taken = matched and within(vllm, matched, entry.get("matched_acceptance_length_high"),
-                                   GREEDY_TOLERANCE)
+        taken = matched and within(
+            vllm, matched, entry.get("matched_acceptance_length_high"), GREEDY_TOLERANCE
+        )
         if entry.get("within_noise") and taken:
             # vLLM's answers took the drafts as it counted, and its count is where chance
             # puts it: too few drafting steps to hold the check to its tolerance
@@ -295,40 +385,53 @@ def expected_warnings(expected: dict, offline: dict | None, cfg: dict) -> list[s
                 f"{entry['ratio_offline_over_vllm']:.3f}), a difference within the sampling "
                 f"noise of its {entry['drafts']} drafting steps (standard error "
                 f"{entry['standard_error']:.3f}); about {entry['drafts_for_tolerance']} steps "
-                f"would hold the check to {entry['tolerance']:.0%}: evaluate more prompts.")
+                f"would hold the check to {entry['tolerance']:.0%}: evaluate more prompts."
+            )
             continue
         greedy = (offline or {}).get(name.rsplit("_T", 1)[0], {}).get("agrees")
-        text = (f"SAMPLED ACCEPTANCE DISAGREES: {name}: vLLM counted AL {vllm:.3f} at "
-                f"temperature {t:g}, where the target's distribution at that temperature and "
-                f"the drafter's drafts give {mine:.3f} in expectation (ratio "
-                f"{entry['ratio_offline_over_vllm']:.3f}, beyond {entry['tolerance']:.0%})")
+        text = (
+            f"SAMPLED ACCEPTANCE DISAGREES: {name}: vLLM counted AL {vllm:.3f} at "
+            f"temperature {t:g}, where the target's distribution at that temperature and "
+            f"the drafter's drafts give {mine:.3f} in expectation (ratio "
+            f"{entry['ratio_offline_over_vllm']:.3f}, beyond {entry['tolerance']:.0%})"
+        )
         sampler = False
         if taken:
             # the drafts are the replay's and vLLM's answers took them as often as it
             # counted: what differs is the distribution the answers were sampled from
             sampler = True
-            text += (f". vLLM's own answers took the replay's drafts as often as it counted "
-                     f"(AL {matched:.3f}): the drafts are right, and vLLM sampled from "
-                     f"another distribution than softmax(logits / {t:g})")
+            text += (
+                f". vLLM's own answers took the replay's drafts as often as it counted "
+                f"(AL {matched:.3f}): the drafts are right, and vLLM sampled from "
+                f"another distribution than softmax(logits / {t:g})"
+            )
         elif matched and greedy:
             # greedy drafts: a draft is accepted exactly where the emitted token is the draft
             sampler = True
-            text += (f". The greedy replay agrees with vLLM, so the drafts are right, but "
-                     f"vLLM's answers took them at AL {matched:.3f} while it counted "
-                     f"{vllm:.3f}: with greedy drafts these are one event (a rejected "
-                     f"draft is never the token emitted), so vLLM's rejection sampler did "
-                     f"not verify as it should")
+            text += (
+                f". The greedy replay agrees with vLLM, so the drafts are right, but "
+                f"vLLM's answers took them at AL {matched:.3f} while it counted "
+                f"{vllm:.3f}: with greedy drafts these are one event (a rejected "
+                f"draft is never the token emitted), so vLLM's rejection sampler did "
+                f"not verify as it should"
+            )
         else:
-            text += (f"; on vLLM's own answers the replay's drafts were taken at AL "
-                     f"{matched:.3f}" if matched else "") + (
+            text += (
+                f"; on vLLM's own answers the replay's drafts were taken at AL {matched:.3f}"
+                if matched
+                else ""
+            ) + (
                 ": check the export (the greedy replay's agreement) or measure more prompts "
-                f"({entry['drafts']} drafting steps replayed)")
+                f"({entry['drafts']} drafting steps replayed)"
+            )
         if sampler and not cfg["server"].get("gpus"):
-            text += (". vLLM's CPU engine 0.32 does so unless eaglet's vLLM plugin fixed its "
-                     "rejection sampler's expand (its CPU fallback leaves the per-token "
-                     "temperatures uninitialized): the server log says 'eaglet: replaced' "
-                     "where it did; without that line reinstall eaglet (pip install -e .), "
-                     "with it this disagreement has another cause")
+            text += (
+                ". vLLM's CPU engine 0.32 does so unless eaglet's vLLM plugin fixed its "
+                "rejection sampler's expand (its CPU fallback leaves the per-token "
+                "temperatures uninitialized): the server log says 'eaglet: replaced' "
+                "where it did; without that line reinstall eaglet (pip install -e .), "
+                "with it this disagreement has another cause"
+            )
         warnings.append(text + ".")
     return warnings
 
@@ -341,19 +444,26 @@ def top_token_note(entry: dict) -> str:
     top, mine = entry.get("top_token_acceptance_length"), entry.get("acceptance_length")
     if not (top and mine and entry.get("temperature")):
         return ""
-    return (f"On the same answers, drafts of the target's own most likely token would reach "
-            f"AL {top:.2f} at k {entry['k']} and temperature {entry['temperature']:g} "
-            f"(this drafter {mine:.2f} expected): what a drafter that always guessed the "
-            f"target's top token would get here.")
+    return (
+        f"On the same answers, drafts of the target's own most likely token would reach "
+        f"AL {top:.2f} at k {entry['k']} and temperature {entry['temperature']:g} "
+        f"(this drafter {mine:.2f} expected): what a drafter that always guessed the "
+        f"target's top token would get here."
+    )
 
 
 def _log_sources(name: str, sources: dict) -> None:
-    missed = ", ".join(f"{sources[key]} {key.replace('_', ' ')}" for key in
-                       ("differs", "longer_than_stored", "not_stored") if sources.get(key))
-    text = (f"offline replay of {name}: {sources['sequences']} answers, {sources['stored']} from "
-            f"stored states, {sources['forward']} from the target's forward, "
-            f"{sources['left_out']} left out" + (f" (against the stored answers: {missed})"
-                                                 if missed else ""))
+    missed = ", ".join(
+        f"{sources[key]} {key.replace('_', ' ')}"
+        for key in ("differs", "longer_than_stored", "not_stored")
+        if sources.get(key)
+    )
+    text = (
+        f"offline replay of {name}: {sources['sequences']} answers, {sources['stored']} from "
+        f"stored states, {sources['forward']} from the target's forward, "
+        f"{sources['left_out']} left out"
+        + (f" (against the stored answers: {missed})" if missed else "")
+    )
     (log.warning if sources["left_out"] else log.info)(text)
 
 
@@ -375,14 +485,19 @@ def _compare(run: dict, replayed: dict, tolerance: float = GREEDY_TOLERANCE) -> 
         theirs = [c for lv in levels for c in _answer_counts(lv)]
         offline = summarize(got["counts"][k], k)
         vllm = acceptance(_sum_deltas(mine), k)["acceptance_length"] if mine else None
-        sets[name] = {"acceptance_length": offline["acceptance_length"],
-                      **({"matched_acceptance_length": offline["matched_acceptance_length"]}
-                         if "matched_acceptance_length" in offline else {}),
-                      "acceptance_length_per_request": _per_request_al(
-                          got["per_sequence"][k], k),
-                      "drafts": offline["drafts"], "vllm_acceptance_length": vllm,
-                      "vllm_acceptance_length_per_request": _per_request_al(theirs, k),
-                      "ratio_offline_over_vllm": _ratio(offline["acceptance_length"], vllm)}
+        sets[name] = {
+            "acceptance_length": offline["acceptance_length"],
+            **(
+                {"matched_acceptance_length": offline["matched_acceptance_length"]}
+                if "matched_acceptance_length" in offline
+                else {}
+            ),
+            "acceptance_length_per_request": _per_request_al(got["per_sequence"][k], k),
+            "drafts": offline["drafts"],
+            "vllm_acceptance_length": vllm,
+            "vllm_acceptance_length_per_request": _per_request_al(theirs, k),
+            "ratio_offline_over_vllm": _ratio(offline["acceptance_length"], vllm),
+        }
         if got["sources"]["stored"] + got["sources"]["forward"]:
             add_counts(total, got["counts"][k])
             deltas += mine
@@ -392,28 +507,48 @@ def _compare(run: dict, replayed: dict, tolerance: float = GREEDY_TOLERANCE) -> 
     offline = summarize(total, k)
     vllm = acceptance(_sum_deltas(deltas), k)["acceptance_length"] if deltas else None
     ratio = _ratio(offline["acceptance_length"], vllm)
-    log.info("%s: offline AL %.3f%s, vLLM AL %.3f (ratio %.3f)", run["name"],
-             offline["acceptance_length"] or 0,
-             f" expected (the answers' own tokens took {offline['matched_acceptance_length']:.3f})"
-             if offline.get("matched_acceptance_length") else "", vllm or 0, ratio or 0)
+    log.info(
+        "%s: offline AL %.3f%s, vLLM AL %.3f (ratio %.3f)",
+        run["name"],
+        offline["acceptance_length"] or 0,
+        f" expected (the answers' own tokens took {offline['matched_acceptance_length']:.3f})"
+        if offline.get("matched_acceptance_length")
+        else "",
+        vllm or 0,
+        ratio or 0,
+    )
     if ratio is not None and abs(ratio - 1) > 0.05 and not run.get("temperature"):
-        log.warning("%s: offline and vLLM acceptance lengths differ by %.1f%%: check the "
-                    "exported layer ids, the d2t map and the dtype%s", run["name"],
-                    100 * abs(ratio - 1),
-                    " (some answers were left out of the replay; vLLM's counters hold them)"
-                    if partial else "")
-    return {**offline, "acceptance_length_per_request": _per_request_al(sequences, k),
-            "vllm_acceptance_length": vllm,
-            "vllm_acceptance_length_per_request": _per_request_al(answers, k),
-            "ratio_offline_over_vllm": ratio, "temperature": run.get("temperature", 0.0),
-            "tolerance": tolerance,
-            "agrees": None if ratio is None else within(
-                vllm, offline["acceptance_length"], offline.get("acceptance_length_high"),
-                tolerance),
-            **_noise(offline, vllm, tolerance),
-            "sets_compared": [name for name, got in replayed.items()
-                              if got["sources"]["stored"] + got["sources"]["forward"]],
-            "every_request_replayed": not partial, "sets": sets}
+        log.warning(
+            "%s: offline and vLLM acceptance lengths differ by %.1f%%: check the "
+            "exported layer ids, the d2t map and the dtype%s",
+            run["name"],
+            100 * abs(ratio - 1),
+            " (some answers were left out of the replay; vLLM's counters hold them)"
+            if partial
+            else "",
+        )
+    return {
+        **offline,
+        "acceptance_length_per_request": _per_request_al(sequences, k),
+        "vllm_acceptance_length": vllm,
+        "vllm_acceptance_length_per_request": _per_request_al(answers, k),
+        "ratio_offline_over_vllm": ratio,
+        "temperature": run.get("temperature", 0.0),
+        "tolerance": tolerance,
+        "agrees": None
+        if ratio is None
+        else within(
+            vllm, offline["acceptance_length"], offline.get("acceptance_length_high"), tolerance
+        ),
+        **_noise(offline, vllm, tolerance),
+        "sets_compared": [
+            name
+            for name, got in replayed.items()
+            if got["sources"]["stored"] + got["sources"]["forward"]
+        ],
+        "every_request_replayed": not partial,
+        "sets": sets,
+    }
 
 
 def within(vllm: float, low: float, high: float | None, tolerance: float) -> bool:
@@ -434,8 +569,10 @@ def _noise(offline: dict, vllm: float | None, tolerance: float) -> dict:
     drafts = offline["drafts"]
     needed = math.ceil(drafts * (NOISE_ERRORS * error / (tolerance * vllm)) ** 2)
     high = offline.get("acceptance_length_high") or mine  # drafts past an answer's end
-    return {"within_noise": mine - NOISE_ERRORS * error <= vllm <= high + NOISE_ERRORS * error,
-            "drafts_for_tolerance": max(needed, 1)}
+    return {
+        "within_noise": mine - NOISE_ERRORS * error <= vllm <= high + NOISE_ERRORS * error,
+        "drafts_for_tolerance": max(needed, 1),
+    }
 
 
 def _ratio(offline: float | None, vllm: float | None) -> float | None:
@@ -446,9 +583,16 @@ def _greedy_divergence(runs: list[dict]) -> dict:
     """Per run, how many answers differ from the baseline's at the same level: greedy
     speculative decoding should reproduce them (float ties aside), so many differences
     point at a bug."""
+
     def answers(run):
-        return {(lv["set"], lv["concurrency"], a["id"]): a["token_ids"]
-                for lv in run["levels"] for a in lv["_answers"]}
+        return {
+            (lv["set"], lv["concurrency"], a["id"]): a["token_ids"]
+            for lv in run["levels"]
+            for a in lv["_answers"]
+        }
+
     base = answers(runs[0])
-    return {r["name"]: sum(1 for key, ids in answers(r).items() if ids != base.get(key))
-            for r in runs[1:]}
+    return {
+        r["name"]: sum(1 for key, ids in answers(r).items() if ids != base.get(key))
+        for r in runs[1:]
+    }

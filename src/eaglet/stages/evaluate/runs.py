@@ -12,7 +12,6 @@ from eaglet.core.layout import START_RECORD_NAME
 from eaglet.data.prompts import load_source
 from eaglet.model.config import norm_flags
 
-
 # the runs of train.init_from's starting drafter, served as published beside the fine-tuned one
 START_LABEL = "start"
 
@@ -25,8 +24,14 @@ class EvaluationError(RuntimeError):
 # evaluate.top_p and top_k: without these, vLLM fills them from the target's
 # generation_config.json (Qwen3's top_k 20 and top_p 0.95, say), and the offline replay's
 # target distribution would not be the one vLLM verified against.
-PLAIN_SAMPLING = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
-                  "presence_penalty": 0.0, "frequency_penalty": 0.0}
+PLAIN_SAMPLING = {
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+}
 
 
 def cut(ev: dict) -> dict:
@@ -51,12 +56,13 @@ def sampling_text(temperature: float, ev: dict) -> str:
     if temperature:
         c = cut(ev)
         parts += ([f"top-p {c['top_p']:g}"] if c["top_p"] < 1 else []) + (
-            [f"top-k {c['top_k']}"] if c["top_k"] else [])
+            [f"top-k {c['top_k']}"] if c["top_k"] else []
+        )
     return ", ".join(parts)
 
 
 HELD_OUT = "heldout"
-MAX_BATCH = 1 << 16   # the last schedule range runs to here; vLLM caps it at max_num_seqs
+MAX_BATCH = 1 << 16  # the last schedule range runs to here; vLLM caps it at max_num_seqs
 # every answer of a speculative run carries its own spec-decode counts (vLLM's
 # metrics.speculative_decoding; vLLM refuses the flag without a speculative config)
 PER_REQUEST_METRICS = ["--per-request-spec-decode-metrics", "summary"]
@@ -73,18 +79,26 @@ def load_prompt_sets(ev: dict, held_out_path: str, train_path: str | None) -> tu
     for entry in ev["prompt_sets"]:
         name = entry["name"]
         if name in sets:
-            raise EvaluationError(f"evaluate.prompt_sets: the name {name!r} is used twice "
-                                  f"({HELD_OUT!r} is the held-out split's)")
+            raise EvaluationError(
+                f"evaluate.prompt_sets: the name {name!r} is used twice "
+                f"({HELD_OUT!r} is the held-out split's)"
+            )
         records, report = load_source(entry["source"])
         kept = [p for p in records if p["id"] not in train_ids]
         sets[name] = kept
-        about[name] = {"source": report["label"], "rows": report["rows"], "bad": report["bad"],
-                       "in_training_dropped": len(records) - len(kept)}
+        about[name] = {
+            "source": report["label"],
+            "rows": report["rows"],
+            "bad": report["bad"],
+            "in_training_dropped": len(records) - len(kept),
+        }
         if not kept:
-            raise EvaluationError(f"evaluate.prompt_sets {name!r}: every prompt is also a "
-                                  f"training prompt; measure on prompts the drafter has not seen")
+            raise EvaluationError(
+                f"evaluate.prompt_sets {name!r}: every prompt is also a "
+                f"training prompt; measure on prompts the drafter has not seen"
+            )
     for name in sets:
-        sets[name] = sets[name][:ev["max_prompts"]]
+        sets[name] = sets[name][: ev["max_prompts"]]
         about[name]["prompts"] = len(sets[name])
     return sets, about
 
@@ -92,7 +106,7 @@ def load_prompt_sets(ev: dict, held_out_path: str, train_path: str | None) -> tu
 def level_prompts(prompts: list[dict], concurrency: int, rounds: int) -> list[dict]:
     """What one concurrency level sends: ``rounds`` times as many prompts as it keeps in flight
     (the set's first ones), so every level runs at its concurrency for most of its time."""
-    return prompts[:rounds * concurrency]
+    return prompts[: rounds * concurrency]
 
 
 def drafted_k(run: dict, concurrency: int) -> int | None:
@@ -131,8 +145,7 @@ def _kind(drafter_dir: str | os.PathLike, method: methods.Method) -> tuple[str, 
     config_path = Path(drafter_dir, "config.json")
     config = read_json(config_path) if config_path.is_file() else {}
     if method.block:  # its depth (train.dflash_layers) in words
-        return method.name, (f"{method.words}, "
-                             f"{method.depth(config.get('num_hidden_layers', 1))}")
+        return method.name, (f"{method.words}, {method.depth(config.get('num_hidden_layers', 1))}")
     variant = methods.variant_of(norm_flags(config)) if config else methods.EAGLE3_LAYER
     if len(method.variants) > 1 and variant.flags:  # a variant of the EAGLE-3 layer
         return variant.label, variant.words
@@ -183,7 +196,9 @@ def at_temperature(run: dict, temperature: float, ev: dict | None = None) -> dic
     acceptance.json, summary.csv and the figures; at 0 the name is the run's. ``sampling``:
     how its requests were sampled, in words (the run's top-p and top-k with the temperature)."""
     name = f"{run['name']}_T{temperature:g}" if temperature else run["name"]
-    return {**run, "name": name, "temperature": temperature,
-            "sampling": sampling_text(temperature, ev or {})}
-
-
+    return {
+        **run,
+        "name": name,
+        "temperature": temperature,
+        "sampling": sampling_text(temperature, ev or {}),
+    }

@@ -7,8 +7,14 @@ import json
 from pathlib import Path
 
 from eaglet.core.methods import DEFAULT, MTP, NGRAM
-from eaglet.stages.evaluate.runs import (MAX_BATCH, EvaluationError, drafter_kind, drafter_method,
-                                         is_drafter, temperatures)
+from eaglet.stages.evaluate.runs import (
+    MAX_BATCH,
+    EvaluationError,
+    drafter_kind,
+    drafter_method,
+    is_drafter,
+    temperatures,
+)
 from eaglet.stages.evaluate.statistics import SLOWER, against_target, at_concurrency, speedup_at
 
 
@@ -26,8 +32,14 @@ def best_k_by_concurrency(runs: list[dict], concurrencies: list[int]) -> list[di
     for c in concurrencies:
         best = max(fixed, key=lambda r: speedup_at(r, c))
         pays = speedup_at(best, c) > 1.0
-        choice.append({"concurrency": c, "k": best["k"] if pays else 0,
-                       "best_run": best["name"], "best_speedup": speedup_at(best, c)})
+        choice.append(
+            {
+                "concurrency": c,
+                "k": best["k"] if pays else 0,
+                "best_run": best["name"],
+                "best_speedup": speedup_at(best, c),
+            }
+        )
     return choice
 
 
@@ -59,8 +71,14 @@ def schedule_run(choice: list[dict], drafter_dir: str) -> dict | None:
         return None
     k = max(r[2] for r in ranges)
     method = drafter_method(drafter_dir)
-    return {"name": f"{method}_schedule", "method": method, "k": k, "drafter": drafter_dir,
-            "schedule": True, "extra": {"num_speculative_tokens_per_batch_size": ranges}}
+    return {
+        "name": f"{method}_schedule",
+        "method": method,
+        "k": k,
+        "drafter": drafter_dir,
+        "schedule": True,
+        "extra": {"num_speculative_tokens_per_batch_size": ranges},
+    }
 
 
 def serve_recommendation(choice: list[dict], runs: list[dict], drafter_dir: str) -> dict:
@@ -76,26 +94,38 @@ def serve_recommendation(choice: list[dict], runs: list[dict], drafter_dir: str)
     spec = checked["speculative_config"] if checked else None
     by_c = []
     for e in choice:
-        measured = (at_concurrency(checked, e["concurrency"]) if checked
-                    else {"speedup": 1.0, "speedup_low": None, "speedup_high": None})
-        by_c.append({"concurrency": e["concurrency"], "k": e["k"],
-                     **{key: measured.get(key) for key in ("speedup", "speedup_low",
-                                                           "speedup_high")}})
-    out = {"speculative_config": spec,
-           "vllm_args": ["--speculative-config", json.dumps(spec)] if spec else [],
-           # the drafter's method (train.method): a P-EAGLE spec says parallel_drafting
-           "method": fixed[0]["method"] if fixed else None,
-           "checked_by": checked["name"] if checked else "baseline",
-           "by_concurrency": by_c,
-           "never_slower_than_target": all(against_target(e) != SLOWER for e in by_c)}
+        measured = (
+            at_concurrency(checked, e["concurrency"])
+            if checked
+            else {"speedup": 1.0, "speedup_low": None, "speedup_high": None}
+        )
+        by_c.append(
+            {
+                "concurrency": e["concurrency"],
+                "k": e["k"],
+                **{key: measured.get(key) for key in ("speedup", "speedup_low", "speedup_high")},
+            }
+        )
+    out = {
+        "speculative_config": spec,
+        "vllm_args": ["--speculative-config", json.dumps(spec)] if spec else [],
+        # the drafter's method (train.method): a P-EAGLE spec says parallel_drafting
+        "method": fixed[0]["method"] if fixed else None,
+        "checked_by": checked["name"] if checked else "baseline",
+        "by_concurrency": by_c,
+        "never_slower_than_target": all(against_target(e) != SLOWER for e in by_c),
+    }
     if spec is None:
-        out["note"] = ("no draft length was faster than the target alone at any measured "
-                       "concurrency: serve without speculation")
+        out["note"] = (
+            "no draft length was faster than the target alone at any measured "
+            "concurrency: serve without speculation"
+        )
     return out
 
 
-def run_plan(ev: dict, drafter_dir: str | None = None,
-             mtp_layers: int = 0) -> tuple[list[dict], int]:
+def run_plan(
+    ev: dict, drafter_dir: str | None = None, mtp_layers: int = 0
+) -> tuple[list[dict], int]:
     """The stage's engine runs in order (the baseline first, which the others are measured
     against) and how many offline replays follow them (one per fixed-k drafter run and
     temperature). The drafter's runs are named by its method (:func:`drafter_method`:
@@ -105,17 +135,28 @@ def run_plan(ev: dict, drafter_dir: str | None = None,
     has chosen it."""
     plan = [{"name": "baseline", "method": "baseline"}]
     if ev["ngram"]:
-        plan.append({"name": f"{NGRAM.name}_k{ev['ngram_k']}", "method": NGRAM.name, "k": ev["ngram_k"],
-                     "extra": ev["ngram_config"]})
+        plan.append(
+            {
+                "name": f"{NGRAM.name}_k{ev['ngram_k']}",
+                "method": NGRAM.name,
+                "k": ev["ngram_k"],
+                "extra": ev["ngram_config"],
+            }
+        )
     if ev.get("mtp", True) and mtp_layers:
         plan.append({"name": f"{MTP.name}_k{mtp_layers}", "method": MTP.name, "k": mtp_layers})
     method = drafter_method(drafter_dir)
-    plan += [{"name": f"{method}_k{k}", "method": method, "k": k, "drafter": drafter_dir}
-             for k in ev["num_speculative_tokens"]]
+    plan += [
+        {"name": f"{method}_k{k}", "method": method, "k": k, "drafter": drafter_dir}
+        for k in ev["num_speculative_tokens"]
+    ]
     plan += compare_runs(ev, method)
     # every drafter's fixed-k runs at every temperature, this run's and the compared ones
-    replays = (len(fixed_k_runs(plan) + [r for r in plan if r.get("compare")])
-               * len(temperatures(ev)) if ev["offline"] else 0)
+    replays = (
+        len(fixed_k_runs(plan) + [r for r in plan if r.get("compare")]) * len(temperatures(ev))
+        if ev["offline"]
+        else 0
+    )
     return plan, replays
 
 
@@ -134,8 +175,17 @@ def compare_runs(ev: dict, own_method: str = DEFAULT.name) -> list[dict]:
     runs = []
     for i, (d, (method, label, words)) in enumerate(zip(dirs, kinds)):
         name = label if taken.count(label) == 1 else f"{label}_{i + 2}"
-        runs += [{"name": f"{name}_k{k}", "method": method, "k": k, "drafter": d,
-                  "compare": True, "kind": words} for k in ev["num_speculative_tokens"]]
+        runs += [
+            {
+                "name": f"{name}_k{k}",
+                "method": method,
+                "k": k,
+                "drafter": d,
+                "compare": True,
+                "kind": words,
+            }
+            for k in ev["num_speculative_tokens"]
+        ]
     return runs
 
 
@@ -147,4 +197,5 @@ def check_compare_drafters(ev: dict) -> None:
         if missing:
             raise EvaluationError(
                 f"evaluate.compare_drafters: {d} has no {' or '.join(missing)}: name an exported "
-                f"drafter directory (another run's results/drafter), or remove it from the list")
+                f"drafter directory (another run's results/drafter), or remove it from the list"
+            )

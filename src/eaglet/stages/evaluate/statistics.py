@@ -67,6 +67,7 @@ def _round_ratios(levels: list[dict], refs: list[dict]) -> list[float]:
     """The speedup round by round of ``levels`` (one, or every set's at one concurrency)
     over the target alone's same rounds ``refs``: round r's tokens over its wall time, pooled
     over the levels as the speedup itself is, against the target alone's round r."""
+
     def per_round(chosen: list[dict]) -> list[float]:
         tokens: dict[int, float] = defaultdict(float)
         wall: dict[int, float] = defaultdict(float)
@@ -75,6 +76,7 @@ def _round_ratios(levels: list[dict], refs: list[dict]) -> list[float]:
                 tokens[r] += part["output_tokens"]
                 wall[r] += part["wall_s"]
         return [tokens[r] / wall[r] for r in sorted(wall)]
+
     return [mine / theirs for mine, theirs in zip(per_round(levels), per_round(refs))]
 
 
@@ -87,10 +89,22 @@ def add_speedups(runs: list[dict], concurrencies: list[int], base: dict | None =
     speedups can be read back."""
     kept = None
     if base is not None:
-        kept = [{k: lv[k] for k in ("set", "concurrency", "output_tokens", "wall_s",
-                                    "output_tokens_per_s", "by_round", "mean_latency_s")
-                 if k in lv}
-                for lv in base["levels"]]
+        kept = [
+            {
+                k: lv[k]
+                for k in (
+                    "set",
+                    "concurrency",
+                    "output_tokens",
+                    "wall_s",
+                    "output_tokens_per_s",
+                    "by_round",
+                    "mean_latency_s",
+                )
+                if k in lv
+            }
+            for lv in base["levels"]
+        ]
     base = base or runs[0]
     ref_levels = {(lv["set"], lv["concurrency"]): lv for lv in base["levels"]}
     base_pooled = _pooled(base, concurrencies)
@@ -107,8 +121,13 @@ def add_speedups(runs: list[dict], concurrencies: list[int], base: dict | None =
             mine = [lv for lv in run["levels"] if lv["concurrency"] == c]
             refs = [ref_levels[(lv["set"], c)] for lv in mine]
             run["by_concurrency"].append(
-                {"concurrency": c, "output_tokens_per_s": tps, "speedup": tps / base_pooled[c],
-                 **speedup_interval(tps / base_pooled[c], _round_ratios(mine, refs))})
+                {
+                    "concurrency": c,
+                    "output_tokens_per_s": tps,
+                    "speedup": tps / base_pooled[c],
+                    **speedup_interval(tps / base_pooled[c], _round_ratios(mine, refs)),
+                }
+            )
 
 
 def step_ms(levels: list[dict]) -> float | None:
@@ -130,8 +149,9 @@ def methods_table(runs: list[dict], concurrencies: list[int]) -> list[dict]:
     target alone's; the minutes its training took where its directory says
     (``stats.json``)."""
     base = runs[0]
-    alone = {c: step_ms([lv for lv in base["levels"] if lv["concurrency"] == c])
-             for c in concurrencies}
+    alone = {
+        c: step_ms([lv for lv in base["levels"] if lv["concurrency"] == c]) for c in concurrencies
+    }
     rows = []
     for run in runs:
         if not is_drafter(run) or run.get("schedule"):
@@ -140,26 +160,36 @@ def methods_table(runs: list[dict], concurrencies: list[int]) -> list[dict]:
         for c in concurrencies:
             entry = at_concurrency(run, c) if run.get("by_concurrency") else {}
             mine = step_ms([lv for lv in run["levels"] if lv["concurrency"] == c])
-            by_c.append({"concurrency": c,
-                         **{key: entry.get(key) for key in ("speedup", "speedup_low",
-                                                              "speedup_high")},
-                         "step_ms": mine, "target_step_ms": alone[c],
-                         "step_over_target_ms": (mine - alone[c]) if mine and alone[c]
-                         else None})
+            by_c.append(
+                {
+                    "concurrency": c,
+                    **{key: entry.get(key) for key in ("speedup", "speedup_low", "speedup_high")},
+                    "step_ms": mine,
+                    "target_step_ms": alone[c],
+                    "step_over_target_ms": (mine - alone[c]) if mine and alone[c] else None,
+                }
+            )
         stats = Path(run.get("drafter") or ".", "stats.json")
         elapsed = read_json(stats).get("elapsed_s") if stats.is_file() else None
-        rows.append({"name": run["name"], "method": run["method"],
-                     "kind": run.get("kind") or (drafter_kind(run["drafter"])[2]
-                                                 if run.get("drafter")
-                                                 else words(run["method"])),
-                     "drafter": run.get("drafter"),
-                     "compared": bool(run.get("compare")), "k": run["k"],
-                     "temperature": run.get("temperature", 0.0),
-                     "acceptance_length": run["acceptance_length"],
-                     "acceptance_length_per_request": run.get("acceptance_length_per_request"),
-                     "per_position_rate": run["per_position_rate"],
-                     "by_concurrency": by_c,
-                     "training_minutes": elapsed / 60 if elapsed else None})
+        rows.append(
+            {
+                "name": run["name"],
+                "method": run["method"],
+                "kind": run.get("kind")
+                or (
+                    drafter_kind(run["drafter"])[2] if run.get("drafter") else words(run["method"])
+                ),
+                "drafter": run.get("drafter"),
+                "compared": bool(run.get("compare")),
+                "k": run["k"],
+                "temperature": run.get("temperature", 0.0),
+                "acceptance_length": run["acceptance_length"],
+                "acceptance_length_per_request": run.get("acceptance_length_per_request"),
+                "per_position_rate": run["per_position_rate"],
+                "by_concurrency": by_c,
+                "training_minutes": elapsed / 60 if elapsed else None,
+            }
+        )
     return rows
 
 

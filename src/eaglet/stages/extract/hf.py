@@ -38,10 +38,23 @@ from eaglet.core.progress import Progress
 from eaglet.data import shards
 from eaglet.target.checkpoint import load_text_config
 from eaglet.target.hooks import AuxCapture, decoder_layers
-from eaglet.target.states import (ExtractionError, ShardStates, Target, TeacherHead, check_disk,
-                                  estimate_bytes, packed_sequences, pick_device, predicting_rows,
-                                  record_shard, resolve_aux_layer_ids, sequence, shard_records,
-                                  target_identity, teacher_check)
+from eaglet.target.states import (
+    ExtractionError,
+    ShardStates,
+    Target,
+    TeacherHead,
+    check_disk,
+    estimate_bytes,
+    packed_sequences,
+    pick_device,
+    predicting_rows,
+    record_shard,
+    resolve_aux_layer_ids,
+    sequence,
+    shard_records,
+    target_identity,
+    teacher_check,
+)
 
 log = logging.getLogger("eaglet.stages.extract.hf")
 
@@ -63,27 +76,30 @@ def token_budget_batches(lengths: list[int], batch_tokens: int) -> list[list[int
     return batches
 
 
-def load_target(path: str, dtype: str, device: str = "auto",
-                trust_remote_code: bool = False) -> Target:
+def load_target(
+    path: str, dtype: str, device: str = "auto", trust_remote_code: bool = False
+) -> Target:
     from transformers import AutoModelForCausalLM
 
     if device == "sharded":  # split across every visible GPU (accelerate's device_map)
         log.info("loading the target %s in %s across the visible devices", path, dtype)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype),
-                                                     trust_remote_code=trust_remote_code,
-                                                     device_map="auto")
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code, device_map="auto"
+        )
         dev = model.get_input_embeddings().weight.device  # where the input ids go
         model.eval()
     else:
         dev = pick_device(device)
         log.info("loading the target %s in %s on %s", path, dtype, dev)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype),
-                                                     trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code
+        )
         model.to(dev).eval()
     config = model.config.get_text_config()
     lm_head = model.get_output_embeddings().weight.detach()
-    return Target(model, lm_head, dev, config.num_hidden_layers, config.hidden_size,
-                  lm_head.shape[0])
+    return Target(
+        model, lm_head, dev, config.num_hidden_layers, config.hidden_size, lm_head.shape[0]
+    )
 
 
 def right_padded(seqs: list[list[int]], device: torch.device) -> torch.Tensor:
@@ -98,7 +114,7 @@ def _padded_host(seqs: list[list[int]]) -> torch.Tensor:
     longest = max(len(s) for s in seqs)
     ids = torch.zeros(len(seqs), longest, dtype=torch.long)
     for row, s in enumerate(seqs):
-        ids[row, :len(s)] = torch.tensor(s)
+        ids[row, : len(s)] = torch.tensor(s)
     return ids
 
 
@@ -116,30 +132,32 @@ def packed_rows(lengths: list[int], longest: int) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def forward_batch(target: Target, capture: AuxCapture, seqs: list[list[int]]
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def forward_batch(
+    target: Target, capture: AuxCapture, seqs: list[list[int]]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The aux states [sum L, 3H] and final-norm states [sum L, H] of one right-padded batch,
     each packed on the device without padding, sample after sample. Nothing here waits for
     the device: the padding is dropped by a gather whose indices the host knows, and no
     attention mask is passed (so transformers has no mask to inspect), so the host queues
     the next batch while this one runs."""
     lengths = [len(s) for s in seqs]
-    ids, rows = _to_device([_padded_host(seqs), packed_rows(lengths, max(lengths))],
-                           target.device)
+    ids, rows = _to_device([_padded_host(seqs), packed_rows(lengths, max(lengths))], target.device)
     out = target.model.get_decoder()(input_ids=ids, use_cache=False)
-    final = out.last_hidden_state                        # [B, T, H], after the final norm
-    parts = capture.take()                               # the 3 aux states
+    final = out.last_hidden_state  # [B, T, H], after the final norm
+    parts = capture.take()  # the 3 aux states
     hidden = final.shape[-1]
     aux = torch.empty(rows.numel(), len(parts) * hidden, dtype=final.dtype, device=final.device)
     index = {rows.device: rows}
 
-    def gather(part: torch.Tensor) -> torch.Tensor:  # a sharded target's parts lie on several devices
+    def gather(
+        part: torch.Tensor,
+    ) -> torch.Tensor:  # a sharded target's parts lie on several devices
         if part.device not in index:
             index[part.device] = rows.to(part.device, non_blocking=True)
         return part.reshape(-1, hidden)[index[part.device]]
 
     for k, part in enumerate(parts):
-        aux[:, k * hidden:(k + 1) * hidden] = gather(part)
+        aux[:, k * hidden : (k + 1) * hidden] = gather(part)
     return aux, gather(final)
 
 
@@ -149,8 +167,12 @@ def stored_states(aux: torch.Tensor, final: torch.Tensor, dtype: str) -> dict[st
     if dtype == "fp8":
         aux_q, aux_scale = shards.quantize_fp8(aux, aux.shape[1] // final.shape[1])
         final_q, final_scale = shards.quantize_fp8(final, 1)
-        return {"aux_hidden": aux_q, "aux_scale": aux_scale, "final_hidden": final_q,
-                "final_scale": final_scale}
+        return {
+            "aux_hidden": aux_q,
+            "aux_scale": aux_scale,
+            "final_hidden": final_q,
+            "final_scale": final_scale,
+        }
     stored = shards.STORAGE_DTYPES[dtype]
     return {"aux_hidden": aux.to(stored), "final_hidden": final.to(stored)}
 
@@ -173,9 +195,17 @@ class BatchWriter:
 
     TEACHER = ("teacher_argmax", "teacher_logprob")
 
-    def __init__(self, out: shards.ShardFile, num_rows: int, capacity_rows: int,
-                 device: torch.device, depth: int = 2, staged: bool | None = None,
-                 done=None, overlap: bool = True):
+    def __init__(
+        self,
+        out: shards.ShardFile,
+        num_rows: int,
+        capacity_rows: int,
+        device: torch.device,
+        depth: int = 2,
+        staged: bool | None = None,
+        done=None,
+        overlap: bool = True,
+    ):
         if depth < 1:
             raise ValueError(f"depth must be at least 1, got {depth}")
         self.out, self.capacity, self.done = out, capacity_rows, done
@@ -184,7 +214,9 @@ class BatchWriter:
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.argmax = torch.full((num_rows,), -1, dtype=torch.int64)
         self.logprob = torch.full((num_rows,), float("nan"), dtype=torch.float32)
-        self.slots: list[dict[str, torch.Tensor]] = [{} for _ in range(depth)] if self.staged else []
+        self.slots: list[dict[str, torch.Tensor]] = (
+            [{} for _ in range(depth)] if self.staged else []
+        )
         self.free: queue.Queue = queue.Queue()
         for slot in range(len(self.slots)):
             self.free.put(slot)
@@ -195,8 +227,13 @@ class BatchWriter:
         if overlap:
             self.thread.start()
 
-    def put(self, tensors: dict[str, torch.Tensor], places: list[tuple[int, int, int]],
-            teacher_rows: torch.Tensor, info=None) -> None:
+    def put(
+        self,
+        tensors: dict[str, torch.Tensor],
+        places: list[tuple[int, int, int]],
+        teacher_rows: torch.Tensor,
+        info=None,
+    ) -> None:
         """One batch: ``places`` (shard row, first row in the batch, rows) per sample;
         ``teacher_rows`` the shard rows of the teacher's values, in their order."""
         self._raise()
@@ -214,13 +251,15 @@ class BatchWriter:
             for name, t in tensors.items():
                 if name not in host:
                     rows = self.capacity
-                    host[name] = torch.empty((rows, *t.shape[1:]), dtype=t.dtype, pin_memory=self.cuda)
-                host[name][:t.shape[0]].copy_(t, non_blocking=self.cuda)
+                    host[name] = torch.empty(
+                        (rows, *t.shape[1:]), dtype=t.dtype, pin_memory=self.cuda
+                    )
+                host[name][: t.shape[0]].copy_(t, non_blocking=self.cuda)
             if self.cuda:
                 event = torch.cuda.Event()
                 event.record(self.stream)
         # the device tensors are kept until their copy is done: then their memory may go
-        views = {name: host[name][:t.shape[0]] for name, t in tensors.items()}
+        views = {name: host[name][: t.shape[0]] for name, t in tensors.items()}
         self._queue((views, event, slot, places, teacher_rows, (info, tensors)))
 
     def _take_slot(self) -> int:
@@ -270,7 +309,7 @@ class BatchWriter:
             if name in self.TEACHER:
                 continue
             for row, start, count in places:
-                self.out.write(name, row, t[start:start + count])
+                self.out.write(name, row, t[start : start + count])
         if "teacher_argmax" in tensors and teacher_rows.numel():
             self.argmax[teacher_rows] = tensors["teacher_argmax"]
             self.logprob[teacher_rows] = tensors["teacher_logprob"]
@@ -308,10 +347,18 @@ class OpenShard:
     logprob: torch.Tensor
 
 
-def stream_shard(target: Target, records: list[dict], cfg: dict, aux_layer_ids: list[int],
-                 identity: dict, shard_path: str | os.PathLike,
-                 progress: Progress | None = None, depth: int = 2,
-                 staged: bool | None = None, overlap: bool = True) -> OpenShard:
+def stream_shard(
+    target: Target,
+    records: list[dict],
+    cfg: dict,
+    aux_layer_ids: list[int],
+    identity: dict,
+    shard_path: str | os.PathLike,
+    progress: Progress | None = None,
+    depth: int = 2,
+    staged: bool | None = None,
+    overlap: bool = True,
+) -> OpenShard:
     """Run the target over one shard's sequences and stream their states into the shard file.
 
     Batches run longest first (token-budget batches); each batch's states are cast (or
@@ -326,11 +373,13 @@ def stream_shard(target: Target, records: list[dict], cfg: dict, aux_layer_ids: 
     next_ids = torch.roll(input_ids, -1)
     lengths = [len(s) for s in plan.seqs]
     starts = offsets[:-1].tolist()
-    fields = [*shards.state_fields(len(input_ids), target.hidden_size, len(aux_layer_ids),
-                                   cfg["dtype"]),
-              shards.Field("offsets", torch.int64, (offsets.numel(),))]
-    metadata = shards.shard_metadata(cfg["dtype"], target.hidden_size, aux_layer_ids,
-                                     [r["id"] for r in records], identity)
+    fields = [
+        *shards.state_fields(len(input_ids), target.hidden_size, len(aux_layer_ids), cfg["dtype"]),
+        shards.Field("offsets", torch.int64, (offsets.numel(),)),
+    ]
+    metadata = shards.shard_metadata(
+        cfg["dtype"], target.hidden_size, aux_layer_ids, [r["id"] for r in records], identity
+    )
     out = shards.ShardFile(shard_path, fields, metadata)
     try:
         batches = token_budget_batches(lengths, cfg["batch_tokens"])
@@ -340,8 +389,16 @@ def stream_shard(target: Target, records: list[dict], cfg: dict, aux_layer_ids: 
             if progress is not None:
                 progress.advance(done=len(places), tokens=sum(n for _, _, n in places))
 
-        writer = BatchWriter(out, len(input_ids), capacity, target.device, depth, staged,
-                             done=advanced, overlap=overlap)
+        writer = BatchWriter(
+            out,
+            len(input_ids),
+            capacity,
+            target.device,
+            depth,
+            staged,
+            done=advanced,
+            overlap=overlap,
+        )
         head = TeacherHead(target.lm_head)
         capture = AuxCapture(decoder_layers(target.model), aux_layer_ids)
         try:
@@ -350,14 +407,17 @@ def stream_shard(target: Target, records: list[dict], cfg: dict, aux_layer_ids: 
                 tensors = stored_states(aux, final, cfg["dtype"])
                 del aux, final
                 # the teacher as training will see it: from the stored final states
-                shard_rows = torch.cat([torch.arange(starts[i], starts[i] + lengths[i])
-                                        for i in batch])
+                shard_rows = torch.cat(
+                    [torch.arange(starts[i], starts[i] + lengths[i]) for i in batch]
+                )
                 local = predicting[shard_rows].nonzero().squeeze(1)
                 stored_final = shards.to_float(tensors["final_hidden"], tensors.get("final_scale"))
-                index, predicted = _to_device([local, next_ids[shard_rows[local]]],
-                                              stored_final.device)
+                index, predicted = _to_device(
+                    [local, next_ids[shard_rows[local]]], stored_final.device
+                )
                 tensors["teacher_argmax"], tensors["teacher_logprob"] = head.on_device(
-                    stored_final[index], predicted)
+                    stored_final[index], predicted
+                )
                 del stored_final
                 places, at = [], 0
                 for i in batch:
@@ -374,9 +434,16 @@ def stream_shard(target: Target, records: list[dict], cfg: dict, aux_layer_ids: 
         raise
 
 
-def finish_shard(target: Target, shard: OpenShard, cfg: dict, aux_layer_ids: list[int],
-                 identity: dict, shard_path: str | os.PathLike, meta_path: str | os.PathLike,
-                 backend: str = "hf") -> dict:
+def finish_shard(
+    target: Target,
+    shard: OpenShard,
+    cfg: dict,
+    aux_layer_ids: list[int],
+    identity: dict,
+    shard_path: str | os.PathLike,
+    meta_path: str | os.PathLike,
+    backend: str = "hf",
+) -> dict:
     """Write a streamed shard's token ids, masks, offsets and teacher, check the teacher,
     close the file (digest, fsync, rename) and write its sidecar JSON; raise below the
     teacher-agreement threshold (the shard stays, as :func:`write_shard` leaves it)."""
@@ -386,32 +453,64 @@ def finish_shard(target: Target, shard: OpenShard, cfg: dict, aux_layer_ids: lis
         out.write("loss_mask", 0, shard.loss_mask)
         out.write("offsets", 0, shard.offsets)
         out.write("teacher_argmax", 0, shard.argmax)
-        check = teacher_check(shard.plan.records, shard.input_ids, shard.loss_mask, shard.offsets,
-                              shard.argmax, shard.logprob)
+        check = teacher_check(
+            shard.plan.records,
+            shard.input_ids,
+            shard.loss_mask,
+            shard.offsets,
+            shard.argmax,
+            shard.logprob,
+        )
         written = out.close()
     except BaseException:
         out.abort()
         raise
-    return record_shard(target.hidden_size, shard.plan.records, shard.plan.truncated,
-                        shard.input_ids, shard.loss_mask, written, check, cfg, aux_layer_ids,
-                        identity, shard_path, meta_path, backend, shard.plan.started)
+    return record_shard(
+        target.hidden_size,
+        shard.plan.records,
+        shard.plan.truncated,
+        shard.input_ids,
+        shard.loss_mask,
+        written,
+        check,
+        cfg,
+        aux_layer_ids,
+        identity,
+        shard_path,
+        meta_path,
+        backend,
+        shard.plan.started,
+    )
 
 
-def extract_shard(target: Target, records: list[dict], cfg: dict, aux_layer_ids: list[int],
-                  identity: dict, shard_path: str | os.PathLike, meta_path: str | os.PathLike,
-                  progress: Progress | None = None, backend: str = "hf") -> dict:
+def extract_shard(
+    target: Target,
+    records: list[dict],
+    cfg: dict,
+    aux_layer_ids: list[int],
+    identity: dict,
+    shard_path: str | os.PathLike,
+    meta_path: str | os.PathLike,
+    progress: Progress | None = None,
+    backend: str = "hf",
+) -> dict:
     """Extract one shard and its sidecar JSON (:func:`stream_shard`, :func:`finish_shard`);
     raise below the teacher-agreement threshold."""
     shard = stream_shard(target, records, cfg, aux_layer_ids, identity, shard_path, progress)
-    return finish_shard(target, shard, cfg, aux_layer_ids, identity, shard_path, meta_path,
-                        backend)
+    return finish_shard(target, shard, cfg, aux_layer_ids, identity, shard_path, meta_path, backend)
 
 
 # -- the stage -------------------------------------------------------------------------------
 
-def extract_shards(target: Target, parts: list[tuple[list[dict], str | os.PathLike, str | os.PathLike]],
-                   cfg: dict, aux_layer_ids: list[int], identity: dict,
-                   progress: Progress | None = None) -> list[dict]:
+
+def extract_shards(
+    target: Target,
+    parts: list[tuple[list[dict], str | os.PathLike, str | os.PathLike]],
+    cfg: dict,
+    aux_layer_ids: list[int],
+    identity: dict,
+    progress: Progress | None = None,
+) -> list[dict]:
     """:func:`extract_shard` for each ``(records, shard_path, meta_path)`` of ``parts`` in
     turn, each shard's last blocks digested, fsynced and recorded in a second thread while the
     next shard's batches run (one shard finishing at a time). The first error raised is raised
@@ -420,12 +519,14 @@ def extract_shards(target: Target, parts: list[tuple[list[dict], str | os.PathLi
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-finish") as finisher:
         finishing = None
         for records, shard_path, meta_path in parts:
-            shard = stream_shard(target, records, cfg, aux_layer_ids, identity, shard_path,
-                                 progress)
+            shard = stream_shard(
+                target, records, cfg, aux_layer_ids, identity, shard_path, progress
+            )
             if finishing is not None:
                 metas.append(finishing.result())
-            finishing = finisher.submit(finish_shard, target, shard, cfg, aux_layer_ids,
-                                        identity, shard_path, meta_path)
+            finishing = finisher.submit(
+                finish_shard, target, shard, cfg, aux_layer_ids, identity, shard_path, meta_path
+            )
             del shard
         if finishing is not None:
             metas.append(finishing.result())
@@ -443,16 +544,36 @@ class ShardJob:
     meta: str
 
 
-def run_shard(cfg: dict, target_json: str, data_path: str, index: int, num_shards: int,
-              shard_path: str, meta_path: str, progress_path: str | None = None,
-              log_path: str | None = None) -> dict:
+def run_shard(
+    cfg: dict,
+    target_json: str,
+    data_path: str,
+    index: int,
+    num_shards: int,
+    shard_path: str,
+    meta_path: str,
+    progress_path: str | None = None,
+    log_path: str | None = None,
+) -> dict:
     """The ``extract`` rule for one shard (``cfg`` holds ``extract`` and ``target``)."""
-    return run_shards(cfg, target_json, [ShardJob(data_path, num_shards, index, shard_path, meta_path)],
-                      progress_path, log_path, name=f"extract[{index}]")[0]
+    return run_shards(
+        cfg,
+        target_json,
+        [ShardJob(data_path, num_shards, index, shard_path, meta_path)],
+        progress_path,
+        log_path,
+        name=f"extract[{index}]",
+    )[0]
 
 
-def run_shards(cfg: dict, target_json: str, jobs: list[ShardJob], progress_path: str | None = None,
-               log_path: str | None = None, name: str = "extract") -> list[dict]:
+def run_shards(
+    cfg: dict,
+    target_json: str,
+    jobs: list[ShardJob],
+    progress_path: str | None = None,
+    log_path: str | None = None,
+    name: str = "extract",
+) -> list[dict]:
     """Several shards from one job (``extract.jobs: one``; one shard for the ``extract`` rule):
     the target loaded once, the shards extracted by :func:`extract_shards` (each write beside
     the next shard's forward)."""
@@ -465,37 +586,64 @@ def run_shards(cfg: dict, target_json: str, jobs: list[ShardJob], progress_path:
     records = [shard_records(data[job.data], job.num_shards, job.index) for job in jobs]
     for job, recs in zip(jobs, records):
         if job.num_shards > len(data[job.data]) and data[job.data]:
-            log.warning("%d shards for %d samples: some shards are empty (lower extract.num_shards)",
-                        job.num_shards, len(data[job.data]))
+            log.warning(
+                "%d shards for %d samples: some shards are empty (lower extract.num_shards)",
+                job.num_shards,
+                len(data[job.data]),
+            )
         if not recs:
             held_out = Path(job.shard).parent.name == "eval"
             raise ExtractionError(
                 f"{'held-out ' if held_out else ''}shard {job.index} of {job.num_shards} has no "
                 f"samples: lower extract.{'num_eval_shards' if held_out else 'num_shards'} to at "
-                f"most the number of {'held-out ' if held_out else ''}samples")
+                f"most the number of {'held-out ' if held_out else ''}samples"
+            )
     # every shard of each split not yet on disk: its other shards may be written beside this job
     splits = {(Path(job.shard).parent, job.data, job.num_shards) for job in jobs}
-    needed = sum(estimate_bytes(shard_records(data[d], count, i), ext["max_len"],
-                                hidden_size_of(info), ext["dtype"])
-                 for directory, d, count in splits for i in range(count)
-                 if not shards.shard_path(directory, i).exists())
+    needed = sum(
+        estimate_bytes(
+            shard_records(data[d], count, i), ext["max_len"], hidden_size_of(info), ext["dtype"]
+        )
+        for directory, d, count in splits
+        for i in range(count)
+        if not shards.shard_path(directory, i).exists()
+    )
     check_disk(Path(jobs[0].shard).parent, needed)  # before minutes of loading a large model
-    target = load_target(info["path"], cfg["target"]["dtype"], ext["device"],
-                         cfg["target"].get("trust_remote_code", False))
+    target = load_target(
+        info["path"],
+        cfg["target"]["dtype"],
+        ext["device"],
+        cfg["target"].get("trust_remote_code", False),
+    )
     aux_ids = resolve_aux_layer_ids(ext["aux_layer_ids"], target.num_layers)
     progress = Progress(name, total=sum(map(len, records)), path=progress_path, log_path=log_path)
     started = time.monotonic()
-    metas = extract_shards(target, [(recs, job.shard, job.meta) for job, recs in zip(jobs, records)],
-                           ext, aux_ids, target_identity(info), progress)
+    metas = extract_shards(
+        target,
+        [(recs, job.shard, job.meta) for job, recs in zip(jobs, records)],
+        ext,
+        aux_ids,
+        target_identity(info),
+        progress,
+    )
     progress.report("finished")
     tokens = sum(m["tokens"] for m in metas)
     elapsed = time.monotonic() - started
     rates.record("extract", info["spec"], tokens_per_s=tokens / elapsed if elapsed else None)
     for job, meta in zip(jobs, metas):
-        log.info("shard %s: %d samples, %d tokens (%d truncated), %.1f MB, %.0f tokens/s, teacher "
-                 "agreement %s", job.shard, meta["num_samples"], meta["tokens"], meta["truncated"],
-                 meta["bytes"] / 1e6, meta["tokens_per_s"] or 0,
-                 f"{meta['teacher']['agreement']:.4f}" if meta["teacher"]["agreement"] is not None else "-")
+        log.info(
+            "shard %s: %d samples, %d tokens (%d truncated), %.1f MB, %.0f tokens/s, teacher "
+            "agreement %s",
+            job.shard,
+            meta["num_samples"],
+            meta["tokens"],
+            meta["truncated"],
+            meta["bytes"] / 1e6,
+            meta["tokens_per_s"] or 0,
+            f"{meta['teacher']['agreement']:.4f}"
+            if meta["teacher"]["agreement"] is not None
+            else "-",
+        )
     return metas
 
 

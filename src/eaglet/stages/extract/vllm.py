@@ -43,15 +43,32 @@ from eaglet.core.dtypes import BYTES
 from eaglet.core.io import hold_directory, read_json, read_jsonl, request_path
 from eaglet.core.layout import SHARD_GLOB
 from eaglet.core.progress import Progress
-from eaglet.engine.capture import (Extractor, PartTimes, capture_layer_ids, remove_request,
-                                   split_states)
+from eaglet.engine.capture import (
+    Extractor,
+    PartTimes,
+    capture_layer_ids,
+    remove_request,
+    split_states,
+)
 from eaglet.engine.server import VLLMServer
 from eaglet.target.checkpoint import load_head
 from eaglet.target.norm import FinalNorm
-from eaglet.target.states import (ExtractionError, ShardStates, ShardTeacher, Target,
-                                  TeacherHead, check_disk, enforce_agreement, estimate_bytes,
-                                  resolve_aux_layer_ids, sequence, shard_problem,
-                                  shard_records, target_identity, write_shard)
+from eaglet.target.states import (
+    ExtractionError,
+    ShardStates,
+    ShardTeacher,
+    Target,
+    TeacherHead,
+    check_disk,
+    enforce_agreement,
+    estimate_bytes,
+    resolve_aux_layer_ids,
+    sequence,
+    shard_problem,
+    shard_records,
+    target_identity,
+    write_shard,
+)
 
 log = logging.getLogger("eaglet.stages.extract.vllm")
 
@@ -64,6 +81,7 @@ RATE_PREFILL, RATE_PACK = "extract_vllm", "extract_pack"
 class StagedShard:
     """One shard this backend writes: its samples, its final paths and the staging paths it
     is packed to first (kept for a rerun: :func:`publish`)."""
+
     label: str
     records: list[dict]
     shard_path: Path
@@ -76,6 +94,7 @@ class StagedShard:
 class ShardPacker:
     """One shard's states as its sequences come in, in order: split and normed, the teacher
     check's chunks computed as soon as their rows are there; :meth:`finish` writes it."""
+
     job: StagedShard
     target: Target
     ext: dict
@@ -118,15 +137,29 @@ class ShardPacker:
             teacher = self.teacher.finish()
         self.job.staged_path.parent.mkdir(parents=True, exist_ok=True)
         with times.part("writing"):
-            return write_shard(self.target, self.got, self.ext, self.aux_layer_ids,
-                               self.identity, self.job.staged_path, self.job.staged_meta_path,
-                               backend="vllm", teacher=teacher,
-                               captured_during_generation=captured_during_generation)
+            return write_shard(
+                self.target,
+                self.got,
+                self.ext,
+                self.aux_layer_ids,
+                self.identity,
+                self.job.staged_path,
+                self.job.staged_meta_path,
+                backend="vllm",
+                teacher=teacher,
+                captured_during_generation=captured_during_generation,
+            )
 
 
-def pack_shards(extractor: Extractor, jobs: list[StagedShard], target: Target, ext: dict,
-                aux_layer_ids: list[int], identity: dict, progress: Progress | None
-                ) -> list[dict]:
+def pack_shards(
+    extractor: Extractor,
+    jobs: list[StagedShard],
+    target: Target,
+    ext: dict,
+    aux_layer_ids: list[int],
+    identity: dict,
+    progress: Progress | None,
+) -> list[dict]:
     """Write the shards of ``jobs`` to their staging paths: the sequences of all of them
     streamed in order through ``extractor``'s one request window (:meth:`Extractor.stream`),
     each shard checked and written by the packing thread as soon as its last sequence is in,
@@ -134,8 +167,12 @@ def pack_shards(extractor: Extractor, jobs: list[StagedShard], target: Target, e
     if not jobs:
         return []
     head = TeacherHead(target.lm_head)
-    packers = [ShardPacker(job, target, ext, aux_layer_ids, extractor.layer_ids, extractor.norm,
-                           identity, head) for job in jobs]
+    packers = [
+        ShardPacker(
+            job, target, ext, aux_layer_ids, extractor.layer_ids, extractor.norm, identity, head
+        )
+        for job in jobs
+    ]
     owner = [p for p in packers for _ in p.got.seqs]
     # request i of shard j waits until shard j-2 is written: the window runs at most one
     # shard ahead of the shard being packed
@@ -152,27 +189,43 @@ def pack_shards(extractor: Extractor, jobs: list[StagedShard], target: Target, e
         if not packer.complete:
             return
         job = packer.job
-        meta = packer.finish(extractor.captured_during_generation(job.records),
-                             extractor.times)
+        meta = packer.finish(extractor.captured_during_generation(job.records), extractor.times)
         packer.got = None  # the states of the next shard take its place
         for record in job.records:  # packed: the per-request files are not needed again
             remove_request(request_path(extractor.requests, record["id"]))
-        log.info("%s: %d samples, %d tokens, %.0f tokens/s, teacher agreement %s",
-                 job.label, meta["num_samples"], meta["tokens"], meta["tokens_per_s"] or 0,
-                 _fmt(meta["teacher"]["agreement"]))
+        log.info(
+            "%s: %d samples, %d tokens, %.0f tokens/s, teacher agreement %s",
+            job.label,
+            meta["num_samples"],
+            meta["tokens"],
+            meta["tokens_per_s"] or 0,
+            _fmt(meta["teacher"]["agreement"]),
+        )
         metas.append(meta)
         last[0] = time.monotonic()
 
     records = [r for job in jobs for r in job.records]
-    extractor.stream([r["id"] for r in records], [s for p in packers for s in p.got.seqs],
-                     [request_path(extractor.requests, r["id"]) for r in records], consume,
-                     progress, ahead)
+    extractor.stream(
+        [r["id"] for r in records],
+        [s for p in packers for s in p.got.seqs],
+        [request_path(extractor.requests, r["id"]) for r in records],
+        consume,
+        progress,
+        ahead,
+    )
     return metas
 
 
-def capture_shards(cfg: dict, info: dict, jobs: list[StagedShard], work_dir: Path,
-                   server_log: str | os.PathLike, progress: Progress | None = None,
-                   server: VLLMServer | None = None, stats: dict | None = None) -> list[dict]:
+def capture_shards(
+    cfg: dict,
+    info: dict,
+    jobs: list[StagedShard],
+    work_dir: Path,
+    server_log: str | os.PathLike,
+    progress: Progress | None = None,
+    server: VLLMServer | None = None,
+    stats: dict | None = None,
+) -> list[dict]:
     """Write every shard of ``jobs`` with one capture server (started only if some shard
     needs it, unless a running ``server`` with the capture options of
     :func:`eaglet.engine.capture.capture_server` for ``<work_dir>/requests`` is given) and
@@ -186,9 +239,12 @@ def capture_shards(cfg: dict, info: dict, jobs: list[StagedShard], work_dir: Pat
     identity = target_identity(info)
     expected = {"aux_layer_ids": aux_ids, "dtype": ext["dtype"], "target": identity}
     todo = [job for job in jobs if staged_problem(job, expected, ext["max_len"])]
-    needed = sum(estimate_bytes(job.records, ext["max_len"], target.hidden_size, ext["dtype"])
-                 for job in todo) + request_bytes(todo, ext["max_len"], len(layer_ids),
-                                                  target.hidden_size, cfg["target"]["dtype"])
+    needed = sum(
+        estimate_bytes(job.records, ext["max_len"], target.hidden_size, ext["dtype"])
+        for job in todo
+    ) + request_bytes(
+        todo, ext["max_len"], len(layer_ids), target.hidden_size, cfg["target"]["dtype"]
+    )
     check_disk(work_dir, needed)
     if progress is not None:
         progress.restart(already_done=sum(len(j.records) for j in jobs if j not in todo))
@@ -242,14 +298,23 @@ def publish(staged: Path, final: Path) -> None:
         os.replace(staged, final)
 
 
-def request_bytes(jobs: list[StagedShard], max_len: int, layers: int, hidden: int,
-                  dtype: str) -> int:
+def request_bytes(
+    jobs: list[StagedShard], max_len: int, layers: int, hidden: int, dtype: str
+) -> int:
     """The most the request files the server saves hold at once: every captured layer of
     every token, in the served dtype, for the two largest shards (the request window runs at
     most one shard ahead of the one being packed)."""
     width = BYTES.get(dtype, 2)  # auto: counted as bfloat16
-    tokens = sorted((sum(min(len(r["prompt_token_ids"]) + len(r["completion_token_ids"]),
-                             max_len) for r in job.records) for job in jobs), reverse=True)
+    tokens = sorted(
+        (
+            sum(
+                min(len(r["prompt_token_ids"]) + len(r["completion_token_ids"]), max_len)
+                for r in job.records
+            )
+            for job in jobs
+        ),
+        reverse=True,
+    )
     return sum(tokens[:2]) * layers * hidden * width
 
 
@@ -259,8 +324,10 @@ def staged_problem(job: StagedShard, expected: dict, max_len: int) -> str | None
     if problem:
         return problem
     meta = read_json(job.staged_meta_path)
-    tokens = sum(min(len(r["prompt_token_ids"]) + len(r["completion_token_ids"]), max_len)
-                 for r in job.records)
+    tokens = sum(
+        min(len(r["prompt_token_ids"]) + len(r["completion_token_ids"]), max_len)
+        for r in job.records
+    )
     if meta["samples"] != [r["id"] for r in job.records] or meta["tokens"] != tokens:
         return "it holds other samples or sequences (the synthetic data or max_len changed)"
     return None
@@ -270,26 +337,47 @@ def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.4f}"
 
 
-def staged_shards(records: list[dict], num_shards: int, shard_paths: list[str],
-                  meta_paths: list[str], work_dir: Path, split: str) -> list[StagedShard]:
+def staged_shards(
+    records: list[dict],
+    num_shards: int,
+    shard_paths: list[str],
+    meta_paths: list[str],
+    work_dir: Path,
+    split: str,
+) -> list[StagedShard]:
     """The shards of one split (contiguous blocks of its records, as the hf backend)."""
     jobs = []
     for index, (shard, meta) in enumerate(zip(shard_paths, meta_paths)):
         staged = work_dir / "shards" / split / Path(shard).name
-        jobs.append(StagedShard(f"{split} shard {index}",
-                                shard_records(records, num_shards, index), Path(shard),
-                                Path(meta), staged, staged.with_suffix(".json")))
+        jobs.append(
+            StagedShard(
+                f"{split} shard {index}",
+                shard_records(records, num_shards, index),
+                Path(shard),
+                Path(meta),
+                staged,
+                staged.with_suffix(".json"),
+            )
+        )
     empty = [j.label for j in jobs if not j.records]
     if empty:
         setting = "num_eval_shards" if split == "eval" else "num_shards"
-        raise ExtractionError(f"{', '.join(empty)} of {num_shards} would hold no samples: lower "
-                              f"extract.{setting} to at most the number of {split} samples")
+        raise ExtractionError(
+            f"{', '.join(empty)} of {num_shards} would hold no samples: lower "
+            f"extract.{setting} to at most the number of {split} samples"
+        )
     return jobs
 
 
-def run_stage(cfg: dict, target_json: str, splits: dict[str, dict], work_dir: str,
-              server_log: str, progress_path: str | None = None,
-              log_path: str | None = None) -> list[dict]:
+def run_stage(
+    cfg: dict,
+    target_json: str,
+    splits: dict[str, dict],
+    work_dir: str,
+    server_log: str,
+    progress_path: str | None = None,
+    log_path: str | None = None,
+) -> list[dict]:
     """The ``extract_vllm`` rule: every shard of every split (``splits`` maps a split name to
     its ``data`` file and its ``shards`` and ``metas`` paths) with one server."""
 
@@ -298,8 +386,9 @@ def run_stage(cfg: dict, target_json: str, splits: dict[str, dict], work_dir: st
     jobs = []
     for split, files in splits.items():
         records = read_jsonl(files["data"])
-        jobs += staged_shards(records, len(files["shards"]), files["shards"], files["metas"], work,
-                           split)
+        jobs += staged_shards(
+            records, len(files["shards"]), files["shards"], files["metas"], work, split
+        )
     total = sum(len(j.records) for j in jobs)
     progress = Progress("extract", total=total, path=progress_path, log_path=log_path)
     started = time.monotonic()
@@ -317,14 +406,21 @@ def run_stage(cfg: dict, target_json: str, splits: dict[str, dict], work_dir: st
                 f"{free / 2**30:.2f} GiB free now. The "
                 f"shards packed so far are kept under {work / 'shards'} and the saved requests "
                 f"under {work / 'requests'}: free space (or point results_dir at a larger disk, "
-                f"or store fp8 shards, extract.dtype: fp8) and rerun to go on from there.") \
-                from None
+                f"or store fp8 shards, extract.dtype: fp8) and rerun to go on from there."
+            ) from None
     run = progress.report("finished")
     if run["done"] > run["resumed_from"]:  # prefill and packing run at rates of their own
-        rates.record(RATE_PREFILL if stats["server_started"] else RATE_PACK, info["spec"],
-                     settings=rates.prefill_settings(cfg) if stats["server_started"] else None,
-                     tokens_per_s=run["tokens_per_s"])
-    log.info("%d shards, %d samples, %d tokens in %.0f s", len(metas),
-             sum(m["num_samples"] for m in metas), sum(m["tokens"] for m in metas),
-             time.monotonic() - started)
+        rates.record(
+            RATE_PREFILL if stats["server_started"] else RATE_PACK,
+            info["spec"],
+            settings=rates.prefill_settings(cfg) if stats["server_started"] else None,
+            tokens_per_s=run["tokens_per_s"],
+        )
+    log.info(
+        "%d shards, %d samples, %d tokens in %.0f s",
+        len(metas),
+        sum(m["num_samples"] for m in metas),
+        sum(m["tokens"] for m in metas),
+        time.monotonic() - started,
+    )
     return metas

@@ -49,16 +49,26 @@ class Best:
         evaluations from here on compete, and the log says so."""
         self.record, self.since = state.get("best"), state.get("best_since", 0)
         evaluated = any(row["split"] == "eval" for row in rows)
-        if self.record is not None and ckpt.best_path(self.checkpoint_dir, self.record,
-                                                      self.fingerprint) is not None:
+        if (
+            self.record is not None
+            and ckpt.best_path(self.checkpoint_dir, self.record, self.fingerprint) is not None
+        ):
             return
         if self.record is None and not evaluated:
             return
-        lost = (f"step {self.record['step']}, simulated AL {self.record['sim_al']:.3f}"
-                if self.record else "the checkpoint predates kept best weights")
-        log.warning("the weights of the best held-out evaluation before step %d (%s) are not in "
-                    "%s: the drafter is chosen among the held-out evaluations from step %d on",
-                    step, lost, self.checkpoint_dir, step)
+        lost = (
+            f"step {self.record['step']}, simulated AL {self.record['sim_al']:.3f}"
+            if self.record
+            else "the checkpoint predates kept best weights"
+        )
+        log.warning(
+            "the weights of the best held-out evaluation before step %d (%s) are not in "
+            "%s: the drafter is chosen among the held-out evaluations from step %d on",
+            step,
+            lost,
+            self.checkpoint_dir,
+            step,
+        )
         self.record, self.since = None, step
 
     def ship(self, model: torch.nn.Module, rows: list[dict], step: int) -> dict:
@@ -68,29 +78,44 @@ class Best:
         evals = [row for row in rows if row["split"] == "eval"]
         last = evals[-1] if evals else (rows[-1] if rows else {"epoch": 0})
         best = self.record
-        choice = {"choice": "last", "step": step, "epoch": last["epoch"],
-                  "heldout_al": evals[-1]["sim_al"] if evals else None,
-                  "best_step": best and best["step"], "best_epoch": best and best["epoch"],
-                  "best_heldout_al": best and best["sim_al"], "last_epoch": last["epoch"],
-                  "last_epoch_al": evals[-1]["sim_al"] if evals else None,
-                  "chosen_from_step": self.since}
+        choice = {
+            "choice": "last",
+            "step": step,
+            "epoch": last["epoch"],
+            "heldout_al": evals[-1]["sim_al"] if evals else None,
+            "best_step": best and best["step"],
+            "best_epoch": best and best["epoch"],
+            "best_heldout_al": best and best["sim_al"],
+            "last_epoch": last["epoch"],
+            "last_epoch_al": evals[-1]["sim_al"] if evals else None,
+            "chosen_from_step": self.since,
+        }
         if not evals:
-            note = ("no held-out split, so no held-out simulated AL to choose by: the last "
-                    f"weights ship ({where(choice)})")
+            note = (
+                "no held-out split, so no held-out simulated AL to choose by: the last "
+                f"weights ship ({where(choice)})"
+            )
         elif best is None:  # resumed at the end, the best's weights gone
-            note = (f"the best held-out weights before step {self.since} are gone: the "
-                    f"last weights ship ({where(choice)}, held-out simulated AL "
-                    f"{last['sim_al']:.3f})")
+            note = (
+                f"the best held-out weights before step {self.since} are gone: the "
+                f"last weights ship ({where(choice)}, held-out simulated AL "
+                f"{last['sim_al']:.3f})"
+            )
         elif best["step"] == step:
-            note = (f"the last weights ship ({where(choice)}): their held-out simulated AL "
-                    f"{last['sim_al']:.3f} is the best")
+            note = (
+                f"the last weights ship ({where(choice)}): their held-out simulated AL "
+                f"{last['sim_al']:.3f} is the best"
+            )
         else:
             model.load_state_dict(ckpt.load_best(self.weights()))
-            choice.update(choice="best", step=best["step"], epoch=best["epoch"],
-                          heldout_al=best["sim_al"])
-            note = (f"the best held-out weights ship ({where(choice)}): held-out simulated AL "
-                    f"{best['sim_al']:.3f}, against {last['sim_al']:.3f} at the last "
-                    f"evaluation ({where(last)})")
+            choice.update(
+                choice="best", step=best["step"], epoch=best["epoch"], heldout_al=best["sim_al"]
+            )
+            note = (
+                f"the best held-out weights ship ({where(choice)}): held-out simulated AL "
+                f"{best['sim_al']:.3f}, against {last['sim_al']:.3f} at the last "
+                f"evaluation ({where(last)})"
+            )
         if self.since and best is not None:
             note += f"; chosen among the evaluations from step {self.since} on"
         choice["note"] = note
@@ -104,5 +129,6 @@ class Best:
             raise TrainError(
                 f"the weights of the best held-out evaluation (step {self.record['step']}) are "
                 f"missing from {self.checkpoint_dir} or are of another training: rerun with "
-                f"train.resume: false to train again")
+                f"train.resume: false to train again"
+            )
         return path

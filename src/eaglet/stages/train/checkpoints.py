@@ -35,10 +35,24 @@ log = logging.getLogger("eaglet.stages.train.loop")
 
 # keys that may change between a run and its resumption without changing the result
 # (attention: another kernel for the same math)
-RESUME_FREE = {"log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "resume",
-               "device", "precision", "export_dtype", "report_to", "host_ram_mb",
-               "prefetch_batches", "attention", "stream_cache_gib", "stream_ahead",
-               "stream_kv_cache_gib", "stream_overlap"}
+RESUME_FREE = {
+    "log_every",
+    "eval_every",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "resume",
+    "device",
+    "precision",
+    "export_dtype",
+    "report_to",
+    "host_ram_mb",
+    "prefetch_batches",
+    "attention",
+    "stream_cache_gib",
+    "stream_ahead",
+    "stream_kv_cache_gib",
+    "stream_overlap",
+}
 
 
 BEST = "best_step_"
@@ -50,8 +64,9 @@ def checkpoints(directory: Path) -> list[Path]:
 
 def bests(directory: Path) -> list[Path]:
     """The kept weights of best held-out evaluations, oldest first."""
-    return sorted(p for p in directory.glob(BEST + "*")
-                  if p.is_dir() and p.name[len(BEST):].isdigit())
+    return sorted(
+        p for p in directory.glob(BEST + "*") if p.is_dir() and p.name[len(BEST) :].isdigit()
+    )
 
 
 def _step_of(path: Path) -> int:
@@ -70,10 +85,14 @@ def fingerprint_differences(was: dict, now: dict) -> list[str]:
     """What differs between a checkpoint's fingerprint and this run's; settings added to
     eaglet later count only when set away from the behaviour before them."""
     later = ADDED_LATER["train"]
-    what = sorted(k for k in set(was["train"]) | set(now["train"])
-                  if was["train"].get(k, later.get(k)) != now["train"].get(k, later.get(k)))
-    return what + [k for k in ("shards", "sample_ids_sha256", "micro_batches_per_step")
-                   if was.get(k) != now[k]]
+    what = sorted(
+        k
+        for k in set(was["train"]) | set(now["train"])
+        if was["train"].get(k, later.get(k)) != now["train"].get(k, later.get(k))
+    )
+    return what + [
+        k for k in ("shards", "sample_ids_sha256", "micro_batches_per_step") if was.get(k) != now[k]
+    ]
 
 
 def input_differences(was: dict, now: dict) -> list[str]:
@@ -111,16 +130,22 @@ def fingerprint(cfg: dict, infos: list[ShardInfo], group: int, vocab_map_sha256:
     its tensors and metadata, :func:`eaglet.data.shard_format.safetensors_digest`, which an
     identical rebuild keeps)."""
     samples = hashlib.sha256(json.dumps([i.sample_ids for i in infos]).encode()).hexdigest()
-    return {"train": {k: v for k, v in cfg.items() if k not in RESUME_FREE},
-            "shards": [Path(i.path).name for i in infos], "sample_ids_sha256": samples,
-            "micro_batches_per_step": group,
-            "inputs": {"shards_sha256": [_shard_identity(i) for i in infos],
-                       "aux_layer_ids": list(infos[0].aux_layer_ids) if infos else [],
-                       "vocab_map_sha256": vocab_map_sha256}}
+    return {
+        "train": {k: v for k, v in cfg.items() if k not in RESUME_FREE},
+        "shards": [Path(i.path).name for i in infos],
+        "sample_ids_sha256": samples,
+        "micro_batches_per_step": group,
+        "inputs": {
+            "shards_sha256": [_shard_identity(i) for i in infos],
+            "aux_layer_ids": list(infos[0].aux_layer_ids) if infos else [],
+            "vocab_map_sha256": vocab_map_sha256,
+        },
+    }
 
 
-def save(directory: Path, step: int, model: torch.nn.Module, optimizer, scheduler, state: dict,
-         keep: int) -> None:
+def save(
+    directory: Path, step: int, model: torch.nn.Module, optimizer, scheduler, state: dict, keep: int
+) -> None:
     """Write checkpoint ``step`` (``state``: the JSON-able data position, log and
     fingerprint) and keep the newest ``keep``."""
     final = directory / f"step_{step:08d}"
@@ -129,10 +154,18 @@ def save(directory: Path, step: int, model: torch.nn.Module, optimizer, schedule
     tmp.mkdir(parents=True)
     _write_weights(tmp / "model.safetensors", model)
     with atomic_open(tmp / "trainer.pt", "wb") as handle:
-        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                    "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
-                            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}},
-                   handle)
+        torch.save(
+            {
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "rng": {
+                    "torch": torch.get_rng_state(),
+                    "python": random.getstate(),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+                },
+            },
+            handle,
+        )
     write_json(tmp / "state.json", state)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
@@ -144,8 +177,11 @@ def save(directory: Path, step: int, model: torch.nn.Module, optimizer, schedule
 
 def _write_weights(path: Path, model: torch.nn.Module) -> None:
     with atomic_open(path, "wb") as handle:
-        handle.write(save_safetensors({k: v.detach().cpu().contiguous()
-                                       for k, v in model.state_dict().items()}))
+        handle.write(
+            save_safetensors(
+                {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+            )
+        )
 
 
 def _prune_bests(directory: Path) -> None:
@@ -159,8 +195,9 @@ def _prune_bests(directory: Path) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def save_best(directory: Path, record: dict, model: torch.nn.Module, fingerprint: dict | None
-              ) -> Path:
+def save_best(
+    directory: Path, record: dict, model: torch.nn.Module, fingerprint: dict | None
+) -> Path:
     """Keep ``model``'s weights as the best held-out evaluation ``record`` (step, epoch,
     sim_al) names. A best newer than the newest checkpoint is replaced (no checkpoint names
     it; were this write lost, the rerun from that checkpoint would compute it again)."""
@@ -207,8 +244,9 @@ def to_resume(directory: Path, now: dict, resume: bool, rank: int) -> Path | Non
     or data would be lost."""
     found = checkpoints(directory)
     if found and not resume:  # start over: an old step number must not win later
-        log.warning("train.resume is false: deleting %d old checkpoints in %s", len(found),
-                    directory)
+        log.warning(
+            "train.resume is false: deleting %d old checkpoints in %s", len(found), directory
+        )
         _delete(found + bests(directory), rank)
         return None
     if not found:  # best weights without a checkpoint: of a training that starts over
@@ -224,16 +262,21 @@ def to_resume(directory: Path, now: dict, resume: bool, rank: int) -> Path | Non
     if what and state["step"] >= state.get("total_steps", float("inf")):
         # a finished training with other settings: nothing of it to resume (its drafter is
         # what this run replaces), so changed settings simply train again
-        log.warning("the checkpoints in %s are of a finished training with other settings "
-                    "or data (%s differ): deleting them and starting over",
-                    directory, ", ".join(what))
+        log.warning(
+            "the checkpoints in %s are of a finished training with other settings "
+            "or data (%s differ): deleting them and starting over",
+            directory,
+            ", ".join(what),
+        )
         _delete(found + bests(directory), rank)
         return None
     if what:
-        raise TrainError(f"the checkpoint {path} of an unfinished training (step "
-                         f"{state['step']}) belongs to other settings or data "
-                         f"({', '.join(what)} differ): restore them to resume it, or delete "
-                         f"{directory} (or set train.resume: false) to start over")
+        raise TrainError(
+            f"the checkpoint {path} of an unfinished training (step "
+            f"{state['step']}) belongs to other settings or data "
+            f"({', '.join(what)} differ): restore them to resume it, or delete "
+            f"{directory} (or set train.resume: false) to start over"
+        )
     # best weights newer than the checkpoint belong to steps this run trains again
     _delete([p for p in bests(directory) if _step_of(p) > state["step"]], rank)
     return path
@@ -257,8 +300,13 @@ def _set_aside(found: list[Path], directory: Path, inputs: list[str], rank: int)
     """Move the checkpoints of a training on other inputs to ``directory/set_aside/`` (the
     previous set aside there goes), so this run starts over and none of them is resumed."""
     aside = directory / "set_aside"
-    log.warning("the checkpoints in %s were trained on other inputs (%s differ): moved to %s, "
-                "training starts over", directory, ", ".join(inputs), aside)
+    log.warning(
+        "the checkpoints in %s were trained on other inputs (%s differ): moved to %s, "
+        "training starts over",
+        directory,
+        ", ".join(inputs),
+        aside,
+    )
     if rank != 0:
         return
     shutil.rmtree(aside, ignore_errors=True)

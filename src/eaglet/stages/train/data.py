@@ -49,7 +49,7 @@ class ShardInfo:
     aux_layer_ids: list[int]
     target: dict
     sha256: str | None = None  # recorded in the manifest at extraction; None: not verified
-    dtype: str = "float32"     # storage dtype of the hidden states
+    dtype: str = "float32"  # storage dtype of the hidden states
 
     @property
     def bytes_per_token(self) -> int:
@@ -60,14 +60,18 @@ def manifest_hashes(manifest_path: str, paths: list[str]) -> dict[str, str]:
     """The sha256 that ``manifest.json`` records for each shard of ``paths``."""
     manifest = read_json(manifest_path)
     root = Path(manifest_path).parent
-    listed = {os.path.realpath(root / entry["file"]): entry["sha256"]
-              for entry in manifest.get("shards", []) + manifest.get("eval_shards", [])}
+    listed = {
+        os.path.realpath(root / entry["file"]): entry["sha256"]
+        for entry in manifest.get("shards", []) + manifest.get("eval_shards", [])
+    }
     hashes = {}
     for path in paths:
         sha256 = listed.get(os.path.realpath(path))
         if sha256 is None:
-            raise TrainError(f"{path} is not listed in {manifest_path}, so it cannot be verified: "
-                             f"rebuild the manifest (snakemake --forcerun hidden_manifest)")
+            raise TrainError(
+                f"{path} is not listed in {manifest_path}, so it cannot be verified: "
+                f"rebuild the manifest (snakemake --forcerun hidden_manifest)"
+            )
         hashes[path] = sha256
     return hashes
 
@@ -76,19 +80,26 @@ def damaged(exc: shard_format.ShardDamaged) -> TrainError:
     """Move a damaged shard aside, so that the next run extracts it again, and say so."""
     aside = shard_format.set_aside(exc.path)
     where = f"it was moved to {aside.name}" if aside else "it is gone"
-    return TrainError(f"{exc}. No training step used its damaged bytes; {where}, so that "
-                      f"rerunning the workflow extracts it again (finished checkpoints are kept)")
+    return TrainError(
+        f"{exc}. No training step used its damaged bytes; {where}, so that "
+        f"rerunning the workflow extracts it again (finished checkpoints are kept)"
+    )
 
 
 def index_shard(path: str, vocab_size: int, sha256: str | None = None) -> ShardInfo:
     """What training needs to know of a shard before loading it, with its token ids checked.
     With ``sha256`` a shard that cannot be read, or whose check fails because its bytes
     changed since extraction, is refused as damaged."""
+
     def refuse(message: str) -> TrainError:
         if sha256 is not None and not shard_format.digest_matches(sha256, path=path)[0]:
-            return damaged(shard_format.ShardDamaged(
-                path, "its sha256 is not the one recorded at extraction (truncated or modified "
-                      f"on disk; {message})"))
+            return damaged(
+                shard_format.ShardDamaged(
+                    path,
+                    "its sha256 is not the one recorded at extraction (truncated or modified "
+                    f"on disk; {message})",
+                )
+            )
         return TrainError(message)
 
     try:
@@ -111,28 +122,47 @@ def index_shard(path: str, vocab_size: int, sha256: str | None = None) -> ShardI
         low, high = ranges[name]
         if low < lowest or high >= vocab_size:
             bad = low if low < lowest else high
-            raise refuse(f"{path}: {name} holds id {bad} outside the target vocabulary of "
-                         f"{vocab_size}: the shard was extracted for another "
-                         f"tokenizer; rerun extract for this target")
+            raise refuse(
+                f"{path}: {name} holds id {bad} outside the target vocabulary of "
+                f"{vocab_size}: the shard was extracted for another "
+                f"tokenizer; rerun extract for this target"
+            )
     if width != meta["hidden_size"] * len(meta["aux_layer_ids"]):
-        raise refuse(f"{path}: aux_hidden is {width} wide, not hidden size {meta['hidden_size']}"
-                     f" x {len(meta['aux_layer_ids'])} aux layers: the shard is corrupt; rerun extract")
-    return ShardInfo(str(path), (offsets[1:] - offsets[:-1]).tolist(), meta["sample_ids"],
-                     meta["hidden_size"], meta["aux_layer_ids"], meta["target"], sha256,
-                     meta["dtype"])
+        raise refuse(
+            f"{path}: aux_hidden is {width} wide, not hidden size {meta['hidden_size']}"
+            f" x {len(meta['aux_layer_ids'])} aux layers: the shard is corrupt; rerun extract"
+        )
+    return ShardInfo(
+        str(path),
+        (offsets[1:] - offsets[:-1]).tolist(),
+        meta["sample_ids"],
+        meta["hidden_size"],
+        meta["aux_layer_ids"],
+        meta["target"],
+        sha256,
+        meta["dtype"],
+    )
 
 
 def check_vocab_map(target_config: dict, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
     vocab = target_config["vocab_size"]
     fix = "rebuild vocab/vocab_map.safetensors for this target (rerun the vocab_map rule)"
     if t2d.numel() != vocab:
-        raise TrainError(f"the vocab map's t2d covers {t2d.numel()} tokens but the target's "
-                         f"vocab_size is {vocab}: {fix}")
+        raise TrainError(
+            f"the vocab map's t2d covers {t2d.numel()} tokens but the target's "
+            f"vocab_size is {vocab}: {fix}"
+        )
     draft_to_target = torch.arange(d2t.numel()) + d2t
-    if (int(t2d.sum()) != d2t.numel() or int(draft_to_target.min()) < 0
-            or int(draft_to_target.max()) >= vocab or not bool(t2d[draft_to_target].all())):
-        raise TrainError(f"the vocab map is inconsistent: d2t maps {d2t.numel()} draft ids but "
-                         f"t2d marks {int(t2d.sum())} target ids, or they disagree: {fix}")
+    if (
+        int(t2d.sum()) != d2t.numel()
+        or int(draft_to_target.min()) < 0
+        or int(draft_to_target.max()) >= vocab
+        or not bool(t2d[draft_to_target].all())
+    ):
+        raise TrainError(
+            f"the vocab map is inconsistent: d2t maps {d2t.numel()} draft ids but "
+            f"t2d marks {int(t2d.sum())} target ids, or they disagree: {fix}"
+        )
 
 
 def same_model(a: dict, b: dict) -> bool:
@@ -149,20 +179,25 @@ def check_shards(infos: list[ShardInfo], target_config: dict, target_dir: str) -
     first, identity = infos[0], None
     for info in infos:
         if info.hidden_size != target_config["hidden_size"]:
-            raise TrainError(f"{info.path} has hidden size {info.hidden_size} but the target has "
-                             f"{target_config['hidden_size']}: it was extracted from another "
-                             f"model; rerun extract")
+            raise TrainError(
+                f"{info.path} has hidden size {info.hidden_size} but the target has "
+                f"{target_config['hidden_size']}: it was extracted from another "
+                f"model; rerun extract"
+            )
         for what, same in (("aux_layer_ids", operator.eq), ("target", same_model)):
             if not same(getattr(info, what), getattr(first, what)):
                 raise TrainError(
                     f"{info.path} has {what} {getattr(info, what)} but {first.path} has "
                     f"{getattr(first, what)}: the shards come from different extract runs; "
-                    f"delete the stale ones and rerun extract")
+                    f"delete the stale ones and rerun extract"
+                )
         if "config_sha256" in info.target:
             identity = identity or model_identity(Path(target_dir))
             if info.target["config_sha256"] != identity["config_sha256"]:
-                raise TrainError(f"{info.path} was extracted from a target whose config differs "
-                                 f"from {target_dir}: rerun extract for this target")
+                raise TrainError(
+                    f"{info.path} was extracted from a target whose config differs "
+                    f"from {target_dir}: rerun extract for this target"
+                )
 
 
 # -- samples, packing and batches -------------------------------------------------------------
@@ -230,7 +265,8 @@ def data_memory(cfg: dict, infos: list[ShardInfo]) -> DataMemory:
             f"micro-batches of {batch / MB:.0f} MB ({cfg['prefetch_batches']} built ahead, "
             f"train.prefetch_batches, and one being built) and the shard pages of one more: "
             f"set train.host_ram_mb to at least {need}, or lower train.prefetch_batches or "
-            f"train.max_tokens_per_batch")
+            f"train.max_tokens_per_batch"
+        )
     return DataMemory(pages)
 
 
@@ -300,11 +336,20 @@ class Samples:
         rows = shard.sample(local)
         rows = slice(rows.start, min(rows.stop, rows.start + max_len))
         self.memory.reading((rows.stop - rows.start) * self.infos[number].bytes_per_token)
-        scales = ((shard.aux_scale[rows], shard.final_scale[rows]) if shard.aux_scale is not None
-                  else (None, None))
-        return (shard.sample_ids[local], shard.input_ids[rows], shard.loss_mask[rows],
-                shard.teacher_argmax[rows], shard.aux_hidden[rows], shard.final_hidden[rows],
-                *scales)
+        scales = (
+            (shard.aux_scale[rows], shard.final_scale[rows])
+            if shard.aux_scale is not None
+            else (None, None)
+        )
+        return (
+            shard.sample_ids[local],
+            shard.input_ids[rows],
+            shard.loss_mask[rows],
+            shard.teacher_argmax[rows],
+            shard.aux_hidden[rows],
+            shard.final_hidden[rows],
+            *scales,
+        )
 
 
 def pack(order: list[int], lengths: list[int], budget: int, open_bins: int = 8) -> list[list[int]]:
@@ -335,8 +380,11 @@ def plan_epoch(samples: Samples, epoch: int, cfg: dict) -> list[list[int]]:
     lengths = [min(n, cfg["max_len"]) for n in samples.lengths]
     batches = []
     for start in range(0, len(shard_order), window):
-        order = [samples.first[s] + i for s in shard_order[start:start + window]
-                 for i in range(len(samples.infos[s].lengths))]
+        order = [
+            samples.first[s] + i
+            for s in shard_order[start : start + window]
+            for i in range(len(samples.infos[s].lengths))
+        ]
         if cfg["shuffle"]:
             rng.shuffle(order)
         batches += pack(order, lengths, cfg["max_tokens_per_batch"])
@@ -357,15 +405,15 @@ def step_micro_batches(plan: list, step: int, group: int) -> list:
 class Batch:
     """A packed micro-batch laid out for TTT (T rows, K steps)."""
 
-    aux: torch.Tensor             # [T, A*H] aux features of each row
-    final: torch.Tensor           # [T, H] the target's final-norm output (teacher)
+    aux: torch.Tensor  # [T, A*H] aux features of each row
+    final: torch.Tensor  # [T, H] the target's final-norm output (teacher)
     teacher_argmax: torch.Tensor  # [T] the target's full-vocab argmax (predicts row + 1)
-    step_ids: torch.Tensor        # [K, T] token embedded by each row at step k (t+1+k)
-    positions: torch.Tensor       # [T] position within the sample
-    segments: torch.Tensor        # [T] packed sample number
-    rows: list[torch.Tensor]      # K x [n_k] rows whose step-k prediction counts
+    step_ids: torch.Tensor  # [K, T] token embedded by each row at step k (t+1+k)
+    positions: torch.Tensor  # [T] position within the sample
+    segments: torch.Tensor  # [T] packed sample number
+    rows: list[torch.Tensor]  # K x [n_k] rows whose step-k prediction counts
     sample_ids: list[str]
-    aux_scale: torch.Tensor | None = None    # fp8 storage: [T, A] scales of aux, else None
+    aux_scale: torch.Tensor | None = None  # fp8 storage: [T, A] scales of aux, else None
     final_scale: torch.Tensor | None = None  # fp8 storage: [T, 1]
 
     @property
@@ -375,15 +423,21 @@ class Batch:
     def counts(self) -> torch.Tensor:
         return torch.tensor([r.numel() for r in self.rows], dtype=torch.float64)
 
-    def to(self, device: torch.device, dtype: torch.dtype = torch.float32) -> "Batch":
+    def to(self, device: torch.device, dtype: torch.dtype = torch.float32) -> Batch:
         """On ``device`` (asynchronous copies from pinned memory) with the features in
         ``dtype``: the stored dtype crosses to the device and is converted there."""
         move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
         scale = lambda t: None if t is None else move(t)  # noqa: E731
-        return Batch(shard_format.to_dtype(move(self.aux), scale(self.aux_scale), dtype),
-                     shard_format.to_dtype(move(self.final), scale(self.final_scale), dtype),
-                     move(self.teacher_argmax), move(self.step_ids), move(self.positions),
-                     move(self.segments), [move(r) for r in self.rows], self.sample_ids)
+        return Batch(
+            shard_format.to_dtype(move(self.aux), scale(self.aux_scale), dtype),
+            shard_format.to_dtype(move(self.final), scale(self.final_scale), dtype),
+            move(self.teacher_argmax),
+            move(self.step_ids),
+            move(self.positions),
+            move(self.segments),
+            [move(r) for r in self.rows],
+            self.sample_ids,
+        )
 
 
 def _cat(tensors: list[torch.Tensor], pin: bool) -> torch.Tensor:
@@ -395,8 +449,13 @@ def _cat(tensors: list[torch.Tensor], pin: bool) -> torch.Tensor:
     return torch.cat(tensors, out=torch.empty(shape, dtype=tensors[0].dtype, pin_memory=True))
 
 
-def make_batch(pieces: list[tuple], ttt_steps: int, t2d: torch.Tensor,
-               prompt_loss: bool = False, pin: bool = False) -> Batch:
+def make_batch(
+    pieces: list[tuple],
+    ttt_steps: int,
+    t2d: torch.Tensor,
+    prompt_loss: bool = False,
+    pin: bool = False,
+) -> Batch:
     """Pack samples (as ``Samples.get`` returns them; the two fp8 scales may be left out)
     into one TTT batch, features in the dtype they come in. ``prompt_loss``: prompt tokens
     count too (the target's distribution exists there as well). The shards
@@ -411,12 +470,12 @@ def make_batch(pieces: list[tuple], ttt_steps: int, t2d: torch.Tensor,
     lengths = torch.tensor([p[1].numel() for p in pieces])
     starts = torch.cumsum(lengths, 0) - lengths
     segments = torch.repeat_interleave(torch.arange(len(pieces)), lengths)
-    end = (starts + lengths)[segments]                   # [T] first row after the row's sample
+    end = (starts + lengths)[segments]  # [T] first row after the row's sample
     row = torch.arange(ids.numel())
     step_ids, rows = [], []
     for k in range(ttt_steps):
         step_ids.append(ids[torch.minimum(row + 1 + k, end - 1)])
-        predicted = row + 2 + k                          # the token step k predicts
+        predicted = row + 2 + k  # the token step k predicts
         inside = predicted < end
         predicted = torch.minimum(predicted, end - 1)
         in_vocab = t2d[argmax[predicted - 1].clamp(min=0)] | unchecked[predicted - 1]
@@ -425,9 +484,17 @@ def make_batch(pieces: list[tuple], ttt_steps: int, t2d: torch.Tensor,
     fp8 = len(pieces[0]) > 6 and pieces[0][6] is not None
     scales = [_cat([p[i] for p in pieces], pin) if fp8 else None for i in (6, 7)]
     small = lambda t: t.pin_memory() if pin else t  # noqa: E731
-    return Batch(_cat([p[4] for p in pieces], pin), _cat([p[5] for p in pieces], pin),
-                 small(argmax), small(torch.stack(step_ids)), small(row - starts[segments]),
-                 small(segments), [small(r) for r in rows], [p[0] for p in pieces], *scales)
+    return Batch(
+        _cat([p[4] for p in pieces], pin),
+        _cat([p[5] for p in pieces], pin),
+        small(argmax),
+        small(torch.stack(step_ids)),
+        small(row - starts[segments]),
+        small(segments),
+        [small(r) for r in rows],
+        [p[0] for p in pieces],
+        *scales,
+    )
 
 
 class Prefetcher:
@@ -446,8 +513,9 @@ class Prefetcher:
         self._taken = self._built = 0
         self._waiting_for: int | None = None
         self._changed = threading.Condition()
-        self._thread = threading.Thread(target=self._work, args=(build, keyed), daemon=True,
-                                        name="eaglet-prefetch")
+        self._thread = threading.Thread(
+            target=self._work, args=(build, keyed), daemon=True, name="eaglet-prefetch"
+        )
         self._thread.start()
 
     def _put(self, item) -> bool:
@@ -487,8 +555,10 @@ class Prefetcher:
             raise error
         if key is not None and got != key:
             self.close()
-            raise RuntimeError(f"the prefetcher built {got} where {key} was due: its order "
-                               f"differs from the training loop's")
+            raise RuntimeError(
+                f"the prefetcher built {got} where {key} was due: its order "
+                f"differs from the training loop's"
+            )
         return item
 
     def wait_for_consumer(self) -> None:
@@ -497,8 +567,9 @@ class Prefetcher:
         build that needs compute the consumer's steps would share (a streamed state's turn
         on the server, StateFeed) asks for it only then: never while a step computes."""
         with self._changed:
-            self._changed.wait_for(lambda: self._stop.is_set()
-                                   or self._waiting_for == self._built + 1)
+            self._changed.wait_for(
+                lambda: self._stop.is_set() or self._waiting_for == self._built + 1
+            )
 
     def close(self) -> None:
         self._stop.set()
@@ -512,8 +583,9 @@ class Prefetcher:
         self._thread.join(timeout=60)
 
 
-def add_feature_noise(aux: torch.Tensor, layers: int, scale: float,
-                      generator: torch.Generator | None = None) -> torch.Tensor:
+def add_feature_noise(
+    aux: torch.Tensor, layers: int, scale: float, generator: torch.Generator | None = None
+) -> torch.Tensor:
     """``aux`` [T, layers*H] plus Gaussian noise of ``scale`` times each row's RMS per layer."""
     x = aux.float().view(aux.shape[0], layers, -1)
     rms = x.pow(2).mean(-1, keepdim=True).sqrt()

@@ -22,8 +22,15 @@ class StateFiles:
     ``requests``: the extraction's request directory; ``seqs``: each sample's token ids;
     ``cache_bytes``: this rank's share of the cache."""
 
-    def __init__(self, requests: Path, records: list[dict], seqs: list[list[int]],
-                 cache_bytes: int, rank: int = 0, world: int = 1):
+    def __init__(
+        self,
+        requests: Path,
+        records: list[dict],
+        seqs: list[list[int]],
+        cache_bytes: int,
+        rank: int = 0,
+        world: int = 1,
+    ):
         self.requests, self.records, self.seqs = requests, records, seqs
         self.cache_bytes, self.world = cache_bytes, world
         # where this rank's requests save their states, and where files kept for later
@@ -47,8 +54,14 @@ class StateFiles:
         a killed run), the cache's, or one saved before the run (generation with capture)."""
         sid = self.records[index]["id"]
         places = dict.fromkeys((self.own, self.keep, self.requests))
-        return next((path for path in (request_path(d, sid) for d in places)
-                     if holds_states(path, self.seqs[index])), None)
+        return next(
+            (
+                path
+                for path in (request_path(d, sid) for d in places)
+                if holds_states(path, self.seqs[index])
+            ),
+            None,
+        )
 
     def found(self, i: int, path: Path) -> None:
         """Sample ``i`` is read from ``path``, which :meth:`find` found."""

@@ -36,11 +36,11 @@ class TeacherCheck:
     def expect(self, order: list[int], masks: list[list[int]]) -> None:
         """The samples of ``order`` whose agreement is checked (the target's own answers):
         all of them in, the last check."""
-        self._checked_at_end = sum(1 for i in set(order) if not recorded_answer(self.records[i])
-                                   and any(masks[i][1:]))
+        self._checked_at_end = sum(
+            1 for i in set(order) if not recorded_answer(self.records[i]) and any(masks[i][1:])
+        )
 
-    def argmax(self, i: int, final: torch.Tensor, ids: list[int],
-               mask: list[int]) -> torch.Tensor:
+    def argmax(self, i: int, final: torch.Tensor, ids: list[int], mask: list[int]) -> torch.Tensor:
         """Sample ``i``'s teacher argmax (-1 except where it predicts an answer token) from
         its final-norm states ``final``; checked against the target's own answers."""
         known = self.teacher.get(i)
@@ -70,11 +70,19 @@ class TeacherCheck:
         self._next_check = positions + AGREEMENT_EVERY
         if agreed / positions >= self.min_agreement:
             return
-        per_sample = [{"id": self.records[i]["id"], "agreement": a / n, "positions": n}
-                      for i, (a, n) in self.agreement.items()]
-        enforce_agreement({"greedy": True, "backend": "vllm",
-                           "file": f"the {len(per_sample)} samples streamed so far",
-                           "teacher": {"agreement": agreed / positions,
-                                       "worst": sorted(per_sample,
-                                                       key=lambda r: r["agreement"])[:3]}},
-                          self.min_agreement)
+        per_sample = [
+            {"id": self.records[i]["id"], "agreement": a / n, "positions": n}
+            for i, (a, n) in self.agreement.items()
+        ]
+        enforce_agreement(
+            {
+                "greedy": True,
+                "backend": "vllm",
+                "file": f"the {len(per_sample)} samples streamed so far",
+                "teacher": {
+                    "agreement": agreed / positions,
+                    "worst": sorted(per_sample, key=lambda r: r["agreement"])[:3],
+                },
+            },
+            self.min_agreement,
+        )

@@ -22,8 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from eaglet.data import shards as shard_format
-from eaglet.engine.client import gather_or_cancel
 from eaglet.engine.capture import read_request, split_states
+from eaglet.engine.client import gather_or_cancel
 from eaglet.stages.train.data import TrainError
 
 
@@ -68,7 +68,7 @@ class FeedLoop:
         self._gate = asyncio.Semaphore(self.concurrency)
         self._server_lock = asyncio.Lock()
         files: dict[int, asyncio.Task] = {}  # sample -> the task that makes its file
-        refs: Counter = Counter()            # sample -> scheduled positions not yet prepared
+        refs: Counter = Counter()  # sample -> scheduled positions not yet prepared
         due: asyncio.Queue = asyncio.Queue()
 
         async def obtain(i: int) -> None:
@@ -122,9 +122,11 @@ class FeedLoop:
         ids, mask = self.seqs[i], self.masks[i]
         states = read_request(self.files.path(i), ids)
         if states is None:
-            raise TrainError(f"the server saved no states of {len(ids)} tokens to "
-                             f"{self.files.path(i)}: see the server log "
-                             f"{self.extractor.server.log_path}")
+            raise TrainError(
+                f"the server saved no states of {len(ids)} tokens to "
+                f"{self.files.path(i)}: see the server log "
+                f"{self.extractor.server.log_path}"
+            )
         aux, final = split_states(states, self.extractor.layer_ids, self.aux_layer_ids, self.norm)
         del states
         input_ids = torch.tensor(ids, dtype=torch.int64)
@@ -133,5 +135,13 @@ class FeedLoop:
         aux_stored, aux_scale = stored(aux, self.dtype, len(self.aux_layer_ids))
         final_stored, final_scale = stored(final, self.dtype, 1)
         self.stats["samples"] += 1
-        return (self.records[i]["id"], input_ids, loss_mask, argmax, aux_stored, final_stored,
-                aux_scale, final_scale)
+        return (
+            self.records[i]["id"],
+            input_ids,
+            loss_mask,
+            argmax,
+            aux_stored,
+            final_stored,
+            aux_scale,
+            final_scale,
+        )

@@ -36,8 +36,9 @@ class SharedServer:
         self.probe = VLLMServer(model="", log_path=log_path, host=host, port=int(port))
         self.url, self.log_path, self.down = url, log_path, False
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, args=(probe_every_s,), daemon=True,
-                                        name="eaglet-server-probe")
+        self._thread = threading.Thread(
+            target=self._watch, args=(probe_every_s,), daemon=True, name="eaglet-server-probe"
+        )
         self._thread.start()
 
     def _watch(self, every: float) -> None:
@@ -48,8 +49,10 @@ class SharedServer:
 
     def check_alive(self) -> None:
         if self.down:
-            raise ServerError(f"the capture server at {self.url}, which rank 0 started, does "
-                              f"not answer: see rank 0's log and the server log {self.log_path}")
+            raise ServerError(
+                f"the capture server at {self.url}, which rank 0 started, does "
+                f"not answer: see rank 0's log and the server log {self.log_path}"
+            )
 
     def close(self) -> None:
         self._stop.set()
@@ -109,7 +112,8 @@ class FeedRequests:
             self.extractor.progress.enter_phase(None)
         self._client = httpx.AsyncClient(
             base_url=self.extractor.server.url,
-            limits=httpx.Limits(max_connections=self.concurrency))
+            limits=httpx.Limits(max_connections=self.concurrency),
+        )
         self._idle_since = time.monotonic()
 
     def _wanted(self) -> Path:
@@ -137,9 +141,11 @@ class FeedRequests:
         deadline = time.monotonic() + patience
         while not self._announcement().exists():
             if time.monotonic() > deadline:
-                raise TrainError(f"rank {self.rank} waited {patience:.0f} s for rank 0 to start "
-                                 f"the capture server ({self._announcement()} never appeared): "
-                                 f"see rank 0's log and the server log {server.log_path}")
+                raise TrainError(
+                    f"rank {self.rank} waited {patience:.0f} s for rank 0 to start "
+                    f"the capture server ({self._announcement()} never appeared): "
+                    f"see rank 0's log and the server log {server.log_path}"
+                )
             await asyncio.sleep(0.5)
         told = read_json(self._announcement())
         if "error" in told:
@@ -152,8 +158,14 @@ class FeedRequests:
             self.extractor.server.check_alive()
             self._busy(+1)
             try:
-                await prefill(self._client, self.seqs[i], path, self.timeout,
-                              self.max_retries, self.extractor.server.check_alive)
+                await prefill(
+                    self._client,
+                    self.seqs[i],
+                    path,
+                    self.timeout,
+                    self.max_retries,
+                    self.extractor.server.check_alive,
+                )
             finally:
                 self._busy(-1)
 

@@ -58,9 +58,18 @@ from eaglet.model.drafter import Eagle3Drafter, num_params
 from eaglet.stages.scripting import run_stage
 from eaglet.stages.train import checkpoints as ckpt
 from eaglet.stages.train.best import Best
-from eaglet.stages.train.data import (Batch, Prefetcher, Samples, TrainError, data_memory,
-                                      make_batch, pack, prefetch_depth, step_micro_batches,
-                                      steps_in)
+from eaglet.stages.train.data import (
+    Batch,
+    Prefetcher,
+    Samples,
+    TrainError,
+    data_memory,
+    make_batch,
+    pack,
+    prefetch_depth,
+    step_micro_batches,
+    steps_in,
+)
 from eaglet.stages.train.plans import EpochPlans
 from eaglet.stages.train.setup import build_drafter, fingerprint_and_subset, read_inputs
 from eaglet.stages.train.step import Learner, check_finite, summarize
@@ -81,12 +90,15 @@ def settings(cfg: dict) -> dict:
     if out["max_len"] is None:
         out["max_len"] = out["max_tokens_per_batch"]
     if out["max_len"] > out["max_tokens_per_batch"]:
-        raise TrainError(f"train.max_len {out['max_len']} exceeds train.max_tokens_per_batch "
-                         f"{out['max_tokens_per_batch']}: a sample must fit one batch")
+        raise TrainError(
+            f"train.max_len {out['max_len']} exceeds train.max_tokens_per_batch "
+            f"{out['max_tokens_per_batch']}: a sample must fit one batch"
+        )
     return out
 
 
 # -- distributed -----------------------------------------------------------------------------
+
 
 @dataclass
 class Dist:
@@ -133,8 +145,8 @@ def init_distributed(device: torch.device) -> Dist:
     return Dist(dist.get_rank(), dist.get_world_size(), owns)
 
 
-
 # -- one step at a time ----------------------------------------------------------------------
+
 
 class Trainer:
     """One training run's drafter, data and data position, a step at a time: ``train_step``
@@ -143,10 +155,19 @@ class Trainer:
     files; a caller with samples and a drafter of its own (``benchmarks/gpu_check.py``)
     builds it directly."""
 
-    def __init__(self, cfg: dict, model: Eagle3Drafter, teacher_head: torch.Tensor,
-                 train_data: Samples, eval_data: Samples, checkpoint_dir: str | Path,
-                 device: torch.device, dist_: Dist, fingerprint: dict | None = None,
-                 subset: set[int] | None = None):
+    def __init__(
+        self,
+        cfg: dict,
+        model: Eagle3Drafter,
+        teacher_head: torch.Tensor,
+        train_data: Samples,
+        eval_data: Samples,
+        checkpoint_dir: str | Path,
+        device: torch.device,
+        dist_: Dist,
+        fingerprint: dict | None = None,
+        subset: set[int] | None = None,
+    ):
         self.cfg, self.dist, self.device = cfg, dist_, device
         self.checkpoint_dir = Path(checkpoint_dir)
         self.group = dist_.world * cfg["grad_accum"]
@@ -158,25 +179,37 @@ class Trainer:
         self.learner = Learner(cfg, model, teacher_head, device, dist_, self.total_steps)
         self.model = self.learner.model
         self.t2d = model.t2d.cpu()
-        self.eval_plan = pack(list(range(len(self.eval_data))),
-                              [min(n, cfg["max_len"]) for n in self.eval_data.lengths],
-                              cfg["max_tokens_per_batch"])
+        self.eval_plan = pack(
+            list(range(len(self.eval_data))),
+            [min(n, cfg["max_len"]) for n in self.eval_data.lengths],
+            cfg["max_tokens_per_batch"],
+        )
         self.step, self.epoch, self.next_in_epoch = 0, 0, 0
 
     @classmethod
-    def from_files(cls, cfg: dict, shard_paths, eval_shard_paths, vocab_map: str,
-                   target_dir: str, checkpoint_dir: str, device: torch.device, dist_: Dist,
-                   manifest: str | None = None,
-                   train_samples: list[str] | None = None,
-                   stream: dict | None = None) -> "Trainer":
+    def from_files(
+        cls,
+        cfg: dict,
+        shard_paths,
+        eval_shard_paths,
+        vocab_map: str,
+        target_dir: str,
+        checkpoint_dir: str,
+        device: torch.device,
+        dist_: Dist,
+        manifest: str | None = None,
+        train_samples: list[str] | None = None,
+        stream: dict | None = None,
+    ) -> Trainer:
         """Check the shards and the vocabulary map against the target, and build the drafter
         from the target's embedding (and lm_head rows and last layer, as configured).
         ``train_samples``: the ids of the shards' samples to train on (None: all).
         ``stream``: the training samples' states come from the capture server as training
         reads them (``train.data: stream``, :func:`eaglet.stages.train.stream.open_stream`'s
         argument), not from ``shard_paths``."""
-        inputs = read_inputs(cfg, shard_paths, eval_shard_paths, vocab_map, target_dir, dist_,
-                             manifest, stream)
+        inputs = read_inputs(
+            cfg, shard_paths, eval_shard_paths, vocab_map, target_dir, dist_, manifest, stream
+        )
         infos, eval_infos = inputs.infos, inputs.eval_infos
         cfg = {**cfg, "prefetch_batches": prefetch_depth(cfg["prefetch_batches"], device)}
         memory = data_memory(cfg, infos + eval_infos)  # shared: one budget per process
@@ -186,17 +219,35 @@ class Trainer:
         eval_data.preload()
 
         model, teacher_head, layer_init = build_drafter(cfg, inputs, target_dir, dist_.rank)
-        fingerprint, subset = fingerprint_and_subset(cfg, infos, dist_.world * cfg["grad_accum"],
-                                                     vocab_map, train_samples)
-        trainer = cls(cfg, model, teacher_head, train_data, eval_data, checkpoint_dir, device,
-                      dist_, fingerprint, subset)
+        fingerprint, subset = fingerprint_and_subset(
+            cfg, infos, dist_.world * cfg["grad_accum"], vocab_map, train_samples
+        )
+        trainer = cls(
+            cfg,
+            model,
+            teacher_head,
+            train_data,
+            eval_data,
+            checkpoint_dir,
+            device,
+            dist_,
+            fingerprint,
+            subset,
+        )
         trainer.layer_init = layer_init  # in train()'s summary: what the layer started from
         if dist_.rank == 0:
-            log.info("drafter: %.1fM trainable parameters, draft vocab %d, aux layers %s, "
-                     "%s attention, %d training samples in %d shards, %d held out, %d steps",
-                     num_params(model) / 1e6, inputs.d2t.numel(), model.config.aux_layer_ids,
-                     model.attention, len(subset or train_data), len(infos), len(eval_data),
-                     trainer.total_steps)
+            log.info(
+                "drafter: %.1fM trainable parameters, draft vocab %d, aux layers %s, "
+                "%s attention, %d training samples in %d shards, %d held out, %d steps",
+                num_params(model) / 1e6,
+                inputs.d2t.numel(),
+                model.config.aux_layer_ids,
+                model.attention,
+                len(subset or train_data),
+                len(infos),
+                len(eval_data),
+                trainer.total_steps,
+            )
         return trainer
 
     # -- the data and the position in it --
@@ -216,8 +267,11 @@ class Trainer:
     def prefetcher(self) -> Prefetcher | None:
         if not self.cfg["prefetch_batches"]:
             return None
-        feed = Prefetcher(lambda indices: self.host_batch(self.train_data, indices),
-                          self.upcoming(), self.cfg["prefetch_batches"])
+        feed = Prefetcher(
+            lambda indices: self.host_batch(self.train_data, indices),
+            self.upcoming(),
+            self.cfg["prefetch_batches"],
+        )
         ahead = getattr(self.train_data, "taken_ahead", None)
         if ahead is not None:  # streamed states: their server's turns wait for the steps
             ahead(feed.wait_for_consumer)
@@ -229,18 +283,22 @@ class Trainer:
         pieces = [data.get(i, self.cfg["max_len"]) for i in indices]
         # held-out metrics stay on the answers, what speculation drafts
         training = data is self.train_data
-        return make_batch(pieces, self.cfg["ttt_steps"], self.t2d,
-                          self.cfg["loss_on_prompt"] and training,
-                          pin=self.device.type == "cuda")
+        return make_batch(
+            pieces,
+            self.cfg["ttt_steps"],
+            self.t2d,
+            self.cfg["loss_on_prompt"] and training,
+            pin=self.device.type == "cuda",
+        )
 
     def load_batch(self, data: Samples, indices: list[int]) -> Batch:
-        return self.learner.device_batch(self.host_batch(data, indices),
-                                         data is self.train_data)
+        return self.learner.device_batch(self.host_batch(data, indices), data is self.train_data)
 
     # -- one optimizer step, one evaluation --
 
-    def train_step(self, micro: list[list[int]],
-                   host_batches: list[Batch] | None = None) -> tuple[torch.Tensor, int]:
+    def train_step(
+        self, micro: list[list[int]], host_batches: list[Batch] | None = None
+    ) -> tuple[torch.Tensor, int]:
         """One optimizer step over this rank's share of ``micro`` (``host_batches``: those
         micro-batches already packed, by the prefetcher; the list is emptied, each host copy
         let go once it is on the device); returns this rank's summed [cross-entropy, valid
@@ -265,16 +323,18 @@ class Trainer:
             f"{what} at step {self.step + 1} (epoch {self.epoch + 1}, batch "
             f"{self.next_in_epoch + 1}); samples in {where}: {samples}. "
             f"The last good checkpoint is {kept[-1] if kept else '(none yet)'}; check these "
-            f"samples' features (rerun extract for their shard) or lower train.lr, then rerun")
+            f"samples' features (rerun extract for their shard) or lower train.lr, then rerun"
+        )
 
     def evaluate(self) -> dict:
         """The held-out split's metrics (:func:`eaglet.stages.train.step.summarize`), every
         rank's share of it together."""
-        share = self.eval_plan[self.dist.rank::self.dist.world]
+        share = self.eval_plan[self.dist.rank :: self.dist.world]
         return self.learner.evaluate(self.load_batch(self.eval_data, indices) for indices in share)
 
 
 # -- the run to the end ----------------------------------------------------------------------
+
 
 class TrainingRun:
     """A :class:`Trainer` trained to the end (``run``), and what its steps are framed by: the
@@ -300,8 +360,7 @@ class TrainingRun:
         keep = trainer.cfg["keep_checkpoints"]
         to_write = max(keep + 1 - len(ckpt.checkpoints(checkpoint_dir)), 1)
         # the best held-out weights: one named by each kept checkpoint, one newer than them
-        bests = (max(keep + 1 - len(ckpt.bests(checkpoint_dir)), 0)
-                 if len(trainer.eval_data) else 0)
+        bests = max(keep + 1 - len(ckpt.bests(checkpoint_dir)), 0) if len(trainer.eval_data) else 0
         needed = to_write * per_checkpoint + bests * state + state
         checkpoint_dir.mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(checkpoint_dir).free
@@ -311,31 +370,46 @@ class TrainingRun:
                 f"({to_write} checkpoints of {human_size(per_checkpoint)}, {bests} copies of "
                 f"the best held-out weights and the drafter), "
                 f"{human_size(free)} free on {checkpoint_dir}. Free space, lower "
-                f"train.keep_checkpoints, or point results_dir at a larger disk.")
+                f"train.keep_checkpoints, or point results_dir at a larger disk."
+            )
 
     def save_checkpoint(self) -> None:
         trainer = self.trainer
         if trainer.dist.rank != 0:
             return
-        ckpt.save(trainer.checkpoint_dir, trainer.step, trainer.model,
-                  trainer.learner.optimizer, trainer.learner.scheduler, {
-                      "step": trainer.step, "epoch": trainer.epoch,
-                      "next_in_epoch": trainer.next_in_epoch,
-                      "epoch_plan": trainer.plan(trainer.epoch),
-                      "total_steps": trainer.total_steps, "fingerprint": trainer.fingerprint,
-                      "log": self.log.rows, "best": self.best.record,
-                      "best_since": self.best.since}, trainer.cfg["keep_checkpoints"])
+        ckpt.save(
+            trainer.checkpoint_dir,
+            trainer.step,
+            trainer.model,
+            trainer.learner.optimizer,
+            trainer.learner.scheduler,
+            {
+                "step": trainer.step,
+                "epoch": trainer.epoch,
+                "next_in_epoch": trainer.next_in_epoch,
+                "epoch_plan": trainer.plan(trainer.epoch),
+                "total_steps": trainer.total_steps,
+                "fingerprint": trainer.fingerprint,
+                "log": self.log.rows,
+                "best": self.best.record,
+                "best_since": self.best.since,
+            },
+            trainer.cfg["keep_checkpoints"],
+        )
 
     def resume(self) -> Path | None:
         trainer = self.trainer
-        path = ckpt.to_resume(trainer.checkpoint_dir, trainer.fingerprint, trainer.cfg["resume"],
-                              trainer.dist.rank)
+        path = ckpt.to_resume(
+            trainer.checkpoint_dir, trainer.fingerprint, trainer.cfg["resume"], trainer.dist.rank
+        )
         if path is None:
             return None
-        state = ckpt.load(path, trainer.model, trainer.learner.optimizer,
-                          trainer.learner.scheduler)
-        trainer.step, trainer.epoch, trainer.next_in_epoch = (state["step"], state["epoch"],
-                                                              state["next_in_epoch"])
+        state = ckpt.load(path, trainer.model, trainer.learner.optimizer, trainer.learner.scheduler)
+        trainer.step, trainer.epoch, trainer.next_in_epoch = (
+            state["step"],
+            state["epoch"],
+            state["next_in_epoch"],
+        )
         trainer.plans.restore(trainer.epoch, state["epoch_plan"])
         self.log.rows = state["log"]
         self.best.restore(state, self.log.rows, trainer.step)
@@ -356,8 +430,11 @@ class TrainingRun:
         start = getattr(trainer.train_data, "start", None)
         if start is not None:  # streamed states: asked for in the order training reads them
             upcoming = [indices for _, indices in trainer.upcoming()]
-            start([i for indices in upcoming for i in indices], progress,
-                  max(map(len, upcoming), default=0))
+            start(
+                [i for indices in upcoming for i in indices],
+                progress,
+                max(map(len, upcoming), default=0),
+            )
         feed = trainer.prefetcher()
         try:
             with stop_signals() as self.stopping:
@@ -366,8 +443,9 @@ class TrainingRun:
             if feed is not None:
                 feed.close()
 
-    def _run(self, progress: Progress | None, stop_after_steps: int | None,
-             feed: Prefetcher | None) -> bool:
+    def _run(
+        self, progress: Progress | None, stop_after_steps: int | None, feed: Prefetcher | None
+    ) -> bool:
         trainer, cfg, K = self.trainer, self.trainer.cfg, self.trainer.cfg["ttt_steps"]
         world = trainer.dist.world
         window = torch.zeros(3, K, dtype=torch.float64, device=trainer.device)
@@ -383,9 +461,14 @@ class TrainingRun:
                 trainer.epoch, trainer.next_in_epoch = trainer.epoch + 1, 0
                 continue
             micro = step_micro_batches(plan, trainer.next_in_epoch, trainer.group)
-            ready = None if feed is None else [
-                feed.take((trainer.epoch, trainer.next_in_epoch, i))
-                for i in range(len(trainer.plans.share(micro)))]
+            ready = (
+                None
+                if feed is None
+                else [
+                    feed.take((trainer.epoch, trainer.next_in_epoch, i))
+                    for i in range(len(trainer.plans.share(micro)))
+                ]
+            )
             sums, tokens = trainer.train_step(micro, ready)
             trainer.step += 1
             trainer.next_in_epoch += 1
@@ -399,10 +482,15 @@ class TrainingRun:
                 rate = world * window_tokens / (time.monotonic() - window_start)
                 rss = trainer.dist.all_reduce(
                     torch.tensor([peak_rss_mb()], device=trainer.device),
-                    dist.ReduceOp.MAX if world > 1 else None)
-                self.log_row("train", summarize(*sums, cfg["ttt_decay"]),
-                             lr=f"{trainer.learner.scheduler.get_last_lr()[0]:.6g}",
-                             tokens_per_s=round(rate, 1), peak_rss_mb=round(float(rss), 1))
+                    dist.ReduceOp.MAX if world > 1 else None,
+                )
+                self.log_row(
+                    "train",
+                    summarize(*sums, cfg["ttt_decay"]),
+                    lr=f"{trainer.learner.scheduler.get_last_lr()[0]:.6g}",
+                    tokens_per_s=round(rate, 1),
+                    peak_rss_mb=round(float(rss), 1),
+                )
                 window.zero_()
                 window_tokens, window_start = 0, time.monotonic()
             epoch_end = trainer.next_in_epoch == steps
@@ -417,9 +505,11 @@ class TrainingRun:
                 # grace period before its SIGKILL, and the requeued job resumes from here
                 if not saved:
                     self.save_checkpoint()
-                message = (f"received {self.stopping['signal']} at step {trainer.step} of "
-                           f"{trainer.total_steps}: checkpoint written, a rerun resumes "
-                           f"from step {trainer.step}")
+                message = (
+                    f"received {self.stopping['signal']} at step {trainer.step} of "
+                    f"{trainer.total_steps}: checkpoint written, a rerun resumes "
+                    f"from step {trainer.step}"
+                )
                 if trainer.dist.rank == 0:
                     log.warning("%s", message)
                 raise Terminated(message)
@@ -430,8 +520,7 @@ class TrainingRun:
     def stop_requested(self) -> bool:
         """Whether any rank received SIGTERM (or SIGHUP) since training started: every rank
         stops after the same step, so that the checkpoint holds all of them."""
-        asked = torch.tensor([1.0 if self.stopping["signal"] else 0.0],
-                             device=self.trainer.device)
+        asked = torch.tensor([1.0 if self.stopping["signal"] else 0.0], device=self.trainer.device)
         if self.trainer.dist.world > 1:
             asked = self.trainer.dist.all_reduce(asked, dist.ReduceOp.MAX)
             if asked.item() and not self.stopping["signal"]:
@@ -468,11 +557,23 @@ def stop_signals():
             signal.signal(sig, handler)
 
 
-def train(cfg: dict, shard_paths: list[str], eval_shard_paths: list[str], vocab_map: str,
-          target_dir: str, out_dir: str, checkpoint_dir: str, progress_path: str | None,
-          log_path: str | None, *, rate_key: str | None = None,
-          stop_after_steps: int | None = None, manifest: str | None = None,
-          train_samples: list[str] | None = None, stream: dict | None = None) -> dict:
+def train(
+    cfg: dict,
+    shard_paths: list[str],
+    eval_shard_paths: list[str],
+    vocab_map: str,
+    target_dir: str,
+    out_dir: str,
+    checkpoint_dir: str,
+    progress_path: str | None,
+    log_path: str | None,
+    *,
+    rate_key: str | None = None,
+    stop_after_steps: int | None = None,
+    manifest: str | None = None,
+    train_samples: list[str] | None = None,
+    stream: dict | None = None,
+) -> dict:
     """Train a drafter and write ``out_dir/{config.json, model.safetensors, training_log.csv,
     stats.json}``: the weights of the best held-out evaluation (see the module's docstring).
 
@@ -496,41 +597,96 @@ def train(cfg: dict, shard_paths: list[str], eval_shard_paths: list[str], vocab_
     dist_ = init_distributed(device)
     # rank 0 holds the checkpoints: a trainer still running (a killed Snakemake's orphan) and
     # its rerun would both write them, and an old drafter could land after the rerun's
-    with (hold_directory(checkpoint_dir, "train") if dist_.rank == 0
-          else contextlib.nullcontext()):
-        return _train(cfg, device, dist_, shard_paths, eval_shard_paths, vocab_map, target_dir,
-                      out_dir, checkpoint_dir, progress_path, log_path, rate_key,
-                      stop_after_steps, manifest, train_samples, stream)
+    with hold_directory(checkpoint_dir, "train") if dist_.rank == 0 else contextlib.nullcontext():
+        return _train(
+            cfg,
+            device,
+            dist_,
+            shard_paths,
+            eval_shard_paths,
+            vocab_map,
+            target_dir,
+            out_dir,
+            checkpoint_dir,
+            progress_path,
+            log_path,
+            rate_key,
+            stop_after_steps,
+            manifest,
+            train_samples,
+            stream,
+        )
 
 
-def _train(cfg, device, dist_, shard_paths, eval_shard_paths, vocab_map, target_dir, out_dir,
-           checkpoint_dir, progress_path, log_path, rate_key, stop_after_steps, manifest,
-           train_samples, stream) -> dict:
+def _train(
+    cfg,
+    device,
+    dist_,
+    shard_paths,
+    eval_shard_paths,
+    vocab_map,
+    target_dir,
+    out_dir,
+    checkpoint_dir,
+    progress_path,
+    log_path,
+    rate_key,
+    stop_after_steps,
+    manifest,
+    train_samples,
+    stream,
+) -> dict:
     started = time.monotonic()
     trainer = training = None
     try:
-        trainer = Trainer.from_files(cfg, list(shard_paths), list(eval_shard_paths), vocab_map,
-                                     target_dir, checkpoint_dir, device, dist_, manifest,
-                                     train_samples, stream)
+        trainer = Trainer.from_files(
+            cfg,
+            list(shard_paths),
+            list(eval_shard_paths),
+            vocab_map,
+            target_dir,
+            checkpoint_dir,
+            device,
+            dist_,
+            manifest,
+            train_samples,
+            stream,
+        )
         training = TrainingRun(trainer)
         training.resume()
         if dist_.rank == 0:
             training.check_disk()
-            training.log.trackers = Trackers(cfg["report_to"],
-                                             Path(checkpoint_dir) / "tracking", cfg)
+            training.log.trackers = Trackers(
+                cfg["report_to"], Path(checkpoint_dir) / "tracking", cfg
+            )
         first_step = trainer.step
-        progress = (Progress("train", total=trainer.total_steps, path=progress_path,
-                             log_path=log_path, unit="steps", already_done=first_step)
-                    if dist_.rank == 0 else None)
+        progress = (
+            Progress(
+                "train",
+                total=trainer.total_steps,
+                path=progress_path,
+                log_path=log_path,
+                unit="steps",
+                already_done=first_step,
+            )
+            if dist_.rank == 0
+            else None
+        )
         finished = training.run(progress, stop_after_steps)
         if not finished:
             return {"stopped_at_step": trainer.step}
         rows = training.log.rows
-        last = {split: next((r for r in reversed(rows) if r["split"] == split), None)
-                for split in ("train", "eval")}
-        summary = {"steps": trainer.step, "resumed_from_step": first_step,
-                   "train": last["train"], "eval": last["eval"],
-                   "layer_init": trainer.layer_init}
+        last = {
+            split: next((r for r in reversed(rows) if r["split"] == split), None)
+            for split in ("train", "eval")
+        }
+        summary = {
+            "steps": trainer.step,
+            "resumed_from_step": first_step,
+            "train": last["train"],
+            "eval": last["eval"],
+            "layer_init": trainer.layer_init,
+        }
         if stream is not None:  # every rank's feed
             summary["stream"] = trainer.train_data.summary()
             trainer.train_data.finish()  # trained: no epoch reads them again
@@ -538,17 +694,24 @@ def _train(cfg, device, dist_, shard_paths, eval_shard_paths, vocab_map, target_
                 log.info("streamed states: %s", summary["stream"])
         if dist_.rank == 0:
             summary["shipped"] = training.ship()
-            methods.export(trainer.model, out_dir, cfg["export_dtype"],  # any method
-                           block_size=cfg["ttt_steps"] + 1)
-            write_csv(Path(out_dir) / "training_log.csv", training.log.rows,
-                      training.log.columns)
+            methods.export(
+                trainer.model,
+                out_dir,
+                cfg["export_dtype"],  # any method
+                block_size=cfg["ttt_steps"] + 1,
+            )
+            write_csv(Path(out_dir) / "training_log.csv", training.log.rows, training.log.columns)
             run = progress.report("finished")
             # a rate of work done; a streamed run's includes its waits for the server, which
             # `eaglet status` adds from the prefill's own rate
             if rate_key is not None and trainer.step > first_step and stream is None:
-                rates.record("train", rate_key, settings=rates.train_settings(cfg, dist_.world),
-                             tokens_per_s=run["tokens_per_s"],
-                             ttt_steps=rates.train_passes(cfg))  # what the rate scales by
+                rates.record(
+                    "train",
+                    rate_key,
+                    settings=rates.train_settings(cfg, dist_.world),
+                    tokens_per_s=run["tokens_per_s"],
+                    ttt_steps=rates.train_passes(cfg),
+                )  # what the rate scales by
         if dist_.world > 1:
             dist.barrier()
         summary.update(elapsed_s=time.monotonic() - started, peak_rss_mb=round(peak_rss_mb(), 1))
@@ -571,9 +734,19 @@ def launch_torchrun(args: dict, nproc: int) -> None:
     and each process runs :func:`main` on them."""
     args_path = Path(args["checkpoint_dir"]) / "torchrun_args.json"
     write_json(args_path, args)
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                    f"--nproc-per-node={nproc}", "-m", "eaglet.stages.train.loop",
-                    str(args_path)], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            "-m",
+            "eaglet.stages.train.loop",
+            str(args_path),
+        ],
+        check=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -15,8 +15,9 @@ class EpochPlans:
     ``subset``: the global indices of the samples trained on (None: all). ``total_steps``:
     the optimizer steps of the whole training."""
 
-    def __init__(self, cfg: dict, train_data: Samples, subset: set[int] | None, group: int,
-                 rank: int):
+    def __init__(
+        self, cfg: dict, train_data: Samples, subset: set[int] | None, group: int, rank: int
+    ):
         self.cfg, self.train_data, self.subset = cfg, train_data, subset
         self.group, self.rank = group, rank
         self.kept = {0: self.epoch_plan(0)}
@@ -38,18 +39,20 @@ class EpochPlans:
         if self.subset is None:
             return plan
         lengths = [min(n, self.cfg["max_len"]) for n in self.train_data.lengths]
-        return pack([i for batch in plan for i in batch if i in self.subset], lengths,
-                    self.cfg["max_tokens_per_batch"])
+        return pack(
+            [i for batch in plan for i in batch if i in self.subset],
+            lengths,
+            self.cfg["max_tokens_per_batch"],
+        )
 
     def count_steps(self) -> int:
-        total = sum(steps_in(self.epoch_plan(e), self.group)
-                    for e in range(self.cfg["epochs"]))
+        total = sum(steps_in(self.epoch_plan(e), self.group) for e in range(self.cfg["epochs"]))
         return min(total, self.cfg["max_steps"] or total)
 
     def share(self, micro: list[list[int]]) -> list[list[int]]:
         """This rank's micro-batches of one optimizer step's."""
         ga = self.cfg["grad_accum"]
-        return micro[self.rank * ga:(self.rank + 1) * ga]
+        return micro[self.rank * ga : (self.rank + 1) * ga]
 
     def upcoming(self, step: int, epoch: int, at: int):
         """This rank's micro-batches from the data position (the optimizer ``step``, in

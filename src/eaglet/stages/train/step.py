@@ -21,17 +21,23 @@ from eaglet.stages.train.data import Batch, TrainError, add_feature_noise
 
 # -- loss ------------------------------------------------------------------------------------
 
-def batch_sums(model, batch: Batch, teacher_head: torch.Tensor, fused: bool = False,
-               kernels: ttt_loss.ChunkKernels = ttt_loss.PLAIN
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+
+def batch_sums(
+    model,
+    batch: Batch,
+    teacher_head: torch.Tensor,
+    fused: bool = False,
+    kernels: ttt_loss.ChunkKernels = ttt_loss.PLAIN,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per TTT step: summed cross-entropy against the teacher (differentiable) [K] and the
     number of top-1 agreements with the target's argmax [K]. ``model`` may be DDP-wrapped.
     ``fused``: the loss fused with lm_head, a chunk of rows at a time (``eaglet.model.loss``);
     the same values."""
     drafter = getattr(model, "module", model)
     if fused:
-        states = model(batch.aux, batch.step_ids, batch.positions, batch.segments, batch.rows,
-                       heads=False)
+        states = model(
+            batch.aux, batch.step_ids, batch.positions, batch.segments, batch.rows, heads=False
+        )
         t_logits, t_lse = ttt_loss.teacher(batch.final, teacher_head)
         weight = drafter.lm_head.weight.to(ttt_loss.compute_dtype_of(states[0]))  # cast once
         ce, agree = [], []
@@ -43,13 +49,14 @@ def batch_sums(model, batch: Batch, teacher_head: torch.Tensor, fused: bool = Fa
         return torch.stack(ce), torch.stack(agree).double()
     logits = model(batch.aux, batch.step_ids, batch.positions, batch.segments, batch.rows)
     with torch.no_grad():
-        teacher = torch.softmax((batch.final @ teacher_head.T).float(), dim=-1)   # [T, Vd]
+        teacher = torch.softmax((batch.final @ teacher_head.T).float(), dim=-1)  # [T, Vd]
     ce, agree = [], []
     for k, (z, rows) in enumerate(zip(logits, batch.rows)):
         z, target_rows = z.float(), rows + 1 + k
         ce.append((torch.logsumexp(z, -1) - (teacher[target_rows] * z).sum(-1)).sum())
-        agree.append((drafter.to_target_ids(z.argmax(-1))
-                      == batch.teacher_argmax[target_rows]).sum())
+        agree.append(
+            (drafter.to_target_ids(z.argmax(-1)) == batch.teacher_argmax[target_rows]).sum()
+        )
     return torch.stack(ce), torch.stack(agree).double()
 
 
@@ -58,13 +65,16 @@ def summarize(ce: torch.Tensor, counts: torch.Tensor, agree: torch.Tensor, decay
     n = counts.clamp(min=1)
     weights = decay ** torch.arange(len(ce), dtype=torch.float64)
     acc = (agree / n).tolist()
-    return {"loss": float((weights * ce / n).sum()),
-            **{f"acc_{k}": a for k, a in enumerate(acc)},
-            "sim_al": 1.0 + sum(math.prod(acc[:k + 1]) for k in range(len(acc)))}
+    return {
+        "loss": float((weights * ce / n).sum()),
+        **{f"acc_{k}": a for k, a in enumerate(acc)},
+        "sim_al": 1.0 + sum(math.prod(acc[: k + 1]) for k in range(len(acc))),
+    }
 
 
-def check_finite(losses: list[torch.Tensor], batches: list[Batch], dist_, device: torch.device,
-                 fail: Callable) -> None:
+def check_finite(
+    losses: list[torch.Tensor], batches: list[Batch], dist_, device: torch.device, fail: Callable
+) -> None:
     """Fail (``fail(what, *batches)``) naming the micro-batches whose loss is not finite, on
     any rank: one host sync (and one all-reduce) per optimizer step."""
     finite = torch.isfinite(torch.stack(losses)) if losses else torch.ones(0, dtype=torch.bool)
@@ -81,6 +91,7 @@ def check_finite(losses: list[torch.Tensor], batches: list[Batch], dist_, device
 
 
 # -- the step's settings ---------------------------------------------------------------------
+
 
 def resolve_compile(setting, device: torch.device) -> bool:
     """``train.compile``: auto compiles on CUDA (fused kernels pay there:
@@ -101,14 +112,22 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
 
 # -- the drafter and what trains it ----------------------------------------------------------
 
+
 class Learner:
     """The drafter on ``device`` with the kernels of its TTT attention and of the step (the
     same math whichever, so no part of the fingerprint), AdamW with its learning-rate schedule
     over ``total_steps``, and the DDP wrapper the step runs it through when data-parallel.
     ``dist_``: the ranks (:class:`eaglet.stages.train.loop.Dist`)."""
 
-    def __init__(self, cfg: dict, model: Eagle3Drafter, teacher_head: torch.Tensor,
-                 device: torch.device, dist_, total_steps: int):
+    def __init__(
+        self,
+        cfg: dict,
+        model: Eagle3Drafter,
+        teacher_head: torch.Tensor,
+        device: torch.device,
+        dist_,
+        total_steps: int,
+    ):
         self.cfg, self.device, self.dist = cfg, device, dist_
         self.model = model.to(device)
         try:  # the kernel of the TTT attention; the same math, so no part of the fingerprint
@@ -124,28 +143,43 @@ class Learner:
         norms_before_fc = model.config.fc_norm or model.config.norm_before_fc
         # features as the matmuls read them (bf16 under bf16 autocast): a bf16 shard's are not
         # converted at all. Norms before fc read them in float32, as they always have.
-        self.feature_dtype = (torch.bfloat16 if self.precision() == "bfloat16"
-                              and not norms_before_fc else torch.float32)
+        self.feature_dtype = (
+            torch.bfloat16
+            if self.precision() == "bfloat16" and not norms_before_fc
+            else torch.float32
+        )
         self.num_aux = len(model.config.aux_layer_ids)
         self.teacher_head = teacher_head.to(device)
         decay = [p for n, p in self.model.named_parameters() if p.ndim >= 2]
         no_decay = [p for n, p in self.model.named_parameters() if p.ndim < 2]
         self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": cfg["weight_decay"]},
-             {"params": no_decay, "weight_decay": 0.0}],
-            lr=cfg["lr"], betas=tuple(cfg["betas"]))
-        warmup = (cfg["warmup_steps"] if cfg["warmup_steps"] is not None
-                  else math.ceil(cfg["warmup_ratio"] * total_steps))
+            [
+                {"params": decay, "weight_decay": cfg["weight_decay"]},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=cfg["lr"],
+            betas=tuple(cfg["betas"]),
+        )
+        warmup = (
+            cfg["warmup_steps"]
+            if cfg["warmup_steps"] is not None
+            else math.ceil(cfg["warmup_ratio"] * total_steps)
+        )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_factor(s, warmup, total_steps, cfg["min_lr_ratio"]))
+            self.optimizer, lambda s: lr_factor(s, warmup, total_steps, cfg["min_lr_ratio"])
+        )
         self.wrapped = self.model
         if dist_.world > 1:
             from torch.nn.parallel import DistributedDataParallel as DDP
+
             DDP._set_params_and_buffers_to_ignore_for_model(
-                self.model, list(Eagle3Drafter.CONSTANT_BUFFERS))
-            self.wrapped = DDP(self.model,
-                               device_ids=[device.index] if device.type == "cuda" else None,
-                               broadcast_buffers=False)
+                self.model, list(Eagle3Drafter.CONSTANT_BUFFERS)
+            )
+            self.wrapped = DDP(
+                self.model,
+                device_ids=[device.index] if device.type == "cuda" else None,
+                broadcast_buffers=False,
+            )
 
     def precision(self) -> str:
         precision = self.cfg["precision"]
@@ -185,9 +219,10 @@ class Learner:
         losses = []  # checked once per step, not per micro-batch: no host sync in the loop
         for i, batch in enumerate(batches):
             sync = i == len(batches) - 1 or self.dist.world == 1
-            with (contextlib.nullcontext() if sync else self.wrapped.no_sync()), self.autocast():
-                ce, agree = batch_sums(self.wrapped, batch, self.teacher_head, self.fused_loss,
-                                       self.loss_kernels)
+            with contextlib.nullcontext() if sync else self.wrapped.no_sync(), self.autocast():
+                ce, agree = batch_sums(
+                    self.wrapped, batch, self.teacher_head, self.fused_loss, self.loss_kernels
+                )
                 loss = (scale * ce).sum()
             loss.backward()
             losses.append(loss.detach())
@@ -201,8 +236,10 @@ class Learner:
                 fail(f"non-finite gradient norm ({float(norm):.4g})", batches[-1])
         self.optimizer.step()
         self.scheduler.step()
-        return (torch.stack([ce_total, local_counts, agree_total]),
-                sum(b.num_tokens for b in batches))
+        return (
+            torch.stack([ce_total, local_counts, agree_total]),
+            sum(b.num_tokens for b in batches),
+        )
 
     @torch.no_grad()
     def evaluate(self, batches: Iterable[Batch]) -> dict:
@@ -213,8 +250,9 @@ class Learner:
         self.model.eval()
         for batch in batches:
             with self.autocast():
-                ce, agree = batch_sums(self.model, batch, self.teacher_head, self.fused_loss,
-                                       self.loss_kernels)
+                ce, agree = batch_sums(
+                    self.model, batch, self.teacher_head, self.fused_loss, self.loss_kernels
+                )
             sums += torch.stack([ce.double(), batch.counts().to(self.device), agree])
         ce, counts, agree = self.dist.all_reduce(sums).cpu()
         return summarize(ce, counts, agree, self.cfg["ttt_decay"])

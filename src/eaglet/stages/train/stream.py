@@ -61,8 +61,15 @@ from eaglet.stages.train.feed_check import TeacherCheck
 from eaglet.stages.train.feed_loop import FeedLoop
 from eaglet.stages.train.feed_requests import FeedRequests, SharedServer
 from eaglet.target.checkpoint import load_head
-from eaglet.target.states import (Target, TeacherHead, is_greedy, resolve_aux_layer_ids, sequence,
-                                  shard_bounds, target_identity)
+from eaglet.target.states import (
+    Target,
+    TeacherHead,
+    is_greedy,
+    resolve_aux_layer_ids,
+    sequence,
+    shard_bounds,
+    target_identity,
+)
 
 log = logging.getLogger("eaglet.stages.train.loop")
 
@@ -74,9 +81,15 @@ def sequences(records: list[dict], max_len: int) -> list[tuple[list[int], list[i
     return [sequence(r, max_len)[:2] for r in records]
 
 
-def layout(records: list[dict], seqs: list[tuple[list[int], list[int]]], num_shards: int,
-           hidden_size: int, aux_layer_ids: list[int], identity: dict,
-           dtype: str) -> list[ShardInfo]:
+def layout(
+    records: list[dict],
+    seqs: list[tuple[list[int], list[int]]],
+    num_shards: int,
+    hidden_size: int,
+    aux_layer_ids: list[int],
+    identity: dict,
+    dtype: str,
+) -> list[ShardInfo]:
     """The shards extraction would write for ``records`` (``seqs``: their :func:`sequences`),
     described without their states: each one's sample lengths and ids, and (as its
     ``sha256``) a hash of its token ids and loss masks, which a checkpoint's fingerprint
@@ -85,13 +98,24 @@ def layout(records: list[dict], seqs: list[tuple[list[int], list[int]]], num_sha
     for index in range(num_shards):
         lo, hi = shard_bounds(len(records), num_shards, index)
         if lo == hi:
-            raise TrainError(f"stream shard {index} of {num_shards} would hold no samples: "
-                             f"lower extract.num_shards to at most the number of samples")
+            raise TrainError(
+                f"stream shard {index} of {num_shards} would hold no samples: "
+                f"lower extract.num_shards to at most the number of samples"
+            )
         block = seqs[lo:hi]
         digest = hashlib.sha256(json.dumps(block).encode()).hexdigest()
-        infos.append(ShardInfo(f"stream_{index:05d}", [len(ids) for ids, _ in block],
-                               [r["id"] for r in records[lo:hi]], hidden_size,
-                               list(aux_layer_ids), identity, digest, dtype))
+        infos.append(
+            ShardInfo(
+                f"stream_{index:05d}",
+                [len(ids) for ids, _ in block],
+                [r["id"] for r in records[lo:hi]],
+                hidden_size,
+                list(aux_layer_ids),
+                identity,
+                digest,
+                dtype,
+            )
+        )
     return infos
 
 
@@ -107,11 +131,23 @@ class StateFeed(FeedLoop, FeedRequests):
     the samples' files (:class:`StateFiles`), ``check`` is the teacher check
     (:class:`TeacherCheck`)."""
 
-    def __init__(self, extractor: Extractor, records: list[dict],
-                 seqs: list[tuple[list[int], list[int]]], aux_layer_ids: list[int],
-                 head: TeacherHead, norm, dtype: str, concurrency: int, ahead: int | None,
-                 cache_bytes: int, timeout: float, max_retries: int, rank: int = 0,
-                 world: int = 1):
+    def __init__(
+        self,
+        extractor: Extractor,
+        records: list[dict],
+        seqs: list[tuple[list[int], list[int]]],
+        aux_layer_ids: list[int],
+        head: TeacherHead,
+        norm,
+        dtype: str,
+        concurrency: int,
+        ahead: int | None,
+        cache_bytes: int,
+        timeout: float,
+        max_retries: int,
+        rank: int = 0,
+        world: int = 1,
+    ):
         self.extractor, self.records, self.norm = extractor, records, norm
         self.rank, self.world = rank, world
         self.aux_layer_ids, self.dtype = aux_layer_ids, dtype
@@ -153,17 +189,24 @@ class StateFeed(FeedLoop, FeedRequests):
         self.ahead = self.window(batch)
         self._due = len(order)
         self.check.expect(order, self.masks)
-        log.info("stream: up to %d samples requested or prepared ahead of the trainer (%s)",
-                 self.ahead, "train.stream_ahead" if self.configured_ahead else
-                 f"{self.concurrency} requests in flight beside a micro-batch of up to "
-                 f"{batch} samples, at least twice the concurrency")
+        log.info(
+            "stream: up to %d samples requested or prepared ahead of the trainer (%s)",
+            self.ahead,
+            "train.stream_ahead"
+            if self.configured_ahead
+            else f"{self.concurrency} requests in flight beside a micro-batch of up to "
+            f"{batch} samples, at least twice the concurrency",
+        )
         if not self.overlap:
-            log.info("stream: the server and the trainer take turns (train.stream_overlap): "
-                     "the server computes a window's states while the trainer waits, then "
-                     "the trainer trains on them")
+            log.info(
+                "stream: the server and the trainer take turns (train.stream_overlap): "
+                "the server computes a window's states while the trainer waits, then "
+                "the trainer trains on them"
+            )
         started = threading.Event()
-        self._thread = threading.Thread(target=self._serve, args=(list(order), started),
-                                        daemon=True, name="eaglet-stream")
+        self._thread = threading.Thread(
+            target=self._serve, args=(list(order), started), daemon=True, name="eaglet-stream"
+        )
         self._thread.start()
         started.wait()
 
@@ -178,12 +221,15 @@ class StateFeed(FeedLoop, FeedRequests):
         if self._starting is not None:  # the part of this wait that the server's start took
             began, ended = self._starting
             self.stats["trainer_wait_start_s"] += max(
-                0.0, min(now, ended or now) - max(waited, began))
+                0.0, min(now, ended or now) - max(waited, began)
+            )
         if error is not None:
             raise error
         if got != index:
-            raise RuntimeError(f"the state feed prepared sample {got} where {index} was due: "
-                               f"its order differs from the training loop's")
+            raise RuntimeError(
+                f"the state feed prepared sample {got} where {index} was due: "
+                f"its order differs from the training loop's"
+            )
         with contextlib.suppress(RuntimeError):  # the feed has scheduled everything
             self._loop.call_soon_threadsafe(self._slots.release)
         return item
@@ -221,28 +267,31 @@ class StateFeed(FeedLoop, FeedRequests):
         """What the feed did: requests sent, files reused, the cache, who waited for whom."""
         agreed, positions = self.check.agreed
         server = self.extractor.server
-        return {"samples": self.stats["samples"], "requests": self.stats["requests"],
-                "window": self.ahead, "overlap": self.overlap,
-                # saved before this run's requests: by generation, or by a run killed with
-                # requests in flight
-                "saved_files": len(self.files.saved),
-                # the rest read a file this run had used before: kept by the cache, or still
-                # on disk for a position in the window
-                "reread_files": self.stats["samples"] - self.stats["requests"]
-                - len(self.files.saved),
-                "cache_files": len(self.files.cached),
-                "cache_bytes": sum(self.files.cached.values()),
-                "cache_budget_bytes": self.files.cache_bytes,
-                "server_started": self.extractor.started,
-                "server_start_s": server.ready_after_s if self.extractor.started else None,
-                "trainer_wait_s": round(self.stats["trainer_wait_s"], 2),
-                # of which while the server started (a start in a later epoch, with the
-                # trainer busy on states already there, is not all waited for)
-                "trainer_wait_start_s": round(self.stats["trainer_wait_start_s"], 2),
-                "feed_wait_s": round(self.stats["feed_wait_s"], 2),
-                "server_idle_s": round(self.stats["server_idle_s"], 2),
-                "teacher_agreement": (agreed / positions) if positions else None,
-                "teacher_positions": positions}
+        return {
+            "samples": self.stats["samples"],
+            "requests": self.stats["requests"],
+            "window": self.ahead,
+            "overlap": self.overlap,
+            # saved before this run's requests: by generation, or by a run killed with
+            # requests in flight
+            "saved_files": len(self.files.saved),
+            # the rest read a file this run had used before: kept by the cache, or still
+            # on disk for a position in the window
+            "reread_files": self.stats["samples"] - self.stats["requests"] - len(self.files.saved),
+            "cache_files": len(self.files.cached),
+            "cache_bytes": sum(self.files.cached.values()),
+            "cache_budget_bytes": self.files.cache_bytes,
+            "server_started": self.extractor.started,
+            "server_start_s": server.ready_after_s if self.extractor.started else None,
+            "trainer_wait_s": round(self.stats["trainer_wait_s"], 2),
+            # of which while the server started (a start in a later epoch, with the
+            # trainer busy on states already there, is not all waited for)
+            "trainer_wait_start_s": round(self.stats["trainer_wait_start_s"], 2),
+            "feed_wait_s": round(self.stats["feed_wait_s"], 2),
+            "server_idle_s": round(self.stats["server_idle_s"], 2),
+            "teacher_agreement": (agreed / positions) if positions else None,
+            "teacher_positions": positions,
+        }
 
 
 def combine(ranks: list[tuple[dict, list[int]]]) -> dict:
@@ -253,8 +302,15 @@ def combine(ranks: list[tuple[dict, list[int]]]) -> dict:
     (a bound: the server idles only while no rank asks)."""
     summaries = [summary for summary, _ in ranks]
     out = dict(summaries[0])
-    for key in ("samples", "requests", "window", "cache_files", "cache_bytes",
-                "cache_budget_bytes", "teacher_positions"):
+    for key in (
+        "samples",
+        "requests",
+        "window",
+        "cache_files",
+        "cache_bytes",
+        "cache_budget_bytes",
+        "teacher_positions",
+    ):
         out[key] = sum(s[key] for s in summaries)
     out["saved_files"] = len(set().union(*(saved for _, saved in ranks)))
     out["reread_files"] = out["samples"] - out["requests"] - out["saved_files"]
@@ -263,8 +319,9 @@ def combine(ranks: list[tuple[dict, list[int]]]) -> dict:
     for key in ("feed_wait_s", "server_idle_s"):
         out[key] = min(s[key] for s in summaries)
     agree = sum((s["teacher_agreement"] or 0.0) * s["teacher_positions"] for s in summaries)
-    out["teacher_agreement"] = (agree / out["teacher_positions"]
-                                if out["teacher_positions"] else None)
+    out["teacher_agreement"] = (
+        agree / out["teacher_positions"] if out["teacher_positions"] else None
+    )
     out["server_started"] = any(s["server_started"] for s in summaries)
     out["ranks"] = len(summaries)
     return out
@@ -276,8 +333,9 @@ class StreamSamples(Samples):
     feed was started with. ``dist``: the training's ranks
     (:class:`eaglet.stages.train.loop.Dist`)."""
 
-    def __init__(self, infos: list[ShardInfo], feed: StateFeed, stack: contextlib.ExitStack,
-                 dist=None):
+    def __init__(
+        self, infos: list[ShardInfo], feed: StateFeed, stack: contextlib.ExitStack, dist=None
+    ):
         super().__init__(infos)
         self.feed, self.stack, self.dist = feed, stack, dist
 
@@ -364,17 +422,21 @@ def stream_devices(server_gpus: int, train_gpus: int) -> str | None:
         return None
     ids = [d for d in visible.split(",") if d.strip()]
     if len(ids) < server_gpus + train_gpus:
-        raise TrainError(f"the streaming job holds the GPUs {visible} but needs "
-                         f"{server_gpus + train_gpus}: server.gpus {server_gpus} and "
-                         f"train.gpus {train_gpus}")
+        raise TrainError(
+            f"the streaming job holds the GPUs {visible} but needs "
+            f"{server_gpus + train_gpus}: server.gpus {server_gpus} and "
+            f"train.gpus {train_gpus}"
+        )
     server = ids[:server_gpus]
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(
-        ids[server_gpus:server_gpus + train_gpus] if train_gpus else server)
+        ids[server_gpus : server_gpus + train_gpus] if train_gpus else server
+    )
     return ",".join(server)
 
 
-def open_stream(stream: dict, train_cfg: dict, rank: int = 0, world: int = 1,
-                dist=None) -> StreamSamples:
+def open_stream(
+    stream: dict, train_cfg: dict, rank: int = 0, world: int = 1, dist=None
+) -> StreamSamples:
     """The stream-mode training samples of a run: ``stream`` holds the run's ``cfg`` (its
     extract, target, server and generate sections), ``target_json``, the training split's
     ``data`` file, the ``work_dir`` whose ``requests/`` the capture server writes to (the
@@ -385,40 +447,73 @@ def open_stream(stream: dict, train_cfg: dict, rank: int = 0, world: int = 1,
     (:class:`eaglet.stages.train.loop.Dist`) lets the ranks' feeds meet."""
     cfg = stream["cfg"]
     if train_cfg.get("stream_kv_cache_gib") is not None:  # this job's server alone
-        cfg = {**cfg, "server": {**cfg["server"],
-                                 "kv_cache_gib": train_cfg["stream_kv_cache_gib"]}}
+        cfg = {**cfg, "server": {**cfg["server"], "kv_cache_gib": train_cfg["stream_kv_cache_gib"]}}
     if stream.get("server_devices"):
         server = cfg["server"]
-        cfg = {**cfg, "server": {**server, "env": {**(server.get("env") or {}),
-                                                    "CUDA_VISIBLE_DEVICES":
-                                                    stream["server_devices"]}}}
+        cfg = {
+            **cfg,
+            "server": {
+                **server,
+                "env": {
+                    **(server.get("env") or {}),
+                    "CUDA_VISIBLE_DEVICES": stream["server_devices"],
+                },
+            },
+        }
     ext = cfg["extract"]
     info = read_json(stream["target_json"])
     records = read_jsonl(stream["data"])
     if not records:
-        raise TrainError(f"{stream['data']} holds no training samples: the generate stage "
-                         f"produced none")
+        raise TrainError(
+            f"{stream['data']} holds no training samples: the generate stage produced none"
+        )
     head = load_head(info["path"], cfg["target"]["dtype"])
     target, norm = Target.from_head(head, ext["device"]), head.norm
     aux_ids = resolve_aux_layer_ids(ext["aux_layer_ids"], target.num_layers)
     seqs = sequences(records, ext["max_len"])
-    infos = layout(records, seqs, ext["num_shards"], target.hidden_size, aux_ids,
-                   target_identity(info), ext["dtype"])
-    extractor = Extractor(cfg, info["path"], capture_layer_ids(aux_ids, target.num_layers),
-                          Path(stream["work_dir"]), stream["server_log"], None)
+    infos = layout(
+        records,
+        seqs,
+        ext["num_shards"],
+        target.hidden_size,
+        aux_ids,
+        target_identity(info),
+        ext["dtype"],
+    )
+    extractor = Extractor(
+        cfg,
+        info["path"],
+        capture_layer_ids(aux_ids, target.num_layers),
+        Path(stream["work_dir"]),
+        stream["server_log"],
+        None,
+    )
     extractor.norm = norm
     stack = contextlib.ExitStack()
     extractor.stack = stack
     # the ranks share the server's extract.concurrency, the window and the cache's budget
-    feed = StateFeed(extractor, records, seqs, aux_ids, TeacherHead(target.lm_head),
-                     norm, ext["dtype"], -(-ext["concurrency"] // world),
-                     -(-train_cfg["stream_ahead"] // world) if train_cfg["stream_ahead"]
-                     else None,
-                     int(train_cfg["stream_cache_gib"] * GIB) // world,
-                     cfg["generate"]["request_timeout_s"], cfg["generate"]["max_retries"],
-                     rank, world)
+    feed = StateFeed(
+        extractor,
+        records,
+        seqs,
+        aux_ids,
+        TeacherHead(target.lm_head),
+        norm,
+        ext["dtype"],
+        -(-ext["concurrency"] // world),
+        -(-train_cfg["stream_ahead"] // world) if train_cfg["stream_ahead"] else None,
+        int(train_cfg["stream_cache_gib"] * GIB) // world,
+        cfg["generate"]["request_timeout_s"],
+        cfg["generate"]["max_retries"],
+        rank,
+        world,
+    )
     if is_greedy(records):  # the target's own greedy answers: the teacher must reproduce them
         feed.check.min_agreement = ext["min_teacher_agreement"]
-    feed.overlap = overlaps(train_cfg.get("stream_overlap", "auto"), cfg["server"]["gpus"],
-                            cfg["train"]["gpus"], train_cfg.get("device", "auto"))
+    feed.overlap = overlaps(
+        train_cfg.get("stream_overlap", "auto"),
+        cfg["server"]["gpus"],
+        cfg["train"]["gpus"],
+        train_cfg.get("device", "auto"),
+    )
     return StreamSamples(infos, feed, stack, dist)

@@ -19,13 +19,18 @@ class TrackingError(RuntimeError):
 
 def metrics_of(row: dict) -> dict[str, float]:
     """The numeric columns of a training-log row, named by its split (empty cells skipped)."""
-    return {f"{row['split']}/{key}": float(value) for key, value in row.items()
-            if key not in ("step", "split") and value not in ("", None)}
+    return {
+        f"{row['split']}/{key}": float(value)
+        for key, value in row.items()
+        if key not in ("step", "split") and value not in ("", None)
+    }
 
 
 def _missing(name: str) -> TrackingError:
-    return TrackingError(f"train.report_to names {name}, which is not installed: "
-                         f"pip install {PACKAGES[name]} (or drop {name} from train.report_to)")
+    return TrackingError(
+        f"train.report_to names {name}, which is not installed: "
+        f"pip install {PACKAGES[name]} (or drop {name} from train.report_to)"
+    )
 
 
 class Trackers:
@@ -45,8 +50,9 @@ class Trackers:
             raise _missing("tensorboard") from None
         writer = SummaryWriter(str(self.log_dir / "tensorboard"))
         writer.add_text("train settings", repr(config))
-        self._log.append(lambda metrics, step: [writer.add_scalar(k, v, step)
-                                                for k, v in metrics.items()])
+        self._log.append(
+            lambda metrics, step: [writer.add_scalar(k, v, step) for k, v in metrics.items()]
+        )
         self._close.append(writer.close)
 
     def _open_wandb(self, config: dict) -> None:

@@ -36,25 +36,44 @@ class TrainingLog:
     def __init__(self, cfg: dict, checkpoint_dir: Path, rank: int):
         self.cfg, self.checkpoint_dir, self.rank = cfg, checkpoint_dir, rank
         self.trackers = Trackers([], checkpoint_dir / "tracking", cfg)  # train() opens them
-        self.columns = (["step", "epoch", "split", "loss"]
-                        + [f"acc_{k}" for k in range(cfg["ttt_steps"])]
-                        + ["sim_al", "lr", "tokens_per_s", "peak_rss_mb"])
+        self.columns = (
+            ["step", "epoch", "split", "loss"]
+            + [f"acc_{k}" for k in range(cfg["ttt_steps"])]
+            + ["sim_al", "lr", "tokens_per_s", "peak_rss_mb"]
+        )
         self.rows: list[dict] = []
 
-    def add(self, split: str, metrics: dict, step: int, epoch: float, total_steps: int,
-            **extra) -> dict:
+    def add(
+        self, split: str, metrics: dict, step: int, epoch: float, total_steps: int, **extra
+    ) -> dict:
         """The row of ``metrics`` (``split``: train or eval) at ``step`` of ``total_steps``,
         ``epoch`` (fractional) into training, with ``extra`` columns; added and returned."""
-        row = {"step": step, "epoch": epoch,
-               "split": split, **{k: round(v, 6) for k, v in metrics.items()}, "lr": "",
-               "tokens_per_s": "", "peak_rss_mb": "", **extra}
+        row = {
+            "step": step,
+            "epoch": epoch,
+            "split": split,
+            **{k: round(v, 6) for k, v in metrics.items()},
+            "lr": "",
+            "tokens_per_s": "",
+            "peak_rss_mb": "",
+            **extra,
+        }
         self.rows.append(row)
         if self.rank != 0:
             return row
         self.trackers.log(row)
         accs = " ".join(f"{metrics[f'acc_{k}']:.3f}" for k in range(self.cfg["ttt_steps"]))
         rss = f" peak RSS {row['peak_rss_mb']:.0f} MiB" if row["peak_rss_mb"] != "" else ""
-        log.info("%s step %d/%d epoch %.2f: loss %.4f acc %s sim_al %.3f%s", split, step,
-                 total_steps, row["epoch"], metrics["loss"], accs, metrics["sim_al"], rss)
+        log.info(
+            "%s step %d/%d epoch %.2f: loss %.4f acc %s sim_al %.3f%s",
+            split,
+            step,
+            total_steps,
+            row["epoch"],
+            metrics["loss"],
+            accs,
+            metrics["sim_al"],
+            rss,
+        )
         write_csv(self.checkpoint_dir / "training_log.csv", self.rows, self.columns)
         return row

@@ -14,14 +14,33 @@ this machine's speed for that kind of work, and the plans of the other stages ar
 (by their own kind's where measured, else by another kind's).
 """
 
-from eaglet.tools.status.estimates import (CHARS_PER_TOKEN, COMPLETION_FILL_GUESS,
-                                           OFFLINE_REPLAY_SHARE, PACK_TOKENS_PER_S,
-                                           TEMPLATE_TOKENS_GUESS, Estimate)
+from eaglet.tools.status.estimates import (
+    CHARS_PER_TOKEN,
+    COMPLETION_FILL_GUESS,
+    OFFLINE_REPLAY_SHARE,
+    PACK_TOKENS_PER_S,
+    TEMPLATE_TOKENS_GUESS,
+    Estimate,
+)
 from eaglet.tools.status.gather import collect, snakemake_config_args, stage_status
 from eaglet.tools.status.render import main, order_line, render
 from eaglet.tools.status.stages import OPTIONAL_STAGES, STAGES, Generate, estimate
 
-__all__ = ["CHARS_PER_TOKEN", "COMPLETION_FILL_GUESS", "OFFLINE_REPLAY_SHARE", "OPTIONAL_STAGES",
-           "PACK_TOKENS_PER_S", "STAGES", "TEMPLATE_TOKENS_GUESS", "Estimate", "Generate",
-           "collect", "estimate", "main", "order_line", "render", "snakemake_config_args",
-           "stage_status"]
+__all__ = [
+    "CHARS_PER_TOKEN",
+    "COMPLETION_FILL_GUESS",
+    "OFFLINE_REPLAY_SHARE",
+    "OPTIONAL_STAGES",
+    "PACK_TOKENS_PER_S",
+    "STAGES",
+    "TEMPLATE_TOKENS_GUESS",
+    "Estimate",
+    "Generate",
+    "collect",
+    "estimate",
+    "main",
+    "order_line",
+    "render",
+    "snakemake_config_args",
+    "stage_status",
+]

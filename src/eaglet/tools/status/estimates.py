@@ -13,23 +13,34 @@ import json
 import math
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from eaglet.core import rates
-from eaglet.core.layout import (BENCHMARK_RESULTS, CHECKPOINTS, HIDDEN, HIDDEN_EVAL, PROMPT_STATS,
-                                PROMPTS_TRAIN, SHARD_GLOB, SYNTHETIC_PARTIAL, SYNTHETIC_STATS,
-                                TRAINING_LOG, VLLM_WORK)
+from eaglet.core.layout import (
+    BENCHMARK_RESULTS,
+    CHECKPOINTS,
+    HIDDEN,
+    HIDDEN_EVAL,
+    PROMPT_STATS,
+    PROMPTS_TRAIN,
+    SHARD_GLOB,
+    SYNTHETIC_PARTIAL,
+    SYNTHETIC_STATS,
+    TRAINING_LOG,
+    VLLM_WORK,
+)
 from eaglet.engine.server import pid_alive
 
 BENCHMARKS = BENCHMARK_RESULTS
-SERVER_START_GUESS_S = 60.0      # vLLM CPU with --enforce-eager: about 55 s here
-COMPLETION_FILL_GUESS = 0.75     # share of max_tokens a completion uses before it is measured
-CHARS_PER_TOKEN = 4.0            # of prompt text, before any prompt is tokenized
-TEMPLATE_TOKENS_GUESS = 30       # the chat template's tokens around a prompt (system turn, roles)
-OFFLINE_REPLAY_SHARE = 0.7       # an offline replay's time over its vLLM run's (2 CPU cores)
+SERVER_START_GUESS_S = 60.0  # vLLM CPU with --enforce-eager: about 55 s here
+COMPLETION_FILL_GUESS = 0.75  # share of max_tokens a completion uses before it is measured
+CHARS_PER_TOKEN = 4.0  # of prompt text, before any prompt is tokenized
+TEMPLATE_TOKENS_GUESS = 30  # the chat template's tokens around a prompt (system turn, roles)
+OFFLINE_REPLAY_SHARE = 0.7  # an offline replay's time over its vLLM run's (2 CPU cores)
 
 
 def _read(path: Path) -> Any:
@@ -50,17 +61,18 @@ def process_alive(record: dict) -> bool | None:
 
 # -- rates and sizes the estimates use ------------------------------------------------------
 
+
 @dataclass
 class Estimate:
     seconds: float | None
     basis: str
-    speed: Speed | None = None   # this run's measurement the plan rests on, if any
+    speed: Speed | None = None  # this run's measurement the plan rests on, if any
 
 
 # ``before`` of a plan read from the reference run or the benchmarks alone, never the rates
 # history: the rate a speed factor is measured against (:func:`machine_speed`)
 BENCHMARKS_ONLY = "benchmarks only"
-EARLIER_RUN = "an earlier run"   # the source of a plan read from this machine's rates history
+EARLIER_RUN = "an earlier run"  # the source of a plan read from this machine's rates history
 
 
 class Basis(str):
@@ -69,7 +81,7 @@ class Basis(str):
 
     here: bool
 
-    def __new__(cls, text: str, here: bool = False) -> "Basis":
+    def __new__(cls, text: str, here: bool = False) -> Basis:
         basis = super().__new__(cls, text)
         basis.here = here
         return basis
@@ -88,16 +100,25 @@ def _earlier_source(entry: dict) -> Basis:
     return Basis(f"an earlier run on another machine ({device})")
 
 
-def _rate(stage: str, key: str, target: str | None, measured: float | None = None,
-          benchmark: Callable[[], float | None] | None = None,
-          before: str | None = None, settings: dict | None = None) -> tuple[float | None, str]:
+def _rate(
+    stage: str,
+    key: str,
+    target: str | None,
+    measured: float | None = None,
+    benchmark: Callable[[], float | None] | None = None,
+    before: str | None = None,
+    settings: dict | None = None,
+) -> tuple[float | None, str]:
     """``before``: the rates history as it was then (see :func:`_at_machine_speed`), or
     BENCHMARKS_ONLY; ``settings``: only rates measured at them
     (:func:`eaglet.core.rates.lookup_entry`)."""
     if measured:
         return measured, "this run"
-    entry = (rates.reference_entry(stage, key, target, settings) if before == BENCHMARKS_ONLY
-             else rates.lookup_entry(stage, key, target, before, settings))
+    entry = (
+        rates.reference_entry(stage, key, target, settings)
+        if before == BENCHMARKS_ONLY
+        else rates.lookup_entry(stage, key, target, before, settings)
+    )
     if entry is not None:
         return float(entry[key]), _earlier_source(entry)
     if benchmark is not None:
@@ -107,36 +128,50 @@ def _rate(stage: str, key: str, target: str | None, measured: float | None = Non
     return None, "no rate measured yet"
 
 
-def _train_rate(target: str, ttt_steps: int, max_len: int | None = None,
-                before: str | None = None, settings: dict | None = None
-                ) -> tuple[float | None, str]:
+def _train_rate(
+    target: str,
+    ttt_steps: int,
+    max_len: int | None = None,
+    before: str | None = None,
+    settings: dict | None = None,
+) -> tuple[float | None, str]:
     """An earlier run's training tokens/s, else ``benchmarks/results/train.json``'s for this
     target's shape (the row whose sample length is nearest ``max_len``), scaled to this run's
     TTT steps: each step runs the drafter layer and its lm_head once more, so the cost per
     token grows about linearly."""
-    entry = (rates.reference_entry("train", "tokens_per_s", target, settings)
-             if before == BENCHMARKS_ONLY
-             else rates.lookup_entry("train", "tokens_per_s", target, before, settings))
+    entry = (
+        rates.reference_entry("train", "tokens_per_s", target, settings)
+        if before == BENCHMARKS_ONLY
+        else rates.lookup_entry("train", "tokens_per_s", target, before, settings)
+    )
     source = _earlier_source(entry) if entry is not None else Basis("")
     if entry is None:
-        rows = [row for row in (_read(BENCHMARKS / "train.json") or {}).values()
-                if row.get("shape") and row["shape"] in target and row.get("tokens_per_s")]
+        rows = [
+            row
+            for row in (_read(BENCHMARKS / "train.json") or {}).values()
+            if row.get("shape") and row["shape"] in target and row.get("tokens_per_s")
+        ]
         if not rows:
             return None, "no rate measured yet"
-        entry = min(rows, key=lambda row: abs(math.log(row["sample_len"] / (max_len or row["sample_len"]))))
+        entry = min(
+            rows, key=lambda row: abs(math.log(row["sample_len"] / (max_len or row["sample_len"])))
+        )
         source = Basis(f"benchmarks/results, {entry['sample_len']}-token samples")
     measured_at = int(entry.get("ttt_steps") or ttt_steps)
     rate = float(entry["tokens_per_s"]) * measured_at / ttt_steps
     if measured_at == ttt_steps:
         return rate, source
-    return rate, Basis(f"{source} at {measured_at} TTT steps, scaled to {ttt_steps}",
-                       here=source.here)
+    return rate, Basis(
+        f"{source} at {measured_at} TTT steps, scaled to {ttt_steps}", here=source.here
+    )
 
 
 def _bench_generate(concurrency: int) -> float | None:
     data = _read(BENCHMARKS / "generate.json") or {}
-    levels = {int(k): v["tokens_per_s"] for k, v in
-              (data.get("server_tokens_per_s_by_concurrency") or {}).items()}
+    levels = {
+        int(k): v["tokens_per_s"]
+        for k, v in (data.get("server_tokens_per_s_by_concurrency") or {}).items()
+    }
     if not levels:
         return None
     nearest = min(levels, key=lambda c: abs(c - concurrency))
@@ -164,16 +199,27 @@ def _token_totals(r: Path, cfg: dict | None = None) -> dict | None:
             return None
         return _projected_totals(r, counts) or (_guessed_totals(r, cfg, counts) if cfg else None)
     splits = s["splits"]
-    return {split: {"samples": v["samples"],
-                    "tokens": v["prompt_tokens"] + v["completion_tokens"],
-                    "completion_tokens": v["completion_tokens"]} for split, v in splits.items()}
+    return {
+        split: {
+            "samples": v["samples"],
+            "tokens": v["prompt_tokens"] + v["completion_tokens"],
+            "completion_tokens": v["completion_tokens"],
+        }
+        for split, v in splits.items()
+    }
 
 
 def _per_split(counts: tuple[int, int], prompt: float, completion: float, **extra) -> dict:
     """Tokens per split from the prompt counts (train, eval) and mean lengths per sample."""
-    return {split: {"samples": n, "tokens": int(n * (prompt + completion)),
-                    "completion_tokens": int(n * completion), **extra}
-            for split, n in zip(("train", "eval"), counts)}
+    return {
+        split: {
+            "samples": n,
+            "tokens": int(n * (prompt + completion)),
+            "completion_tokens": int(n * completion),
+            **extra,
+        }
+        for split, n in zip(("train", "eval"), counts)
+    }
 
 
 def _projected_totals(r: Path, counts: tuple[int, int]) -> dict | None:
@@ -193,11 +239,14 @@ def _projected_totals(r: Path, counts: tuple[int, int]) -> dict | None:
             if not isinstance(record, dict) or "error" in record or "skipped" in record:
                 continue
             with contextlib.suppress(KeyError, TypeError):
-                lengths.append((len(record["prompt_token_ids"]), len(record["completion_token_ids"])))
+                lengths.append(
+                    (len(record["prompt_token_ids"]), len(record["completion_token_ids"]))
+                )
     if not lengths:
         return None
-    return _per_split(counts, sum(p for p, _ in lengths) / len(lengths),
-                      sum(c for _, c in lengths) / len(lengths))
+    return _per_split(
+        counts, sum(p for p, _ in lengths) / len(lengths), sum(c for _, c in lengths) / len(lengths)
+    )
 
 
 def _guessed_totals(r: Path, cfg: dict, counts: tuple[int, int]) -> dict | None:
@@ -214,8 +263,9 @@ def _guessed_totals(r: Path, cfg: dict, counts: tuple[int, int]) -> dict | None:
     if not chars:
         return None
     prompt = sum(chars) / len(chars) / CHARS_PER_TOKEN + TEMPLATE_TOKENS_GUESS
-    return _per_split(counts, prompt, cfg["generate"]["max_tokens"] * COMPLETION_FILL_GUESS,
-                      guessed=True)
+    return _per_split(
+        counts, prompt, cfg["generate"]["max_tokens"] * COMPLETION_FILL_GUESS, guessed=True
+    )
 
 
 NO_TOKENS = "token count unknown until generate runs"
@@ -256,8 +306,11 @@ def _timestamp(iso: str | None) -> float | None:
 
 # a shard's .json beside its .safetensors: where a job writes them directly (hf backend), and
 # where the vllm backend stages them until every shard is packed (hidden/vllm/shards/<split>)
-SHARD_METAS = (f"{HIDDEN}/{SHARD_GLOB}.json", f"{HIDDEN_EVAL}/{SHARD_GLOB}.json",
-               f"{VLLM_WORK}/shards/*/{SHARD_GLOB}.json")
+SHARD_METAS = (
+    f"{HIDDEN}/{SHARD_GLOB}.json",
+    f"{HIDDEN_EVAL}/{SHARD_GLOB}.json",
+    f"{VLLM_WORK}/shards/*/{SHARD_GLOB}.json",
+)
 
 
 def _packed_samples(r: Path, since: float) -> int:
@@ -358,8 +411,12 @@ def _measured_record(record: Any) -> bool:
         tokens, elapsed = float(record.get("tokens") or 0), float(record.get("elapsed_s") or 0)
     except (TypeError, ValueError):
         return False
-    return (new > 0 and tokens > 0 and elapsed > 0
-            and (record["state"] == "finished" or elapsed >= MEASURED_AFTER_S))
+    return (
+        new > 0
+        and tokens > 0
+        and elapsed > 0
+        and (record["state"] == "finished" or elapsed >= MEASURED_AFTER_S)
+    )
 
 
 def measured_from_progress(paths: list[str]) -> Measurement | None:
@@ -370,7 +427,8 @@ def measured_from_progress(paths: list[str]) -> Measurement | None:
         return None
     elapsed = sum(float(p["elapsed_s"]) for p in records)
     starts = [p["started_at"] for p in records if _timestamp(p.get("started_at")) is not None]
-    return Measurement(sum(float(p["tokens"]) for p in records) / elapsed, elapsed,
-                       min(starts, key=_timestamp) if starts else None)
-
-
+    return Measurement(
+        sum(float(p["tokens"]) for p in records) / elapsed,
+        elapsed,
+        min(starts, key=_timestamp) if starts else None,
+    )

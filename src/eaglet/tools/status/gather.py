@@ -14,7 +14,7 @@ import socket
 import subprocess
 import sys
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +37,7 @@ def _refusal_of_the_past(why: str) -> bool:
     writes was held) whose holder has ended since: the stage itself did not fail, and the
     holder's own lines follow in the same log."""
     held = _HELD.search(why)
-    return bool(held) and held["host"] == socket.gethostname() and not pid_alive(
-        int(held["pid"]))
+    return bool(held) and held["host"] == socket.gethostname() and not pid_alive(int(held["pid"]))
 
 
 def _last_error(log: Path) -> tuple[str, float] | None:
@@ -106,10 +105,16 @@ def _job_without_progress(stage: Stage, r: Path) -> dict | None:
     except OSError:
         return None
     began = _log_started(log) or run["started"]
-    return {"stage": stage.name, "state": "running" if run["alive"] else "interrupted",
-            "pid": run["pid"], "snakemake_job": True, "log": str(log),
-            "elapsed_s": max(time.time() - began, 0.0), "eta_s": None,
-            "started_at": datetime.fromtimestamp(began, timezone.utc).isoformat(timespec="seconds")}
+    return {
+        "stage": stage.name,
+        "state": "running" if run["alive"] else "interrupted",
+        "pid": run["pid"],
+        "snakemake_job": True,
+        "log": str(log),
+        "elapsed_s": max(time.time() - began, 0.0),
+        "eta_s": None,
+        "started_at": datetime.fromtimestamp(began, UTC).isoformat(timespec="seconds"),
+    }
 
 
 def stage_status(stage: Stage, r: Path, cfg: dict, outdated: set[str]) -> dict:
@@ -161,8 +166,14 @@ def snakemake_outdated(workflow: Path, config_args: list[str]) -> set[str] | Non
     """Rules Snakemake would run now (a dry run without taking the lock), or None."""
     if not (workflow / "Snakefile").exists():
         return None
-    cmd = [str(Path(sys.executable).parent / "snakemake"), "-n", "--nolock", "--quiet",
-           "rules", *config_args]
+    cmd = [
+        str(Path(sys.executable).parent / "snakemake"),
+        "-n",
+        "--nolock",
+        "--quiet",
+        "rules",
+        *config_args,
+    ]
     try:
         proc = subprocess.run(cmd, cwd=workflow, capture_output=True, text=True, timeout=120)
     except (OSError, subprocess.TimeoutExpired):
@@ -195,8 +206,9 @@ def _names_results(line: str, workdir: str, roots: set[str]) -> bool:
     return any(path == root or path.startswith(root + os.sep) for root in roots)
 
 
-def stale_lock(workdir: Path, results: Path, config_args: list[str],
-               command: str | None = None) -> dict | None:
+def stale_lock(
+    workdir: Path, results: Path, config_args: list[str], command: str | None = None
+) -> dict | None:
     """The lock a Snakemake left in ``workdir/.snakemake/locks`` when it was killed (it
     removes the lock only on its way out), if the lock names files of ``results``: the next
     run on them stops with Snakemake's LockException until ``snakemake --unlock`` (with the
@@ -209,8 +221,11 @@ def stale_lock(workdir: Path, results: Path, config_args: list[str],
     named = False
     for path in files:
         with contextlib.suppress(OSError):
-            named = any(_names_results(line, base, roots)
-                        for line in path.read_text(errors="replace").splitlines() if line.strip())
+            named = any(
+                _names_results(line, base, roots)
+                for line in path.read_text(errors="replace").splitlines()
+                if line.strip()
+            )
         if named:
             break
     if not named:
@@ -226,14 +241,21 @@ def stale_lock(workdir: Path, results: Path, config_args: list[str],
     return {"lock_dir": str(lock_dir), "files": [p.name for p in files], "unlock": unlock}
 
 
-def collect(results: Path, cfg: dict, workflow: Path | None = None,
-            config_args: list[str] | None = None, workdir: Path | None = None) -> dict:
+def collect(
+    results: Path,
+    cfg: dict,
+    workflow: Path | None = None,
+    config_args: list[str] | None = None,
+    workdir: Path | None = None,
+) -> dict:
     """Everything status shows. ``workdir``: the directory Snakemake runs in, whose
     ``.snakemake/locks`` a killed run leaves behind (default: ``workflow``, else the
     current directory)."""
     outdated = snakemake_outdated(workflow, config_args or []) if workflow else None
-    stages = [stage_status(s, results, cfg, outdated or set())
-              for s in STAGES + [o for o in OPTIONAL_STAGES if o.enabled(cfg)]]
+    stages = [
+        stage_status(s, results, cfg, outdated or set())
+        for s in STAGES + [o for o in OPTIONAL_STAGES if o.enabled(cfg)]
+    ]
     remaining = [s for s in stages if s["state"] not in ("completed",)]
     known = [s["estimate_s"] for s in remaining if s.get("estimate_s") is not None]
     # nothing left is no time left (None: some remaining stage has no estimate at all)
@@ -242,19 +264,28 @@ def collect(results: Path, cfg: dict, workflow: Path | None = None,
     alive = pid_alive(snake.get("pid"))
     lock = None
     if snake.get("pid") and not alive:
-        lock = stale_lock(workdir or workflow or Path("."), results,
-                          config_args if config_args is not None
-                          else snakemake_config_args(results, None), snake.get("command"))
+        lock = stale_lock(
+            workdir or workflow or Path("."),
+            results,
+            config_args if config_args is not None else snakemake_config_args(results, None),
+            snake.get("command"),
+        )
     return {
-        "results": str(results), "checked_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "snakemake": {"pid": snake.get("pid"), "running": alive,
-                      "command": snake.get("command"), "stale_lock": lock},
+        "results": str(results),
+        "checked_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "snakemake": {
+            "pid": snake.get("pid"),
+            "running": alive,
+            "command": snake.get("command"),
+            "stale_lock": lock,
+        },
         "stages": stages,
         "remaining_s": total,
         "remaining_complete": len(known) == len(remaining),
-        "finishes_at": ((datetime.now(timezone.utc) + timedelta(seconds=total)).isoformat(timespec="minutes")
-                        if total is not None else None),
+        "finishes_at": (
+            (datetime.now(UTC) + timedelta(seconds=total)).isoformat(timespec="minutes")
+            if total is not None
+            else None
+        ),
         "snakemake_view": "checked" if outdated is not None else "not checked",
     }
-
-

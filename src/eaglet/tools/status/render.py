@@ -30,22 +30,36 @@ def render(report: dict) -> str:
     lines = [f"eaglet status of {report['results']} at {report['checked_at']}"]
     snake = report["snakemake"]
     if snake["pid"]:
-        lines.append(f"snakemake: {'running' if snake['running'] else 'not running'} "
-                     f"(pid {snake['pid']})")
+        lines.append(
+            f"snakemake: {'running' if snake['running'] else 'not running'} (pid {snake['pid']})"
+        )
     unlock = (snake.get("stale_lock") or {}).get("unlock")
     # jobs that outlived their Snakemake: a rerun beside them would write their files twice
-    orphans = ([p for s in report["stages"] if s["state"] == "running" for p in s["progress"]
-                if p.get("pid")] if snake["pid"] and not snake["running"] else [])
+    orphans = (
+        [
+            p
+            for s in report["stages"]
+            if s["state"] == "running"
+            for p in s["progress"]
+            if p.get("pid")
+        ]
+        if snake["pid"] and not snake["running"]
+        else []
+    )
     if orphans:
         pids = " ".join(str(p["pid"]) for p in orphans)
-        lines.append("  its jobs still run without it: "
-                     + ", ".join(f"{p['stage']} (pid {p['pid']})" for p in orphans)
-                     + f"; stop them first (kill {pids}): a rerun's jobs refuse to start beside "
-                     f"them (they would write the same files)")
+        lines.append(
+            "  its jobs still run without it: "
+            + ", ".join(f"{p['stage']} (pid {p['pid']})" for p in orphans)
+            + f"; stop them first (kill {pids}): a rerun's jobs refuse to start beside "
+            f"them (they would write the same files)"
+        )
     if unlock:
         first = "stop the jobs above, then " if orphans else ""
-        lines.append(f"  it was stopped and left its lock in {snake['stale_lock']['lock_dir']}: "
-                     f"the next run stops with LockException until you {first}run\n    {unlock}")
+        lines.append(
+            f"  it was stopped and left its lock in {snake['stale_lock']['lock_dir']}: "
+            f"the next run stops with LockException until you {first}run\n    {unlock}"
+        )
     by_state: dict[str, list[dict]] = {}
     for s in report["stages"]:
         by_state.setdefault(s["state"], []).append(s)
@@ -59,7 +73,9 @@ def render(report: dict) -> str:
     if not by_state.get("completed") and not by_state.get("outdated"):
         lines.append("  (nothing yet)")
 
-    active = by_state.get("running", []) + by_state.get("interrupted", []) + by_state.get("failed", [])
+    active = (
+        by_state.get("running", []) + by_state.get("interrupted", []) + by_state.get("failed", [])
+    )
     if active:
         lines.append("\nRunning / stopped:")
     for s in active:
@@ -68,40 +84,65 @@ def render(report: dict) -> str:
             continue
         for p in s["progress"]:
             rate = f"{p['rate_per_s']:.2f} {p['unit']}/s" if p.get("rate_per_s") else "rate ?"
-            word = "running" if s["state"] == "running" else "INTERRUPTED (process gone; " + (
-                "remove Snakemake's lock as said above, then rerun snakemake to resume)"
-                if unlock else "rerun snakemake to resume)")
+            word = (
+                "running"
+                if s["state"] == "running"
+                else "INTERRUPTED (process gone; "
+                + (
+                    "remove Snakemake's lock as said above, then rerun snakemake to resume)"
+                    if unlock
+                    else "rerun snakemake to resume)"
+                )
+            )
             if p.get("phase"):
                 word += f" ({p['phase']})"
             if p.get("snakemake_job"):  # a stage that counts nothing: Snakemake runs its job
-                since = (f" for {format_duration(p.get('elapsed_s'))}"
-                         if s["state"] == "running" else "")
-                lines.append(f"  > {p['stage']:<16}{word}{since} (Snakemake's job, pid "
-                             f"{p['pid']})\n{'':20}log: {p['log']}")
+                since = (
+                    f" for {format_duration(p.get('elapsed_s'))}" if s["state"] == "running" else ""
+                )
+                lines.append(
+                    f"  > {p['stage']:<16}{word}{since} (Snakemake's job, pid "
+                    f"{p['pid']})\n{'':20}log: {p['log']}"
+                )
                 continue
             gpu = f", holds {s['gpus']} GPU(s)" if s.get("gpus") and s["state"] == "running" else ""
             if p.get("host") and p["host"] != socket.gethostname():
                 gpu += f", on host {p['host']}"
-            lines.append(f"  > {p['stage']:<16}{word}: {p['done']}/{p['total']} {p['unit']}, "
-                         f"{p['failed']} failed, {rate}, ETA {format_duration(p.get('eta_s'))}, "
-                         f"pid {p['pid']}{gpu}\n{'':20}log: {p.get('log') or s.get('log')}")
+            lines.append(
+                f"  > {p['stage']:<16}{word}: {p['done']}/{p['total']} {p['unit']}, "
+                f"{p['failed']} failed, {rate}, ETA {format_duration(p.get('eta_s'))}, "
+                f"pid {p['pid']}{gpu}\n{'':20}log: {p.get('log') or s.get('log')}"
+            )
 
-    todo = [s for s in report["stages"] if s["state"] in ("pending", "outdated", "interrupted", "failed")]
+    todo = [
+        s
+        for s in report["stages"]
+        if s["state"] in ("pending", "outdated", "interrupted", "failed")
+    ]
     lines.append("\nRemaining (estimated):")
     for s in todo:
-        lines.append(f"  - {s['stage']:<16}{'~' + format_duration(s.get('estimate_s')):<10}"
-                     f"{s.get('estimate_basis', '')}")
+        lines.append(
+            f"  - {s['stage']:<16}{'~' + format_duration(s.get('estimate_s')):<10}"
+            f"{s.get('estimate_basis', '')}"
+        )
     if not todo and not by_state.get("running"):
         lines.append("  nothing: the run is complete")
     if report["remaining_s"] is not None and (todo or by_state.get("running")):
         partial = "" if report["remaining_complete"] else " (some stages have no estimate yet)"
-        lines.append(f"  total remaining ~{format_duration(report['remaining_s'])}, finishing "
-                     f"around {report['finishes_at']}{partial}")
+        lines.append(
+            f"  total remaining ~{format_duration(report['remaining_s'])}, finishing "
+            f"around {report['finishes_at']}{partial}"
+        )
     lines.append("\n" + order_line())
     running_logs = [p.get("log") for s in by_state.get("running", []) for p in s["progress"]]
-    lines.append(f"Follow it: eaglet status --results {shlex.quote(report['results'])} --watch 10"
-                 + (f"   or   tail -f {shlex.quote(running_logs[0])}"
-                    if running_logs and running_logs[0] else ""))
+    lines.append(
+        f"Follow it: eaglet status --results {shlex.quote(report['results'])} --watch 10"
+        + (
+            f"   or   tail -f {shlex.quote(running_logs[0])}"
+            if running_logs and running_logs[0]
+            else ""
+        )
+    )
     return "\n".join(lines)
 
 
@@ -110,14 +151,21 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="eaglet status", description=__doc__.splitlines()[0])
     parser.add_argument("--results", default=None, help="results directory (default: the config's)")
-    parser.add_argument("--configfile", dest="config", default=None,
-                        help="config file, as Snakemake took it (default: the one the run "
-                        "recorded in RESULTS/run/config.json, else ./config.yaml)")
+    parser.add_argument(
+        "--configfile",
+        dest="config",
+        default=None,
+        help="config file, as Snakemake took it (default: the one the run "
+        "recorded in RESULTS/run/config.json, else ./config.yaml)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.add_argument("--watch", type=float, default=None, metavar="SECONDS")
     parser.add_argument("--workflow", default=".", help="workflow directory, for Snakemake's view")
-    parser.add_argument("--no-snakemake", action="store_true",
-                        help="do not ask Snakemake which outputs are out of date (faster)")
+    parser.add_argument(
+        "--no-snakemake",
+        action="store_true",
+        help="do not ask Snakemake which outputs are out of date (faster)",
+    )
     args = parser.parse_args(argv)
 
     results_hint = Path(args.results) if args.results else None
@@ -128,9 +176,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     results = results_hint or Path(cfg["results_dir"])
     if results_hint is not None and not results.is_dir():
-        print(f"eaglet status: {results} is not a results directory (nothing has run there). "
-              f"Give the results_dir of a run, e.g. --results {shlex.quote(cfg['results_dir'])}",
-              file=sys.stderr)
+        print(
+            f"eaglet status: {results} is not a results directory (nothing has run there). "
+            f"Give the results_dir of a run, e.g. --results {shlex.quote(cfg['results_dir'])}",
+            file=sys.stderr,
+        )
         return 2
     for note in run_config_notes(results, args.config, cfg):
         print(f"eaglet status: note: {note}", file=sys.stderr)

@@ -9,28 +9,66 @@ from __future__ import annotations
 import contextlib
 import glob
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from eaglet.core import methods, rates
 from eaglet.core.config import stream_overlaps
 from eaglet.core.io import human_size
-from eaglet.core.layout import (ACCEPTANCE, DRAFTER, DRAFTER_CONFIG, DRAFTER_STATS, HIDDEN, MANIFEST, PROGRESS, PROMPT_STATS,
-                                SCALING, SCALING_RUNS, SHARD_GLOB, STAGE_FILES, SYNTHETIC_STATS, TARGET_JSON,
-                                VOCAB_STATS, fraction_name, progress_file)
+from eaglet.core.layout import (
+    ACCEPTANCE,
+    DRAFTER,
+    DRAFTER_CONFIG,
+    DRAFTER_STATS,
+    HIDDEN,
+    MANIFEST,
+    PROGRESS,
+    PROMPT_STATS,
+    SCALING,
+    SCALING_RUNS,
+    SHARD_GLOB,
+    STAGE_FILES,
+    SYNTHETIC_STATS,
+    TARGET_JSON,
+    VOCAB_STATS,
+    fraction_name,
+    progress_file,
+)
 from eaglet.core.progress import format_duration
 from eaglet.engine.support import mtp_layers
 from eaglet.stages.evaluate.placement import placement, recorded_target_dir
 from eaglet.stages.evaluate.runs import level_prompts
 from eaglet.stages.evaluate.schedule import run_plan
-from eaglet.tools.status.estimates import (BENCHMARKS, BENCHMARKS_ONLY, COMPLETION_FILL_GUESS,
-                                           EARLIER_RUN, MEASURED_AFTER_S, NO_TOKENS,
-                                           OFFLINE_REPLAY_SHARE, PACK_TOKENS_PER_S, Estimate,
-                                           Machine, Measurement, Speed, _bench_generate,
-                                           _checkpointed_steps, _guessed, _packed_samples, _pct,
-                                           _prompt_counts, _rate, _read, _server_start, _timestamp,
-                                           _token_totals, _train_rate, _training_rows,
-                                           measured_from_progress, process_alive)
+from eaglet.tools.status.estimates import (
+    BENCHMARKS,
+    BENCHMARKS_ONLY,
+    COMPLETION_FILL_GUESS,
+    EARLIER_RUN,
+    MEASURED_AFTER_S,
+    NO_TOKENS,
+    OFFLINE_REPLAY_SHARE,
+    PACK_TOKENS_PER_S,
+    Estimate,
+    Machine,
+    Measurement,
+    Speed,
+    _bench_generate,
+    _checkpointed_steps,
+    _guessed,
+    _packed_samples,
+    _pct,
+    _prompt_counts,
+    _rate,
+    _read,
+    _server_start,
+    _timestamp,
+    _token_totals,
+    _train_rate,
+    _training_rows,
+    measured_from_progress,
+    process_alive,
+)
 
 
 class Stage:
@@ -39,9 +77,9 @@ class Stage:
     the results dir), its log, the config key of the GPUs it holds, the facts its outputs
     record and their line in the report, and an estimate of the time it takes."""
 
-    name: str                                  # its entry in layout.STAGE_FILES
-    gpu_key: tuple[str, str] | None = None     # config section and key
-    note: str = ""                             # what the order line says of it
+    name: str  # its entry in layout.STAGE_FILES
+    gpu_key: tuple[str, str] | None = None  # config section and key
+    note: str = ""  # what the order line says of it
     typical_s: float | None = None
     # share of its units done before a running stage's own ETA is trusted over its plan less
     # the time it has run (until then its rate carries the server start and the first units)
@@ -52,8 +90,12 @@ class Stage:
 
     def __init__(self) -> None:
         files = STAGE_FILES[self.name]
-        self.rules, self.outputs, self.progress, self.log = (files.rules, files.outputs,
-                                                             files.progress, files.log)
+        self.rules, self.outputs, self.progress, self.log = (
+            files.rules,
+            files.outputs,
+            files.progress,
+            files.log,
+        )
 
     def gpus(self, cfg: dict) -> int | None:
         """GPUs the stage's jobs hold (None: it runs no model)."""
@@ -99,8 +141,12 @@ class PrepareTarget(Stage):
 
     def facts(self, r):
         t = _read(r / TARGET_JSON) or {}
-        return {"model": t.get("spec"), "layers": t.get("num_hidden_layers"),
-                "hidden_size": t.get("hidden_size"), "vocab_size": t.get("vocab_size")}
+        return {
+            "model": t.get("spec"),
+            "layers": t.get("num_hidden_layers"),
+            "hidden_size": t.get("hidden_size"),
+            "vocab_size": t.get("vocab_size"),
+        }
 
     def line(self, f):
         return f"{f['model']}: {f['layers']} layers, hidden {f['hidden_size']}, vocab {f['vocab_size']}"
@@ -116,12 +162,18 @@ class PreparePrompts(Stage):
     def facts(self, r):
         s = _read(r / PROMPT_STATS) or {}
         totals = s.get("totals", {})
-        return {"train_prompts": s.get("n_train"), "eval_prompts": s.get("n_eval"),
-                "bad_rows": totals.get("bad"), "duplicates": totals.get("duplicates")}
+        return {
+            "train_prompts": s.get("n_train"),
+            "eval_prompts": s.get("n_eval"),
+            "bad_rows": totals.get("bad"),
+            "duplicates": totals.get("duplicates"),
+        }
 
     def line(self, f):
-        return (f"{f['train_prompts']} train / {f['eval_prompts']} eval prompts, "
-                f"{f['bad_rows']} bad rows, {f['duplicates']} duplicates")
+        return (
+            f"{f['train_prompts']} train / {f['eval_prompts']} eval prompts, "
+            f"{f['bad_rows']} bad rows, {f['duplicates']} duplicates"
+        )
 
 
 class Generate(Stage):
@@ -133,25 +185,35 @@ class Generate(Stage):
         s = _read(r / SYNTHETIC_STATS) or {}
         splits = s.get("splits", {})
         tc = s.get("template_check", {})
-        return {"samples": sum(v["samples"] for v in splits.values()),
-                "failed": sum(v["failed"] for v in splits.values()),
-                "truncated": sum(v["truncated"] for v in splits.values()),
-                "completion_tokens": sum(v["completion_tokens"] for v in splits.values()),
-                "template_mismatched": tc.get("mismatched"), "template_checked": tc.get("checked"),
-                "retokenized": tc.get("retokenized")}
+        return {
+            "samples": sum(v["samples"] for v in splits.values()),
+            "failed": sum(v["failed"] for v in splits.values()),
+            "truncated": sum(v["truncated"] for v in splits.values()),
+            "completion_tokens": sum(v["completion_tokens"] for v in splits.values()),
+            "template_mismatched": tc.get("mismatched"),
+            "template_checked": tc.get("checked"),
+            "retokenized": tc.get("retokenized"),
+        }
 
     def line(self, f):
-        return (f"{f['samples']} samples ({f['failed']} failed, {f['truncated']} truncated), "
-                f"{f['completion_tokens']} completion tokens; template check "
-                f"{f['template_mismatched']}/{f['template_checked']} mismatched")
+        return (
+            f"{f['samples']} samples ({f['failed']} failed, {f['truncated']} truncated), "
+            f"{f['completion_tokens']} completion tokens; template check "
+            f"{f['template_mismatched']}/{f['template_checked']} mismatched"
+        )
 
     def kind(self, cfg):
         return "decode"
 
     def planned_rate(self, cfg, before=None):
-        return _rate("generate", "completion_tokens_per_s", cfg["target"]["model"],
-                     benchmark=lambda: _bench_generate(cfg["generate"]["concurrency"]),
-                     before=before, settings=rates.generate_settings(cfg))
+        return _rate(
+            "generate",
+            "completion_tokens_per_s",
+            cfg["target"]["model"],
+            benchmark=lambda: _bench_generate(cfg["generate"]["concurrency"]),
+            before=before,
+            settings=rates.generate_settings(cfg),
+        )
 
     def estimate(self, r, cfg, progress):
         target, gen = cfg["target"]["model"], cfg["generate"]
@@ -161,8 +223,9 @@ class Generate(Stage):
         # prompts with recorded answers (answers: dataset) are not asked
         recorded = (_read(r / PROMPT_STATS) or {}).get("n_train_recorded_answers", 0)
         remaining = n_train - recorded + n_eval - (progress or {}).get("done", 0)
-        rate, basis, speed = _at_machine_speed(self, "decode", r, cfg,
-                                               lambda before: self.planned_rate(cfg, before))
+        rate, basis, speed = _at_machine_speed(
+            self, "decode", r, cfg, lambda before: self.planned_rate(cfg, before)
+        )
         if rate is None:
             return Estimate(None, basis)
         per_sample = gen["max_tokens"] * COMPLETION_FILL_GUESS
@@ -171,9 +234,18 @@ class Generate(Stage):
         if gen.get("capture_hidden_states") and recorded:
             # the capturing server prefills the recorded answers for their states as well
             prefill, _, scaled = _at_machine_speed(
-                self, "prefill", r, cfg,
-                lambda before: _rate("extract_vllm", "tokens_per_s", target, before=before,
-                                     settings=rates.prefill_settings(cfg)))
+                self,
+                "prefill",
+                r,
+                cfg,
+                lambda before: _rate(
+                    "extract_vllm",
+                    "tokens_per_s",
+                    target,
+                    before=before,
+                    settings=rates.prefill_settings(cfg),
+                ),
+            )
             if prefill:
                 seconds += recorded * per_sample / prefill
                 text += f", then {recorded} recorded answers prefilled at {prefill:.0f} tok/s"
@@ -187,12 +259,18 @@ class VocabMap(Stage):
 
     def facts(self, r):
         s = _read(r / VOCAB_STATS) or {}
-        return {"draft_vocab_size": s.get("draft_vocab_size"), "coverage": s.get("coverage"),
-                "distinct_tokens": s.get("distinct_completion_tokens"), "filled": s.get("filled")}
+        return {
+            "draft_vocab_size": s.get("draft_vocab_size"),
+            "coverage": s.get("coverage"),
+            "distinct_tokens": s.get("distinct_completion_tokens"),
+            "filled": s.get("filled"),
+        }
 
     def line(self, f):
-        return (f"Vd {f['draft_vocab_size']} covers {_pct(f['coverage'])} of completion tokens "
-                f"({f['distinct_tokens']} distinct)")
+        return (
+            f"Vd {f['draft_vocab_size']} covers {_pct(f['coverage'])} of completion tokens "
+            f"({f['distinct_tokens']} distinct)"
+        )
 
 
 class Extract(Stage):
@@ -205,8 +283,9 @@ class Extract(Stage):
 
     def gpus(self, cfg):
         # the vllm backend and captured states: the extraction server holds server.gpus
-        from_vllm = (cfg["extract"].get("backend") == "vllm"
-                     or cfg.get("generate", {}).get("capture_hidden_states"))
+        from_vllm = cfg["extract"].get("backend") == "vllm" or cfg.get("generate", {}).get(
+            "capture_hidden_states"
+        )
         return cfg["server" if from_vllm else "extract"].get("gpus", 0)
 
     def read_progress(self, r, path):
@@ -215,8 +294,11 @@ class Extract(Stage):
         whole shard behind (a status read 0/31 after the first shard was packed): the
         samples of the shards it wrote since it started count as done as well."""
         record = _read(path)
-        if (not record or record.get("state") != "running"
-                or path.stem not in ("extract_vllm", "extract_all")):
+        if (
+            not record
+            or record.get("state") != "running"
+            or path.stem not in ("extract_vllm", "extract_all")
+        ):
             return record
         since = _timestamp(record.get("started_at"))
         if since is None:
@@ -228,17 +310,24 @@ class Extract(Stage):
 
     def facts(self, r):
         m = _read(r / MANIFEST) or {}
-        return {"shards": m.get("num_shards"), "samples": m.get("num_samples"),
-                "tokens": m.get("tokens"), "truncated": m.get("truncated"),
-                "bytes": m.get("bytes"), "dtype": m.get("dtype"),
-                "aux_layer_ids": m.get("aux_layer_ids"),
-                "teacher_agreement": m.get("teacher_agreement")}
+        return {
+            "shards": m.get("num_shards"),
+            "samples": m.get("num_samples"),
+            "tokens": m.get("tokens"),
+            "truncated": m.get("truncated"),
+            "bytes": m.get("bytes"),
+            "dtype": m.get("dtype"),
+            "aux_layer_ids": m.get("aux_layer_ids"),
+            "teacher_agreement": m.get("teacher_agreement"),
+        }
 
     def line(self, f):
         gib = (f["bytes"] or 0) / 2**30
-        return (f"{f['shards']} shards, {f['samples']} samples, {f['tokens']} tokens, "
-                f"{gib:.2f} GiB {f['dtype']}, layers {f['aux_layer_ids']}; teacher agreement "
-                f"{_pct(f['teacher_agreement'])}")
+        return (
+            f"{f['shards']} shards, {f['samples']} samples, {f['tokens']} tokens, "
+            f"{gib:.2f} GiB {f['dtype']}, layers {f['aux_layer_ids']}; teacher agreement "
+            f"{_pct(f['teacher_agreement'])}"
+        )
 
     def kind(self, cfg):
         # packing captured states reads and writes files: no model's work
@@ -247,23 +336,36 @@ class Extract(Stage):
     def planned_rate(self, cfg, before=None):
         target = cfg["target"]["model"]
         if cfg["extract"]["backend"] == "vllm":
-            return _rate("extract_vllm", "tokens_per_s", target, before=before,
-                         benchmark=lambda: (_read(BENCHMARKS / "extract.json") or {}).get(
-                             "vllm_backend_tokens_per_s"), settings=rates.prefill_settings(cfg))
+            return _rate(
+                "extract_vllm",
+                "tokens_per_s",
+                target,
+                before=before,
+                benchmark=lambda: (_read(BENCHMARKS / "extract.json") or {}).get(
+                    "vllm_backend_tokens_per_s"
+                ),
+                settings=rates.prefill_settings(cfg),
+            )
         return _rate("extract", "tokens_per_s", target, before=before)
 
     def rate_files(self, r, cfg):
         vllm = str(r / PROGRESS / "extract_vllm.json")
         files = super().rate_files(r, cfg)
-        return ([f for f in files if f == vllm] if cfg["extract"]["backend"] == "vllm"
-                else [f for f in files if f != vllm])
+        return (
+            [f for f in files if f == vllm]
+            if cfg["extract"]["backend"] == "vllm"
+            else [f for f in files if f != vllm]
+        )
 
     def estimate(self, r, cfg, progress):
         target, totals = cfg["target"]["model"], _token_totals(r, cfg)
         # train.data stream: only the held-out split is extracted here
         splits = ("eval",) if cfg["train"].get("data") == "stream" else ("train", "eval")
-        tokens = (sum(totals[split]["tokens"] for split in splits if split in totals)
-                  if totals is not None else None)
+        tokens = (
+            sum(totals[split]["tokens"] for split in splits if split in totals)
+            if totals is not None
+            else None
+        )
         if cfg["generate"].get("capture_hidden_states"):
             # generation saved the states: the stage reads, checks and packs them
             if tokens is None:
@@ -271,27 +373,45 @@ class Extract(Stage):
             rate, basis = _rate("extract_pack", "tokens_per_s", target)
             if rate is None:
                 rate, basis = PACK_TOKENS_PER_S, "typical"
-            return Estimate(tokens / rate,
-                            f"packing {tokens} captured tokens at {rate:.0f} tok/s ({basis})"
-                            + _guessed(totals))
-        rate, basis, speed = _at_machine_speed(self, "prefill", r, cfg,
-                                               lambda before: self.planned_rate(cfg, before))
+            return Estimate(
+                tokens / rate,
+                f"packing {tokens} captured tokens at {rate:.0f} tok/s ({basis})"
+                + _guessed(totals),
+            )
+        rate, basis, speed = _at_machine_speed(
+            self, "prefill", r, cfg, lambda before: self.planned_rate(cfg, before)
+        )
         if tokens is None or rate is None:
             return Estimate(None, basis if totals else NO_TOKENS)
         if cfg["extract"]["backend"] == "vllm":
             # one capture server; every sequence (train and held-out) is a prefill request
-            return Estimate(_server_start("extract_vllm", target) + tokens / rate,
-                            f"server start + {tokens} tokens of prefill at {rate:.0f} tok/s "
-                            f"({basis})" + _guessed(totals), speed)
+            return Estimate(
+                _server_start("extract_vllm", target) + tokens / rate,
+                f"server start + {tokens} tokens of prefill at {rate:.0f} tok/s "
+                f"({basis})" + _guessed(totals),
+                speed,
+            )
         done = len(glob.glob(str(r / HIDDEN / f"{SHARD_GLOB}.safetensors")))
         left = tokens * (1 - done / max(cfg["extract"]["num_shards"], 1))
-        return Estimate(left / rate, f"{left:.0f} tokens at {rate:.0f} tok/s ({basis})"
-                        + _guessed(totals), speed)
+        return Estimate(
+            left / rate,
+            f"{left:.0f} tokens at {rate:.0f} tok/s ({basis})" + _guessed(totals),
+            speed,
+        )
 
 
 # what status keeps of drafter/stats.json's ``shipped`` (``eaglet.stages.train.best.Best.ship``)
-SHIPPED_KEYS = ("choice", "step", "epoch", "heldout_al", "best_epoch", "best_heldout_al",
-                "last_epoch", "last_epoch_al", "note")
+SHIPPED_KEYS = (
+    "choice",
+    "step",
+    "epoch",
+    "heldout_al",
+    "best_epoch",
+    "best_heldout_al",
+    "last_epoch",
+    "last_epoch_al",
+    "note",
+)
 
 
 def _epoch(value: Any) -> str:
@@ -305,43 +425,66 @@ def _shipped_line(s: dict) -> str:
     if s.get("heldout_al") is None:
         return f"ships the last epoch {_epoch(s.get('epoch'))} (no held-out split to choose by)"
     if s.get("choice") == "best":
-        last = ("" if s.get("last_epoch_al") is None else
-                f"; last epoch {_epoch(s.get('last_epoch'))} had {s['last_epoch_al']:.2f}")
+        last = (
+            ""
+            if s.get("last_epoch_al") is None
+            else f"; last epoch {_epoch(s.get('last_epoch'))} had {s['last_epoch_al']:.2f}"
+        )
         return f"ships epoch {_epoch(s.get('epoch'))} (held-out AL {s['heldout_al']:.2f}{last})"
     best = s.get("best_heldout_al")
     which = ", the best" if best is not None and best <= s["heldout_al"] else ""
-    return (f"ships the last epoch {_epoch(s.get('epoch'))} "
-            f"(held-out AL {s['heldout_al']:.2f}{which})")
+    return (
+        f"ships the last epoch {_epoch(s.get('epoch'))} (held-out AL {s['heldout_al']:.2f}{which})"
+    )
 
 
 # what status keeps of drafter/stats.json's ``stream`` (train_stream.StateFeed.summary)
-STREAM_KEYS = ("requests", "saved_files", "reread_files", "cache_files", "cache_bytes",
-               "trainer_wait_s", "trainer_wait_start_s", "feed_wait_s", "server_idle_s",
-               "server_start_s", "window", "ranks", "overlap")
+STREAM_KEYS = (
+    "requests",
+    "saved_files",
+    "reread_files",
+    "cache_files",
+    "cache_bytes",
+    "trainer_wait_s",
+    "trainer_wait_start_s",
+    "feed_wait_s",
+    "server_idle_s",
+    "server_start_s",
+    "window",
+    "ranks",
+    "overlap",
+)
 
 
 def _stream_line(s: dict, elapsed_s: float | None) -> str:
     """How a streamed training got its states, and which side waited for the other: the
     trainer for the server's states, or the feed (its window full) for the trainer."""
-    got = (f"states streamed: {s.get('requests') or 0} prefill requests, "
-           f"{s.get('saved_files') or 0} saved by generation or an earlier run, "
-           f"{s.get('reread_files') or 0} read again (cache "
-           f"{s.get('cache_files') or 0} files, {human_size(s.get('cache_bytes') or 0)})")
+    got = (
+        f"states streamed: {s.get('requests') or 0} prefill requests, "
+        f"{s.get('saved_files') or 0} saved by generation or an earlier run, "
+        f"{s.get('reread_files') or 0} read again (cache "
+        f"{s.get('cache_files') or 0} files, {human_size(s.get('cache_bytes') or 0)})"
+    )
     start = s.get("trainer_wait_start_s")
     if start is None:  # a run from before the feed timed the wait during the start itself
         start = s.get("server_start_s") or 0.0
     waited = max((s.get("trainer_wait_s") or 0.0) - start, 0.0)
     whole = f" of {elapsed_s:.0f} s" if elapsed_s else ""
-    return (f"{got}; the trainer waited {waited:.0f} s{whole} for states (besides "
-            f"{start:.0f} s while the server started), the server "
-            f"{s.get('server_idle_s') or 0:.0f} s "
-            f"with no request (the feed {s.get('feed_wait_s') or 0:.0f} s for the trainer"
-            + (f", its window of {s['window']} samples full" if s.get("window") else "")
-            + ("; the two took turns, train.stream_overlap" if s.get("overlap") is False
-               else "")
-            + (f"; {s['ranks']} training ranks, each with a feed of its own: the longest "
-               f"rank's wait, the shortest's idle time" if (s.get("ranks") or 1) > 1 else "")
-            + ")")
+    return (
+        f"{got}; the trainer waited {waited:.0f} s{whole} for states (besides "
+        f"{start:.0f} s while the server started), the server "
+        f"{s.get('server_idle_s') or 0:.0f} s "
+        f"with no request (the feed {s.get('feed_wait_s') or 0:.0f} s for the trainer"
+        + (f", its window of {s['window']} samples full" if s.get("window") else "")
+        + ("; the two took turns, train.stream_overlap" if s.get("overlap") is False else "")
+        + (
+            f"; {s['ranks']} training ranks, each with a feed of its own: the longest "
+            f"rank's wait, the shortest's idle time"
+            if (s.get("ranks") or 1) > 1
+            else ""
+        )
+        + ")"
+    )
 
 
 class Train(Stage):
@@ -378,8 +521,10 @@ class Train(Stage):
         splits = ("train",) if f.get("shipped") else ("train", "eval")
         for split in splits:
             if f"{split}_acc_0" in f:
-                parts.append(f"{split} acc_0 {f[f'{split}_acc_0']:.3f}, simulated AL "
-                             f"{f[f'{split}_simulated_al']:.2f}")
+                parts.append(
+                    f"{split} acc_0 {f[f'{split}_acc_0']:.3f}, simulated AL "
+                    f"{f[f'{split}_simulated_al']:.2f}"
+                )
         if f.get("shipped"):
             parts.append(_shipped_line(f["shipped"]))
         if f.get("stream"):
@@ -392,8 +537,13 @@ class Train(Stage):
         two read "INTERRUPTED 1/12 steps" beside "resuming from the checkpoint at step 4")."""
         progress = super().read_progress(r, path)
         step, _ = _checkpointed_steps(r)
-        if (progress and step and progress.get("state") == "running"
-                and process_alive(progress) is False and step > int(progress.get("done") or 0)):
+        if (
+            progress
+            and step
+            and progress.get("state") == "running"
+            and process_alive(progress) is False
+            and step > int(progress.get("done") or 0)
+        ):
             progress = {**progress, "done": step}
         return progress
 
@@ -402,22 +552,30 @@ class Train(Stage):
 
     def planned_rate(self, cfg, before=None):
         train = cfg["train"]
-        return _train_rate(cfg["target"]["model"], rates.train_passes(train),
-                           train["max_len"] or train["max_tokens_per_batch"], before,
-                           rates.train_settings(train, rates.training_ranks(cfg)))
+        return _train_rate(
+            cfg["target"]["model"],
+            rates.train_passes(train),
+            train["max_len"] or train["max_tokens_per_batch"],
+            before,
+            rates.train_settings(train, rates.training_ranks(cfg)),
+        )
 
     def estimate(self, r, cfg, progress):
         totals, epochs = _token_totals(r, cfg), cfg["train"]["epochs"]
-        rate, basis, speed = _at_machine_speed(self, "training", r, cfg,
-                                               lambda before: self.planned_rate(cfg, before))
+        rate, basis, speed = _at_machine_speed(
+            self, "training", r, cfg, lambda before: self.planned_rate(cfg, before)
+        )
         if totals is None or rate is None:
             return Estimate(None, basis if totals else NO_TOKENS)
         tokens = totals["train"]["tokens"] * epochs
         text = f"{epochs} epochs x {totals['train']['tokens']} tokens" + _guessed(totals)
         step, steps = _checkpointed_steps(r)
         running = _read(r / self.progress) or {}
-        if (running.get("state") == "running" and running.get("resumed_from") is not None
-                and process_alive(running) is not False):
+        if (
+            running.get("state") == "running"
+            and running.get("resumed_from") is not None
+            and process_alive(running) is not False
+        ):
             # a training under way resumed from where its progress says, not from the
             # checkpoints it has written since
             step = int(running["resumed_from"])
@@ -438,8 +596,9 @@ class Train(Stage):
         of it where they take turns (``train.stream_overlap``: on the CPU engine's cores, or
         on the server's GPUs)."""
         extract = Extract()
-        rate, basis, _ = _at_machine_speed(extract, "prefill", r, cfg,
-                                           lambda before: extract.planned_rate(cfg, before))
+        rate, basis, _ = _at_machine_speed(
+            extract, "prefill", r, cfg, lambda before: extract.planned_rate(cfg, before)
+        )
         if rate is None:
             return seconds, text + "; the server's prefill not estimated (" + basis + ")"
         train = cfg["train"]
@@ -447,16 +606,24 @@ class Train(Stage):
         tokens = totals["train"]["tokens"] * passes * left
         prefill = _server_start("extract_vllm", cfg["target"]["model"]) + tokens / rate
         # the run trains on the CPU where it says so, or where it counts no GPU at all
-        on_cpu = train["device"] == "cpu" or (train["device"] == "auto" and not
-                                              (cfg["server"]["gpus"] or train["gpus"]))
-        beside = stream_overlaps(train.get("stream_overlap", "auto"), cfg["server"]["gpus"],
-                                 train["gpus"], on_cpu)
+        on_cpu = train["device"] == "cpu" or (
+            train["device"] == "auto" and not (cfg["server"]["gpus"] or train["gpus"])
+        )
+        beside = stream_overlaps(
+            train.get("stream_overlap", "auto"), cfg["server"]["gpus"], train["gpus"], on_cpu
+        )
         total = max(seconds, prefill) if beside else seconds + prefill
-        return total, (f"{text}; states streamed: server start + {tokens:.0f} tokens of "
-                       f"prefill at {rate:.0f} tok/s ({basis}), "
-                       + ("beside the training" if beside else
-                          "taking turns with it" if cfg["server"]["gpus"] else
-                          "on the same cores"))
+        return total, (
+            f"{text}; states streamed: server start + {tokens:.0f} tokens of "
+            f"prefill at {rate:.0f} tok/s ({basis}), "
+            + (
+                "beside the training"
+                if beside
+                else "taking turns with it"
+                if cfg["server"]["gpus"]
+                else "on the same cores"
+            )
+        )
 
 
 class Evaluate(Stage):
@@ -466,12 +633,18 @@ class Evaluate(Stage):
     # its units are whole engine runs of very different lengths (the target alone is the
     # fastest, the drafter at concurrency 16 the slowest): a rate per run predicts nothing
     settles_at = 1.0
-    plans_from_progress = True   # whether the sweep chose a schedule to check
+    plans_from_progress = True  # whether the sweep chose a schedule to check
 
     def facts(self, r):
         v = (_read(r / ACCEPTANCE) or {}).get("verdict", {})
-        keys = ("acceptance_length", "speedup_by_concurrency", "ngram_acceptance_length",
-                "speeds_up_serving", "serve_never_slower_than_target", "warnings")
+        keys = (
+            "acceptance_length",
+            "speedup_by_concurrency",
+            "ngram_acceptance_length",
+            "speeds_up_serving",
+            "serve_never_slower_than_target",
+            "warnings",
+        )
         return {key: v.get(key) for key in keys}
 
     def line(self, f):
@@ -479,7 +652,8 @@ class Evaluate(Stage):
             return "no drafter run"
         speedups = f.get("speedup_by_concurrency") or {}
         text = f"AL {f['acceptance_length']:.2f}, best k " + ", ".join(
-            f"{x:.2f}x at concurrency {c}" for c, x in speedups.items())
+            f"{x:.2f}x at concurrency {c}" for c, x in speedups.items()
+        )
         if f.get("ngram_acceptance_length"):
             text += f" (ngram AL {f['ngram_acceptance_length']:.2f})"
         slow = [c for c, pays in (f.get("speeds_up_serving") or {}).items() if not pays]
@@ -494,9 +668,14 @@ class Evaluate(Stage):
 
     def planned_rate(self, cfg, before=None):
         first = cfg["evaluate"]["concurrency"][0]
-        return _rate("evaluate", "baseline_tokens_per_s", cfg["target"]["model"],
-                     benchmark=lambda: _bench_generate(first), before=before,
-                     settings=rates.evaluate_settings(cfg))
+        return _rate(
+            "evaluate",
+            "baseline_tokens_per_s",
+            cfg["target"]["model"],
+            benchmark=lambda: _bench_generate(first),
+            before=before,
+            settings=rates.evaluate_settings(cfg),
+        )
 
     def measured(self, r, cfg):
         """The target alone's decode rate at the first concurrency, as a finished evaluation
@@ -532,11 +711,13 @@ class Evaluate(Stage):
             basis = f"decode {rate:.0f} tok/s at concurrency {at} (an earlier evaluation)"
         elif generated is not None:
             at, rate, speed = cfg["generate"]["concurrency"], generated.rate, generated
-            basis = (f"decode {rate:.0f} tok/s at concurrency {at}, measured by generate"
-                     + (f" (x{speed.factor:.2f} the benchmark's)" if speed.factor else ""))
+            basis = f"decode {rate:.0f} tok/s at concurrency {at}, measured by generate" + (
+                f" (x{speed.factor:.2f} the benchmark's)" if speed.factor else ""
+            )
         else:
-            rate, source, speed = _at_machine_speed(self, "decode", r, cfg,
-                                                    lambda before: self.planned_rate(cfg, before))
+            rate, source, speed = _at_machine_speed(
+                self, "decode", r, cfg, lambda before: self.planned_rate(cfg, before)
+            )
             if rate is None:
                 return None, source, None
             basis = f"decode {rate:.0f} tok/s at concurrency {at} ({source})"
@@ -565,7 +746,7 @@ class Evaluate(Stage):
         for c in ev["concurrency"]:
             requests = sum(len(level_prompts(range(n), c, ev["rounds"])) for n in sizes)
             measure += requests * ev["max_tokens"] * COMPLETION_FILL_GUESS / rate_at(c)
-        measure *= len(ev.get("temperature") or [0])   # every level at each temperature
+        measure *= len(ev.get("temperature") or [0])  # every level at each temperature
         # the derived k schedule gets a run of its own unless it is one fixed k or k 0
         # everywhere (nothing to check): counted until the sweep has chosen, or the last
         # minutes read near zero (interleaved, it is measured beside the target alone once
@@ -584,15 +765,22 @@ class Evaluate(Stage):
         else:
             starts = runs * start
         seconds = starts + runs * measure + OFFLINE_REPLAY_SHARE * replays * (start + measure)
-        schedule = ("" if not (ev["schedule"] and len(ev["concurrency"]) > 1) else
-                    " (the schedule's check counted until the sweep has chosen)"
-                    if decided is None else " (the sweep chose a schedule to check)" if check
-                    else " (the sweep chose no schedule to check)")
-        return Estimate(seconds,
-                        f"{runs} vLLM runs {'side by side' if together else 'one at a time'}"
-                        f"{schedule} x {len(sizes)} prompt sets at concurrency "
-                        f"{ev['concurrency']}, {basis}"
-                        + (f", {replays} offline replays" if replays else ""), speed)
+        schedule = (
+            ""
+            if not (ev["schedule"] and len(ev["concurrency"]) > 1)
+            else " (the schedule's check counted until the sweep has chosen)"
+            if decided is None
+            else " (the sweep chose a schedule to check)"
+            if check
+            else " (the sweep chose no schedule to check)"
+        )
+        return Estimate(
+            seconds,
+            f"{runs} vLLM runs {'side by side' if together else 'one at a time'}"
+            f"{schedule} x {len(sizes)} prompt sets at concurrency "
+            f"{ev['concurrency']}, {basis}" + (f", {replays} offline replays" if replays else ""),
+            speed,
+        )
 
 
 def _schedule_check_decided(progress: dict | None, runs: int, replays: int) -> bool | None:
@@ -624,6 +812,7 @@ def _together_start(target: str, servers: int, start: float) -> float:
 class Scaling(Stage):
     """Optional (scaling.enabled): the drafter trained again on nested subsets of the samples
     and the fit that predicts the data a target AL needs (eaglet.stages.scaling)."""
+
     name = "scaling"
     gpu_key = ("train", "gpus")
 
@@ -639,25 +828,40 @@ class Scaling(Stage):
 
     def estimate(self, r, cfg, progress):
         # the subsets not trained yet, each its share of the full training
-        left = sum(f for f in cfg["scaling"]["fractions"]
-                   if not (r / SCALING_RUNS / fraction_name(f) / "stats.json").exists())
+        left = sum(
+            f
+            for f in cfg["scaling"]["fractions"]
+            if not (r / SCALING_RUNS / fraction_name(f) / "stats.json").exists()
+        )
         totals, train = _token_totals(r, cfg), cfg["train"]
         rate, basis, speed = _at_machine_speed(
-            self, "training", r, cfg, lambda before: Train().planned_rate(cfg, before))
+            self, "training", r, cfg, lambda before: Train().planned_rate(cfg, before)
+        )
         if totals is None or rate is None:
             return Estimate(None, basis if totals else NO_TOKENS)
         epochs = train["epochs"]
         tokens = totals["train"]["tokens"] * epochs * left
-        return Estimate(tokens / rate, f"{left:g} x {epochs} epochs x {totals['train']['tokens']} "
-                        f"tokens at {rate:.0f} tok/s ({basis})", speed)
+        return Estimate(
+            tokens / rate,
+            f"{left:g} x {epochs} epochs x {totals['train']['tokens']} "
+            f"tokens at {rate:.0f} tok/s ({basis})",
+            speed,
+        )
 
 
 # The stages in the workflow's order. Status also reads a results dir without Snakemake
 # (--no-snakemake, a copied results dir, no workflow at hand), so their order, rules and
 # outputs are listed here, in one place; tests/test_status.py checks them against the jobs
 # of a Snakemake dry run.
-STAGES: list[Stage] = [PrepareTarget(), PreparePrompts(), Generate(), VocabMap(), Extract(),
-                       Train(), Evaluate()]
+STAGES: list[Stage] = [
+    PrepareTarget(),
+    PreparePrompts(),
+    Generate(),
+    VocabMap(),
+    Extract(),
+    Train(),
+    Evaluate(),
+]
 # stages a config turns on (``enabled(cfg)``), after all of the above
 OPTIONAL_STAGES: list[Stage] = [Scaling()]
 _BY_NAME = {s.name: s for s in STAGES + OPTIONAL_STAGES}
@@ -686,20 +890,32 @@ def estimate(stage: str, r: Path, cfg: dict, progress: dict | None) -> Estimate:
             return Estimate(own, "this run's progress")
         elapsed = progress.get("elapsed_s") or 0.0
         if planned.seconds <= elapsed:  # the plan is spent and the stage goes on: the plan was
-            return Estimate(own, f"this run's progress ({done}/{total} done; its plan of "  # wrong
-                                 f"{format_duration(planned.seconds)} is spent)")
-        if (spec.settles_at < 1.0 and elapsed >= MEASURED_AFTER_S
-                and not _grounded(planned, spec.kind(cfg))):
+            return Estimate(
+                own,
+                f"this run's progress ({done}/{total} done; its plan of "  # wrong
+                f"{format_duration(planned.seconds)} is spent)",
+            )
+        if (
+            spec.settles_at < 1.0
+            and elapsed >= MEASURED_AFTER_S
+            and not _grounded(planned, spec.kind(cfg))
+        ):
             # a plan from another kind of work's speed (or from the reference and benchmarks
             # alone) is a guess next to a minute of the stage's own work: a first run's
             # training, planned by extraction's prefill speed, read 0.7 minutes left where
             # its own 144 of 705 steps in 59 s said 3.8 (4.1 in truth)
-            return Estimate(own, f"this run's progress ({done}/{total} done in "
-                                 f"{format_duration(elapsed)}; its plan rested on "
-                                 f"{planned.basis})")
-        return Estimate(planned.seconds - elapsed,
-                        f"{planned.basis}, less the {format_duration(elapsed)} it has run "
-                        f"({done}/{total} done: its own rate is not settled)", planned.speed)
+            return Estimate(
+                own,
+                f"this run's progress ({done}/{total} done in "
+                f"{format_duration(elapsed)}; its plan rested on "
+                f"{planned.basis})",
+            )
+        return Estimate(
+            planned.seconds - elapsed,
+            f"{planned.basis}, less the {format_duration(elapsed)} it has run "
+            f"({done}/{total} done: its own rate is not settled)",
+            planned.speed,
+        )
     if spec is None:
         return Estimate(None, "unknown stage")
     planned = spec.estimate(r, cfg, progress)
@@ -707,9 +923,11 @@ def estimate(stage: str, r: Path, cfg: dict, progress: dict | None) -> Estimate:
         # no rate of its own yet (nothing done: a server starting, an interleaved evaluation
         # that finishes its runs together): the plan, less the time it has run
         elapsed = progress.get("elapsed_s") or 0.0
-        return Estimate(max(planned.seconds - elapsed, 0.0),
-                        f"{planned.basis}, less the {format_duration(elapsed)} it has run",
-                        planned.speed)
+        return Estimate(
+            max(planned.seconds - elapsed, 0.0),
+            f"{planned.basis}, less the {format_duration(elapsed)} it has run",
+            planned.speed,
+        )
     return planned
 
 
@@ -723,13 +941,24 @@ def machine_speed(r: Path, cfg: dict) -> Machine:
             measured.append((stage, kind, found))
     starts = [m.started_at for _, _, m in measured if m.started_at]
     since = min(starts, key=_timestamp) if starts else None
-    return Machine([Speed(stage.name, kind, m.rate, stage.planned_rate(cfg, BENCHMARKS_ONLY)[0],
-                          m.elapsed_s) for stage, kind, m in measured], since)
+    return Machine(
+        [
+            Speed(
+                stage.name, kind, m.rate, stage.planned_rate(cfg, BENCHMARKS_ONLY)[0], m.elapsed_s
+            )
+            for stage, kind, m in measured
+        ],
+        since,
+    )
 
 
-def _at_machine_speed(stage: Stage, kind: str, r: Path, cfg: dict,
-                      lookup: Callable[[str | None], tuple[float | None, str]]
-                      ) -> tuple[float | None, str, Speed | None]:
+def _at_machine_speed(
+    stage: Stage,
+    kind: str,
+    r: Path,
+    cfg: dict,
+    lookup: Callable[[str | None], tuple[float | None, str]],
+) -> tuple[float | None, str, Speed | None]:
     """The rate a plan of ``kind`` work by ``stage`` rests on, its basis and the speed that
     scaled it: ``lookup(before)``, an earlier run's rate on this machine (the rates history
     before ``before``) as it is; else the benchmarks' times this machine's speed where
