@@ -479,7 +479,7 @@ class RandomSamples:
             for s in range(count)
         ]
 
-        # one "shard" holding them all, as train_data.plan_epoch reads samples
+        # one "shard" holding them all, as train_data.pack_epoch reads samples
         self.infos, self.first = [SimpleNamespace(lengths=self.lengths)], [0]
 
     def __len__(self) -> int:

@@ -9,7 +9,7 @@ after shards were memory-mapped and batches built ahead.
   dtype in the loop and widened per micro-batch (``Batch.to``).
 * ``mapped+prefetch``: the same, packed ahead by ``train_data.Prefetcher`` (2 deep).
 
-Each path runs in a fresh interpreter over one epoch of ``plan_epoch`` (shuffled, seeded):
+Each path runs in a fresh interpreter over one epoch of ``pack_epoch`` (shuffled, seeded):
 the startup (index, and the hash check or the load), the epoch's tokens/s with no model step
 (and with the startup: an eager load widens everything before the first batch),
 and again with an emulated step that waits ``--step-ms`` per micro-batch as a loop waits on a
@@ -46,7 +46,7 @@ from eaglet.stages.train.data import (
     data_memory,
     index_shard,
     make_batch,
-    plan_epoch,
+    pack_epoch,
 )
 
 OUT = Path(__file__).parent / "results"
@@ -150,7 +150,7 @@ def child(args) -> None:
         samples = Samples(infos, CFG["shards_in_memory"], data_memory(CFG, infos))
         samples.preload()  # every shard hash-checked, as training does with shards_in_memory 0
     startup = time.perf_counter() - start
-    plan = plan_epoch(samples, 0, CFG)
+    plan = pack_epoch(samples, 0, CFG)
     pack = lambda indices: make_batch(
         [samples.get(i, CFG["max_len"]) for i in indices],  # noqa: E731
         CFG["ttt_steps"],

@@ -346,7 +346,7 @@ def test_export_round_trips_with_the_config_vllm_reads(tmp_path):
         "DFlash, 2 layers",
     )
     ev = validate({"evaluate": {"num_speculative_tokens": [1, K]}})["evaluate"]
-    plan, _ = evaluate_schedule.run_plan(ev, str(tmp_path / "drafter"))
+    plan, _ = evaluate_schedule.sweep_runs(ev, str(tmp_path / "drafter"))
     drafted = [r for r in plan if evaluate_runs.is_drafter(r)]
     assert [r["name"] for r in drafted] == ["dflash_k1", f"dflash_k{K}"]
     assert evaluate_runs.speculative_config(drafted[-1]) == {

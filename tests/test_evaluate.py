@@ -17,7 +17,7 @@ from eaglet.stages.evaluate.metrics import (
     per_request_acceptance,
     spec_counters,
 )
-from eaglet.stages.evaluate.replay import _public
+from eaglet.stages.evaluate.offline import _public
 from eaglet.stages.evaluate.runs import MAX_BATCH, drafted_k, level_prompts, speculative_config
 from eaglet.stages.evaluate.schedule import (
     best_k_by_concurrency,
@@ -270,16 +270,16 @@ def test_the_targets_own_mtp_layers_are_measured_beside_ngram_and_the_verdict_sa
     from eaglet.core.config import validate
     from eaglet.engine.support import mtp_layers
     from eaglet.stages.evaluate.runs import speculative_config
-    from eaglet.stages.evaluate.schedule import run_plan
+    from eaglet.stages.evaluate.schedule import sweep_runs
 
     ev = validate({})["evaluate"]
-    assert [r["name"] for r in run_plan(ev, None, mtp_layers({"num_nextn_predict_layers": 1}))[0]][
-        :3
-    ] == ["baseline", "ngram_k3", "mtp_k1"]
-    assert "mtp_k1" not in [r["name"] for r in run_plan(ev, None, 0)[0]]  # none declared
-    assert "mtp_k1" not in [r["name"] for r in run_plan({**ev, "mtp": False}, None, 1)[0]]
+    assert [
+        r["name"] for r in sweep_runs(ev, None, mtp_layers({"num_nextn_predict_layers": 1}))[0]
+    ][:3] == ["baseline", "ngram_k3", "mtp_k1"]
+    assert "mtp_k1" not in [r["name"] for r in sweep_runs(ev, None, 0)[0]]  # none declared
+    assert "mtp_k1" not in [r["name"] for r in sweep_runs({**ev, "mtp": False}, None, 1)[0]]
     assert mtp_layers({"text_config": {"mtp_num_hidden_layers": 2}}) == 2
-    mtp = next(r for r in run_plan(ev, None, 1)[0] if r["method"] == "mtp")
+    mtp = next(r for r in sweep_runs(ev, None, 1)[0] if r["method"] == "mtp")
     assert speculative_config(mtp) == {"method": "mtp", "num_speculative_tokens": 1}
     runs = judged(
         run("baseline", "baseline", same(10.0, 80.0)),
@@ -875,7 +875,7 @@ def test_status_plans_the_evaluation_as_the_stage_places_its_servers(tmp_path, m
     from eaglet.core import rates
     from eaglet.core.config import validate
     from eaglet.stages.evaluate import placement as evaluate
-    from eaglet.stages.evaluate.schedule import run_plan
+    from eaglet.stages.evaluate.schedule import sweep_runs
     from eaglet.tools import status
 
     monkeypatch.setenv("EAGLET_RATES", str(tmp_path / "rates.jsonl"))
@@ -896,7 +896,7 @@ def test_status_plans_the_evaluation_as_the_stage_places_its_servers(tmp_path, m
         _weights_header(tmp_path / name, tensors)
         (r / "target" / "target.json").write_text(json.dumps({"path": str(tmp_path / name)}))
         plans[name] = status.estimate("evaluate", r, cfg, None)
-        runs = len(run_plan(cfg["evaluate"])[0])
+        runs = len(sweep_runs(cfg["evaluate"])[0])
         assert plans[name].basis.startswith(f"{runs + (2 if name == 'small' else 1)} vLLM runs")
     assert "side by side" in plans["small"].basis and "one at a time" in plans["large"].basis
     # each temperature sends every level's requests again
@@ -972,7 +972,7 @@ def test_the_offline_replay_reports_per_request_beside_vllm(monkeypatch):
     """Each replayed sequence's counts are kept, so the replay's acceptance length per
     request stands beside vLLM's per answer, as the pooled ones do."""
     from eaglet.model import replay as offline_eval
-    from eaglet.stages.evaluate.replay import _compare
+    from eaglet.stages.evaluate.offline import _compare
 
     def counts(drafter, aux, prompt, answer, k):
         ids = prompt + answer
@@ -1030,7 +1030,7 @@ def test_drafts_past_an_answers_end_bound_what_vllm_may_count():
     again, one accepted draft more in vLLM's counters than the answer shows. The replay
     counts the drafts it cannot judge, and the check holds vLLM's count to that range."""
     from eaglet.model import replay as offline_eval
-    from eaglet.stages.evaluate.replay import _compare
+    from eaglet.stages.evaluate.offline import _compare
 
     prompt, answer = [1, 2], [10, 11, 12, 388, 106]
     ids = prompt + answer
@@ -1516,11 +1516,11 @@ def test_each_temperature_is_measured_and_judged_apart_the_last_one_served(monke
     }
     plots.acceptance_length(result, tmp_path / "acceptance_length.png")
     # each temperature an offline replay of its own
-    assert evaluate.run_plan({**cfg["evaluate"], "offline": True})[1] == 2
+    assert evaluate.sweep_runs({**cfg["evaluate"], "offline": True})[1] == 2
 
 
 def test_a_sampled_run_that_disagrees_with_its_expected_acceptance_is_explained():
-    from eaglet.stages.evaluate.replay import EXPECTED_TOLERANCE, expected_warnings
+    from eaglet.stages.evaluate.offline import EXPECTED_TOLERANCE, expected_warnings
 
     def entry(vllm, expected, matched):
         return {
@@ -1562,7 +1562,7 @@ def test_a_sampled_difference_within_the_noise_of_few_steps_is_unresolved_not_a_
     """On few drafting steps, vLLM's count may fall beyond the 3% by chance: where it lies
     within NOISE_ERRORS standard errors and its answers took the drafts as counted, the
     verdict says how many steps the check needs instead of calling it a disagreement."""
-    from eaglet.stages.evaluate.replay import (
+    from eaglet.stages.evaluate.offline import (
         EXPECTED_TOLERANCE,
         NOISE_ERRORS,
         _noise,

@@ -17,7 +17,7 @@ from eaglet.core import methods as records
 from eaglet.model import methods, peagle
 from eaglet.model.config import DrafterConfig
 from eaglet.model.replay import draft_parallel, target_features
-from eaglet.stages.evaluate import replay as evaluate_replay
+from eaglet.stages.evaluate import offline as evaluate_offline
 from eaglet.stages.evaluate import runs as evaluate_runs
 from eaglet.stages.evaluate import schedule as evaluate_schedule
 from eaglet.stages.evaluate import stage as evaluate
@@ -66,7 +66,7 @@ def test_a_peagle_drafters_runs_are_named_by_it_and_served_with_parallel_draftin
     from eaglet.core.config import validate
 
     ev = validate({"evaluate": {"num_speculative_tokens": [1, K], "offline": True}})["evaluate"]
-    plan, replays = evaluate.run_plan(ev, drafters["peagle"])
+    plan, replays = evaluate.sweep_runs(ev, drafters["peagle"])
     drafted = [r for r in plan if evaluate.is_drafter(r)]
     assert [(r["name"], r["method"]) for r in drafted] == [
         ("peagle_k1", "peagle"),
@@ -81,7 +81,7 @@ def test_a_peagle_drafters_runs_are_named_by_it_and_served_with_parallel_draftin
         "parallel_drafting": True,
     }
     # an EAGLE-3 drafter keeps its names and its speculative config, key for key
-    plain, _ = evaluate.run_plan(ev, drafters["eagle3"])
+    plain, _ = evaluate.sweep_runs(ev, drafters["eagle3"])
     assert [r["name"] for r in plain if evaluate.is_drafter(r)] == ["eagle3_k1", f"eagle3_k{K}"]
     assert list(evaluate.speculative_config(plain[-1]).items()) == [
         ("method", "eagle3"),
@@ -135,7 +135,7 @@ def test_the_servers_of_a_peagle_drafter_start_with_parallel_drafting(
 
     monkeypatch.setattr(evaluate, "target_server", server)
     monkeypatch.setattr(evaluate, "start_together", lambda servers: None)
-    plan, _ = evaluate.run_plan(validate({})["evaluate"], drafters["peagle"])
+    plan, _ = evaluate.sweep_runs(validate({})["evaluate"], drafters["peagle"])
     with contextlib.ExitStack() as stack:
         evaluate._start(validate({}), "target", [(stack, r) for r in plan], str(tmp_path))
     drafted = [r["name"] for r in plan if evaluate.is_drafter(r)]
@@ -292,20 +292,20 @@ def test_the_offline_replay_of_a_peagle_drafter_is_its_parallel_forward(drafters
     from eaglet.model.replay import Features, summarize
 
     assert not isinstance(
-        evaluate_replay.load_for_replay(drafters["eagle3"], drafters["target_dir"]),
+        evaluate_offline.load_for_replay(drafters["eagle3"], drafters["target_dir"]),
         peagle.PEagleDrafter,
     )
-    drafter = evaluate_replay.load_for_replay(drafters["peagle"], drafters["target_dir"])
+    drafter = evaluate_offline.load_for_replay(drafters["peagle"], drafters["target_dir"])
     assert isinstance(drafter, peagle.PEagleDrafter)
     target = drafters["target"]
     with one_thread():
         sequences = parallel_answers(drafter, target, [[5, 9, 17, 4], [40, 2, 33]], rounds=3)
         features = Features(drafter.config.aux_layer_ids, None, lambda: target)
-        got = evaluate_replay.replay_sequences(drafter, sequences, [K], features)
+        got = evaluate_offline.replay_sequences(drafter, sequences, [K], features)
         # the EAGLE-3 chain feeds its drafts back: not the drafts vLLM takes from this drafter
         chain = offline_eval.replay_sequences(drafter, sequences, [K], features)
         head = target.lm_head.weight.detach()
-        expected = evaluate_replay.replay_sequences(
+        expected = evaluate_offline.replay_sequences(
             drafter,
             sequences,
             [K],
@@ -398,7 +398,7 @@ def test_compared_drafters_are_named_by_their_method_and_never_judged(drafters, 
         "compare_drafters": [drafters["peagle"], drafters["eagle3"]],
         "temperature": [0],
     }
-    plan, replays = evaluate.run_plan(ev, drafters["eagle3"])
+    plan, replays = evaluate.sweep_runs(ev, drafters["eagle3"])
     assert [r["name"] for r in plan] == [
         "baseline",
         "eagle3_k1",
@@ -414,8 +414,8 @@ def test_compared_drafters_are_named_by_their_method_and_never_judged(drafters, 
     # the offline replay checks every drafter at each temperature, this run's and the
     # compared ones
     assert replays == 2 + 4
-    assert evaluate.run_plan({**ev, "temperature": [0, 1]}, drafters["eagle3"])[1] == 2 * (2 + 4)
-    assert evaluate.run_plan({**ev, "temperature": [1]}, drafters["eagle3"])[1] == 2 + 4
+    assert evaluate.sweep_runs({**ev, "temperature": [0, 1]}, drafters["eagle3"])[1] == 2 * (2 + 4)
+    assert evaluate.sweep_runs({**ev, "temperature": [1]}, drafters["eagle3"])[1] == 2 + 4
     assert evaluate.speculative_config(plan[3])["parallel_drafting"] is True
     assert [r["kind"] for r in plan[3::2]] == ["P-EAGLE", "EAGLE-3"]
     # an EAGLE-3.1 export (its config.json carries fc_norm and norm_output) is named so

@@ -458,7 +458,7 @@ def test_the_stage_replays_held_out_answers_from_stored_states_and_others_from_a
     from eaglet.core.config import validate
     from eaglet.model import export
     from eaglet.model.replay import Features, replay_sequences
-    from eaglet.stages.evaluate import replay as evaluate
+    from eaglet.stages.evaluate import offline as evaluate
 
     target, stored, answers, drafter = world
     target_dir = tmp_path / "target"
@@ -860,7 +860,7 @@ def test_the_stage_compares_sampled_runs_by_their_expected_acceptance(world, tmp
     from eaglet.core.config import validate
     from eaglet.model import export
     from eaglet.model.replay import replay_counts
-    from eaglet.stages.evaluate import replay as evaluate
+    from eaglet.stages.evaluate import offline as evaluate
 
     target, _, _, drafter = world
     target_dir = tmp_path / "target"

@@ -133,7 +133,7 @@ def write_evaluation(results: Path, spread: bool = False) -> tuple[dict, dict]:
     the schedule it derives checked beside the target alone, the serve config, the verdict.
     ``spread``: the pooled speedups carry ``speedup_low``/``speedup_high``."""
     drafter = str(results / "drafter")
-    plan, _ = evaluate.run_plan(
+    plan, _ = evaluate.sweep_runs(
         {
             "ngram": True,
             "ngram_k": 3,

@@ -15,7 +15,7 @@ import pytest
 from eaglet.core import rates
 from eaglet.core.layout import BENCHMARK_RESULTS
 from eaglet.core.progress import Progress, took
-from eaglet.stages.evaluate.schedule import run_plan
+from eaglet.stages.evaluate.schedule import sweep_runs
 from eaglet.tools import status
 from eaglet.tools.status.estimates import _bench_generate, _server_start, _token_totals, _train_rate
 from eaglet.tools.status.stages import _BY_NAME
@@ -625,7 +625,7 @@ def test_interleaved_the_sweeps_servers_start_together_as_an_earlier_evaluation_
     rates.record("evaluate", target, baseline_tokens_per_s=20.0)
     rates.record("generate", target, server_start_s=30.0)
     cfg["evaluate"] = {**cfg["evaluate"], "interleave": True, "offline": False}
-    assert len(run_plan(cfg["evaluate"])[0]) == 3  # the target alone, ngram, k 3
+    assert len(sweep_runs(cfg["evaluate"])[0]) == 3  # the target alone, ngram, k 3
     unmeasured = status.estimate("evaluate", r, cfg, None).seconds
     rates.record("evaluate", target, sweep_servers=3, sweep_start_s=45.0)
     measured = status.estimate("evaluate", r, cfg, None).seconds
@@ -1161,7 +1161,7 @@ def _generated(r):
 
 def _decoding(estimate, r, cfg):
     """An evaluation plan less its server starts (one per engine run)."""
-    runs = len(run_plan(cfg["evaluate"])[0])
+    runs = len(sweep_runs(cfg["evaluate"])[0])
     return estimate.seconds - runs * _server_start("generate", cfg["target"]["model"])
 
 
@@ -1371,7 +1371,7 @@ def test_a_running_evaluation_drops_the_schedule_check_its_sweep_did_not_choose(
     rates.record(
         "evaluate", cfg["target"]["model"], baseline_tokens_per_s=20.0, server_start_s=30.0
     )
-    plan, replays = run_plan(cfg["evaluate"])
+    plan, replays = sweep_runs(cfg["evaluate"])
     units = len(plan) + replays
     with_check = status.estimate("evaluate", r, cfg, None).seconds
     cfg_without = {**cfg, "evaluate": {**cfg["evaluate"], "schedule": False}}

@@ -45,7 +45,7 @@ from eaglet.core import methods
 from eaglet.core.config import ConfigError, eval_shard_count, load_run_config, validate
 from eaglet.core.gpus import GPU_BYTES, GPU_NAME, GPU_USABLE
 from eaglet.core.io import read_json
-from eaglet.core.layout import HIDDEN, SYNTHETIC_STATS, TARGET_JSON
+from eaglet.core.layout import HIDDEN, SHARD_GLOB, SYNTHETIC_STATS, TARGET_JSON
 from eaglet.data import shard_format
 from eaglet.data.shard_format import bytes_per_token
 from eaglet.engine.support import ask_in_subprocess, refusal
@@ -835,7 +835,7 @@ def _served_bytes(directory: Path, dtype: str) -> int | None:
 
 
 def _shard_tokens(results: Path) -> int | None:
-    metas = sorted((results / HIDDEN).glob("shard_*.json"))
+    metas = sorted((results / HIDDEN).glob(f"{SHARD_GLOB}.json"))
     tokens = []
     for meta in metas:
         try:

@@ -40,13 +40,14 @@ from eaglet.core.layout import (
     PROGRESS,
     REPO,
     SYNTHETIC_STATS,
+    shard_name,
 )
 from eaglet.core.methods import default_aux_layer_ids
 from eaglet.data import shards
 from eaglet.engine.support import ask_in_subprocess, refusal
 from eaglet.model.config import DrafterConfig
 from eaglet.model.sizes import shape_from_target_config
-from eaglet.stages.evaluate.replay import GREEDY_TOLERANCE, NOISE_ERRORS, within
+from eaglet.stages.evaluate.offline import GREEDY_TOLERANCE, NOISE_ERRORS, within
 from eaglet.target.checkpoint import TargetError, check_run_fits, local_dir, snapshot, text_config
 from eaglet.tools.miniature import SHARPEN, TEACH_BATCH, TEACH_STEPS, build
 from eaglet.tools.plan import plan, render
@@ -628,7 +629,7 @@ def check_capture(results: Path, miniature: Path, trust_remote_code: bool, repor
     import torch
     from transformers import AutoModelForCausalLM
 
-    path = results / HIDDEN_EVAL / "shard_00000.safetensors"
+    path = results / HIDDEN_EVAL / shard_name(0)
     if not path.exists():
         report.add("capture", False, "no held-out shard to compare")
         return

@@ -123,7 +123,7 @@ def serve_recommendation(choice: list[dict], runs: list[dict], drafter_dir: str)
     return out
 
 
-def run_plan(
+def sweep_runs(
     ev: dict, drafter_dir: str | None = None, mtp_layers: int = 0
 ) -> tuple[list[dict], int]:
     """The stage's engine runs in order (the baseline first, which the others are measured

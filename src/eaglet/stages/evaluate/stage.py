@@ -14,6 +14,7 @@ import httpx
 
 from eaglet.core import rates
 from eaglet.core.io import hold_directory, read_json, write_json
+from eaglet.core.layout import server_log as layout_server_log
 from eaglet.core.methods import drafts_every_step
 from eaglet.core.progress import Progress
 from eaglet.engine.server import ServerError, start_together, target_server
@@ -28,8 +29,7 @@ from eaglet.stages.evaluate.metrics import (
     read_metrics,
     spec_counters,
 )
-from eaglet.stages.evaluate.placement import placement
-from eaglet.stages.evaluate.replay import (
+from eaglet.stages.evaluate.offline import (
     _greedy_divergence,
     _public,
     expected_check,
@@ -37,6 +37,7 @@ from eaglet.stages.evaluate.replay import (
     offline_check,
     top_token_note,
 )
+from eaglet.stages.evaluate.placement import placement
 from eaglet.stages.evaluate.runs import (
     PER_REQUEST_METRICS,
     EvaluationError,
@@ -55,9 +56,9 @@ from eaglet.stages.evaluate.runs import (
 from eaglet.stages.evaluate.schedule import (
     best_k_by_concurrency,
     check_compare_drafters,
-    run_plan,
     schedule_run,
     serve_recommendation,
+    sweep_runs,
 )
 from eaglet.stages.evaluate.statistics import _pooled, _speed, add_speedups, methods_table
 from eaglet.stages.evaluate.verdict import _al_text, verdict
@@ -218,7 +219,9 @@ def _merge(parts: list[dict]) -> dict:
 
 
 def server_log(log_dir: str, run: dict) -> str:
-    return f"{log_dir}/evaluate.{run['name']}.server.log"
+    """The log of the server of one engine run: ``logs/evaluate.<run>.server.log``."""
+    name = Path(layout_server_log(f"evaluate.{run['name']}")).name
+    return f"{log_dir}/{name}"
 
 
 def engine_runs(
@@ -486,7 +489,7 @@ def _run_stage(
     prompt_sets, about = load_prompt_sets(ev, prompts_path, train_prompts_path)
     check_compare_drafters(ev)
     config = Path(target["path"]) / "config.json"
-    plan, replays = run_plan(
+    plan, replays = sweep_runs(
         ev, drafter_dir, mtp_layers(read_json(config)) if config.is_file() else 0
     )
     place = placement(cfg, target["path"], len(plan))

@@ -370,7 +370,7 @@ def pack(order: list[int], lengths: list[int], budget: int, open_bins: int = 8) 
     return done + [b[1] for b in bins]
 
 
-def plan_epoch(samples: Samples, epoch: int, cfg: dict) -> list[list[int]]:
+def pack_epoch(samples: Samples, epoch: int, cfg: dict) -> list[list[int]]:
     """The epoch's micro-batches (lists of global sample indices), a pure function of the seed."""
     rng = random.Random(f"eaglet-train:{cfg['seed']}:{epoch}")
     shard_order = list(range(len(samples.infos)))

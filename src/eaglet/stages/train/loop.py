@@ -70,7 +70,7 @@ from eaglet.stages.train.data import (
     step_micro_batches,
     steps_in,
 )
-from eaglet.stages.train.plans import EpochPlans
+from eaglet.stages.train.epoch_batches import EpochBatches
 from eaglet.stages.train.setup import build_drafter, fingerprint_and_subset, read_inputs
 from eaglet.stages.train.step import Learner, check_finite, summarize
 from eaglet.stages.train.tracking import Trackers
@@ -174,7 +174,7 @@ class Trainer:
         self.train_data, self.eval_data = train_data, eval_data
         self.fingerprint = fingerprint
         # the data's plan (subset: the training samples trained on, global indices; None: all)
-        self.plans = EpochPlans(cfg, train_data, subset, self.group, dist_.rank)
+        self.plans = EpochBatches(cfg, train_data, subset, self.group, dist_.rank)
         self.total_steps = self.plans.total_steps
         self.learner = Learner(cfg, model, teacher_head, device, dist_, self.total_steps)
         self.model = self.learner.model

@@ -3,7 +3,7 @@ while the drafter trains, none stored as shards.
 
 The samples keep the layout the shards would have had (``extract.num_shards`` contiguous
 blocks of the training split, each sample cut at ``extract.max_len``), so an epoch's
-micro-batches are those of shard mode (:func:`eaglet.stages.train.data.plan_epoch`), and a
+micro-batches are those of shard mode (:func:`eaglet.stages.train.data.pack_epoch`), and a
 stream-trained drafter is the shard-trained one up to the engine's float rounding.
 
 :class:`StateFeed` walks the samples in the order training will read them (every remaining

@@ -39,7 +39,7 @@ from eaglet.core.progress import format_duration
 from eaglet.engine.support import mtp_layers
 from eaglet.stages.evaluate.placement import placement, recorded_target_dir
 from eaglet.stages.evaluate.runs import level_prompts
-from eaglet.stages.evaluate.schedule import run_plan
+from eaglet.stages.evaluate.schedule import sweep_runs
 from eaglet.tools.status.estimates import (
     BENCHMARKS,
     BENCHMARKS_ONLY,
@@ -733,7 +733,7 @@ class Evaluate(Stage):
         ev, target = cfg["evaluate"], cfg["target"]["model"]
         directory = recorded_target_dir(r, target)
         config = _read(Path(directory) / "config.json") if directory else None
-        plan, replays = run_plan(ev, mtp_layers=mtp_layers(config) if config else 0)
+        plan, replays = sweep_runs(ev, mtp_layers=mtp_layers(config) if config else 0)
         _, n_eval = _prompt_counts(r)
         if n_eval is None:
             return Estimate(None, "prompt count unknown")

@@ -34,7 +34,7 @@ from eaglet.stages.evaluate.runs import cut, drafter_method, sampling_text
 from eaglet.stages.evaluate.schedule import fixed_k_runs
 from eaglet.target.checkpoint import TargetError, load_target_lm_head
 
-log = logging.getLogger("eaglet.stages.evaluate.replay")
+log = logging.getLogger("eaglet.stages.evaluate.offline")
 
 
 def _public(run: dict) -> dict:

@@ -1,15 +1,15 @@
 """Which micro-batches each optimizer step of a run trains on: each epoch's plan (the training
-samples shuffled by the seed and packed, ``eaglet.stages.train.data.plan_epoch``; with a
+samples shuffled by the seed and packed, ``eaglet.stages.train.data.pack_epoch``; with a
 subset, its samples alone), a rank's share of a step's, and their sequence from a data
 position to the end of training.
 """
 
 from __future__ import annotations
 
-from eaglet.stages.train.data import Samples, pack, plan_epoch, step_micro_batches, steps_in
+from eaglet.stages.train.data import Samples, pack, pack_epoch, step_micro_batches, steps_in
 
 
-class EpochPlans:
+class EpochBatches:
     """The epochs' plans of ``train_data`` for optimizer steps of ``group`` micro-batches,
     ``rank`` training train.grad_accum of each; one epoch's plan is kept at a time.
     ``subset``: the global indices of the samples trained on (None: all). ``total_steps``:
@@ -35,7 +35,7 @@ class EpochPlans:
     def epoch_plan(self, epoch: int) -> list[list[int]]:
         """The epoch's micro-batches; with a subset, its samples in the epoch's shuffled order,
         packed again (the same settings over less data: ``eaglet.stages.scaling``)."""
-        plan = plan_epoch(self.train_data, epoch, self.cfg)
+        plan = pack_epoch(self.train_data, epoch, self.cfg)
         if self.subset is None:
             return plan
         lengths = [min(n, self.cfg["max_len"]) for n in self.train_data.lengths]
