@@ -219,3 +219,29 @@ def test_the_targets_default_layers_stay_unset(world, tmp_path):
     cfg = validate({"train": {"init_from": str(world["root"] / "eaglet")}})
     published.apply(cfg, "s")  # before the target is prepared: the drafter's, named
     assert cfg["extract"]["aux_layer_ids"] == default_aux_layer_ids(LAYERS)
+
+
+def test_the_plan_of_a_fine_tune_names_its_start(world, tmp_path, capsys):
+    """eaglet plan of a run with train.init_from: the drafter it plans is the start's (its
+    draft vocabulary), and it says the start's format, parameters and weights to read."""
+    from eaglet.tools import plan
+
+    results = tmp_path / "results"
+    (results / "target").mkdir(parents=True)
+    (results / "target" / "target.json").write_text(json.dumps({"path": str(world["target"])}))
+    config = tmp_path / "my.yaml"
+    config.write_text(
+        f"results_dir: {results}\nvocab: {{draft_vocab_size: 100}}\n"
+        f"train: {{init_from: {world['root'] / 'eaglet'}, epochs: 1}}\ntarget: {{dtype: float32}}\n"
+    )
+    assert plan.main(["--configfile", str(config), "--json"]) == 0
+    [p] = json.loads(capsys.readouterr().out)
+    start = p["start_drafter"]
+    assert start["format"] == "eaglet / vLLM EAGLE-3 layout"
+    params = sum(
+        t.numel() for t in load_file(str(world["root"] / "eaglet" / "model.safetensors")).values()
+    )
+    assert start["parameters"] == params
+    assert start["bytes"] == (world["root"] / "eaglet" / "model.safetensors").stat().st_size
+    # the drafter planned is the start's (its draft vocabulary, not the config's 100)
+    assert p["drafter_params"] == sum(t.numel() for t in world["model"].parameters())

@@ -21,6 +21,7 @@ which start new.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass, field
@@ -222,6 +223,20 @@ def tensor_names(published: Published) -> list[str]:
         else:
             names += list(_load_file(path))
     return names
+
+
+def size(published: Published) -> dict:
+    """Its weights' ``bytes`` on disk and, where their headers say (safetensors), its
+    ``parameters`` (None for a pickled checkpoint, which is not read to count)."""
+    params = 0
+    for path in published.weights:
+        if path.suffix != ".safetensors":
+            params = None
+            break
+        with open(path, "rb") as f:
+            header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+        params += sum(math.prod(t["shape"]) for n, t in header.items() if n != "__metadata__")
+    return {"bytes": sum(p.stat().st_size for p in published.weights), "parameters": params}
 
 
 def eaglet_name(name: str) -> str | None:

@@ -44,11 +44,12 @@ from pathlib import Path
 from eaglet.core import methods
 from eaglet.core.config import ConfigError, eval_shard_count, load_run_config, validate
 from eaglet.core.gpus import GPU_BYTES, GPU_NAME, GPU_USABLE
-from eaglet.core.io import read_json
-from eaglet.core.layout import HIDDEN, SHARD_GLOB, SYNTHETIC_STATS, TARGET_JSON
+from eaglet.core.io import human_size, read_json
+from eaglet.core.layout import HIDDEN, SHARD_GLOB, START_DRAFTER, SYNTHETIC_STATS, TARGET_JSON
 from eaglet.data import shard_format
 from eaglet.data.shard_format import bytes_per_token
 from eaglet.engine.support import ask_in_subprocess, refusal
+from eaglet.model import published
 from eaglet.model.config import resolve_attention
 from eaglet.model.sizes import CHUNK_ELEMENTS as LOSS_CHUNK_ELEMENTS
 from eaglet.model.sizes import (
@@ -951,6 +952,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"eaglet plan: {error}", file=sys.stderr)
         return 2
     results = results_hint or Path(cfg["results_dir"])
+    start = None
+    if cfg["train"].get("init_from"):  # a fine-tune: the starting drafter decides the drafter
+        try:
+            for note in published.apply(cfg, str(results / START_DRAFTER)):
+                print(f"eaglet plan: {note}", file=sys.stderr)
+            start = published.read(cfg["train"]["init_from"])
+        except published.DrafterFormatError as error:
+            print(f"eaglet plan: {error}", file=sys.stderr)
+            return 2
     ext, train, server = cfg["extract"], cfg["train"], cfg["server"]
     shard_tokens = args.shard_tokens or _shard_tokens(results) or 1_000_000
     precision = train["precision"] if train["precision"] != "auto" else "bfloat16"
@@ -1048,6 +1058,18 @@ def main(argv: list[str] | None = None) -> int:
             )
             plans.append(p)
             texts.append(render(p, ext["dtype"]))
+    if start is not None:
+        size = published.size(start)
+        for p in plans:
+            p["start_drafter"] = {"from": cfg["train"]["init_from"], "format": start.format, **size}
+        params = f"{size['parameters']:,} parameters, " if size["parameters"] else ""
+        texts.append(
+            f"Fine-tune of a published drafter: {cfg['train']['init_from']} ({start.format}; "
+            f"{params}{human_size(size['bytes'])} of weights, read once, from the Hugging Face "
+            f"cache where it is a hub id). It decides the method, the draft vocabulary and "
+            f"the aux layers (applied above); fine-tunes need fewer epochs than training "
+            f"from scratch (train.epochs {train['epochs']})."
+        )
     if args.json:
         print(json.dumps(plans, indent=2))
     else:
