@@ -26,7 +26,8 @@ from tests.workflows.dryrun import parse_dry_run
 
 SLURM_PROFILE = REPO / "profiles" / "slurm"
 
-CPU_RULES = {"prepare_target", "prepare_prompts", "vocab_map", "plots"}
+# start_drafter (train.init_from): the starting drafter converted on a CPU node
+CPU_RULES = {"prepare_target", "prepare_prompts", "vocab_map", "plots", "start_drafter"}
 # rule -> (the config's gpus key, its `resources` section)
 GPU_RULES = {
     "generate": ("server", "generate"),

@@ -24,7 +24,9 @@ from eaglet.model.replay import draft_chain, draft_parallel
 
 @dataclass(frozen=True)
 class Provider:
-    """A method's drafter in code. ``build(target_config, config, embed, d2t, t2d, layers)``;
+    """A method's drafter in code, each function looked up when called (as the module
+    attribute it names: a test that replaces one replaces it here too).
+    ``build(target_config, config, embed, d2t, t2d, layers)``;
     ``init(model, target_dir, layer)`` (train.layer_init: target); ``export(model, out_dir,
     dtype, block_size)``; ``load(drafter_dir, target_dir, dtype)``; ``draft``: how it drafts
     one round in vLLM (``draft(drafter, aux, ids, p, k)``)."""
@@ -47,7 +49,7 @@ PROVIDERS = {
         export=lambda model, out_dir, dtype, block_size: eagle3_export.export_drafter(
             model, out_dir, dtype
         ),
-        load=eagle3_export.load_drafter,
+        load=lambda d, target, dtype: eagle3_export.load_drafter(d, target, dtype),
         draft=draft_chain,
     ),
     records.PEAGLE.name: Provider(
@@ -59,7 +61,7 @@ PROVIDERS = {
         export=lambda model, out_dir, dtype, block_size: peagle.export_peagle(
             model, out_dir, dtype
         ),
-        load=peagle.load_peagle,
+        load=lambda d, target, dtype: peagle.load_peagle(d, target, dtype),
         draft=draft_parallel,
     ),
     records.DFLASH.name: Provider(
@@ -67,9 +69,11 @@ PROVIDERS = {
         build=lambda target, config, embed, d2t, t2d, layers: dflash.DFlashDrafter(
             config, embed, d2t, t2d, peagle.mask_token_id(target), layers
         ),
-        init=dflash.init_from_target,
-        export=dflash.export_dflash,
-        load=dflash.load_dflash,
+        init=lambda model, target_dir, layer: dflash.init_from_target(model, target_dir, layer),
+        export=lambda model, out_dir, dtype, block_size: dflash.export_dflash(
+            model, out_dir, dtype, block_size
+        ),
+        load=lambda d, target, dtype: dflash.load_dflash(d, target, dtype),
         draft=draft_parallel,
     ),
 }
