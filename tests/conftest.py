@@ -1,6 +1,9 @@
-"""Shared test setup."""
+"""Shared test setup, and the classes of tests by what they start."""
 
+import contextlib
+import multiprocessing.util
 import os
+import subprocess
 
 import pytest
 
@@ -20,3 +23,79 @@ def private_rate_history(tmp_path_factory):
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+# -- what a test starts: unit, subprocess, e2e, slurm (pyproject.toml registers them) ---------
+
+CLASSES = ("unit", "subprocess", "e2e", "slurm")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects by the marks
+def pytest_collection_modifyitems(config, items):
+    """A test marked with none of the classes is a unit test; unit and another is a mistake."""
+    for item in items:
+        marked = [name for name in CLASSES if item.get_closest_marker(name)]
+        if not marked:
+            item.add_marker(pytest.mark.unit)
+        elif "unit" in marked and len(marked) > 1:
+            raise pytest.UsageError(
+                f"{item.nodeid} is marked {' and '.join(marked)}: a unit test starts no process"
+            )
+
+
+class ProcessInUnitTest(RuntimeError):
+    pass
+
+
+@contextlib.contextmanager
+def _refusing_processes(started: list[str]):
+    """Every way a test starts a process (subprocess, multiprocessing, a fork) refused and
+    noted in ``started``."""
+
+    def refuse(what: str):
+        started.append(what)
+        raise ProcessInUnitTest(f"a unit test started {what}")
+
+    def command(args) -> str:
+        words = [args] if isinstance(args, (str, bytes, os.PathLike)) else args
+        return " ".join(
+            os.fsdecode(w) if isinstance(w, (bytes, os.PathLike)) else str(w) for w in words
+        )[:300]
+
+    def execute_child(self, args, *rest, **kwargs):
+        refuse(command(args))
+
+    def spawnv_passfds(path, args, passfds):
+        refuse(command(args))
+
+    def fork():
+        refuse("os.fork()")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(subprocess.Popen, "_execute_child", execute_child)
+        patch.setattr(multiprocessing.util, "spawnv_passfds", spawnv_passfds)
+        patch.setattr(os, "fork", fork)
+        yield
+
+
+def _in_process_only(item):
+    """A unit test whose fixtures or body start a process fails and says to mark it
+    ``subprocess``: `make test-fast` (-m unit) stays in-process and fast."""
+    if item.get_closest_marker("unit") is None:
+        return (yield)
+    started: list[str] = []
+    with _refusing_processes(started):
+        try:
+            return (yield)
+        finally:
+            if started:
+                pytest.fail(
+                    f"{item.nodeid} is a unit test but starts a process "
+                    f"({started[0]}): mark it @pytest.mark.subprocess (or its module "
+                    "with pytestmark)",
+                    pytrace=False,
+                )
+
+
+pytest_runtest_setup = pytest.hookimpl(wrapper=True)(_in_process_only)
+pytest_runtest_call = pytest.hookimpl(wrapper=True)(_in_process_only)

@@ -75,6 +75,7 @@ def test_a_bad_config_is_said_in_one_message_never_a_traceback(command, case, tm
     assert "Traceback" not in captured.err + captured.out
 
 
+@pytest.mark.subprocess  # plan asks vLLM in a subprocess
 def test_plan_reads_an_unprepared_targets_own_files_and_names_a_missing_directory(tmp_path, capsys):
     """eaglet plan refused a run whose target was not prepared yet (for a hub model that
     means its weights), with a hint lacking --configfile: it plans from the target's config

@@ -24,6 +24,9 @@ from tests.fake_slurm import fake_slurm
 from tests.helpers.paths import REPO, SNAKEMAKE, TINY
 from tests.workflows.dryrun import parse_dry_run
 
+# each test runs Snakemake (the fake-SLURM submissions, its lint) or the SLURM plugin's scontrol
+pytestmark = pytest.mark.subprocess
+
 SLURM_PROFILE = REPO / "profiles" / "slurm"
 
 # start_drafter (train.init_from): the starting drafter converted on a CPU node

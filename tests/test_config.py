@@ -333,6 +333,7 @@ def snakemake_dry_run(tmp_path, config: dict) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.subprocess
 def test_snakefile_rejects_an_unknown_key(tmp_path):
     run = snakemake_dry_run(tmp_path, {"generate": {"temprature": 0.5}})
 
@@ -342,12 +343,14 @@ def test_snakefile_rejects_an_unknown_key(tmp_path):
     assert "unknown key temprature under generate" in output
 
 
+@pytest.mark.subprocess
 def test_snakefile_accepts_a_valid_config(tmp_path):
     run = snakemake_dry_run(tmp_path, {"generate": {"temperature": 0.5}})
 
     assert run.returncode == 0, run.stdout + run.stderr
 
 
+@pytest.mark.subprocess
 def test_snakefile_reads_config_yaml_only_without_a_configfile(tmp_path):
     """A --configfile run is validated over the schema's defaults: none of config.yaml's CPU
     tunings reach a GPU run. Without one (make demo), config.yaml is the run."""
@@ -437,6 +440,7 @@ def dry_run_with_results_dir(tmp_path, value: str, *targets: str) -> subprocess.
     )
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("value", ["", "/"])
 def test_snakefile_refuses_an_empty_or_root_results_dir(tmp_path, value):
     run = dry_run_with_results_dir(tmp_path, value)
@@ -446,6 +450,7 @@ def test_snakefile_refuses_an_empty_or_root_results_dir(tmp_path, value):
     assert "/target/target.json" not in output  # nothing planned at the root
 
 
+@pytest.mark.subprocess
 def test_snakefile_targets_stay_addressable_with_a_trailing_slash(tmp_path):
     results = tmp_path / "out"
     run = dry_run_with_results_dir(tmp_path, f"{results}/", f"{results}/prompts/train.jsonl")
@@ -500,6 +505,7 @@ def test_the_held_out_split_is_sharded_like_the_training_split(extract, data, co
     assert eval_shard_count(validate({"extract": extract, "data": data})) == count
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("backend, rule", [("vllm", "extract_vllm"), ("hf", "extract")])
 def test_the_workflow_extracts_every_held_out_shard_the_config_asks_for(tmp_path, backend, rule):
     """extract.num_eval_shards 2: both held-out shards extracted (by the one vllm job, or a

@@ -241,6 +241,7 @@ def test_make_drafter_builds_dflash_on_the_targets_mask_token_and_refuses_what_v
             )
 
 
+@pytest.mark.subprocess  # heavy in-process: 12 s
 def test_train_method_dflash_trains_exports_and_never_resumes_another_method(world, tmp_path):
     """``train.method: dflash`` through the training run: the losses fall, every slot learns,
     the export is the DFlash drafter (the target's bos as mask token, the block of ttt_steps +
@@ -362,6 +363,7 @@ def test_export_round_trips_with_the_config_vllm_reads(tmp_path):
 # -- vLLM loads the export and drafts what eaglet computes ---------------------------------------
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("layers", [1, 2])
 @torch.inference_mode()
 def test_vllm_loads_every_weight_and_drafts_what_eaglet_computes(tmp_path, layers):

@@ -390,6 +390,7 @@ def stacked(exported: dict[str, torch.Tensor], expected: dict) -> dict[str, torc
     }
 
 
+@pytest.mark.subprocess
 def test_vllm_loads_the_export_and_its_forward_equals_eaglets(mla_world, tmp_path):
     """vLLM's Eagle3DeepseekV2ForCausalLM, built from the engine config of
     --speculative-config and loaded by its own load_weights, holds every exported tensor where

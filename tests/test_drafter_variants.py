@@ -410,6 +410,7 @@ def check_vllm_equals_eaglet(out: dict, model: Eagle3Drafter, exported: dict, au
     assert draft_chain(model, aux, ids, p, k) == drafts
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("name", ["eagle3", "eagle3.1", "all but fc_norm"])
 def test_vllms_llama_drafter_loads_the_export_and_drafts_what_eaglet_drafts(tmp_path, name):
     """vLLM's Eagle3LlamaForCausalLM, built from the engine config of --speculative-config
@@ -464,6 +465,7 @@ def test_vllms_llama_drafter_loads_the_export_and_drafts_what_eaglet_drafts(tmp_
     check_vllm_equals_eaglet(out, model, exported, aux, ids, p, k)
 
 
+@pytest.mark.subprocess
 def test_vllms_mla_drafter_applies_the_eagle31_flags_as_eaglet_does(tmp_path):
     """The same for vLLM's Eagle3DeepseekV2ForCausalLM and an EAGLE-3.1 MLA drafter of a
     tiny DeepSeek-V3 target: fc_norm before fc, the normed state fed back."""

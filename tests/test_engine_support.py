@@ -126,6 +126,7 @@ def test_a_cpu_without_the_instructions_the_engine_needs_is_named_before_a_serve
 GLM = STANDINS / "glm-4.5-air"
 
 
+@pytest.mark.subprocess
 def test_vllm_is_asked_which_targets_classes_serve_a_drafter():
     glm = support.ask_in_subprocess(GLM / "config.json")
     assert glm["supports_eagle3"] is False and glm["mtp_layers"] == 1, glm
@@ -157,12 +158,14 @@ def local_config(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.mark.subprocess
 def test_plan_refuses_a_target_vllm_cannot_serve_a_drafter_for(tmp_path, capsys):
     assert plan.main(["--configfile", str(local_config(tmp_path))]) == 2
     err = capsys.readouterr().err
     assert "cannot serve EAGLE-3 drafters" in err and "Glm4MoeForCausalLM" in err, err
 
 
+@pytest.mark.subprocess
 def test_rehearse_refuses_it_before_building_a_miniature(tmp_path, capsys):
     out = tmp_path / "out"
     code = rehearse.main(
@@ -185,6 +188,7 @@ def test_rehearse_refuses_it_before_building_a_miniature(tmp_path, capsys):
     assert not (out / "miniature").exists() and not (out / "results").exists()
 
 
+@pytest.mark.subprocess
 def test_the_workflows_first_stage_refuses_it_before_any_server(tmp_path):
     config = local_config(tmp_path)
     done = subprocess.run(

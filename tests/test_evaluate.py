@@ -718,6 +718,7 @@ def test_the_schedule_is_checked_beside_the_target_alone_kept_up(monkeypatch, tm
     assert serve["by_concurrency"][1]["speedup_low"] is None
 
 
+@pytest.mark.subprocess
 def test_a_drafter_vllm_refuses_is_named_and_every_server_started_with_it_stops(
     monkeypatch, tmp_path
 ):
@@ -1654,6 +1655,7 @@ def test_a_rehearsal_evaluates_at_0_and_the_served_temperature_only():
     assert rehearsed([0.6])[0] == [0, 0.6]  # the exact greedy check is rehearsed too
 
 
+@pytest.mark.subprocess
 def test_an_evaluation_still_running_keeps_a_second_one_off_its_directory(tmp_path, monkeypatch):
     """kill -9 of Snakemake during evaluate leaves the evaluation running; its rerun started
     a second one beside it (six servers on two cores, both writing eval/). The rerun is

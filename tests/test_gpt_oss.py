@@ -20,6 +20,9 @@ from eaglet.data.template_check import answer_format, check_record, text_ids
 from eaglet.tools.miniature import answer_text, closer_text
 from tests.helpers.paths import STANDINS
 
+# the stand-in's tokenizer every test reads is built by a script run in a subprocess
+pytestmark = pytest.mark.subprocess
+
 MESSAGES = [
     {"role": "system", "content": "You are a helpful assistant. Answer clearly."},
     {"role": "user", "content": "What is two and two? Say it briefly."},

@@ -52,6 +52,7 @@ def close(a: float, b: float) -> bool:
     return a == pytest.approx(b, rel=1e-9)
 
 
+@pytest.mark.subprocess
 def test_every_section_ran(run):
     result, out, stdout = run
     assert result["errors"] == {} and result["skipped"] == {}
@@ -64,6 +65,7 @@ def test_every_section_ran(run):
     assert "gpu_check on" in stdout  # timestamped progress lines
 
 
+@pytest.mark.subprocess
 def test_extraction_rates_and_shard(run):
     result, out, _ = run
     ext = result["sections"]["extraction"]
@@ -105,6 +107,7 @@ def test_extraction_rates_and_shard(run):
     assert int(shard.loss_mask.sum()) == ext["samples"] * (ext["sample_len"] - ext["prompt_len"])
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("section", ["train_llama", "train_kimi"])
 def test_training_rates(run, section):
     result, _, _ = run
@@ -138,6 +141,7 @@ def test_training_rates(run, section):
     )
 
 
+@pytest.mark.subprocess
 def test_profile_accounts_for_the_step(run):
     result, _, _ = run
     p = result["sections"]["profile"]
@@ -146,6 +150,7 @@ def test_profile_accounts_for_the_step(run):
     assert p["top"] and all(t["ms_per_step"] > 0 for t in p["top"])
 
 
+@pytest.mark.subprocess
 def test_disk_rates(run):
     result, _, _ = run
     d = result["sections"]["disk"]

@@ -19,6 +19,9 @@ import pytest
 from tests.helpers.paths import REPO, SNAKEMAKE, TINY
 from tests.workflows.dryrun import parse_dry_run
 
+# each test runs Snakemake on a small workflow or the real one's dry run
+pytestmark = pytest.mark.subprocess
+
 MINI = REPO / "tests" / "workflows" / "gpu_exclusion" / "Snakefile"
 DEFAULT_PROFILE = REPO / "profiles" / "default"
 SLEEP_S = 1.5

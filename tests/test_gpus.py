@@ -58,6 +58,7 @@ def procs():
         proc.wait()
 
 
+@pytest.mark.subprocess
 def test_concurrent_jobs_get_disjoint_gpus_and_a_third_waits_then_fails(tmp_path, procs):
     env = fake_env(tmp_path)
     a, seen_a = start(2, env)
@@ -74,6 +75,7 @@ def test_concurrent_jobs_get_disjoint_gpus_and_a_third_waits_then_fails(tmp_path
     assert f"pid {a.pid}" in seen_c and f"pid {b.pid}" in seen_c
 
 
+@pytest.mark.subprocess
 def test_killed_job_releases_its_slots(tmp_path, procs):
     env = fake_env(tmp_path)
     a, seen_a = start(2, env)
@@ -86,6 +88,7 @@ def test_killed_job_releases_its_slots(tmp_path, procs):
     assert set(seen_c.split(",")) == set(seen_a.split(","))
 
 
+@pytest.mark.subprocess
 def test_waiting_job_starts_when_slots_free_up(tmp_path, procs):
     env = fake_env(tmp_path)
     a, seen_a = start(4, env)
@@ -105,6 +108,7 @@ def test_waiting_job_starts_when_slots_free_up(tmp_path, procs):
     assert waiter.stdout.readline().strip() == "0,1,2"
 
 
+@pytest.mark.subprocess
 def test_scheduler_set_devices_are_kept(tmp_path, procs):
     proc, seen = start(2, fake_env(tmp_path, CUDA_VISIBLE_DEVICES="5,7"))
     procs.append(proc)

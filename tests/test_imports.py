@@ -24,6 +24,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.helpers.paths import REPO, SRC
 
 PACKAGE = SRC / "eaglet"
@@ -365,6 +367,7 @@ def _without_torch(tmp_path: Path) -> dict[str, str]:
     }
 
 
+@pytest.mark.subprocess
 def test_status_plan_the_report_and_the_snakefile_parse_never_import_torch(tmp_path):
     """Run with torch made unimportable: the modules a person or every Snakefile parse
     loads must import, and the Snakefile must parse (``snakemake -n`` on a config)."""
@@ -398,6 +401,7 @@ def test_status_plan_the_report_and_the_snakefile_parse_never_import_torch(tmp_p
     assert "torch is blocked" not in done.stdout + done.stderr
 
 
+@pytest.mark.subprocess
 def test_the_blocker_itself_stops_torch(tmp_path):
     """The torch-free check would pass vacuously if the blocker let torch through."""
     env = _without_torch(tmp_path)

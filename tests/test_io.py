@@ -70,6 +70,7 @@ with hold_directory(sys.argv[1], "train"):
 """
 
 
+@pytest.mark.subprocess
 def test_a_held_directory_refuses_a_second_process_naming_the_first(tmp_path):
     """A stage still running (an orphan of a killed Snakemake) holds its directory: its rerun
     is refused at once with the live pid, and gets the directory once the first is gone."""

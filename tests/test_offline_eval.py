@@ -377,6 +377,7 @@ def test_a_target_that_fails_to_load_leaves_the_stored_states_to_replay(world, t
     assert "KimiK25Config" in features.no_forward and not features.loaded
 
 
+@pytest.mark.subprocess  # heavy in-process: 20 s
 @pytest.mark.parametrize(
     "dtype, max_flips, max_al_change", [("bfloat16", 0.02, 0.03), ("fp8", 0.06, 0.05)]
 )
@@ -853,6 +854,7 @@ def test_sampled_answers_replay_alike_from_stored_final_states_and_from_a_forwar
         replay_sequences(drafter, answers, [3], Features(LAYERS, None, lambda: target), 0.5)
 
 
+@pytest.mark.subprocess  # heavy in-process: 9 s
 def test_the_stage_compares_sampled_runs_by_their_expected_acceptance(world, tmp_path, monkeypatch):
     """evaluate's check at a temperature: each run's own sampled answers replayed for their
     expected acceptance beside vLLM's counters. Here vLLM's counters are what vLLM counts

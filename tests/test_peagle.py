@@ -202,6 +202,7 @@ def test_make_drafter_picks_the_method_and_the_targets_bos_as_mask():
         )
 
 
+@pytest.mark.subprocess  # heavy in-process: 12 s
 def test_train_method_peagle_trains_exports_and_never_resumes_as_eagle3(world, tmp_path):
     """``train.method: peagle`` through the training run: the losses fall, the export is the
     parallel drafter (mask token: the target's bos), and an EAGLE-3 run over its
@@ -253,6 +254,7 @@ def test_export_round_trips_and_is_a_plain_eagle3_checkpoint_plus_the_mask(tmp_p
     assert "parallel_drafting" not in records.EAGLE3.speculative_config(tmp_path / "plain", 3)
 
 
+@pytest.mark.subprocess
 @torch.inference_mode()
 def test_vllm_reads_the_export_and_drafts_what_eaglet_computes(tmp_path):
     """vLLM's config reader turns parallel drafting on with the exported mask token, its

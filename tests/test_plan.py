@@ -620,6 +620,7 @@ def test_the_plan_knows_the_settings_the_drafter_knows():
             plan.with_drafter(plan.PRESETS["kimi-k2.5"], attention, variant, "dflash")
 
 
+@pytest.mark.subprocess  # plan asks vLLM in a subprocess
 def test_plan_of_a_run_reads_its_target(tmp_path, capsys):
     target_dir = tmp_path / "model"
     target_dir.mkdir()

@@ -316,6 +316,7 @@ def test_a_streamed_run_reports_its_streamed_states_not_missing_shards(tmp_path)
     )
 
 
+@pytest.mark.subprocess  # heavy in-process: 3 minutes on 2 cores
 def test_a_miniature_taught_too_briefly_says_it_did_not_learn_the_format(tmp_path):
     """The teaching must reach the format or say it could not: a second of teaching leaves
     the miniature's answers without their closer or their end of turn, and the build reports
@@ -338,6 +339,7 @@ def test_a_miniature_taught_too_briefly_says_it_did_not_learn_the_format(tmp_pat
     assert "template's rendering of the answer" in info["taught"]["format"]
 
 
+@pytest.mark.subprocess  # rehearse asks vLLM in a subprocess
 def test_an_error_inside_the_rehearsal_ends_in_its_fail_line_and_the_summary(
     tmp_path, monkeypatch, capsys
 ):

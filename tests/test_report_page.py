@@ -580,6 +580,7 @@ def _script_json(page: str, name: str):
     return values[0]
 
 
+@pytest.mark.subprocess
 def test_snakemakes_report_opens_on_this_runs_verdict_and_captions_its_numbers(results):
     """The Snakefile's wiring, through Snakemake's own report: the first page and the
     captions of a results dir that holds every output (the rest placeholders; building a

@@ -7,10 +7,14 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tests.helpers.paths import REPO, SNAKEMAKE, TINY
 from tests.workflows.dryrun import parse_dry_run
+
+# each test runs Snakemake
+pytestmark = pytest.mark.subprocess
 
 
 def snakemake(results: Path, configfile: Path, *args: str) -> subprocess.CompletedProcess:

@@ -217,6 +217,7 @@ def test_a_trainer_given_samples_trains_on_those_alone(world, tmp_path):
         )
 
 
+@pytest.mark.subprocess  # heavy in-process: 7 s
 def test_the_stage_trains_the_subsets_and_writes_the_prediction(world, tmp_path):
     from eaglet.stages.train.loop import train
 
@@ -319,6 +320,7 @@ def _dry_run_rules(tmp_path: Path, enabled: bool) -> list[str]:
     return parse_dry_run(proc.stdout)
 
 
+@pytest.mark.subprocess
 def test_the_stage_runs_only_when_enabled(tmp_path):
     jobs = _dry_run_rules(tmp_path, True)
     subsets = [job for job in jobs if job.rule == "scaling_train"]

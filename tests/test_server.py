@@ -39,8 +39,8 @@ from tests.helpers.paths import REPO, pythonpath_env
 
 HEALTH_SERVER = "tests.helpers.health_server"
 
-# a stop() that never returns must fail its test, not hang the suite
-pytestmark = pytest.mark.timeout(60)
+# the servers are processes; a stop() that never returns must fail its test, not hang the suite
+pytestmark = [pytest.mark.subprocess, pytest.mark.timeout(60)]
 
 
 # -- helpers ---------------------------------------------------------------------------------

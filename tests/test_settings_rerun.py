@@ -13,6 +13,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 from eaglet.core.config import differences, record_settings
@@ -83,6 +84,7 @@ def config_file(tmp_path: Path, name: str, **changes) -> Path:
     return path
 
 
+@pytest.mark.subprocess
 def test_a_changed_setting_reruns_what_it_affects_from_another_checkout(tmp_path):
     first = tmp_path / "checkout-1"
     plan = dry_run(first, config_file(tmp_path, "a"))

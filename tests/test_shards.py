@@ -541,6 +541,7 @@ MEMORY_PROBE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.subprocess
 def test_writer_memory_stays_bounded(tmp_path):
     """Writing a ~200 MB shard (bf16, then fp8 from the same bf16 states) raises the process's
     peak resident memory by far less than the shard: a few row blocks, not a copy of it.

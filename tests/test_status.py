@@ -273,6 +273,7 @@ def test_a_generate_whose_server_died_shows_failed_with_the_reason(tmp_path):
     assert "FAILED: the vLLM server died" in status.render(status.collect(r, _full_config(r), None))
 
 
+@pytest.mark.subprocess
 def test_a_refused_rerun_is_not_the_stages_failure_once_its_holder_is_gone(tmp_path):
     """A rerun refused beside a live train (its checkpoints held) logs "train failed: ... held
     by another train process, pid N ... still running". Once that process has ended, the
@@ -651,6 +652,7 @@ def _finished_prompts(tmp_path):
     return r
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize(
     "command",
     [[sys.executable, "-m", "eaglet.tools.cli"], [str(EAGLET)]],
@@ -682,6 +684,7 @@ def test_the_eaglet_command_prints_the_status_as_json(tmp_path, history, command
     assert unknown.returncode == 2 and "unknown command 'stats'" in unknown.stderr
 
 
+@pytest.mark.subprocess
 def test_watch_redraws_the_status_until_stopped(tmp_path, history):
     r = _finished_prompts(tmp_path)
     proc = subprocess.Popen(
@@ -721,6 +724,7 @@ def test_watch_redraws_the_status_until_stopped(tmp_path, history):
 NOT_STAGES = {"all", "plots"}  # plots redraws the figures from the results in seconds
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("backend", ["vllm", "hf"])
 def test_the_stages_are_the_workflows_rules_in_its_order(tmp_path, backend):
     """Status lists the stages itself, as it also reads results without Snakemake: every rule

@@ -64,6 +64,7 @@ def test_settings_that_fit_are_accepted(model_dir, tmp_path):
     assert info["vocab_size"] == VOCAB and (tmp_path / "target" / "target.json").exists()
 
 
+@pytest.mark.subprocess
 def test_the_dry_run_checks_a_prepared_target_against_changed_settings(model_dir, tmp_path):
     """A run that only changes vocab.draft_vocab_size reruns no prepare_target: the plan
     itself refuses the setting."""
@@ -171,6 +172,7 @@ def test_a_wrappers_target_json_recorded_without_its_shape_is_still_checked(wrap
 EMBEDDED_SPEC = "embedded:smollm2-135m-instruct"
 
 
+@pytest.mark.subprocess  # heavy in-process: 6 s
 def test_the_embedded_target_checks_the_disk_before_loading_it(tmp_path, monkeypatch):
     """A 200 MB disk failed mid-save ("No space left on device") after a minute of
     dequantizing: the weights the GGUF's parameters make at float32 are checked against the

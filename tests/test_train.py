@@ -204,6 +204,7 @@ def test_training_reduces_loss_and_writes_the_drafter(world, tmp_path):
     )
 
 
+@pytest.mark.subprocess
 def test_a_trainer_still_running_keeps_a_second_one_off_its_checkpoints(world, tmp_path):
     """kill -9 of Snakemake alone leaves its trainer running; the rerun's trainer refuses to
     start beside it (both wrote drafter_checkpoints/ before), naming the live pid."""
@@ -826,6 +827,7 @@ def test_prefetched_batches_are_the_loops_from_any_resumed_position(world, tmp_p
 # -- data parallel ---------------------------------------------------------------------------
 
 
+@pytest.mark.subprocess
 def test_ddp_on_two_processes_equals_one_process_accumulating_both(world, tmp_path):
     """The launch path of rule train with two GPUs, on CPU: torchrun starts two gloo
     processes of eaglet.stages.train.loop's worker, which must train exactly as one process that
@@ -941,6 +943,7 @@ run(world, tmp, {**FAST, "checkpoint_every": 100}, "term")
 """
 
 
+@pytest.mark.subprocess
 def test_sigterm_checkpoints_and_says_so_and_the_rerun_resumes_to_the_same_weights(world, tmp_path):
     """A scheduler ends a job with SIGTERM at its time limit or on preemption, then SIGKILL
     after a grace period. The trainer stops after its current step, writes a checkpoint (even

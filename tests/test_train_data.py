@@ -278,6 +278,7 @@ RSS_PROBE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.subprocess
 def test_reading_a_large_shard_keeps_peak_rss_far_below_it(tmp_path):
     """A ~300 MB bf16 shard, hash-checked and read through completely, raises the peak
     resident memory (mapped pages included) by the page limit and a batch, not the shard.

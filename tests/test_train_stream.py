@@ -588,6 +588,7 @@ def _stream_rank(
         torch.save(summary, tmp / f"{name}.pt")
 
 
+@pytest.mark.subprocess  # two ranks
 def test_two_ranks_stream_as_one_process_accumulating_both_and_share_one_server(world, tmp_path):
     """train.data stream on two data-parallel ranks (gloo processes): each feeds its own share
     of every step, rank 0 starts the one server when a rank first needs it and rank 1 sends
@@ -725,6 +726,7 @@ def test_a_rank_waiting_for_the_server_gets_rank_0s_failure(tmp_path):
         asyncio.run(feed._shared_server())
 
 
+@pytest.mark.subprocess  # two ranks
 def test_two_ranks_stopped_mid_epoch_resume_to_the_uninterrupted_weights(world, tmp_path):
     """Both ranks stopped after 3 steps (as if the job were killed) with requests in their own
     directories and files in the cache; the rerun resumes from the checkpoint, each rank

@@ -108,6 +108,7 @@ def trainer(tmp_path, method: str, fast: bool, variant: dict) -> Trainer:
     )
 
 
+@pytest.mark.subprocess  # torch.compile runs the C++ compiler
 @pytest.mark.parametrize(
     "method, variant",
     [

@@ -292,6 +292,7 @@ build_vocab_map(records, 64, 8, sys.argv[1], sys.argv[1] + ".json")
 """
 
 
+@pytest.mark.subprocess
 def test_an_identical_rebuild_of_the_map_keeps_the_trainings_fingerprint(tmp_path):
     """safetensors writes the map's metadata in an order that changes between processes: the
     same tensors rebuilt in another process may differ in their header's bytes. The training's
