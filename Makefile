@@ -1,10 +1,13 @@
 # The two commands of the README: `make demo` and `make test`; `make lint` before them in CI.
+# `make test-fast` runs the unit tests alone (-m unit: in-process, no Snakemake, DDP, script or
+# vLLM server started; about 2 minutes on 2 cores) while changing code; `make test` runs them
+# all, as CI does. Markers: unit, subprocess, e2e, slurm (pyproject.toml, tests/conftest.py).
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 CORES  ?= 2
 
-.PHONY: install demo test lint format test-slurm test-rehearsals clean peer-bench-install
+.PHONY: install demo test test-fast lint format test-slurm test-rehearsals clean peer-bench-install
 
 install: $(VENV)/.installed
 
@@ -25,6 +28,10 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest -v --durations=15
+
+# the tests that start no process (tests/conftest.py fails a unit test that does)
+test-fast: install
+	$(BIN)/python -m pytest -q -m unit --durations=15
 
 # the Python code by ruff (lint and format, configured in pyproject.toml), the Snakefile and
 # rules/*.smk by snakefmt, the workflow by Snakemake's own lint; `make format` rewrites what
