@@ -221,6 +221,7 @@ def test_the_targets_default_layers_stay_unset(world, tmp_path):
     assert cfg["extract"]["aux_layer_ids"] == default_aux_layer_ids(LAYERS)
 
 
+@pytest.mark.subprocess  # plan asks vLLM in a subprocess
 def test_the_plan_of_a_fine_tune_names_its_start(world, tmp_path, capsys):
     """eaglet plan of a run with train.init_from: the drafter it plans is the start's (its
     draft vocabulary), and it says the start's format, parameters and weights to read."""
