@@ -48,7 +48,7 @@ class ProcessInUnitTest(RuntimeError):
 
 
 @contextlib.contextmanager
-def _refusing_processes(started: list[str]):
+def refusing_processes(started: list[str]):
     """Every way a test starts a process (subprocess, multiprocessing, a fork) refused and
     noted in ``started``."""
 
@@ -84,7 +84,7 @@ def _in_process_only(item):
     if item.get_closest_marker("unit") is None:
         return (yield)
     started: list[str] = []
-    with _refusing_processes(started):
+    with refusing_processes(started):
         try:
             return (yield)
         finally:
