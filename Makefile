@@ -1,6 +1,6 @@
 # The two commands of the README: `make demo` and `make test`; `make lint` before them in CI.
 # `make test-fast` runs the unit tests alone (-m unit: in-process, no Snakemake, DDP, script or
-# vLLM server started; about 2 minutes on 2 cores) while changing code; `make test` runs them
+# vLLM server started; 2 to 2.5 minutes on 2 cores) while changing code; `make test` runs them
 # all, as CI does. Markers: unit, subprocess, e2e, slurm (pyproject.toml, tests/conftest.py).
 PYTHON ?= python3
 VENV   ?= .venv

@@ -29,8 +29,7 @@ def test_every_way_of_starting_a_process_is_refused_and_named():
         with pytest.raises(ProcessInUnitTest, match=r"os\.fork\(\)"):
             os.fork()
     assert started[0] == "true --version" and len(started) == 3
-    assert (subprocess.Popen._execute_child, multiprocessing.util.spawnv_passfds,
-            os.fork) == before
+    assert (subprocess.Popen._execute_child, multiprocessing.util.spawnv_passfds, os.fork) == before
 
 
 @pytest.mark.subprocess
