@@ -10,8 +10,9 @@ import pytest
 
 from eaglet.core import methods
 from eaglet.core.config import schema
+from tests.helpers.paths import REPO
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 RECORDS = ROOT / "src" / "eaglet" / "core" / "methods.py"
 NAMES = (
     {m.name for m in methods.METHODS.values()}
