@@ -24,6 +24,34 @@ from eaglet.core.progress import now_iso
 # other times by other code, disagreed with each other by up to 3x in their ratios.
 REFERENCE_RATES = BENCHMARK_RESULTS / "reference_rates.jsonl"
 
+# The kinds of work a rate is recorded for (an entry's "stage") and the fields each records,
+# named once: the stages that measure them and `eaglet status` that reads them use these, and
+# record() and lookup_entry() refuse any other.
+GENERATE = "generate"  # generation: its server's start-up, decode tokens/s of the answers
+EXTRACT = "extract"  # the hf backend's forward tokens/s
+PREFILL = "extract_vllm"  # vLLM extraction's prefill tokens/s, its server's start-up
+PACK = "extract_pack"  # packing captured states into shards (no server), tokens/s
+TRAIN = "train"  # training tokens/s and the layer passes a token cost (train_passes)
+EVALUATE = "evaluate"  # the target alone's decode tokens/s; the sweep's servers' start-up
+TOKENS_PER_S, SERVER_START_S = "tokens_per_s", "server_start_s"
+FIELDS = {
+    GENERATE: (SERVER_START_S, "completion_tokens_per_s"),
+    EXTRACT: (TOKENS_PER_S,),
+    PREFILL: (SERVER_START_S, TOKENS_PER_S),
+    PACK: (TOKENS_PER_S,),
+    TRAIN: (TOKENS_PER_S, "ttt_steps"),
+    EVALUATE: ("baseline_tokens_per_s", "sweep_servers", "sweep_start_s"),
+}
+
+
+def _declared(stage: str, keys) -> None:
+    """Refuse a rate of a kind of work or a field not declared in :data:`FIELDS`."""
+    undeclared = [k for k in keys if k not in FIELDS.get(stage, ())]
+    if stage not in FIELDS or undeclared:
+        raise ValueError(
+            f"rates: {stage!r} {undeclared} is not declared in eaglet.core.rates.FIELDS"
+        )
+
 
 def reference_path() -> Path | None:
     """``$EAGLET_REFERENCE_RATES`` ("" for none) or the shipped reference rates."""
@@ -106,6 +134,7 @@ def record(stage: str, target: str, settings: dict | None = None, **values: floa
     """Append one measurement (values that measured nothing are left out), with the
     ``settings`` it was measured at (a decode rate at concurrency 4 is no rate for
     concurrency 32); never fails the stage that measured it."""
+    _declared(stage, values)
     kept = {k: v for k, v in values.items() if _measured(v)}
     if not kept:
         return
@@ -167,6 +196,7 @@ def lookup_entry(
     at, where the stage recorded them). ``settings``: an entry measured at other settings is
     never used (a test run at concurrency 4 planned a demo at 32 eight times too slow); one
     that does not say is used only where none measured at them."""
+    _declared(stage, (key,))
     entries = [e for e in _entries(history_path(), stage, key) if _recorded_before(e, before)]
     found = _match(entries, target, settings)
     if found is None:

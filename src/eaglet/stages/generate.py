@@ -1103,11 +1103,11 @@ def _run_stage(
                     health_check=server.check_alive,
                 )
                 progress.enter_phase(None)
-        rates.record("generate", target["spec"], server_start_s=server.ready_after_s)
+        rates.record(rates.GENERATE, target["spec"], server_start_s=server.ready_after_s)
     run = progress.report("finished")
     if run["done"] > run["resumed_from"]:
         rates.record(
-            "generate",
+            rates.GENERATE,
             target["spec"],
             settings=rates.generate_settings(cfg),
             completion_tokens_per_s=run["tokens_per_s"],

@@ -198,7 +198,7 @@ def generation_rate(results: Path, target: str | None) -> tuple[float | None, st
     ).get("this_run") or {}
     if run.get("generated") and (run.get("completion_tokens_per_s") or 0) > 0:
         return float(run["completion_tokens_per_s"]), THIS_RUN
-    entry = rates.lookup_entry("generate", "completion_tokens_per_s", target)
+    entry = rates.lookup_entry(rates.GENERATE, "completion_tokens_per_s", target)
     if entry is None:
         return None, "no generation rate measured"
     here = "this machine" if entry.get("device") == rates.device_kind() else entry.get("device")

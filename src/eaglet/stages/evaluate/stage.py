@@ -539,7 +539,7 @@ def _run_stage(
                 )
                 # for status: how long this many servers took to start up together here
                 rates.record(
-                    "evaluate",
+                    rates.EVALUATE,
                     target["spec"],
                     sweep_servers=len(plan),
                     sweep_start_s=time.monotonic() - started,
@@ -586,7 +586,7 @@ def _run_stage(
                 runs_at[checked["temperature"]].append(checked)
     runs = [r for t in temps for r in runs_at[t]]
     rates.record(
-        "evaluate",
+        rates.EVALUATE,
         target["spec"],
         settings=rates.evaluate_settings(cfg),
         baseline_tokens_per_s=_pooled(runs[0], concurrencies)[concurrencies[0]],

@@ -629,7 +629,7 @@ def run_shards(
     progress.report("finished")
     tokens = sum(m["tokens"] for m in metas)
     elapsed = time.monotonic() - started
-    rates.record("extract", info["spec"], tokens_per_s=tokens / elapsed if elapsed else None)
+    rates.record(rates.EXTRACT, info["spec"], tokens_per_s=tokens / elapsed if elapsed else None)
     for job, meta in zip(jobs, metas):
         log.info(
             "shard %s: %d samples, %d tokens (%d truncated), %.1f MB, %.0f tokens/s, teacher "

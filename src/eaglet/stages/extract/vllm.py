@@ -74,7 +74,6 @@ log = logging.getLogger("eaglet.stages.extract.vllm")
 
 # the rates `eaglet status` estimates this stage from: sequences sent as prefill requests, or
 # states that generation captured, only packed
-RATE_PREFILL, RATE_PACK = "extract_vllm", "extract_pack"
 
 
 @dataclass
@@ -267,7 +266,7 @@ def capture_shards(
     if extractor.times.seconds:
         log.info("packing thread: %s", extractor.times.summary())
     if extractor.started and server is None:
-        rates.record(RATE_PREFILL, info["spec"], server_start_s=extractor.server.ready_after_s)
+        rates.record(rates.PREFILL, info["spec"], server_start_s=extractor.server.ready_after_s)
     if stats is not None:
         stats["server_started"] = extractor.started
         stats["parts_s"] = dict(extractor.times.seconds)
@@ -411,7 +410,7 @@ def run_stage(
     run = progress.report("finished")
     if run["done"] > run["resumed_from"]:  # prefill and packing run at rates of their own
         rates.record(
-            RATE_PREFILL if stats["server_started"] else RATE_PACK,
+            rates.PREFILL if stats["server_started"] else rates.PACK,
             info["spec"],
             settings=rates.prefill_settings(cfg) if stats["server_started"] else None,
             tokens_per_s=run["tokens_per_s"],

@@ -706,7 +706,7 @@ def _train(
             # `eaglet status` adds from the prefill's own rate
             if rate_key is not None and trainer.step > first_step and stream is None:
                 rates.record(
-                    "train",
+                    rates.TRAIN,
                     rate_key,
                     settings=rates.train_settings(cfg, dist_.world),
                     tokens_per_s=run["tokens_per_s"],

@@ -140,9 +140,9 @@ def _train_rate(
     TTT steps: each step runs the drafter layer and its lm_head once more, so the cost per
     token grows about linearly."""
     entry = (
-        rates.reference_entry("train", "tokens_per_s", target, settings)
+        rates.reference_entry(rates.TRAIN, rates.TOKENS_PER_S, target, settings)
         if before == BENCHMARKS_ONLY
-        else rates.lookup_entry("train", "tokens_per_s", target, before, settings)
+        else rates.lookup_entry(rates.TRAIN, rates.TOKENS_PER_S, target, before, settings)
     )
     source = _earlier_source(entry) if entry is not None else Basis("")
     if entry is None:
@@ -179,7 +179,7 @@ def _bench_generate(concurrency: int) -> float | None:
 
 
 def _server_start(stage: str, target: str) -> float:
-    start, _ = _rate(stage, "server_start_s", target)
+    start, _ = _rate(stage, rates.SERVER_START_S, target)
     return start or SERVER_START_GUESS_S
 
 

@@ -207,7 +207,7 @@ class Generate(Stage):
 
     def planned_rate(self, cfg, before=None):
         return _rate(
-            "generate",
+            rates.GENERATE,
             "completion_tokens_per_s",
             cfg["target"]["model"],
             benchmark=lambda: _bench_generate(cfg["generate"]["concurrency"]),
@@ -229,7 +229,7 @@ class Generate(Stage):
         if rate is None:
             return Estimate(None, basis)
         per_sample = gen["max_tokens"] * COMPLETION_FILL_GUESS
-        seconds = _server_start("generate", target) + remaining * per_sample / rate
+        seconds = _server_start(rates.GENERATE, target) + remaining * per_sample / rate
         text = f"{remaining} samples x ~{per_sample:.0f} tokens at {rate:.0f} tok/s ({basis})"
         if gen.get("capture_hidden_states") and recorded:
             # the capturing server prefills the recorded answers for their states as well
@@ -239,7 +239,7 @@ class Generate(Stage):
                 r,
                 cfg,
                 lambda before: _rate(
-                    "extract_vllm",
+                    rates.PREFILL,
                     "tokens_per_s",
                     target,
                     before=before,
@@ -337,7 +337,7 @@ class Extract(Stage):
         target = cfg["target"]["model"]
         if cfg["extract"]["backend"] == "vllm":
             return _rate(
-                "extract_vllm",
+                rates.PREFILL,
                 "tokens_per_s",
                 target,
                 before=before,
@@ -346,7 +346,7 @@ class Extract(Stage):
                 ),
                 settings=rates.prefill_settings(cfg),
             )
-        return _rate("extract", "tokens_per_s", target, before=before)
+        return _rate(rates.EXTRACT, rates.TOKENS_PER_S, target, before=before)
 
     def rate_files(self, r, cfg):
         vllm = str(r / PROGRESS / "extract_vllm.json")
@@ -370,7 +370,7 @@ class Extract(Stage):
             # generation saved the states: the stage reads, checks and packs them
             if tokens is None:
                 return Estimate(None, NO_TOKENS)
-            rate, basis = _rate("extract_pack", "tokens_per_s", target)
+            rate, basis = _rate(rates.PACK, rates.TOKENS_PER_S, target)
             if rate is None:
                 rate, basis = PACK_TOKENS_PER_S, "typical"
             return Estimate(
@@ -386,7 +386,7 @@ class Extract(Stage):
         if cfg["extract"]["backend"] == "vllm":
             # one capture server; every sequence (train and held-out) is a prefill request
             return Estimate(
-                _server_start("extract_vllm", target) + tokens / rate,
+                _server_start(rates.PREFILL, target) + tokens / rate,
                 f"server start + {tokens} tokens of prefill at {rate:.0f} tok/s "
                 f"({basis})" + _guessed(totals),
                 speed,
@@ -604,7 +604,7 @@ class Train(Stage):
         train = cfg["train"]
         passes = train["epochs"] if not train.get("stream_cache_gib") else 1
         tokens = totals["train"]["tokens"] * passes * left
-        prefill = _server_start("extract_vllm", cfg["target"]["model"]) + tokens / rate
+        prefill = _server_start(rates.PREFILL, cfg["target"]["model"]) + tokens / rate
         # the run trains on the CPU where it says so, or where it counts no GPU at all
         on_cpu = train["device"] == "cpu" or (
             train["device"] == "auto" and not (cfg["server"]["gpus"] or train["gpus"])
@@ -669,7 +669,7 @@ class Evaluate(Stage):
     def planned_rate(self, cfg, before=None):
         first = cfg["evaluate"]["concurrency"][0]
         return _rate(
-            "evaluate",
+            rates.EVALUATE,
             "baseline_tokens_per_s",
             cfg["target"]["model"],
             benchmark=lambda: _bench_generate(first),
@@ -742,7 +742,7 @@ class Evaluate(Stage):
         rate_at, basis, speed = self.decode_rates(r, cfg)
         if rate_at is None:
             return Estimate(None, basis)
-        start, measure = _server_start("generate", target), 0.0
+        start, measure = _server_start(rates.GENERATE, target), 0.0
         for c in ev["concurrency"]:
             requests = sum(len(level_prompts(range(n), c, ev["rounds"])) for n in sizes)
             measure += requests * ev["max_tokens"] * COMPLETION_FILL_GUESS / rate_at(c)
@@ -803,7 +803,7 @@ def _together_start(target: str, servers: int, start: float) -> float:
     """Seconds for ``servers`` vLLM servers started together to be ready: an earlier
     evaluation's measurement, scaled to this many (on a few CPU cores their start-ups share
     the cores), else as long as one after another."""
-    entry = rates.lookup_entry("evaluate", "sweep_start_s", target)
+    entry = rates.lookup_entry(rates.EVALUATE, "sweep_start_s", target)
     if entry is None:
         return servers * start
     return float(entry["sweep_start_s"]) * servers / float(entry.get("sweep_servers") or servers)
