@@ -886,9 +886,7 @@ def test_status_plans_the_evaluation_as_the_stage_places_its_servers(tmp_path, m
     (r / "prompts" / "stats.json").write_text(json.dumps({"n_train": 30, "n_eval": 10}))
     (r / "target").mkdir()
     cfg = validate({"results_dir": str(r), "evaluate": {"kv_cache_gib": 0.5, "offline": False}})
-    rates.record(
-        "evaluate", cfg["target"]["model"], baseline_tokens_per_s=20.0, server_start_s=30.0
-    )
+    rates.record(rates.EVALUATE, cfg["target"]["model"], baseline_tokens_per_s=20.0)
     plans = {}
     for name, tensors in {
         "small": {"w": ("F32", [1000, 1000])},

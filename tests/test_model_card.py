@@ -356,3 +356,18 @@ def test_publish_says_where_the_network_is_missing(card_dir, monkeypatch, capsys
     err = capsys.readouterr().err
     assert "could not reach the Hugging Face Hub" in err and "Traceback" not in err
     assert ("unset it" in err) if offline else ("no network to huggingface.co" in err)
+
+
+@pytest.mark.subprocess  # git says what the commit is
+def test_the_card_names_the_checkouts_commit_as_git_does():
+    import subprocess
+
+    from eaglet.tools.model_card import checkout_commit
+    from tests.helpers.paths import REPO
+
+    git = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "--short=7", "HEAD"], capture_output=True, text=True
+    )
+    if git.returncode:
+        pytest.skip("not a git checkout")
+    assert checkout_commit(REPO) == git.stdout.strip()

@@ -573,9 +573,7 @@ def test_a_stage_just_started_is_estimated_by_its_plan_less_the_time_it_has_run(
     later = {**early, "eta_s": 1800.0, "elapsed_s": plan + 100}
     got = status.estimate("generate", r, cfg, later)
     assert got.seconds == 1800.0 and "spent" in got.basis
-    rates.record(
-        "evaluate", cfg["target"]["model"], baseline_tokens_per_s=20.0, server_start_s=30.0
-    )
+    rates.record(rates.EVALUATE, cfg["target"]["model"], baseline_tokens_per_s=20.0)
     evaluate_plan = status.estimate("evaluate", r, cfg, None).seconds
     assert evaluate_plan
     nearly = {"state": "running", "done": 2, "total": 4, "eta_s": 900.0, "elapsed_s": 50.0}
@@ -595,9 +593,7 @@ def test_evaluate_counts_the_run_that_checks_the_derived_schedule(tmp_path, hist
     r = tmp_path / "results"
     _prompts(r, 30, 10)
     cfg = _full_config(r)
-    rates.record(
-        "evaluate", cfg["target"]["model"], baseline_tokens_per_s=20.0, server_start_s=30.0
-    )
+    rates.record(rates.EVALUATE, cfg["target"]["model"], baseline_tokens_per_s=20.0)
     ev = cfg["evaluate"]
     assert ev["schedule"] and ev["ngram"] and ev["offline"] and len(ev["concurrency"]) > 1
     with_check = status.estimate("evaluate", r, cfg, None)
@@ -1372,9 +1368,7 @@ def test_a_running_evaluation_drops_the_schedule_check_its_sweep_did_not_choose(
     r = tmp_path / "results"
     _prompts(r, 30, 10)
     cfg = _full_config(r)
-    rates.record(
-        "evaluate", cfg["target"]["model"], baseline_tokens_per_s=20.0, server_start_s=30.0
-    )
+    rates.record(rates.EVALUATE, cfg["target"]["model"], baseline_tokens_per_s=20.0)
     plan, replays = sweep_runs(cfg["evaluate"])
     units = len(plan) + replays
     with_check = status.estimate("evaluate", r, cfg, None).seconds

@@ -25,7 +25,6 @@ import os
 import re
 import shlex
 import struct
-import subprocess
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -220,16 +219,33 @@ def _eaglet_version() -> str:
         version = metadata.version("eaglet")
     except metadata.PackageNotFoundError:
         version = "?"
-    try:
-        commit = subprocess.run(
-            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        commit = ""
+    commit = checkout_commit(REPO)
     return version + (f" (commit {commit})" if commit else "")
+
+
+def checkout_commit(repo: Path) -> str:
+    """The short commit of the checkout at ``repo``, read from its ``.git`` files ('' where
+    there is none): no git process, as every parse of the Snakefile renders the report texts."""
+    git = repo / ".git"
+    try:
+        if git.is_file():  # a worktree: its .git file names its own git directory
+            git = (repo / git.read_text().partition(":")[2].strip()).resolve()
+        head = (git / "HEAD").read_text().strip()
+        if not head.startswith("ref: "):
+            return head[:7]
+        ref = head.removeprefix("ref: ")
+        common = git / "commondir"
+        base = (git / common.read_text().strip()).resolve() if common.is_file() else git
+        for root in (git, base):
+            if (root / ref).is_file():
+                return (root / ref).read_text().strip()[:7]
+        packed = base / "packed-refs"
+        for line in packed.read_text().splitlines() if packed.is_file() else []:
+            if line.endswith(f" {ref}"):
+                return line[:7]
+    except OSError:
+        pass
+    return ""
 
 
 # -- the card ---------------------------------------------------------------------------------
