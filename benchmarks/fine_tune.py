@@ -64,13 +64,13 @@ def snakemake(config_path: Path, target: str, cores: int) -> float:
     subprocess.run(
         [
             str(SNAKEMAKE),
+            target,  # before --configfile, which takes every word after it
             "--cores",
             str(cores),
             "--workflow-profile",
             "profiles/default",
             "--configfile",
             str(config_path),
-            target,
         ],
         cwd=REPO,
         check=True,

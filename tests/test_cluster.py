@@ -29,8 +29,7 @@ pytestmark = pytest.mark.subprocess
 
 SLURM_PROFILE = REPO / "profiles" / "slurm"
 
-# start_drafter (train.init_from): the starting drafter converted on a CPU node
-CPU_RULES = {"prepare_target", "prepare_prompts", "vocab_map", "plots", "start_drafter"}
+CPU_RULES = {"prepare_target", "prepare_prompts", "vocab_map", "plots"}
 # rule -> (the config's gpus key, its `resources` section)
 GPU_RULES = {
     "generate": ("server", "generate"),
@@ -49,8 +48,8 @@ MODEL_RULES = (
         for name in re.findall(r"^\s*rule (\w+):", path.read_text(), re.MULTILINE)
     }
     - CPU_RULES
-    - {"scaling"}
-)  # the scaling stage's fit is CPU work
+    - {"scaling", "start_drafter"}
+)  # CPU work: the scaling stage's fit; converting train.init_from's drafter
 # Distinct values, so each request can be traced to its config key. `--config
 # server.gpus=1` is no valid Snakemake config entry (and `--config 'server={gpus: 1}'` reads
 # 1 as a string), so nested overrides go in a second config file.
