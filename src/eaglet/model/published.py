@@ -20,16 +20,15 @@ which start new.
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from eaglet.core import methods
 from eaglet.core.io import read_json
 from eaglet.model.config import MLA_FIELDS, NORM_FLAGS, norm_flags
+from eaglet.model.sizes import safetensors_tensors
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 # tensors a published EAGLE-3 checkpoint may hold that are not the drafter's own
@@ -212,19 +211,6 @@ def check_fits(published: Published, target: dict) -> None:
         )
 
 
-def tensor_names(published: Published) -> list[str]:
-    """The names of its tensors, read from the files' headers (torch-free for safetensors)."""
-    names = []
-    for path in published.weights:
-        if path.suffix == ".safetensors":
-            with open(path, "rb") as f:
-                size = struct.unpack("<Q", f.read(8))[0]
-                names += [n for n in json.loads(f.read(size)) if n != "__metadata__"]
-        else:
-            names += list(_load_file(path))
-    return names
-
-
 def size(published: Published) -> dict:
     """Its weights' ``bytes`` on disk and, where their headers say (safetensors), its
     ``parameters`` (None for a pickled checkpoint, which is not read to count)."""
@@ -233,9 +219,7 @@ def size(published: Published) -> dict:
         if path.suffix != ".safetensors":
             params = None
             break
-        with open(path, "rb") as f:
-            header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
-        params += sum(math.prod(t["shape"]) for n, t in header.items() if n != "__metadata__")
+        params += sum(math.prod(t["shape"]) for t in safetensors_tensors(path).values())
     return {"bytes": sum(p.stat().st_size for p in published.weights), "parameters": params}
 
 

@@ -46,7 +46,7 @@ class TargetSize:
     source: str
 
 
-def _safetensors_tensors(path: Path) -> dict:
+def safetensors_tensors(path: Path) -> dict:
     """A safetensors file's tensor entries (dtype, shape), read from its header alone."""
     with open(path, "rb") as handle:
         (length,) = struct.unpack("<Q", handle.read(8))
@@ -73,7 +73,7 @@ def target_size(target_dir: str | os.PathLike, dtype: str) -> TargetSize | None:
     if files:
         served = params = packed = 0
         for file in files:
-            for entry in _safetensors_tensors(file).values():
+            for entry in safetensors_tensors(file).values():
                 kind, numel = entry["dtype"], math.prod(entry["shape"])
                 stored = numel * _ELEMENT_BYTES.get(kind, 1)
                 cast = kind in _FLOATS and dtype in SERVED_BYTES
