@@ -424,6 +424,7 @@ def test_a_held_out_split_in_shards_of_its_own_is_packed_a_shard_at_a_time():
         assert d["stream"]["peak_requests"] == min(count, 2) * (9_000 // count) * request
 
 
+@pytest.mark.subprocess  # the connector's path runs `file -b` (platform.architecture)
 def test_request_file_bytes_are_what_the_connector_writes(tmp_path):
     """A capture request file holds request_bytes_per_token a token, beside its header."""
     from eaglet.engine.connector import write_states
