@@ -252,6 +252,7 @@ def test_the_teacher_check_of_a_streamed_sample_runs_in_chunks_once(world, tmp_p
         assert torch.equal(stream[name], shards[name]), name
 
 
+@pytest.mark.subprocess  # its fixture starts the capture server when it runs first
 def test_streamed_states_that_do_not_reproduce_greedy_answers_stop_training(
     world, tmp_path, monkeypatch
 ):
