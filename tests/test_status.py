@@ -11,6 +11,7 @@ from datetime import UTC
 from pathlib import Path
 
 import pytest
+import yaml
 
 from eaglet.core import rates
 from eaglet.core.layout import BENCHMARK_RESULTS
@@ -204,6 +205,34 @@ def _full_config(r):
     from eaglet.core.config import validate
 
     return validate({"results_dir": str(r)})
+
+
+def test_a_fine_tunes_start_is_a_stage_of_its_run_only(tmp_path):
+    """train.init_from adds rule start_drafter before the prompts: status lists it (its
+    estimate, then what the conversion recorded), in the order line too; a run from scratch
+    has no such stage."""
+    r = tmp_path / "results"
+    cfg = _full_config(r)
+    assert "start_drafter" not in [s["stage"] for s in status.collect(r, cfg, None)["stages"]]
+    cfg["train"]["init_from"] = str(tmp_path / "published")
+    shown = status.collect(r, cfg, None)
+    names = [s["stage"] for s in shown["stages"]]
+    assert names[:3] == ["prepare_target", "start_drafter", "prepare_prompts"]
+    start = shown["stages"][1]
+    assert start["state"] == "pending" and "hub id" in start["estimate_basis"]
+    (r / "start_drafter").mkdir(parents=True)
+    (r / "start_drafter" / "model.safetensors").write_bytes(b"")
+    record = {
+        "source": str(tmp_path / "published"),
+        "format": "speculators",
+        "method": "eagle3",
+        "from_drafter": ["fc.weight", "midlayer.mlp.up_proj.weight"],
+        "new": ["norm.weight"],
+    }
+    (r / "start_drafter" / "start.json").write_text(json.dumps(record))
+    text = status.render(status.collect(r, cfg, None))
+    assert "(speculators, eagle3): 2 tensors from it, 1 new" in text
+    assert "Order: prepare_target -> start_drafter -> prepare_prompts" in text
 
 
 def test_a_stage_starting_its_server_says_so_until_the_work_starts(tmp_path):
@@ -751,10 +780,11 @@ def test_the_stages_are_the_workflows_rules_in_its_order(tmp_path, backend):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     jobs = [job for job in parse_dry_run(proc.stdout) if job.rule not in NOT_STAGES]
-    position = {rule: i for i, s in enumerate(status.STAGES) for rule in s.rules}
+    stages = status.run_stages(yaml.safe_load(TINY.read_text()))
+    position = {rule: i for i, s in enumerate(stages) for rule in s.rules}
     assert {job.rule for job in jobs} <= set(position)
     made_by = {out: position[job.rule] for job in jobs for out in job.output}
-    for i, stage in enumerate(status.STAGES):
+    for i, stage in enumerate(stages):
         own = [job for job in jobs if position[job.rule] == i]
         assert own, f"no rule of {stage.name} in the workflow"
         outputs = {out for job in own for out in job.output}

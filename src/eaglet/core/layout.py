@@ -124,6 +124,14 @@ STAGE_FILES = {
         StageFiles(
             "prepare_target", ("prepare_target",), (TARGET_JSON,), None, log_file("prepare_target")
         ),
+        # a config turns it on (train.init_from): the published drafter a fine-tune starts from
+        StageFiles(
+            "start_drafter",
+            ("start_drafter",),
+            (START_DRAFTER_WEIGHTS, START_RECORD),
+            None,
+            log_file("start_drafter"),
+        ),
         StageFiles(
             "prepare_prompts",
             ("prepare_prompts",),

@@ -45,7 +45,7 @@ from eaglet.core.progress import format_duration, took
 from eaglet.engine.server import SERVER_MODULE
 from eaglet.stages.evaluate.runs import is_drafter, sampling_text
 from eaglet.tools.model_card import model_card
-from eaglet.tools.status.stages import OPTIONAL_STAGES, STAGES
+from eaglet.tools.status.stages import STAGES
 
 # the config entry the Snakefile fills and report/*.rst print; not a setting, so it never
 # reaches the run's recorded config (results/run/config.json)
@@ -483,7 +483,7 @@ def stage_times(results: Path) -> list[tuple[str, float]]:
     """Wall time of each finished stage that records its progress (``progress/*.json``),
     as `eaglet status` reads it."""
     out = []
-    for stage in STAGES + OPTIONAL_STAGES:
+    for stage in STAGES:
         if not stage.progress:
             continue
         records = [_read(Path(p)) for p in sorted(glob.glob(str(results / stage.progress)))]

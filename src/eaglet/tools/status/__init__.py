@@ -24,13 +24,12 @@ from eaglet.tools.status.estimates import (
 )
 from eaglet.tools.status.gather import collect, snakemake_config_args, stage_status
 from eaglet.tools.status.render import main, order_line, render
-from eaglet.tools.status.stages import OPTIONAL_STAGES, STAGES, Generate, estimate
+from eaglet.tools.status.stages import STAGES, Generate, estimate, run_stages
 
 __all__ = [
     "CHARS_PER_TOKEN",
     "COMPLETION_FILL_GUESS",
     "OFFLINE_REPLAY_SHARE",
-    "OPTIONAL_STAGES",
     "PACK_TOKENS_PER_S",
     "STAGES",
     "TEMPLATE_TOKENS_GUESS",
@@ -41,6 +40,7 @@ __all__ = [
     "main",
     "order_line",
     "render",
+    "run_stages",
     "snakemake_config_args",
     "stage_status",
 ]

@@ -22,7 +22,7 @@ from eaglet.core.layout import RUN_CONFIG, RUN_SNAKEMAKE
 from eaglet.core.progress import took
 from eaglet.engine.server import pid_alive
 from eaglet.tools.status.estimates import _read, process_alive
-from eaglet.tools.status.stages import OPTIONAL_STAGES, STAGES, Stage, estimate
+from eaglet.tools.status.stages import Stage, estimate, run_stages
 
 # -- gathering -------------------------------------------------------------------------------
 
@@ -252,10 +252,7 @@ def collect(
     ``.snakemake/locks`` a killed run leaves behind (default: ``workflow``, else the
     current directory)."""
     outdated = snakemake_outdated(workflow, config_args or []) if workflow else None
-    stages = [
-        stage_status(s, results, cfg, outdated or set())
-        for s in STAGES + [o for o in OPTIONAL_STAGES if o.enabled(cfg)]
-    ]
+    stages = [stage_status(s, results, cfg, outdated or set()) for s in run_stages(cfg)]
     remaining = [s for s in stages if s["state"] not in ("completed",)]
     known = [s["estimate_s"] for s in remaining if s.get("estimate_s") is not None]
     # nothing left is no time left (None: some remaining stage has no estimate at all)

@@ -22,8 +22,10 @@ def _facts_line(s: dict) -> str:
     return stage.line(facts) if stage else json.dumps(facts)
 
 
-def order_line() -> str:
-    return "Order: " + " -> ".join(s.name + (f" ({s.note})" if s.note else "") for s in STAGES)
+def order_line(names: list[str] | None = None) -> str:
+    """The stages in the workflow's order (``names``: a run's, else every one there is)."""
+    stages = [_BY_NAME[n] for n in names if n in _BY_NAME] if names is not None else STAGES
+    return "Order: " + " -> ".join(s.name + (f" ({s.note})" if s.note else "") for s in stages)
 
 
 def render(report: dict) -> str:
@@ -133,7 +135,7 @@ def render(report: dict) -> str:
             f"  total remaining ~{format_duration(report['remaining_s'])}, finishing "
             f"around {report['finishes_at']}{partial}"
         )
-    lines.append("\n" + order_line())
+    lines.append("\n" + order_line([s["stage"] for s in report["stages"]]))
     running_logs = [p.get("log") for s in by_state.get("running", []) for p in s["progress"]]
     lines.append(
         f"Follow it: eaglet status --results {shlex.quote(report['results'])} --watch 10"

@@ -29,6 +29,7 @@ from eaglet.core.layout import (
     SCALING_RUNS,
     SHARD_GLOB,
     STAGE_FILES,
+    START_RECORD,
     SYNTHETIC_STATS,
     TARGET_JSON,
     VOCAB_STATS,
@@ -97,6 +98,10 @@ class Stage:
             files.log,
         )
 
+    def enabled(self, cfg: dict) -> bool:
+        """Whether the config's workflow has the stage (most have it always)."""
+        return True
+
     def gpus(self, cfg: dict) -> int | None:
         """GPUs the stage's jobs hold (None: it runs no model)."""
         if not self.gpu_key:
@@ -153,6 +158,39 @@ class PrepareTarget(Stage):
 
     def estimate(self, r, cfg, progress):
         return Estimate(40.0 if cfg["target"]["model"].startswith("embedded:") else 5.0, "typical")
+
+
+class StartDrafter(Stage):
+    """Optional (train.init_from): the published drafter a fine-tune starts from, read in its
+    own format (a hub id is downloaded first), checked against the target and converted."""
+
+    name = "start_drafter"
+    typical_s = 20.0
+
+    def enabled(self, cfg: dict) -> bool:
+        return bool(cfg.get("train", {}).get("init_from"))
+
+    def facts(self, r):
+        s = _read(r / START_RECORD) or {}
+        return {
+            "source": s.get("source"),
+            "format": s.get("format"),
+            "method": s.get("method"),
+            "from_drafter": len(s.get("from_drafter", [])),
+            "new": len(s.get("new", [])),
+        }
+
+    def line(self, f):
+        return (
+            f"{f['source']} ({f['format']}, {f['method']}): {f['from_drafter']} tensors from "
+            f"it, {f['new']} new"
+        )
+
+    def estimate(self, r, cfg, progress):
+        where = str(cfg["train"]["init_from"])
+        if Path(where).exists():
+            return Estimate(self.typical_s, "typical")
+        return Estimate(self.typical_s, "typical, and the download of a hub id not yet cached")
 
 
 class PreparePrompts(Stage):
@@ -853,18 +891,24 @@ class Scaling(Stage):
 # (--no-snakemake, a copied results dir, no workflow at hand), so their order, rules and
 # outputs are listed here, in one place; tests/test_status.py checks them against the jobs
 # of a Snakemake dry run.
+# Some a config turns on (``enabled(cfg)``): ``run_stages`` are a config's.
 STAGES: list[Stage] = [
     PrepareTarget(),
+    StartDrafter(),
     PreparePrompts(),
     Generate(),
     VocabMap(),
     Extract(),
     Train(),
     Evaluate(),
+    Scaling(),
 ]
-# stages a config turns on (``enabled(cfg)``), after all of the above
-OPTIONAL_STAGES: list[Stage] = [Scaling()]
-_BY_NAME = {s.name: s for s in STAGES + OPTIONAL_STAGES}
+_BY_NAME = {s.name: s for s in STAGES}
+
+
+def run_stages(cfg: dict) -> list[Stage]:
+    """The stages of ``cfg``'s workflow, in its order."""
+    return [s for s in STAGES if s.enabled(cfg)]
 
 
 def _grounded(planned: Estimate, kind: str | None) -> bool:
