@@ -45,7 +45,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load as load_bytes
 
-from eaglet.core.dtypes import torch_dtypes
+from eaglet.core.dtypes import safetensors_codes, torch_dtypes
 from eaglet.core.io import umask
 from eaglet.data.shard_format import (  # noqa: F401 (the
     DIGEST_BLOCK,
@@ -173,16 +173,6 @@ def to_dtype(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) ->
 # the plain sha256 of the whole file, which shards written before the block digest record;
 # :func:`digest_matches` checks either.
 
-SAFETENSORS_DTYPES = {
-    torch.int64: "I64",
-    torch.float32: "F32",
-    torch.bfloat16: "BF16",
-    torch.float16: "F16",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.uint8: "U8",
-}
-# safetensors' data order: wider dtypes first (so every tensor stays aligned), then by name
-_DTYPE_ORDER = ["I64", "F32", "BF16", "F16", "F8_E4M3", "U8"]
 CHUNK_BYTES = 4 << 20  # float32 bytes of a row block of the hidden states, per write
 
 
@@ -288,15 +278,13 @@ class Field:
 
 def _header(fields: Sequence[Field], metadata: dict[str, str]) -> tuple[bytes, dict[str, int]]:
     """The safetensors header (length prefix included) and each field's offset in the file."""
-    ordered = sorted(
-        fields, key=lambda f: (_DTYPE_ORDER.index(SAFETENSORS_DTYPES[f.dtype]), f.name)
-    )
+    ordered = sorted(fields, key=lambda f: (list(safetensors_codes()).index(f.dtype), f.name))
     header: dict = {"__metadata__": dict(sorted(metadata.items()))}
     offset = 0
     places = {}
     for f in ordered:
         header[f.name] = {
-            "dtype": SAFETENSORS_DTYPES[f.dtype],
+            "dtype": safetensors_codes()[f.dtype],
             "shape": list(f.shape),
             "data_offsets": [offset, offset + f.nbytes],
         }
@@ -678,7 +666,7 @@ def _file_header(data: bytes) -> dict:
 # before mapping it, so the guarantee of :func:`load` (no byte used that extraction did not
 # write) holds without the shard ever being in memory whole.
 
-_STORED = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
+_STORED = {code: dtype for dtype, code in safetensors_codes().items()}
 
 
 class Mapping:

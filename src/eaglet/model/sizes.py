@@ -13,26 +13,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from eaglet.core import methods
-from eaglet.core.dtypes import BYTES, SERVED_BYTES
+from eaglet.core.dtypes import BYTES, SAFETENSORS_BYTES, SAFETENSORS_FLOATS, SERVED_BYTES
 
 # -- the target's size, as a server holds it (evaluate's placement reads it too) ----------
-
-# safetensors dtypes: bytes per element; the float ones are cast to the serving dtype
-_FLOATS = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
-_ELEMENT_BYTES = {
-    **_FLOATS,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-    "I64": 8,
-    "U64": 8,
-    "I32": 4,
-    "U32": 4,
-    "I16": 2,
-    "U16": 2,
-    "I8": 1,
-    "U8": 1,
-    "BOOL": 1,
-}
 
 
 @dataclass
@@ -75,10 +58,10 @@ def target_size(target_dir: str | os.PathLike, dtype: str) -> TargetSize | None:
         for file in files:
             for entry in safetensors_tensors(file).values():
                 kind, numel = entry["dtype"], math.prod(entry["shape"])
-                stored = numel * _ELEMENT_BYTES.get(kind, 1)
-                cast = kind in _FLOATS and dtype in SERVED_BYTES
+                stored = numel * SAFETENSORS_BYTES.get(kind, 1)
+                cast = kind in SAFETENSORS_FLOATS and dtype in SERVED_BYTES
                 served += numel * SERVED_BYTES[dtype] if cast else stored
-                if kind in _FLOATS or kind.startswith("F8"):
+                if kind in SAFETENSORS_FLOATS or kind.startswith("F8"):
                     params += numel
                 else:
                     packed += stored

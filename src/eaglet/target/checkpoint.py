@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from safetensors import safe_open
 
-from eaglet.core.dtypes import SERVED_BYTES, torch_dtype
+from eaglet.core.dtypes import SAFETENSORS_FLOATS, SERVED_BYTES, torch_dtype
 from eaglet.core.io import human_size, read_json, write_json
 from eaglet.data.shard_format import sha256_path
 from eaglet.target.norm import FinalNorm
@@ -453,7 +453,6 @@ def load_target_final_norm(target_dir: str | Path) -> torch.Tensor:
 
 # the shape and dtype of a stored tensor, read from the safetensors header alone
 TensorMeta = tuple[tuple[int, ...], str]
-_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 
 def _layer_names(target_dir: Path, layer: int) -> tuple[dict[str, Path], dict[str, str]]:
@@ -483,7 +482,7 @@ def target_layer_meta(target_dir: str | Path, layer: int) -> dict[str, TensorMet
                     dtype = piece.get_dtype()
                     meta[short] = (
                         tuple(piece.get_shape()),
-                        _SAFETENSORS_DTYPES.get(dtype, dtype.lower()),
+                        SAFETENSORS_FLOATS.get(dtype, dtype.lower()),
                     )
     return meta
 

@@ -95,7 +95,7 @@ def check_finite(
 
 def resolve_compile(setting, device: torch.device) -> bool:
     """``train.compile``: auto compiles on CUDA (fused kernels pay there:
-    benchmarks/results/gpu_check.md), not on the CPU, where compiling costs more than it saves
+    benchmarks/gpu_check.py measures it on a GPU), not on the CPU, where compiling costs more than it saves
     on a run of the demo's size."""
     if setting == "auto":
         return device.type == "cuda"
