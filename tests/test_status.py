@@ -16,7 +16,7 @@ import yaml
 from eaglet.core import rates
 from eaglet.core.layout import BENCHMARK_RESULTS
 from eaglet.core.progress import Progress, took
-from eaglet.stages.evaluate.schedule import sweep_runs
+from eaglet.stages.evaluate.schedule import sweep_runs, work_plan
 from eaglet.tools import status
 from eaglet.tools.status.estimates import _bench_generate, _server_start, _token_totals, _train_rate
 from eaglet.tools.status.stages import _BY_NAME
@@ -251,6 +251,23 @@ def test_a_stage_starting_its_server_says_so_until_the_work_starts(tmp_path):
     progress.report()
     assert "running: 3/10" in status.render(status.collect(r, cfg, None))
     assert progress.report("finished")["phase"] is None
+
+
+def test_a_running_stage_shows_the_plan_of_work_it_wrote(tmp_path):
+    """A stage states its plan of work in its progress file when it starts (units, their kind,
+    tokens, servers): status shows it under the stage's line, and --json carries it whole."""
+    r = tmp_path / "results"
+    plan = {"kind": "prefill", "servers": 1, "shards": 2, "samples": 31, "tokens": 52311}
+    progress = Progress(
+        "extract", total=31, path=r / "progress" / "extract_vllm.json", plan=plan, unit="samples"
+    )
+    progress.advance(done=4)
+    progress.report()
+    shown = status.collect(r, _full_config(r), None)
+    extract = next(s for s in shown["stages"] if s["stage"] == "extract")
+    assert extract["progress"][0]["plan"] == plan
+    text = status.render(shown)
+    assert "work: prefill, servers 1, shards 2, samples 31, tokens 52311" in text
 
 
 # -- stopped stages, missing results, resumable training, quoting -----------------------------
@@ -1391,10 +1408,11 @@ def test_a_running_training_is_not_planned_from_its_own_new_checkpoint(tmp_path,
     assert "resuming from the checkpoint at step 100/705" in train.estimate(r, cfg, None).basis
 
 
-def test_a_running_evaluation_drops_the_schedule_check_its_sweep_did_not_choose(tmp_path, history):
-    """A fresh demo whose drafter paid at no concurrency ran no schedule check, and its status
-    counted one to the end (4.5 minutes said, 2.3 left): the sweep done with the progress
-    total as planned means no check; a total grown past the plan means one."""
+def test_a_running_evaluation_is_estimated_from_the_plan_it_wrote(tmp_path, history):
+    """A started evaluation's progress carries its plan of work (evaluate.schedule.work_plan):
+    status multiplies the rates by it, not by what it derives from the config. A fresh demo
+    whose drafter paid at no concurrency ran no schedule check, and its status counted one to
+    the end (4.5 minutes said, 2.3 left): the plan says whether the sweep chose one."""
     r = tmp_path / "results"
     _prompts(r, 30, 10)
     cfg = _full_config(r)
@@ -1405,20 +1423,33 @@ def test_a_running_evaluation_drops_the_schedule_check_its_sweep_did_not_choose(
     cfg_without = {**cfg, "evaluate": {**cfg["evaluate"], "schedule": False}}
     without_check = status.estimate("evaluate", r, cfg_without, None).seconds
     assert with_check > without_check
-    sweeping = {"state": "running", "done": 0, "total": units, "eta_s": None, "elapsed_s": 60.0}
+    sets = {"heldout": 10, **{entry["name"]: 10 for entry in cfg["evaluate"]["prompt_sets"]}}
+    work = work_plan(cfg["evaluate"], len(plan), replays, False, sets)
+    assert work["schedule_check"] is None
+    sweeping = {
+        "state": "running",
+        "done": 0,
+        "total": units,
+        "eta_s": None,
+        "elapsed_s": 60.0,
+        "plan": work,
+    }
     assert status.estimate("evaluate", r, cfg, sweeping).seconds == pytest.approx(with_check - 60)
     swept = {
-        "state": "running",
+        **sweeping,
         "done": len(plan),
-        "total": units,
         "eta_s": 120.0,
-        "elapsed_s": 60.0,
+        "plan": {**work, "schedule_check": False},
     }
     got = status.estimate("evaluate", r, cfg, swept)
     assert got.seconds == pytest.approx(without_check - 60) and "chose no schedule" in got.basis
-    checking = {**swept, "total": units + 1}
+    checking = {**swept, "total": units + 1, "plan": {**work, "schedule_check": True}}
     got = status.estimate("evaluate", r, cfg, checking)
     assert got.seconds == pytest.approx(with_check - 60) and "chose a schedule" in got.basis
+    # the stage's own prompt counts, not the config's guess: sets of 2 prompts take less
+    small = work_plan(cfg["evaluate"], len(plan), replays, False, dict.fromkeys(sets, 2))
+    fewer = status.estimate("evaluate", r, cfg, {**sweeping, "plan": small}).seconds
+    assert fewer < with_check - 60
 
 
 def test_an_earlier_run_on_this_machine_plans_its_stage_unscaled(tmp_path, history):

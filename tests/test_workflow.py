@@ -258,6 +258,14 @@ def test_trained_drafter_is_measured_in_vllm_and_reported(results, tmp_path):
     assert set(base_levels) == {(s, c) for s in ("heldout", "everyday") for c in (1, 4)}
     assert base_levels[("everyday", 1)]["requests"] == 2  # rounds x concurrency
     assert base_levels[("everyday", 4)]["requests"] == 4  # capped at the set's 4 prompts
+    # the stage wrote its plan of work into its progress file (what `eaglet status` reads),
+    # and it is what the stage did
+    plan = read_json(results / "progress" / "evaluate.json")["plan"]
+    assert plan["engine_runs"] == 3 and plan["schedule_check"] == ("eagle3_schedule" in runs)
+    assert plan["prompt_sets"]["everyday"] == 4
+    for c in (1, 4):
+        sent = sum(lv["requests"] for lv in base_levels.values() if lv["concurrency"] == c)
+        assert plan["requests"][str(c)] == sent
     for name in set(runs) - {"baseline"}:
         run = runs[name]
         assert run["drafts"] > 0 and run["draft_tokens"] <= run["k"] * run["drafts"]
@@ -338,7 +346,7 @@ def test_trained_drafter_is_measured_in_vllm_and_reported(results, tmp_path):
 
 def test_a_dflash_drafter_trains_and_is_served_beside_eagle3(results, tmp_path):
     """train.method dflash on the same shards, in a results dir of its own (the finished
-    run's data linked, as the README says to compare methods): the export loads in vLLM as
+    run's data linked, as docs/training.md says to compare methods): the export loads in vLLM as
     its DFlash drafter (the mask embedding read), is served with method dflash beside the
     first run's EAGLE-3 drafter in one evaluation (evaluate.compare_drafters), and eaglet's
     offline replay of its one forward a round counts what vLLM counted. Two layers: vLLM's

@@ -51,6 +51,9 @@ class Progress:
     # what the stage is doing now when that is not the counted work itself, e.g. "starting
     # the vLLM server" (minutes for a large model, with nothing counted yet); None otherwise
     phase: str | None = None
+    # the stage's plan of work, written when it starts, before the work (units, their kind,
+    # tokens, servers: what `eaglet status` multiplies its measured rates by)
+    plan: dict | None = None
 
     done: int = field(default=0, init=False)
     failed: int = field(default=0, init=False)
@@ -95,6 +98,7 @@ class Progress:
             "elapsed_s": elapsed,
             "eta_s": 0.0 if state == "finished" else eta,
             "phase": None if state == "finished" else self.phase,
+            "plan": self.plan,
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "log": self.log_path,

@@ -1047,7 +1047,17 @@ def _run_stage(
         )
     check_renderable(everything, gen["system_prompt"], tokenizer, gen["chat_template_kwargs"])
     requests = sum(len(turn_ids(p)) for p in everything)
-    progress = Progress("generate", total=requests, path=progress_path, log_path=log_path)
+    plan = {
+        "kind": "decode",
+        "servers": 1,
+        "prompts": len(everything),
+        "requests": requests,
+        "max_tokens": gen["max_tokens"],
+        "concurrency": gen["concurrency"],
+    }
+    progress = Progress(
+        "generate", total=requests, path=progress_path, log_path=log_path, plan=plan
+    )
     server_cfg = cfg["server"]
     records = drop_stale(
         read_partial(partial_path),

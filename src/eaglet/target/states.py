@@ -280,11 +280,16 @@ def agreement(
     }
 
 
-def estimate_bytes(records: list[dict], max_len: int, hidden_size: int, dtype: str) -> int:
-    tokens = sum(
+def stored_tokens(records: list[dict], max_len: int) -> int:
+    """The tokens a shard of ``records`` stores: each sample's prompt and completion, cut at
+    ``max_len`` (extract.max_len)."""
+    return sum(
         min(len(r["prompt_token_ids"]) + len(r["completion_token_ids"]), max_len) for r in records
     )
-    return tokens * shards.bytes_per_token(hidden_size, 3, dtype)
+
+
+def estimate_bytes(records: list[dict], max_len: int, hidden_size: int, dtype: str) -> int:
+    return stored_tokens(records, max_len) * shards.bytes_per_token(hidden_size, 3, dtype)
 
 
 def check_disk(directory: Path, needed: int) -> None:

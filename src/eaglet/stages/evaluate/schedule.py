@@ -13,6 +13,7 @@ from eaglet.stages.evaluate.runs import (
     drafter_kind,
     drafter_method,
     is_drafter,
+    level_prompts,
     temperatures,
 )
 from eaglet.stages.evaluate.statistics import SLOWER, against_target, at_concurrency, speedup_at
@@ -158,6 +159,34 @@ def sweep_runs(
         else 0
     )
     return plan, replays
+
+
+def work_plan(ev: dict, runs: int, replays: int, together: bool, set_sizes: dict) -> dict:
+    """The evaluation's work, as the stage writes it into its progress file when it starts
+    (``plan``) and `eaglet status` estimates it before: ``runs`` engine runs of the sweep
+    (:func:`sweep_runs`), side by side or not (``together``: evaluate.placement), ``replays``
+    offline replays, and the prompts each set holds (``set_sizes``: name -> count). The
+    derived k schedule is checked in a run of its own unless there is nothing to check (one
+    concurrency, or evaluate.schedule off): ``schedule_check`` is None until the sweep has
+    chosen (then whether it chose one), and that check costs ``schedule_check_runs`` (side by
+    side it is measured beside the target alone once more)."""
+    can_check = bool(ev["schedule"]) and len(ev["concurrency"]) > 1
+    return {
+        "engine_runs": runs,
+        "side_by_side": together,
+        "offline_replays": replays,
+        "schedule_check": None if can_check else False,
+        "schedule_check_runs": 2 if together else 1,
+        "prompt_sets": dict(set_sizes),
+        "concurrency": list(ev["concurrency"]),
+        # the requests one engine run sends at each concurrency, every set, one temperature
+        "requests": {
+            str(c): sum(len(level_prompts(range(n), c, ev["rounds"])) for n in set_sizes.values())
+            for c in ev["concurrency"]
+        },
+        "temperatures": len(temperatures(ev)),
+        "max_tokens": ev["max_tokens"],
+    }
 
 
 def compare_runs(ev: dict, own_method: str = DEFAULT.name) -> list[dict]:

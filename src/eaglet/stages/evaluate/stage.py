@@ -59,6 +59,7 @@ from eaglet.stages.evaluate.schedule import (
     schedule_run,
     serve_recommendation,
     sweep_runs,
+    work_plan,
 )
 from eaglet.stages.evaluate.statistics import _pooled, _speed, add_speedups, methods_table
 from eaglet.stages.evaluate.verdict import _al_text, verdict
@@ -510,6 +511,13 @@ def _run_stage(
         log_path=log_path,
         unit="runs",
         interval_s=0.0,
+        plan=work_plan(
+            ev,
+            len(plan),
+            replays,
+            place.together,
+            {name: len(prompts) for name, prompts in prompt_sets.items()},
+        ),
     )
     # the servers take a minute or more to start: the stage runs from now, and says so
     progress.enter_phase(f"starting vLLM for {', '.join(run['name'] for run in plan)}")
@@ -559,10 +567,11 @@ def _run_stage(
             add_speedups(group, concurrencies)
         choice = best_k_by_concurrency(runs_at[served_at], concurrencies)
         extra = schedule_run(choice, drafter_dir) if ev["schedule"] else None
-        if extra is not None:
+        progress.plan["schedule_check"] = extra is not None
+        if extra is None:
+            progress.report()
+        else:
             progress.total += 1
-            # said at once: until the total grows, the progress file reads as a sweep that
-            # finished with no check to run (`eaglet status` would plan none)
             progress.enter_phase(f"{extra['name']}: starting vLLM to check the k schedule")
             if place.together:
                 # measured beside the target alone once more, like the sweep

@@ -52,6 +52,7 @@ from eaglet.target.states import (
     resolve_aux_layer_ids,
     sequence,
     shard_records,
+    stored_tokens,
     target_identity,
     teacher_check,
 )
@@ -616,7 +617,16 @@ def run_shards(
         cfg["target"].get("trust_remote_code", False),
     )
     aux_ids = resolve_aux_layer_ids(ext["aux_layer_ids"], target.num_layers)
-    progress = Progress(name, total=sum(map(len, records)), path=progress_path, log_path=log_path)
+    plan = {
+        "kind": "prefill",
+        "servers": 0,
+        "shards": len(jobs),
+        "samples": sum(map(len, records)),
+        "tokens": sum(stored_tokens(recs, ext["max_len"]) for recs in records),
+    }
+    progress = Progress(
+        name, total=plan["samples"], path=progress_path, log_path=log_path, plan=plan
+    )
     started = time.monotonic()
     metas = extract_shards(
         target,

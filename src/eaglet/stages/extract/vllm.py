@@ -66,6 +66,7 @@ from eaglet.target.states import (
     sequence,
     shard_problem,
     shard_records,
+    stored_tokens,
     target_identity,
     write_shard,
 )
@@ -304,16 +305,7 @@ def request_bytes(
     every token, in the served dtype, for the two largest shards (the request window runs at
     most one shard ahead of the one being packed)."""
     width = BYTES.get(dtype, 2)  # auto: counted as bfloat16
-    tokens = sorted(
-        (
-            sum(
-                min(len(r["prompt_token_ids"]) + len(r["completion_token_ids"]), max_len)
-                for r in job.records
-            )
-            for job in jobs
-        ),
-        reverse=True,
-    )
+    tokens = sorted((stored_tokens(job.records, max_len) for job in jobs), reverse=True)
     return sum(tokens[:2]) * layers * hidden * width
 
 
@@ -323,10 +315,7 @@ def staged_problem(job: StagedShard, expected: dict, max_len: int) -> str | None
     if problem:
         return problem
     meta = read_json(job.staged_meta_path)
-    tokens = sum(
-        min(len(r["prompt_token_ids"]) + len(r["completion_token_ids"]), max_len)
-        for r in job.records
-    )
+    tokens = stored_tokens(job.records, max_len)
     if meta["samples"] != [r["id"] for r in job.records] or meta["tokens"] != tokens:
         return "it holds other samples or sequences (the synthetic data or max_len changed)"
     return None
@@ -389,7 +378,14 @@ def run_stage(
             records, len(files["shards"]), files["shards"], files["metas"], work, split
         )
     total = sum(len(j.records) for j in jobs)
-    progress = Progress("extract", total=total, path=progress_path, log_path=log_path)
+    plan = {
+        "kind": "prefill",
+        "servers": 1,
+        "shards": len(jobs),
+        "samples": total,
+        "tokens": sum(stored_tokens(j.records, cfg["extract"]["max_len"]) for j in jobs),
+    }
+    progress = Progress("extract", total=total, path=progress_path, log_path=log_path, plan=plan)
     started = time.monotonic()
     stats: dict = {}
     with hold_directory(work, "extract_vllm"):  # its request files and shards in the making

@@ -668,6 +668,14 @@ def _train(
                 log_path=log_path,
                 unit="steps",
                 already_done=first_step,
+                plan={
+                    "kind": "training",
+                    "steps": trainer.total_steps,
+                    "epochs": cfg["epochs"],
+                    "from_step": first_step,
+                    "samples": len(trainer.train_data),
+                    "ranks": dist_.world,
+                },
             )
             if dist_.rank == 0
             else None

@@ -22,6 +22,17 @@ def _facts_line(s: dict) -> str:
     return stage.line(facts) if stage else json.dumps(facts)
 
 
+def plan_text(plan: dict) -> str:
+    """A stage's plan of work as its progress file states it, in words: its kind first, then
+    each count (``tokens 52311``; lists as they are, tables left to --json)."""
+    parts = [str(plan["kind"])] if plan.get("kind") else []
+    for key, value in plan.items():
+        if key == "kind" or value is None or isinstance(value, dict):
+            continue
+        parts.append(f"{key.replace('_', ' ')} {value}")
+    return ", ".join(parts)
+
+
 def order_line(names: list[str] | None = None) -> str:
     """The stages in the workflow's order (``names``: a run's, else every one there is)."""
     stages = [_BY_NAME[n] for n in names if n in _BY_NAME] if names is not None else STAGES
@@ -115,6 +126,8 @@ def render(report: dict) -> str:
                 f"{p['failed']} failed, {rate}, ETA {format_duration(p.get('eta_s'))}, "
                 f"pid {p['pid']}{gpu}\n{'':20}log: {p.get('log') or s.get('log')}"
             )
+            if p.get("plan"):
+                lines.append(f"{'':20}work: {plan_text(p['plan'])}")
 
     todo = [
         s

@@ -39,8 +39,8 @@ from eaglet.core.layout import (
 from eaglet.core.progress import format_duration
 from eaglet.engine.support import mtp_layers
 from eaglet.stages.evaluate.placement import placement, recorded_target_dir
-from eaglet.stages.evaluate.runs import level_prompts
-from eaglet.stages.evaluate.schedule import sweep_runs
+from eaglet.stages.evaluate.runs import HELD_OUT
+from eaglet.stages.evaluate.schedule import sweep_runs, work_plan
 from eaglet.tools.status.estimates import (
     BENCHMARKS,
     BENCHMARKS_ONLY,
@@ -769,72 +769,51 @@ class Evaluate(Stage):
 
     def estimate(self, r, cfg, progress):
         ev, target = cfg["evaluate"], cfg["target"]["model"]
-        directory = recorded_target_dir(r, target)
-        config = _read(Path(directory) / "config.json") if directory else None
-        plan, replays = sweep_runs(ev, mtp_layers=mtp_layers(config) if config else 0)
-        _, n_eval = _prompt_counts(r)
-        if n_eval is None:
-            return Estimate(None, "prompt count unknown")
-        # the sets of their own are read by the stage itself: assume the held-out split's size
-        sizes = [min(n_eval, ev["max_prompts"] or n_eval)] * (1 + len(ev["prompt_sets"]))
+        # a started evaluation's own plan of work; before it starts, the same plan from what
+        # the stage will read (the sets of their own: assumed the held-out split's size)
+        work = (progress or {}).get("plan")
+        if not work:
+            directory = recorded_target_dir(r, target)
+            config = _read(Path(directory) / "config.json") if directory else None
+            runs, replays = sweep_runs(ev, mtp_layers=mtp_layers(config) if config else 0)
+            _, n_eval = _prompt_counts(r)
+            if n_eval is None:
+                return Estimate(None, "prompt count unknown")
+            n = min(n_eval, ev["max_prompts"] or n_eval)
+            together = placement(cfg, directory, len(runs)).together
+            sets = {HELD_OUT: n, **{entry["name"]: n for entry in ev["prompt_sets"]}}
+            work = work_plan(ev, len(runs), replays, together, sets)
         rate_at, basis, speed = self.decode_rates(r, cfg)
         if rate_at is None:
             return Estimate(None, basis)
         start, measure = _server_start(rates.GENERATE, target), 0.0
-        for c in ev["concurrency"]:
-            requests = sum(len(level_prompts(range(n), c, ev["rounds"])) for n in sizes)
-            measure += requests * ev["max_tokens"] * COMPLETION_FILL_GUESS / rate_at(c)
-        measure *= len(ev.get("temperature") or [0])  # every level at each temperature
-        # the derived k schedule gets a run of its own unless it is one fixed k or k 0
-        # everywhere (nothing to check): counted until the sweep has chosen, or the last
-        # minutes read near zero (interleaved, it is measured beside the target alone once
-        # more: two runs); a running evaluation's progress says whether it chose one (its
-        # total grows by the check)
-        check = ev["schedule"] and len(ev["concurrency"]) > 1
-        decided = _schedule_check_decided(progress, len(plan), replays)
-        if decided is not None:
-            check = check and decided
-        # side by side or one at a time, as the stage itself decides (evaluate.interleave)
-        together = placement(cfg, recorded_target_dir(r, target), len(plan)).together
-        runs = len(plan) + ((2 if together else 1) if check else 0)
+        for c, requests in work["requests"].items():
+            measure += requests * work["max_tokens"] * COMPLETION_FILL_GUESS / rate_at(int(c))
+        measure *= work["temperatures"]  # every level at each temperature
+        # the derived k schedule's check: counted until the sweep has chosen
+        check = work["schedule_check"] is not False
+        together, replays = work["side_by_side"], work["offline_replays"]
+        runs = work["engine_runs"] + (work["schedule_check_runs"] if check else 0)
         if together:
             # the sweep's servers start up together; the check's one server on its own
-            starts = _together_start(target, len(plan), start) + (start if check else 0.0)
+            starts = _together_start(target, work["engine_runs"], start) + (start if check else 0.0)
         else:
             starts = runs * start
         seconds = starts + runs * measure + OFFLINE_REPLAY_SHARE * replays * (start + measure)
-        schedule = (
-            ""
-            if not (ev["schedule"] and len(ev["concurrency"]) > 1)
-            else " (the schedule's check counted until the sweep has chosen)"
-            if decided is None
-            else " (the sweep chose a schedule to check)"
-            if check
-            else " (the sweep chose no schedule to check)"
-        )
+        schedule = {
+            None: " (the schedule's check counted until the sweep has chosen)",
+            True: " (the sweep chose a schedule to check)",
+            False: " (the sweep chose no schedule to check)",
+        }[work["schedule_check"]]
+        if not (ev["schedule"] and len(ev["concurrency"]) > 1):
+            schedule = ""
         return Estimate(
             seconds,
             f"{runs} vLLM runs {'side by side' if together else 'one at a time'}"
-            f"{schedule} x {len(sizes)} prompt sets at concurrency "
-            f"{ev['concurrency']}, {basis}" + (f", {replays} offline replays" if replays else ""),
+            f"{schedule} x {len(work['prompt_sets'])} prompt sets at concurrency "
+            f"{work['concurrency']}, {basis}" + (f", {replays} offline replays" if replays else ""),
             speed,
         )
-
-
-def _schedule_check_decided(progress: dict | None, runs: int, replays: int) -> bool | None:
-    """Whether a running evaluation checks a derived k schedule in a run of its own: True once
-    its progress counts that run (the total grew past its ``runs`` engine runs and
-    ``replays`` offline replays), False once its sweep has finished without it (all ``runs``
-    done, the total as planned), None before (or without progress)."""
-    if not progress or progress.get("state") not in ("running", "finished"):
-        return None
-    try:
-        done, total = int(progress.get("done") or 0), int(progress.get("total") or 0)
-    except (TypeError, ValueError):
-        return None
-    if total > runs + replays:
-        return True
-    return False if total == runs + replays and done >= runs else None
 
 
 def _together_start(target: str, servers: int, start: float) -> float:
