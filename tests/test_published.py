@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ from eaglet.data.vocab import adopt_vocab_map, load_vocab_map
 from eaglet.model import methods, published
 from eaglet.model.config import DrafterConfig
 from eaglet.model.export import export_speculators
+from tests.helpers.paths import HELPERS, REPO, pythonpath_env
 from tests.tiny_llama import LAYERS, VOCAB, make_tiny_llama
 
 DRAFT = 40
@@ -138,6 +141,51 @@ def test_each_format_converts_to_the_same_drafter(world, tmp_path, name):
         # vLLM reads a speculators config that omits norm_before_residual as true; eaglet's
         # export states it, so the drafter keeps its own residual
         assert start.config["norm_before_residual"] is False
+
+
+PEER = REPO / "benchmarks" / ".peer"  # make peer-bench-install: speculators, beside eaglet
+
+
+@pytest.mark.subprocess
+@pytest.mark.skipif(
+    not (PEER / "speculators").is_dir(), reason="speculators not installed: make peer-bench-install"
+)
+def test_a_drafter_saved_by_speculators_itself_converts(world, tmp_path):
+    """Not a layout written here: speculators' own builder and save_pretrained make the
+    drafter (tests/helpers/speculators_drafter.py), as a repository it published holds it.
+    Every tensor it saved is the converted drafter's, its norm flag and target layers are
+    the run's, and the embedding (the target's, which vLLM shares) is left out."""
+    out = tmp_path / "speculators"
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(HELPERS / "speculators_drafter.py"),
+            str(world["target"]),
+            str(out),
+            str(DRAFT),
+            "1,2,4",
+        ],
+        env=pythonpath_env(PEER),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "speculators_config" in json.loads((out / "config.json").read_text())
+    start = published.read(out)
+    assert start.format == "speculators" and start.method is records.EAGLE3
+    assert start.settings()["extract.aux_layer_ids"] == [1, 2, 4]
+    record = published.convert(start, world["target"], tmp_path / "out")
+    assert not record["new"] and record["left_out"] == ["embed_tokens.weight"], record
+    loaded = methods.load(tmp_path / "out", world["target"])
+    assert list(loaded.config.aux_layer_ids) == [1, 2, 4]
+    assert loaded.config.norm_before_residual is True
+    state = loaded.state_dict()
+    saved = load_file(str(out / "model.safetensors"))
+    for name, tensor in saved.items():
+        if name != "embed_tokens.weight":
+            mine = name.replace("layers.0.", "midlayer.")
+            torch.testing.assert_close(state[mine], tensor.to(state[mine].dtype), msg=name)
 
 
 def test_a_drafter_that_does_not_fit_the_target_is_refused(world, tmp_path):
