@@ -24,7 +24,8 @@ from eaglet.tools.status.estimates import (
 )
 from eaglet.tools.status.gather import collect, snakemake_config_args, stage_status
 from eaglet.tools.status.render import main, order_line, render
-from eaglet.tools.status.stages import STAGES, Generate, estimate, run_stages
+from eaglet.tools.status.stages import STAGES, Generate, run_stages
+from eaglet.tools.status.time_left import estimate
 
 __all__ = [
     "CHARS_PER_TOKEN",

@@ -22,7 +22,9 @@ from eaglet.core.layout import RUN_CONFIG, RUN_SNAKEMAKE
 from eaglet.core.progress import took
 from eaglet.engine.server import pid_alive
 from eaglet.tools.status.estimates import _read, process_alive
-from eaglet.tools.status.stages import Stage, estimate, run_stages
+from eaglet.tools.status.stage import Stage
+from eaglet.tools.status.stages import run_stages
+from eaglet.tools.status.time_left import estimate
 
 # -- gathering -------------------------------------------------------------------------------
 

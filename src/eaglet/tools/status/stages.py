@@ -1,21 +1,22 @@
-"""The workflow's stages as ``eaglet status`` sees them: one :class:`Stage` per stage, which
-reads what the stage left behind (outputs, its stats or manifest, its progress file) into the
-lines status prints, and estimates the time the stage still needs (:func:`estimate`) from the
-config's sizes and the rates :mod:`eaglet.tools.status.estimates` finds, scaled by this
-machine's measured speed (:func:`machine_speed`)."""
+"""The workflow's stages as ``eaglet status`` lists them: the ordered :data:`STAGES` and the
+ones a config runs (:func:`run_stages`), the stages that run a model (generate, extract,
+train, evaluate, scaling: what they left behind and the time they still need, from the
+config's sizes and the rates :mod:`eaglet.tools.status.estimates` finds), and this machine's
+measured speed that scales those plans (:func:`machine_speed`, :func:`_at_machine_speed`).
+The :class:`~eaglet.tools.status.stage.Stage` base and the stages that take a typical time
+are in :mod:`eaglet.tools.status.stage`; a stage's time left is
+:func:`eaglet.tools.status.time_left.estimate`."""
 
 from __future__ import annotations
 
 import contextlib
 import glob
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from eaglet.core import methods, rates
 from eaglet.core.config import stream_overlaps
-from eaglet.core.io import human_size
 from eaglet.core.layout import (
     ACCEPTANCE,
     DRAFTER,
@@ -28,25 +29,19 @@ from eaglet.core.layout import (
     SCALING,
     SCALING_RUNS,
     SHARD_GLOB,
-    STAGE_FILES,
-    START_RECORD,
     SYNTHETIC_STATS,
-    TARGET_JSON,
-    VOCAB_STATS,
     fraction_name,
     progress_file,
 )
-from eaglet.core.progress import format_duration
 from eaglet.engine.support import mtp_layers
 from eaglet.stages.evaluate.placement import placement, recorded_target_dir
 from eaglet.stages.evaluate.runs import HELD_OUT
 from eaglet.stages.evaluate.schedule import sweep_runs, work_plan
+from eaglet.tools.status.drafter_stats import SHIPPED_KEYS, STREAM_KEYS, _shipped_line, _stream_line
 from eaglet.tools.status.estimates import (
     BENCHMARKS,
     BENCHMARKS_ONLY,
     COMPLETION_FILL_GUESS,
-    EARLIER_RUN,
-    MEASURED_AFTER_S,
     NO_TOKENS,
     OFFLINE_REPLAY_SHARE,
     PACK_TOKENS_PER_S,
@@ -67,151 +62,15 @@ from eaglet.tools.status.estimates import (
     _token_totals,
     _train_rate,
     _training_rows,
-    measured_from_progress,
     process_alive,
 )
-
-
-class Stage:
-    """Everything status knows of one stage: the Snakemake rules that make it, the outputs
-    that show it finished, the progress files its jobs write while they run (a glob under
-    the results dir), its log, the config key of the GPUs it holds, the facts its outputs
-    record and their line in the report, and an estimate of the time it takes."""
-
-    name: str  # its entry in layout.STAGE_FILES
-    gpu_key: tuple[str, str] | None = None  # config section and key
-    note: str = ""  # what the order line says of it
-    typical_s: float | None = None
-    # share of its units done before a running stage's own ETA is trusted over its plan less
-    # the time it has run (until then its rate carries the server start and the first units)
-    settles_at: float = 0.25
-    # whether the plan of a running stage reads its progress (what the stage has decided
-    # while it runs), not only the time it has run
-    plans_from_progress: bool = False
-
-    def __init__(self) -> None:
-        files = STAGE_FILES[self.name]
-        self.rules, self.outputs, self.progress, self.log = (
-            files.rules,
-            files.outputs,
-            files.progress,
-            files.log,
-        )
-
-    def enabled(self, cfg: dict) -> bool:
-        """Whether the config's workflow has the stage (most have it always)."""
-        return True
-
-    def gpus(self, cfg: dict) -> int | None:
-        """GPUs the stage's jobs hold (None: it runs no model)."""
-        if not self.gpu_key:
-            return None
-        section, key = self.gpu_key
-        return cfg[section].get(key, 0)
-
-    def facts(self, r: Path) -> dict:
-        return {}
-
-    def read_progress(self, r: Path, path: Path) -> dict | None:
-        """One of the stage's progress files, as status shows it."""
-        return _read(path)
-
-    def line(self, f: dict) -> str:
-        return json.dumps(f)
-
-    def estimate(self, r: Path, cfg: dict, progress: dict | None) -> Estimate:
-        """Time left when the stage is not running (a running one has its own ETA)."""
-        return Estimate(self.typical_s, "typical")
-
-    def kind(self, cfg: dict) -> str | None:
-        """The kind of model work its rate measures (None: no model's)."""
-        return None
-
-    def planned_rate(self, cfg: dict, before: str | None = None) -> tuple[float | None, str]:
-        """The tokens/s its plan rests on and where it comes from; ``before``: the rates
-        history as it was then."""
-        return None, "no rate"
-
-    def rate_files(self, r: Path, cfg: dict) -> list[str]:
-        """The progress files that measure its rate."""
-        return sorted(glob.glob(str(r / self.progress))) if self.progress else []
-
-    def measured(self, r: Path, cfg: dict) -> Measurement | None:
-        """Its rate in this run, where it has worked a minute or finished."""
-        return measured_from_progress(self.rate_files(r, cfg))
-
-
-class PrepareTarget(Stage):
-    name = "prepare_target"
-
-    def facts(self, r):
-        t = _read(r / TARGET_JSON) or {}
-        return {
-            "model": t.get("spec"),
-            "layers": t.get("num_hidden_layers"),
-            "hidden_size": t.get("hidden_size"),
-            "vocab_size": t.get("vocab_size"),
-        }
-
-    def line(self, f):
-        return f"{f['model']}: {f['layers']} layers, hidden {f['hidden_size']}, vocab {f['vocab_size']}"
-
-    def estimate(self, r, cfg, progress):
-        return Estimate(40.0 if cfg["target"]["model"].startswith("embedded:") else 5.0, "typical")
-
-
-class StartDrafter(Stage):
-    """Optional (train.init_from): the published drafter a fine-tune starts from, read in its
-    own format (a hub id is downloaded first), checked against the target and converted."""
-
-    name = "start_drafter"
-    typical_s = 20.0
-
-    def enabled(self, cfg: dict) -> bool:
-        return bool(cfg.get("train", {}).get("init_from"))
-
-    def facts(self, r):
-        s = _read(r / START_RECORD) or {}
-        return {
-            "source": s.get("source"),
-            "format": s.get("format"),
-            "method": s.get("method"),
-            "from_drafter": len(s.get("from_drafter", [])),
-            "new": len(s.get("new", [])),
-        }
-
-    def line(self, f):
-        return (
-            f"{f['source']} ({f['format']}, {f['method']}): {f['from_drafter']} tensors from "
-            f"it, {f['new']} new"
-        )
-
-    def estimate(self, r, cfg, progress):
-        where = str(cfg["train"]["init_from"])
-        if Path(where).exists():
-            return Estimate(self.typical_s, "typical")
-        return Estimate(self.typical_s, "typical, and the download of a hub id not yet cached")
-
-
-class PreparePrompts(Stage):
-    name = "prepare_prompts"
-    typical_s = 10.0
-
-    def facts(self, r):
-        s = _read(r / PROMPT_STATS) or {}
-        totals = s.get("totals", {})
-        return {
-            "train_prompts": s.get("n_train"),
-            "eval_prompts": s.get("n_eval"),
-            "bad_rows": totals.get("bad"),
-            "duplicates": totals.get("duplicates"),
-        }
-
-    def line(self, f):
-        return (
-            f"{f['train_prompts']} train / {f['eval_prompts']} eval prompts, "
-            f"{f['bad_rows']} bad rows, {f['duplicates']} duplicates"
-        )
+from eaglet.tools.status.stage import (
+    PreparePrompts,
+    PrepareTarget,
+    Stage,
+    StartDrafter,
+    VocabMap,
+)
 
 
 class Generate(Stage):
@@ -289,26 +148,6 @@ class Generate(Stage):
                 text += f", then {recorded} recorded answers prefilled at {prefill:.0f} tok/s"
                 text += f" ({scaled.says('prefill')})" if scaled else ""
         return Estimate(seconds, text, speed)
-
-
-class VocabMap(Stage):
-    name = "vocab_map"
-    typical_s = 10.0
-
-    def facts(self, r):
-        s = _read(r / VOCAB_STATS) or {}
-        return {
-            "draft_vocab_size": s.get("draft_vocab_size"),
-            "coverage": s.get("coverage"),
-            "distinct_tokens": s.get("distinct_completion_tokens"),
-            "filled": s.get("filled"),
-        }
-
-    def line(self, f):
-        return (
-            f"Vd {f['draft_vocab_size']} covers {_pct(f['coverage'])} of completion tokens "
-            f"({f['distinct_tokens']} distinct)"
-        )
 
 
 class Extract(Stage):
@@ -436,93 +275,6 @@ class Extract(Stage):
             f"{left:.0f} tokens at {rate:.0f} tok/s ({basis})" + _guessed(totals),
             speed,
         )
-
-
-# what status keeps of drafter/stats.json's ``shipped`` (``eaglet.stages.train.best.Best.ship``)
-SHIPPED_KEYS = (
-    "choice",
-    "step",
-    "epoch",
-    "heldout_al",
-    "best_epoch",
-    "best_heldout_al",
-    "last_epoch",
-    "last_epoch_al",
-    "note",
-)
-
-
-def _epoch(value: Any) -> str:
-    return "?" if value is None else f"{value:g}"
-
-
-def _shipped_line(s: dict) -> str:
-    """Which epoch's weights the drafter ships and their held-out simulated AL: training
-    ships the best held-out evaluation, which on small data is often not the last, so the
-    last evaluation's AL alone would misstate the drafter that evaluate serves."""
-    if s.get("heldout_al") is None:
-        return f"ships the last epoch {_epoch(s.get('epoch'))} (no held-out split to choose by)"
-    if s.get("choice") == "best":
-        last = (
-            ""
-            if s.get("last_epoch_al") is None
-            else f"; last epoch {_epoch(s.get('last_epoch'))} had {s['last_epoch_al']:.2f}"
-        )
-        return f"ships epoch {_epoch(s.get('epoch'))} (held-out AL {s['heldout_al']:.2f}{last})"
-    best = s.get("best_heldout_al")
-    which = ", the best" if best is not None and best <= s["heldout_al"] else ""
-    return (
-        f"ships the last epoch {_epoch(s.get('epoch'))} (held-out AL {s['heldout_al']:.2f}{which})"
-    )
-
-
-# what status keeps of drafter/stats.json's ``stream`` (train_stream.StateFeed.summary)
-STREAM_KEYS = (
-    "requests",
-    "saved_files",
-    "reread_files",
-    "cache_files",
-    "cache_bytes",
-    "trainer_wait_s",
-    "trainer_wait_start_s",
-    "feed_wait_s",
-    "server_idle_s",
-    "server_start_s",
-    "window",
-    "ranks",
-    "overlap",
-)
-
-
-def _stream_line(s: dict, elapsed_s: float | None) -> str:
-    """How a streamed training got its states, and which side waited for the other: the
-    trainer for the server's states, or the feed (its window full) for the trainer."""
-    got = (
-        f"states streamed: {s.get('requests') or 0} prefill requests, "
-        f"{s.get('saved_files') or 0} saved by generation or an earlier run, "
-        f"{s.get('reread_files') or 0} read again (cache "
-        f"{s.get('cache_files') or 0} files, {human_size(s.get('cache_bytes') or 0)})"
-    )
-    start = s.get("trainer_wait_start_s")
-    if start is None:  # a run from before the feed timed the wait during the start itself
-        start = s.get("server_start_s") or 0.0
-    waited = max((s.get("trainer_wait_s") or 0.0) - start, 0.0)
-    whole = f" of {elapsed_s:.0f} s" if elapsed_s else ""
-    return (
-        f"{got}; the trainer waited {waited:.0f} s{whole} for states (besides "
-        f"{start:.0f} s while the server started), the server "
-        f"{s.get('server_idle_s') or 0:.0f} s "
-        f"with no request (the feed {s.get('feed_wait_s') or 0:.0f} s for the trainer"
-        + (f", its window of {s['window']} samples full" if s.get("window") else "")
-        + ("; the two took turns, train.stream_overlap" if s.get("overlap") is False else "")
-        + (
-            f"; {s['ranks']} training ranks, each with a feed of its own: the longest "
-            f"rank's wait, the shortest's idle time"
-            if (s.get("ranks") or 1) > 1
-            else ""
-        )
-        + ")"
-    )
 
 
 class Train(Stage):
@@ -888,70 +640,6 @@ _BY_NAME = {s.name: s for s in STAGES}
 def run_stages(cfg: dict) -> list[Stage]:
     """The stages of ``cfg``'s workflow, in its order."""
     return [s for s in STAGES if s.enabled(cfg)]
-
-
-def _grounded(planned: Estimate, kind: str | None) -> bool:
-    """Whether a plan rests on this machine's own measure of the stage's kind of work: this
-    run's speed of that kind, or an earlier run's rate here."""
-    if planned.speed is not None:
-        return planned.speed.kind == kind
-    return EARLIER_RUN in planned.basis
-
-
-def estimate(stage: str, r: Path, cfg: dict, progress: dict | None) -> Estimate:
-    """Time left of ``stage``: a running stage's own ETA once it has settled, else the
-    stage's plan (less the time it has run, while it runs)."""
-    running = bool(progress) and progress.get("state") == "running"
-    own = progress.get("eta_s") if running else None
-    spec = _BY_NAME.get(stage)
-    if own is not None:
-        done, total = progress.get("done"), progress.get("total")
-        if spec is None or not total or done is None or done / total >= spec.settles_at:
-            return Estimate(own, "this run's progress")
-        planned = spec.estimate(r, cfg, progress if spec.plans_from_progress else None)
-        if planned.seconds is None:
-            return Estimate(own, "this run's progress")
-        elapsed = progress.get("elapsed_s") or 0.0
-        if planned.seconds <= elapsed:  # the plan is spent and the stage goes on: the plan was
-            return Estimate(
-                own,
-                f"this run's progress ({done}/{total} done; its plan of "  # wrong
-                f"{format_duration(planned.seconds)} is spent)",
-            )
-        if (
-            spec.settles_at < 1.0
-            and elapsed >= MEASURED_AFTER_S
-            and not _grounded(planned, spec.kind(cfg))
-        ):
-            # a plan from another kind of work's speed (or from the reference and benchmarks
-            # alone) is a guess next to a minute of the stage's own work: a first run's
-            # training, planned by extraction's prefill speed, read 0.7 minutes left where
-            # its own 144 of 705 steps in 59 s said 3.8 (4.1 in truth)
-            return Estimate(
-                own,
-                f"this run's progress ({done}/{total} done in "
-                f"{format_duration(elapsed)}; its plan rested on "
-                f"{planned.basis})",
-            )
-        return Estimate(
-            planned.seconds - elapsed,
-            f"{planned.basis}, less the {format_duration(elapsed)} it has run "
-            f"({done}/{total} done: its own rate is not settled)",
-            planned.speed,
-        )
-    if spec is None:
-        return Estimate(None, "unknown stage")
-    planned = spec.estimate(r, cfg, progress)
-    if running and planned.seconds is not None:
-        # no rate of its own yet (nothing done: a server starting, an interleaved evaluation
-        # that finishes its runs together): the plan, less the time it has run
-        elapsed = progress.get("elapsed_s") or 0.0
-        return Estimate(
-            max(planned.seconds - elapsed, 0.0),
-            f"{planned.basis}, less the {format_duration(elapsed)} it has run",
-            planned.speed,
-        )
-    return planned
 
 
 def machine_speed(r: Path, cfg: dict) -> Machine:
