@@ -23,7 +23,7 @@ Sections, each timed on its own and skipped with a recorded reason when the run 
   packed ahead by the prefetcher in page-locked memory, copied to the device, bf16 autocast,
   7 TTT steps, loss against the teacher, backward, grad clip, AdamW, LR schedule) at the
   drafter shapes of Llama-3.1-8B (8,192 tokens a step: 4 samples of 2,048) and Kimi-K2.5
-  (2,048 tokens) of ``eaglet.tools.plan.PRESETS``, once per variant of the step: ``plain`` (the
+  (2,048 tokens) of ``eaglet.model.sizes.PRESETS``, once per variant of the step: ``plain`` (the
   autograd loss, eager kernels: the step before these optimizations), ``fused_loss``
   (``train.fused_loss``) and ``fused_loss+compile`` (``train.compile``, the GPU default), all
   from the same initial weights over the same batches, so their losses must agree within
@@ -225,7 +225,7 @@ def peak_memory_gib(device: torch.device) -> float | None:
 
 def target_config(shape: Shape) -> dict:
     """The target's config.json fields that ``DrafterConfig.from_target`` reads, with the
-    drafter layer's heads and width where plan.py gives them apart (default RoPE: the
+    drafter layer's heads and width where model/sizes.py gives them apart (default RoPE: the
     scaling variant does not change the cost)."""
     return {
         "hidden_size": shape.hidden,

@@ -8,7 +8,7 @@ The packages, bottom up (each may import only from packages below it, and from i
 - ``model`` and ``engine``, side by side (neither imports the other): the drafter, and vLLM
 - ``stages``: generate, extract, train, evaluate, scaling (never a tool; no stage imports
   another, but where ``STAGE_USES`` says why)
-- ``tools``: status, plan, the report page, plots, rehearse, the command line
+- ``tools``: status, plan (and its memory plan), the report page, plots, rehearse, the command line
 
 Every import counts, at the top of a module or inside a function: a function-level import
 runs when the function is called and closes a circle just the same (it only hides it from a
@@ -59,6 +59,7 @@ STAGE_USES = {
 TORCH_FREE = [
     "eaglet.tools.status",
     "eaglet.tools.plan",
+    "eaglet.tools.memory_plan",
     "eaglet.tools.report_page",
     "eaglet.tools.cli",
     "eaglet.core.config",

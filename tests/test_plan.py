@@ -10,20 +10,22 @@ import math
 import pytest
 import torch
 
-from eaglet.core import methods
+from eaglet.core import gpus, methods
+from eaglet.model import sizes
 from eaglet.model.config import DrafterConfig
 from eaglet.model.drafter import Eagle3Drafter, num_params
 from eaglet.model.methods import make_drafter
 from eaglet.stages.train.data import make_batch
 from eaglet.stages.train.step import batch_sums
-from eaglet.tools import plan
+from eaglet.target.checkpoint import TEACHER_CHUNK_ROWS
+from eaglet.tools import memory_plan, plan
 from eaglet.tools.cli import main as cli_main
 from tests.helpers.paths import REPO, STANDINS
 
 GIB = 2**30
 
 
-def tiny_shape(**over) -> plan.Shape:
+def tiny_shape(**over) -> sizes.Shape:
     fields = dict(
         hidden=48,
         layers=2,
@@ -35,7 +37,7 @@ def tiny_shape(**over) -> plan.Shape:
         draft_vocab=200,
     )
     fields.update(over)
-    return plan.Shape("tiny", **fields)
+    return sizes.Shape("tiny", **fields)
 
 
 # a tiny target with multi-head latent attention; v_head_dim = qk_nope + qk_rope, so that
@@ -45,11 +47,11 @@ TINY_MLA = dict(
 )
 
 
-def tiny_mla_shape(**over) -> plan.Shape:
+def tiny_mla_shape(**over) -> sizes.Shape:
     return tiny_shape(kv_heads=6, **{**TINY_MLA, "drafter_attention": "mla", **over})
 
 
-def build(s: plan.Shape, seed: int = 0) -> Eagle3Drafter:
+def build(s: sizes.Shape, seed: int = 0) -> Eagle3Drafter:
     mla = {}
     if s.mla:
         mla = dict(
@@ -94,19 +96,19 @@ def build(s: plan.Shape, seed: int = 0) -> Eagle3Drafter:
 )
 def test_drafter_parameter_formula_matches_the_model(over):
     s = tiny_shape(**over)
-    assert plan.drafter_params(s) == num_params(build(s))
+    assert sizes.drafter_params(s) == num_params(build(s))
 
 
 def test_preset_parameter_counts():
-    llama = plan.PRESETS["llama-3.1-8b"]
-    assert plan.target_params(llama) == 8_030_261_248  # Llama-3.1-8B's published count
+    llama = sizes.PRESETS["llama-3.1-8b"]
+    assert sizes.target_params(llama) == 8_030_261_248  # Llama-3.1-8B's published count
     # fc 3*4096^2 + q 8192*4096 + k,v 2*8192*1024 + o 4096^2 + MLP 3*4096*14336
     # + 4 norms 4*4096 + lm_head 4096*32000
-    assert plan.drafter_params(llama) == 424_689_664
-    kimi = plan.PRESETS["kimi-k2.5"]
+    assert sizes.drafter_params(llama) == 424_689_664
+    kimi = sizes.PRESETS["kimi-k2.5"]
     # fc 3H^2; q, k, v from 2H to 64 x 112 = H each and o_proj: 7H^2; MLP; norms; lm_head
     assert (
-        plan.drafter_params(kimi)
+        sizes.drafter_params(kimi)
         == (3 * 7168**2 + 7 * 7168**2 + 3 * 7168 * 18432 + 4 * 7168 + 7168 * 32000)
         == 1_139_568_640
     )
@@ -115,7 +117,7 @@ def test_preset_parameter_counts():
     # 128 + 64; kv_a from 2H to 512 + 64, its norm, kv_b to 64 x (128 + 128); o_proj 64 x 128
     h = 7168
     mla = 2 * h * 1536 + 1536 + 1536 * 64 * 192 + 2 * h * 576 + 512 + 512 * 64 * 256 + 64 * 128 * h
-    assert plan.drafter_params(plan.with_drafter(kimi, "mla")) == (
+    assert sizes.drafter_params(sizes.with_drafter(kimi, "mla")) == (
         3 * h * h + mla + 3 * h * 18432 + 4 * h + h * 32000
     )
     # the target: embedding and lm_head; 61 MLA layers (q_a, q_b, kv_a, kv_b, o_proj and
@@ -131,11 +133,11 @@ def test_preset_parameter_counts():
         + routed
         + h
     )
-    assert plan.target_params(kimi) == total
+    assert sizes.target_params(kimi) == total
     assert 1.0e12 < total < 1.05e12  # "1T parameters"
     # served: INT4 experts (half a byte a weight and a bfloat16 scale a group of 32), the rest
     # in bfloat16: the hub checkpoint's 554 GiB (594 GB)
-    split, whole = plan.serving_weights(kimi, "bfloat16")
+    split, whole = sizes.serving_weights(kimi, "bfloat16")
     assert split + whole == routed // 2 + routed // 32 * 2 + 2 * (total - routed)
     assert round((split + whole) / GIB) == 553 and round((split + whole) / 1e9) == 594
     # every rank holds MLA's q_a/kv_a projections, the routers and the norms whole
@@ -143,7 +145,7 @@ def test_preset_parameter_counts():
 
 
 def saved_bytes(
-    s: plan.Shape, tokens: int, steps: int, bf16: bool, attention: str, fused: bool = False
+    s: sizes.Shape, tokens: int, steps: int, bf16: bool, attention: str, fused: bool = False
 ) -> int:
     """Bytes of the tensors autograd keeps for backward in one TTT forward and loss on a
     single sample of ``tokens`` rows, parameters and buffers not counted."""
@@ -180,7 +182,7 @@ def test_activation_estimate_matches_what_autograd_keeps(bf16, attention, kind, 
     # MLA's projections keep more a row: more rows, so that the eager scores dominate again
     s, tokens, steps = (tiny_shape(), 384, 3) if kind == "llama" else (tiny_mla_shape(), 640, 3)
     # the drafter pads the fused kernel's head dim by 1 on CPU (8 on CUDA, what plan assumes)
-    device = plan.training(
+    device = memory_plan.training(
         s,
         tokens,
         tokens,
@@ -213,14 +215,14 @@ def test_activation_estimate_matches_what_autograd_keeps(bf16, attention, kind, 
 
 
 def test_llama_8b_numbers():
-    s = plan.PRESETS["llama-3.1-8b"]
-    t = plan.training(s, 8192, 8192, 7, attention="eager")["device"]
+    s = sizes.PRESETS["llama-3.1-8b"]
+    t = memory_plan.training(s, 8192, 8192, 7, attention="eager")["device"]
     scores = t["TTT attention scores [heads, n, n] float32, n = 8192"]
     # 7 steps x (32 heads x 8192^2 x (4 + 2) bytes + the 8192^2 mask + float32 output)
     assert scores == 7 * (32 * 8192**2 * 6 + 8192**2 + 8192 * 32 * 128 * 4)
     assert round(scores / GIB, 1) == 85.3
     assert t["AdamW states (2 x float32)"] == 8 * 424_689_664
-    p = plan.plan(
+    p = memory_plan.plan(
         s,
         tokens=8192,
         max_len=8192,
@@ -235,7 +237,7 @@ def test_llama_8b_numbers():
     assert p["training_device"] == p["training_device_fused_attention"]
     # the loss fused with lm_head (train.fused_loss, the default) keeps no float32 logits
     assert round(p["training_device"] / GIB, 1) == 31.7
-    unfused = plan.plan(
+    unfused = memory_plan.plan(
         s,
         tokens=8192,
         max_len=8192,
@@ -248,10 +250,10 @@ def test_llama_8b_numbers():
         fused_loss=False,
     )
     assert round(unfused["training_device"] / GIB, 1) == 41.1
-    assert plan.fits(p["training_device"])
+    assert memory_plan.fits(p["training_device"])
     assert round(p["training_device_eager_attention"] / GIB, 1) == 125.6
-    assert not plan.fits(unfused["training_device_eager_attention"])  # 135.0 GiB
-    eager = plan.plan(
+    assert not memory_plan.fits(unfused["training_device_eager_attention"])  # 135.0 GiB
+    eager = memory_plan.plan(
         s,
         tokens=8192,
         max_len=8192,
@@ -269,7 +271,7 @@ def test_llama_8b_numbers():
     # batch's final states in float32 for the teacher check
     assert round(p["extraction_device"] / GIB, 1) == 19.7
     assert p["shard_bytes_per_token"] == 8 + 1 + 8 + 4 * 4096 * 2
-    short = plan.plan(
+    short = memory_plan.plan(
         s,
         tokens=2048,
         max_len=2048,
@@ -289,9 +291,9 @@ def test_cli_prints_presets(capsys):
     assert cli_main(["plan", "--preset", "kimi-k2.5", "--max-tokens-per-batch", "8192"]) == 0
     out = capsys.readouterr().out
     assert "assumed: drafter layer, train.drafter_attention llama: 64 heads" in out
-    kimi = plan.PRESETS["kimi-k2.5"]
+    kimi = sizes.PRESETS["kimi-k2.5"]
     # the hf backend holds the whole target in bfloat16: more than one GPU
-    weights = 2 * plan.target_params(kimi)
+    weights = 2 * sizes.target_params(kimi)
     assert f"{plan.gib(weights):>11}  target weights" in out
     assert "total: does NOT fit one 141 GB GPU" in out
     assert "training (one rank, train.attention sdpa)" in out
@@ -300,10 +302,10 @@ def test_cli_prints_presets(capsys):
     assert "57,361 bytes per token (bfloat16)" in out
     # the drafter eaglet builds for train.drafter_attention llama, and the MLA one beside it
     assert (
-        f"drafter {plan.drafter_params(kimi) / 1e6:.1f}M trainable (train.drafter_attention "
+        f"drafter {sizes.drafter_params(kimi) / 1e6:.1f}M trainable (train.drafter_attention "
         f"llama, drafter_variant eagle3, method eagle3)"
     ) in out
-    mla = plan.drafter_params(plan.with_drafter(kimi, "mla"))
+    mla = sizes.drafter_params(sizes.with_drafter(kimi, "mla"))
     assert f"with train.drafter_attention mla instead: drafter {mla / 1e6:.1f}M" in out
     assert "--tokens N for N training tokens" in out  # no dataset named
     assert "one H200" in out and "one B200" in out
@@ -368,7 +370,7 @@ def test_dataset_disk_of_both_modes():
     bf16 = 8 + 1 + 8 + 4 * 40 * 2  # a shard's token: ids, mask, argmax, 4 states
     fp8 = 8 + 1 + 8 + 4 * 40 + 4 * 4  # fp8 states and a float32 scale each
     request = 4 * 40 * 4 + 8  # served in float32: 4 layers, an int64 id
-    d = plan.dataset_disk(
+    d = memory_plan.dataset_disk(
         s,
         train_tokens=train,
         heldout_tokens=heldout,
@@ -385,7 +387,7 @@ def test_dataset_disk_of_both_modes():
     # stream: the held-out shard, and the larger of its request files and the window
     assert d["stream"]["peak"] == heldout * bf16 + max(heldout, window) * request
     # generation captured every sample: all request files wait, the first shard beside them
-    c = plan.dataset_disk(
+    c = memory_plan.dataset_disk(
         s,
         train_tokens=train,
         heldout_tokens=heldout,
@@ -408,7 +410,7 @@ def test_a_held_out_split_in_shards_of_its_own_is_packed_a_shard_at_a_time():
     s = tiny_shape(hidden=40)
     request = 4 * 40 * 4 + 8
     for count, largest in ((1, 9_000), (3, 3_000), (9, 2_500)):  # 2,500: a training shard
-        d = plan.dataset_disk(
+        d = memory_plan.dataset_disk(
             s,
             train_tokens=10_000,
             heldout_tokens=9_000,
@@ -439,7 +441,7 @@ def test_request_file_bytes_are_what_the_connector_writes(tmp_path):
     )
     data = path.read_bytes()
     header = 8 + int.from_bytes(data[:8], "little")
-    assert len(data) - header == tokens * plan.request_bytes_per_token(s, "bfloat16")
+    assert len(data) - header == tokens * memory_plan.request_bytes_per_token(s, "bfloat16")
 
 
 def test_server_and_trainer_fit_together_where_the_gpu_holds_both():
@@ -464,10 +466,10 @@ def test_server_and_trainer_fit_together_where_the_gpu_holds_both():
     total = (
         2 * 500 * h + 4 * (attention + 2 * h) + 3 * h * 112 + 3 * (h * 32 * 3 + 8 * h) + routed + h
     )
-    assert plan.target_params(s) == total
+    assert sizes.target_params(s) == total
     whole = 2 * (4 * (q_a + kv_a + 2 * h) + 3 * 8 * h + h)
     split = 2 * (total - routed) - whole + routed // 2 + routed // 16 * 2
-    p = plan.plan(
+    p = memory_plan.plan(
         s,
         tokens=256,
         max_len=256,
@@ -484,18 +486,18 @@ def test_server_and_trainer_fit_together_where_the_gpu_holds_both():
     assert c["server"]["weights"] == split // ranks + whole
     # a token's cache: MLA's latent and rope key of 4 layers, and 4 captured states
     assert c["server"]["kv_cache"] == 2 * 256 * (4 * (32 + 8) * 2 + 4 * h * 2)
-    server = split // ranks + whole + c["server"]["kv_cache"] + plan.SERVER_ALLOWANCE
+    server = split // ranks + whole + c["server"]["kv_cache"] + memory_plan.SERVER_ALLOWANCE
     # a rank trains and runs the teacher check of the streamed states: the full lm_head (bf16)
     # and a chunk of rows' logits (bf16, their float32 copy, float32 log-probabilities)
-    assert c["teacher_check"] == 500 * h * 2 + plan.TEACHER_CHUNK * 500 * (2 + 4 + 4)
+    assert c["teacher_check"] == 500 * h * 2 + TEACHER_CHUNK_ROWS * 500 * (2 + 4 + 4)
     rank = p["training_device"] + c["teacher_check"]
     assert c["total"] == server + rank
     # the verdict turns where a GPU's usable share (95%) holds both, and not a byte before
-    edge = math.ceil(c["total"] / plan.GPU_USABLE)
-    verdicts = plan.colocation(server, rank, {"less": edge - 2, "enough": edge + 1})
+    edge = math.ceil(c["total"] / gpus.GPU_USABLE)
+    verdicts = memory_plan.colocation(server, rank, {"less": edge - 2, "enough": edge + 1})
     assert not verdicts["less"]["fits"] and verdicts["enough"]["fits"]
     # a configured KV cache size replaces the tokens' count
-    sized = plan.plan(
+    sized = memory_plan.plan(
         s,
         tokens=256,
         max_len=256,
@@ -542,13 +544,13 @@ def test_mla_drafter_size_is_the_model_drafter_py_builds():
     t2d = torch.zeros(500, dtype=torch.bool)
     t2d[keep] = True
     model = Eagle3Drafter(config, torch.randn(500, 64), keep - keep, t2d)
-    s = plan.shape_from_target_config(target, 100, "tiny", drafter_attention="mla")
-    assert plan.drafter_params(s) == sum(p.numel() for p in model.parameters())
+    s = sizes.shape_from_target_config(target, 100, "tiny", drafter_attention="mla")
+    assert sizes.drafter_params(s) == sum(p.numel() for p in model.parameters())
     assert (s.expert_bits, s.expert_group) == (4, 32)
-    llama = plan.shape_from_target_config(target, 100, "tiny")
-    assert plan.drafter_params(llama) == sum(p.numel() for p in build(llama).parameters())
+    llama = sizes.shape_from_target_config(target, 100, "tiny")
+    assert sizes.drafter_params(llama) == sum(p.numel() for p in build(llama).parameters())
     with pytest.raises(ValueError, match="drafter-attention llama"):
-        plan.shape_from_target_config({**target, "kv_lora_rank": None}, 100, "t", "mla")
+        sizes.shape_from_target_config({**target, "kv_lora_rank": None}, 100, "t", "mla")
 
 
 # every build of every method: the settings its record takes (refusals: test_method_records)
@@ -585,16 +587,16 @@ def test_drafter_size_counts_every_weight_of_each_method_and_variant(attention, 
     t2d[keep] = True
     layers = 2 if method == "dflash" else 1
     model = make_drafter(method, target, config, torch.randn(500, 64), keep - keep, t2d, layers)
-    s = plan.shape_from_target_config(target, 100, "tiny", attention, variant, method, layers)
-    assert plan.drafter_params(s) == num_params(model)
-    extra = plan.drafter_extra_params(s)
+    s = sizes.shape_from_target_config(target, 100, "tiny", attention, variant, method, layers)
+    assert sizes.drafter_params(s) == num_params(model)
+    extra = sizes.drafter_extra_params(s)
     assert ("fc_norm" in extra) == config.fc_norm
     assert ("mask_hidden" in extra) == (method == "peagle")
     named = {name: p.numel() for name, p in model.named_parameters()}
     assert extra.get("mask_hidden", 0) == named.get("mask_hidden", 0)
     assert extra.get("fc_norm", 0) == sum(n for k, n in named.items() if k.startswith("fc_norm."))
     # what the plan reports a run of those settings trains
-    p = plan.plan(
+    p = memory_plan.plan(
         s,
         tokens=64,
         max_len=64,
@@ -613,12 +615,12 @@ def test_drafter_size_counts_every_weight_of_each_method_and_variant(attention, 
 def test_the_plan_knows_the_settings_the_drafter_knows():
     # the plan refuses with the method's own reason what training would refuse
     with pytest.raises(ValueError, match="train.drafter_attention: llama"):
-        plan.with_drafter(plan.PRESETS["kimi-k2.5"], "mla", method="peagle")
+        sizes.with_drafter(sizes.PRESETS["kimi-k2.5"], "mla", method="peagle")
     with pytest.raises(ValueError, match="drafter_variant"):
-        plan.with_drafter(plan.PRESETS["kimi-k2.5"], "llama", variant="eagle4")
+        sizes.with_drafter(sizes.PRESETS["kimi-k2.5"], "llama", variant="eagle4")
     for attention, variant in (("mla", "eagle3"), ("llama", "eagle3.1")):
         with pytest.raises(ValueError, match="dflash"):
-            plan.with_drafter(plan.PRESETS["kimi-k2.5"], attention, variant, "dflash")
+            sizes.with_drafter(sizes.PRESETS["kimi-k2.5"], attention, variant, "dflash")
 
 
 @pytest.mark.subprocess  # plan asks vLLM in a subprocess
@@ -706,10 +708,10 @@ def test_the_stream_window_counts_every_training_ranks_feed():
     """One feed: extract.concurrency samples at their longest beside a micro-batch, at least
     twice the concurrency; of 8 ranks each feeds its share of the concurrency (2) beside a
     micro-batch of its own; train.stream_ahead is shared by the ranks."""
-    assert plan.stream_window_tokens(None, 16, 1, 8192, 8192) == 2 * 16 * 8192
-    assert plan.stream_window_tokens(None, 16, 8, 8192, 8192) == 8 * (2 + 2) * 8192
-    assert plan.stream_window_tokens(None, 16, 8, 8192, 65536) == 8 * (2 * 8192 + 65536)
-    assert plan.stream_window_tokens(12, 16, 8, 100, 65536) == 8 * 2 * 100
+    assert memory_plan.stream_window_tokens(None, 16, 1, 8192, 8192) == 2 * 16 * 8192
+    assert memory_plan.stream_window_tokens(None, 16, 8, 8192, 8192) == 8 * (2 + 2) * 8192
+    assert memory_plan.stream_window_tokens(None, 16, 8, 8192, 65536) == 8 * (2 * 8192 + 65536)
+    assert memory_plan.stream_window_tokens(12, 16, 8, 100, 65536) == 8 * 2 * 100
 
 
 def test_a_quantized_targets_weights_are_sized_as_its_format_stores_them():
@@ -722,15 +724,15 @@ def test_a_quantized_targets_weights_are_sized_as_its_format_stores_them():
 
     standin = STANDINS / "gpt-oss-20b" / "config.json"
     config = json.loads(standin.read_text())
-    mxfp4 = plan.shape_from_target_config(config, 32000, "gpt-oss-20b")
+    mxfp4 = sizes.shape_from_target_config(config, 32000, "gpt-oss-20b")
     assert mxfp4.expert_format == "mxfp4" and 20.8e9 < target_params(mxfp4) < 21e9
     served = sum(serving_weights(mxfp4, "bfloat16"))
     assert 12.5 * 2**30 < served < 13.5 * 2**30, served / 2**30
-    plain = plan.shape_from_target_config(
+    plain = sizes.shape_from_target_config(
         {k: v for k, v in config.items() if k != "quantization_config"}, 32000, "plain"
     )
     assert sum(serving_weights(plain, "bfloat16")) > 2.9 * served
-    fp8 = plan.shape_from_target_config(
+    fp8 = sizes.shape_from_target_config(
         {**config, "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
         32000,
         "fp8",

@@ -484,6 +484,6 @@ CHUNK_ELEMENTS = 1 << 26  # logits per chunk of rows (64M: 256 MB in float32)
 def default_window(concurrency: float, batch: float) -> float:
     """A feed's default window (:meth:`StateFeed.window`) in any unit, samples or tokens:
     the ``concurrency`` requests in flight beside the trainer's largest micro-batch
-    (``batch``), at least twice the requests. :func:`eaglet.tools.plan.stream_window_tokens`
+    (``batch``), at least twice the requests. :func:`eaglet.tools.memory_plan.stream_window_tokens`
     counts it in tokens."""
     return concurrency + max(concurrency, batch)

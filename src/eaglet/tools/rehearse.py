@@ -49,8 +49,9 @@ from eaglet.model.config import DrafterConfig
 from eaglet.model.sizes import shape_from_target_config
 from eaglet.stages.evaluate.offline import GREEDY_TOLERANCE, NOISE_ERRORS, within
 from eaglet.target.checkpoint import TargetError, check_run_fits, local_dir, snapshot, text_config
+from eaglet.tools.memory_plan import plan
 from eaglet.tools.miniature import SHARPEN, TEACH_BATCH, TEACH_STEPS, build
-from eaglet.tools.plan import plan, render
+from eaglet.tools.plan import render
 
 log = logging.getLogger("eaglet.tools.rehearse")
 
