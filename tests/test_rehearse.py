@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eaglet.tools import rehearse
+from eaglet.tools import rehearsal_checks, rehearse
 from eaglet.tools.miniature import LAYERS, shrink
 from tests.helpers.paths import REPO, STANDINS
 
@@ -70,7 +70,7 @@ def test_the_rehearsal_config_keeps_the_runs_settings_and_lists_what_it_scales(t
         "train.ttt_steps",
         "evaluate.offline",
     ):
-        assert rehearse._get(cfg, dotted) == rehearse._get(user, dotted), dotted
+        assert rehearsal_checks._get(cfg, dotted) == rehearsal_checks._get(user, dotted), dotted
     assert cfg["evaluate"]["num_speculative_tokens"] == [3]  # one server per k: the smallest
     assert cfg["target"]["model"] == str(tmp_path / "mini")
     assert cfg["server"]["tensor_parallel_size"] == 1 and cfg["server"]["gpus"] == 0
@@ -92,8 +92,8 @@ def test_the_real_targets_files_are_checked_against_the_runs_settings(tmp_path):
     setting, before any miniature is built."""
     user = yaml.safe_load((REPO / "configs" / "kimi-k2.5.yaml").read_text())
     user["extract"]["aux_layer_ids"] = [2, 30, 61]
-    report = rehearse.Report()
-    rehearse.check_target(STANDINS / "kimi-k2.5", user, report)
+    report = rehearsal_checks.Report()
+    rehearsal_checks.check_target(STANDINS / "kimi-k2.5", user, report)
     failed = [c for c in report.checks if c.ok is False]
     assert failed and "extract.aux_layer_ids" in failed[0].detail
     assert not report.passed
@@ -105,8 +105,8 @@ def test_the_drafters_attention_is_checked_against_the_targets(tmp_path):
     an MLA target, and P-EAGLE needs llama."""
     user = yaml.safe_load((REPO / "configs" / "qwen3-8b.yaml").read_text())
     user["train"]["drafter_attention"] = "mla"
-    report = rehearse.Report()
-    rehearse.check_target(STANDINS / "qwen3-8b", user, report)
+    report = rehearsal_checks.Report()
+    rehearsal_checks.check_target(STANDINS / "qwen3-8b", user, report)
     [drafter] = [c for c in report.checks if c.stage == "drafter"]
     assert drafter.ok is False and not report.passed
     assert "train.drafter_attention mla" in drafter.detail and "kv_lora_rank" in drafter.detail
@@ -114,22 +114,22 @@ def test_the_drafters_attention_is_checked_against_the_targets(tmp_path):
     # the memory plan still reads the target, for the drafter that can be built
     assert [c.ok for c in report.checks if c.stage == "plan"] == [True]
     user["train"]["drafter_attention"] = "llama"
-    report = rehearse.Report()
-    rehearse.check_target(STANDINS / "qwen3-8b", user, report)
+    report = rehearsal_checks.Report()
+    rehearsal_checks.check_target(STANDINS / "qwen3-8b", user, report)
     assert report.passed, report.checks
     kimi = yaml.safe_load((REPO / "configs" / "kimi-k2.5.yaml").read_text())
     for attention in ("llama", "mla"):
         kimi["train"]["drafter_attention"] = attention
-        report = rehearse.Report()
-        rehearse.check_target(STANDINS / "kimi-k2.5", kimi, report)
+        report = rehearsal_checks.Report()
+        rehearsal_checks.check_target(STANDINS / "kimi-k2.5", kimi, report)
         assert report.passed, report.checks
         assert any(
             c.stage == "drafter" and f"drafter_attention {attention}" in c.detail
             for c in report.checks
         )
     kimi["train"]["method"] = "peagle"
-    report = rehearse.Report()
-    rehearse.check_target(STANDINS / "kimi-k2.5", kimi, report)
+    report = rehearsal_checks.Report()
+    rehearsal_checks.check_target(STANDINS / "kimi-k2.5", kimi, report)
     [drafter] = [c for c in report.checks if c.stage == "drafter"]
     assert drafter.ok is False and "train.drafter_attention: llama" in drafter.fix
 
@@ -149,8 +149,8 @@ def test_a_dflash_run_is_checked_on_the_target_and_rehearsed_where_the_engine_ca
         user["train"]["method"] = "dflash"
         user["train"]["dflash_layers"] = 2
         user["train"].pop("drafter_attention", None)
-        report = rehearse.Report()
-        rehearse.check_target(STANDINS / name, user, report)
+        report = rehearsal_checks.Report()
+        rehearsal_checks.check_target(STANDINS / name, user, report)
         [drafter] = [c for c in report.checks if c.stage == "drafter"]
         assert drafter.ok and "2 Qwen3 layers" in drafter.detail, drafter.detail
         assert "DFlashDraftModel" in drafter.detail and report.passed
@@ -170,8 +170,8 @@ def test_a_dflash_run_is_checked_on_the_target_and_rehearsed_where_the_engine_ca
     for bad in ({"drafter_attention": "mla"}, {"drafter_variant": "eagle3.1"}):
         user = yaml.safe_load((REPO / "configs" / "kimi-k2.5.yaml").read_text())
         user["train"].update({"method": "dflash", **bad})
-        report = rehearse.Report()
-        rehearse.check_target(STANDINS / "kimi-k2.5", user, report)
+        report = rehearsal_checks.Report()
+        rehearsal_checks.check_target(STANDINS / "kimi-k2.5", user, report)
         [drafter] = [c for c in report.checks if c.stage == "drafter"]
         assert drafter.ok is False and "drafter_attention: llama" in drafter.fix
 
@@ -209,15 +209,15 @@ def test_a_sampled_run_is_held_to_its_drafts_exactly_and_to_its_expectation_with
         "agrees": False,
         "within_noise": True,
     }
-    ok, text, fix = rehearse.expected_line("eagle3_k3_T1", row)
+    ok, text, fix = rehearsal_checks.expected_line("eagle3_k3_T1", row)
     assert ok and fix == "" and "standard error 0.100 over 40 drafting steps" in text
-    ok, _, fix = rehearse.expected_line("eagle3_k3_T1", {**row, "within_noise": False})
+    ok, _, fix = rehearsal_checks.expected_line("eagle3_k3_T1", {**row, "within_noise": False})
     assert not ok and "another distribution" in fix
-    ok, _, fix = rehearse.expected_line(
+    ok, _, fix = rehearsal_checks.expected_line(
         "eagle3_k3_T1", {**row, "agrees": True, "matched_acceptance_length": 2.3}
     )
     assert not ok and "the drafts differ" in fix
-    assert not rehearse.expected_line("eagle3_k3_T1", {**row, "acceptance_length": None})[0]
+    assert not rehearsal_checks.expected_line("eagle3_k3_T1", {**row, "acceptance_length": None})[0]
 
 
 # `make test` rehearses the founding user's target (MLA, MoE, the multimodal wrapper, a
@@ -304,9 +304,9 @@ def test_a_streamed_run_reports_its_streamed_states_not_missing_shards(tmp_path)
     for split in ("train", "eval"):
         (results / "synthetic" / f"{split}.jsonl").write_text("")
     (results / "drafter" / "model.safetensors").write_bytes(b"")
-    report = rehearse.Report()
+    report = rehearsal_checks.Report()
     cfg = {"server": {}, "train": {"data": "stream"}}
-    rehearse.check_results(results, cfg, report)
+    rehearsal_checks.check_results(results, cfg, report)
     said = {c.stage: c.detail for c in report.checks}
     assert said["extract"] == "1 held-out shard(s) only (train.data stream)"
     assert said["train"] == (
