@@ -61,9 +61,6 @@ from eaglet.target.checkpoint import TEACHER_CHUNK_ROWS as TEACHER_CHUNK
 GiB = 2**30
 
 
-# -- parameter counts ------------------------------------------------------------------------
-
-
 # -- extraction ------------------------------------------------------------------------------
 
 
