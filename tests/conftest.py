@@ -30,9 +30,13 @@ def private_rate_history(tmp_path_factory):
 
 CLASSES = ("unit", "subprocess", "e2e", "slurm")
 
-# The standard library answers this once per process by running `uname -p`: asked here, before
-# any test, so that whichever test asks first is not counted as starting a process
+# The standard library answers this once per process by running `uname -p`, and py-cpuinfo
+# (which vLLM's reasoning parsers import) runs `file -b` on the interpreter when imported:
+# both done here, before any test, so that whichever test comes first is not counted as
+# starting a process (run alone, the template-check tests were)
 platform.processor()
+with contextlib.suppress(ImportError):
+    import cpuinfo  # noqa: F401
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects by the marks
