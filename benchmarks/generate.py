@@ -28,7 +28,8 @@ from eaglet.core.config import validate
 from eaglet.core.io import write_json
 from eaglet.data.prompts import load_source
 from eaglet.engine.server import VLLMServer, server_args
-from eaglet.stages.generate import GenerationSettings, Sampling, generate
+from eaglet.stages.generate.answers import Sampling
+from eaglet.stages.generate.run import GenerationSettings, generate
 
 OUT = Path(__file__).parent / "results"
 
@@ -106,7 +107,7 @@ def capture_cost(args) -> None:
     """Plain and capturing servers side by side, the same requests to each in turn."""
     import shutil
 
-    from eaglet.stages.generate import capture_options
+    from eaglet.stages.generate.stage import capture_options
 
     cfg, prompts, sampling = sharegpt_setup(args, memory_utilization=0.2)
     work = Path(tempfile.mkdtemp(prefix="capture-"))

@@ -1,6 +1,6 @@
 """Snakemake entry point of rule generate."""
 
-from eaglet.stages.generate import run_stage as generate_stage
+from eaglet.stages.generate.stage import run_stage as generate_stage
 from eaglet.stages.scripting import run_stage
 
 smk = snakemake  # noqa: F821 (injected by Snakemake)

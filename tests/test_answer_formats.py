@@ -106,7 +106,7 @@ def test_an_answer_cut_at_max_tokens_passes(family, cut):
 
 
 def test_a_later_turn_renders_the_earlier_answer_as_history_and_passes(family):
-    from eaglet.stages.generate import next_turn
+    from eaglet.stages.generate.answers import next_turn
 
     first = served(family, answer_ids(family))
     messages = next_turn(MESSAGES, first, "And three and three?")

@@ -17,14 +17,13 @@ import pytest
 
 from eaglet.core.io import request_path
 from eaglet.engine.client import RequestFailed
-from eaglet.stages.generate import (
+from eaglet.stages.generate.answers import Sampling, read_partial
+from eaglet.stages.generate.run import (
     GenerationSettings,
-    Sampling,
     build_messages,
     collect,
     generate,
     parse_response,
-    read_partial,
 )
 
 SAMPLING = Sampling(temperature=0.0, top_p=1.0, max_tokens=8, seed=0)
@@ -382,7 +381,7 @@ def test_a_prompt_too_long_for_the_context_is_skipped_not_sent_and_not_a_failure
 
 
 def test_too_long_check_counts_the_chat_template_tokens():
-    from eaglet.stages.generate import too_long_check
+    from eaglet.stages.generate.rendering import too_long_check
     from tests.test_template_check import PLAIN_TEMPLATE, make_tokenizer
 
     tokenizer = make_tokenizer(PLAIN_TEMPLATE)  # one token per byte
@@ -426,7 +425,7 @@ def test_recorded_answers_are_prefilled_on_the_capturing_server(server, tmp_path
     sample each, the files where extraction looks; those saved already are not sent again,
     and a server that saves nothing leaves them to extraction instead of failing."""
     from eaglet.core.config import validate
-    from eaglet.stages.generate import prefill_recorded
+    from eaglet.stages.generate.run import prefill_recorded
 
     # the generate rule's config: generation's sections only (no extract.concurrency)
     cfg = {"generate": validate({})["generate"]}
@@ -470,7 +469,7 @@ def test_top_k_and_min_p_go_with_requests_where_set_and_records_keep_them(server
     unset they are not sent (the server's generation_config default), and answers recorded
     before eaglet had them still count as made with the same settings."""
     from eaglet.core.config import validate
-    from eaglet.stages.generate import Sampling, answer_settings, made_with
+    from eaglet.stages.generate.answers import Sampling, answer_settings, made_with
 
     gen = validate({"generate": {"temperature": 0.6, "top_k": 20, "min_p": 0.05}})["generate"]
     sampling = Sampling.from_config(gen)
@@ -505,7 +504,7 @@ def test_sampled_answers_on_the_cpu_engine_are_seeded_by_the_engine(
     """vLLM's CPU engine died (CPU Generator does not use offset) when a seeded request's
     long prompt was prefilled over two steps: there the server takes generate.seed."""
     from eaglet.core.config import validate
-    from eaglet.stages.generate import engine_seeding
+    from eaglet.stages.generate.run import engine_seeding
 
     cfg = validate({"generate": {"temperature": temperature, "seed": 7}, "server": {"gpus": gpus}})
     assert engine_seeding(cfg) == (per_request, args)
@@ -544,7 +543,7 @@ def test_recorded_answers_become_samples_without_asking_any_server(tmp_path):
     passes the template check, with no server at all (server.url points nowhere)."""
     from eaglet.core.config import validate
     from eaglet.core.io import read_json, read_jsonl, write_json, write_jsonl
-    from eaglet.stages.generate import run_stage
+    from eaglet.stages.generate.stage import run_stage
     from tests.test_template_check import PLAIN_TEMPLATE, make_tokenizer
 
     tokenizer = make_tokenizer(PLAIN_TEMPLATE)
@@ -595,7 +594,7 @@ def test_recorded_answers_prompts_are_rendered_by_the_server_and_kept(server, tm
     not counted as a mismatch."""
     from eaglet.core.config import validate
     from eaglet.core.io import read_json, read_jsonl, write_json, write_jsonl
-    from eaglet.stages.generate import run_stage
+    from eaglet.stages.generate.stage import run_stage
     from tests.test_template_check import PLAIN_TEMPLATE, make_tokenizer
 
     make_tokenizer(PLAIN_TEMPLATE).save_pretrained(tmp_path / "target")
@@ -644,7 +643,7 @@ def test_rendering_on_a_capturing_server_leaves_no_states_behind(server, tmp_pat
     recorded answer's prompt too: those files are no sample's and are removed once written
     (they were left among the samples' states, for training to find)."""
     from eaglet.core.config import validate
-    from eaglet.stages.generate import render_on_server
+    from eaglet.stages.generate.rendering import render_on_server
 
     ScriptedChat.capture_dir = tmp_path / "requests"
     ScriptedChat.capture_dir.mkdir()
@@ -664,7 +663,8 @@ def test_a_template_that_raises_for_some_prompts_is_said_with_them_before_any_se
     server is asked (server.url points nowhere)."""
     from eaglet.core.config import validate
     from eaglet.core.io import write_json, write_jsonl
-    from eaglet.stages.generate import TemplateError, run_stage
+    from eaglet.stages.generate.rendering import TemplateError
+    from eaglet.stages.generate.stage import run_stage
     from tests.test_template_check import PLAIN_TEMPLATE, make_tokenizer
 
     strict = (
@@ -696,7 +696,7 @@ def test_a_template_that_raises_for_some_prompts_is_said_with_them_before_any_se
 
 
 def test_a_template_that_renders_answers_apart_from_the_prompt_is_refused():
-    from eaglet.stages.generate import dataset_record
+    from eaglet.stages.generate.rendering import dataset_record
     from tests.test_template_check import PLAIN_TEMPLATE, make_tokenizer
 
     # the generation prompt opens a "bot" turn, an answer renders as an "assistant" one
@@ -743,7 +743,7 @@ def private_modules_cache(tmp_path, monkeypatch):
 def test_a_tokenizer_shipped_as_code_loads_only_when_the_config_trusts_it(
     tmp_path, private_modules_cache
 ):
-    from eaglet.stages.generate import load_tokenizer
+    from eaglet.stages.generate.rendering import load_tokenizer
 
     path = tokenizer_shipped_as_code(tmp_path / "target")
     tokenizer = load_tokenizer(path, trust_remote_code=True)
@@ -760,7 +760,7 @@ def test_the_generate_stage_loads_the_tokenizer_with_the_targets_trust_remote_co
     need no server, so the stage runs to its end here)."""
     from eaglet.core.config import validate
     from eaglet.core.io import read_jsonl, write_json, write_jsonl
-    from eaglet.stages.generate import run_stage
+    from eaglet.stages.generate.stage import run_stage
 
     path = tokenizer_shipped_as_code(tmp_path / "target")
     write_json(tmp_path / "target.json", {"path": str(path), "spec": "t"})
@@ -795,7 +795,7 @@ def test_a_recorded_answer_after_a_prompt_that_opens_the_reasoning_round_trips()
     content; the content is the answer without it, and the sample passes the template check
     (thinking on, off, and cut at max_tokens)."""
     from eaglet.data.template_check import check_record
-    from eaglet.stages.generate import dataset_record
+    from eaglet.stages.generate.rendering import dataset_record
     from tests.test_template_check import make_kimi_tokenizer
 
     tokenizer = make_kimi_tokenizer()

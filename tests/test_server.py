@@ -677,7 +677,7 @@ def test_generation_leaves_the_recorded_answers_to_extraction_when_its_server_di
     """Prefilling recorded answers on generation's capturing server, which was killed: no
     minutes of retries, and generation goes on (extraction computes those states) with a
     warning that says the server was killed."""
-    from eaglet.stages.generate import prefill_recorded
+    from eaglet.stages.generate.run import prefill_recorded
 
     log = tmp_path / "server.log"
     with open(log, "wb") as out:

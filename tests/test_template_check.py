@@ -522,7 +522,7 @@ def kimi_conversation(
     """The records of a conversation of ``turns`` turns (generate.max_turns), each turn's
     messages built as generation builds them (generate.next_turn) from the earlier answers;
     ``answer`` is a format string of what the model emits, {n} the turn."""
-    from eaglet.stages.generate import next_turn
+    from eaglet.stages.generate.answers import next_turn
 
     records, messages = [], KIMI_MESSAGES
     for turn in range(turns):
