@@ -423,3 +423,17 @@ def test_every_module_opens_with_a_docstring_that_says_what_it_holds():
         if len(doc.split()) < 4 or doc.strip().upper().startswith("TODO"):
             thin.append(f"{module}: {doc!r}")
     assert not thin, "modules without a docstring that says what they hold:\n" + "\n".join(thin)
+
+
+MAX_MODULE_LINES = 800
+
+
+def test_no_module_is_longer_than_800_lines():
+    """A module past 800 lines holds more than one thing: split it by what its parts do (a
+    formatter run and later changes pushed four past it unnoticed until this test)."""
+    long = {
+        module: n
+        for module in sorted(module_names())
+        if (n := len(_path(PACKAGE, module).read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
