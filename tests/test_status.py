@@ -70,7 +70,7 @@ def test_a_rate_measured_at_other_settings_plans_nothing(history, tmp_path):
         )
         + "\n"
     )
-    assert status.Generate().planned_rate({**cfg, "generate": demo}) == (120.0, "an earlier run")
+    assert status.Generate().expected_rate({**cfg, "generate": demo}) == (120.0, "an earlier run")
     rates.record(
         "generate",
         target,
@@ -83,15 +83,15 @@ def test_a_rate_measured_at_other_settings_plans_nothing(history, tmp_path):
         settings=rates.generate_settings({"generate": tiny}),
         completion_tokens_per_s=19.0,
     )
-    assert status.Generate().planned_rate({**cfg, "generate": demo})[0] == pytest.approx(155.0)
-    assert status.Generate().planned_rate({**cfg, "generate": tiny})[0] == pytest.approx(19.0)
+    assert status.Generate().expected_rate({**cfg, "generate": demo})[0] == pytest.approx(155.0)
+    assert status.Generate().expected_rate({**cfg, "generate": tiny})[0] == pytest.approx(19.0)
     # at settings nothing was measured at: the entry that does not say, never another's
     other = {**cfg["generate"], "concurrency": 8}
-    assert status.Generate().planned_rate({**cfg, "generate": other})[0] == pytest.approx(120.0)
+    assert status.Generate().expected_rate({**cfg, "generate": other})[0] == pytest.approx(120.0)
     history.write_text(
         "\n".join(line for line in history.read_text().splitlines() if "settings" in line) + "\n"
     )
-    rate, basis = status.Generate().planned_rate({**cfg, "generate": other})
+    rate, basis = status.Generate().expected_rate({**cfg, "generate": other})
     assert basis == "benchmarks/results" or rate is None
 
 
@@ -254,7 +254,7 @@ def test_a_stage_starting_its_server_says_so_until_the_work_starts(tmp_path):
 
 
 def test_a_running_stage_shows_the_plan_of_work_it_wrote(tmp_path):
-    """A stage states its plan of work in its progress file when it starts (units, their kind,
+    """A stage states its estimate of work in its progress file when it starts (units, their kind,
     tokens, servers): status shows it under the stage's line, and --json carries it whole."""
     r = tmp_path / "results"
     plan = {"kind": "prefill", "servers": 1, "shards": 2, "samples": 31, "tokens": 52311}
@@ -1230,7 +1230,7 @@ def test_a_generation_twice_as_fast_as_its_benchmark_halves_the_plans_after_it(t
     assert all(e.seconds and e.speed is None for e in planned.values())
     benchmark = _bench_generate(cfg["generate"]["concurrency"])
     _worked(r, "generate", 2 * benchmark)
-    # the finished stage records its rate, as generate does: not the rate its plan assumed
+    # the finished stage records its rate, as generate does: not the rate its estimate assumed
     rates.record("generate", target, completion_tokens_per_s=2 * benchmark)
     now = {name: status.estimate(name, r, cfg, None) for name in planned}
     start = _server_start("extract_vllm", target)
@@ -1409,7 +1409,7 @@ def test_a_running_training_is_not_planned_from_its_own_new_checkpoint(tmp_path,
 
 
 def test_a_running_evaluation_is_estimated_from_the_plan_it_wrote(tmp_path, history):
-    """A started evaluation's progress carries its plan of work (evaluate.schedule.work_plan):
+    """A started evaluation's progress carries its estimate of work (evaluate.schedule.work_plan):
     status multiplies the rates by it, not by what it derives from the config. A fresh demo
     whose drafter paid at no concurrency ran no schedule check, and its status counted one to
     the end (4.5 minutes said, 2.3 left): the plan says whether the sweep chose one."""

@@ -9,8 +9,8 @@ a Snakemake that is gone may have left its lock, which status names with the com
 removes it. Remaining time comes from the sizes in the config and the rates measured by
 this run, by earlier runs (``eaglet.core.rates``) or by the benchmarks, in that order, and says
 which one it used. Those rates come from other days and machines: once a model stage of this
-run has worked for a minute (or finished), its measured rate over the rate its plan assumed is
-this machine's speed for that kind of work, and the plans of the other stages are scaled by it
+run has worked for a minute (or finished), its measured rate over the rate its estimate assumed is
+this machine's speed for that kind of work, and the estimates of the other stages are scaled by it
 (by their own kind's where measured, else by another kind's).
 """
 

@@ -66,17 +66,17 @@ def process_alive(record: dict) -> bool | None:
 class Estimate:
     seconds: float | None
     basis: str
-    speed: Speed | None = None  # this run's measurement the plan rests on, if any
+    speed: Speed | None = None  # this run's measurement the estimate rests on, if any
 
 
-# ``before`` of a plan read from the reference run or the benchmarks alone, never the rates
+# ``before`` of an estimate read from the reference run or the benchmarks alone, never the rates
 # history: the rate a speed factor is measured against (:func:`machine_speed`)
 BENCHMARKS_ONLY = "benchmarks only"
-EARLIER_RUN = "an earlier run"  # the source of a plan read from this machine's rates history
+EARLIER_RUN = "an earlier run"  # the source of an estimate read from this machine's rates history
 
 
 class Basis(str):
-    """What a plan's rate rests on, in words, and whether it was measured on this kind of
+    """What an estimate's rate rests on, in words, and whether it was measured on this kind of
     machine (``here``): such a rate is used as it is, never scaled by a speed factor."""
 
     here: bool
@@ -88,8 +88,8 @@ class Basis(str):
 
 
 def _earlier_source(entry: dict) -> Basis:
-    """Where a plan read from the rates history comes from: this machine (EARLIER_RUN), or
-    another kind of machine, which is planned as the benchmarks are (scaled by this machine's
+    """Where an estimate read from the rates history comes from: this machine (EARLIER_RUN), or
+    another kind of machine, which is estimated as the benchmarks are (scaled by this machine's
     speed)."""
     device = entry.get("device")
     if entry.get("reference"):
@@ -352,27 +352,27 @@ class Measurement:
 @dataclass
 class Speed:
     """One kind of work (``decode``, ``prefill``, ``training``) as a stage of this run did it:
-    its measured tokens/s beside the rate the benchmarks give it (``planned``; None where
+    its measured tokens/s beside the rate the benchmarks give it (``expected``; None where
     they give none). The benchmarks were measured on other machines, each at its stage's
-    own workload, so the ratio is this machine against theirs: it scales the plans read from
+    own workload, so the ratio is this machine against theirs: it scales the estimates read from
     the benchmarks. A rate from this machine's rates history is no such yardstick: a
     measurement against it mixes the day's speed with how the earlier run's workload
-    differed (a tiny test run's generation planned the next demo's at 0.7x its rate, and
-    training, planned right by an earlier demo, was then planned 1.4x too fast)."""
+    differed (a tiny test run's generation estimated the next demo's at 0.7x its rate, and
+    training, estimated right by an earlier demo, was then estimated 1.4x too fast)."""
 
     stage: str
     kind: str
     rate: float
-    planned: float | None
+    expected: float | None
     elapsed_s: float
 
     @property
     def factor(self) -> float | None:
         """How much faster this machine did the work than the benchmarks' machine."""
-        return self.rate / self.planned if self.planned else None
+        return self.rate / self.expected if self.expected else None
 
     def says(self, kind: str) -> str:
-        """How a plan of ``kind`` work scaled by this speed names it."""
+        """How an estimate of ``kind`` work scaled by this speed names it."""
         if kind == self.kind:
             return f"x{self.factor:.2f} this machine's {kind} speed measured by {self.stage}"
         return f"x{self.factor:.2f} this machine's speed from {self.stage}'s {self.kind}"
@@ -381,7 +381,7 @@ class Speed:
 @dataclass
 class Machine:
     """What this run measured of the machine it runs on. ``since``: when the first measured
-    stage started; a plan scaled by a speed reads the rates history as it was then, the
+    stage started; an estimate scaled by a speed reads the rates history as it was then, the
     history its speed was measured against (a finished stage records its own rate there,
     which would otherwise read as an earlier run's)."""
 
@@ -391,12 +391,12 @@ class Machine:
     def measured_by(self, stage: str) -> Speed | None:
         return next((s for s in self.speeds if s.stage == stage), None)
 
-    def speed(self, kind: str, planned_by: str) -> Speed | None:
-        """The speed a plan of ``kind`` work by stage ``planned_by`` is scaled by: measured by
+    def speed(self, kind: str, estimated_by: str) -> Speed | None:
+        """The speed an estimate of ``kind`` work by stage ``estimated_by`` is scaled by: measured by
         another stage (a running stage's own rate is its ETA once settled), of the same kind
         where one was measured, else of any kind; of those, the one measured over the most
         time."""
-        known = [s for s in self.speeds if s.factor and s.stage != planned_by]
+        known = [s for s in self.speeds if s.factor and s.stage != estimated_by]
         same = [s for s in known if s.kind == kind]
         return max(same or known, key=lambda s: s.elapsed_s, default=None)
 

@@ -155,8 +155,8 @@ def stage_status(stage: Stage, r: Path, cfg: dict, outdated: set[str]) -> dict:
         first = (out.get("progress") or [None])[0]
         est = estimate(stage.name, r, cfg, first if out["state"] == "running" else None)
         out["estimate_s"], out["estimate_basis"] = est.seconds, est.basis
-        # the measurement of this run the plan rests on: this machine's speed for a kind of
-        # work (the factor over the plan's rate), and the stage that measured it
+        # the measurement of this run the estimate rests on: this machine's speed for a kind of
+        # work (the factor over the estimate's rate), and the stage that measured it
         out["speed_factor"] = est.speed.factor if est.speed else None
         out["speed_kind"] = est.speed.kind if est.speed else None
         out["speed_from"] = est.speed.stage if est.speed else None

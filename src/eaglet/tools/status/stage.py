@@ -23,12 +23,12 @@ class Stage:
     gpu_key: tuple[str, str] | None = None  # config section and key
     note: str = ""  # what the order line says of it
     typical_s: float | None = None
-    # share of its units done before a running stage's own ETA is trusted over its plan less
+    # share of its units done before a running stage's own ETA is trusted over its estimate less
     # the time it has run (until then its rate carries the server start and the first units)
     settles_at: float = 0.25
-    # whether the plan of a running stage reads its progress (what the stage has decided
+    # whether the estimate of a running stage reads its progress (what the stage has decided
     # while it runs), not only the time it has run
-    plans_from_progress: bool = False
+    estimates_from_progress: bool = False
 
     def __init__(self) -> None:
         files = STAGE_FILES[self.name]
@@ -68,8 +68,8 @@ class Stage:
         """The kind of model work its rate measures (None: no model's)."""
         return None
 
-    def planned_rate(self, cfg: dict, before: str | None = None) -> tuple[float | None, str]:
-        """The tokens/s its plan rests on and where it comes from; ``before``: the rates
+    def expected_rate(self, cfg: dict, before: str | None = None) -> tuple[float | None, str]:
+        """The tokens/s its estimate rests on and where it comes from; ``before``: the rates
         history as it was then."""
         return None, "no rate"
 

@@ -2,7 +2,7 @@
 ones a config runs (:func:`run_stages`), the stages that run a model (generate, extract,
 train, evaluate, scaling: what they left behind and the time they still need, from the
 config's sizes and the rates :mod:`eaglet.tools.status.estimates` finds), and this machine's
-measured speed that scales those plans (:func:`machine_speed`, :func:`_at_machine_speed`).
+measured speed that scales those estimates (:func:`machine_speed`, :func:`_at_machine_speed`).
 The :class:`~eaglet.tools.status.stage.Stage` base and the stages that take a typical time
 are in :mod:`eaglet.tools.status.stage`; a stage's time left is
 :func:`eaglet.tools.status.time_left.estimate`."""
@@ -102,7 +102,7 @@ class Generate(Stage):
     def kind(self, cfg):
         return "decode"
 
-    def planned_rate(self, cfg, before=None):
+    def expected_rate(self, cfg, before=None):
         return _rate(
             rates.GENERATE,
             "completion_tokens_per_s",
@@ -121,7 +121,7 @@ class Generate(Stage):
         recorded = (_read(r / PROMPT_STATS) or {}).get("n_train_recorded_answers", 0)
         remaining = n_train - recorded + n_eval - (progress or {}).get("done", 0)
         rate, basis, speed = _at_machine_speed(
-            self, "decode", r, cfg, lambda before: self.planned_rate(cfg, before)
+            self, "decode", r, cfg, lambda before: self.expected_rate(cfg, before)
         )
         if rate is None:
             return Estimate(None, basis)
@@ -210,7 +210,7 @@ class Extract(Stage):
         # packing captured states reads and writes files: no model's work
         return None if cfg["generate"].get("capture_hidden_states") else "prefill"
 
-    def planned_rate(self, cfg, before=None):
+    def expected_rate(self, cfg, before=None):
         target = cfg["target"]["model"]
         if cfg["extract"]["backend"] == "vllm":
             return _rate(
@@ -256,7 +256,7 @@ class Extract(Stage):
                 + _guessed(totals),
             )
         rate, basis, speed = _at_machine_speed(
-            self, "prefill", r, cfg, lambda before: self.planned_rate(cfg, before)
+            self, "prefill", r, cfg, lambda before: self.expected_rate(cfg, before)
         )
         if tokens is None or rate is None:
             return Estimate(None, basis if totals else NO_TOKENS)
@@ -340,7 +340,7 @@ class Train(Stage):
     def kind(self, cfg):
         return "training"
 
-    def planned_rate(self, cfg, before=None):
+    def expected_rate(self, cfg, before=None):
         train = cfg["train"]
         return _train_rate(
             cfg["target"]["model"],
@@ -353,7 +353,7 @@ class Train(Stage):
     def estimate(self, r, cfg, progress):
         totals, epochs = _token_totals(r, cfg), cfg["train"]["epochs"]
         rate, basis, speed = _at_machine_speed(
-            self, "training", r, cfg, lambda before: self.planned_rate(cfg, before)
+            self, "training", r, cfg, lambda before: self.expected_rate(cfg, before)
         )
         if totals is None or rate is None:
             return Estimate(None, basis if totals else NO_TOKENS)
@@ -387,7 +387,7 @@ class Train(Stage):
         on the server's GPUs)."""
         extract = Extract()
         rate, basis, _ = _at_machine_speed(
-            extract, "prefill", r, cfg, lambda before: extract.planned_rate(cfg, before)
+            extract, "prefill", r, cfg, lambda before: extract.expected_rate(cfg, before)
         )
         if rate is None:
             return seconds, text + "; the server's prefill not estimated (" + basis + ")"
@@ -423,7 +423,7 @@ class Evaluate(Stage):
     # its units are whole engine runs of very different lengths (the target alone is the
     # fastest, the drafter at concurrency 16 the slowest): a rate per run predicts nothing
     settles_at = 1.0
-    plans_from_progress = True  # whether the sweep chose a schedule to check
+    estimates_from_progress = True  # whether the sweep chose a schedule to check
 
     def facts(self, r):
         v = (_read(r / ACCEPTANCE) or {}).get("verdict", {})
@@ -456,7 +456,7 @@ class Evaluate(Stage):
     def kind(self, cfg):
         return "decode"
 
-    def planned_rate(self, cfg, before=None):
+    def expected_rate(self, cfg, before=None):
         first = cfg["evaluate"]["concurrency"][0]
         return _rate(
             rates.EVALUATE,
@@ -491,12 +491,12 @@ class Evaluate(Stage):
         machine = machine_speed(r, cfg)
         generated = machine.measured_by("generate")
         at = cfg["evaluate"]["concurrency"][0]
-        earlier, source = self.planned_rate(cfg, machine.since)
+        earlier, source = self.expected_rate(cfg, machine.since)
         if earlier is not None and getattr(source, "here", False):
             # an earlier evaluation's own rate on this machine: generation's long answers
             # at its concurrency decode faster per request than the sweep's short ones (the
             # benchmark's curve put a demo's c=1 at 18 tok/s where its evaluation measured
-            # 13.5, and generation's 72 tok/s at 32 planned one 1.3x long)
+            # 13.5, and generation's 72 tok/s at 32 estimated one 1.3x long)
             rate, speed = earlier, None
             basis = f"decode {rate:.0f} tok/s at concurrency {at} (an earlier evaluation)"
         elif generated is not None:
@@ -506,7 +506,7 @@ class Evaluate(Stage):
             )
         else:
             rate, source, speed = _at_machine_speed(
-                self, "decode", r, cfg, lambda before: self.planned_rate(cfg, before)
+                self, "decode", r, cfg, lambda before: self.expected_rate(cfg, before)
             )
             if rate is None:
                 return None, source, None
@@ -604,7 +604,7 @@ class Scaling(Stage):
         )
         totals, train = _token_totals(r, cfg), cfg["train"]
         rate, basis, speed = _at_machine_speed(
-            self, "training", r, cfg, lambda before: Train().planned_rate(cfg, before)
+            self, "training", r, cfg, lambda before: Train().expected_rate(cfg, before)
         )
         if totals is None or rate is None:
             return Estimate(None, basis if totals else NO_TOKENS)
@@ -643,7 +643,7 @@ def run_stages(cfg: dict) -> list[Stage]:
 
 
 def machine_speed(r: Path, cfg: dict) -> Machine:
-    """This run's measurements of the machine, each beside the rate its plan assumed."""
+    """This run's measurements of the machine, each beside the rate its estimate assumed."""
     measured = []
     for stage in STAGES:
         kind = stage.kind(cfg)
@@ -655,7 +655,7 @@ def machine_speed(r: Path, cfg: dict) -> Machine:
     return Machine(
         [
             Speed(
-                stage.name, kind, m.rate, stage.planned_rate(cfg, BENCHMARKS_ONLY)[0], m.elapsed_s
+                stage.name, kind, m.rate, stage.expected_rate(cfg, BENCHMARKS_ONLY)[0], m.elapsed_s
             )
             for stage, kind, m in measured
         ],
@@ -670,7 +670,7 @@ def _at_machine_speed(
     cfg: dict,
     lookup: Callable[[str | None], tuple[float | None, str]],
 ) -> tuple[float | None, str, Speed | None]:
-    """The rate a plan of ``kind`` work by ``stage`` rests on, its basis and the speed that
+    """The rate an estimate of ``kind`` work by ``stage`` rests on, its basis and the speed that
     scaled it: ``lookup(before)``, an earlier run's rate on this machine (the rates history
     before ``before``) as it is; else the benchmarks' times this machine's speed where
     another stage of this run measured one (:class:`Speed`); else ``lookup(None)`` as it

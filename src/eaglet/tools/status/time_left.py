@@ -1,5 +1,5 @@
 """A stage's time left as ``eaglet status`` says it (:func:`estimate`): a running stage's own
-ETA once it has settled, else the stage's plan (less the time it has run), and whether a plan
+ETA once it has settled, else the stage's estimate (less the time it has run), and whether an estimate
 rests on this machine's own measure of the stage's kind of work."""
 
 from __future__ import annotations
@@ -11,17 +11,17 @@ from eaglet.tools.status.estimates import EARLIER_RUN, MEASURED_AFTER_S, Estimat
 from eaglet.tools.status.stages import _BY_NAME
 
 
-def _grounded(planned: Estimate, kind: str | None) -> bool:
-    """Whether a plan rests on this machine's own measure of the stage's kind of work: this
+def _grounded(expected: Estimate, kind: str | None) -> bool:
+    """Whether an estimate rests on this machine's own measure of the stage's kind of work: this
     run's speed of that kind, or an earlier run's rate here."""
-    if planned.speed is not None:
-        return planned.speed.kind == kind
-    return EARLIER_RUN in planned.basis
+    if expected.speed is not None:
+        return expected.speed.kind == kind
+    return EARLIER_RUN in expected.basis
 
 
 def estimate(stage: str, r: Path, cfg: dict, progress: dict | None) -> Estimate:
     """Time left of ``stage``: a running stage's own ETA once it has settled, else the
-    stage's plan (less the time it has run, while it runs)."""
+    stage's estimate (less the time it has run, while it runs)."""
     running = bool(progress) and progress.get("state") == "running"
     own = progress.get("eta_s") if running else None
     spec = _BY_NAME.get(stage)
@@ -29,47 +29,47 @@ def estimate(stage: str, r: Path, cfg: dict, progress: dict | None) -> Estimate:
         done, total = progress.get("done"), progress.get("total")
         if spec is None or not total or done is None or done / total >= spec.settles_at:
             return Estimate(own, "this run's progress")
-        planned = spec.estimate(r, cfg, progress if spec.plans_from_progress else None)
-        if planned.seconds is None:
+        expected = spec.estimate(r, cfg, progress if spec.estimates_from_progress else None)
+        if expected.seconds is None:
             return Estimate(own, "this run's progress")
         elapsed = progress.get("elapsed_s") or 0.0
-        if planned.seconds <= elapsed:  # the plan is spent and the stage goes on: the plan was
+        if expected.seconds <= elapsed:  # the estimate is spent and the stage goes on: it was
             return Estimate(
                 own,
-                f"this run's progress ({done}/{total} done; its plan of "  # wrong
-                f"{format_duration(planned.seconds)} is spent)",
+                f"this run's progress ({done}/{total} done; its estimate of "  # wrong
+                f"{format_duration(expected.seconds)} is spent)",
             )
         if (
             spec.settles_at < 1.0
             and elapsed >= MEASURED_AFTER_S
-            and not _grounded(planned, spec.kind(cfg))
+            and not _grounded(expected, spec.kind(cfg))
         ):
-            # a plan from another kind of work's speed (or from the reference and benchmarks
+            # an estimate from another kind of work's speed (or from the reference and benchmarks
             # alone) is a guess next to a minute of the stage's own work: a first run's
-            # training, planned by extraction's prefill speed, read 0.7 minutes left where
+            # training, estimated at extraction's prefill speed, read 0.7 minutes left where
             # its own 144 of 705 steps in 59 s said 3.8 (4.1 in truth)
             return Estimate(
                 own,
                 f"this run's progress ({done}/{total} done in "
-                f"{format_duration(elapsed)}; its plan rested on "
-                f"{planned.basis})",
+                f"{format_duration(elapsed)}; its estimate rested on "
+                f"{expected.basis})",
             )
         return Estimate(
-            planned.seconds - elapsed,
-            f"{planned.basis}, less the {format_duration(elapsed)} it has run "
+            expected.seconds - elapsed,
+            f"{expected.basis}, less the {format_duration(elapsed)} it has run "
             f"({done}/{total} done: its own rate is not settled)",
-            planned.speed,
+            expected.speed,
         )
     if spec is None:
         return Estimate(None, "unknown stage")
-    planned = spec.estimate(r, cfg, progress)
-    if running and planned.seconds is not None:
+    expected = spec.estimate(r, cfg, progress)
+    if running and expected.seconds is not None:
         # no rate of its own yet (nothing done: a server starting, an interleaved evaluation
-        # that finishes its runs together): the plan, less the time it has run
+        # that finishes its runs together): the estimate, less the time it has run
         elapsed = progress.get("elapsed_s") or 0.0
         return Estimate(
-            max(planned.seconds - elapsed, 0.0),
-            f"{planned.basis}, less the {format_duration(elapsed)} it has run",
-            planned.speed,
+            max(expected.seconds - elapsed, 0.0),
+            f"{expected.basis}, less the {format_duration(elapsed)} it has run",
+            expected.speed,
         )
-    return planned
+    return expected
