@@ -24,9 +24,11 @@ import argparse
 import hashlib
 import json
 import os
+import platform
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -165,6 +167,11 @@ def main() -> int:
     same = [n for n, (before, now) in pairs.items() if before[0] == now[0]]
     same_bytes = [n for n, (before, now) in pairs.items() if before[1] == now[1]]
     lines = [
+        f"> Date: {time.strftime('%Y-%m-%d')}. Commit: {commit(HERE)}.  ",
+        f"> Machine: {platform.machine()} ({os.cpu_count()} cores, CPU only).  ",
+        f"> Command: `python benchmarks/same_outputs.py --before {args.before}"
+        + (f" --out {args.out}`" if args.out else "`"),
+        "",
         f"The tiny config (extract.backend hf) through training, before "
         f"({commit(args.before.resolve())}) and now ({commit(HERE)}): "
         f"{len(same)} of {len(names)} outputs hold the same content, {len(same_bytes)} "
