@@ -167,14 +167,15 @@ def work_plan(ev: dict, runs: int, replays: int, together: bool, set_sizes: dict
     (:func:`sweep_runs`), side by side or not (``together``: evaluate.placement), ``replays``
     offline replays, and the prompts each set holds (``set_sizes``: name -> count). The
     derived k schedule is checked in a run of its own unless there is nothing to check (one
-    concurrency, or evaluate.schedule off): ``schedule_check`` is None until the sweep has
-    chosen (then whether it chose one), and that check costs ``schedule_check_runs`` (side by
-    side it is measured beside the target alone once more)."""
+    concurrency, or evaluate.schedule off: ``schedule_to_check`` false): ``schedule_check``
+    is None until the sweep has chosen (then whether it chose one), and that check costs
+    ``schedule_check_runs`` (side by side it is measured beside the target alone once more)."""
     can_check = bool(ev["schedule"]) and len(ev["concurrency"]) > 1
     return {
         "engine_runs": runs,
         "side_by_side": together,
         "offline_replays": replays,
+        "schedule_to_check": can_check,
         "schedule_check": None if can_check else False,
         "schedule_check_runs": 2 if together else 1,
         "prompt_sets": dict(set_sizes),

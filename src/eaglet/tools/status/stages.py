@@ -552,13 +552,15 @@ class Evaluate(Stage):
         else:
             starts = runs * start
         seconds = starts + runs * measure + OFFLINE_REPLAY_SHARE * replays * (start + measure)
-        schedule = {
-            None: " (the schedule's check counted until the sweep has chosen)",
-            True: " (the sweep chose a schedule to check)",
-            False: " (the sweep chose no schedule to check)",
-        }[work["schedule_check"]]
-        if not (ev["schedule"] and len(ev["concurrency"]) > 1):
-            schedule = ""
+        schedule = (
+            {
+                None: " (the schedule's check counted until the sweep has chosen)",
+                True: " (the sweep chose a schedule to check)",
+                False: " (the sweep chose no schedule to check)",
+            }[work["schedule_check"]]
+            if work["schedule_to_check"]
+            else ""
+        )
         return Estimate(
             seconds,
             f"{runs} vLLM runs {'side by side' if together else 'one at a time'}"
