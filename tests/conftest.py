@@ -30,13 +30,17 @@ def private_rate_history(tmp_path_factory):
 
 CLASSES = ("unit", "subprocess", "e2e", "slurm")
 
-# The standard library answers this once per process by running `uname -p`, and py-cpuinfo
-# (which vLLM's reasoning parsers import) runs `file -b` on the interpreter when imported:
-# both done here, before any test, so that whichever test comes first is not counted as
-# starting a process (run alone, the template-check tests were)
+# The standard library answers this once per process by running `uname -p`, py-cpuinfo
+# (which vLLM's reasoning parsers import) runs `file -b` on the interpreter when imported, and
+# matplotlib's font manager runs `fc-list` on a machine without its font cache yet (a fresh
+# one): all done here, before any test, so that whichever test comes first is not counted as
+# starting a process (run alone, the template-check tests were; on a fresh machine, the
+# first test to draw a figure)
 platform.processor()
 with contextlib.suppress(ImportError):
     import cpuinfo  # noqa: F401
+with contextlib.suppress(ImportError):
+    import matplotlib.font_manager  # noqa: F401
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects by the marks
