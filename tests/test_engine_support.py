@@ -210,3 +210,137 @@ def test_the_workflows_first_stage_refuses_it_before_any_server(tmp_path):
     assert "cannot serve EAGLE-3 drafters" in log and "Glm4MoeForCausalLM" in log, log
     assert not (tmp_path / "results" / "target" / "target.json").exists()
     assert not list((tmp_path / "results" / "logs").glob("*server*"))
+
+
+# -- the target's own MTP layers: served only where the checkpoint holds them -----------------
+
+DEEPSEEK_MTP = {"architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 8}
+
+
+def checkpoint(tmp_path: Path, config: dict, names: list[str] | None) -> Path:
+    """A target directory with ``config`` and a safetensors index naming ``names`` (none:
+    config files alone)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    if names is not None:
+        index = {"weight_map": {name: "model-00001.safetensors" for name in names}}
+        (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "config, names, held",
+    [
+        # DeepSeek-V3 and GLM-4.5: MTP layer i is decoder layer num_hidden_layers + i
+        ({**DEEPSEEK_MTP, "num_nextn_predict_layers": 1}, ["model.layers.8.eh_proj.weight"], 1),
+        ({**DEEPSEEK_MTP, "num_nextn_predict_layers": 1}, ["model.layers.7.mlp.weight"], 0),
+        # a wrapper's language model: its layers under the wrapper's container
+        (
+            {"text_config": {**DEEPSEEK_MTP, "num_nextn_predict_layers": 2}},
+            ["language_model.model.layers.8.enorm.weight"],
+            1,
+        ),
+        # Qwen3.5 and MiMo: an mtp container of their own
+        ({"num_hidden_layers": 8, "mtp_num_hidden_layers": 1}, ["mtp.fc.weight"], 1),
+        (
+            {"num_hidden_layers": 8, "num_nextn_predict_layers": 1},
+            ["model.mtp_layers.0.norm.weight"],
+            1,
+        ),
+    ],
+)
+def test_the_mtp_layers_a_checkpoint_holds_are_read_where_vllm_reads_them(config, names, held):
+    assert support.mtp_layers_held(config, ["model.embed_tokens.weight", *names]) == held
+
+
+def test_an_mtp_baseline_is_served_only_where_the_checkpoint_holds_its_weights(tmp_path):
+    config = {**DEEPSEEK_MTP, "num_nextn_predict_layers": 1}
+    held = checkpoint(tmp_path / "held", config, ["model.layers.8.eh_proj.weight"])
+    assert support.mtp_served(held) == (1, None)
+    assert support.mtp_note(held)[0] is True
+    assert "measures vLLM's mtp at k 1" in support.mtp_note(held)[1]
+    # a quantized release that dropped them: none served, and the reason says so
+    dropped = checkpoint(tmp_path / "dropped", config, ["model.layers.7.mlp.weight"])
+    served, why = support.mtp_served(dropped)
+    assert served == 0 and "the checkpoint holds no MTP weights" in why
+    assert support.mtp_note(dropped) == (
+        None,
+        f"{why}; the evaluation reports its mtp baseline as not measured",
+    )
+    # config files alone: the declaration stands until the weights say otherwise
+    files = checkpoint(tmp_path / "files", config, None)
+    assert support.mtp_served(files) == (1, None)
+    assert support.mtp_note(files)[0] is None
+    # nothing declared: nothing to say
+    assert support.mtp_note(checkpoint(tmp_path / "none", DEEPSEEK_MTP, None)) is None
+
+
+# -- Mistral's own format: vLLM's Mistral mode takes no chat_template_kwargs -------------------
+
+
+def mistral_files(tmp_path: Path, *names: str) -> Path:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MistralForCausalLM"]}))
+    for name in names:
+        (tmp_path / name).write_text("{}")
+    return tmp_path
+
+
+def test_vllms_mistral_mode_is_decided_by_its_own_rule(tmp_path):
+    # consolidated weights beside a Mistral tokenizer: Mistral mode
+    assert support.mistral_mode(
+        mistral_files(tmp_path / "a", "params.json", "tekken.json", "consolidated.safetensors")
+    )
+    assert support.mistral_mode(
+        mistral_files(tmp_path / "b", "tokenizer.model.v3", "consolidated-00001.safetensors")
+    )
+    # HF weights, or no Mistral tokenizer: HF mode
+    assert (
+        support.mistral_mode(mistral_files(tmp_path / "c", "tekken.json", "model.safetensors"))
+        is False
+    )
+    assert support.mistral_mode(mistral_files(tmp_path / "d", "consolidated.safetensors")) is False
+    # Mistral's format with no weights to decide by (config files alone)
+    assert support.mistral_mode(mistral_files(tmp_path / "e", "params.json", "tekken.json")) is None
+
+
+def test_chat_template_kwargs_on_a_mistral_mode_target_are_refused_with_the_fix(tmp_path):
+    files = mistral_files(tmp_path / "m", "params.json", "tekken.json")
+    kwargs = {"enable_thinking": True}
+    refused = support.template_kwargs_refusal(files, kwargs)
+    assert "refuses every request that carries chat_template_kwargs" in refused
+    assert "Remove generate.chat_template_kwargs" in refused
+    assert support.template_kwargs_refusal(files, None) is None
+    hf = mistral_files(tmp_path / "hf", "tokenizer.json", "model.safetensors")
+    assert support.template_kwargs_refusal(hf, kwargs) is None
+
+
+def mistral_config(tmp_path: Path) -> Path:
+    files = mistral_files(tmp_path / "target", "params.json", "tekken.json")
+    user = {
+        "target": {"model": str(files)},
+        "generate": {"chat_template_kwargs": {"enable_thinking": True}},
+        "results_dir": str(tmp_path / "results"),
+    }
+    path = tmp_path / "mistral.yaml"
+    path.write_text(yaml.safe_dump(user))
+    return path
+
+
+def test_plan_refuses_chat_template_kwargs_for_a_mistral_mode_target(tmp_path, capsys):
+    assert plan.main(["--configfile", str(mistral_config(tmp_path))]) == 2
+    err = capsys.readouterr().err
+    assert "chat_template_kwargs" in err and "Mistral mode" in err, err
+
+
+def test_rehearse_refuses_chat_template_kwargs_for_a_mistral_mode_target(tmp_path, capsys):
+    config = mistral_config(tmp_path)
+    out = tmp_path / "out"
+    code = rehearse.main(
+        ["--configfile", str(config), "--target-files", str(tmp_path / "target"), "--out", str(out)]
+    )
+    result = json.loads((out / "rehearsal.json").read_text())
+    failed = [c for c in result["checks"] if c["ok"] is False]
+    assert code == 1 and [c["stage"] for c in failed] == ["serving"], failed
+    assert "mistral_common" in failed[0]["detail"]
+    assert not (out / "miniature").exists() and not (out / "results").exists()

@@ -148,7 +148,7 @@ def test_speculative_servers_are_asked_for_each_answers_own_counts(monkeypatch, 
         return Server()
 
     monkeypatch.setattr(evaluate, "target_server", server)
-    monkeypatch.setattr(evaluate, "start_together", lambda servers: None)
+    monkeypatch.setattr(evaluate, "start_together", lambda servers, may_fail=(): {})
     with contextlib.ExitStack() as stack:
         evaluate._start(validate({}), "target", [(stack, run) for run in RUNS], str(tmp_path))
     # vLLM refuses the flag without a speculative config
@@ -461,7 +461,7 @@ class DriftingMachine:
     def __init__(self, cost: dict[str, float]):
         self.cost, self.clock_s, self.calls = cost, 0.0, []
 
-    def start(self, cfg, target_path, placed, log_dir):
+    def start(self, cfg, target_path, placed, log_dir, unmeasured=None):
         runs = [run for _, run in placed]
         self.started_with = getattr(self, "started_with", []) + [cfg["server"]] * len(runs)
         return {run["name"]: run["name"] for run in runs}
@@ -514,9 +514,9 @@ def priced_machine(monkeypatch, per_token: dict) -> DriftingMachine:
             self.cost = {name: costs[concurrency] for name, costs in per_token.items()}
             return super().measure(url, prompts, ev, concurrency, template_kwargs, temperature)
 
-        def start(self, cfg, target_path, placed, log_dir):
+        def start(self, cfg, target_path, placed, log_dir, unmeasured=None):
             self.started = getattr(self, "started", []) + [[run["name"] for _, run in placed]]
-            return super().start(cfg, target_path, placed, log_dir)
+            return super().start(cfg, target_path, placed, log_dir, unmeasured)
 
     machine = Machine({})
     monkeypatch.setattr(evaluate, "_start", machine.start)
@@ -607,7 +607,7 @@ def test_the_stage_says_it_runs_while_its_first_servers_start(monkeypatch, tmp_p
     seen = []
     start = machine.start
 
-    def starting(cfg, target_path, placed, log_dir):
+    def starting(cfg, target_path, placed, log_dir, unmeasured=None):
         seen.append(read_json(tmp_path / "progress.json"))
         return start(cfg, target_path, placed, log_dir)
 
@@ -762,6 +762,80 @@ def test_a_drafter_vllm_refuses_is_named_and_every_server_started_with_it_stops(
         text = Path(evaluate.server_log(str(tmp_path), run)).read_text()
         pid = int(re.search(r"health server pid (\d+)", text).group(1))
         assert not pid_alive(pid), run["name"]
+
+
+@pytest.mark.subprocess
+def test_a_baseline_vllm_cannot_serve_is_not_measured_and_the_drafters_servers_go_on(
+    monkeypatch, tmp_path
+):
+    """vLLM's own speculation (here its MTP layers, whose weights the checkpoint lacks) is a
+    baseline to compare with: where its server cannot start, the run is recorded as not
+    measured with the cause from its log, and the target alone and the drafter serve on."""
+    import contextlib
+    from pathlib import Path
+
+    from eaglet.core.config import validate
+    from eaglet.engine.server import VLLMServer
+    from eaglet.stages.evaluate import stage as evaluate
+
+    cause = "ValueError: MTP speculative decoding layer 8 weights missing from checkpoint."
+    behaviour = {
+        "baseline": ["--ready-after", "0.5"],
+        "mtp_k1": ["--ready-after", "1000", "--crash-after", "0.3", "--crash-message", cause],
+        "eagle3_k3": ["--ready-after", "0.5"],
+    }
+
+    def health_server(cfg, model, log_path, extra_args=()):
+        name = Path(log_path).name.split(".")[1]  # evaluate.<run>.server.log
+        return VLLMServer(
+            model=model,
+            log_path=log_path,
+            args=behaviour[name],
+            module="tests.helpers.health_server",
+            env=pythonpath_env(REPO),
+            startup_timeout_s=10,
+            shutdown_grace_s=0.5,
+        )
+
+    monkeypatch.setattr(evaluate, "target_server", health_server)
+    cfg = validate({"evaluate": {"concurrency": [1], "interleave": True}})
+    runs = [
+        {"name": "baseline", "method": "baseline"},
+        {"name": "mtp_k1", "method": "mtp", "k": 1},
+        {"name": "eagle3_k3", "method": "eagle3", "k": 3, "drafter": "drafter"},
+    ]
+    unmeasured: list[dict] = []
+    with contextlib.ExitStack() as stack:
+        urls = evaluate._start(
+            cfg, "target", [(stack, run) for run in runs], str(tmp_path), unmeasured
+        )
+        assert sorted(urls) == ["baseline", "eagle3_k3"]
+    assert [(u["name"], u["method"], u["k"]) for u in unmeasured] == [("mtp_k1", "mtp", 1)]
+    assert "weights missing from checkpoint" in unmeasured[0]["reason"], unmeasured
+    assert "evaluate.mtp_k1.server.log" in unmeasured[0]["reason"]
+    # without a list to report in (the benchmarks' callers), any failure fails as before
+    with pytest.raises(evaluate.EvaluationError, match="mtp_k1: vLLM did not start"):
+        with contextlib.ExitStack() as stack:
+            evaluate._start(cfg, "target", [(stack, run) for run in runs], str(tmp_path))
+    # a drafter vLLM refuses fails the stage whatever the list
+    behaviour["mtp_k1"], behaviour["eagle3_k3"] = behaviour["eagle3_k3"], behaviour["mtp_k1"]
+    with pytest.raises(evaluate.EvaluationError, match="eagle3_k3: vLLM refused the drafter"):
+        with contextlib.ExitStack() as stack:
+            evaluate._start(cfg, "target", [(stack, run) for run in runs], str(tmp_path), [])
+
+
+def test_the_verdict_comes_out_and_names_a_baseline_that_was_not_measured():
+    from eaglet.stages.evaluate.runs import not_measured
+
+    runs = judged(
+        run("baseline", "baseline", same(10.0, 80.0)),
+        run("eagle3_k3", "eagle3", same(13.0, 88.0), 2.5, 0.5, 3),
+    )
+    why = "the checkpoint holds no MTP weights"
+    v = verdict(runs, SWEEP, None, [not_measured({"name": "mtp_k1", "method": "mtp", "k": 1}, why)])
+    assert v["not_measured"] == {"mtp_k1": why}
+    assert v["summary"].endswith(f"mtp_k1 not measured: {why}.")
+    assert v["speeds_up_serving"] == {"1": True, "16": True}
 
 
 # -- servers side by side only where they fit ------------------------------------------------

@@ -134,7 +134,7 @@ def test_the_servers_of_a_peagle_drafter_start_with_parallel_drafting(
         return Server()
 
     monkeypatch.setattr(evaluate, "target_server", server)
-    monkeypatch.setattr(evaluate, "start_together", lambda servers: None)
+    monkeypatch.setattr(evaluate, "start_together", lambda servers, may_fail=(): {})
     plan, _ = evaluate.sweep_runs(validate({})["evaluate"], drafters["peagle"])
     with contextlib.ExitStack() as stack:
         evaluate._start(validate({}), "target", [(stack, r) for r in plan], str(tmp_path))

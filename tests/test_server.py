@@ -394,6 +394,25 @@ def test_a_server_that_fails_to_start_stops_those_started_with_it(make_server, t
         assert not pid_alive(logged_server_pid(tmp_path / f"{name}.log"))
 
 
+def test_a_server_that_may_fail_is_returned_and_the_others_serve_on(make_server, tmp_path):
+    servers = [
+        make_server("--ready-after", "0.5", log_path=tmp_path / "ok.log"),
+        make_server(
+            "--ready-after", "1000", "--crash-after", "0.2", log_path=tmp_path / "crash.log"
+        ),
+        make_server("--ready-after", "0.5", log_path=tmp_path / "after.log"),
+    ]
+    with contextlib.ExitStack() as stack:
+        failed = start_together([(stack, server) for server in servers], may_fail={1})
+        assert list(failed) == [1] and "exited (exit code 3)" in str(failed[1])
+        # the one before it and the one after it serve; the failed one is stopped
+        assert servers[0].healthy() and servers[2].healthy()
+        assert servers[1].proc is None
+        assert not pid_alive(logged_server_pid(tmp_path / "crash.log"))
+    for server in servers:
+        assert server.proc is None
+
+
 # -- signals to the process that owns the server ---------------------------------------------
 
 DRIVER = textwrap.dedent("""

@@ -324,25 +324,34 @@ class VLLMServer:
             _restore_handlers(self._previous)
 
 
-def start_together(placed: list[tuple[contextlib.ExitStack, VLLMServer]]) -> None:
+def start_together(
+    placed: list[tuple[contextlib.ExitStack, VLLMServer]], may_fail: Collection[int] = ()
+) -> dict[int, ServerError]:
     """Start several servers at once, each entered into the stack beside it (stopped when
     that stack closes): every process is launched first, each on its own port, so that their
     start-ups overlap (on a CPU host most of a start is one core's work), then each is waited
-    for in turn. When one fails to start, those launched but not yet in their stack are
-    stopped before the error goes on."""
-    entered = 0
+    for in turn. A server whose index is in ``may_fail`` and that fails to start is stopped and
+    its error returned (index -> error) while the others go on; when any other fails, those
+    launched but not yet in their stack are stopped before the error goes on."""
+    entered, failed = 0, {}
     try:
         taken: set[int] = set()
         for _, server in placed:
             server.launch(taken)
             taken.add(server.port)
-        for stack, server in placed:
-            stack.enter_context(server)
+        for index, (stack, server) in enumerate(placed):
+            try:
+                stack.enter_context(server)  # a server that fails to start stops itself
+            except ServerError as error:
+                if index not in may_fail:
+                    raise
+                failed[index] = error
             entered += 1
     except BaseException:
         for _, server in placed[entered:]:
             server.stop()
         raise
+    return failed
 
 
 def _signal_group(pgid: int, sig: int) -> None:

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import subprocess
 import sys
 from collections.abc import Iterable
 from pathlib import Path
 
 from eaglet.core.methods import SPECULATIONS
-from eaglet.target.checkpoint import text_config
+from eaglet.target.checkpoint import LAYOUTS, text_config, weight_map
 
 log = logging.getLogger("eaglet.engine.support")
 
@@ -56,6 +57,92 @@ def mtp_layers(config: dict) -> int:
             if isinstance(part.get(key), int) and part[key] > 0:
                 return part[key]
     return 0
+
+
+# where a checkpoint keeps MTP layers that sit in no decoder-layer container: a container of
+# their own (Qwen3.5's and Qwen3-Next's ``mtp.``, MiMo's ``model.mtp_layers.``)
+MTP_CONTAINER = re.compile(r"(^|\.)mtp(_layers)?\.")
+# decoder-layer containers vLLM's MTP loaders look for layer num_hidden_layers + i in
+# (models/utils.py, get_spec_layer_idx_from_weight_name), and every layout eaglet reads
+LAYER_CONTAINERS = tuple(
+    dict.fromkeys(
+        ["model.layers.", "layers.", "model.language_model.layers."]
+        + [c for layout in LAYOUTS for c in layout.containers]
+    )
+)
+
+
+def mtp_layers_held(config: dict, names: Iterable[str]) -> int:
+    """How many of the MTP layers ``config`` declares the checkpoint's tensor ``names`` hold,
+    by where vLLM's MTP loaders read them: a declared layer i is held where a decoder-layer
+    container has layer num_hidden_layers + i (DeepSeek-V3, GLM-4.5), and every declared layer
+    where a name is in an MTP container of its own (Qwen3.5, MiMo)."""
+    declared = mtp_layers(config)
+    base = text_config(config).get("num_hidden_layers")
+    held: set[int] = set()
+    for name in names:
+        if MTP_CONTAINER.search(name):
+            return declared
+        if isinstance(base, int):
+            for container in LAYER_CONTAINERS:
+                if name.startswith(container):
+                    head = name[len(container) :].split(".", 1)[0]
+                    if head.isdigit() and base <= int(head) < base + declared:
+                        held.add(int(head))
+    return len(held)
+
+
+def mtp_served(target_dir: str | Path) -> tuple[int, str | None]:
+    """The MTP layers vLLM can serve of the target in ``target_dir`` (the k of its ``mtp``
+    baseline; 0: none) and, where its config declares layers its checkpoint does not hold,
+    why none are served. vLLM refuses ``method: mtp`` at load then ("MTP speculative decoding
+    layer N weights missing from checkpoint"), as it does for quantized releases that dropped
+    them. Where the directory names no tensors (config files alone), the declaration stands."""
+    path = Path(target_dir) / "config.json"
+    if not path.is_file():
+        return 0, None
+    config = json.loads(path.read_text())
+    declared = mtp_layers(config)
+    names = weight_map(target_dir) if declared else None
+    if names is None:
+        return declared, None
+    held = mtp_layers_held(config, names)
+    if held == declared:
+        return declared, None
+    return 0, (
+        f"the checkpoint holds no MTP weights: its config declares {declared} MTP layer(s), "
+        f"its tensors hold {held} (vLLM refuses method mtp at load: 'MTP speculative decoding "
+        f"layer weights missing from checkpoint'; quantized releases often drop them)"
+    )
+
+
+def mtp_note(target_dir: str | Path, evaluated: bool = True) -> tuple[bool | None, str] | None:
+    """What the target's files say of its MTP baseline, for `eaglet plan` and `eaglet
+    rehearse` to say up front: (True, ...) where the checkpoint holds the layers its config
+    declares (the evaluation measures vLLM's ``mtp`` beside the drafter), (None, ...) where
+    it lacks them (that run is not measured, and the drafter's verdict comes out all the
+    same) or where these files name no tensor (config files alone: the evaluation reads the
+    weights); None where no layers are declared. ``evaluated``: whether evaluate.mtp
+    measures the baseline at all."""
+    path = Path(target_dir) / "config.json"
+    declared = mtp_layers(json.loads(path.read_text())) if path.is_file() else 0
+    if not declared:
+        return None
+    said = f"the target's config declares {declared} multi-token-prediction layer(s)"
+    served, missing = mtp_served(target_dir)
+    if missing:
+        return None, f"{missing}; the evaluation reports its mtp baseline as not measured"
+    if weight_map(target_dir) is None:
+        return None, (
+            f"{said}; these files name no tensor (no model.safetensors.index.json), so "
+            f"whether the checkpoint holds their weights is read from the weights at evaluation"
+        )
+    then = (
+        f"the evaluation measures vLLM's mtp at k {served} beside the drafter"
+        if evaluated
+        else "evaluate.mtp is off, so the evaluation does not measure them"
+    )
+    return True, f"{said} and its checkpoint holds their weights: {then}"
 
 
 def uses_mla(config: dict) -> bool:
@@ -223,6 +310,54 @@ def alternatives(answers: dict) -> list[str]:
         '"ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}\')'
     )
     return out
+
+
+# vLLM serves a repository in its Mistral mode (tokenizer, config and load format ``mistral``,
+# prompts rendered by mistral_common) where its weights are consolidated*.safetensors and a
+# Mistral tokenizer file is there (tokenizers/registry.py, transformers_utils/repo_utils.py)
+MISTRAL_WEIGHTS = "consolidated*.safetensors"
+MISTRAL_TOKENIZERS = ("tekken.json", "tokenizer.model.v*")
+MISTRAL_CONFIG = "params.json"
+
+
+def mistral_mode(target_dir: str | Path) -> bool | None:
+    """Whether vLLM serves the target in ``target_dir`` in its Mistral mode, by vLLM's rule
+    (:data:`MISTRAL_WEIGHTS` beside one of :data:`MISTRAL_TOKENIZERS`). None where the
+    directory holds Mistral's format (``params.json`` and its tokenizer) but no weights to
+    decide by (config files alone): such a repository ships its weights consolidated."""
+    directory = Path(target_dir)
+    if not any(any(directory.glob(p)) for p in MISTRAL_TOKENIZERS):
+        return False
+    if any(directory.glob(MISTRAL_WEIGHTS)):
+        return True
+    if any(directory.glob("*.safetensors")) or not (directory / MISTRAL_CONFIG).is_file():
+        return False
+    return None
+
+
+def template_kwargs_refusal(target_dir: str | Path, template_kwargs: dict | None) -> str | None:
+    """Why generate.chat_template_kwargs cannot be sent to this target, or None: vLLM's
+    Mistral mode renders prompts with mistral_common, which takes no template variables, and
+    refuses every request that carries them (tokenizers/mistral.py, validate_request_params),
+    so generation and evaluation would fail at their first request."""
+    if not template_kwargs:
+        return None
+    mode = mistral_mode(target_dir)
+    if mode is False:
+        return None
+    served = (
+        "is served by vLLM in its Mistral mode"
+        if mode
+        else f"is in Mistral's format ({MISTRAL_CONFIG} and {' or '.join(MISTRAL_TOKENIZERS)}), "
+        f"which vLLM serves in its Mistral mode from its {MISTRAL_WEIGHTS} weights"
+    )
+    return (
+        f"generate.chat_template_kwargs {json.dumps(template_kwargs)} cannot be sent: the "
+        f"target {served}, where prompts are rendered by mistral_common (no chat template) "
+        f"and vLLM refuses every request that carries chat_template_kwargs. Remove "
+        f"generate.chat_template_kwargs (the model's own format, its system prompt included, "
+        f"decides how it reasons)"
+    )
 
 
 def refusal(answers: dict, method: str, target: str) -> str | None:

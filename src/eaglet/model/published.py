@@ -28,7 +28,7 @@ from pathlib import Path
 from eaglet.core import methods
 from eaglet.core.io import read_json
 from eaglet.model.config import MLA_FIELDS, NORM_FLAGS, norm_flags
-from eaglet.model.sizes import safetensors_tensors
+from eaglet.target.checkpoint import safetensors_tensors
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 # tensors a published EAGLE-3 checkpoint may hold that are not the drafter's own

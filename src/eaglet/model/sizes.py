@@ -8,12 +8,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import struct
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from eaglet.core import methods
 from eaglet.core.dtypes import BYTES, SAFETENSORS_BYTES, SAFETENSORS_FLOATS, SERVED_BYTES
+from eaglet.target.checkpoint import safetensors_tensors
 
 # -- the target's size, as a server holds it (evaluate's placement reads it too) ----------
 
@@ -27,15 +27,6 @@ class TargetSize:
     served: int
     float32: int
     source: str
-
-
-def safetensors_tensors(path: Path) -> dict:
-    """A safetensors file's tensor entries (dtype, shape), read from its header alone."""
-    with open(path, "rb") as handle:
-        (length,) = struct.unpack("<Q", handle.read(8))
-        header = json.loads(handle.read(length))
-    header.pop("__metadata__", None)
-    return header
 
 
 def config_params(config: dict) -> int | None:

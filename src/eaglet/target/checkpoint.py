@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import shutil
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -304,8 +305,13 @@ class Layout:
     def final_norm(self) -> str:
         return f"{self.prefix}norm.weight"
 
+    @property
+    def containers(self) -> tuple[str, ...]:
+        """The names decoder layers are numbered under (``model.layers.``)."""
+        return self.layers or (f"{self.prefix}layers.",)
+
     def layer_prefixes(self, layer: int) -> list[str]:
-        return [f"{container}{layer}." for container in self.layers or (f"{self.prefix}layers.",)]
+        return [f"{container}{layer}." for container in self.containers]
 
 
 LAYOUTS = [
@@ -335,20 +341,35 @@ FINAL_NORM_NAMES = [layout.final_norm for layout in LAYOUTS]
 LM_HEAD_NAMES = [*dict.fromkeys(layout.lm_head for layout in LAYOUTS), "model.lm_head.weight"]
 
 
-def _weight_files(target_dir: Path) -> dict[str, Path]:
-    """Tensor name -> safetensors file, from the index of a sharded checkpoint or the headers."""
+def safetensors_tensors(path: Path) -> dict:
+    """A safetensors file's tensor entries (dtype, shape), read from its header alone."""
+    with open(path, "rb") as handle:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        header = json.loads(handle.read(length))
+    header.pop("__metadata__", None)
+    return header
+
+
+def weight_map(target_dir: str | Path) -> dict[str, Path] | None:
+    """Tensor name -> safetensors file, from the index of a sharded checkpoint (which a
+    directory of config files alone may hold too) or the files' headers; None where the
+    directory has neither."""
+    target_dir = Path(target_dir)
     index = target_dir / "model.safetensors.index.json"
     if index.exists():
-        weight_map = read_json(index)["weight_map"]
-        return {name: target_dir / file for name, file in weight_map.items()}
+        return {name: target_dir / file for name, file in read_json(index)["weight_map"].items()}
     files = sorted(target_dir.glob("*.safetensors"))
     if not files:
+        return None
+    return {name: file for file in files for name in safetensors_tensors(file)}
+
+
+def _weight_files(target_dir: Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file (:func:`weight_map`), or why there is none."""
+    files = weight_map(target_dir)
+    if files is None:
         raise FileNotFoundError(f"{target_dir} has no *.safetensors weights")
-    names = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as handle:
-            names.update({name: file for name in handle.keys()})
-    return names
+    return files
 
 
 def _read_tensor(

@@ -19,7 +19,12 @@ from eaglet.core.config import ConfigError, eval_shard_count, load_run_config, v
 from eaglet.core.gpus import GPU_BYTES, GPU_NAME, GPU_USABLE
 from eaglet.core.io import human_size, read_json
 from eaglet.core.layout import HIDDEN, SHARD_GLOB, START_DRAFTER, SYNTHETIC_STATS, TARGET_JSON
-from eaglet.engine.support import ask_in_subprocess, refusal
+from eaglet.engine.support import (
+    ask_in_subprocess,
+    mtp_note,
+    refusal,
+    template_kwargs_refusal,
+)
 from eaglet.model import published
 from eaglet.model.sizes import PRESETS, shape_from_target_config, target_size, with_drafter
 from eaglet.target.checkpoint import TEACHER_CHUNK_ROWS as TEACHER_CHUNK
@@ -409,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     attention_kind = args.drafter_attention or train["drafter_attention"]
     variant = args.drafter_variant or train["drafter_variant"]
     method = args.method or train["method"]
-    served = None
+    served = mtp = None
     try:
         if args.preset:
             shapes = [
@@ -429,7 +434,9 @@ def main(argv: list[str] | None = None) -> int:
                     file=sys.stderr,
                 )
                 return 2
-            refused = refusal(
+            refused = template_kwargs_refusal(
+                target[1], cfg["generate"].get("chat_template_kwargs")
+            ) or refusal(
                 ask_in_subprocess(target[1] / "config.json"),
                 methods.words(method),
                 str(cfg["target"]["model"]),
@@ -449,6 +456,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
             ]
             served = _served_bytes(target[1], cfg["target"]["dtype"])
+            mtp = mtp_note(target[1], cfg["evaluate"].get("mtp", True))
             batches = args.max_tokens_per_batch or [train["max_tokens_per_batch"]]
     except (ValueError, TargetError) as error:
         print(f"eaglet plan: {error}", file=sys.stderr)
@@ -512,6 +520,10 @@ def main(argv: list[str] | None = None) -> int:
             f"the aux layers (applied above); fine-tunes need fewer epochs than training "
             f"from scratch (train.epochs {train['epochs']})."
         )
+    if mtp is not None:
+        for p in plans:
+            p["mtp_weights"] = {"held": mtp[0], "note": mtp[1]}
+        texts.append(f"The target's MTP layers: {mtp[1]}.")
     if args.json:
         print(json.dumps(plans, indent=2))
     else:

@@ -32,7 +32,12 @@ from eaglet.core.layout import (
 )
 from eaglet.core.methods import default_aux_layer_ids
 from eaglet.data import shards
-from eaglet.engine.support import ask_in_subprocess, refusal
+from eaglet.engine.support import (
+    ask_in_subprocess,
+    mtp_note,
+    refusal,
+    template_kwargs_refusal,
+)
 from eaglet.model.config import DrafterConfig
 from eaglet.model.sizes import shape_from_target_config
 from eaglet.stages.evaluate.offline import GREEDY_TOLERANCE, NOISE_ERRORS, within
@@ -137,6 +142,10 @@ def check_serving(files: Path, cfg: dict, report: Report) -> bool:
     class for the target's architecture must implement vLLM's EAGLE-3 interface (asked of
     vLLM itself, :mod:`eaglet.engine.support`); a target it cannot serve one for is refused
     here, before the miniature is built or any server starts."""
+    refused = template_kwargs_refusal(files, cfg["generate"].get("chat_template_kwargs"))
+    if refused:
+        report.add("serving", False, refused, "remove generate.chat_template_kwargs")
+        return False
     answers = ask_in_subprocess(files / "config.json")
     method = methods.words(cfg["train"]["method"])
     refused = refusal(answers, method, str(cfg["target"]["model"]))
@@ -149,6 +158,9 @@ def check_serving(files: Path, cfg: dict, report: Report) -> bool:
             "deploy one of the options above without training",
         )
         return False
+    mtp = mtp_note(files, cfg["evaluate"].get("mtp", True))
+    if mtp is not None:
+        report.add("mtp layers", *mtp)
     if answers.get("supports_eagle3") is None:
         report.add(
             "serving",

@@ -158,6 +158,19 @@ def is_drafter(run: dict) -> bool:
     return run["method"] in methods.METHODS
 
 
+def is_untrained(run: dict) -> bool:
+    """Whether ``run`` serves vLLM's own speculation (ngram, suffix, the target's MTP layers):
+    a baseline to compare with, which the evaluation reports as not measured where vLLM
+    cannot serve it, and the drafter's verdict comes out all the same."""
+    return run["method"] in methods.SPECULATIONS
+
+
+def not_measured(run: dict, reason: str) -> dict:
+    """The record of an engine run that was not measured, and why (acceptance.json's
+    ``not_measured``, the verdict's words)."""
+    return {"name": run["name"], "method": run["method"], "k": run.get("k"), "reason": reason}
+
+
 def speculative_config(run: dict) -> dict | None:
     """vLLM's ``--speculative-config`` of ``run``: its drafter's (served as its method's record
     says: :meth:`eaglet.core.methods.Method.speculative_config`), or vLLM's own speculation;

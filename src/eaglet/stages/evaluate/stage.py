@@ -15,10 +15,10 @@ import httpx
 from eaglet.core import rates
 from eaglet.core.io import hold_directory, read_json, write_json
 from eaglet.core.layout import server_log as layout_server_log
-from eaglet.core.methods import drafts_every_step
+from eaglet.core.methods import MTP, drafts_every_step
 from eaglet.core.progress import Progress
 from eaglet.engine.server import ServerError, start_together, target_server
-from eaglet.engine.support import mtp_layers
+from eaglet.engine.support import mtp_layers, mtp_served
 from eaglet.stages.evaluate.metrics import (
     _answer_counts,
     _spec_counts,
@@ -45,8 +45,10 @@ from eaglet.stages.evaluate.runs import (
     cut,
     drafted_k,
     is_drafter,
+    is_untrained,
     level_prompts,
     load_prompt_sets,
+    not_measured,
     sampling,
     sampling_text,
     serving,
@@ -158,10 +160,17 @@ def _measure(
 
 
 def _start(
-    cfg: dict, target_path: str, placed: list[tuple[contextlib.ExitStack, dict]], log_dir: str
+    cfg: dict,
+    target_path: str,
+    placed: list[tuple[contextlib.ExitStack, dict]],
+    log_dir: str,
+    unmeasured: list[dict] | None = None,
 ) -> dict[str, str]:
     """Start the servers of the runs in ``placed`` at once, each inside the stack beside it
-    (:func:`eaglet.engine.server.start_together`); their base URLs by run name."""
+    (:func:`eaglet.engine.server.start_together`); their base URLs by run name. With
+    ``unmeasured``, a run of vLLM's own speculation (:func:`is_untrained`) whose server
+    cannot start is added there (:func:`not_measured`, the reason from its log) and the
+    others go on; the target alone's and a drafter's failure fails the stage."""
     servers = []
     for stack, run in placed:
         spec = speculative_config(run)
@@ -181,16 +190,34 @@ def _start(
                 ),
             )
         )
+    optional = (
+        {i for i, (_, run) in enumerate(placed) if is_untrained(run)}
+        if unmeasured is not None
+        else set()
+    )
     try:
-        start_together(servers)
+        failed = start_together(servers, optional)
     except ServerError as exc:
-        # waited for in order: the first without a ready time is the one that failed
+        # waited for in order: the first that must start and has no ready time failed
         run = next(
-            run for (_, run), (_, server) in zip(placed, servers) if server.ready_after_s is None
+            run
+            for i, ((_, run), (_, server)) in enumerate(zip(placed, servers))
+            if server.ready_after_s is None and i not in optional
         )
         what = "vLLM refused the drafter" if is_drafter(run) else "vLLM did not start"
         raise EvaluationError(f"{run['name']}: {what}.\n{exc}") from None
-    return {run["name"]: server.url for (_, run), (_, server) in zip(placed, servers)}
+    for i, error in failed.items():
+        run = placed[i][1]
+        reason = f"vLLM did not start it: {str(error).splitlines()[0]} (server log: " + (
+            f"{server_log(log_dir, run)})"
+        )
+        log.warning("%s: not measured: %s", run["name"], reason)
+        unmeasured.append(not_measured(run, reason))
+    return {
+        run["name"]: server.url
+        for i, ((_, run), (_, server)) in enumerate(zip(placed, servers))
+        if i not in failed
+    }
 
 
 # -- the servers side by side, or one at a time ----------------------------------------------
@@ -232,14 +259,18 @@ def engine_runs(
     prompt_sets: dict[str, list[dict]],
     log_dir: str,
     progress: Progress | None = None,
+    unmeasured: list[dict] | None = None,
 ) -> list[dict]:
     """Serve each of ``runs`` with its speculation and send every prompt set at every
     concurrency of the sweep and every temperature through that one server
-    (:func:`measure_runs`; several runs: their servers side by side)."""
+    (:func:`measure_runs`; several runs: their servers side by side). With ``unmeasured``,
+    a run of vLLM's own speculation that cannot start is added there and left out
+    (:func:`_start`)."""
     served = serving(cfg, side_by_side=len(runs) > 1)
     with contextlib.ExitStack() as stack:
-        urls = _start(served, target_path, [(stack, run) for run in runs], log_dir)
-        return measure_runs(cfg, urls, runs, prompt_sets, log_dir, progress)
+        urls = _start(served, target_path, [(stack, run) for run in runs], log_dir, unmeasured)
+        started = [run for run in runs if run["name"] in urls]
+        return measure_runs(cfg, urls, started, prompt_sets, log_dir, progress) if started else []
 
 
 def measure_runs(
@@ -489,10 +520,17 @@ def _run_stage(
     target = read_target(target_json)
     prompt_sets, about = load_prompt_sets(ev, prompts_path, train_prompts_path)
     check_compare_drafters(ev)
+    # the target's own MTP layers where its checkpoint holds them; where it declares layers
+    # whose weights it lacks, that baseline is not measured, and the reason is said
     config = Path(target["path"]) / "config.json"
     plan, replays = sweep_runs(
         ev, drafter_dir, mtp_layers(read_json(config)) if config.is_file() else 0
     )
+    _, mtp_missing = mtp_served(target["path"])
+    unmeasured = [
+        not_measured(r, mtp_missing) for r in plan if mtp_missing and r["method"] == MTP.name
+    ]
+    plan = [r for r in plan if r["name"] not in {u["name"] for u in unmeasured}]
     place = placement(cfg, target["path"], len(plan))
     log.info(
         "evaluation servers %s: %s",
@@ -539,12 +577,15 @@ def _run_stage(
             served = serving(cfg, side_by_side=True)
             with contextlib.ExitStack() as others:
                 started = time.monotonic()
+                failed = len(unmeasured)
                 urls = _start(
                     served,
                     target["path"],
                     [(baseline, plan[0])] + [(others, run) for run in plan[1:]],
                     log_dir,
+                    unmeasured,
                 )
+                progress.advance(done=len(unmeasured) - failed)
                 # for status: how long this many servers took to start up together here
                 rates.record(
                     rates.EVALUATE,
@@ -552,15 +593,20 @@ def _run_stage(
                     sweep_servers=len(plan),
                     sweep_start_s=time.monotonic() - started,
                 )
-                measured = advanced(measure_runs(cfg, urls, plan, prompt_sets, log_dir, progress))
-        else:
-            measured = [
-                r
-                for run in plan
-                for r in advanced(
-                    engine_runs(cfg, target["path"], [run], prompt_sets, log_dir, progress)
+                started = [run for run in plan if run["name"] in urls]
+                measured = advanced(
+                    measure_runs(cfg, urls, started, prompt_sets, log_dir, progress)
                 )
-            ]
+        else:
+            measured = []
+            for run in plan:
+                failed = len(unmeasured)
+                measured += advanced(
+                    engine_runs(
+                        cfg, target["path"], [run], prompt_sets, log_dir, progress, unmeasured
+                    )
+                )
+                progress.advance(done=len(unmeasured) - failed)
         # each temperature's runs apart, the target alone first, as the plan orders them
         runs_at = {t: [r for r in measured if r["temperature"] == t] for t in temps}
         for group in runs_at.values():
@@ -615,7 +661,9 @@ def _run_stage(
         **(cut(ev) if served_at else {}),
     }
     verdicts = {
-        t: verdict(runs_at[t], concurrencies, recommendation if t == served_at else None)
+        t: verdict(
+            runs_at[t], concurrencies, recommendation if t == served_at else None, unmeasured
+        )
         for t in temps
     }
     verdicts[served_at]["warnings"] += expected_warnings(expected or {}, offline, cfg)
@@ -634,6 +682,7 @@ def _run_stage(
         "drafter": drafter_dir,
         "runs": [_public(r) for r in runs],
         "methods": [row for t in temps for row in methods_table(runs_at[t], concurrencies)],
+        "not_measured": unmeasured,
         "outputs_differ_from_baseline": mismatched,
         "offline": offline,
         "offline_replay": replayed,

@@ -23,8 +23,15 @@ DISAGREEMENT = 0.15  # relative AL gap between the held-out split and another se
 UNTRAINED = tuple(SPECULATIONS)  # vLLM's speculation a run needs no drafter for
 
 
-def verdict(runs: list[dict], concurrencies: list[int], serve: dict | None = None) -> dict:
+def verdict(
+    runs: list[dict],
+    concurrencies: list[int],
+    serve: dict | None = None,
+    unmeasured: list[dict] = (),
+) -> dict:
     """Whether the drafter speeds serving up here, per concurrency and prompt set.
+    ``unmeasured``: the runs of vLLM's own speculation that could not be served
+    (:func:`eaglet.stages.evaluate.runs.not_measured`), named with their reason in the summary.
 
     A speedup whose interval holds 1.0 is no measurable difference, neither a win nor a loss
     (:func:`against_target`), and two runs whose intervals overlap serve alike
@@ -100,6 +107,9 @@ def verdict(runs: list[dict], concurrencies: list[int], serve: dict | None = Non
     out["summary"] = (f"At {said}: " if temperature else "") + _summary(
         best, choice, measured, [r for r in untrained.values() if r is not None]
     )
+    if unmeasured:
+        out["not_measured"] = {u["name"]: u["reason"] for u in unmeasured}
+        out["summary"] += "".join(f" {u['name']} not measured: {u['reason']}." for u in unmeasured)
     return out
 
 

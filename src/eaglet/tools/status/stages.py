@@ -33,7 +33,7 @@ from eaglet.core.layout import (
     fraction_name,
     progress_file,
 )
-from eaglet.engine.support import mtp_layers
+from eaglet.engine.support import mtp_served
 from eaglet.stages.evaluate.placement import placement, recorded_target_dir
 from eaglet.stages.evaluate.runs import HELD_OUT
 from eaglet.stages.evaluate.schedule import sweep_runs, work_plan
@@ -526,8 +526,10 @@ class Evaluate(Stage):
         work = (progress or {}).get("plan")
         if not work:
             directory = recorded_target_dir(r, target)
-            config = _read(Path(directory) / "config.json") if directory else None
-            runs, replays = sweep_runs(ev, mtp_layers=mtp_layers(config) if config else 0)
+            # the target's MTP layers as the stage serves them: none where its checkpoint
+            # lacks their weights
+            served = mtp_served(directory)[0] if directory else 0
+            runs, replays = sweep_runs(ev, mtp_layers=served)
             _, n_eval = _prompt_counts(r)
             if n_eval is None:
                 return Estimate(None, "prompt count unknown")
