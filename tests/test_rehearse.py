@@ -261,13 +261,20 @@ def standin_files(name: str, tmp_path: Path) -> Path:
     ],
 )
 def test_a_shipped_config_rehearses_green_on_its_stand_in(name, tmp_path):
+    files = standin_files(name, tmp_path)
+    mtp = name == "kimi-k2.5"
+    if mtp:
+        # Kimi-K2.5 declares no MTP layer; DeepSeek-V3, its architecture's first release,
+        # and GLM-4.5 declare one: declared here, the one rehearsal `make test` runs also
+        # shows the target's own MTP baseline served by vLLM from the miniature's MTP layer
+        files = declare_mtp_layer(files, tmp_path)
     out = tmp_path / name
     code = rehearse.main(
         [
             "--configfile",
             str(REPO / "configs" / f"{name}.yaml"),
             "--target-files",
-            str(standin_files(name, tmp_path)),
+            str(files),
             "--out",
             str(out),
             "--cores",
@@ -286,6 +293,24 @@ def test_a_shipped_config_rehearses_green_on_its_stand_in(name, tmp_path):
         "train",
         "evaluate",
     } <= stages, stages
+    if mtp:
+        acceptance = json.loads((out / "results" / "eval" / "acceptance.json").read_text())
+        served = [r for r in acceptance["runs"] if r["method"] == "mtp"]
+        assert served and all(r["drafts"] for r in served), acceptance["not_measured"]
+        assert not acceptance["not_measured"]
+
+
+def declare_mtp_layer(files: Path, tmp_path: Path) -> Path:
+    """A copy of a stand-in's files whose language model declares one MTP layer."""
+    import shutil
+
+    copy = tmp_path / "files-mtp" / files.name
+    shutil.copytree(files, copy)
+    config = json.loads((copy / "config.json").read_text())
+    text = config.get("text_config", config)
+    text["num_nextn_predict_layers"] = 1
+    (copy / "config.json").write_text(json.dumps(config, indent=1))
+    return copy
 
 
 def test_a_streamed_run_reports_its_streamed_states_not_missing_shards(tmp_path):
@@ -368,3 +393,59 @@ def test_an_error_inside_the_rehearsal_ends_in_its_fail_line_and_the_summary(
     assert "REHEARSAL FAILED" in printed
     result = json.loads((out / "rehearsal.json").read_text())
     assert not result["passed"] and result["checks"][-1]["stage"] == "miniature"
+
+
+def test_the_miniature_carries_the_mtp_layers_its_target_declares_where_vllm_reads_them(
+    tmp_path,
+):
+    """A DeepSeek-V3-class miniature declaring an MTP layer gets its weights beside its own, at
+    decoder layer num_hidden_layers under the names the target's own layers are saved with
+    (per-expert, as checkpoints name them) and the MTP layer's own parts, so the rehearsal's
+    evaluation serves its mtp baseline as vLLM serves the real target's."""
+    import torch
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+    from eaglet.engine.support import mtp_served
+    from eaglet.target.checkpoint import weight_map
+    from eaglet.tools.miniature import MTP_FILE, MTP_NORMS, add_mtp_layers
+
+    config = DeepseekV3Config(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        kv_lora_rank=16,
+        q_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        num_nextn_predict_layers=1,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(tmp_path)
+    assert mtp_served(tmp_path)[0] == 0  # declared, not held: vLLM would refuse it
+    written = add_mtp_layers(model, config.to_dict(), tmp_path)
+    assert written == {"layers": 1, "file": MTP_FILE, "tensors": written["tensors"]}
+    assert mtp_served(tmp_path) == (1, None)
+    names = weight_map(tmp_path)
+    mtp = {n.removeprefix("model.layers.2.") for n in names if n.startswith("model.layers.2.")}
+    last = {n.removeprefix("model.layers.1.") for n in names if n.startswith("model.layers.1.")}
+    # the decoder layer of the target's kind (MoE past first_k_dense_replace), per expert
+    assert last < mtp and "mlp.experts.3.down_proj.weight" in mtp
+    own = {f"{norm}.weight" for norm in MTP_NORMS} | {
+        "eh_proj.weight",
+        "shared_head.head.weight",
+    }
+    assert mtp - last == own
+    # the miniature's own weights are untouched: transformers still loads it as it was
+    again = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    assert torch.equal(again.lm_head.weight, model.lm_head.weight)

@@ -40,7 +40,13 @@ from eaglet.data.template_check import (
     render_text,
     text_ids,
 )
-from eaglet.target.checkpoint import CONFIG_FILE_SUFFIXES
+from eaglet.engine.support import mtp_served
+from eaglet.target.checkpoint import (
+    CONFIG_FILE_SUFFIXES,
+    checkpoint_layout,
+    layer_prefix,
+    weight_map,
+)
 
 log = logging.getLogger("eaglet.tools.miniature")
 
@@ -267,6 +273,9 @@ def build(
         learned = format_learned(model, tokenizer, sequences, fmt, closer=closer)
     taught |= {"format": how, "learned": learned}
     model.save_pretrained(out, safe_serialization=True)
+    # the target's MTP layers, where its files hold them (or name no tensor to tell by): its
+    # mtp baseline is rehearsed as the real one is served, or not measured as it would not be
+    mtp = add_mtp_layers(model, small, out, seed) if mtp_served(source)[1] is None else None
     # the target's own generation config (its stop tokens: a chat turn ends at <|im_end|>,
     # not at the config's eos), which save_pretrained wrote over
     if (source / "generation_config.json").exists():
@@ -277,9 +286,66 @@ def build(
         "parameters": sum(p.numel() for p in model.parameters()),
         "changes": changes,
         "taught": taught,
+        "mtp": mtp,
     }
     (out / "miniature.json").write_text(json.dumps(info, indent=1))
     return info
+
+
+# The weights of one multi-token-prediction layer besides its decoder layer, under
+# model.layers.<num_hidden_layers + i>., as DeepSeek-V3 publishes them and vLLM's MTP loaders
+# for configs with num_nextn_predict_layers read them (deepseek_mtp.py and its kind: the
+# embedding's and the previous state's norms, their projection, the head's norm and head)
+MTP_NORMS = ("enorm", "hnorm", "shared_head.norm")
+MTP_FILE = "model-mtp.safetensors"
+
+
+def add_mtp_layers(model, small: dict, out: Path, seed: int = 0) -> dict | None:
+    """Write the MTP layers the miniature's config declares (``num_nextn_predict_layers``)
+    beside its weights, so that vLLM serves its ``mtp`` baseline as it would the target's: a
+    random decoder layer of the target's kind at index num_hidden_layers + i (built by the
+    same transformers class one layer deeper), the :data:`MTP_NORMS` at one, a random
+    ``eh_proj``, and the miniature's own lm_head as ``shared_head.head``. The miniature's
+    config keeps the declaration either way; where the target's MTP layers live elsewhere
+    (a config with ``mtp_num_hidden_layers``: a container of the model's own) none is
+    written and the rehearsal's evaluation reports that baseline as not measured."""
+    import tempfile
+
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    declared = small.get("num_nextn_predict_layers") or 0
+    if not declared:
+        return None
+    base, hidden = small["num_hidden_layers"], small["hidden_size"]
+    deeper = type(model.config).from_dict({**small, "num_hidden_layers": base + declared})
+    deeper.architectures = None
+    torch.manual_seed(seed + 1)
+    tensors = {}
+    with tempfile.TemporaryDirectory(dir=out) as saved:
+        # saved as the miniature's own layers are (transformers writes its fused experts
+        # under the per-expert names checkpoints and vLLM use)
+        AutoModelForCausalLM.from_config(deeper, dtype=torch.float32).save_pretrained(saved)
+        files = weight_map(saved)
+        layout = checkpoint_layout(files, saved)
+        for layer in range(base, base + declared):
+            prefix = layer_prefix(files, layout, layer)
+            for name in (n for n in files if n.startswith(prefix)):
+                with safe_open(str(files[name]), framework="pt") as handle:
+                    tensors[name] = handle.get_tensor(name)
+            tensors |= {f"{prefix}{norm}.weight": torch.ones(hidden) for norm in MTP_NORMS}
+            tensors[f"{prefix}eh_proj.weight"] = torch.randn(hidden, 2 * hidden) * 0.02
+            tensors[f"{prefix}shared_head.head.weight"] = model.get_output_embeddings().weight
+    tensors = {k: v.detach().contiguous().clone() for k, v in tensors.items()}
+    save_file(tensors, str(out / MTP_FILE), metadata={"format": "pt"})
+    index = out / "model.safetensors.index.json"
+    if index.exists():  # a sharded save: the index names every file vLLM loads
+        data = json.loads(index.read_text())
+        data["weight_map"] |= {name: MTP_FILE for name in tensors}
+        index.write_text(json.dumps(data, indent=2))
+    return {"layers": declared, "file": MTP_FILE, "tensors": len(tensors)}
 
 
 def answer_text(

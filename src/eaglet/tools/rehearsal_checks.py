@@ -41,6 +41,7 @@ from eaglet.engine.support import (
 from eaglet.model.config import DrafterConfig
 from eaglet.model.sizes import shape_from_target_config
 from eaglet.stages.evaluate.offline import GREEDY_TOLERANCE, NOISE_ERRORS, within
+from eaglet.stages.evaluate.runs import is_untrained
 from eaglet.target.checkpoint import TargetError, check_run_fits, text_config
 from eaglet.tools.memory_plan import plan
 from eaglet.tools.plan import render
@@ -351,6 +352,17 @@ def check_results(results: Path, cfg: dict, report: Report) -> None:
         report.add("evaluate", False, "no offline replay in acceptance.json")
     for name, row in (acceptance.get("offline_expected") or {}).items():
         report.add("evaluate", *expected_line(name, row))
+    # vLLM's own speculation beside the drafter: served, or not measured and why
+    for run in acceptance.get("runs") or []:
+        if is_untrained(run) and not run.get("temperature"):
+            report.add(
+                "baseline",
+                True,
+                f"{run['name']}: vLLM served it, AL "
+                f"{run.get('acceptance_length')} over {run.get('drafts')} drafts",
+            )
+    for run in acceptance.get("not_measured") or []:
+        report.add("baseline", None, f"{run['name']} not measured: {run['reason']}")
 
 
 def expected_line(name: str, row: dict) -> tuple[bool, str, str]:
