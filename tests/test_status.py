@@ -1786,3 +1786,16 @@ def test_status_says_when_the_runs_record_is_unreadable_or_another_config_differ
     [note] = run_config_notes(r, str(other), validate({"vocab": {"draft_vocab_size": 1024}}))
     assert "other settings than" in note and "vocab.draft_vocab_size: 2048 -> 1024" in note
     assert run_config_notes(r, str(other), validate({"vocab": {"draft_vocab_size": 2048}})) == []
+
+
+def test_a_finished_evaluation_names_the_baselines_it_could_not_measure(tmp_path):
+    (tmp_path / "eval").mkdir()
+    verdict = {
+        "acceptance_length": 2.5,
+        "speedup_by_concurrency": {"1": 1.3},
+        "speeds_up_serving": {"1": True},
+        "not_measured": {"mtp_k1": "the checkpoint holds no MTP weights"},
+    }
+    (tmp_path / "eval" / "acceptance.json").write_text(json.dumps({"verdict": verdict}))
+    stage = _stage("evaluate")
+    assert stage.line(stage.facts(tmp_path)).endswith("; not measured: mtp_k1")

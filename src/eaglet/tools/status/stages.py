@@ -434,6 +434,7 @@ class Evaluate(Stage):
             "speeds_up_serving",
             "serve_never_slower_than_target",
             "warnings",
+            "not_measured",
         )
         return {key: v.get(key) for key in keys}
 
@@ -451,6 +452,8 @@ class Evaluate(Stage):
             text += f"; does NOT speed serving up at concurrency {', '.join(slow)}"
         if f.get("serve_never_slower_than_target") is False:
             text += "; serve.json slower than the target alone somewhere"
+        if f.get("not_measured"):
+            text += f"; not measured: {', '.join(f['not_measured'])}"
         return text
 
     def kind(self, cfg):
