@@ -446,6 +446,10 @@ def test_the_miniature_carries_the_mtp_layers_its_target_declares_where_vllm_rea
         "shared_head.head.weight",
     }
     assert mtp - last == own
+    # MTP layers in a container of the model's own (Qwen3.5's mtp.): none built, and said
+    qwen = {"num_hidden_layers": 2, "mtp_num_hidden_layers": 1}
+    assert "mtp_num_hidden_layers" in add_mtp_layers(model, qwen, tmp_path / "q")["why"]
+    assert add_mtp_layers(model, {"num_hidden_layers": 2}, tmp_path / "none") is None
     # the miniature's own weights are untouched: transformers still loads it as it was
     again = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
     assert torch.equal(again.lm_head.weight, model.lm_head.weight)

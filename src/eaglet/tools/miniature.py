@@ -40,7 +40,7 @@ from eaglet.data.template_check import (
     render_text,
     text_ids,
 )
-from eaglet.engine.support import mtp_served
+from eaglet.engine.support import mtp_layers, mtp_served
 from eaglet.target.checkpoint import (
     CONFIG_FILE_SUFFIXES,
     checkpoint_layout,
@@ -318,6 +318,12 @@ def add_mtp_layers(model, small: dict, out: Path, seed: int = 0) -> dict | None:
 
     declared = small.get("num_nextn_predict_layers") or 0
     if not declared:
+        if mtp_layers(small):  # declared, in a container of the model's own
+            return {
+                "layers": 0,
+                "why": "its config declares MTP layers in a container of the model's own "
+                "(mtp_num_hidden_layers), whose weights the miniature does not build",
+            }
         return None
     base, hidden = small["num_hidden_layers"], small["hidden_size"]
     deeper = type(model.config).from_dict({**small, "num_hidden_layers": base + declared})

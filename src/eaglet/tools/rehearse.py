@@ -390,6 +390,13 @@ def _rehearse_on_miniature(
             f"{info['wrapper']} served as its language model: the "
             "CPU engine cannot load a multimodal wrapper's processors",
         )
+    if (info.get("mtp") or {}).get("why"):
+        report.add(
+            "mtp layers",
+            None,
+            f"the miniature carries no MTP layer: {info['mtp']['why']}; its evaluation reports "
+            "the mtp baseline as not measured, which the real target's may be",
+        )
 
     results = out / "results"
     cfg, report.scaled = rehearsal_config(
