@@ -30,9 +30,22 @@ def setup_logging(log_path: str | None, level: int = logging.INFO) -> None:
     logging.basicConfig(level=level, format=FORMAT, handlers=handlers, force=True)
 
 
-def run_stage(name: str, log_path: str | None, body: Callable[[], object], gpus: int = 0) -> None:
+# what an interrupted stage's rerun does: resume from its finished work, or start over
+RESUMES = "finished work is kept, rerun to resume"
+STARTS_OVER = "it keeps no partial work: a rerun starts it over"
+
+
+def run_stage(
+    name: str,
+    log_path: str | None,
+    body: Callable[[], object],
+    gpus: int = 0,
+    resumes: bool = True,
+) -> None:
     """Run ``body``; ``gpus`` (the job's Snakemake ``gpu`` resource) are claimed first, before
-    anything initializes CUDA (``eaglet.core.gpus.hold_gpus``)."""
+    anything initializes CUDA (``eaglet.core.gpus.hold_gpus``). ``resumes``: whether a rerun
+    of the stage resumes from its finished work (generation, extraction, training) or starts
+    over (the evaluation's engine runs are measured again), as an interruption says."""
     setup_logging(log_path)
     log = logging.getLogger(f"eaglet.{name}")
     try:
@@ -40,9 +53,10 @@ def run_stage(name: str, log_path: str | None, body: Callable[[], object], gpus:
         body()
     except (KeyboardInterrupt, Terminated) as exc:
         log.error(
-            "%s interrupted (%s); finished work is kept, rerun to resume",
+            "%s interrupted (%s); %s",
             name,
             type(exc).__name__ if isinstance(exc, KeyboardInterrupt) else exc,
+            RESUMES if resumes else STARTS_OVER,
         )
         sys.exit(130)
     except Exception as exc:  # the message is the product here: say what broke and the fix
