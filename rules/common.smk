@@ -14,6 +14,7 @@ from eaglet.core.config import (
 from eaglet.core import layout  # every results path, by name (layout.MANIFEST, ...)
 from eaglet.core.cluster import ClusterError, job_threads, misfits, partitions
 from eaglet.model.published import apply as start_settings
+from eaglet.model.published import fingerprint as start_fingerprint
 from eaglet.target.checkpoint import check_recorded_target, read_target
 
 _validated = validate(config)

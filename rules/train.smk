@@ -17,6 +17,8 @@ if START:
         input:
             target=f"{R}/{layout.TARGET_JSON}",
             settings=settings_file("start_drafter", {"init_from": START}),
+            # the files it names: another drafter put there starts the run over from it
+            files=settings_file("start_drafter_files", start_fingerprint(START)),
         output:
             weights=f"{R}/{layout.START_DRAFTER_WEIGHTS}",
             record=f"{R}/{layout.START_RECORD}",

@@ -158,3 +158,54 @@ def test_settings_are_recorded_dated_at_the_epoch_the_first_time_and_their_chang
     assert path.stat().st_mtime > 1e9
     assert differences({"a": {"b": [1, 2]}}, {"a": {"b": [1, 2], "c": None}}) == []
     assert differences({"a": 1}, {"a": 1, "x": 2}) == ["x: None -> 2"]
+
+
+def starting_drafter(directory: Path, weights: bytes) -> Path:
+    """A drafter directory in eaglet's export layout for the tiny config's target (30 layers,
+    vocabulary 49152), its weights file holding ``weights``: all a Snakefile parse reads of
+    train.init_from."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": 576,
+        "vocab_size": 49152,
+        "draft_vocab_size": 2048,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 15, 27]},
+    }
+    (directory / "config.json").write_text(json.dumps(config))
+    save_file(
+        {"fc.weight": np.frombuffer(weights, dtype=np.uint8).copy()},
+        directory / "model.safetensors",
+    )
+    return directory
+
+
+@pytest.mark.subprocess
+def test_another_drafter_put_where_init_from_points_reruns_the_start_and_training(tmp_path):
+    """train.init_from names a directory (or hub id) whose files are not the start's inputs:
+    another drafter put there left "Nothing to be done", and the run shipped a fine-tune of the
+    old one. The files' fingerprint is a setting of the start (run/settings/
+    start_drafter_files.json): the same files, copied anew, rerun nothing."""
+    drafter = starting_drafter(tmp_path / "published", b"first drafter" * 100)
+    config = config_file(tmp_path, "a", train__init_from=str(drafter))
+    plan = dry_run(tmp_path / "checkout-1", config)
+    assert "start_drafter" in jobs(plan)
+    write_outputs(plan)
+    assert jobs(dry_run(tmp_path / "checkout-2", config)) == set()
+    # the same drafter copied over itself (new times, same bytes): nothing to do
+    again = starting_drafter(tmp_path / "copy", b"first drafter" * 100)
+    for name in ("config.json", "model.safetensors"):
+        os.replace(again / name, drafter / name)
+    assert jobs(dry_run(tmp_path / "checkout-3", config)) == set()
+    # another drafter under the same name: the start and everything after it
+    starting_drafter(drafter, b"other drafter" * 100)
+    prompts = str(tmp_path / "results" / "prompts" / "train.jsonl")
+    said = dry_run(tmp_path / "checkout-4", config, prompts, preview=False)
+    assert "start_drafter_files: settings changed" in said.stdout + said.stderr
+    rerun = jobs(dry_run(tmp_path / "checkout-4", config))
+    assert {"start_drafter", "train", "evaluate"} <= rerun, rerun
+    assert not rerun & {"generate", "prepare_prompts"}

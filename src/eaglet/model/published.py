@@ -20,6 +20,7 @@ which start new.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 from dataclasses import dataclass, field
@@ -72,6 +73,30 @@ class Published:
         if self.aux_layer_ids is not None:
             out["extract.aux_layer_ids"] = list(self.aux_layer_ids)
         return out
+
+
+# how much of each weight file the fingerprint reads, at its start, middle and end
+FINGERPRINT_BYTES = 1 << 20
+
+
+def fingerprint(spec: str | os.PathLike) -> dict[str, str]:
+    """What identifies the files of the starting drafter ``spec`` names, so that another
+    drafter put under the same name reruns the start and the training after it: config.json's
+    sha256, and each weight file's size with the sha256 of its first, middle and last
+    :data:`FINGERPRINT_BYTES` (the safetensors header, the tensors' layout, and weights at
+    three places: another drafter differs there). Every Snakefile parse computes it, so a
+    drafter of gigabytes is not read whole."""
+    published = read(spec)
+    out = {"config.json": hashlib.sha256((published.path / "config.json").read_bytes()).hexdigest()}
+    for path in published.weights:
+        size = path.stat().st_size
+        digest = hashlib.sha256()
+        with open(path, "rb") as handle:
+            for offset in sorted({0, max(0, size // 2), max(0, size - FINGERPRINT_BYTES)}):
+                handle.seek(offset)
+                digest.update(handle.read(FINGERPRINT_BYTES))
+        out[path.name] = f"{size} {digest.hexdigest()}"
+    return out
 
 
 def locate(spec: str) -> Path:
