@@ -695,6 +695,23 @@ def test_plan_of_a_run_reads_its_target(tmp_path, capsys):
     assert "training (one rank, train.attention eager)" in out
     assert "TTT attention scores [heads, n, n] float32, n = 256" in out
     assert "with fused attention instead" in out
+    assert "MTP layers" not in out  # the target declares none
+    # a target whose config declares an MTP layer its checkpoint's index does not name: the
+    # plan says so up front, and that the evaluation reports that baseline as not measured
+    declared = json.loads((target_dir / "config.json").read_text())
+    declared["num_nextn_predict_layers"] = 1
+    (target_dir / "config.json").write_text(json.dumps(declared))
+    index = {"weight_map": {"model.layers.3.mlp.down_proj.weight": "model.safetensors"}}
+    (target_dir / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert plan.main(["--configfile", str(config), "--workflow", str(REPO), "--json"]) == 0
+    [p] = json.loads(capsys.readouterr().out)
+    assert p["mtp_weights"]["held"] is None
+    assert "the checkpoint holds no MTP weights" in p["mtp_weights"]["note"]
+    index["weight_map"]["model.layers.4.eh_proj.weight"] = "model.safetensors"
+    (target_dir / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert plan.main(["--configfile", str(config), "--workflow", str(REPO)]) == 0
+    out = capsys.readouterr().out
+    assert "its checkpoint holds their weights: the evaluation measures vLLM's mtp at k 1" in out
 
 
 def test_plan_without_a_prepared_target_says_what_to_do(tmp_path, capsys):
