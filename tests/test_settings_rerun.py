@@ -160,6 +160,24 @@ def test_settings_are_recorded_dated_at_the_epoch_the_first_time_and_their_chang
     assert differences({"a": 1}, {"a": 1, "x": 2}) == ["x: None -> 2"]
 
 
+def test_a_settings_file_that_cannot_be_read_reruns_its_stage_and_a_preview_leaves_it(tmp_path):
+    """A damaged settings file says nothing of how the outputs were made: taken as missing
+    (dated at the epoch), a changed config then reran nothing, and a dry run or `eaglet
+    status` rewrote it."""
+    path = tmp_path / "settings" / "vocab_map.json"
+    path.parent.mkdir()
+    path.write_text('{"draft_vocab_size": 20')  # torn
+    said = record_settings(path, {"draft_vocab_size": 1024}, write=False)
+    assert said == [
+        "vocab_map.json could not be read (JSONDecodeError): the next run makes the stage again"
+    ]
+    assert path.read_text() == '{"draft_vocab_size": 20'  # a preview leaves it
+    said = record_settings(path, {"draft_vocab_size": 1024})
+    assert said == ["vocab_map.json could not be read (JSONDecodeError): the stage runs again"]
+    assert json.loads(path.read_text()) == {"draft_vocab_size": 1024}
+    assert path.stat().st_mtime > 1e9  # dated now: newer than the outputs, which rerun
+
+
 def starting_drafter(directory: Path, weights: bytes) -> Path:
     """A drafter directory in eaglet's export layout for the tiny config's target (30 layers,
     vocabulary 49152), its weights file holding ``weights``: all a Snakefile parse reads of

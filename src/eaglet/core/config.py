@@ -526,21 +526,30 @@ def record_settings(
     before it existed are taken as made with these settings, not rebuilt. Returns the
     differences (empty when nothing changed). ``write`` False (a command that runs no job):
     a file there already is not rewritten, the differences only are returned (a missing one
-    is written, dated at the epoch: the jobs need it as an input)."""
+    is written, dated at the epoch: the jobs need it as an input). A file there that cannot
+    be read (damaged, not JSON) says nothing of how the outputs were made: a run rewrites it
+    now, so the stage runs again, and a command that runs no job leaves it."""
     path = Path(path)
     settings = json.loads(json.dumps(settings))  # as JSON holds them (tuples as lists)
+    unreadable = None
     try:
         was = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except FileNotFoundError:
         was = None
+    except (OSError, ValueError) as error:
+        was, unreadable = None, f"{path.name} could not be read ({type(error).__name__})"
     if was == settings:
         return []
+    if unreadable and not write:
+        return [f"{unreadable}: the next run makes the stage again"]
     if not write and was is not None:
         return differences(was, settings)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(settings, indent=1, sort_keys=True) + "\n")
-    if was is None:
+    if was is None and not unreadable:
         os.utime(tmp, (0, 0))
     os.replace(tmp, path)
+    if unreadable:
+        return [f"{unreadable}: the stage runs again"]
     return [] if was is None else differences(was, settings)
