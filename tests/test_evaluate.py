@@ -718,24 +718,13 @@ def test_the_schedule_is_checked_beside_the_target_alone_kept_up(monkeypatch, tm
     assert serve["by_concurrency"][1]["speedup_low"] is None
 
 
-@pytest.mark.subprocess
-def test_a_drafter_vllm_refuses_is_named_and_every_server_started_with_it_stops(
-    monkeypatch, tmp_path
-):
-    """Side by side, the servers start together; the one that fails names its run, and the
-    others (one up already, one still starting) are stopped with it."""
-    import re
+def serve_with_health_servers(monkeypatch, behaviour: dict[str, list[str]]) -> None:
+    """The evaluation's servers as stand-ins (tests.helpers.health_server) that start, crash
+    or hang as ``behaviour`` says for each run (its arguments by run name)."""
     from pathlib import Path
 
-    from eaglet.core.config import validate
-    from eaglet.engine.server import VLLMServer, pid_alive
+    from eaglet.engine.server import VLLMServer
     from eaglet.stages.evaluate import stage as evaluate
-
-    behaviour = {
-        "baseline": ["--ready-after", "0.5"],
-        "eagle3_k3": ["--ready-after", "1000", "--crash-after", "0.3"],
-        "ngram_k3": ["--ready-after", "0.5"],
-    }
 
     def health_server(cfg, model, log_path, extra_args=()):
         name = Path(log_path).name.split(".")[1]  # evaluate.<run>.server.log
@@ -750,6 +739,28 @@ def test_a_drafter_vllm_refuses_is_named_and_every_server_started_with_it_stops(
         )
 
     monkeypatch.setattr(evaluate, "target_server", health_server)
+
+
+@pytest.mark.subprocess
+def test_a_drafter_vllm_refuses_is_named_and_every_server_started_with_it_stops(
+    monkeypatch, tmp_path
+):
+    """Side by side, the servers start together; the one that fails names its run, and the
+    others (one up already, one still starting) are stopped with it."""
+    import re
+    from pathlib import Path
+
+    from eaglet.core.config import validate
+    from eaglet.engine.server import pid_alive
+    from eaglet.stages.evaluate import stage as evaluate
+
+    behaviour = {
+        "baseline": ["--ready-after", "0.5"],
+        "eagle3_k3": ["--ready-after", "1000", "--crash-after", "0.3"],
+        "ngram_k3": ["--ready-after", "0.5"],
+    }
+
+    serve_with_health_servers(monkeypatch, behaviour)
     cfg = validate({"evaluate": {"concurrency": [1], "interleave": True}})
     runs = [
         {"name": "baseline", "method": "baseline"},
@@ -772,10 +783,8 @@ def test_a_baseline_vllm_cannot_serve_is_not_measured_and_the_drafters_servers_g
     baseline to compare with: where its server cannot start, the run is recorded as not
     measured with the cause from its log, and the target alone and the drafter serve on."""
     import contextlib
-    from pathlib import Path
 
     from eaglet.core.config import validate
-    from eaglet.engine.server import VLLMServer
     from eaglet.stages.evaluate import stage as evaluate
 
     cause = "ValueError: MTP speculative decoding layer 8 weights missing from checkpoint."
@@ -785,19 +794,7 @@ def test_a_baseline_vllm_cannot_serve_is_not_measured_and_the_drafters_servers_g
         "eagle3_k3": ["--ready-after", "0.5"],
     }
 
-    def health_server(cfg, model, log_path, extra_args=()):
-        name = Path(log_path).name.split(".")[1]  # evaluate.<run>.server.log
-        return VLLMServer(
-            model=model,
-            log_path=log_path,
-            args=behaviour[name],
-            module="tests.helpers.health_server",
-            env=pythonpath_env(REPO),
-            startup_timeout_s=10,
-            shutdown_grace_s=0.5,
-        )
-
-    monkeypatch.setattr(evaluate, "target_server", health_server)
+    serve_with_health_servers(monkeypatch, behaviour)
     cfg = validate({"evaluate": {"concurrency": [1], "interleave": True}})
     runs = [
         {"name": "baseline", "method": "baseline"},

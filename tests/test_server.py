@@ -376,14 +376,20 @@ def test_servers_started_together_start_up_at_once_on_ports_of_their_own(make_se
         assert_stopped(pid, server.port)
 
 
-def test_a_server_that_fails_to_start_stops_those_started_with_it(make_server, tmp_path):
-    servers = [
+def up_crash_up(make_server, tmp_path, last: str) -> list:
+    """Three servers: one up in 0.5 s, one that crashes before it is ready (exit code 3), and
+    one more up in 0.5 s, logging to ok.log, crash.log and ``last``.log."""
+    return [
         make_server("--ready-after", "0.5", log_path=tmp_path / "ok.log"),
         make_server(
             "--ready-after", "1000", "--crash-after", "0.2", log_path=tmp_path / "crash.log"
         ),
-        make_server("--ready-after", "0.5", log_path=tmp_path / "waiting.log"),
+        make_server("--ready-after", "0.5", log_path=tmp_path / f"{last}.log"),
     ]
+
+
+def test_a_server_that_fails_to_start_stops_those_started_with_it(make_server, tmp_path):
+    servers = up_crash_up(make_server, tmp_path, "waiting")
     with pytest.raises(ServerError, match=r"exited \(exit code 3\)"):
         with contextlib.ExitStack() as stack:
             start_together([(stack, server) for server in servers])
@@ -395,13 +401,7 @@ def test_a_server_that_fails_to_start_stops_those_started_with_it(make_server, t
 
 
 def test_a_server_that_may_fail_is_returned_and_the_others_serve_on(make_server, tmp_path):
-    servers = [
-        make_server("--ready-after", "0.5", log_path=tmp_path / "ok.log"),
-        make_server(
-            "--ready-after", "1000", "--crash-after", "0.2", log_path=tmp_path / "crash.log"
-        ),
-        make_server("--ready-after", "0.5", log_path=tmp_path / "after.log"),
-    ]
+    servers = up_crash_up(make_server, tmp_path, "after")
     with contextlib.ExitStack() as stack:
         failed = start_together([(stack, server) for server in servers], may_fail={1})
         assert list(failed) == [1] and "exited (exit code 3)" in str(failed[1])
