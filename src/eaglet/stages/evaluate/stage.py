@@ -593,10 +593,8 @@ def _run_stage(
                     sweep_servers=len(plan),
                     sweep_start_s=time.monotonic() - started,
                 )
-                started = [run for run in plan if run["name"] in urls]
-                measured = advanced(
-                    measure_runs(cfg, urls, started, prompt_sets, log_dir, progress)
-                )
+                up = [run for run in plan if run["name"] in urls]
+                measured = advanced(measure_runs(cfg, urls, up, prompt_sets, log_dir, progress))
         else:
             measured = []
             for run in plan:
