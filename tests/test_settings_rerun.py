@@ -59,17 +59,30 @@ def jobs(done: subprocess.CompletedProcess) -> set[str]:
 
 def write_outputs(done: subprocess.CompletedProcess) -> None:
     """Every output the dry run lists, made in the order of its jobs, each a moment newer
-    than the last: a finished run's results."""
+    than the last: a finished run's results, all newer than the workflow's code (Snakemake
+    reruns a script's outputs older than the script: a fresh clone's files are minutes old)
+    and older than now (a settings file rewritten now must be newer than them)."""
     text = done.stdout + done.stderr
-    stamp = time.time() - 1000  # newer than the code (Snakemake reruns outputs older than it)
-    for line in text.splitlines():
-        line = line.strip()
-        if line.startswith("output: "):
-            for path in line[len("output: ") :].split(", "):
-                Path(path).parent.mkdir(parents=True, exist_ok=True)
-                Path(path).write_text("made\n")
-                stamp += 10
-                os.utime(path, (stamp, stamp))
+    paths = [
+        path
+        for line in map(str.strip, text.splitlines())
+        if line.startswith("output: ")
+        for path in line[len("output: ") :].split(", ")
+    ]
+    code = [
+        REPO / "Snakefile",
+        *REPO.glob("rules/*"),
+        *REPO.glob("scripts/*"),
+        *REPO.glob("envs/*"),
+    ]
+    now = time.time()
+    start = max(now - 1000, max(p.stat().st_mtime for p in code) + 1)
+    step = (now - 1 - start) / (len(paths) + 1)
+    assert step > 0, "the workflow's code was changed less than a second ago"
+    for i, path in enumerate(paths, 1):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text("made\n")
+        os.utime(path, (start + i * step,) * 2)
 
 
 def config_file(tmp_path: Path, name: str, **changes) -> Path:
