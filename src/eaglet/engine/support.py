@@ -92,28 +92,37 @@ def mtp_layers_held(config: dict, names: Iterable[str]) -> int:
     return len(held)
 
 
-def mtp_served(target_dir: str | Path) -> tuple[int, str | None]:
-    """The MTP layers vLLM can serve of the target in ``target_dir`` (the k of its ``mtp``
-    baseline; 0: none) and, where its config declares layers its checkpoint does not hold,
-    why none are served. vLLM refuses ``method: mtp`` at load then ("MTP speculative decoding
-    layer N weights missing from checkpoint"), as it does for quantized releases that dropped
-    them. Where the directory names no tensors (config files alone), the declaration stands."""
+def _mtp_weights(target_dir: str | Path) -> tuple[int, int | None]:
+    """The MTP layers the target's config declares, and how many of them its checkpoint's
+    tensors hold (:func:`mtp_layers_held`; None where the directory names no tensor, or none
+    is declared); the config and the tensor names are read once."""
     path = Path(target_dir) / "config.json"
     if not path.is_file():
         return 0, None
     config = json.loads(path.read_text())
     declared = mtp_layers(config)
     names = weight_map(target_dir) if declared else None
-    if names is None:
-        return declared, None
-    held = mtp_layers_held(config, names)
-    if held == declared:
-        return declared, None
-    return 0, (
+    return declared, None if names is None else mtp_layers_held(config, names)
+
+
+def _missing(declared: int, held: int) -> str:
+    return (
         f"the checkpoint holds no MTP weights: its config declares {declared} MTP layer(s), "
         f"its tensors hold {held} (vLLM refuses method mtp at load: 'MTP speculative decoding "
         f"layer weights missing from checkpoint'; quantized releases often drop them)"
     )
+
+
+def mtp_served(target_dir: str | Path) -> tuple[int, str | None]:
+    """The MTP layers vLLM can serve of the target in ``target_dir`` (the k of its ``mtp``
+    baseline; 0: none) and, where its config declares layers its checkpoint does not hold,
+    why none are served. vLLM refuses ``method: mtp`` at load then ("MTP speculative decoding
+    layer N weights missing from checkpoint"), as it does for quantized releases that dropped
+    them. Where the directory names no tensors (config files alone), the declaration stands."""
+    declared, held = _mtp_weights(target_dir)
+    if held is None or held == declared:
+        return declared, None
+    return 0, _missing(declared, held)
 
 
 def mtp_note(target_dir: str | Path, evaluated: bool = True) -> tuple[bool | None, str] | None:
@@ -124,21 +133,20 @@ def mtp_note(target_dir: str | Path, evaluated: bool = True) -> tuple[bool | Non
     same) or where these files name no tensor (config files alone: the evaluation reads the
     weights); None where no layers are declared. ``evaluated``: whether evaluate.mtp
     measures the baseline at all."""
-    path = Path(target_dir) / "config.json"
-    declared = mtp_layers(json.loads(path.read_text())) if path.is_file() else 0
+    declared, held = _mtp_weights(target_dir)
     if not declared:
         return None
     said = f"the target's config declares {declared} multi-token-prediction layer(s)"
-    served, missing = mtp_served(target_dir)
-    if missing:
-        return None, f"{missing}; the evaluation reports its mtp baseline as not measured"
-    if weight_map(target_dir) is None:
+    if held is None:
         return None, (
             f"{said}; these files name no tensor (no model.safetensors.index.json), so "
             f"whether the checkpoint holds their weights is read from the weights at evaluation"
         )
+    if held != declared:
+        missing = _missing(declared, held)
+        return None, f"{missing}; the evaluation reports its mtp baseline as not measured"
     then = (
-        f"the evaluation measures vLLM's mtp at k {served} beside the drafter"
+        f"the evaluation measures vLLM's mtp at k {declared} beside the drafter"
         if evaluated
         else "evaluate.mtp is off, so the evaluation does not measure them"
     )
