@@ -34,6 +34,8 @@ apart, not mismatched; the ids stay the truth for training.
 from __future__ import annotations
 
 import logging
+import re
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -155,20 +157,12 @@ def render_ids(
 ) -> list[int]:
     """Token ids of ``messages`` rendered through the tokenizer's chat template, with the
     template variables the server rendered them with (``generate.chat_template_kwargs``).
+    A conversation that ends with an answer is rendered as :func:`render_answered` does.
 
     transformers 5.x returns a BatchEncoding from ``tokenize=True`` by default; 4.x returns
     a list. ``return_dict=False`` is passed, and a mapping is still unwrapped to be safe.
     """
-    result = tokenizer.apply_chat_template(
-        list(messages),
-        tokenize=True,
-        add_generation_prompt=add_generation_prompt,
-        return_dict=False,
-        **dict(template_kwargs or {}),
-    )
-    if isinstance(result, Mapping):
-        result = result["input_ids"]
-    return [int(token) for token in result]
+    return _ids(_render(tokenizer, messages, add_generation_prompt, template_kwargs, True)[0])
 
 
 def render_text(
@@ -179,17 +173,101 @@ def render_text(
 ) -> str:
     """``messages`` rendered through the chat template as text (what :func:`render_ids`
     tokenizes)."""
-    return tokenizer.apply_chat_template(
-        list(messages),
-        tokenize=False,
-        add_generation_prompt=add_generation_prompt,
-        **dict(template_kwargs or {}),
-    )
+    return _render(tokenizer, messages, add_generation_prompt, template_kwargs, False)[0]
+
+
+def render_answered(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Mapping[str, Any]],
+    template_kwargs: Mapping[str, Any] | None = None,
+    tokenize: bool = True,
+) -> tuple[list[int] | str, bool]:
+    """A conversation that ends with an answer (an assistant turn), rendered, and whether
+    the rendering ends the answer's turn as the renderer ends a turn.
+
+    A chat template renders the answer as a finished turn. A renderer that serves only
+    (mistral_common, which vLLM renders Mistral's own format with) refuses a conversation
+    that ends with an assistant turn, unless it is an answer in progress: vLLM's chat API
+    renders it so where a request asks to continue its final message
+    (``continue_final_message``), and so is it rendered here, without an end of turn (False):
+    the caller ends it with the id the target stops at, as a model ends its answer."""
+    rendered, ended = _render(tokenizer, messages, False, template_kwargs, tokenize)
+    return (_ids(rendered) if tokenize else rendered), ended
+
+
+def _render(tokenizer, messages, add_generation_prompt, template_kwargs, tokenize):
+    options = {"tokenize": tokenize, "add_generation_prompt": add_generation_prompt}
+    if tokenize:
+        options["return_dict"] = False
+    options |= dict(template_kwargs or {})
+    try:
+        return tokenizer.apply_chat_template(list(messages), **options), True
+    except Exception as refused:
+        answer_last = bool(messages) and messages[-1].get("role") == "assistant"
+        if add_generation_prompt or not answer_last:
+            raise
+        try:
+            continued = tokenizer.apply_chat_template(
+                list(messages), **options, continue_final_message=True
+            )
+        except Exception:
+            raise refused from None
+        return continued, False
+
+
+def _ids(result) -> list[int]:
+    if isinstance(result, Mapping):
+        result = result["input_ids"]
+    return [int(token) for token in result]
 
 
 def text_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
-    """Token ids of rendered text, tokenized as ``apply_chat_template`` tokenizes it."""
+    """Token ids of rendered text, tokenized as ``apply_chat_template`` tokenizes it: the
+    text of a special token (``<|im_end|>``, ``[THINK]``) is that token. A tokenizer that
+    never reads text as a special token (Tekken, where ``</s>`` as text is four plain
+    tokens: its renderer puts special tokens in by id) gets them by id here too."""
+    specials = _unread_specials(tokenizer)
+    if not specials:
+        return _plain_ids(tokenizer, text)
+    ids: list[int] = []
+    for i, piece in enumerate(specials["pattern"].split(text)):
+        if i % 2:
+            ids.append(specials["ids"][piece])
+        elif piece:
+            ids += _plain_ids(tokenizer, piece)
+    return ids
+
+
+def _plain_ids(tokenizer, text: str) -> list[int]:
     return [int(token) for token in tokenizer(text, add_special_tokens=False)["input_ids"]]
+
+
+_UNREAD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _unread_specials(tokenizer) -> dict | None:
+    """The special tokens of a tokenizer that does not read their text as them (None where it
+    does, as transformers' own tokenizers do): their ids by text, and a pattern that splits
+    text at them, longest first."""
+    if tokenizer not in _UNREAD:
+        names = [t for t in getattr(tokenizer, "all_special_tokens", []) if t]
+        by_text = {name: tokenizer.convert_tokens_to_ids(name) for name in names}
+        by_text = {name: int(i) for name, i in by_text.items() if i is not None}
+        eos = tokenizer.eos_token
+        unread = eos in by_text and _plain_ids(tokenizer, eos) != [by_text[eos]]
+        _UNREAD[tokenizer] = (
+            {
+                "ids": by_text,
+                "pattern": re.compile(
+                    "("
+                    + "|".join(re.escape(n) for n in sorted(by_text, key=len, reverse=True))
+                    + ")"
+                ),
+            }
+            if unread
+            else None
+        )
+    return _UNREAD[tokenizer]
 
 
 def answer_opening(
@@ -210,7 +288,7 @@ def answer_opening(
     if prompt is None:
         prompt = render_text(tokenizer, messages, True, template_kwargs)
     answer = with_reasoning({"role": "assistant", "content": CONTENT_MARK}, reasoning)
-    text = render_text(tokenizer, [*messages, answer], False, template_kwargs)
+    text = render_answered(tokenizer, [*messages, answer], template_kwargs, tokenize=False)[0]
     if not text.startswith(prompt):
         return None
     opening, found, _ = text[len(prompt) :].partition(CONTENT_MARK)

@@ -20,8 +20,9 @@ from transformers import AutoTokenizer
 
 from eaglet.core.io import read_jsonl
 from eaglet.data.prompts import RECORDED_ANSWER
-from eaglet.data.template_check import answer_opening, render_ids
+from eaglet.data.template_check import answer_opening, render_answered, render_ids
 from eaglet.engine.client import gather_or_cancel, post_json, with_retries
+from eaglet.engine.support import mistral_mode
 from eaglet.stages.generate.run import (
     build_messages,
     discard_saved,
@@ -58,7 +59,7 @@ class TemplateError(RuntimeError):
 
 def check_renderable(
     prompts: list[dict],
-    system_prompt: str | None,
+    system_prompt: str | list | None,
     tokenizer,
     template_kwargs: dict | None,
     listed: int = 5,
@@ -88,9 +89,16 @@ def check_renderable(
 
 def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool):
     """The target's tokenizer, with the model's own code only when the config trusts it
-    (``target.trust_remote_code``; the server gets the same setting). A tokenizer that is
+    (``target.trust_remote_code``; the server gets the same setting); mistral_common's where
+    vLLM serves the target in its Mistral mode, or will (:func:`mistral_mode`). A tokenizer that is
     code shipped with the model (``auto_map`` in tokenizer_config.json, a tokenization_*.py:
     Kimi's tiktoken tokenizer) fails without it, with the setting named."""
+    if mistral_mode(path) is not False:
+        # Mistral's own format: vLLM renders with mistral_common's tokenizer, whatever the
+        # config beside it says (tokenizers/registry.py), and so does eaglet
+        from transformers import MistralCommonBackend
+
+        return MistralCommonBackend.from_pretrained(path)
     try:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except ValueError as exc:
@@ -127,11 +135,8 @@ def dataset_record(prompt: dict, tokenizer, gen: dict, stop_ids: set[int]) -> di
     kwargs = gen["chat_template_kwargs"]
     messages = build_messages(prompt, gen["system_prompt"])
     prompt_ids = render_ids(tokenizer, messages, add_generation_prompt=True, template_kwargs=kwargs)
-    whole = render_ids(
-        tokenizer,
-        [*messages, {"role": "assistant", "content": prompt["answer"]}],
-        add_generation_prompt=False,
-        template_kwargs=kwargs,
+    whole, ended = render_answered(
+        tokenizer, [*messages, {"role": "assistant", "content": prompt["answer"]}], kwargs
     )
     if whole[: len(prompt_ids)] != prompt_ids:
         raise RuntimeError(
@@ -143,6 +148,8 @@ def dataset_record(prompt: dict, tokenizer, gen: dict, stop_ids: set[int]) -> di
     stop = next((i for i, t in enumerate(answer) if t in stop_ids), None)
     if stop is not None:
         answer = answer[: stop + 1]
+    elif not ended:  # rendered as an answer in progress: the target ends it with its stop id
+        answer = [*answer, min(stop_ids)]
     finish = "stop"
     if len(answer) > gen["max_tokens"]:
         answer, finish = answer[: gen["max_tokens"]], "length"
