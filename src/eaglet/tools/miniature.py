@@ -36,17 +36,20 @@ from eaglet.data.template_check import (
     CONTENT_MARK,
     answer_format,
     answer_opening,
+    render_answered,
     render_ids,
     render_text,
     text_ids,
 )
-from eaglet.engine.support import mtp_layers, mtp_served
+from eaglet.engine.support import mistral_mode, mtp_layers, mtp_served
+from eaglet.stages.generate.rendering import load_tokenizer
 from eaglet.target.checkpoint import (
     CONFIG_FILE_SUFFIXES,
     checkpoint_layout,
     layer_prefix,
     weight_map,
 )
+from eaglet.tools import mistral_format
 
 log = logging.getLogger("eaglet.tools.miniature")
 
@@ -227,7 +230,7 @@ def build(
     directory vLLM serves and eaglet reads), taught the chat format of the run's reasoning
     parser; return what was built, with how far the format was learned."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     # the config class transformers (or the target's own code) gives these files; a
     # wrapper's language model is its text config (transformers maps Kimi's kimi_k2 to
@@ -242,7 +245,7 @@ def build(
     # the target's own directory: transformers picks a tokenizer class by the config beside
     # it (DeepSeek's distills name LlamaTokenizerFast, read as Qwen2's beside a qwen2 config
     # and with a Llama pre-tokenizer, no spaces kept, beside none)
-    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+    tokenizer = load_tokenizer(source, trust_remote_code)
     small_config = type(text).from_dict(small)
     small_config.architectures = None  # the class transformers builds says it
     torch.manual_seed(seed)
@@ -276,6 +279,12 @@ def build(
     # the target's MTP layers, where its files hold them (or name no tensor to tell by): its
     # mtp baseline is rehearsed as the real one is served, or not measured as it would not be
     mtp = add_mtp_layers(model, small, out, seed) if mtp_served(source)[1] is None else None
+    # a target in Mistral's own format is served in vLLM's Mistral mode: so is its miniature
+    mistral = (
+        mistral_format.write(model, small, source, out)
+        if mistral_mode(source) is not False
+        else None
+    )
     # the target's own generation config (its stop tokens: a chat turn ends at <|im_end|>,
     # not at the config's eos), which save_pretrained wrote over
     if (source / "generation_config.json").exists():
@@ -287,6 +296,7 @@ def build(
         "changes": changes,
         "taught": taught,
         "mtp": mtp,
+        "mistral_format": mistral and {k: mistral[k] for k in ("file", "tensors")},
     }
     (out / "miniature.json").write_text(json.dumps(info, indent=1))
     return info
@@ -368,11 +378,11 @@ def answer_text(
     the first id the target stops at."""
 
     prompt = render_text(tokenizer, messages, True, template_kwargs)
-    whole = render_text(
+    whole, _ = render_answered(
         tokenizer,
         [*messages, {"role": "assistant", "content": CONTENT_MARK}],
-        False,
         template_kwargs,
+        tokenize=False,
     )
     tail = whole.partition(CONTENT_MARK)[2]
     tail_ids = text_ids(tokenizer, tail)
