@@ -158,7 +158,7 @@ def answer_settings(
     sampling: Sampling,
     template_kwargs: dict | None,
     capture: bool,
-    system_prompt: str | None = None,
+    system_prompt: str | list | None = None,
 ) -> dict:
     """What an answer was made with, beyond its prompt: a record made otherwise is asked
     again (a changed max_tokens, temperature, system prompt, template switch or capture

@@ -42,7 +42,7 @@ log = logging.getLogger("eaglet.stages.generate")
 # -- one request -----------------------------------------------------------------------------
 
 
-def build_messages(prompt: dict, system_prompt: str | None) -> list[dict]:
+def build_messages(prompt: dict, system_prompt: str | list | None) -> list[dict]:
     messages = list(prompt["messages"])
     if system_prompt and not any(m["role"] == "system" for m in messages):
         messages.insert(0, {"role": "system", "content": system_prompt})
@@ -149,7 +149,7 @@ class GenerationSettings:
     concurrency: int
     request_timeout_s: float
     max_retries: int
-    system_prompt: str | None = None
+    system_prompt: str | list | None = None
     model_name: str | None = None
     api_key: str | None = None
     # the server saves each answer's hidden states here (generate.capture_hidden_states)
