@@ -8,7 +8,7 @@ from eaglet.tools.model_card import write_card
 
 smk = snakemake  # noqa: F821 (injected by Snakemake)
 cfg = {
-    "evaluate": smk.params.evaluate,
+    "evaluate": {**smk.config["evaluate"], **smk.params.evaluate},
     "target": smk.params.target,
     "server": smk.config["server"],
     "generate": {"chat_template_kwargs": smk.params.get("chat_template_kwargs")},

@@ -14,7 +14,7 @@ if smk.rule == "scaling_train":
         "scaling",
         smk.log[0],
         lambda: train_subset(
-            dict(smk.params.train),
+            {**smk.config["train"], **smk.params.train},  # RUN_ONLY settings from the config
             float(smk.wildcards.fraction),
             list(smk.input.shards),
             list(smk.input.eval_shards),

@@ -18,7 +18,9 @@ from eaglet.tools.model_card import write_card
 smk = snakemake  # noqa: F821 (injected by Snakemake)
 target = read_target(smk.input.target)
 args = {
-    "cfg": dict(smk.params.train),
+    # the settings that change the drafter (params), and those that only decide how the run
+    # goes (core.config.RUN_ONLY), from the config
+    "cfg": {**smk.config["train"], **smk.params.train},
     "shard_paths": list(smk.input.shards),
     "eval_shard_paths": list(smk.input.eval_shards),
     "vocab_map": smk.input.vocab,

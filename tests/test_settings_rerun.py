@@ -173,6 +173,19 @@ def test_settings_are_recorded_dated_at_the_epoch_the_first_time_and_their_chang
     assert differences({"a": 1}, {"a": 1, "x": 2}) == ["x: None -> 2"]
 
 
+def test_a_settings_file_that_recorded_run_only_settings_is_read_without_them(tmp_path):
+    """A file written when generate.concurrency was among the recorded settings (it never
+    changed a sample: core.config.RUN_ONLY) is not rewritten for lack of it, or the stage
+    and all after it would rerun."""
+    path = tmp_path / "generate.json"
+    path.write_text(json.dumps({"generate": {"concurrency": 64, "max_tokens": 32}}))
+    before = path.stat().st_mtime_ns
+    assert record_settings(path, {"generate": {"max_tokens": 32}}) == []
+    assert path.stat().st_mtime_ns == before
+    changed = record_settings(path, {"generate": {"max_tokens": 64}})
+    assert changed and "max_tokens" in changed[0]
+
+
 def test_a_settings_file_that_cannot_be_read_reruns_its_stage_and_a_preview_leaves_it(tmp_path):
     """A damaged settings file says nothing of how the outputs were made: taken as missing
     (dated at the epoch), a changed config then reran nothing, and a dry run or `eaglet

@@ -308,10 +308,16 @@ def test_trained_drafter_is_measured_in_vllm_and_reported(results, tmp_path):
 
     finished = status(results)
     assert all(s["state"] == "completed" for s in finished.values()), finished
-    # how the server starts and stops changes no sample and no state: nothing reruns (the
+    # how the server starts and stops, and how the stages go (requests at once, timeouts,
+    # logging, checkpoints: core.config.RUN_ONLY), change no output: nothing reruns (the
     # params Snakemake recorded are checked, which a touched tree would not have)
     overlay = tmp_path / "server.yaml"
-    overlay.write_text("server:\n  startup_timeout_s: 7200\n  kv_cache_gib: 1\n")
+    overlay.write_text(
+        "server: {startup_timeout_s: 7200, kv_cache_gib: 1}\n"
+        "generate: {concurrency: 2, request_timeout_s: 99, max_retries: 1}\n"
+        "train: {log_every: 3, checkpoint_every: 7, keep_checkpoints: 1}\n"
+        "evaluate: {request_timeout_s: 99}\n"
+    )
     proc = workflow.run(results, extra=("-n",), configs=(overlay,))
     assert "Nothing to be done" in proc.stdout + proc.stderr, proc.stdout[-3000:]
     # judged against the config the run recorded, nothing is outdated either

@@ -321,14 +321,41 @@ def stream_refusals(cfg: dict[str, Any]) -> None:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
 
 
+# Settings that decide how a stage runs, never what it writes (how many requests at once,
+# how long to wait, how often to log or keep a checkpoint): not in its rule's params or its
+# settings file, so a changed one reruns nothing; the stage's script reads them from the
+# config. A settings file written when they were recorded is read without them.
+RUN_ONLY = {
+    "generate": ("concurrency", "request_timeout_s", "max_retries"),
+    "train": ("log_every", "checkpoint_every", "keep_checkpoints", "report_to"),
+    "evaluate": ("request_timeout_s",),
+}
+
+
 def stage_params(cfg: dict[str, Any], section: str, drop: tuple[str, ...] = ()) -> dict[str, Any]:
-    """``cfg[section]`` as a rule's params: without ``drop`` and without the settings of
-    :data:`ADDED_LATER` at their earlier behaviour."""
+    """``cfg[section]`` as a rule's params: without ``drop``, the :data:`RUN_ONLY` settings
+    and the settings of :data:`ADDED_LATER` at their earlier behaviour."""
     later = ADDED_LATER.get(section, {})
+    drop = (*drop, *RUN_ONLY.get(section, ()))
     return {
         k: v
         for k, v in cfg[section].items()
         if k not in drop and not (k in later and v == later[k])
+    }
+
+
+def without_run_only(settings: Any) -> Any:
+    """A stage's recorded settings without the :data:`RUN_ONLY` ones (a file written when
+    they were recorded: they say nothing of its outputs)."""
+    if not isinstance(settings, dict):
+        return settings
+    return {
+        section: (
+            {k: v for k, v in value.items() if k not in RUN_ONLY[section]}
+            if section in RUN_ONLY and isinstance(value, dict)
+            else value
+        )
+        for section, value in settings.items()
     }
 
 
@@ -538,6 +565,7 @@ def record_settings(
         was = None
     except (OSError, ValueError) as error:
         was, unreadable = None, f"{path.name} could not be read ({type(error).__name__})"
+    was = without_run_only(was)
     if was == settings:
         return []
     if unreadable and not write:

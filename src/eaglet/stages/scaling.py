@@ -40,7 +40,7 @@ import torch
 from safetensors import safe_open
 
 from eaglet.core import rates
-from eaglet.core.config import stage_params, validate
+from eaglet.core.config import validate
 from eaglet.core.io import read_json, write_json
 from eaglet.core.layout import (
     DRAFTER,
@@ -487,7 +487,9 @@ class Run:
 
     @property
     def train(self) -> dict:
-        return stage_params(self.cfg, "train", drop=("gpus",))
+        # every train setting, those that only decide how the run goes (RUN_ONLY) too, as
+        # the rule's script passes them
+        return {k: v for k, v in self.cfg["train"].items() if k != "gpus"}
 
     @property
     def max_len(self) -> int:
