@@ -60,6 +60,24 @@ def test_a_drafter_that_is_always_wrong_gets_nothing_accepted():
     assert counts["accepted"] == 0 and counts["drafts"] == len(ids) - 4 - 1
 
 
+def test_drafts_the_server_drops_are_no_drafting_steps_and_cut_ones_count_what_is_left():
+    """Where the server holds answers to a grammar it keeps of each draft the prefix the
+    grammar accepts (eaglet.engine.grammar): a round whose draft it drops to nothing is no
+    drafting step (the target produces one token), a cut one counts its kept tokens."""
+    from eaglet.model.replay import kept
+
+    ids = list(range(30))
+    wrong = lambda p, n: [-1] * n  # noqa: E731
+    # every third round's draft dropped, the others cut to 2 tokens
+    keep = lambda p, drafts: [] if p % 3 == 0 else drafts[:2]  # noqa: E731
+    counts = replay(kept(wrong, keep), ids, 4, 3)
+    rows = range(3, len(ids) - 2)
+    assert counts["drafts"] == sum(1 for p in rows if p % 3)
+    assert counts["draft_tokens"] == 2 * counts["drafts"]
+    oracle = lambda p, n: ids[p + 2 : p + 2 + n]  # noqa: E731
+    assert replay(kept(oracle, None), ids, 5, 3) == replay(oracle, ids, 5, 3)
+
+
 def reference_chain(drafter: Eagle3Drafter, aux, ids, p: int, k: int) -> list[int]:
     """Plainly: run the drafter's full TTT forward over rows 0..p with 1, 2, ..., k steps,
     writing each new draft into the next step's input at row p."""

@@ -101,12 +101,16 @@ def draft_parallel(drafter, aux: torch.Tensor, ids: torch.Tensor, p: int, k: int
 
 def replay(draft, ids: list[int], prompt_len: int, k: int) -> dict:
     """vLLM's counters for one greedy sequence (prompt + the target's own continuation);
-    ``draft(p, k)`` returns the k draft tokens proposed from row ``p``."""
+    ``draft(p, k)`` returns the draft tokens proposed from row ``p`` as the server keeps them
+    (:func:`kept`): none is no drafting step."""
     n = len(ids)
     counts = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_position": [0] * k, "past_end": 0}
     p = prompt_len - 1  # after prefill the target has produced token prompt_len
     while p + 2 < n:  # at least one token left to draft for
         drafts = draft(p, k)
+        if not drafts:  # the server dropped the draft: the target produces one token
+            p += 1
+            continue
         accepted = 0
         for j, token in enumerate(drafts):
             if p + 2 + j >= n:  # past the answer's end: vLLM may accept these (see above)
@@ -117,12 +121,21 @@ def replay(draft, ids: list[int], prompt_len: int, k: int) -> dict:
             else:
                 break
         counts["drafts"] += 1
-        counts["draft_tokens"] += k
+        counts["draft_tokens"] += len(drafts)
         counts["accepted"] += accepted
         for j in range(accepted):
             counts["per_position"][j] += 1
         p += accepted + 1
     return counts
+
+
+def kept(draft, keep=None):
+    """``draft(p, k)`` as the server keeps its drafts: ``keep(p, drafts)``, the longest prefix
+    a grammar the server holds the answer to accepts (:mod:`eaglet.engine.grammar`); all of
+    them without one."""
+    if keep is None:
+        return draft
+    return lambda p, k: keep(p, list(draft(p, k)))
 
 
 def empty_counts(k: int) -> dict:
@@ -176,15 +189,18 @@ def replay_counts(
     completion_ids: list[int],
     k: int,
     draft: Callable = draft_chain,
+    keep: Callable | None = None,
 ) -> dict:
     """vLLM's counters for one greedy sequence, drafted from its aux states ``aux``
     ([at least len(prompt) + len(completion) rows, 3H], any float dtype) the way ``draft``
     drafts a round (``draft(drafter, aux, ids, p, k)``: EAGLE-3's chain of k forwards by
-    default; ``eaglet.model.methods.draft_function`` names each method's)."""
+    default; ``eaglet.model.methods.draft_function`` names each method's), kept as the
+    server keeps them (``keep``: :func:`kept`)."""
     ids = list(prompt_ids) + list(completion_ids)
     aux = aux.to(drafter.fc.weight.dtype)
     seq = torch.tensor(ids)
-    return replay(lambda p, n: draft(drafter, aux, seq, p, n), ids, len(prompt_ids), k)
+    drafts = kept(lambda p, n: draft(drafter, aux, seq, p, n), keep)
+    return replay(drafts, ids, len(prompt_ids), k)
 
 
 def offline_acceptance(
@@ -381,6 +397,7 @@ def replay_sequences(
     sampled_counts=None,
     top_p: float = 1.0,
     top_k: int = 0,
+    keep_for: Callable | None = None,
 ) -> dict:
     """Every sequence replayed at every k from the states ``features`` gives it (each
     sequence's states got once for all k); the counts per k, summed (``counts``) and per
@@ -395,7 +412,9 @@ def replay_sequences(
     ``head`` [V, H], the distribution cut to ``top_p`` and ``top_k`` as vLLM cuts it
     (:func:`token_probability`). ``greedy_counts`` and ``sampled_counts`` count one sequence the way
     another kind of drafter drafts (P-EAGLE's one parallel forward); by default EAGLE-3's
-    chain of k forwards (:func:`replay_counts`, :func:`expected_counts`)."""
+    chain of k forwards (:func:`replay_counts`, :func:`expected_counts`). ``keep_for(prompt,
+    completion)``: what the server keeps of that sequence's drafts (:func:`kept`), where it
+    holds answers to a grammar."""
     if temperature and head is None:
         raise ValueError("an expected replay at a temperature needs the target's lm_head")
     greedy_counts, sampled_counts = (
@@ -419,6 +438,9 @@ def replay_sequences(
             continue
         sources[source] += 1
         for k in ks:
+            # what the server keeps of this sequence's drafts (``keep_for``:
+            # eaglet.engine.grammar.draft_filter), one grammar state per replay
+            keep = {"keep": keep_for(prompt_ids, completion_ids)} if keep_for else {}
             counts = (
                 sampled_counts(
                     drafter,
@@ -430,9 +452,10 @@ def replay_sequences(
                     temperature,
                     top_p=top_p,
                     top_k=top_k,
+                    **keep,
                 )
                 if temperature
-                else greedy_counts(drafter, aux, prompt_ids, completion_ids, k)
+                else greedy_counts(drafter, aux, prompt_ids, completion_ids, k, **keep)
             )
             per_sequence[k].append(counts)
             add_counts(totals[k], counts)
@@ -542,6 +565,9 @@ def expected_replay(draft, prob, ids: list[int], prompt_len: int, k: int, top=No
     while p + 2 < n:  # at least one token left to draft for
         taken = 0
         drafts = draft(p, k)
+        if not drafts:  # the server dropped the draft (:func:`replay`)
+            p += 1
+            continue
         for j, token in enumerate(drafts):
             if p + 2 + j >= n:  # the answer ended: the greedy replay's past_end
                 counts["past_end"] += len(drafts) - j
@@ -554,7 +580,7 @@ def expected_replay(draft, prob, ids: list[int], prompt_len: int, k: int, top=No
                 break
             taken += 1
         counts["drafts"] += 1
-        counts["draft_tokens"] += k
+        counts["draft_tokens"] += len(drafts)
         counts["matched"] += taken
         p += taken + 1
     if top is not None:
@@ -582,9 +608,10 @@ def expected_counts(
     top_p: float = 1.0,
     top_k: int = 0,
     draft: Callable = draft_chain,
+    keep: Callable | None = None,
 ) -> dict:
     """:func:`expected_replay` of one answer sampled at ``temperature`` (cut to ``top_p`` and
-    ``top_k``), drafted from its aux states (``draft`` as :func:`replay_counts`) and verified
+    ``top_k``), drafted from its aux states (``draft`` and ``keep`` as :func:`replay_counts`) and verified
     against the target's distribution from its final-norm states (``states``: both, [at
     least len(prompt) + len(completion) rows, ...]) through the target's lm_head ``head``
     [V, H]."""
@@ -593,9 +620,8 @@ def expected_counts(
     aux = aux.to(drafter.fc.weight.dtype)
     seq = torch.tensor(ids)
     prob, top = target_distribution(final, head, temperature, top_p, top_k)
-    return expected_replay(
-        lambda p, n: draft(drafter, aux, seq, p, n), prob, ids, len(prompt_ids), k, top
-    )
+    drafts = kept(lambda p, n: draft(drafter, aux, seq, p, n), keep)
+    return expected_replay(drafts, prob, ids, len(prompt_ids), k, top)
 
 
 def target_distribution(

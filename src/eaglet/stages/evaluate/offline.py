@@ -11,6 +11,7 @@ from pathlib import Path
 
 from eaglet.core.io import human_size, read_json
 from eaglet.core.progress import Progress
+from eaglet.engine.grammar import draft_filter
 from eaglet.model import methods
 from eaglet.model import replay as offline_eval
 from eaglet.model.replay import (
@@ -175,7 +176,9 @@ def offline_check(
         progress.enter_phase(
             f"offline replay of {name}: {len(sequences)} answers at k {', '.join(map(str, ks))}"
         )
-        replayed[name] = got = replay_sequences(drafter, sequences, ks, features)
+        replayed[name] = got = replay_sequences(
+            drafter, sequences, ks, features, keep_for=server_filter(cfg, target_path, shared)
+        )
         _log_sources(name, got["sources"])
     progress.advance(done=len(fixed))
     out = {run["name"]: _compare(run, replayed) for run in fixed}
@@ -231,6 +234,22 @@ def _replay_inputs(
     return drafter, features, stored, no_stored, served
 
 
+def server_filter(cfg: dict, target_path: str, shared: dict | None = None):
+    """What the run's server keeps of each draft, where its reasoning parser holds every
+    answer to a grammar (:func:`eaglet.engine.grammar.draft_filter`); None where it does not.
+    Asked once per evaluation (``shared``)."""
+    if shared is not None and "server_filter" in shared:
+        return shared["server_filter"]
+    found = draft_filter(
+        target_path,
+        cfg["server"].get("reasoning_parser"),
+        cfg["target"].get("trust_remote_code", False),
+    )
+    if shared is not None:
+        shared["server_filter"] = found
+    return found
+
+
 def load_for_replay(drafter_dir: str, target_path: str):
     """The exported drafter, whatever its method (:func:`drafter_method`), ready to replay as
     vLLM drafts with it (:func:`eaglet.model.methods.load`)."""
@@ -246,11 +265,13 @@ def replay_sequences(
     head=None,
     top_p: float = 1.0,
     top_k: int = 0,
+    keep_for=None,
 ) -> dict:
     """:func:`eaglet.model.replay.replay_sequences` with the drafts the drafter makes in
     vLLM (:func:`eaglet.model.methods.draft_function`: EAGLE-3's chain of k forwards, or the
-    one forward per round of P-EAGLE and DFlash), with the same counts, per-sequence counts
-    and sources."""
+    one forward per round of P-EAGLE and DFlash), kept as the server keeps them
+    (``keep_for``: :func:`server_filter`), with the same counts, per-sequence counts and
+    sources."""
     draft = methods.draft_function(drafter)
     return offline_eval.replay_sequences(
         drafter,
@@ -263,6 +284,7 @@ def replay_sequences(
         sampled_counts=partial(offline_eval.expected_counts, draft=draft),
         top_p=top_p,
         top_k=top_k,
+        keep_for=keep_for,
     )
 
 
@@ -344,7 +366,14 @@ def expected_check(
                 f"{sampling_text(t, cfg['evaluate'])}"
             )
             replayed[name] = got = replay_sequences(
-                drafter, sequences, [k], features, t, head, **cut(cfg["evaluate"])
+                drafter,
+                sequences,
+                [k],
+                features,
+                t,
+                head,
+                **cut(cfg["evaluate"]),
+                keep_for=server_filter(cfg, target_path, shared),
             )
             _log_sources(f"{name} ({run['name']})", got["sources"])
         out[run["name"]] = {
