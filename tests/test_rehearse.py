@@ -222,7 +222,7 @@ def test_a_sampled_run_is_held_to_its_drafts_exactly_and_to_its_expectation_with
 
 # `make test` rehearses the founding user's target (MLA, MoE, the multimodal wrapper, a
 # tokenizer as code); the other shipped configs rehearse with `make test-rehearsals`
-# (EAGLET_REHEARSE_ALL=1), each about 6.5 minutes on 2 cores: four reasoning formats in all
+# (EAGLET_REHEARSE_ALL=1), each about 6.5 minutes on 2 cores: six reasoning formats in all
 # (tests/standins/README.md), each rehearsed green with nothing of it named in eaglet.
 OTHER_CONFIGS = pytest.mark.skipif(
     not os.environ.get("EAGLET_REHEARSE_ALL"),
@@ -230,10 +230,19 @@ OTHER_CONFIGS = pytest.mark.skipif(
 )
 
 
+# the stand-ins whose tokenizer file is built from a vLLM dependency's own data (too large
+# to keep in the repository: tests/standins/README.md), by the script that builds it
+BUILT_TOKENIZERS = {
+    "gpt-oss-20b": ("tokenizer.json", "make_harmony_tokenizer.py"),
+    "magistral-small-2507": ("tekken.json", "make_tekken_tokenizer.py"),
+}
+
+
 def standin_files(name: str, tmp_path: Path) -> Path:
     """A stand-in's folder; gpt-oss's with its tokenizer built from the installed harmony
-    encoding (28 MB, not kept in the repository: tests/standins/README.md)."""
-    if (STANDINS / name / "tokenizer.json").exists() or name != "gpt-oss-20b":
+    encoding, Magistral's from mistral_common's Tekken vocabulary."""
+    built, script = BUILT_TOKENIZERS.get(name, (None, None))
+    if built is None or (STANDINS / name / built).exists():
         return STANDINS / name
     import shutil
     import subprocess
@@ -242,9 +251,7 @@ def standin_files(name: str, tmp_path: Path) -> Path:
     files = tmp_path / "files" / name
     shutil.copytree(STANDINS / name, files)
     subprocess.run(
-        [sys.executable, str(STANDINS / "make_harmony_tokenizer.py"), str(files)],
-        check=True,
-        capture_output=True,
+        [sys.executable, str(STANDINS / script), str(files)], check=True, capture_output=True
     )
     return files
 
@@ -256,7 +263,13 @@ def standin_files(name: str, tmp_path: Path) -> Path:
         "kimi-k2.5",
         *(
             pytest.param(n, marks=OTHER_CONFIGS)
-            for n in ("qwen3-8b", "deepseek-r1-distill-qwen-7b", "gemma-4-e2b-it", "gpt-oss-20b")
+            for n in (
+                "qwen3-8b",
+                "deepseek-r1-distill-qwen-7b",
+                "gemma-4-e2b-it",
+                "gpt-oss-20b",
+                "magistral-small-2507",
+            )
         ),
     ],
 )
