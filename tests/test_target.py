@@ -219,3 +219,19 @@ def test_the_embedded_target_checks_the_disk_before_loading_it(tmp_path, monkeyp
     free["bytes"] = 10**10
     with pytest.raises(Loaded):
         prepare_target(EMBEDDED_SPEC, tmp_path / "target")
+
+
+def test_the_embedded_target_is_read_where_the_results_are_now(tmp_path):
+    """prepare_target writes the embedded default beside target.json: moved or copied with
+    the results, it is read there, not at the absolute path recorded when it was prepared
+    (a moved run failed on a missing config.json; a copy read the original's). A local
+    directory or a hub snapshot stays where it was recorded."""
+    from eaglet.core.io import write_json
+    from eaglet.target.checkpoint import read_target
+
+    moved = tmp_path / "moved" / "target"
+    moved.mkdir(parents=True)
+    write_json(moved / "target.json", {"spec": "embedded:smollm2-135m-instruct", "path": "/old"})
+    assert read_target(moved / "target.json")["path"] == str(moved.resolve())
+    write_json(moved / "target.json", {"spec": "/models/mine", "path": "/models/mine"})
+    assert read_target(moved / "target.json")["path"] == "/models/mine"

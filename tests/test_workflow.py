@@ -350,6 +350,26 @@ def test_trained_drafter_is_measured_in_vllm_and_reported(results, tmp_path):
     assert served in first_page, (served, first_page[:3000])
 
 
+def test_a_finished_run_copied_elsewhere_reruns_nothing_and_reads_its_own_target(results, tmp_path):
+    """A results directory moved or copied (to larger storage, off a cluster's scratch) is
+    still the run: nothing reruns, and it reads the target it holds (the embedded default's,
+    under target/), not the original's, whose absolute path target.json recorded."""
+    from eaglet.stages.evaluate.placement import recorded_target_dir
+
+    copy = tmp_path / "elsewhere" / "results"
+    try:  # hard links: the same bytes and times, no copy of a run's states
+        shutil.copytree(results, copy, copy_function=os.link)
+    except OSError:
+        shutil.rmtree(copy, ignore_errors=True)
+        shutil.copytree(results, copy)
+    proc = workflow.run(copy, extra=("-n",))
+    assert "Nothing to be done" in proc.stdout + proc.stderr, proc.stdout[-3000:]
+    target = read_target(copy / "target" / "target.json")
+    assert target["path"] == str((copy / "target").resolve())
+    assert read_json(copy / "target" / "target.json")["path"] == str((results / "target").resolve())
+    assert recorded_target_dir(copy, target["spec"]) == target["path"]
+
+
 def test_a_dflash_drafter_trains_and_is_served_beside_eagle3(results, tmp_path):
     """train.method dflash on the same shards, in a results dir of its own (the finished
     run's data linked, as docs/training.md says to compare methods): the export loads in vLLM as

@@ -218,7 +218,7 @@ def check_recorded_target(
     """``check_run_fits`` against an existing ``target.json`` of the same target (a run
     that changes only these settings reruns no ``prepare_target``)."""
     try:
-        info = read_json(target_json)
+        info = read_target(target_json)
     except (OSError, ValueError):
         return
     if info.get("spec") == spec:
@@ -263,7 +263,16 @@ def prepare_target(
 
 
 def read_target(target_json: str | os.PathLike) -> dict:
-    return read_json(target_json)
+    """``target.json``, with the target's directory where it is now: the embedded default's
+    is the directory of ``target.json`` itself (prepare_target writes it there), wherever the
+    results were moved or copied to. The absolute path recorded at preparation named the
+    old place: a moved run failed on a missing ``config.json``, and a copied one read the
+    original's target until the original was deleted. A local directory or a hub snapshot
+    stays where it was recorded (moving the results does not move them)."""
+    info = read_json(target_json)
+    if str(info.get("spec", "")).startswith("embedded:"):
+        info["path"] = str(Path(target_json).resolve().parent)
+    return info
 
 
 def load_text_config(path: str | Path) -> dict:

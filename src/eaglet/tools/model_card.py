@@ -49,6 +49,7 @@ from eaglet.core.layout import (
     VOCAB_STATS,
 )
 from eaglet.stages.evaluate.runs import is_drafter
+from eaglet.target.checkpoint import read_target
 
 log = logging.getLogger("eaglet.tools.model_card")
 
@@ -452,7 +453,8 @@ def model_card(
     None: its directory, as the evaluation served it)."""
     results = Path(results_dir)
     cfg = cfg if cfg is not None else run_config(results)
-    target = _read(results / TARGET_JSON)
+    # where the target is now (read_target: the embedded one moves with the results)
+    target = _read(results / TARGET_JSON) and read_target(results / TARGET_JSON)
     drafter_dir = (results / DRAFTER).resolve()
     config = _read(drafter_dir / "config.json")
     method = (

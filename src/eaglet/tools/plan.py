@@ -17,7 +17,7 @@ from pathlib import Path
 from eaglet.core import methods
 from eaglet.core.config import ConfigError, eval_shard_count, load_run_config, validate
 from eaglet.core.gpus import GPU_BYTES, GPU_NAME, GPU_USABLE
-from eaglet.core.io import human_size, read_json
+from eaglet.core.io import human_size
 from eaglet.core.layout import HIDDEN, SHARD_GLOB, START_DRAFTER, SYNTHETIC_STATS, TARGET_JSON
 from eaglet.engine.support import (
     ask_in_subprocess,
@@ -28,7 +28,7 @@ from eaglet.engine.support import (
 from eaglet.model import published
 from eaglet.model.sizes import PRESETS, shape_from_target_config, target_size, with_drafter
 from eaglet.target.checkpoint import TEACHER_CHUNK_ROWS as TEACHER_CHUNK
-from eaglet.target.checkpoint import TargetError, local_dir, snapshot
+from eaglet.target.checkpoint import TargetError, local_dir, read_target, snapshot
 from eaglet.tools.memory_plan import FUSED, GiB, fits, plan
 
 
@@ -249,7 +249,7 @@ def _run_target(cfg: dict, results: Path) -> tuple[dict, Path] | None:
     target_json = results / TARGET_JSON
     if not target_json.exists():
         return None
-    info = read_json(target_json)
+    info = read_target(target_json)
     if info.get("spec") not in (None, str(cfg["target"]["model"])):
         return None
     directory = Path(info["path"])

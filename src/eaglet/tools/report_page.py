@@ -44,6 +44,7 @@ from eaglet.core.methods import words
 from eaglet.core.progress import format_duration, took
 from eaglet.engine.server import SERVER_MODULE
 from eaglet.stages.evaluate.runs import is_drafter, sampling_text
+from eaglet.target.checkpoint import read_target
 from eaglet.tools.model_card import model_card
 from eaglet.tools.status.stages import STAGES
 
@@ -76,7 +77,8 @@ class Results:
 
     @cached_property
     def target(self) -> dict | None:
-        return _read(self.dir / TARGET_JSON)
+        # where the target is now (read_target: the embedded one moves with the results)
+        return _read(self.dir / TARGET_JSON) and read_target(self.dir / TARGET_JSON)
 
     @cached_property
     def prompts(self) -> dict | None:

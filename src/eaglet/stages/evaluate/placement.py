@@ -9,10 +9,11 @@ from pathlib import Path
 from typing import NamedTuple
 
 from eaglet.core.gpus import GPU_BYTES, GPU_USABLE
-from eaglet.core.io import human_size, read_json
+from eaglet.core.io import human_size
 from eaglet.core.layout import TARGET_JSON
 from eaglet.model.sizes import target_size
 from eaglet.stages.evaluate.runs import serving
+from eaglet.target.checkpoint import read_target
 
 # per server (per GPU of a GPU server): the engine process, its activations and buffers, the
 # CUDA context, the drafter's one layer. On the CPU engine the embedded model's server process
@@ -124,6 +125,6 @@ def recorded_target_dir(results: str | os.PathLike, spec: str) -> str | None:
     """The target's directory as prepare_target recorded it in ``results``, else the
     configured one where it is a local directory; None before a hub target is prepared."""
     try:
-        return read_json(Path(results) / TARGET_JSON)["path"]
+        return read_target(Path(results) / TARGET_JSON)["path"]
     except (OSError, ValueError, KeyError):
         return spec if Path(spec).is_dir() else None

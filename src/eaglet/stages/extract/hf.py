@@ -33,10 +33,10 @@ import torch
 
 from eaglet.core import rates
 from eaglet.core.dtypes import torch_dtype
-from eaglet.core.io import read_json, read_jsonl
+from eaglet.core.io import read_jsonl
 from eaglet.core.progress import Progress
 from eaglet.data import shards
-from eaglet.target.checkpoint import load_text_config
+from eaglet.target.checkpoint import load_text_config, read_target
 from eaglet.target.hooks import AuxCapture, decoder_layers
 from eaglet.target.states import (
     ExtractionError,
@@ -579,7 +579,7 @@ def run_shards(
     the target loaded once, the shards extracted by :func:`extract_shards` (each write beside
     the next shard's forward)."""
     ext = cfg["extract"]
-    info = read_json(target_json)
+    info = read_target(target_json)
     data: dict[str, list[dict]] = {}
     for job in jobs:
         if job.data not in data:

@@ -15,7 +15,7 @@ from eaglet.core.layout import server_log
 from eaglet.data import shards
 from eaglet.stages.extract import vllm
 from eaglet.stages.extract.hf import extract_shard, hidden_size_of, load_target
-from eaglet.target.checkpoint import load_text_config
+from eaglet.target.checkpoint import load_text_config, read_target
 from eaglet.target.states import (
     BACKEND_ENGINES,
     Target,
@@ -47,7 +47,7 @@ def build_manifest(
     ``eval_shards``."""
 
     ext = cfg["extract"]
-    info = read_json(target_json)
+    info = read_target(target_json)
     num_layers = load_text_config(info["path"])["num_hidden_layers"]
     expected = {
         "aux_layer_ids": resolve_aux_layer_ids(ext["aux_layer_ids"], num_layers),

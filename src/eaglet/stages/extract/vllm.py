@@ -51,7 +51,7 @@ from eaglet.engine.capture import (
     split_states,
 )
 from eaglet.engine.server import VLLMServer
-from eaglet.target.checkpoint import load_head
+from eaglet.target.checkpoint import load_head, read_target
 from eaglet.target.norm import FinalNorm
 from eaglet.target.states import (
     ExtractionError,
@@ -369,7 +369,7 @@ def run_stage(
     """The ``extract_vllm`` rule: every shard of every split (``splits`` maps a split name to
     its ``data`` file and its ``shards`` and ``metas`` paths) with one server."""
 
-    info = read_json(target_json)
+    info = read_target(target_json)
     work = Path(work_dir)
     jobs = []
     for split, files in splits.items():

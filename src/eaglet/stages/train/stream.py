@@ -52,7 +52,7 @@ from pathlib import Path
 import torch
 
 from eaglet.core.config import stream_overlaps
-from eaglet.core.io import read_json, read_jsonl, request_path
+from eaglet.core.io import read_jsonl, request_path
 from eaglet.engine.capture import Extractor, capture_layer_ids, remove_request
 from eaglet.model.sizes import default_window
 from eaglet.stages.train.data import Samples, ShardInfo, TrainError
@@ -60,7 +60,7 @@ from eaglet.stages.train.feed_cache import StateFiles
 from eaglet.stages.train.feed_check import TeacherCheck
 from eaglet.stages.train.feed_loop import FeedLoop
 from eaglet.stages.train.feed_requests import FeedRequests, SharedServer
-from eaglet.target.checkpoint import load_head
+from eaglet.target.checkpoint import load_head, read_target
 from eaglet.target.states import (
     Target,
     TeacherHead,
@@ -461,7 +461,7 @@ def open_stream(
             },
         }
     ext = cfg["extract"]
-    info = read_json(stream["target_json"])
+    info = read_target(stream["target_json"])
     records = read_jsonl(stream["data"])
     if not records:
         raise TrainError(
