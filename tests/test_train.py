@@ -986,3 +986,33 @@ def test_sigterm_checkpoints_and_says_so_and_the_rerun_resumes_to_the_same_weigh
     assert ours.keys() == theirs.keys()
     for name in ours:
         assert torch.allclose(ours[name], theirs[name], atol=1e-6), name
+
+
+def test_a_checkpoint_that_fills_the_disk_says_so_and_leaves_the_earlier_ones(
+    tmp_path, monkeypatch
+):
+    """A disk that fills while a checkpoint is written: torch's own error ("[enforce fail at
+    inline_container.cc:672] . unexpected pos") said nothing of the disk and left its
+    temporary directory behind. The stage names the full disk and the fix; the checkpoints
+    written before it stay, for the rerun to resume from."""
+    import shutil as shutil_module
+    from collections import namedtuple
+
+    from eaglet.stages.train import checkpoints as ckpt
+    from eaglet.stages.train.data import TrainError
+
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    ckpt.save(tmp_path, 1, model, optimizer, scheduler, {"step": 1}, keep=2)
+
+    def full(*args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos")
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(ckpt.torch, "save", full)
+    monkeypatch.setattr(shutil_module, "disk_usage", lambda p: usage(10**9, 10**9, 2**20))
+    with pytest.raises(TrainError, match="disk is full") as raised:
+        ckpt.save(tmp_path, 2, model, optimizer, scheduler, {"step": 2}, keep=2)
+    assert "checkpoint step 2" in str(raised.value) and "resumes" in str(raised.value)
+    assert [p.name for p in tmp_path.iterdir()] == ["step_00000001"]

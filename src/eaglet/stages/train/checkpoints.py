@@ -15,12 +15,14 @@ names it or while it is newer than the newest checkpoint (then a rerun would com
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
 import os
 import random
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -28,7 +30,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from eaglet.core.config import ADDED_LATER
-from eaglet.core.io import atomic_open, read_json, write_json
+from eaglet.core.io import atomic_open, human_size, read_json, write_json
 from eaglet.stages.train.data import ShardInfo, TrainError
 
 log = logging.getLogger("eaglet.stages.train.loop")
@@ -152,27 +154,55 @@ def save(
     tmp = directory / f".step_{step:08d}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    _write_weights(tmp / "model.safetensors", model)
-    with atomic_open(tmp / "trainer.pt", "wb") as handle:
-        torch.save(
-            {
-                "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(),
-                "rng": {
-                    "torch": torch.get_rng_state(),
-                    "python": random.getstate(),
-                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    with _writing(tmp, f"checkpoint step {step}"):
+        _write_weights(tmp / "model.safetensors", model)
+        with atomic_open(tmp / "trainer.pt", "wb") as handle:
+            torch.save(
+                {
+                    "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(),
+                    "rng": {
+                        "torch": torch.get_rng_state(),
+                        "python": random.getstate(),
+                        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+                    },
                 },
-            },
-            handle,
-        )
-    write_json(tmp / "state.json", state)
+                handle,
+            )
+        write_json(tmp / "state.json", state)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     _fsync_dir(directory)
     for old in checkpoints(directory)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     _prune_bests(directory)
+
+
+# below this much free space after a failed write, the disk is what failed it
+FULL_DISK_BYTES = 64 * 2**20
+
+
+@contextmanager
+def _writing(tmp: Path, what: str):
+    """Write ``what`` into the temporary directory ``tmp``; where the write fails, remove
+    what it left and say so, naming a full disk where that is the cause (torch's own words
+    for it are "[enforce fail at inline_container.cc] unexpected pos"). The checkpoints
+    written before stay: a rerun resumes from the newest."""
+    try:
+        yield
+    except (OSError, RuntimeError) as error:
+        shutil.rmtree(tmp, ignore_errors=True)
+        free = shutil.disk_usage(tmp.parent).free
+        cause = (
+            f"the disk is full ({human_size(free)} free on {tmp.parent}): free space, lower "
+            f"train.keep_checkpoints, or point results_dir at a larger disk"
+            if free < FULL_DISK_BYTES or getattr(error, "errno", None) == errno.ENOSPC
+            else f"{type(error).__name__}: {error}"
+        )
+        raise TrainError(
+            f"writing {what} failed: {cause}. The checkpoints written before it are kept; "
+            f"a rerun resumes from the newest."
+        ) from error
 
 
 def _write_weights(path: Path, model: torch.nn.Module) -> None:
@@ -210,8 +240,9 @@ def save_best(
     tmp = directory / f".{final.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    _write_weights(tmp / "model.safetensors", model)
-    write_json(tmp / "state.json", {**record, "fingerprint": fingerprint})
+    with _writing(tmp, f"the best held-out weights (step {record['step']})"):
+        _write_weights(tmp / "model.safetensors", model)
+        write_json(tmp / "state.json", {**record, "fingerprint": fingerprint})
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     _fsync_dir(directory)
