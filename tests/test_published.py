@@ -257,6 +257,15 @@ def test_a_hub_id_that_cannot_be_reached_says_so(monkeypatch):
         published.read("./no/such/dir")
 
 
+def test_a_mistyped_relative_path_is_named_as_a_path_not_a_hub_id(tmp_path, monkeypatch):
+    """drafters/mine read as organization/name: the user got the hub's error for a typo in a
+    local path. Where "drafters" is a local directory, the path is named, with what it holds."""
+    (tmp_path / "drafters" / "my-drafter").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(published.DrafterFormatError, match="its parent holds my-drafter"):
+        published.read("drafters/my-drafer")
+
+
 def test_the_targets_default_layers_stay_unset(world, tmp_path):
     """A drafter reading the target's default aux layers leaves extract.aux_layer_ids unset
     once the target is prepared: set, it would count as a changed setting and redo a finished

@@ -110,6 +110,13 @@ def locate(spec: str) -> Path:
             f"train.init_from {spec!r}: no directory there (a Hugging Face "
             f"id reads organization/name)"
         )
+    if path.parent.is_dir():  # organization/name, where "organization" is a local directory
+        held = sorted(p.name for p in path.parent.iterdir() if p.is_dir())
+        raise DrafterFormatError(
+            f"train.init_from {spec!r}: no directory {path.resolve()} (its parent holds "
+            f"{', '.join(held[:8]) or 'no directory'}); for a Hugging Face id of the same "
+            f"spelling, run from a directory without a {path.parent} in it"
+        )
     try:
         from huggingface_hub import snapshot_download
 
@@ -118,9 +125,10 @@ def locate(spec: str) -> Path:
         )
     except Exception as error:  # offline, gated, or a typo
         raise DrafterFormatError(
-            f"train.init_from {spec!r}: could not get it from the Hugging Face hub ({error}). "
-            f"Check the id, log in for a gated repository (`huggingface-cli login`), or "
-            f"download it and set train.init_from to the local directory"
+            f"train.init_from {spec!r}: no directory {path.resolve()}, and it could not be "
+            f"got from the Hugging Face hub ({error}). Check the path or the id, log in for a "
+            f"gated repository (`huggingface-cli login`), or download it and set "
+            f"train.init_from to the local directory"
         ) from error
 
 
