@@ -303,3 +303,15 @@ def test_the_plan_of_a_fine_tune_names_its_start(world, tmp_path, capsys):
     assert start["bytes"] == (world["root"] / "eaglet" / "model.safetensors").stat().st_size
     # the drafter planned is the start's (its draft vocabulary, not the config's 100)
     assert p["drafter_params"] == sum(t.numel() for t in world["model"].parameters())
+
+
+def test_damaged_weights_are_named_with_the_file(tmp_path):
+    """A cut-short or overwritten weights file: safetensors' header error named no file."""
+    from eaglet.target.checkpoint import DamagedWeights, safetensors_tensors
+
+    damaged = tmp_path / "model.safetensors"
+    damaged.write_bytes(b"\xff" * 8 + b"not a header")
+    with pytest.raises(DamagedWeights, match="model.safetensors is not a readable"):
+        safetensors_tensors(damaged)
+    with pytest.raises(published.DrafterFormatError, match="model.safetensors cannot be read"):
+        published._load_file(damaged)

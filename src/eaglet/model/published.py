@@ -271,9 +271,15 @@ def _load_file(path: Path) -> dict:
     import torch
     from safetensors.torch import load_file
 
-    if path.suffix == ".safetensors":
-        return load_file(str(path))
-    return torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        if path.suffix == ".safetensors":
+            return load_file(str(path))
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # safetensors' and torch's own errors name no file
+        raise DrafterFormatError(
+            f"train.init_from: {path} cannot be read ({type(error).__name__}: {error}): it is "
+            f"damaged or was cut short; copy or download the drafter again"
+        ) from error
 
 
 def convert(

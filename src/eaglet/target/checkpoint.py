@@ -350,11 +350,24 @@ FINAL_NORM_NAMES = [layout.final_norm for layout in LAYOUTS]
 LM_HEAD_NAMES = [*dict.fromkeys(layout.lm_head for layout in LAYOUTS), "model.lm_head.weight"]
 
 
+class DamagedWeights(ValueError):
+    """A weights file that cannot be read as what its name says."""
+
+
 def safetensors_tensors(path: Path) -> dict:
-    """A safetensors file's tensor entries (dtype, shape), read from its header alone."""
+    """A safetensors file's tensor entries (dtype, shape), read from its header alone.
+    Raises :class:`DamagedWeights`, naming the file, where its header cannot be read."""
     with open(path, "rb") as handle:
-        (length,) = struct.unpack("<Q", handle.read(8))
-        header = json.loads(handle.read(length))
+        try:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            header = json.loads(handle.read(length))
+        except (struct.error, ValueError, MemoryError, OverflowError) as error:
+            raise DamagedWeights(
+                f"{path} is not a readable safetensors file ({type(error).__name__}: {error}): "
+                f"it is damaged or was cut short; copy or download it again"
+            ) from None
+    if not isinstance(header, dict):
+        raise DamagedWeights(f"{path} is not a readable safetensors file (no header)")
     header.pop("__metadata__", None)
     return header
 
