@@ -201,6 +201,18 @@ def test_the_card_holds_the_verdict_the_drafter_and_the_data(evaluated):
     assert "Training: 8 steps; the last weights ship (step 8, epoch 2.0)" in card
 
 
+def test_a_fine_tuned_drafters_card_names_the_drafter_it_started_from(trained):
+    """train.init_from: the card named the method and the training, never the published
+    drafter the weights began as."""
+    assert "Fine-tuned from" not in mc.model_card(trained, CFG)
+    start = trained / "start_drafter" / "start.json"
+    start.parent.mkdir(parents=True, exist_ok=True)
+    record = {"source": "org/published-eagle3", "format": "speculators"}
+    start.write_text(json.dumps({**record, "from_drafter": ["fc.weight"] * 7, "new": []}))
+    card = mc.model_card(trained, CFG)
+    assert "Fine-tuned from: `org/published-eagle3` (speculators format; 7 tensors" in card
+
+
 def test_a_card_before_evaluation_says_not_evaluated_yet(trained):
     card = mc.model_card(trained, CFG)
     assert "Not evaluated yet" in card

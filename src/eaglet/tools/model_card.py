@@ -44,6 +44,7 @@ from eaglet.core.layout import (
     REPO,
     RUN_CONFIG,
     SERVE,
+    START_RECORD,
     SYNTHETIC_STATS,
     TARGET_JSON,
     VOCAB_STATS,
@@ -301,6 +302,13 @@ def _drafter_section(results: Path, drafter_dir: Path) -> list[str]:
         f"Parameters: {params:,} (the target's embedding is shared, not stored)" if params else "",
         f"Weights: {config.get('torch_dtype') or config.get('dtype') or '?'}",
     ]
+    start = _read(results / START_RECORD)
+    if start:  # train.init_from: the drafter this one was fine-tuned from
+        items.append(
+            f"Fine-tuned from: `{start.get('source')}` ({start.get('format', '?')} format; "
+            f"{len(start.get('from_drafter', []))} tensors taken from it, "
+            f"{len(start.get('new', []))} new)"
+        )
     training = _read(results / DRAFTER_STATS)
     shipped = ((training or {}).get("shipped") or {}).get("note")
     if training:
