@@ -364,10 +364,14 @@ def test_publish_says_where_the_network_is_missing(card_dir, monkeypatch, capsys
     monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", unreachable)
     if offline:
         monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    before = (card_dir / "README.md").read_text()
     assert main(["publish", str(card_dir), "me/drafter"]) == 1
     err = capsys.readouterr().err
     assert "could not reach the Hugging Face Hub" in err and "Traceback" not in err
     assert ("unset it" in err) if offline else ("no network to huggingface.co" in err)
+    # not published: the local card still serves the local drafter, not the repo it failed
+    # to create
+    assert (card_dir / "README.md").read_text() == before
 
 
 @pytest.mark.subprocess  # git says what the commit is

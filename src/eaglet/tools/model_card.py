@@ -621,6 +621,17 @@ def publish(
         with atomic_open(folder / CARD) as handle:
             handle.write(named)
     try:
+        return _upload(folder, repo_id, private, upload)
+    except BaseException:
+        if named != card:  # not published: the local card serves the local drafter again
+            with atomic_open(folder / CARD) as handle:
+                handle.write(card)
+        raise
+
+
+def _upload(folder: Path, repo_id: str, private: bool, upload) -> str:
+    """``upload``, its failures said as :class:`PublishError` with the fix they need."""
+    try:
         return upload(folder, repo_id, private)
     except PublishError:
         raise
