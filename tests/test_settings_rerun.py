@@ -136,6 +136,23 @@ def test_a_changed_setting_reruns_what_it_affects_from_another_checkout(tmp_path
     assert json.loads((settings / "generate.json").read_text())["generate"]["max_tokens"] == 32
 
 
+@pytest.mark.subprocess
+def test_status_with_another_config_shows_what_its_settings_rerun(tmp_path):
+    """`eaglet status --configfile other.yaml` on a finished run: its dry run records no
+    settings, so Snakemake's plan alone showed nothing to rerun and status said the run was
+    complete. The stages whose settings changed, and every stage after them, are outdated,
+    with what changed."""
+    from eaglet.core.config import load
+    from eaglet.tools.status.gather import _outdated
+
+    write_outputs(dry_run(tmp_path / "checkout-1", config_file(tmp_path, "a")))
+    other = config_file(tmp_path, "b", vocab__draft_vocab_size=1024)
+    rules, changed = _outdated(REPO, ["--configfile", str(other)], load(str(other)))
+    assert {"vocab_map", "train", "evaluate"} <= rules, rules
+    assert not rules & {"generate", "extract_vllm", "prepare_prompts"}
+    assert changed == {"vocab_map": "draft_vocab_size: 2048 -> 1024"}
+
+
 def test_a_command_that_runs_no_job_records_no_settings():
     from eaglet.core.config import previews_only
 

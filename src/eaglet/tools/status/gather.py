@@ -164,8 +164,22 @@ def stage_status(stage: Stage, r: Path, cfg: dict, outdated: set[str]) -> dict:
     return out
 
 
-def snakemake_outdated(workflow: Path, config_args: list[str]) -> set[str] | None:
-    """Rules Snakemake would run now (a dry run without taking the lock), or None."""
+# what the Snakefile says, at parse, of a stage whose recorded settings differ from the
+# config's (rules/common.smk settings_file): a dry run records nothing, so its plan alone
+# does not show the rerun the next real run makes
+SETTINGS_CHANGED = re.compile(
+    r"^(?:\S+\s+)*?(\w+): settings changed since its outputs were made \((.*?)\): it runs again",
+    re.M,
+)
+
+
+def snakemake_outdated(
+    workflow: Path, config_args: list[str], forced: tuple[str, ...] = ()
+) -> tuple[set[str], dict[str, str]] | None:
+    """Rules Snakemake would run now (a dry run without taking the lock), and the stages
+    whose settings changed with what changed (:data:`SETTINGS_CHANGED`); None where the dry
+    run fails. ``forced``: rules run again whatever their outputs (Snakemake's --forcerun),
+    with every rule after them."""
     if not (workflow / "Snakefile").exists():
         return None
     cmd = [
@@ -175,6 +189,7 @@ def snakemake_outdated(workflow: Path, config_args: list[str]) -> set[str] | Non
         "--quiet",
         "rules",
         *config_args,
+        *(["--forcerun", *forced] if forced else []),
     ]
     try:
         proc = subprocess.run(cmd, cwd=workflow, capture_output=True, text=True, timeout=120)
@@ -187,7 +202,34 @@ def snakemake_outdated(workflow: Path, config_args: list[str]) -> set[str] | Non
         parts = line.split()
         if len(parts) == 2 and parts[1].isdigit() and parts[0] not in ("total", "job"):
             rules.add(parts[0])
-    return rules
+    changed = {m.group(1): m.group(2) for m in SETTINGS_CHANGED.finditer(proc.stdout + proc.stderr)}
+    return rules, changed
+
+
+def _outdated(workflow: Path, config_args: list[str], cfg: dict) -> tuple[set[str] | None, dict]:
+    """The rules the next real run runs: Snakemake's plan, and where the config's settings
+    differ from those a stage's outputs were made with, that stage's rules and every rule
+    after them (a second dry run forcing them: the first plans nothing for a change the
+    settings files have not recorded yet). With what changed, per stage."""
+    seen = snakemake_outdated(workflow, config_args)
+    if seen is None:
+        return None, {}
+    rules, changed = seen
+    forced = tuple(
+        sorted(
+            {
+                rule
+                for stage in run_stages(cfg)
+                if any(name == stage.name or name.startswith(f"{stage.name}_") for name in changed)
+                for rule in stage.rules
+            }
+        )
+    )
+    if forced:
+        again = snakemake_outdated(workflow, config_args, forced)
+        if again is not None:
+            rules |= again[0]
+    return rules, changed
 
 
 def snakemake_config_args(results: Path, config_path: str | None) -> list[str]:
@@ -253,8 +295,12 @@ def collect(
     """Everything status shows. ``workdir``: the directory Snakemake runs in, whose
     ``.snakemake/locks`` a killed run leaves behind (default: ``workflow``, else the
     current directory)."""
-    outdated = snakemake_outdated(workflow, config_args or []) if workflow else None
+    outdated, changed = _outdated(workflow, config_args or [], cfg) if workflow else (None, {})
     stages = [stage_status(s, results, cfg, outdated or set()) for s in run_stages(cfg)]
+    for s in stages:
+        said = [f"{name}: {what}" for name, what in changed.items() if name.startswith(s["stage"])]
+        if said and s["state"] == "outdated":
+            s["settings_changed"] = "; ".join(said)
     remaining = [s for s in stages if s["state"] not in ("completed",)]
     known = [s["estimate_s"] for s in remaining if s.get("estimate_s") is not None]
     # nothing left is no time left (None: some remaining stage has no estimate at all)

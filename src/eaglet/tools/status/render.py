@@ -80,7 +80,11 @@ def render(report: dict) -> str:
     lines.append("\nCompleted:")
     for s in by_state.get("completed", []) + by_state.get("outdated", []):
         mark = "~" if s["state"] == "outdated" else "+"
-        note = "  (outdated: Snakemake will rerun it)" if s["state"] == "outdated" else ""
+        note = (
+            f"  (outdated: {'settings changed: ' + s['settings_changed'] if s.get('settings_changed') else 'Snakemake will rerun it'})"
+            if s["state"] == "outdated"
+            else ""
+        )
         took = f"[{format_duration(s['took_s'])}] " if s.get("took_s") is not None else ""
         lines.append(f"  {mark} {s['stage']:<16}{took}{_facts_line(s)}{note}")
     if not by_state.get("completed") and not by_state.get("outdated"):
