@@ -249,25 +249,28 @@ def _unread_specials(tokenizer) -> dict | None:
     """The special tokens of a tokenizer that does not read their text as them (None where it
     does, as transformers' own tokenizers do): their ids by text, and a pattern that splits
     text at them, longest first."""
-    if tokenizer not in _UNREAD:
-        names = [t for t in getattr(tokenizer, "all_special_tokens", []) if t]
-        by_text = {name: tokenizer.convert_tokens_to_ids(name) for name in names}
-        by_text = {name: int(i) for name, i in by_text.items() if i is not None}
-        eos = tokenizer.eos_token
-        unread = eos in by_text and _plain_ids(tokenizer, eos) != [by_text[eos]]
-        _UNREAD[tokenizer] = (
-            {
-                "ids": by_text,
-                "pattern": re.compile(
-                    "("
-                    + "|".join(re.escape(n) for n in sorted(by_text, key=len, reverse=True))
-                    + ")"
-                ),
-            }
-            if unread
-            else None
-        )
-    return _UNREAD[tokenizer]
+    try:
+        return _UNREAD[tokenizer]
+    except KeyError:
+        pass
+    except TypeError:  # a tokenizer class that cannot be a weak key: asked every time
+        return _specials_by_id(tokenizer)
+    _UNREAD[tokenizer] = found = _specials_by_id(tokenizer)
+    return found
+
+
+def _specials_by_id(tokenizer) -> dict | None:
+    names = [t for t in getattr(tokenizer, "all_special_tokens", []) if t]
+    by_text = {name: tokenizer.convert_tokens_to_ids(name) for name in names}
+    by_text = {name: int(i) for name, i in by_text.items() if i is not None}
+    eos = tokenizer.eos_token
+    if not (eos in by_text and _plain_ids(tokenizer, eos) != [by_text[eos]]):
+        return None
+    longest_first = sorted(by_text, key=len, reverse=True)
+    return {
+        "ids": by_text,
+        "pattern": re.compile("(" + "|".join(re.escape(n) for n in longest_first) + ")"),
+    }
 
 
 def answer_opening(
