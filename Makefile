@@ -53,7 +53,7 @@ format: install
 test-slurm: install
 	EAGLET_SLURM=1 $(BIN)/python -m pytest -v -m slurm tests/test_slurm.py
 
-# every shipped config rehearsed on its stand-in (make test rehearses configs/kimi-k2.5.yaml)
+# every shipped config rehearsed on its stand-in (make test rehearses none: tests/test_rehearse.py)
 test-rehearsals: install
 	EAGLET_REHEARSE_ALL=1 $(BIN)/python -m pytest -v tests/test_rehearse.py
 

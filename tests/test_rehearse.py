@@ -220,10 +220,12 @@ def test_a_sampled_run_is_held_to_its_drafts_exactly_and_to_its_expectation_with
     assert not rehearsal_checks.expected_line("eagle3_k3_T1", {**row, "acceptance_length": None})[0]
 
 
-# `make test` rehearses the founding user's target (MLA, MoE, the multimodal wrapper, a
-# tokenizer as code); the other shipped configs rehearse with `make test-rehearsals`
-# (EAGLET_REHEARSE_ALL=1), each about 6.5 minutes on 2 cores: six reasoning formats in all
-# (tests/standins/README.md), each rehearsed green with nothing of it named in eaglet.
+# Every shipped config rehearses with `make test-rehearsals` (EAGLET_REHEARSE_ALL=1), each
+# 5.5 to 10.5 minutes on 2 cores: six reasoning formats in all (tests/standins/README.md),
+# each rehearsed green with nothing of it named in eaglet. `make test` rehearses none: the
+# founding user's (MLA, MoE, the multimodal wrapper, a tokenizer as code, an MTP layer) took
+# 10.5 of its 59.7 minutes on a slow day, which put CI within 8 minutes of its limit; the
+# rehearsal's parts stay in `make test` (the checks, the miniature, the error paths above).
 OTHER_CONFIGS = pytest.mark.skipif(
     not os.environ.get("EAGLET_REHEARSE_ALL"),
     reason="rehearsed by `make test-rehearsals` (EAGLET_REHEARSE_ALL=1)",
@@ -260,10 +262,10 @@ def standin_files(name: str, tmp_path: Path) -> Path:
 @pytest.mark.parametrize(
     "name",
     [
-        "kimi-k2.5",
         *(
             pytest.param(n, marks=OTHER_CONFIGS)
             for n in (
+                "kimi-k2.5",
                 "qwen3-8b",
                 "deepseek-r1-distill-qwen-7b",
                 "gemma-4-e2b-it",
@@ -278,8 +280,8 @@ def test_a_shipped_config_rehearses_green_on_its_stand_in(name, tmp_path):
     mtp = name == "kimi-k2.5"
     if mtp:
         # Kimi-K2.5 declares no MTP layer; DeepSeek-V3, its architecture's first release,
-        # and GLM-4.5 declare one: declared here, the one rehearsal `make test` runs also
-        # shows the target's own MTP baseline served by vLLM from the miniature's MTP layer
+        # and GLM-4.5 declare one: declared here, its rehearsal also shows the target's own
+        # MTP baseline served by vLLM from the miniature's MTP layer
         files = declare_mtp_layer(files, tmp_path)
     out = tmp_path / name
     code = rehearse.main(
