@@ -172,13 +172,12 @@ def offline_check(
             if a["prompt_token_ids"] and a["token_ids"]
         ]
     replayed = {}
+    keep_for = server_filter(cfg, target_path, shared)
     for name, sequences in by_set.items():
         progress.enter_phase(
             f"offline replay of {name}: {len(sequences)} answers at k {', '.join(map(str, ks))}"
         )
-        replayed[name] = got = replay_sequences(
-            drafter, sequences, ks, features, keep_for=server_filter(cfg, target_path, shared)
-        )
+        replayed[name] = got = replay_sequences(drafter, sequences, ks, features, keep_for=keep_for)
         _log_sources(name, got["sources"])
     progress.advance(done=len(fixed))
     out = {run["name"]: _compare(run, replayed) for run in fixed}
@@ -349,6 +348,7 @@ def expected_check(
         progress.advance(done=len(fixed))
         return {}
     out = {}
+    keep_for = server_filter(cfg, target_path, shared)
     for run in fixed:
         t, k = run["temperature"], run["k"]
         by_set: dict[str, list] = defaultdict(list)
@@ -373,7 +373,7 @@ def expected_check(
                 t,
                 head,
                 **cut(cfg["evaluate"]),
-                keep_for=server_filter(cfg, target_path, shared),
+                keep_for=keep_for,
             )
             _log_sources(f"{name} ({run['name']})", got["sources"])
         out[run["name"]] = {
